@@ -1,0 +1,119 @@
+"""Command line: the `dalle-ablate` console script, and the error handling around `run.py`.
+
+User mistakes (an unknown config option or field, a bad value, a bad data file) end in one line
+on stderr naming what is wrong and what would be valid, and exit code 2; anything else is a bug
+and keeps its full traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from dalle_ablate.registry import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def format_error(ex: BaseException) -> Optional[str]:
+    """One line for a user mistake, or None for an unexpected error."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    if isinstance(ex, ConfigError):
+        return str(ex)
+    if isinstance(ex, MissingConfigException):
+        group = os.path.dirname(ex.missing_cfg_file or "") or "config"
+        name = os.path.basename(ex.missing_cfg_file or "")
+        options = ", ".join(sorted(o for o in (ex.options or []) if not o.startswith("base_")))
+        return f"{group}={name} is not a known option of '{group}'; valid: {options}"
+    if isinstance(ex, OverrideParseException):
+        return f"cannot parse override: {str(ex).splitlines()[0]}"
+    cause = ex.__cause__ if isinstance(ex, ConfigCompositionException) else ex
+    if isinstance(cause, ConfigKeyError) or (
+        isinstance(cause, OmegaConfBaseException) and "not in" in str(cause) and getattr(cause, "full_key", None)
+    ):
+        key = cause.full_key
+        obj = getattr(cause, "object_type", None)
+        fields = sorted(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else []
+        parent = key.rsplit(".", 1)[0] if "." in key else "the config"
+        return f"unknown field {key!r}; valid fields of {parent}: {', '.join(fields)}"
+    if isinstance(cause, ValidationError):
+        return f"bad value for {cause.full_key!r}: {str(cause).splitlines()[0]}"
+    if isinstance(ex, ConfigCompositionException):
+        return str(ex).splitlines()[0]
+    return None
+
+
+def run_hydra(main: Callable[[], object]) -> None:
+    """Call a `@hydra.main` function, turning user mistakes into one line and exit code 2."""
+    # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
+        msg = format_error(ex) or (format_error(ex.__cause__) if ex.__cause__ else None)
+        if msg is None:
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+
+def compose(overrides: list[str]):
+    """The run config for these overrides, composed as `python run.py` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from dalle_ablate import config  # noqa: F401  (registers the schemas)
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def cmd_encode(args) -> None:
+    """Write the shapes data in dalle-mini's parquet format, with the codebook and tokenizer."""
+    from dalle_ablate.config import to_run_config
+    from dalle_ablate.data.parquet import write_parquet
+    from dalle_ablate.data.shapes import SPLITS, ShapesDataset
+
+    cfg = to_run_config(compose(["data=shapes", *args.overrides]))
+    ds = ShapesDataset(cfg.data, cfg.model.text_len)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        write_parquet(out / f"{split}.parquet", ds.captions[split], ds.codes[split])
+    ds.codebook.save(out / "codebook.npz")
+    ds.text.tok.save(str(out / "tokenizer.json"))
+    n = {s: len(ds.codes[s]) for s in SPLITS}
+    print(f"wrote {out}/{{train,valid,test}}.parquet ({n['train']}/{n['valid']}/{n['test']} rows, "
+          f"{ds.image_len} codes of {ds.image_vocab}), codebook.npz, tokenizer.json")
+    print(
+        f"train on it: python run.py data=parquet data.path={out}/train.parquet data.valid_path={out}/valid.parquet "
+        f"data.image_vocab={ds.image_vocab} data.codebook_path={out}/codebook.npz data.tokenizer_path={out}/tokenizer.json"
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    enc = sub.add_parser("encode", help="write the built-in shapes data as parquet (+ codebook, tokenizer)")
+    enc.add_argument("--out", required=True, help="output folder")
+    enc.add_argument("overrides", nargs="*", help="config overrides, e.g. data.num_train=1000 data.patch_size=4")
+    enc.set_defaults(func=cmd_encode)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
+        msg = format_error(ex)
+        if msg is None:
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

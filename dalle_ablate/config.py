@@ -1,0 +1,271 @@
+"""Typed run configuration: Hydra structured configs registered in the ConfigStore.
+
+Every YAML file in `conf/<group>/` starts from one of the schemas below (`defaults: [base_x]`),
+so a typo in a field name fails when Hydra composes the config, before anything is built.
+Values that depend on registries (layouts, norms, optimizers, ...) are checked by `validate`,
+which names the field and lists the valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from dalle_ablate.registry import ConfigError
+
+DEFAULT_CACHE = "${oc.env:DALLE_ABLATE_CACHE,${oc.env:HOME,.}/.cache/dalle-ablate}"
+
+
+@dataclass
+class ModelConfig:
+    """Architecture. `conf/model/<layout>.yaml` sets the layout flags; `conf/size/` the shape."""
+
+    family: str = "seq2seq"  # encoder-decoder (DALL·E mini / Mega)
+    layout: str = "preln"  # where the norms sit: see VARIANTS.md "Layouts"
+    d_model: int = 128
+    heads: int = 4
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    ffn_dim: int = 344  # hidden width of the FFN (with GLU, ~2/3 of the dense width)
+    text_len: int = 32  # text positions, BOS and EOS included
+    # None = taken from the data (patch grid / codebook / tokenizer); presets for large models set them
+    image_len: Optional[int] = None
+    image_vocab: Optional[int] = None
+    text_vocab: Optional[int] = None
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    ln_eps: float = 1e-5
+    force_ln_scale: bool = False  # learned scale also on norms that feed a Dense layer
+    activation: str = "gelu"
+    glu: bool = True  # W_o (act(W_g x) * (W_v x))
+    head_scale: bool = False  # NormFormer per-head scale
+    final_ln_encoder: bool = True
+    final_ln_decoder: bool = True
+    bias: bool = False  # DALL·E mini study: biases cost time and hurt convergence
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype; norms, softmax and loss stay float32
+    vocab_pad_multiple: int = 8  # embedding / logits rows padded up to a multiple of this
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    # Parameters whose path matches one of these regexes get no weight decay.
+    wd_exclude: list[str] = field(default_factory=lambda: ["norm", "bias", "embed"])
+    clip_grad_norm: Optional[float] = 1.0  # global gradient clipping; null = off
+
+
+@dataclass
+class AdamConfig(OptimConfig):
+    name: str = "adam"
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclass
+class AdafactorConfig(OptimConfig):
+    name: str = "adafactor"
+    lr: float = 1e-2
+    decay_rate: float = 0.8
+    decay_offset: int = 0
+    clipping_threshold: Optional[float] = 1.0
+    momentum: Optional[float] = None
+    factored: bool = True
+    min_dim_size_to_factor: int = 128
+    multiply_by_parameter_scale: bool = False  # DALL·E mini used the plain learning rate
+    eps: float = 1e-30
+
+
+@dataclass
+class ScheduleConfig:
+    """Linear warmup from 0 to optim.lr over warmup_steps, then the named decay."""
+
+    name: str = MISSING
+    warmup_steps: int = 50
+
+
+@dataclass
+class ConstantScheduleConfig(ScheduleConfig):
+    name: str = "constant"
+
+
+@dataclass
+class LinearScheduleConfig(ScheduleConfig):
+    name: str = "linear"
+    end_factor: float = 0.0  # final lr as a fraction of optim.lr
+    decay_steps: Optional[int] = None  # null = until trainer.steps
+
+
+@dataclass
+class ExponentialScheduleConfig(ScheduleConfig):
+    name: str = "exponential"
+    transition_steps: int = 1000
+    decay_rate: float = 0.5
+    staircase: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    blank_caption_prob: float = 0.1  # empty captions train the unconditional branch
+    tokenizer_path: Optional[str] = None  # a tokenizer.json; null = BPE trained on the captions
+    text_vocab_size: int = 512  # BPE vocabulary when trained here
+    cache_dir: str = DEFAULT_CACHE
+
+
+@dataclass
+class ShapesDataConfig(DataConfig):
+    """Procedural scenes of coloured shapes, tokenised by a k-means patch codebook."""
+
+    name: str = "shapes"
+    seed: int = 0  # fixes the scenes of every split; the run's seed only orders them
+    image_size: int = 64
+    patch_size: int = 8  # 8x8 patches on 64 px = 64 image tokens; 4x4 = 256 (DALL·E Mega's count)
+    codebook_size: int = 1024
+    num_train: int = 20000
+    num_valid: int = 512
+    num_test: int = 512
+    min_objects: int = 1
+    max_objects: int = 3
+    kmeans_patches: int = 1_000_000  # patches (of whole training renders) the codebook is fitted on
+    kmeans_iters: int = 20
+    text_vocab_size: int = 256
+
+
+@dataclass
+class ParquetDataConfig(DataConfig):
+    """dalle-mini's format: parquet files with a caption column and a list-of-int code column."""
+
+    name: str = "parquet"
+    path: str = MISSING  # a file, a folder or a glob of training files
+    valid_path: Optional[str] = None  # null = hold out valid_fraction of rows by hash
+    valid_fraction: float = 0.01
+    caption_column: str = "caption"
+    encoding_column: str = "encoding"
+    image_vocab: int = 16384
+    image_len: Optional[int] = None  # null = model.image_len, else the first row's length
+    shuffle_buffer: int = 10000
+    codebook_path: Optional[str] = None  # a patch codebook (.npz) to decode samples; null = no grid
+    valid_max_rows: int = 2048
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "dalle-ablate"
+    entity: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrackerConfig:
+    backend: str = "wandb"  # wandb | none (the local run store is always written)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 600
+    batch_size: int = 32  # examples per optimizer step, all micro-batches together
+    grad_accum: int = 1  # micro-batches per step
+    log_every: int = 50  # per-layer norms, optimizer stats
+    eval_every: int = 200
+    eval_batches: Optional[int] = None  # null = the whole valid split
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    progress: bool = True
+
+
+@dataclass
+class SamplesConfig:
+    """Images generated at the end of a run for a few fixed captions."""
+
+    captions: Optional[list[str]] = None  # null = the dataset's fixed demo captions
+    per_caption: int = 4
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: Any = MISSING
+    schedule: Any = MISSING
+    data: Any = MISSING
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
+    seed: int = 0
+    resume: Optional[str] = None  # null | auto | a run dir or checkpoint dir
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="optim", name="base_adam", node=AdamConfig)
+    cs.store(group="optim", name="base_adafactor", node=AdafactorConfig)
+    cs.store(group="schedule", name="base_constant", node=ConstantScheduleConfig)
+    cs.store(group="schedule", name="base_linear", node=LinearScheduleConfig)
+    cs.store(group="schedule", name="base_exponential", node=ExponentialScheduleConfig)
+    cs.store(group="data", name="base_shapes", node=ShapesDataConfig)
+    cs.store(group="data", name="base_parquet", node=ParquetDataConfig)
+    cs.store(group="tracker", name="base_tracker", node=TrackerConfig)
+
+
+register_configs()
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The typed, validated config. Raises ConfigError naming the field and the valid values."""
+    if isinstance(cfg, RunConfig):
+        run = cfg
+    else:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise ConfigError(f"missing value for {', '.join(missing)} (set it on the command line, e.g. {missing[0]}=...)")
+        run = OmegaConf.to_object(cfg)
+    validate(run)
+    return run
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: RunConfig) -> None:
+    # Imported here: the registries live with the concepts they name.
+    from dalle_ablate.model import validate_model
+    from dalle_ablate.optim import OPTIMIZERS, SCHEDULES
+    from dalle_ablate.data import DATASETS
+
+    validate_model(cfg.model)
+    OPTIMIZERS.get(cfg.optim.name)
+    SCHEDULES.get(cfg.schedule.name)
+    DATASETS.get(cfg.data.name)
+    t = cfg.trainer
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "save_every"):
+        _check(getattr(t, name) > 0, f"trainer.{name}={getattr(t, name)} must be positive")
+    _check(
+        t.batch_size % t.grad_accum == 0,
+        f"trainer.batch_size={t.batch_size} is not divisible by trainer.grad_accum={t.grad_accum}",
+    )
+    _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    _check(cfg.schedule.warmup_steps >= 0, f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be >= 0")
+    _check(0.0 <= cfg.data.blank_caption_prob <= 1.0, f"data.blank_caption_prob={cfg.data.blank_caption_prob} must be in [0, 1]")
+    _check(
+        cfg.tracker.backend in ("wandb", "none"),
+        f"tracker.backend={cfg.tracker.backend!r} is not a known tracker; valid: none, wandb",
+    )
+    _check(
+        cfg.tracker.wandb.mode in ("offline", "online", "disabled"),
+        f"tracker.wandb.mode={cfg.tracker.wandb.mode!r} is not valid; valid: disabled, offline, online",
+    )
+    _check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
+    _check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")

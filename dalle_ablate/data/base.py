@@ -1,0 +1,92 @@
+"""What every dataset gives the trainer: batches of (text ids, text mask, image codes, weights)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator, Optional
+
+import numpy as np
+
+from dalle_ablate.data.text_tokenizer import TextTokenizer
+
+Batch = dict[str, np.ndarray]  # text [B, T] int32, text_mask [B, T] bool, codes [B, I] int32, weights [B] f32
+
+
+def unigram_entropy(codes: np.ndarray, vocab: int) -> float:
+    """Entropy (nats) of the code frequencies: the loss of a model that ignores position and caption."""
+    p = np.bincount(codes.ravel(), minlength=vocab).astype(np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def host_share(indices: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
+    """This host's contiguous share of a global batch (hosts' shares are disjoint and cover it)."""
+    if len(indices) % process_count:
+        raise ValueError(f"global batch {len(indices)} is not divisible by {process_count} processes")
+    per = len(indices) // process_count
+    return indices[process_index * per : (process_index + 1) * per]
+
+
+def eval_index_batches(n: int, batch_size: int, max_batches: Optional[int] = None):
+    """(row indices, weights) of fixed-size batches over n rows; the tail is padded with weight 0
+    so that one compiled eval step serves every batch."""
+    nb = -(-n // batch_size)
+    for b in range(nb if max_batches is None else min(nb, max_batches)):
+        idx = np.arange(b * batch_size, (b + 1) * batch_size)
+        yield np.minimum(idx, n - 1), (idx < n).astype(np.float32)
+
+
+class Dataset(ABC):
+    """Subclasses set these attributes and define the iterators."""
+
+    name: str
+    image_len: int
+    image_vocab: int
+    text: TextTokenizer
+    blank_caption_prob: float
+    info: dict
+
+    @abstractmethod
+    def train_batches(
+        self, batch_size: int, seed: int, start_step: int = 0, process_index: int = 0, process_count: int = 1
+    ) -> Iterator[Batch]:
+        """Endless training batches (this host's share of each global batch), in an order that
+        the seed fixes, starting at optimizer step start_step (for resuming)."""
+
+    @abstractmethod
+    def eval_batches(self, batch_size: int, max_batches: Optional[int] = None) -> Iterator[Batch]:
+        """The valid split once, in a fixed order; the last batch padded with weight 0."""
+
+    @abstractmethod
+    def demo_captions(self) -> list[str]:
+        """A few fixed captions to sample at the end of a run."""
+
+    def decode_images(self, codes: np.ndarray) -> Optional[np.ndarray]:
+        """[N, image_len] codes -> [N, H, W, 3] uint8, or None when no decoder is available."""
+        return None
+
+    def make_batch(self, ids: np.ndarray, mask: np.ndarray, codes: np.ndarray, weights: np.ndarray | None = None) -> Batch:
+        return {
+            "text": ids.astype(np.int32),
+            "text_mask": mask.astype(bool),
+            "codes": codes.astype(np.int32),
+            "weights": np.ones(len(codes), np.float32) if weights is None else weights.astype(np.float32),
+        }
+
+    def blank_captions(self, batch: Batch, rng: np.random.Generator) -> Batch:
+        """Replace a blank_caption_prob share of captions by the empty caption (the unconditional
+        branch that super conditioning needs; DALL·E mini trained with 10%)."""
+        if self.blank_caption_prob <= 0:
+            return batch
+        blank = rng.random(len(batch["text"])) < self.blank_caption_prob
+        if blank.any():
+            ids, mask = self._blank
+            batch["text"] = np.where(blank[:, None], ids, batch["text"])
+            batch["text_mask"] = np.where(blank[:, None], mask, batch["text_mask"])
+        return batch
+
+    @property
+    def _blank(self) -> tuple[np.ndarray, np.ndarray]:
+        if not hasattr(self, "_blank_cache"):
+            self._blank_cache = self.text.encode([""])
+        return self._blank_cache

@@ -1,0 +1,213 @@
+"""Pre-encoded data in dalle-mini's format: parquet files with a caption column and an encoding
+column (a list of image-code ints per row), streamed with pyarrow through a shuffle buffer.
+
+Every row is checked as it streams: a missing column, a wrong number of codes or a code outside
+the codebook fails naming the file and the row. Without `data.valid_path`, a fixed hash of
+(file name, row) holds out `data.valid_fraction` of the rows, so train and valid never overlap.
+Hosts split rows by index (row % process_count), so their shares are disjoint and complete.
+"""
+
+from __future__ import annotations
+
+import glob
+import zlib
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_share
+from dalle_ablate.data.image_tokenizer import PatchCodebook
+from dalle_ablate.data.text_tokenizer import TextTokenizer
+from dalle_ablate.registry import ConfigError
+
+_READ_ROWS = 4096  # rows per record batch read from a file
+_TOKENIZER_ROWS = 100_000  # captions a BPE tokenizer is trained on when none is given
+
+
+def list_files(spec: str, field: str) -> list[Path]:
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        files = sorted(p.glob("*.parquet"))
+    elif p.is_file():
+        files = [p]
+    else:
+        files = sorted(Path(f) for f in glob.glob(str(p)))
+    if not files:
+        raise ConfigError(f"{field}={spec} matches no parquet file")
+    return files
+
+
+def _held_out(file: Path, rows: np.ndarray, fraction: float) -> np.ndarray:
+    """Deterministic per-row split: splitmix64 of (crc32(file name), row) below the fraction."""
+    z = (np.uint64(zlib.crc32(file.name.encode())) << np.uint64(32)) + rows.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+
+
+class ParquetDataset(Dataset):
+    name = "parquet"
+
+    def __init__(self, cfg, text_len: int, image_len: Optional[int]):
+        self.cfg = cfg
+        self.files = list_files(cfg.path, "data.path")
+        self.valid_files = list_files(cfg.valid_path, "data.valid_path") if cfg.valid_path else None
+        self.image_vocab = cfg.image_vocab
+        self.blank_caption_prob = cfg.blank_caption_prob
+        self.image_len = image_len or cfg.image_len or self._first_length()
+        self.codebook = None
+        if cfg.codebook_path:
+            self.codebook = PatchCodebook.load(Path(cfg.codebook_path).expanduser())
+            if self.codebook.size != self.image_vocab:
+                raise ConfigError(
+                    f"data.codebook_path has {self.codebook.size} codes but data.image_vocab={self.image_vocab}"
+                )
+        if cfg.tokenizer_path:
+            self.text = TextTokenizer.from_file(cfg.tokenizer_path, text_len)
+        else:
+            captions = []
+            for _, cap, _ in self._rows(self.files, "train"):
+                captions.append(cap)
+                if len(captions) >= _TOKENIZER_ROWS:
+                    break
+            self.text = TextTokenizer.trained_or_cached(
+                captions, cfg.text_vocab_size, text_len, Path(cfg.cache_dir).expanduser()
+            )
+        self.valid = self._load_valid()
+        self.info = {
+            "files": len(self.files),
+            "image_len": self.image_len,
+            "image_vocab": self.image_vocab,
+            "text_vocab": self.text.vocab_size,
+            "num_valid": len(self.valid[0]),
+        }
+
+    # -- reading and checking ---------------------------------------------------------------
+    def _open(self, file: Path) -> pq.ParquetFile:
+        try:
+            pf = pq.ParquetFile(file)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ConfigError(f"{file}: not a readable parquet file: {e}") from e
+        names = pf.schema_arrow.names
+        for col, field in ((self.cfg.caption_column, "caption_column"), (self.cfg.encoding_column, "encoding_column")):
+            if col not in names:
+                raise ConfigError(
+                    f"{file}: no column {col!r} (columns: {', '.join(names)}); set data.{field}"
+                )
+        return pf
+
+    def _first_length(self) -> int:
+        pf = self._open(self.files[0])
+        for rb in pf.iter_batches(batch_size=1, columns=[self.cfg.encoding_column]):
+            return len(rb.column(0)[0].as_py())
+        raise ConfigError(f"{self.files[0]}: file has no rows")
+
+    def _check_codes(self, file: Path, first_row: int, col: pa.Array) -> np.ndarray:
+        lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != self.image_len)
+        if len(bad):
+            r = int(bad[0])
+            raise ConfigError(
+                f"{file}: row {first_row + r}: column {self.cfg.encoding_column!r} has {lengths[r]} codes, "
+                f"expected {self.image_len}"
+            )
+        codes = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), self.image_len)
+        out = (codes < 0) | (codes >= self.image_vocab)
+        if out.any():
+            r, c = map(int, np.argwhere(out)[0])
+            raise ConfigError(
+                f"{file}: row {first_row + r}: code {int(codes[r, c])} at position {c} is outside the "
+                f"codebook [0, {self.image_vocab}) (data.image_vocab)"
+            )
+        return codes.astype(np.int32)
+
+    def _rows(self, files: list[Path], split: str, process_index: int = 0, process_count: int = 1):
+        """(row index, caption, codes) of one pass over files, for `split` and this host."""
+        for file in files:
+            pf = self._open(file)
+            row = 0
+            for rb in pf.iter_batches(batch_size=_READ_ROWS, columns=[self.cfg.caption_column, self.cfg.encoding_column]):
+                n = rb.num_rows
+                rows = np.arange(row, row + n)
+                codes = self._check_codes(file, row, rb.column(1))
+                caps = rb.column(0).to_pylist()
+                keep = rows % process_count == process_index
+                if self.valid_files is None:
+                    held = _held_out(file, rows, self.cfg.valid_fraction)
+                    keep &= held if split == "valid" else ~held
+                for i in np.flatnonzero(keep):
+                    cap = caps[i]
+                    yield int(rows[i]), "" if cap is None else str(cap), codes[i]
+                row += n
+
+    def _load_valid(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        files = self.valid_files or self.files
+        caps, codes = [], []
+        for _, cap, c in self._rows(files, "valid"):
+            caps.append(cap)
+            codes.append(c)
+            if len(caps) >= self.cfg.valid_max_rows:
+                break
+        if not caps:
+            raise ConfigError(
+                f"no validation rows: set data.valid_path or raise data.valid_fraction={self.cfg.valid_fraction}"
+            )
+        ids, mask = self.text.encode(caps)
+        return ids, mask, np.stack(codes), caps
+
+    # -- iterators ----------------------------------------------------------------------------
+    def _stream(self, seed: int, process_index: int, process_count: int) -> Iterator[tuple[str, np.ndarray]]:
+        """Endless shuffled rows: files in a new seeded order each epoch, through a shuffle buffer."""
+        rng = np.random.default_rng([seed, 3])
+        buf: list[tuple[str, np.ndarray]] = []
+        epoch = 0
+        while True:
+            order = np.random.default_rng([seed, 4, epoch]).permutation(len(self.files))
+            files = [self.files[i] for i in order]
+            for _, cap, codes in self._rows(files, "train", process_index, process_count):
+                if len(buf) < self.cfg.shuffle_buffer:
+                    buf.append((cap, codes))
+                    continue
+                j = int(rng.integers(len(buf)))
+                yield buf[j]
+                buf[j] = (cap, codes)
+            if epoch == 0 and not buf:
+                raise ConfigError(f"data.path={self.cfg.path}: no training rows for this host")
+            epoch += 1
+
+    def train_batches(self, batch_size, seed, start_step=0, process_index=0, process_count=1) -> Iterator[Batch]:
+        per_host = len(host_share(np.arange(batch_size), process_index, process_count))
+        rows = self._stream(seed, process_index, process_count)
+        for _ in range(start_step * per_host):  # resuming replays the stream without tokenising it
+            next(rows)
+        step = start_step
+        while True:
+            caps, codes = zip(*(next(rows) for _ in range(per_host)))
+            ids, mask = self.text.encode(list(caps))
+            batch = self.make_batch(ids, mask, np.stack(codes))
+            yield self.blank_captions(batch, np.random.default_rng([seed, 2, step, process_index]))
+            step += 1
+
+    def eval_batches(self, batch_size: int, max_batches: Optional[int] = None) -> Iterator[Batch]:
+        ids, mask, codes, _ = self.valid
+        for idx, weights in eval_index_batches(len(codes), batch_size, max_batches):
+            yield self.make_batch(ids[idx], mask[idx], codes[idx], weights)
+
+    def demo_captions(self) -> list[str]:
+        return [c for c in dict.fromkeys(self.valid[3]) if c][:6]
+
+    def decode_images(self, codes: np.ndarray) -> Optional[np.ndarray]:
+        return None if self.codebook is None else self.codebook.decode(codes)
+
+
+def write_parquet(path: str | Path, captions: list[str], codes: np.ndarray, caption_column="caption", encoding_column="encoding") -> None:
+    """Write (caption, codes) rows in dalle-mini's format."""
+    table = pa.table({caption_column: pa.array(captions, pa.string()), encoding_column: pa.array(list(map(list, codes)), pa.list_(pa.int64()))})
+    pq.write_table(table, str(path))

@@ -1,0 +1,133 @@
+"""The built-in `shapes` dataset: scenes rendered, tokenised by a patch codebook and cached.
+
+Splits are generated from `data.seed` (train, valid and test each from their own stream), so the
+same settings always give the same examples; the run's `seed` only orders them. Everything that
+is slow (rendering, the k-means codebook, encoding) is cached under a hash of the settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_share, unigram_entropy
+from dalle_ablate.data.image_tokenizer import PatchCodebook
+from dalle_ablate.data.scenes import DEMO_CAPTIONS, random_scene, render
+from dalle_ablate.data.text_tokenizer import TextTokenizer
+from dalle_ablate.registry import ConfigError
+
+SPLITS = ("train", "valid", "test")
+_VERSION = "shapes-v1"  # bump when scenes, rendering or the codebook fit change
+
+
+def generate_split(cfg, split: str) -> tuple[list[dict], np.ndarray]:
+    """Scene specs (with captions) and renders [N, S, S, 3] uint8 of one split."""
+    n = {"train": cfg.num_train, "valid": cfg.num_valid, "test": cfg.num_test}[split]
+    rng = np.random.default_rng([cfg.seed, SPLITS.index(split)])
+    scenes = [random_scene(rng, cfg.min_objects, cfg.max_objects) for _ in range(n)]
+    images = np.stack([render(s, cfg.image_size) for s in scenes]) if n else np.zeros((0, cfg.image_size, cfg.image_size, 3), np.uint8)
+    return [s.to_dict() for s in scenes], images
+
+
+def cache_key(cfg) -> str:
+    fields = [
+        _VERSION, cfg.seed, cfg.image_size, cfg.patch_size, cfg.codebook_size, cfg.num_train, cfg.num_valid,
+        cfg.num_test, cfg.min_objects, cfg.max_objects, cfg.kmeans_patches, cfg.kmeans_iters,
+    ]
+    return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
+
+
+def _check(cfg) -> None:
+    if cfg.image_size % cfg.patch_size:
+        raise ConfigError(f"data.patch_size={cfg.patch_size} does not divide data.image_size={cfg.image_size}")
+    if not 1 <= cfg.min_objects <= cfg.max_objects <= 3:
+        raise ConfigError(
+            f"data.min_objects={cfg.min_objects}, data.max_objects={cfg.max_objects}: need 1 <= min <= max <= 3"
+        )
+    if cfg.num_train < 1 or cfg.num_valid < 1:
+        raise ConfigError("data.num_train and data.num_valid must be at least 1")
+
+
+def build_or_load(cfg) -> tuple[dict[str, list[dict]], dict[str, np.ndarray], PatchCodebook]:
+    """(scene specs per split, codes per split, codebook), from the cache when present."""
+    _check(cfg)
+    root = Path(cfg.cache_dir).expanduser() / "shapes" / cache_key(cfg)
+    if (root / "done").is_file():
+        specs = json.loads((root / "scenes.json").read_text())
+        with np.load(root / "codes.npz") as f:
+            codes = {s: f[s] for s in SPLITS}
+        return specs, codes, PatchCodebook.load(root / "codebook.npz")
+    specs, images = {}, {}
+    for split in SPLITS:
+        specs[split], images[split] = generate_split(cfg, split)
+    codebook = PatchCodebook.fit(
+        images["train"], cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed
+    )
+    codes = {s: codebook.encode(images[s]) for s in SPLITS}
+    root.mkdir(parents=True, exist_ok=True)
+    codebook.save(root / "codebook.npz")
+    np.savez(root / "codes.npz", **codes)
+    (root / "scenes.json").write_text(json.dumps(specs))
+    (root / "done").write_text("ok\n")  # written last: a partial cache is rebuilt, never read
+    return specs, codes, codebook
+
+
+class ShapesDataset(Dataset):
+    name = "shapes"
+
+    def __init__(self, cfg, text_len: int):
+        self.cfg = cfg
+        self.specs, self.codes, self.codebook = build_or_load(cfg)
+        self.captions = {s: [d["caption"] for d in self.specs[s]] for s in SPLITS}
+        if cfg.tokenizer_path:
+            self.text = TextTokenizer.from_file(cfg.tokenizer_path, text_len)
+        else:
+            self.text = TextTokenizer.trained_or_cached(
+                self.captions["train"], cfg.text_vocab_size, text_len, Path(cfg.cache_dir).expanduser()
+            )
+        self.tokens = {s: self.text.encode(self.captions[s]) for s in SPLITS}
+        self.image_len = self.codes["train"].shape[1]
+        self.image_vocab = self.codebook.size
+        self.blank_caption_prob = cfg.blank_caption_prob
+        self.info = {
+            "num_train": cfg.num_train,
+            "num_valid": cfg.num_valid,
+            "image_len": self.image_len,
+            "image_vocab": self.image_vocab,
+            "text_vocab": self.text.vocab_size,
+            "code_unigram_entropy": unigram_entropy(self.codes["train"], self.image_vocab),
+        }
+
+    def split_batch(self, split: str, idx: np.ndarray, weights: np.ndarray | None = None) -> Batch:
+        ids, mask = self.tokens[split]
+        return self.make_batch(ids[idx], mask[idx], self.codes[split][idx], weights)
+
+    def train_batches(self, batch_size, seed, start_step=0, process_index=0, process_count=1) -> Iterator[Batch]:
+        n = len(self.codes["train"])
+        per_epoch = n // batch_size
+        if per_epoch == 0:
+            raise ConfigError(f"trainer.batch_size={batch_size} exceeds data.num_train={n}")
+        step = start_step
+        while True:
+            epoch, pos = divmod(step, per_epoch)
+            # The order of every epoch is a function of (seed, epoch) alone: resuming at any
+            # step reproduces exactly the batches an uninterrupted run would have seen.
+            perm = np.random.default_rng([seed, 1, epoch]).permutation(n)
+            idx = host_share(perm[pos * batch_size : (pos + 1) * batch_size], process_index, process_count)
+            batch = self.split_batch("train", idx)
+            yield self.blank_captions(batch, np.random.default_rng([seed, 2, step, process_index]))
+            step += 1
+
+    def eval_batches(self, batch_size: int, max_batches: Optional[int] = None, split: str = "valid") -> Iterator[Batch]:
+        for idx, weights in eval_index_batches(len(self.codes[split]), batch_size, max_batches):
+            yield self.split_batch(split, idx, weights)
+
+    def demo_captions(self) -> list[str]:
+        return list(DEMO_CAPTIONS)
+
+    def decode_images(self, codes: np.ndarray) -> np.ndarray:
+        return self.codebook.decode(codes)

@@ -1,0 +1,67 @@
+"""Model families and their variant flags. `build_model` is the one way to make a model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from dalle_ablate.model.layers import ACTIVATIONS, NORMS
+from dalle_ablate.model.layouts import LAYOUTS, check_layout
+from dalle_ablate.model.seq2seq import Seq2Seq
+from dalle_ablate.registry import ConfigError, Registry
+
+FAMILIES: Registry = Registry("model family", "model.family")
+FAMILIES.register("seq2seq", Seq2Seq)
+
+
+def validate_model(cfg) -> None:
+    """Check a ModelConfig before anything is built; messages name the flags."""
+    FAMILIES.get(cfg.family)
+    LAYOUTS.get(cfg.layout)
+    NORMS.get(cfg.norm)
+    ACTIVATIONS.get(cfg.activation)
+    for name in ("d_model", "heads", "encoder_layers", "decoder_layers", "ffn_dim", "text_len", "vocab_pad_multiple"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be positive")
+    if cfg.d_model % cfg.heads:
+        raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.heads={cfg.heads}")
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype={cfg.dtype!r} is not valid; valid: bfloat16, float16, float32")
+    check_layout(cfg)
+
+
+def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
+    """The model config with the data-dependent sizes filled in; a preset that fixes them must
+    agree with the data."""
+    values = {"image_len": image_len, "image_vocab": image_vocab, "text_vocab": text_vocab}
+    for name, value in values.items():
+        set_to = getattr(cfg, name)
+        if set_to is not None and set_to != value and name != "text_vocab":
+            raise ConfigError(f"model.{name}={set_to} but the data gives {value}; set model.{name}=null or change the data")
+    if text_vocab > (cfg.text_vocab or text_vocab):
+        raise ConfigError(f"model.text_vocab={cfg.text_vocab} is smaller than the tokenizer's {text_vocab}")
+    return dataclasses.replace(cfg, image_len=image_len, image_vocab=image_vocab, text_vocab=max(text_vocab, cfg.text_vocab or 0))
+
+
+def build_model(cfg, seed: int) -> nnx.Module:
+    """A model with parameters initialised from the seed (logical axes attached, not yet sharded)."""
+    validate_model(cfg)
+    for name in ("image_len", "image_vocab", "text_vocab"):
+        if getattr(cfg, name) is None:
+            raise ConfigError(f"model.{name} is not set and no data gave it")
+    with nnx.use_eager_sharding(False):
+        return FAMILIES.get(cfg.family)(cfg, nnx.Rngs(params=jax.random.key(seed)))
+
+
+def abstract_model(cfg) -> nnx.Module:
+    """The model's shapes only (nothing allocated): works for size=mega on a laptop."""
+    return nnx.eval_shape(lambda: build_model(cfg, 0))
+
+
+def param_count(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+__all__ = ["FAMILIES", "LAYOUTS", "abstract_model", "build_model", "param_count", "resolve", "validate_model"]

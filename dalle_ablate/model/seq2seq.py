@@ -1,0 +1,115 @@
+"""The seq2seq family (DALL·E mini / Mega): a bidirectional text encoder and a causal image-code
+decoder with cross-attention; untied text and image embeddings; learned positions.
+
+Image side (VARIANTS.md): decoder input is `[BOS] + codes[:-1]`, labels are the codes; BOS id is
+`image_vocab`; embedding and logits rows are padded up to a multiple of `vocab_pad_multiple`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dalle_ablate.model.layers import Attention, FeedForward, Norm, dense
+from dalle_ablate.model.layouts import LAYOUTS, Sublayer, mid_norm, stack_constants
+
+NEG_INF = -1e9  # masked logits; finite so that bf16 and softmax stay NaN-free
+
+
+def padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def embed(num: int, dim: int, axes: tuple[str, str], cfg, rngs: nnx.Rngs) -> nnx.Embed:
+    return nnx.Embed(
+        num,
+        dim,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.float32,
+        embedding_init=nnx.with_partitioning(nnx.initializers.normal(cfg.init_std), axes),
+        rngs=rngs,
+    )
+
+
+class EncoderLayer(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        layout = LAYOUTS.get(cfg.layout)
+        alpha, beta = stack_constants(cfg, "encoder")
+        self.attn_block = Sublayer(layout, "attn", cfg, alpha, rngs)
+        self.attn = Attention(cfg, rngs, gain=beta)
+        self.ffn_block = Sublayer(layout, "ffn", cfg, alpha, rngs)
+        self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=beta)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = self.attn_block(x, lambda h: self.attn(h, h, mask))
+        return self.ffn_block(x, self.ffn)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        layout = LAYOUTS.get(cfg.layout)
+        alpha, beta = stack_constants(cfg, "decoder")  # cross-attention uses the decoder's beta
+        self.self_block = Sublayer(layout, "attn", cfg, alpha, rngs)
+        self.self_attn = Attention(cfg, rngs, gain=beta)
+        self.cross_block = Sublayer(layout, "attn", cfg, alpha, rngs)
+        self.cross_attn = Attention(cfg, rngs, gain=beta)
+        self.ffn_block = Sublayer(layout, "ffn", cfg, alpha, rngs)
+        self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=beta)
+
+    def __call__(self, x, enc, self_mask, cross_mask) -> jax.Array:
+        x = self.self_block(x, lambda h: self.self_attn(h, h, self_mask))
+        x = self.cross_block(x, lambda h: self.cross_attn(h, enc, cross_mask))
+        return self.ffn_block(x, self.ffn)
+
+
+class Seq2Seq(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        """cfg: ModelConfig with text_vocab, image_vocab and image_len resolved."""
+        self.cfg = cfg
+        d = cfg.d_model
+        self.image_vocab = cfg.image_vocab
+        self.bos_id = cfg.image_vocab
+        self.logit_rows = padded(cfg.image_vocab + 1, cfg.vocab_pad_multiple)
+        self.text_embed = embed(padded(cfg.text_vocab, cfg.vocab_pad_multiple), d, ("vocab", "embed"), cfg, rngs)
+        self.text_pos = embed(cfg.text_len, d, ("pos", "embed"), cfg, rngs)
+        self.encoder = nnx.List([EncoderLayer(cfg, rngs) for _ in range(cfg.encoder_layers)])
+        # Final norms feed Dense layers (cross-attention k/v, the logits head): no learned scale
+        # unless force_ln_scale (DALL·E Mega's rule).
+        self.encoder_norm = Norm(d, cfg, cfg.force_ln_scale, rngs) if cfg.final_ln_encoder else None
+        self.image_embed = embed(self.logit_rows, d, ("vocab", "embed"), cfg, rngs)
+        self.image_pos = embed(cfg.image_len, d, ("pos", "embed"), cfg, rngs)
+        self.decoder = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.decoder_layers)])
+        self.decoder_norm = Norm(d, cfg, cfg.force_ln_scale, rngs) if cfg.final_ln_decoder else None
+        self.lm_head = dense(d, self.logit_rows, ("embed", "vocab"), cfg, rngs, bias=False)
+
+    def encode(self, text: jax.Array, text_mask: jax.Array) -> jax.Array:
+        x = self.text_embed(text) + self.text_pos(jnp.arange(text.shape[1]))[None]
+        mask = (text_mask[:, None, :] & text_mask[:, :, None])[:, None]  # [B, 1, T, T]
+        # Padding queries would attend to nothing; let them see themselves so rows stay finite.
+        mask = mask | jnp.eye(text.shape[1], dtype=bool)[None, None]
+        for layer in self.encoder:
+            x = layer(x, mask)
+        return self.encoder_norm(x) if self.encoder_norm is not None else x
+
+    def decoder_inputs(self, codes: jax.Array) -> jax.Array:
+        bos = jnp.full((codes.shape[0], 1), self.bos_id, codes.dtype)
+        return jnp.concatenate([bos, codes[:, :-1]], axis=1)
+
+    def decode(self, inputs: jax.Array, enc: jax.Array, text_mask: jax.Array) -> jax.Array:
+        """Logits [B, I, logit_rows] (float32, invalid rows masked) for decoder input ids."""
+        t = inputs.shape[1]
+        x = self.image_embed(inputs) + self.image_pos(jnp.arange(t))[None]
+        self_mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+        cross_mask = text_mask[:, None, None, :]
+        for layer in self.decoder:
+            x = layer(x, enc, self_mask, cross_mask)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        logits = self.lm_head(x).astype(jnp.float32)
+        # BOS and padding rows are never a target nor sampled.
+        valid = jnp.arange(self.logit_rows) < self.image_vocab
+        return jnp.where(valid, logits, NEG_INF)
+
+    def __call__(self, text, text_mask, codes) -> jax.Array:
+        return self.decode(self.decoder_inputs(codes), self.encode(text, text_mask), text_mask)

@@ -1,0 +1,68 @@
+"""Optimizers (optax GradientTransformations) and learning-rate schedules, by name."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import optax
+
+from dalle_ablate.optim.schedules import SCHEDULES, build_schedule
+from dalle_ablate.registry import ConfigError, Registry
+
+OPTIMIZERS: Registry = Registry("optimizer", "optim")
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def decay_mask(exclude: list[str]):
+    """A mask function for optax: True where weight decay applies (no exclude regex matches)."""
+    try:
+        patterns = [re.compile(p) for p in exclude]
+    except re.error as e:
+        raise ConfigError(f"optim.wd_exclude has an invalid regex: {e}") from e
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: not any(r.search(path_str(p)) for r in patterns), params)
+
+    return mask
+
+
+@OPTIMIZERS.register("adam")
+def _adam(cfg, lr) -> optax.GradientTransformation:
+    # AdamW (Loshchilov & Hutter, arXiv 1711.05101): decoupled, masked weight decay.
+    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask(cfg.wd_exclude))
+
+
+@OPTIMIZERS.register("adafactor")
+def _adafactor(cfg, lr) -> optax.GradientTransformation:
+    # Adafactor (Shazeer & Stern, arXiv 1804.04235).
+    return optax.adafactor(
+        lr,
+        min_dim_size_to_factor=cfg.min_dim_size_to_factor,
+        decay_rate=cfg.decay_rate,
+        decay_offset=cfg.decay_offset,
+        multiply_by_parameter_scale=cfg.multiply_by_parameter_scale,
+        clipping_threshold=cfg.clipping_threshold,
+        momentum=cfg.momentum,
+        eps=cfg.eps,
+        factored=cfg.factored,
+        weight_decay_rate=cfg.weight_decay or None,
+        weight_decay_mask=decay_mask(cfg.wd_exclude),
+    )
+
+
+def build_optimizer(optim_cfg, schedule_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(transformation, schedule): optional global-norm clipping, then the named optimizer."""
+    schedule = build_schedule(schedule_cfg, optim_cfg.lr, total_steps)
+    opt = OPTIMIZERS.get(optim_cfg.name)(optim_cfg, schedule)
+    if optim_cfg.clip_grad_norm is not None:
+        if optim_cfg.clip_grad_norm <= 0:
+            raise ConfigError(f"optim.clip_grad_norm={optim_cfg.clip_grad_norm} must be positive or null")
+        opt = optax.chain(optax.clip_by_global_norm(optim_cfg.clip_grad_norm), opt)
+    return opt, schedule
+
+
+__all__ = ["OPTIMIZERS", "SCHEDULES", "build_optimizer", "build_schedule", "decay_mask"]

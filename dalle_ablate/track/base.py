@@ -1,0 +1,70 @@
+"""The Tracker interface and its combinators."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import numpy as np
+
+
+class Tracker(ABC):
+    @abstractmethod
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Scalars at an optimizer step (metric names as in DESIGN.md)."""
+
+    @abstractmethod
+    def log_image(self, key: str, image: np.ndarray, step: int, caption: str = "") -> None:
+        """An [H, W, 3] uint8 image."""
+
+    @abstractmethod
+    def log_summary(self, values: dict[str, Any]) -> None:
+        """Final values of the run (merged into earlier ones)."""
+
+    @abstractmethod
+    def finish(self, status: str = "finished") -> None:
+        """Flush and close; status is finished, failed or interrupted. Safe to call twice."""
+
+
+class NullTracker(Tracker):
+    """Logs nothing (processes other than 0, and tests)."""
+
+    def log(self, metrics, step):
+        return None
+
+    def log_image(self, key, image, step, caption=""):
+        return None
+
+    def log_summary(self, values):
+        return None
+
+    def finish(self, status="finished"):
+        return None
+
+
+class CompositeTracker(Tracker):
+    def __init__(self, trackers: list[Tracker]):
+        self.trackers = trackers
+
+    def log(self, metrics, step):
+        for t in self.trackers:
+            t.log(metrics, step)
+
+    def log_image(self, key, image, step, caption=""):
+        for t in self.trackers:
+            t.log_image(key, image, step, caption)
+
+    def log_summary(self, values):
+        for t in self.trackers:
+            t.log_summary(values)
+
+    def finish(self, status="finished"):
+        # Every backend is finished even if one fails: a multirun must never share a W&B run.
+        errors = []
+        for t in self.trackers:
+            try:
+                t.finish(status)
+            except Exception as e:  # noqa: BLE001 - re-raised below after the others finished
+                errors.append(e)
+        if errors:
+            raise errors[0]

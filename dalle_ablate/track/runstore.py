@@ -1,0 +1,86 @@
+"""The local run store, `<job dir>/run/`: what reports and tests read.
+
+    config.yaml    the fully resolved config, nested
+    meta.json      overrides, git commit, library versions, devices, parameter count, FLOPs
+    metrics.jsonl  one JSON object per log call: {"step": s, <metric>: value, ...}
+    summary.json   final values
+    media/         images (PNG), named <key>_<step>.png
+    checkpoints/   orbax checkpoints (written by the trainer)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import yaml
+from PIL import Image
+
+from dalle_ablate.track.base import Tracker
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (np.floating, np.integer)):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # "nan" / "inf": JSON has no such numbers
+    return v
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RunStore(Tracker):
+    def __init__(self, root: Path, config: dict, meta: dict, resume_step: Optional[int] = None):
+        self.root = Path(root)
+        self.media = self.root / "media"
+        self.media.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.root / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        self.meta = dict(meta)
+        self.write_meta()
+        metrics = self.root / "metrics.jsonl"
+        if resume_step is not None and metrics.exists():
+            # Resuming from a checkpoint at resume_step: lines logged after it (by the run that
+            # was interrupted) are dropped so that every step appears once.
+            kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            atomic_write(metrics, "".join(line + "\n" for line in kept))
+        elif metrics.exists():
+            metrics.unlink()
+        self._metrics = open(metrics, "a")
+        summary = self.root / "summary.json"
+        self.summary: dict[str, Any] = json.loads(summary.read_text()) if resume_step is not None and summary.exists() else {}
+
+    def write_meta(self) -> None:
+        atomic_write(self.root / "meta.json", json.dumps(self.meta, indent=2, default=str))
+
+    def log(self, metrics, step):
+        row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+
+    def log_image(self, key, image, step, caption=""):
+        path = self.media / f"{key.replace('/', '_')}_{int(step)}.png"
+        Image.fromarray(np.asarray(image, np.uint8)).save(path)
+        self.log({f"{key}/path": str(path.relative_to(self.root)), f"{key}/caption": caption}, step)
+
+    def log_summary(self, values):
+        self.summary.update({k: _jsonable(v) for k, v in values.items()})
+        atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
+
+    def finish(self, status="finished"):
+        if not self._metrics.closed:
+            self.log_summary({"status": status})
+            self._metrics.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run store's metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line]

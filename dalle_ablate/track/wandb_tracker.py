@@ -1,0 +1,52 @@
+"""Weights & Biases backend. Offline by default (never touches the network); online when
+`tracker.wandb.mode=online` and logged in. Conventions (DESIGN.md): group = the sweep or multirun
+folder, job_type = the model layout, name = the overrides; finish() on every exit path."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import wandb
+
+from dalle_ablate.track.base import Tracker
+from dalle_ablate.track.runstore import RunStore
+
+
+class WandbTracker(Tracker):
+    def __init__(self, cfg, store: RunStore, config: dict, meta: dict, *, name, group, job_type):
+        run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            mode=cfg.mode,
+            name=name,
+            group=group,
+            job_type=job_type,
+            tags=list(cfg.tags),
+            config={**config, "meta": meta},
+            dir=None if os.environ.get("WANDB_DIR") else str(store.root),
+            id=run_id,
+            resume="allow" if run_id else None,
+            reinit="finish_previous",  # a multirun's jobs never share a run
+        )
+        store.meta["wandb_id"] = self.run.id
+        store.meta["wandb_dir"] = self.run.dir
+        store.write_meta()
+        self._done = False
+
+    def log(self, metrics, step):
+        self.run.log(dict(metrics), step=int(step))
+
+    def log_image(self, key, image, step, caption=""):
+        self.run.log({key: wandb.Image(np.asarray(image, np.uint8), caption=caption)}, step=int(step))
+
+    def log_summary(self, values):
+        for k, v in values.items():
+            self.run.summary[k] = v
+
+    def finish(self, status="finished"):
+        if not self._done:
+            self._done = True
+            self.run.finish(exit_code=0 if status == "finished" else 1)

@@ -1,0 +1,33 @@
+"""The bridge from Hydra to the trainer: job dir, W&B group and name, overrides, config."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from dalle_ablate.config import to_run_config
+from dalle_ablate.train.loop import JobInfo, train
+
+
+def job_info(cfg: DictConfig) -> JobInfo:
+    hc = HydraConfig.get()
+    overrides = list(hc.overrides.task)
+    multirun = hc.mode == RunMode.MULTIRUN
+    return JobInfo(
+        job_dir=Path(hc.runtime.output_dir),
+        # W&B: group = the multirun (or sweep) folder, name = the overrides that made this job.
+        group=hc.sweep.dir if multirun else None,
+        name=hc.job.override_dirname or hc.job.name,
+        overrides=overrides,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def run(cfg: DictConfig) -> float:
+    # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found is noise on CPU.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    return train(to_run_config(cfg), job_info(cfg)).eval_loss

@@ -1,0 +1,198 @@
+"""One training run, top to bottom: data, model, optimizer, resume, loop, eval, checkpoints,
+samples, tracking. Returns the final validation loss (the metric a sweep optimises)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from dalle_ablate.config import RunConfig
+from dalle_ablate.data import build_dataset
+from dalle_ablate.generate import image_grid, make_sampler
+from dalle_ablate.model import build_model, param_count, resolve
+from dalle_ablate.model.flops import train_flops_per_example
+from dalle_ablate.optim import build_optimizer
+from dalle_ablate.track import build_tracker
+from dalle_ablate.train import checkpoint
+from dalle_ablate.train.meta import run_meta
+from dalle_ablate.train.perf import device_peak_flops
+from dalle_ablate.train.step import TrainState, make_eval_step, make_train_step
+
+SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
+
+
+@dataclass
+class JobInfo:
+    """Where a run writes and how it is named; filled from Hydra by `run`, or by hand."""
+
+    job_dir: Path
+    name: Optional[str] = None
+    group: Optional[str] = None
+    overrides: list[str] = field(default_factory=list)
+    config: Optional[dict] = None  # the resolved, nested config to record (default: from RunConfig)
+
+
+@dataclass
+class Result:
+    eval_loss: float
+    train_loss: float
+    steps: int
+    run_dir: Path
+    status: str
+
+
+def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int]) -> float:
+    total, weight = 0.0, 0.0
+    for batch in dataset.eval_batches(batch_size, max_batches):
+        s, w = jax.device_get(eval_step(params, batch))
+        total, weight = total + float(s), weight + float(w)
+    return total / max(weight, 1.0)
+
+
+def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key) -> Optional[tuple[np.ndarray, list[str]]]:
+    captions = list(cfg.samples.captions or dataset.demo_captions())
+    if not captions or dataset.decode_images(np.zeros((1, model_cfg.image_len), np.int32)) is None:
+        return None
+    ids, mask = dataset.text.encode([c for c in captions for _ in range(cfg.samples.per_caption)])
+    sampler = make_sampler(graphdef, model_cfg.image_len, cfg.samples.temperature, cfg.samples.top_k)
+    codes = np.asarray(sampler(params, ids, mask, key))
+    return image_grid(dataset.decode_images(codes), captions, cfg.samples.per_caption), captions
+
+
+def train(cfg: RunConfig, job: JobInfo) -> Result:
+    t_start = time.perf_counter()
+    run_dir = Path(job.job_dir) / "run"
+    pi, pc = jax.process_index(), jax.process_count()
+    t = cfg.trainer
+
+    dataset = build_dataset(cfg.data, cfg.model)
+    model_cfg = resolve(cfg.model, dataset.image_len, dataset.image_vocab, dataset.text.vocab_size)
+    model = build_model(model_cfg, cfg.seed)
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    n_params = param_count(model)
+    del model
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, t.steps)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    # Resume: `auto` continues this run store's own checkpoints; a path restores from there.
+    ckpt_dir = run_dir / "checkpoints"
+    start_step = 0
+    source = None
+    if cfg.resume == "auto":
+        if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+            source = (ckpt_dir, None)
+    elif cfg.resume:
+        source = checkpoint.find_checkpoints(cfg.resume)
+    if source is not None:
+        start_step, state = checkpoint.restore(*source, target=state)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, t.keep_checkpoints) if pi == 0 else None
+
+    flops_per_step = train_flops_per_example(model_cfg) * t.batch_size
+    peak, peak_source = device_peak_flops()
+    tokens_per_step = t.batch_size * (model_cfg.text_len + model_cfg.image_len)
+    meta = run_meta(
+        job.overrides, n_params, flops_per_step, peak, peak_source, asdict(model_cfg), dataset.info, resumed_from=start_step
+    )
+    tracker = build_tracker(
+        cfg.tracker,
+        run_dir,
+        job.config if job.config is not None else asdict(cfg),
+        meta,
+        name=job.name,
+        group=job.group,
+        job_type=cfg.model.layout,
+        resume_step=start_step if source is not None else None,
+        is_main_process=pi == 0,
+    )
+    status = "failed"
+    try:
+        train_step = make_train_step(graphdef, optimizer, schedule, t.grad_accum)
+        eval_step = make_eval_step(graphdef)
+        batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, pi, pc)
+        bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
+        first_loss = last_loss = eval_loss = math.nan
+        pending = None
+        clock = {"t": time.perf_counter(), "compiled": False}
+
+        def flush() -> float:
+            """Fetch and log the metrics of the step in flight (the next one is already queued, so
+            the device never waits on this host sync)."""
+            nonlocal pending
+            step, metrics = pending
+            pending = None
+            per_layer = step % t.log_every == 0 or step == t.steps
+            values = jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
+            now = time.perf_counter()
+            dt, clock["t"] = now - clock["t"], now
+            row = {k: float(v) for k, v in values.items()}
+            row.update({"samples": step * t.batch_size, "tokens": step * tokens_per_step})
+            if clock["compiled"]:
+                row.update({
+                    "perf/step_time": dt,
+                    "perf/tokens_per_s": tokens_per_step / dt,
+                    "perf/mfu": flops_per_step / (dt * peak),  # one device runs the step
+                })
+                bar.set_postfix(loss=f"{row['train/loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+            else:
+                row["perf/compile_time"] = dt  # the first step includes compilation
+                clock["compiled"] = True
+            tracker.log(row, step)
+            bar.update(1)
+            return row["train/loss"]
+
+        for step in range(start_step + 1, t.steps + 1):
+            state, metrics = train_step(state, next(batches))
+            if pending is not None:
+                last_loss = flush()
+                first_loss = last_loss if math.isnan(first_loss) else first_loss
+                if not math.isfinite(last_loss):
+                    status = "diverged"
+                    break
+            pending = (step, metrics)
+            if step % t.eval_every == 0 or step % t.save_every == 0 or step == t.steps:
+                last_loss = flush()
+                first_loss = last_loss if math.isnan(first_loss) else first_loss
+                if step % t.eval_every == 0 or step == t.steps:
+                    eval_loss = evaluate(eval_step, state.params, dataset, t.batch_size, t.eval_batches)
+                    tracker.log({"eval/valid/loss": eval_loss, "samples": step * t.batch_size, "tokens": step * tokens_per_step}, step)
+                if ckpt is not None and (step % t.save_every == 0 or step == t.steps):
+                    ckpt.save(step, state)
+                clock["t"] = time.perf_counter()  # eval and save time is not step time
+        else:
+            status = "finished"
+        if pending is not None:
+            last_loss = flush()
+        bar.close()
+        final_step = int(jax.device_get(state.step))
+        if status == "finished":
+            grid = sample_grid(graphdef, state.params, dataset, model_cfg, cfg, jax.random.fold_in(jax.random.key(cfg.seed), 1))
+            if grid is not None:
+                tracker.log_image("samples/grid", grid[0], final_step, caption=" | ".join(grid[1]))
+        tracker.log_summary({
+            "train/loss": last_loss,
+            "train/first_loss": first_loss,
+            "eval/valid/loss": eval_loss,
+            "data/code_unigram_entropy": dataset.info.get("code_unigram_entropy"),
+            "steps": final_step,
+            "wall_time": time.perf_counter() - t_start,
+        })
+        if ckpt is not None:
+            ckpt.close()
+        tracker.finish(status)
+    except KeyboardInterrupt:
+        tracker.finish("interrupted")
+        raise
+    except BaseException:
+        tracker.finish("failed")
+        raise
+    return Result(eval_loss=eval_loss, train_loss=last_loss, steps=final_step, run_dir=run_dir, status=status)

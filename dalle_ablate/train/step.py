@@ -1,0 +1,94 @@
+"""The jitted train and eval steps: loss, gradients (with micro-batch accumulation), optax update,
+and the norms that are logged. Pure functions of (state, batch, rng); the loop owns the state."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from dalle_ablate.optim import path_str
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # pure dict of float32 master weights
+    opt_state: Any
+
+
+def image_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(sum over examples of weight x mean per-token NLL of the image codes, sum of weights)."""
+    logits = model(batch["text"], batch["text_mask"], batch["codes"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["codes"])  # float32 [B, I]
+    w = batch["weights"].astype(jnp.float32)
+    return jnp.sum(nll.mean(axis=-1) * w), jnp.sum(w)
+
+
+def layer_group(path) -> str:
+    """Name of the layer a parameter belongs to: `encoder/3`, `decoder/0`, `text_embed`, ..."""
+    parts = path_str(path).split("/")
+    if len(parts) > 1 and re.fullmatch(r"\d+", parts[1]):
+        return f"{parts[0]}/{parts[1]}"
+    return parts[0]
+
+
+def group_norms(tree) -> dict[str, jax.Array]:
+    sq: dict[str, jax.Array] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        g = layer_group(path)
+        sq[g] = sq.get(g, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
+    return {g: jnp.sqrt(v) for g, v in sq.items()}
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int) -> Callable:
+    """step(state, batch) -> (state, metrics). The batch is split into grad_accum micro-batches
+    scanned in one compiled step, so memory holds one micro-batch of activations."""
+
+    def loss_fn(params, micro, total_weight):
+        nll_sum, _ = image_loss(nnx.merge(graphdef, params), micro)
+        return nll_sum / total_weight
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def step(state: TrainState, batch: dict):
+        total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        if grad_accum == 1:
+            loss, grads = grad_fn(state.params, batch, total_weight)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+
+            def body(carry, mb):
+                loss, grads = grad_fn(state.params, mb, total_weight)
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+            (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "train/loss": loss,
+            "train/grad_norm": optax.global_norm(grads),
+            "train/param_norm": optax.global_norm(params),
+            "train/lr": schedule(state.step),
+            # Per-layer norms cost one reduction over the parameters: negligible next to the
+            # forward and backward passes, and fetched to the host only every log_every steps.
+            **{f"train/grad_norm/{g}": v for g, v in group_norms(grads).items()},
+            **{f"train/param_norm/{g}": v for g, v in group_norms(params).items()},
+        }
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_eval_step(graphdef) -> Callable:
+    """eval(params, batch) -> (weighted NLL sum, weight sum); the loss is computed in float32."""
+
+    def eval_step(params, batch):
+        return image_loss(nnx.merge(graphdef, params), batch)
+
+    return jax.jit(eval_step)

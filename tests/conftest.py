@@ -1,0 +1,74 @@
+"""Test environment: W&B offline into a temp dir, a shared data cache, small data settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_TMP = Path(tempfile.mkdtemp(prefix="dalle-ablate-tests-"))
+# Set before anything imports wandb or builds data; subprocesses inherit them.
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_SILENT"] = "true"
+for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+    os.environ[var] = str(_TMP / var.lower())
+    Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
+os.environ.setdefault("DALLE_ABLATE_CACHE", str(_TMP / "cache"))
+
+# Small data that still exercises every path; built once per session (cached on disk).
+SMALL_DATA = [
+    "data.num_train=1500",
+    "data.num_valid=48",
+    "data.num_test=48",
+    "data.codebook_size=256",
+]
+TINY_TRAIN = [
+    "trainer.steps=6",
+    "trainer.batch_size=8",
+    "trainer.eval_every=3",
+    "trainer.save_every=3",
+    "trainer.log_every=2",
+    "trainer.progress=false",
+    "samples.per_caption=1",
+    "samples.captions=[a red circle]",
+    "model.d_model=32",
+    "model.heads=2",
+    "model.ffn_dim=64",
+    "model.encoder_layers=1",
+    "model.decoder_layers=2",
+    "model.text_len=24",
+]
+
+
+def compose(*overrides: str):
+    from dalle_ablate.cli import compose as _compose
+
+    return _compose(list(overrides))
+
+
+def run_config(*overrides: str):
+    from dalle_ablate.config import to_run_config
+
+    return to_run_config(compose(*SMALL_DATA, *TINY_TRAIN, *overrides))
+
+
+def run_py(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python run.py ...` in a subprocess, its outputs under cwd."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={cwd}/outputs/run",
+         f"hydra.sweep.dir={cwd}/multirun"],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def small_dataset():
+    from dalle_ablate.data import build_dataset
+
+    cfg = run_config()
+    return build_dataset(cfg.data, cfg.model)

@@ -1,0 +1,81 @@
+"""Every config file composes; user mistakes fail with one line naming the field and choices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, compose, run_config, run_py
+from dalle_ablate.config import to_run_config
+from dalle_ablate.registry import ConfigError
+
+GROUPS = ["model", "size", "optim", "schedule", "data", "tracker", "experiment"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_config_file_composes(group, option):
+    extra = ["data.path=/nonexistent"] if option == "parquet" else []
+    cfg = compose(f"{group}={option}", *extra)
+    assert cfg.model.layout in options("model")
+    run = to_run_config(cfg)  # typed and validated
+    if group == "model":
+        assert run.model.layout == option
+    if group == "optim":
+        assert run.optim.name == option
+    if group == "schedule":
+        assert run.schedule.name == option
+    if group == "data":
+        assert run.data.name == option
+
+
+def test_size_is_packaged_into_model():
+    cfg = to_run_config(compose("size=mega", "model=normformer"))
+    assert (cfg.model.d_model, cfg.model.encoder_layers, cfg.model.heads, cfg.model.ffn_dim) == (2048, 24, 16, 4096)
+    assert cfg.model.layout == "normformer" and cfg.model.image_vocab == 16384 and cfg.model.image_len == 256
+
+
+def test_registry_errors_name_field_and_choices():
+    with pytest.raises(ConfigError, match=r"model.activation='nosuch' is not a known activation; valid: gelu, relu, swish"):
+        run_config("model.activation=nosuch")
+    with pytest.raises(ConfigError, match=r"model.norm='batchnorm' is not a known norm; valid: layernorm, rmsnorm"):
+        run_config("model.norm=batchnorm")
+
+
+def test_illegal_combinations_name_both_flags():
+    with pytest.raises(ConfigError, match=r"model.final_ln_encoder=true conflicts with model.layout=deepnet"):
+        run_config("model=deepnet", "model.final_ln_encoder=true")
+    with pytest.raises(ConfigError, match=r"model.final_ln_decoder=false conflicts with model.layout=preln"):
+        run_config("model=preln", "model.final_ln_decoder=false")
+    with pytest.raises(ConfigError, match=r"model.d_model=30 is not divisible by model.heads=4"):
+        run_config("model.d_model=30", "model.heads=4")
+    with pytest.raises(ConfigError, match=r"trainer.batch_size=8 is not divisible by trainer.grad_accum=3"):
+        run_config("trainer.grad_accum=3")
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_unknown_option_lists_valid_layouts(tmp_path: Path):
+    line = _one_line_error(run_py("model=nosuch", cwd=tmp_path))
+    assert line == f"error: model=nosuch is not a known option of 'model'; valid: {', '.join(options('model'))}"
+
+
+def test_unknown_field_lists_valid_fields(tmp_path: Path):
+    line = _one_line_error(run_py("trainer.stepz=3", cwd=tmp_path))
+    assert line.startswith("error: unknown field 'trainer.stepz'; valid fields of trainer: batch_size, ")
+    assert "steps" in line
+
+
+def test_bad_value_names_the_field(tmp_path: Path):
+    line = _one_line_error(run_py("trainer.steps=many", cwd=tmp_path))
+    assert line.startswith("error: bad value for 'trainer.steps'")
