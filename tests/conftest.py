@@ -51,10 +51,10 @@ def compose(*overrides: str):
     return _compose(list(overrides))
 
 
-def run_config(*overrides: str):
+def run_config(*overrides: str, data=tuple(SMALL_DATA)):
     from dalle_ablate.config import to_run_config
 
-    return to_run_config(compose(*SMALL_DATA, *TINY_TRAIN, *overrides))
+    return to_run_config(compose(*data, *TINY_TRAIN, *overrides))
 
 
 def run_py(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:

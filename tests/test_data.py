@@ -1,0 +1,196 @@
+"""Built-in shapes data, the tokenizers, and the parquet reader with its error messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_config
+from dalle_ablate.data.base import host_share
+from dalle_ablate.data.image_tokenizer import PatchCodebook, kmeans, unique_patches
+from dalle_ablate.data.parquet import ParquetDataset, write_parquet
+from dalle_ablate.data.scenes import PALETTE, SHAPES, position_name, random_scene, render
+from dalle_ablate.data.shapes import generate_split
+from dalle_ablate.registry import ConfigError
+
+
+def test_scenes_are_deterministic_and_splits_differ():
+    cfg = run_config().data
+    specs_a, images_a = generate_split(cfg, "valid")
+    specs_b, images_b = generate_split(cfg, "valid")
+    assert specs_a == specs_b and np.array_equal(images_a, images_b)
+    specs_t, _ = generate_split(cfg, "test")
+    assert [s["caption"] for s in specs_t] != [s["caption"] for s in specs_a]
+    other, _ = generate_split(dataclasses.replace(cfg, seed=1), "valid")
+    assert other != specs_a
+
+
+def test_captions_state_what_the_scene_holds():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        scene = random_scene(rng)
+        cap = scene.caption
+        assert 1 <= len(scene.objects) <= 3
+        assert len({(o.row, o.col) for o in scene.objects}) == len(scene.objects)
+        for o in scene.objects:
+            if "color" in o.said:
+                assert o.color in cap
+            if "shape" in o.said:
+                assert o.shape in cap
+            if "size" in o.said:
+                assert o.size in cap
+            if "position" in o.said:
+                assert position_name(o.row, o.col) in cap
+        if scene.relation:
+            a, b = scene.objects[scene.relation["subject"]], scene.objects[scene.relation["object"]]
+            rel = scene.relation["rel"]
+            assert {"left of": a.col < b.col, "right of": a.col > b.col, "above": a.row < b.row, "below": a.row > b.row}[rel]
+            assert re.search(rel.split()[0], cap)
+
+
+def test_render_draws_each_object_in_its_colour_and_cell():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        scene = random_scene(rng)
+        img = render(scene, 64).astype(int)
+        for o in scene.objects:
+            cy, cx = int((o.row + 0.5) * 64 / 3), int((o.col + 0.5) * 64 / 3)
+            assert np.abs(img[cy, cx] - PALETTE[o.color]).max() <= 2
+        # Anti-aliased: some edge pixels are blends, neither background nor a palette colour.
+        colours = {tuple(c) for c in img.reshape(-1, 3)}
+        assert len(colours) > len(scene.objects) + 1
+
+
+def test_codebook_fit_is_deterministic_and_reconstructs_held_out_renders(small_dataset):
+    cfg = run_config().data
+    _, train = generate_split(cfg, "train")
+    a = PatchCodebook.fit(train, cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed)
+    b = PatchCodebook.fit(train, cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed)
+    assert np.array_equal(a.codes, b.codes)
+    _, test = generate_split(cfg, "test")  # never seen by the fit
+    recon = a.decode(a.encode(test)).astype(np.float64)
+    mse = np.mean((recon - test) ** 2)
+    psnr = 10 * np.log10(255.0**2 / mse)
+    assert psnr > 28.0, psnr
+    # Encoding is nearest-code: no code is closer to any patch than the one chosen.
+    patches, inverse, _ = unique_patches(test[:4], cfg.patch_size)
+    chosen = a.encode(test[:4]).ravel()
+    d = ((patches[:, None, :] - a.codes[None]) ** 2).sum(-1)
+    assert np.allclose(d[inverse, chosen], d.min(1)[inverse], atol=1e-5)
+
+
+def test_kmeans_matches_sklearn_lloyd():
+    sklearn = pytest.importorskip("sklearn.cluster")
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(6, 5)) * 4
+    x = (centres[rng.integers(6, size=600)] + rng.normal(size=(600, 5))).astype(np.float32)
+    w = rng.integers(1, 5, size=600).astype(np.float32)
+    ours = kmeans(x, w, 6, iters=30, seed=3)
+    init = x[np.sort(np.random.default_rng(3).choice(600, size=6, replace=False))]
+    ref = sklearn.KMeans(6, init=init, n_init=1, max_iter=30, tol=0, algorithm="lloyd").fit(x, sample_weight=w)
+    assert np.allclose(ours, ref.cluster_centers_, atol=1e-4)
+
+
+def test_shapes_batches_resume_and_host_shares(small_dataset):
+    ds = small_dataset
+    full = [b for _, b in zip(range(5), ds.train_batches(8, seed=0))]
+    resumed = [b for _, b in zip(range(2), ds.train_batches(8, seed=0, start_step=3))]
+    for a, b in zip(full[3:], resumed):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    hosts = [next(ds.train_batches(8, seed=0, process_index=i, process_count=2)) for i in range(2)]
+    assert np.array_equal(np.concatenate([h["codes"] for h in hosts]), full[0]["codes"])
+    idx = np.arange(12)
+    shares = [host_share(idx, i, 4) for i in range(4)]
+    assert np.array_equal(np.sort(np.concatenate(shares)), idx)
+
+
+def test_blank_captions_follow_the_probability(small_dataset):
+    ds = small_dataset
+    blank_ids, _ = ds.text.encode([""])
+    batch = next(ds.train_batches(1000 if len(ds.codes["train"]) >= 1000 else 500, seed=5))
+    frac = np.mean((batch["text"] == blank_ids).all(axis=1))
+    assert abs(frac - ds.blank_caption_prob) < 0.05
+    assert ds.text.decode(blank_ids) == [""]
+
+
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory, small_dataset):
+    d = tmp_path_factory.mktemp("pq")
+    ds = small_dataset
+    write_parquet(d / "train.parquet", ds.captions["train"], ds.codes["train"])
+    write_parquet(d / "valid.parquet", ds.captions["valid"], ds.codes["valid"])
+    ds.codebook.save(d / "codebook.npz")
+    ds.text.tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+def parquet_cfg(path, **kw):
+    base = run_config("data=parquet", f"data.path={path}", "data.image_vocab=256", data=()).data
+    return dataclasses.replace(base, **kw)
+
+
+def test_parquet_round_trip(parquet_dir, small_dataset):
+    ds = small_dataset
+    cfg = parquet_cfg(parquet_dir / "train.parquet", valid_path=str(parquet_dir / "valid.parquet"), tokenizer_path=str(parquet_dir / "tokenizer.json"),
+                      codebook_path=str(parquet_dir / "codebook.npz"), shuffle_buffer=1, blank_caption_prob=0.0)
+    pds = ParquetDataset(cfg, text_len=24, image_len=None)
+    assert pds.image_len == ds.image_len
+    ids, mask, codes, caps = pds.valid
+    assert caps == ds.captions["valid"] and np.array_equal(codes, ds.codes["valid"])
+    # With a buffer of one the stream is the file order of a single file: rows come back as written.
+    b = next(pds.train_batches(8, seed=0))
+    assert np.array_equal(b["codes"], ds.codes["train"][:8])
+    assert pds.text.decode(b["text"]) == ds.text.decode(ds.text.encode(ds.captions["train"][:8])[0])
+    assert np.array_equal(pds.decode_images(b["codes"]), ds.decode_images(ds.codes["train"][:8]))
+
+
+def test_parquet_hash_split_and_hosts_are_disjoint_and_complete(parquet_dir):
+    cfg = parquet_cfg(parquet_dir / "train.parquet", valid_fraction=0.1, tokenizer_path=str(parquet_dir / "tokenizer.json"))
+    pds = ParquetDataset(cfg, text_len=24, image_len=None)
+    f = pds.files
+    train_rows = [r for r, _, _ in pds._rows(f, "train")]
+    valid_rows = [r for r, _, _ in pds._rows(f, "valid")]
+    n = pq.ParquetFile(f[0]).metadata.num_rows
+    assert sorted(train_rows + valid_rows) == list(range(n)) and not set(train_rows) & set(valid_rows)
+    assert 0.05 < len(valid_rows) / n < 0.15
+    shares = [[r for r, _, _ in pds._rows(f, "train", i, 3)] for i in range(3)]
+    assert sorted(sum(shares, [])) == train_rows
+    assert all(not set(a) & set(b) for i, a in enumerate(shares) for b in shares[i + 1 :])
+
+
+def _write(path, table):
+    pq.write_table(table, str(path))
+    return path
+
+
+def test_parquet_errors_name_file_and_row(tmp_path, parquet_dir):
+    tok = str(parquet_dir / "tokenizer.json")
+    good = [[1] * 64, [2] * 64, [3] * 64]
+    f = _write(tmp_path / "nocol.parquet", pa.table({"caption": ["a", "b", "c"], "codes": good}))
+    with pytest.raises(ConfigError, match=re.escape(f"{f}: no column 'encoding' (columns: caption, codes); set data.encoding_column")):
+        ParquetDataset(parquet_cfg(f, tokenizer_path=tok), 24, 64)
+    f = _write(tmp_path / "len.parquet", pa.table({"caption": ["a", "b", "c"], "encoding": [[1] * 64, [2] * 64, [3] * 60]}))
+    with pytest.raises(ConfigError, match=re.escape(f"{f}: row 2: column 'encoding' has 60 codes, expected 64")):
+        list(ParquetDataset(parquet_cfg(f, tokenizer_path=tok, valid_fraction=0.0), 24, 64)._rows([f], "train"))
+    f = _write(tmp_path / "range.parquet", pa.table({"caption": ["a", "b", "c"], "encoding": [[1] * 64, [2] * 63 + [256], [3] * 64]}))
+    with pytest.raises(ConfigError, match=re.escape(f"{f}: row 1: code 256 at position 63 is outside the codebook [0, 256) (data.image_vocab)")):
+        ParquetDataset(parquet_cfg(f, tokenizer_path=tok), 24, 64)
+    with pytest.raises(ConfigError, match=re.escape(f"data.path={tmp_path}/none*.parquet matches no parquet file")):
+        ParquetDataset(parquet_cfg(f"{tmp_path}/none*.parquet"), 24, 64)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=re.escape(f"data.tokenizer_path={bad} is not a tokenizer.json")):
+        ParquetDataset(parquet_cfg(parquet_dir / "train.parquet", tokenizer_path=str(bad)), 24, 64)
+
+
+def test_scene_specs_are_kept_as_json(small_dataset):
+    spec = small_dataset.specs["valid"][0]
+    assert json.loads(json.dumps(spec)) == spec
+    assert {"objects", "caption", "relation"} <= set(spec)
+    assert all(o["shape"] in SHAPES and o["color"] in PALETTE for o in spec["objects"])

@@ -1,0 +1,125 @@
+"""Training: the loss goes down, runs are reproducible, accumulation is exact, resume continues."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import run_config
+from dalle_ablate.model import build_model, resolve
+from dalle_ablate.optim import build_optimizer
+from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.train.loop import JobInfo, train
+from dalle_ablate.train.step import TrainState, make_train_step
+
+
+def setup(small_dataset, *overrides, batch_size=8):
+    cfg = run_config("tracker=none", *overrides)
+    ds = small_dataset
+    mcfg = resolve(cfg.model, ds.image_len, ds.image_vocab, ds.text.vocab_size)
+    graphdef, params = nnx.split(build_model(mcfg, cfg.seed), nnx.Param)
+    params = nnx.to_pure_dict(params)
+    batch = ds.split_batch("train", np.arange(batch_size))
+    return cfg, graphdef, params, batch
+
+
+def fresh_state(cfg, params):
+    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    return opt, sched, TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, params), opt_state=opt.init(params))
+
+
+@pytest.mark.parametrize("optim", ["adam", "adafactor"])
+def test_a_few_steps_on_a_fixed_batch_lower_the_loss(small_dataset, optim):
+    cfg, graphdef, params, batch = setup(small_dataset, f"optim={optim}", "optim.lr=3e-3", "schedule=constant", "schedule.warmup_steps=0")
+    opt, sched, state = fresh_state(cfg, params)
+    step = make_train_step(graphdef, opt, sched, 1)
+    losses = []
+    for _ in range(30):
+        state, m = step(state, batch)
+        losses.append(float(m["train/loss"]))
+    assert losses[0] == pytest.approx(np.log(small_dataset.image_vocab), rel=0.05)  # uniform at init
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_grad_accumulation_equals_the_full_batch(small_dataset):
+    cfg, graphdef, params, batch = setup(small_dataset, "optim.clip_grad_norm=null", batch_size=8)
+    results = []
+    for accum in (1, 4):
+        opt, sched, state = fresh_state(cfg, params)
+        state, m = make_train_step(graphdef, opt, sched, accum)(state, batch)
+        results.append((float(m["train/loss"]), float(m["train/grad_norm"]), state.params))
+    (l1, g1, p1), (l4, g4, p4) = results
+    assert l4 == pytest.approx(l1, rel=1e-5) and g4 == pytest.approx(g1, rel=1e-4)
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)))
+
+
+def test_per_layer_norms_compose_to_the_global_norm(small_dataset):
+    cfg, graphdef, params, batch = setup(small_dataset)
+    opt, sched, state = fresh_state(cfg, params)
+    _, m = make_train_step(graphdef, opt, sched, 1)(state, batch)
+    layers = {k: float(v) for k, v in m.items() if k.startswith("train/grad_norm/")}
+    assert {"train/grad_norm/encoder/0", "train/grad_norm/decoder/1", "train/grad_norm/lm_head"} <= set(layers)
+    assert np.sqrt(sum(v**2 for v in layers.values())) == pytest.approx(float(m["train/grad_norm"]), rel=1e-5)
+
+
+def losses(run_dir):
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def test_same_seed_same_losses_and_a_different_seed_differs(tmp_path, small_dataset):
+    cfg = run_config("tracker=none")
+    a = train(cfg, JobInfo(tmp_path / "a"))
+    b = train(cfg, JobInfo(tmp_path / "b"))
+    c = train(dataclasses.replace(cfg, seed=1), JobInfo(tmp_path / "c"))
+    assert losses(a.run_dir) == losses(b.run_dir)
+    assert losses(a.run_dir) != losses(c.run_dir)
+    assert a.eval_loss == b.eval_loss and np.isfinite(a.eval_loss)
+
+
+def test_resume_auto_continues_step_data_and_rng(tmp_path, small_dataset):
+    cfg = run_config("tracker=none")  # 6 steps, a checkpoint every 3
+    full = train(cfg, JobInfo(tmp_path / "full"))
+    half = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=3))
+    train(half, JobInfo(tmp_path / "resumed"))
+    assert (tmp_path / "resumed/run/checkpoints/3").is_dir()
+    resumed = train(dataclasses.replace(cfg, resume="auto"), JobInfo(tmp_path / "resumed"))
+    assert resumed.steps == 6
+    assert losses(resumed.run_dir) == pytest.approx(losses(full.run_dir), rel=1e-6)
+    steps = [r["step"] for r in read_metrics(resumed.run_dir) if "train/loss" in r]
+    assert steps == sorted(set(steps)) == list(range(1, 7))
+    meta = json.loads((resumed.run_dir / "meta.json").read_text())
+    assert meta["resumed_from_step"] == 3
+    # And from a path: a new job dir restoring another run's checkpoints.
+    other = train(dataclasses.replace(cfg, resume=str(tmp_path / "full" / "run" / "checkpoints" / "3")), JobInfo(tmp_path / "other"))
+    assert losses(other.run_dir) == pytest.approx({k: v for k, v in losses(full.run_dir).items() if k > 3}, rel=1e-6)
+
+
+def test_run_store_records_config_meta_metrics_and_samples(tmp_path, small_dataset):
+    cfg = run_config("tracker=none")
+    res = train(cfg, JobInfo(tmp_path, overrides=["model=preln"]))
+    store = res.run_dir
+    import yaml
+
+    config = yaml.safe_load((store / "config.yaml").read_text())
+    assert config["model"]["layout"] == "preln" and config["trainer"]["steps"] == 6  # nested, resolved
+    meta = json.loads((store / "meta.json").read_text())
+    assert meta["overrides"] == ["model=preln"] and meta["params"] > 0 and meta["flops_per_step"] > 0
+    assert {"jax", "flax", "optax", "wandb"} <= set(meta["versions"]) and meta["device"]["kind"]
+    rows = read_metrics(store)
+    names = set().union(*rows)
+    for name in ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "eval/valid/loss",
+                 "perf/step_time", "perf/tokens_per_s", "perf/mfu", "samples", "tokens",
+                 "train/grad_norm/decoder/0", "train/param_norm/encoder/0"):
+        assert name in names, name
+    per_layer_steps = [r["step"] for r in rows if "train/grad_norm/decoder/0" in r]
+    assert per_layer_steps == [2, 4, 6]  # every trainer.log_every=2 steps
+    assert [r["step"] for r in rows if "eval/valid/loss" in r] == [3, 6]
+    assert (store / "media" / "samples_grid_6.png").is_file()
+    summary = json.loads((store / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 6
