@@ -8,6 +8,7 @@ fitted deterministically from a seed and cached on disk under a key of its setti
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -111,9 +112,9 @@ class PatchCodebook:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
         np.savez(tmp, codes=self.codes, patch_size=self.patch_size)
-        tmp.replace(path)  # atomic: a crash never leaves a half-written cache entry
+        os.replace(tmp, path)  # atomic: a crash never leaves a half-written file
 
     @classmethod
     def load(cls, path: str | Path) -> "PatchCodebook":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -18,6 +19,7 @@ from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_shar
 from dalle_ablate.data.image_tokenizer import PatchCodebook
 from dalle_ablate.data.scenes import DEMO_CAPTIONS, random_scene, render
 from dalle_ablate.data.text_tokenizer import TextTokenizer
+from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
 
 SPLITS = ("train", "valid", "test")
@@ -69,10 +71,15 @@ def build_or_load(cfg) -> tuple[dict[str, list[dict]], dict[str, np.ndarray], Pa
     )
     codes = {s: codebook.encode(images[s]) for s in SPLITS}
     root.mkdir(parents=True, exist_ok=True)
+    # Each file is written under a temporary name and renamed, and "done" comes last: a crash
+    # leaves a cache that is rebuilt, never read, and concurrent builders (parallel test workers,
+    # a multirun's jobs) write identical files without tearing them.
     codebook.save(root / "codebook.npz")
-    np.savez(root / "codes.npz", **codes)
-    (root / "scenes.json").write_text(json.dumps(specs))
-    (root / "done").write_text("ok\n")  # written last: a partial cache is rebuilt, never read
+    tmp = root / f"codes.{os.getpid()}.npz"
+    np.savez(tmp, **codes)
+    os.replace(tmp, root / "codes.npz")
+    atomic_write(root / "scenes.json", json.dumps(specs))
+    atomic_write(root / "done", "ok\n")
     return specs, codes, codebook
 
 

@@ -7,6 +7,7 @@ for the unconditional branch of super conditioning) is `[BOS] [EOS]`.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -83,7 +84,7 @@ class TextTokenizer:
             return cls(Tokenizer.from_file(str(path)), text_len)
         tok = train_bpe(captions, vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tok.save(str(tmp))
-        tmp.replace(path)
+        os.replace(tmp, path)
         return cls(tok, text_len)

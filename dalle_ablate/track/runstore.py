@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +19,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from dalle_ablate.fileio import atomic_write
 from dalle_ablate.track.base import Tracker
 
 
@@ -29,12 +29,6 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # "nan" / "inf": JSON has no such numbers
     return v
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class RunStore(Tracker):

@@ -1,0 +1,20 @@
+"""The repository keeps its promises: CI runs the README's test command; generated output is ignored."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import ROOT
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    readme = (ROOT / "README.md").read_text()
+    assert ci in readme, f"README.md must show the test command CI runs: {ci}"
+
+
+def test_generated_output_is_ignored_by_git():
+    paths = ["outputs/x/run/metrics.jsonl", "multirun/x/0/run/config.yaml", "wandb/offline-run-x/run.wandb",
+             "reports/some-report/index.html", ".venv/bin/python"]
+    proc = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.split() == paths
