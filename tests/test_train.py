@@ -123,3 +123,14 @@ def test_run_store_records_config_meta_metrics_and_samples(tmp_path, small_datas
     assert (store / "media" / "samples_grid_6.png").is_file()
     summary = json.loads((store / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 6
+
+
+def test_a_diverging_run_stops_and_is_marked(tmp_path, small_dataset):
+    # A learning rate of 1e9 without clipping throws the weights to infinity within a step or two.
+    cfg = run_config("tracker=none", "optim.lr=1e9", "optim.clip_grad_norm=null", "schedule=constant",
+                     "schedule.warmup_steps=0", "trainer.steps=20", "trainer.save_every=100", "trainer.eval_every=100")
+    res = train(cfg, JobInfo(tmp_path))
+    assert res.status == "diverged" and res.steps < 20
+    assert not np.isfinite(res.train_loss)
+    summary = json.loads((res.run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged"

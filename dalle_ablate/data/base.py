@@ -61,6 +61,9 @@ class Dataset(ABC):
     def demo_captions(self) -> list[str]:
         """A few fixed captions to sample at the end of a run."""
 
+    def has_image_decoder(self) -> bool:
+        return False
+
     def decode_images(self, codes: np.ndarray) -> Optional[np.ndarray]:
         """[N, image_len] codes -> [N, H, W, 3] uint8, or None when no decoder is available."""
         return None

@@ -203,6 +203,9 @@ class ParquetDataset(Dataset):
     def demo_captions(self) -> list[str]:
         return [c for c in dict.fromkeys(self.valid[3]) if c][:6]
 
+    def has_image_decoder(self) -> bool:
+        return self.codebook is not None
+
     def decode_images(self, codes: np.ndarray) -> Optional[np.ndarray]:
         return None if self.codebook is None else self.codebook.decode(codes)
 

@@ -136,5 +136,8 @@ class ShapesDataset(Dataset):
     def demo_captions(self) -> list[str]:
         return list(DEMO_CAPTIONS)
 
+    def has_image_decoder(self) -> bool:
+        return True
+
     def decode_images(self, codes: np.ndarray) -> np.ndarray:
         return self.codebook.decode(codes)

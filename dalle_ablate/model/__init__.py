@@ -35,14 +35,14 @@ def validate_model(cfg) -> None:
 def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
     """The model config with the data-dependent sizes filled in; a preset that fixes them must
     agree with the data."""
-    values = {"image_len": image_len, "image_vocab": image_vocab, "text_vocab": text_vocab}
-    for name, value in values.items():
+    for name, value in (("image_len", image_len), ("image_vocab", image_vocab)):
         set_to = getattr(cfg, name)
-        if set_to is not None and set_to != value and name != "text_vocab":
+        if set_to is not None and set_to != value:
             raise ConfigError(f"model.{name}={set_to} but the data gives {value}; set model.{name}=null or change the data")
-    if text_vocab > (cfg.text_vocab or text_vocab):
-        raise ConfigError(f"model.text_vocab={cfg.text_vocab} is smaller than the tokenizer's {text_vocab}")
-    return dataclasses.replace(cfg, image_len=image_len, image_vocab=image_vocab, text_vocab=max(text_vocab, cfg.text_vocab or 0))
+    # A preset may reserve more text rows than the tokenizer uses, never fewer.
+    if cfg.text_vocab is not None and cfg.text_vocab < text_vocab:
+        raise ConfigError(f"model.text_vocab={cfg.text_vocab} is smaller than the tokenizer's {text_vocab} tokens")
+    return dataclasses.replace(cfg, image_len=image_len, image_vocab=image_vocab, text_vocab=cfg.text_vocab or text_vocab)
 
 
 def build_model(cfg, seed: int) -> nnx.Module:

@@ -83,7 +83,7 @@ class Attention(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array, kv: jax.Array, mask: Optional[jax.Array], sub_norm=None) -> jax.Array:
+    def __call__(self, x: jax.Array, kv: jax.Array, mask: Optional[jax.Array]) -> jax.Array:
         b, t, d = x.shape
         split = lambda y: y.reshape(y.shape[0], y.shape[1], self.heads, d // self.heads)  # noqa: E731
         q, k, v = split(self.q(x)), split(self.k(kv)), split(self.v(kv))
@@ -91,10 +91,7 @@ class Attention(nnx.Module):
         out = jax.nn.dot_product_attention(q, k, v, mask=mask)
         if self.head_scale is not None:
             out = out * self.head_scale[...].astype(out.dtype)[:, None]
-        out = out.reshape(b, t, d)
-        if sub_norm is not None:
-            out = sub_norm(out)
-        return self.o(out)
+        return self.o(out.reshape(b, t, d))
 
 
 class FeedForward(nnx.Module):

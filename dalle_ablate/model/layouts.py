@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from dalle_ablate.model.layers import Norm
-from dalle_ablate.registry import Registry
+from dalle_ablate.registry import ConfigError, Registry
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,6 @@ def mid_norm(layout: Layout, cfg, rngs: nnx.Rngs) -> Optional[Norm]:
 
 
 def check_layout(cfg) -> None:
-    from dalle_ablate.registry import ConfigError
-
     layout = LAYOUTS.get(cfg.layout)
     if not layout.final_norm:
         for flag in ("final_ln_encoder", "final_ln_decoder"):

@@ -28,6 +28,10 @@ def job_info(cfg: DictConfig) -> JobInfo:
 
 
 def run(cfg: DictConfig) -> float:
-    # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found is noise on CPU.
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    return train(to_run_config(cfg), job_info(cfg)).eval_loss
+    # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found, and orbax's per-save
+    # chatter (through absl), would bury the progress bar.
+    for name in ("jax._src.xla_bridge", "absl"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    result = train(to_run_config(cfg), job_info(cfg))
+    # A diverged run has no meaningful validation loss: a sweep must see it as failed.
+    return result.eval_loss if result.status == "finished" else float("nan")

@@ -60,8 +60,8 @@ def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[
 
 def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key) -> Optional[tuple[np.ndarray, list[str]]]:
     captions = list(cfg.samples.captions or dataset.demo_captions())
-    if not captions or dataset.decode_images(np.zeros((1, model_cfg.image_len), np.int32)) is None:
-        return None
+    if not captions or not dataset.has_image_decoder():
+        return None  # e.g. parquet data without data.codebook_path
     ids, mask = dataset.text.encode([c for c in captions for _ in range(cfg.samples.per_caption)])
     sampler = make_sampler(graphdef, model_cfg.image_len, cfg.samples.temperature, cfg.samples.top_k)
     codes = np.asarray(sampler(params, ids, mask, key))
