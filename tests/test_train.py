@@ -128,9 +128,21 @@ def test_run_store_records_config_meta_metrics_and_samples(tmp_path, small_datas
 def test_a_diverging_run_stops_and_is_marked(tmp_path, small_dataset):
     # A learning rate of 1e9 without clipping throws the weights to infinity within a step or two.
     cfg = run_config("tracker=none", "optim.lr=1e9", "optim.clip_grad_norm=null", "schedule=constant",
-                     "schedule.warmup_steps=0", "trainer.steps=20", "trainer.save_every=100", "trainer.eval_every=100")
+                     "schedule.warmup_steps=0", "trainer.steps=20", "trainer.save_every=1", "trainer.eval_every=100")
     res = train(cfg, JobInfo(tmp_path))
     assert res.status == "diverged" and res.steps < 20
     assert not np.isfinite(res.train_loss)
     summary = json.loads((res.run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged"
+    # Checkpoints were saved every step, but never one of a broken state.
+    from dalle_ablate.train import checkpoint
+
+    ckpt_dir, _ = checkpoint.find_checkpoints(str(tmp_path))
+    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+    assert steps and steps[-1] < res.steps
+    ds = small_dataset
+    mcfg = resolve(cfg.model, ds.image_len, ds.image_vocab, ds.text.vocab_size)
+    params = nnx.to_pure_dict(nnx.split(build_model(mcfg, 0), nnx.Param)[1])
+    opt, _, target = fresh_state(cfg, params)
+    _, restored = checkpoint.restore(ckpt_dir, None, target)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.params))

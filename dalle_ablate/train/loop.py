@@ -150,22 +150,29 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             bar.update(1)
             return row["train/loss"]
 
+        def record() -> bool:
+            """Log the step in flight; False once the loss is no longer finite."""
+            nonlocal first_loss, last_loss
+            last_loss = flush()
+            first_loss = last_loss if math.isnan(first_loss) else first_loss
+            return math.isfinite(last_loss)
+
         for step in range(start_step + 1, t.steps + 1):
             state, metrics = train_step(state, next(batches))
-            if pending is not None:
-                last_loss = flush()
-                first_loss = last_loss if math.isnan(first_loss) else first_loss
-                if not math.isfinite(last_loss):
+            if pending is not None and not record():
+                status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
+                break
+            pending = (step, metrics)
+            evaluate_now = step % t.eval_every == 0 or step == t.steps
+            save_now = step % t.save_every == 0 or step == t.steps
+            if evaluate_now or save_now:
+                if not record():
                     status = "diverged"
                     break
-            pending = (step, metrics)
-            if step % t.eval_every == 0 or step % t.save_every == 0 or step == t.steps:
-                last_loss = flush()
-                first_loss = last_loss if math.isnan(first_loss) else first_loss
-                if step % t.eval_every == 0 or step == t.steps:
+                if evaluate_now:
                     eval_loss = evaluate(eval_step, state.params, dataset, t.batch_size, t.eval_batches)
                     tracker.log({"eval/valid/loss": eval_loss, "samples": step * t.batch_size, "tokens": step * tokens_per_step}, step)
-                if ckpt is not None and (step % t.save_every == 0 or step == t.steps):
+                if save_now and ckpt is not None:
                     ckpt.save(step, state)
                 clock["t"] = time.perf_counter()  # eval and save time is not step time
         else:
