@@ -35,7 +35,7 @@ def bare_step_times(cfg, dataset, steps: int) -> list[float]:
     params = nnx.to_pure_dict(params)
     opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params))
-    step = make_train_step(graphdef, opt, sched, cfg.trainer.grad_accum)
+    step = make_train_step(graphdef, opt, sched, cfg.trainer.grad_accum, cfg.seed)
     batch = jax.device_put(next(dataset.train_batches(cfg.trainer.batch_size, cfg.seed)))
     state, m = step(state, batch)  # compile
     jax.block_until_ready(m["train/loss"])

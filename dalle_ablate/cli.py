@@ -97,6 +97,22 @@ def cmd_encode(args) -> None:
     )
 
 
+def cmd_describe(args) -> None:
+    """Parameters per module, FLOPs per image token and memory, from abstract shapes."""
+    import dataclasses
+
+    from dalle_ablate.config import to_run_config
+    from dalle_ablate.data import abstract_sizes
+    from dalle_ablate.model.describe import describe
+    from dalle_ablate.optim import build_optimizer
+
+    cfg = to_run_config(compose(args.overrides))
+    model_cfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
+    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    print(describe(model_cfg, optimizer))
+    print(f"(optimizer: {cfg.optim.name})")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -104,6 +120,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     enc.add_argument("--out", required=True, help="output folder")
     enc.add_argument("overrides", nargs="*", help="config overrides, e.g. data.num_train=1000 data.patch_size=4")
     enc.set_defaults(func=cmd_encode)
+    desc = sub.add_parser("describe", help="parameters per module, FLOPs per image token, memory (no allocation)")
+    desc.add_argument("overrides", nargs="*", help="config overrides, e.g. model=normformer size=mega")
+    desc.set_defaults(func=cmd_describe)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -38,13 +38,26 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     ln_eps: float = 1e-5
     force_ln_scale: bool = False  # learned scale also on norms that feed a Dense layer
-    activation: str = "gelu"
+    activation: str = "gelu"  # gelu | swish | relu | smelu
+    gelu_approximate: bool = False  # tanh approximation of gelu
+    smelu_beta: float = 1.0  # SmeLU half-width
     glu: bool = True  # W_o (act(W_g x) * (W_v x))
     head_scale: bool = False  # NormFormer per-head scale
     final_ln_encoder: bool = True
     final_ln_decoder: bool = True
+    swin_ln_every: Optional[int] = None  # swinv2: a norm on the residual stream every k layers
+    cosine_attention: bool = False  # Swin v2: cos(q, k) / tau instead of q.k / sqrt(d)
+    tau_init: float = 0.05  # cosine attention temperature (fixed, or the init of a learned one)
+    learn_tau: bool = False  # learn tau per head and layer, clamped at >= tau_min
+    tau_min: float = 0.01
+    position_bias: bool = False  # Swin v2 log-spaced continuous position bias on image self-attention
+    cpb_hidden: int = 64  # hidden width of the position-bias MLP
     bias: bool = False  # DALL·E mini study: biases cost time and hurt convergence
     init_std: float = 0.02
+    dropout: float = 0.0  # on embeddings and on every sublayer output
+    attention_dropout: float = 0.0  # on attention weights
+    activation_dropout: float = 0.0  # after the FFN activation
+    scale_embedding: bool = False  # multiply embeddings by sqrt(d_model)
     dtype: str = "float32"  # compute dtype; norms, softmax and loss stay float32
     vocab_pad_multiple: int = 8  # embedding / logits rows padded up to a multiple of this
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax
 import jax
 from flax import nnx
 
@@ -11,6 +12,10 @@ from dalle_ablate.model.layers import ACTIVATIONS, NORMS
 from dalle_ablate.model.layouts import LAYOUTS, check_layout
 from dalle_ablate.model.seq2seq import Seq2Seq
 from dalle_ablate.registry import ConfigError, Registry
+
+# Parameters carry logical axis names only; `dalle_ablate.parallel` places them on a mesh. Flax
+# would otherwise try to shard every annotated variable eagerly, at creation, against a global mesh.
+flax.config.update("flax_always_shard_variable", False)
 
 FAMILIES: Registry = Registry("model family", "model.family")
 FAMILIES.register("seq2seq", Seq2Seq)
@@ -27,6 +32,17 @@ def validate_model(cfg) -> None:
             raise ConfigError(f"model.{name}={getattr(cfg, name)} must be positive")
     if cfg.d_model % cfg.heads:
         raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.heads={cfg.heads}")
+    for name in ("dropout", "attention_dropout", "activation_dropout"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be in [0, 1)")
+    if cfg.smelu_beta <= 0:
+        raise ConfigError(f"model.smelu_beta={cfg.smelu_beta} must be positive")
+    if cfg.tau_init <= 0 or cfg.tau_min <= 0:
+        raise ConfigError(f"model.tau_init={cfg.tau_init} and model.tau_min={cfg.tau_min} must be positive")
+    if cfg.learn_tau and not cfg.cosine_attention:
+        raise ConfigError("model.learn_tau=true conflicts with model.cosine_attention=false: tau is the cosine attention's temperature")
+    if cfg.position_bias and cfg.image_len is not None and round(cfg.image_len**0.5) ** 2 != cfg.image_len:
+        raise ConfigError(f"model.position_bias=true needs a square image grid; model.image_len={cfg.image_len} is not a square")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype={cfg.dtype!r} is not valid; valid: bfloat16, float16, float32")
     check_layout(cfg)
@@ -51,8 +67,7 @@ def build_model(cfg, seed: int) -> nnx.Module:
     for name in ("image_len", "image_vocab", "text_vocab"):
         if getattr(cfg, name) is None:
             raise ConfigError(f"model.{name} is not set and no data gave it")
-    with nnx.use_eager_sharding(False):
-        return FAMILIES.get(cfg.family)(cfg, nnx.Rngs(params=jax.random.key(seed)))
+    return FAMILIES.get(cfg.family)(cfg, nnx.Rngs(params=jax.random.key(seed)))
 
 
 def abstract_model(cfg) -> nnx.Module:

@@ -14,10 +14,21 @@ from flax import nnx
 
 from dalle_ablate.registry import Registry
 
-ACTIVATIONS: Registry[Callable[[jax.Array], jax.Array]] = Registry("activation", "model.activation")
-ACTIVATIONS.register("gelu", lambda x: jax.nn.gelu(x, approximate=False))
-ACTIVATIONS.register("swish", jax.nn.silu)  # swish with beta = 1 is SiLU (arXiv 1710.05941)
-ACTIVATIONS.register("relu", jax.nn.relu)
+def smelu(x: jax.Array, beta: float = 1.0) -> jax.Array:
+    """SmeLU (Shamir et al. 2020, arXiv 2010.09458) of half-width beta: 0 for x <= -beta,
+    (x + beta)^2 / (4 beta) for |x| < beta, x for x >= beta. Its derivative, which autodiff takes
+    branch by branch, is 0, (x + beta) / (2 beta), 1; value and slope are continuous at the joins.
+    (dalle-mini returned 0.25 below -beta and a slope of 1 everywhere: not copied.)"""
+    quad = jnp.square(x + beta) / (4.0 * beta)
+    return jnp.where(x <= -beta, jnp.zeros_like(x), jnp.where(x >= beta, x, quad))
+
+
+# name -> factory(model cfg) -> activation function
+ACTIVATIONS: Registry[Callable[..., Callable[[jax.Array], jax.Array]]] = Registry("activation", "model.activation")
+ACTIVATIONS.register("gelu", lambda cfg: lambda x: jax.nn.gelu(x, approximate=cfg.gelu_approximate))
+ACTIVATIONS.register("swish", lambda cfg: jax.nn.silu)  # swish with beta = 1 is SiLU (arXiv 1710.05941)
+ACTIVATIONS.register("relu", lambda cfg: jax.nn.relu)
+ACTIVATIONS.register("smelu", lambda cfg: lambda x: smelu(x, cfg.smelu_beta))
 
 NORMS: Registry[str] = Registry("norm", "model.norm")
 NORMS.register("layernorm", "layernorm")
@@ -66,50 +77,31 @@ class Norm(nnx.Module):
         return self.norm(x.astype(jnp.float32)).astype(x.dtype)
 
 
-class Attention(nnx.Module):
-    """Multi-head attention. `gain` scales the init of the value and output projections (DeepNet's
-    beta); q and k keep the plain init. `head_scale` is NormFormer's learned per-head scale."""
-
-    def __init__(self, cfg, rngs: nnx.Rngs, gain: float = 1.0):
-        d, h = cfg.d_model, cfg.heads
-        self.heads = h
-        self.q = dense(d, d, ("embed", "heads"), cfg, rngs)
-        self.k = dense(d, d, ("embed", "heads"), cfg, rngs)
-        self.v = dense(d, d, ("embed", "heads"), cfg, rngs, gain)
-        self.o = dense(d, d, ("heads", "embed"), cfg, rngs, gain)
-        self.head_scale = (
-            nnx.Param(nnx.with_partitioning(nnx.initializers.ones_init(), ("heads",))(rngs.params(), (h,)))
-            if cfg.head_scale
-            else None
-        )
-
-    def __call__(self, x: jax.Array, kv: jax.Array, mask: Optional[jax.Array]) -> jax.Array:
-        b, t, d = x.shape
-        split = lambda y: y.reshape(y.shape[0], y.shape[1], self.heads, d // self.heads)  # noqa: E731
-        q, k, v = split(self.q(x)), split(self.k(kv)), split(self.v(kv))
-        # Logits and softmax are computed in float32 by jax.nn.dot_product_attention (XLA path).
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
-        if self.head_scale is not None:
-            out = out * self.head_scale[...].astype(out.dtype)[:, None]
-        return self.o(out.reshape(b, t, d))
+def dropout(rate: float, rngs: Optional[nnx.Rngs]):
+    """A dropout function: identity without rngs (eval, sampling) or at rate 0."""
+    layer = nnx.Dropout(rate)
+    return lambda x: layer(x, deterministic=rngs is None, rngs=rngs) if rate > 0 else x
 
 
 class FeedForward(nnx.Module):
     """Dense FFN `W_o act(W_i x)` or GLU `W_o (act(W_g x) * W_v x)` (Shazeer 2020, arXiv 2002.05202);
-    `mid_norm` sits after the activation (NormFormer). `gain` scales every kernel's init (DeepNet)."""
+    `mid_norm` sits after the activation or GLU product (NormFormer, Sub-LN). `gain` scales every
+    kernel's init (DeepNet's beta, Magneto's gamma)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, mid_norm: Optional[Norm], gain: float = 1.0):
         d, f = cfg.d_model, cfg.ffn_dim
-        self.act = ACTIVATIONS.get(cfg.activation)
+        self.act = ACTIVATIONS.get(cfg.activation)(cfg)
+        self.activation_dropout = cfg.activation_dropout
         self.wi = dense(d, f, ("embed", "mlp"), cfg, rngs, gain)
         self.wv = dense(d, f, ("embed", "mlp"), cfg, rngs, gain) if cfg.glu else None
         self.mid_norm = mid_norm
         self.wo = dense(f, d, ("mlp", "embed"), cfg, rngs, gain)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
         h = self.act(self.wi(x))
         if self.wv is not None:
             h = h * self.wv(x)
+        h = dropout(self.activation_dropout, rngs)(h)
         if self.mid_norm is not None:
             h = self.mid_norm(h)
         return self.wo(h)

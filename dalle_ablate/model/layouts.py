@@ -1,19 +1,20 @@
 """Layouts: where the norms sit around each sublayer (VARIANTS.md, "Layouts").
 
 A layout is one `Layout` entry in the LAYOUTS registry; `Sublayer` applies it to any sublayer
-(self-attention, cross-attention, FFN). Adding a layout means registering one entry here.
+(self-attention, cross-attention, FFN) and `stack_gains` gives its init gains and residual scale.
+Adding a layout means registering one entry here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 from flax import nnx
 
-from dalle_ablate.model.layers import Norm
+from dalle_ablate.model.layers import Norm, dropout
 from dalle_ablate.registry import ConfigError, Registry
 
 
@@ -22,27 +23,48 @@ class Layout:
     pre: bool  # LN on the sublayer input: x + f(LN(x))
     attn_post: bool  # LN on the attention output before the residual add
     ffn_post: bool  # LN on the FFN output before the residual add
-    ffn_mid: bool  # LN inside the FFN after the activation (NormFormer)
+    ffn_mid: bool  # LN inside the FFN after the activation (NormFormer, Sub-LN)
     post_residual: bool  # LN(alpha x + f(x)) (Post-LN, DeepNet)
+    attn_sub: bool = False  # LN inside attention before W_o (Sub-LN)
     deepnet: bool = False  # alpha residual scaling and beta init (arXiv 2203.00555)
-    final_norm: bool = True  # whether a final norm is meaningful (not after a post-residual norm)
+    magneto: bool = False  # Magneto init gains (arXiv 2210.06423)
+    swin: bool = False  # Swin v2: res-post-norm and a residual-stream norm every swin_ln_every layers
     doc: str = ""
+
+    @property
+    def final_norm(self) -> bool:
+        """A final norm is meaningless after blocks that already end in a norm."""
+        return not self.post_residual
 
 
 LAYOUTS: Registry[Layout] = Registry("layout", "model")
-
 LAYOUTS.register("preln", Layout(pre=True, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=False,
-                                 doc="x + f(LN(x))"))
+                                 doc="Pre-LN: x + f(LN(x))"))
+LAYOUTS.register("postln", Layout(pre=False, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=True,
+                                  doc="Post-LN (Vaswani et al. 2017): LN(x + f(x))"))
+LAYOUTS.register("deepnet", Layout(pre=False, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=True,
+                                   deepnet=True, doc="DeepNet, arXiv 2203.00555: LN(alpha x + f(x)), beta-scaled init"))
 LAYOUTS.register("normformer", Layout(pre=True, attn_post=True, ffn_post=False, ffn_mid=True, post_residual=False,
                                       doc="NormFormer, arXiv 2110.09456: x + LN(attn(LN(x))), x + W2 LN(act(W1 LN(x)))"))
-LAYOUTS.register("deepnet", Layout(pre=False, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=True,
-                                   deepnet=True, final_norm=False,
-                                   doc="DeepNet, arXiv 2203.00555: LN(alpha x + f(x)), beta-scaled init"))
+LAYOUTS.register("sandwich", Layout(pre=True, attn_post=True, ffn_post=True, ffn_mid=False, post_residual=False,
+                                    doc="Sandwich-LN (CogView, arXiv 2105.13290): x + LN(f(LN(x)))"))
+LAYOUTS.register("swinv2", Layout(pre=False, attn_post=True, ffn_post=True, ffn_mid=False, post_residual=False,
+                                  swin=True, doc="Swin v2 res-post-norm, arXiv 2111.09883: x + LN(f(x))"))
+LAYOUTS.register("subln", Layout(pre=True, attn_post=False, ffn_post=False, ffn_mid=True, post_residual=False,
+                                 attn_sub=True, magneto=True,
+                                 doc="Sub-LN / Magneto, arXiv 2210.06423: x + W_o LN(attn(LN(x))), x + W2 LN(act(W1 LN(x)))"))
+
+
+class Gains(NamedTuple):
+    alpha: float = 1.0  # residual scale
+    attn: float = 1.0  # init gain of self-attention v and o
+    cross: float = 1.0  # init gain of cross-attention v and o
+    ffn: float = 1.0  # init gain of every FFN kernel
 
 
 def deepnet_constants(n_enc: int, n_dec: int) -> dict[str, tuple[float, float]]:
-    """(alpha, beta) per stack for an encoder-decoder of N encoder and M decoder layers
-    (Wang et al. 2022, arXiv 2203.00555, Table 1; encoder-decoder rows)."""
+    """(alpha, beta) per stack of an encoder-decoder with N encoder and M decoder layers
+    (Wang et al. 2022, arXiv 2203.00555, Table 1, encoder-decoder rows)."""
     n, m = n_enc, n_dec
     return {
         "encoder": (0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)),
@@ -50,16 +72,27 @@ def deepnet_constants(n_enc: int, n_dec: int) -> dict[str, tuple[float, float]]:
     }
 
 
-def stack_constants(cfg, stack: str) -> tuple[float, float]:
-    """(residual alpha, init gain beta) of one stack under cfg's layout; (1, 1) unless DeepNet."""
-    if LAYOUTS.get(cfg.layout).deepnet:
-        return deepnet_constants(cfg.encoder_layers, cfg.decoder_layers)[stack]
-    return 1.0, 1.0
+def magneto_gains(n_enc: int, n_dec: int) -> dict[str, float]:
+    """Magneto's init gain gamma per stack of an encoder-decoder (Wang et al. 2022,
+    arXiv 2210.06423, Sec. 3): encoder sqrt(ln(3M) ln(2N) / 3), decoder sqrt(ln(3M))."""
+    n, m = n_enc, n_dec
+    return {"encoder": math.sqrt(math.log(3 * m) * math.log(2 * n) / 3), "decoder": math.sqrt(math.log(3 * m))}
+
+
+def stack_gains(cfg, stack: str) -> Gains:
+    layout = LAYOUTS.get(cfg.layout)
+    if layout.deepnet:  # beta on v, o and FFN kernels; cross-attention uses the decoder's beta
+        alpha, beta = deepnet_constants(cfg.encoder_layers, cfg.decoder_layers)[stack]
+        return Gains(alpha, beta, beta, beta)
+    if layout.magneto:  # gamma on FFN kernels and self-attention v, o only
+        g = magneto_gains(cfg.encoder_layers, cfg.decoder_layers)[stack]
+        return Gains(1.0, g, 1.0, g)
+    return Gains()
 
 
 class Sublayer(nnx.Module):
     """A residual sublayer under a layout. `kind` is "attn" or "ffn"; the wrapped function is
-    called on the (possibly normed) input."""
+    called on the (possibly normed) input; residual dropout sits on the branch output."""
 
     def __init__(self, layout: Layout, kind: str, cfg, alpha: float, rngs: nnx.Rngs):
         d = cfg.d_model
@@ -70,19 +103,31 @@ class Sublayer(nnx.Module):
         self.post = Norm(d, cfg, True, rngs) if post else None
         self.res_norm = Norm(d, cfg, True, rngs) if layout.post_residual else None
         self.alpha = alpha
+        self.rate = cfg.dropout
 
-    def __call__(self, x: jax.Array, f: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    def __call__(self, x: jax.Array, f: Callable[[jax.Array], jax.Array], rngs: Optional[nnx.Rngs] = None) -> jax.Array:
         y = f(self.pre(x) if self.pre is not None else x)
         if self.post is not None:
             y = self.post(y)
+        y = dropout(self.rate, rngs)(y)
         if self.res_norm is not None:
             return self.res_norm(self.alpha * x + y)
         return x + y
 
 
 def mid_norm(layout: Layout, cfg, rngs: nnx.Rngs) -> Optional[Norm]:
-    """NormFormer's FFN norm: it feeds W2, so it has no learned scale unless force_ln_scale."""
+    """The FFN's inner norm (NormFormer, Sub-LN): it feeds W2, so no learned scale unless
+    force_ln_scale."""
     return Norm(cfg.ffn_dim, cfg, cfg.force_ln_scale, rngs, axis="mlp") if layout.ffn_mid else None
+
+
+def stream_norms(cfg, n_layers: int, rngs: nnx.Rngs) -> list[Optional[Norm]]:
+    """Swin v2's norm on the residual stream after every swin_ln_every-th layer, not the last."""
+    every = cfg.swin_ln_every if LAYOUTS.get(cfg.layout).swin else None
+    return [
+        Norm(cfg.d_model, cfg, True, rngs) if every and (i + 1) % every == 0 and i + 1 < n_layers else None
+        for i in range(n_layers)
+    ]
 
 
 def check_layout(cfg) -> None:
@@ -99,5 +144,10 @@ def check_layout(cfg) -> None:
             f"model.final_ln_decoder=false conflicts with model.layout={cfg.layout}: pre-norm decoders need "
             "their final norm (the DALL·E mini study found training unstable without it)"
         )
-    if math.isclose(cfg.init_std, 0.0) or cfg.init_std < 0:
-        raise ConfigError(f"model.init_std={cfg.init_std} must be positive")
+    if cfg.swin_ln_every is not None and not layout.swin:
+        raise ConfigError(
+            f"model.swin_ln_every={cfg.swin_ln_every} conflicts with model.layout={cfg.layout}: it is Swin v2's "
+            "(use model=swinv2, or set model.swin_ln_every=null)"
+        )
+    if cfg.swin_ln_every is not None and cfg.swin_ln_every < 1:
+        raise ConfigError(f"model.swin_ln_every={cfg.swin_ln_every} must be >= 1 or null")

@@ -7,12 +7,16 @@ Image side (VARIANTS.md): decoder input is `[BOS] + codes[:-1]`, labels are the 
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dalle_ablate.model.layers import Attention, FeedForward, Norm, dense
-from dalle_ablate.model.layouts import LAYOUTS, Sublayer, mid_norm, stack_constants
+from dalle_ablate.model.attention import Attention
+from dalle_ablate.model.layers import FeedForward, Norm, dense, dropout
+from dalle_ablate.model.layouts import LAYOUTS, Sublayer, mid_norm, stack_gains, stream_norms
 
 NEG_INF = -1e9  # masked logits; finite so that bf16 and softmax stay NaN-free
 
@@ -35,32 +39,40 @@ def embed(num: int, dim: int, axes: tuple[str, str], cfg, rngs: nnx.Rngs) -> nnx
 class EncoderLayer(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         layout = LAYOUTS.get(cfg.layout)
-        alpha, beta = stack_constants(cfg, "encoder")
-        self.attn_block = Sublayer(layout, "attn", cfg, alpha, rngs)
-        self.attn = Attention(cfg, rngs, gain=beta)
-        self.ffn_block = Sublayer(layout, "ffn", cfg, alpha, rngs)
-        self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=beta)
+        g = stack_gains(cfg, "encoder")
+        self.attn_block = Sublayer(layout, "attn", cfg, g.alpha, rngs)
+        self.attn = Attention(cfg, rngs, gain=g.attn, sub_norm=layout.attn_sub)
+        self.ffn_block = Sublayer(layout, "ffn", cfg, g.alpha, rngs)
+        self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=g.ffn)
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        x = self.attn_block(x, lambda h: self.attn(h, h, mask))
-        return self.ffn_block(x, self.ffn)
+    def __call__(self, x: jax.Array, mask: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+        x = self.attn_block(x, lambda h: self.attn(h, h, mask, rngs), rngs)
+        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs)
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         layout = LAYOUTS.get(cfg.layout)
-        alpha, beta = stack_constants(cfg, "decoder")  # cross-attention uses the decoder's beta
-        self.self_block = Sublayer(layout, "attn", cfg, alpha, rngs)
-        self.self_attn = Attention(cfg, rngs, gain=beta)
-        self.cross_block = Sublayer(layout, "attn", cfg, alpha, rngs)
-        self.cross_attn = Attention(cfg, rngs, gain=beta)
-        self.ffn_block = Sublayer(layout, "ffn", cfg, alpha, rngs)
-        self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=beta)
+        g = stack_gains(cfg, "decoder")
+        self.self_block = Sublayer(layout, "attn", cfg, g.alpha, rngs)
+        self.self_attn = Attention(cfg, rngs, gain=g.attn, sub_norm=layout.attn_sub, position_bias=cfg.position_bias)
+        self.cross_block = Sublayer(layout, "attn", cfg, g.alpha, rngs)
+        self.cross_attn = Attention(cfg, rngs, gain=g.cross, sub_norm=layout.attn_sub)
+        self.ffn_block = Sublayer(layout, "ffn", cfg, g.alpha, rngs)
+        self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=g.ffn)
 
-    def __call__(self, x, enc, self_mask, cross_mask) -> jax.Array:
-        x = self.self_block(x, lambda h: self.self_attn(h, h, self_mask))
-        x = self.cross_block(x, lambda h: self.cross_attn(h, enc, cross_mask))
-        return self.ffn_block(x, self.ffn)
+    def __call__(self, x, enc, self_mask, cross_mask, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+        x = self.self_block(x, lambda h: self.self_attn(h, h, self_mask, rngs), rngs)
+        x = self.cross_block(x, lambda h: self.cross_attn(h, enc, cross_mask, rngs), rngs)
+        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs)
+
+
+def run_stack(layers, norms, x, rngs, *args) -> jax.Array:
+    for layer, norm in zip(layers, norms):
+        x = layer(x, *args, rngs=rngs)
+        if norm is not None:  # Swin v2's periodic norm on the residual stream
+            x = norm(x)
+    return x
 
 
 class Seq2Seq(nnx.Module):
@@ -74,36 +86,40 @@ class Seq2Seq(nnx.Module):
         self.text_embed = embed(padded(cfg.text_vocab, cfg.vocab_pad_multiple), d, ("vocab", "embed"), cfg, rngs)
         self.text_pos = embed(cfg.text_len, d, ("pos", "embed"), cfg, rngs)
         self.encoder = nnx.List([EncoderLayer(cfg, rngs) for _ in range(cfg.encoder_layers)])
+        self.encoder_stream_norms = nnx.List(stream_norms(cfg, cfg.encoder_layers, rngs))
         # Final norms feed Dense layers (cross-attention k/v, the logits head): no learned scale
         # unless force_ln_scale (DALL·E Mega's rule).
         self.encoder_norm = Norm(d, cfg, cfg.force_ln_scale, rngs) if cfg.final_ln_encoder else None
         self.image_embed = embed(self.logit_rows, d, ("vocab", "embed"), cfg, rngs)
         self.image_pos = embed(cfg.image_len, d, ("pos", "embed"), cfg, rngs)
         self.decoder = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.decoder_layers)])
+        self.decoder_stream_norms = nnx.List(stream_norms(cfg, cfg.decoder_layers, rngs))
+        self.embed_scale = math.sqrt(d) if cfg.scale_embedding else 1.0
+        self.rate = cfg.dropout
         self.decoder_norm = Norm(d, cfg, cfg.force_ln_scale, rngs) if cfg.final_ln_decoder else None
         self.lm_head = dense(d, self.logit_rows, ("embed", "vocab"), cfg, rngs, bias=False)
 
-    def encode(self, text: jax.Array, text_mask: jax.Array) -> jax.Array:
-        x = self.text_embed(text) + self.text_pos(jnp.arange(text.shape[1]))[None]
+    def encode(self, text: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+        x = self.text_embed(text) * self.embed_scale + self.text_pos(jnp.arange(text.shape[1]))[None]
+        x = dropout(self.rate, rngs)(x)
         mask = (text_mask[:, None, :] & text_mask[:, :, None])[:, None]  # [B, 1, T, T]
         # Padding queries would attend to nothing; let them see themselves so rows stay finite.
         mask = mask | jnp.eye(text.shape[1], dtype=bool)[None, None]
-        for layer in self.encoder:
-            x = layer(x, mask)
+        x = run_stack(self.encoder, self.encoder_stream_norms, x, rngs, mask)
         return self.encoder_norm(x) if self.encoder_norm is not None else x
 
     def decoder_inputs(self, codes: jax.Array) -> jax.Array:
         bos = jnp.full((codes.shape[0], 1), self.bos_id, codes.dtype)
         return jnp.concatenate([bos, codes[:, :-1]], axis=1)
 
-    def decode(self, inputs: jax.Array, enc: jax.Array, text_mask: jax.Array) -> jax.Array:
+    def decode(self, inputs: jax.Array, enc: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
         """Logits [B, I, logit_rows] (float32, invalid rows masked) for decoder input ids."""
         t = inputs.shape[1]
-        x = self.image_embed(inputs) + self.image_pos(jnp.arange(t))[None]
+        x = self.image_embed(inputs) * self.embed_scale + self.image_pos(jnp.arange(t))[None]
+        x = dropout(self.rate, rngs)(x)
         self_mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
         cross_mask = text_mask[:, None, None, :]
-        for layer in self.decoder:
-            x = layer(x, enc, self_mask, cross_mask)
+        x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, enc, self_mask, cross_mask)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         logits = self.lm_head(x).astype(jnp.float32)
@@ -111,5 +127,7 @@ class Seq2Seq(nnx.Module):
         valid = jnp.arange(self.logit_rows) < self.image_vocab
         return jnp.where(valid, logits, NEG_INF)
 
-    def __call__(self, text, text_mask, codes) -> jax.Array:
-        return self.decode(self.decoder_inputs(codes), self.encode(text, text_mask), text_mask)
+    def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
+        """Teacher-forced logits. With a dropout_key the dropout layers are active (training)."""
+        rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
+        return self.decode(self.decoder_inputs(codes), self.encode(text, text_mask, rngs), text_mask, rngs)

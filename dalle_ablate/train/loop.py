@@ -116,7 +116,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     )
     status = "failed"
     try:
-        train_step = make_train_step(graphdef, optimizer, schedule, t.grad_accum)
+        train_step = make_train_step(graphdef, optimizer, schedule, t.grad_accum, cfg.seed)
         eval_step = make_eval_step(graphdef)
         batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, pi, pc)
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)

@@ -21,9 +21,9 @@ class TrainState:
     opt_state: Any
 
 
-def image_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array]:
+def image_loss(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, jax.Array]:
     """(sum over examples of weight x mean per-token NLL of the image codes, sum of weights)."""
-    logits = model(batch["text"], batch["text_mask"], batch["codes"])
+    logits = model(batch["text"], batch["text_mask"], batch["codes"], dropout_key=dropout_key)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["codes"])  # float32 [B, I]
     w = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll.mean(axis=-1) * w), jnp.sum(w)
@@ -45,29 +45,35 @@ def group_norms(tree) -> dict[str, jax.Array]:
     return {g: jnp.sqrt(v) for g, v in sq.items()}
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int) -> Callable:
+def make_train_step(
+    graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int, seed: int = 0
+) -> Callable:
     """step(state, batch) -> (state, metrics). The batch is split into grad_accum micro-batches
-    scanned in one compiled step, so memory holds one micro-batch of activations."""
+    scanned in one compiled step, so memory holds one micro-batch of activations. Dropout keys
+    are derived from (seed, step, micro-batch): a resumed run draws the same masks."""
+    base_key = jax.random.fold_in(jax.random.key(seed), 2)
 
-    def loss_fn(params, micro, total_weight):
-        nll_sum, _ = image_loss(nnx.merge(graphdef, params), micro)
+    def loss_fn(params, micro, total_weight, key):
+        nll_sum, _ = image_loss(nnx.merge(graphdef, params), micro, key)
         return nll_sum / total_weight
 
     grad_fn = jax.value_and_grad(loss_fn)
 
     def step(state: TrainState, batch: dict):
         total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        step_key = jax.random.fold_in(base_key, state.step)
         if grad_accum == 1:
-            loss, grads = grad_fn(state.params, batch, total_weight)
+            loss, grads = grad_fn(state.params, batch, total_weight, step_key)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
 
-            def body(carry, mb):
-                loss, grads = grad_fn(state.params, mb, total_weight)
+            def body(carry, xs):
+                i, mb = xs
+                loss, grads = grad_fn(state.params, mb, total_weight, jax.random.fold_in(step_key, i))
                 return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-            (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+            (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {

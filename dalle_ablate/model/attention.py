@@ -1,0 +1,119 @@
+"""Multi-head attention: scaled dot-product or Swin v2's cosine attention, optional per-head
+scale (NormFormer), Sub-LN norm before the output projection (Magneto), and Swin v2's log-spaced
+continuous position bias over the image grid.
+
+Logits, bias, mask and softmax are float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dalle_ablate.model.layers import Norm, dense, dropout
+
+MASKED = -1e9  # finite: a fully masked row stays NaN-free
+
+
+def attention_logits(q: jax.Array, k: jax.Array, tau: Optional[jax.Array] = None) -> jax.Array:
+    """[B, Tq, H, D] x [B, Tk, H, D] -> [B, H, Tq, Tk] float32 logits.
+
+    tau None: q.k / sqrt(D). Otherwise Swin v2 cosine attention (Liu et al. 2022, arXiv 2111.09883,
+    eq. 2): cos(q, k) / tau with tau [H], and no 1/sqrt(D) on top (dalle-mini applied both: a bug).
+    """
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    if tau is None:
+        return jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    unit = lambda y: y * jax.lax.rsqrt(jnp.maximum(jnp.sum(y * y, -1, keepdims=True), 1e-12))  # noqa: E731
+    return jnp.einsum("bqhd,bkhd->bhqk", unit(q), unit(k)) / tau[None, :, None, None]
+
+
+def grid_offsets(length: int) -> np.ndarray:
+    """For `length` image tokens in raster order on a square grid: [L, L, 2] (drow, dcol) of query
+    minus key."""
+    g = int(round(math.sqrt(length)))
+    if g * g != length:
+        raise ValueError(f"image length {length} is not a square grid")
+    pos = np.stack(np.divmod(np.arange(length), g), axis=-1)
+    return pos[:, None, :] - pos[None, :, :]
+
+
+class PositionBias(nnx.Module):
+    """Swin v2's log-spaced continuous position bias: each relative offset (drow, dcol) is mapped to
+    sign(d) * log(1 + |d|), then through a 2-layer MLP to one bias per head. It is a function of the
+    offset alone, so a KV cache can use it (dalle-mini's full q x k table could not)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(2, cfg.cpb_hidden, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "mlp")),
+                              bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)), rngs=rngs)
+        self.fc2 = nnx.Linear(cfg.cpb_hidden, cfg.heads, use_bias=False,
+                              kernel_init=nnx.with_partitioning(nnx.initializers.normal(cfg.init_std), ("mlp", "heads")), rngs=rngs)
+
+    def table(self, offsets: jax.Array) -> jax.Array:
+        """[..., 2] integer offsets -> [..., heads] float32 biases."""
+        d = offsets.astype(jnp.float32)
+        return self.fc2(jax.nn.relu(self.fc1(jnp.sign(d) * jnp.log1p(jnp.abs(d))))).astype(jnp.float32)
+
+    def __call__(self, length: int) -> jax.Array:
+        """[H, L, L] bias for `length` image tokens. The MLP runs once per distinct offset."""
+        g = int(round(math.sqrt(length)))
+        span = np.arange(-(g - 1), g)
+        distinct = np.stack(np.meshgrid(span, span, indexing="ij"), -1).reshape(-1, 2)  # [(2g-1)^2, 2]
+        values = self.table(jnp.asarray(distinct))  # [(2g-1)^2, H]
+        off = grid_offsets(length)
+        index = (off[..., 0] + g - 1) * (2 * g - 1) + (off[..., 1] + g - 1)
+        return jnp.transpose(values[jnp.asarray(index)], (2, 0, 1))
+
+
+class Attention(nnx.Module):
+    """`gain` scales the init of the value and output projections (DeepNet's beta, Magneto's
+    gamma); q and k keep the plain init."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs, gain: float = 1.0, sub_norm: bool = False, position_bias: bool = False):
+        d, h = cfg.d_model, cfg.heads
+        self.heads = h
+        self.q = dense(d, d, ("embed", "heads"), cfg, rngs)
+        self.k = dense(d, d, ("embed", "heads"), cfg, rngs)
+        self.v = dense(d, d, ("embed", "heads"), cfg, rngs, gain)
+        self.o = dense(d, d, ("heads", "embed"), cfg, rngs, gain)
+        ones = nnx.with_partitioning(nnx.initializers.constant(1.0), ("heads",))
+        self.head_scale = nnx.Param(ones(rngs.params(), (h,))) if cfg.head_scale else None
+        self.cosine = cfg.cosine_attention
+        self.tau_min = cfg.tau_min
+        self.fixed_tau = cfg.tau_init
+        tau = nnx.with_partitioning(nnx.initializers.constant(cfg.tau_init), ("heads",))
+        self.tau = nnx.Param(tau(rngs.params(), (h,))) if cfg.cosine_attention and cfg.learn_tau else None
+        # Sub-LN feeds W_o: no learned scale unless force_ln_scale (the norm scale rule).
+        self.sub_norm = Norm(d, cfg, cfg.force_ln_scale, rngs, axis="heads") if sub_norm else None
+        self.position_bias = PositionBias(cfg, rngs) if position_bias else None
+        self.attention_dropout = cfg.attention_dropout
+
+    def temperature(self) -> Optional[jax.Array]:
+        if not self.cosine:
+            return None
+        if self.tau is None:
+            return jnp.full((self.heads,), self.fixed_tau, jnp.float32)
+        return jnp.maximum(self.tau[...].astype(jnp.float32), self.tau_min)  # learned, clamped
+
+    def __call__(self, x: jax.Array, kv: jax.Array, mask: Optional[jax.Array], rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+        b, t, d = x.shape
+        split = lambda y: y.reshape(y.shape[0], y.shape[1], self.heads, d // self.heads)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(kv)), split(self.v(kv))
+        logits = attention_logits(q, k, self.temperature())
+        if self.position_bias is not None:
+            logits = logits + self.position_bias(t)[None]
+        if mask is not None:
+            logits = jnp.where(mask, logits, MASKED)
+        weights = dropout(self.attention_dropout, rngs)(jax.nn.softmax(logits, axis=-1))
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+        if self.head_scale is not None:
+            out = out * self.head_scale[...].astype(out.dtype)[:, None]
+        out = out.reshape(b, t, d)
+        if self.sub_norm is not None:
+            out = self.sub_norm(out)
+        return self.o(out)
