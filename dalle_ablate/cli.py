@@ -29,7 +29,7 @@ def format_error(ex: BaseException) -> Optional[str]:
     if isinstance(ex, MissingConfigException):
         group = os.path.dirname(ex.missing_cfg_file or "") or "config"
         name = os.path.basename(ex.missing_cfg_file or "")
-        options = ", ".join(sorted(o for o in (ex.options or []) if not o.startswith("base_")))
+        options = ", ".join(sorted(ex.options or []))
         return f"{group}={name} is not a known option of '{group}'; valid: {options}"
     if isinstance(ex, OverrideParseException):
         return f"cannot parse override: {str(ex).splitlines()[0]}"

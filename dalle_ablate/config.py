@@ -1,6 +1,6 @@
 """Typed run configuration: Hydra structured configs registered in the ConfigStore.
 
-Every YAML file in `conf/<group>/` starts from one of the schemas below (`defaults: [base_x]`),
+Every YAML file in `conf/<group>/` starts from one of the schemas below (`/schema/<name>@_here_`),
 so a typo in a field name fails when Hydra composes the config, before anything is built.
 Values that depend on registries (layouts, norms, optimizers, ...) are checked by `validate`,
 which names the field and lists the valid choices.
@@ -218,17 +218,22 @@ class RunConfig:
 
 
 def register_configs() -> None:
+    """Schemas live in the `schema` group, so that `model=glob(*)` and the option lists in error
+    messages see only the YAML options; each YAML starts from one with `/schema/<name>@_here_`."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
-    cs.store(group="model", name="base_model", node=ModelConfig)
-    cs.store(group="optim", name="base_adam", node=AdamConfig)
-    cs.store(group="optim", name="base_adafactor", node=AdafactorConfig)
-    cs.store(group="schedule", name="base_constant", node=ConstantScheduleConfig)
-    cs.store(group="schedule", name="base_linear", node=LinearScheduleConfig)
-    cs.store(group="schedule", name="base_exponential", node=ExponentialScheduleConfig)
-    cs.store(group="data", name="base_shapes", node=ShapesDataConfig)
-    cs.store(group="data", name="base_parquet", node=ParquetDataConfig)
-    cs.store(group="tracker", name="base_tracker", node=TrackerConfig)
+    for name, node in {
+        "model": ModelConfig,
+        "optim_adam": AdamConfig,
+        "optim_adafactor": AdafactorConfig,
+        "schedule_constant": ConstantScheduleConfig,
+        "schedule_linear": LinearScheduleConfig,
+        "schedule_exponential": ExponentialScheduleConfig,
+        "data_shapes": ShapesDataConfig,
+        "data_parquet": ParquetDataConfig,
+        "tracker": TrackerConfig,
+    }.items():
+        cs.store(group="schema", name=name, node=node)
 
 
 register_configs()

@@ -40,7 +40,7 @@ def test_size_is_packaged_into_model():
 
 
 def test_registry_errors_name_field_and_choices():
-    with pytest.raises(ConfigError, match=r"model.activation='nosuch' is not a known activation; valid: gelu, relu, swish"):
+    with pytest.raises(ConfigError, match=r"model.activation='nosuch' is not a known activation; valid: gelu, relu, smelu, swish"):
         run_config("model.activation=nosuch")
     with pytest.raises(ConfigError, match=r"model.norm='batchnorm' is not a known norm; valid: layernorm, rmsnorm"):
         run_config("model.norm=batchnorm")
