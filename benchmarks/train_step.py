@@ -15,37 +15,21 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import fresh_train_step, timed_steps  # noqa: E402
 
 
 def bare_step_times(cfg, dataset, steps: int) -> list[float]:
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    from dalle_ablate.model import build_model, resolve
-    from dalle_ablate.optim import build_optimizer
-    from dalle_ablate.train.step import TrainState, make_train_step
+    from dalle_ablate.model import resolve
 
     mcfg = resolve(cfg.model, dataset.image_len, dataset.image_vocab, dataset.text.vocab_size)
-    graphdef, params = nnx.split(build_model(mcfg, cfg.seed), nnx.Param)
-    params = nnx.to_pure_dict(params)
-    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params))
-    step = make_train_step(graphdef, opt, sched, cfg.trainer.grad_accum, cfg.seed)
+    step, state, _ = fresh_train_step(cfg, mcfg)
     batch = jax.device_put(next(dataset.train_batches(cfg.trainer.batch_size, cfg.seed)))
-    state, m = step(state, batch)  # compile
-    jax.block_until_ready(m["train/loss"])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m["train/loss"])
-        times.append(time.perf_counter() - t)
-    return times
+    return timed_steps(step, state, batch, steps)[1]
 
 
 def main() -> None:

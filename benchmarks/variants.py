@@ -18,26 +18,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import fresh_train_step, timed_steps  # noqa: E402
 
 
 def measure(cfg, steps: int) -> dict:
-    import jax
-    import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from dalle_ablate.data import abstract_sizes
-    from dalle_ablate.model import build_model, param_count
-    from dalle_ablate.optim import build_optimizer
-    from dalle_ablate.train.step import TrainState, make_train_step
 
     mcfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-    model = build_model(mcfg, cfg.seed)
-    n_params = param_count(model)
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params))
+    step, state, n_params = fresh_train_step(cfg, mcfg)
     rng = np.random.default_rng(0)
     b = cfg.trainer.batch_size
     batch = {
@@ -46,7 +36,6 @@ def measure(cfg, steps: int) -> dict:
         "codes": rng.integers(0, mcfg.image_vocab, (b, mcfg.image_len)).astype(np.int32),
         "weights": np.ones(b, np.float32),
     }
-    step = make_train_step(graphdef, opt, sched, cfg.trainer.grad_accum, cfg.seed)
     t = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t
@@ -54,16 +43,8 @@ def measure(cfg, steps: int) -> dict:
     peak = None
     if mem is not None:
         peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-    state, m = compiled(state, batch)
-    jax.block_until_ready(m["train/loss"])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = compiled(state, batch)
-        jax.block_until_ready(m["train/loss"])
-        times.append(time.perf_counter() - t)
-    return {"params": n_params, "compile": compile_s, "step": statistics.median(times), "peak": peak,
-            "loss": float(m["train/loss"])}
+    _, times, loss = timed_steps(compiled, state, batch, steps)
+    return {"params": n_params, "compile": compile_s, "step": statistics.median(times), "peak": peak, "loss": loss}
 
 
 def main() -> None:
