@@ -78,6 +78,33 @@ class AdamConfig(OptimConfig):
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
+    eps_root: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class ShampooConfig(OptimConfig):
+    """Distributed Shampoo (arXiv 2002.09018) as DALL·E Mega trained with it."""
+
+    name: str = "shampoo"
+    lr: float = 1e-3
+    block_size: int = 1024  # dimensions longer than this are split into blocks
+    b1: float = 0.9  # momentum on the grafted direction
+    b2: float = 0.99  # statistics decay; 1.0 = Adagrad-style sums
+    graft: str = "rmsprop_normalized"  # rmsprop_normalized | rmsprop | adagrad | sgd | adam
+    graft_b2: float = 0.99
+    graft_eps: float = 1e-8
+    matrix_eps: float = 1e-6  # ridge, relative to the largest eigenvalue
+    exponent_override: int = 0  # 0 = 2 x rank (4 for matrices)
+    preconditioning_every: int = 10  # recompute inverse roots every k steps
+    start_preconditioning_step: int = 101  # graft direction alone before this step
+    inverse_failure_threshold: float = 0.1  # keep the previous root above this relative error
+    skip_preconditioning_dim_size_gt: int = 4096  # graft only for any larger dimension
+    moving_average_for_momentum: bool = False  # EMA momentum instead of heavy ball
+    nesterov: bool = False
+    statistics_dtype: str = "float32"  # float32 | bfloat16 for statistics and roots
+    # Parameters whose path matches one of these get the graft direction only (Mega: embeddings).
+    no_precondition: list[str] = field(default_factory=lambda: ["embed", "lm_head"])
 
 
 @dataclass
@@ -100,11 +127,19 @@ class ScheduleConfig:
 
     name: str = MISSING
     warmup_steps: int = 50
+    lr_offset: int = 0  # hold the rate at 0 for the first N steps (resuming with a fresh optimizer)
 
 
 @dataclass
 class ConstantScheduleConfig(ScheduleConfig):
     name: str = "constant"
+
+
+@dataclass
+class CosineScheduleConfig(ScheduleConfig):
+    name: str = "cosine"
+    end_factor: float = 0.0  # final lr as a fraction of optim.lr
+    decay_steps: Optional[int] = None  # null = until trainer.steps
 
 
 @dataclass
@@ -226,6 +261,8 @@ def register_configs() -> None:
         "model": ModelConfig,
         "optim_adam": AdamConfig,
         "optim_adafactor": AdafactorConfig,
+        "optim_shampoo": ShampooConfig,
+        "schedule_cosine": CosineScheduleConfig,
         "schedule_constant": ConstantScheduleConfig,
         "schedule_linear": LinearScheduleConfig,
         "schedule_exponential": ExponentialScheduleConfig,

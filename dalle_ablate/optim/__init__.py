@@ -8,6 +8,7 @@ import jax
 import optax
 
 from dalle_ablate.optim.schedules import SCHEDULES, build_schedule
+from dalle_ablate.optim.shampoo import scale_by_shampoo, shampoo_stats
 from dalle_ablate.registry import ConfigError, Registry
 
 OPTIMIZERS: Registry = Registry("optimizer", "optim")
@@ -17,12 +18,12 @@ def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def decay_mask(exclude: list[str]):
-    """A mask function for optax: True where weight decay applies (no exclude regex matches)."""
+def decay_mask(exclude: list[str], field: str = "optim.wd_exclude"):
+    """A mask function for optax: True where no exclude regex matches the parameter's path."""
     try:
         patterns = [re.compile(p) for p in exclude]
     except re.error as e:
-        raise ConfigError(f"optim.wd_exclude has an invalid regex: {e}") from e
+        raise ConfigError(f"{field} has an invalid regex: {e}") from e
 
     def mask(params):
         return jax.tree_util.tree_map_with_path(lambda p, _: not any(r.search(path_str(p)) for r in patterns), params)
@@ -33,7 +34,29 @@ def decay_mask(exclude: list[str]):
 @OPTIMIZERS.register("adam")
 def _adam(cfg, lr) -> optax.GradientTransformation:
     # AdamW (Loshchilov & Hutter, arXiv 1711.05101): decoupled, masked weight decay.
-    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask(cfg.wd_exclude))
+    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, eps_root=cfg.eps_root, weight_decay=cfg.weight_decay,
+                       mask=decay_mask(cfg.wd_exclude), nesterov=cfg.nesterov)
+
+
+@OPTIMIZERS.register("shampoo")
+def _shampoo(cfg, lr) -> optax.GradientTransformation:
+    # The grafted Shampoo direction with momentum, then decoupled weight decay, then the rate.
+    if cfg.statistics_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"optim.statistics_dtype={cfg.statistics_dtype!r} is not valid; valid: bfloat16, float32")
+    direction = scale_by_shampoo(
+        block_size=cfg.block_size, beta1=cfg.b1, beta2=cfg.b2, graft=cfg.graft, graft_beta2=cfg.graft_b2,
+        graft_eps=cfg.graft_eps, matrix_eps=cfg.matrix_eps, exponent_override=cfg.exponent_override,
+        preconditioning_every=cfg.preconditioning_every, start_preconditioning_step=cfg.start_preconditioning_step,
+        inverse_failure_threshold=cfg.inverse_failure_threshold,
+        skip_preconditioning_dim_size_gt=cfg.skip_preconditioning_dim_size_gt,
+        moving_average_for_momentum=cfg.moving_average_for_momentum, nesterov=cfg.nesterov,
+        statistics_dtype=cfg.statistics_dtype, precondition_mask=decay_mask(cfg.no_precondition, "optim.no_precondition"),
+    )
+    return optax.chain(
+        direction,
+        optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask(cfg.wd_exclude)),
+        optax.scale_by_learning_rate(lr),
+    )
 
 
 @OPTIMIZERS.register("adafactor")
@@ -65,4 +88,4 @@ def build_optimizer(optim_cfg, schedule_cfg, total_steps: int) -> tuple[optax.Gr
     return opt, schedule
 
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "build_optimizer", "build_schedule", "decay_mask"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "build_optimizer", "build_schedule", "decay_mask", "scale_by_shampoo", "shampoo_stats"]

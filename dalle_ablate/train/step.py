@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from dalle_ablate.optim import path_str
+from dalle_ablate.optim import path_str, shampoo_stats
 
 
 @struct.dataclass
@@ -85,6 +85,7 @@ def make_train_step(
             # forward and backward passes, and fetched to the host only every log_every steps.
             **{f"train/grad_norm/{g}": v for g, v in group_norms(grads).items()},
             **{f"train/param_norm/{g}": v for g, v in group_norms(params).items()},
+            **shampoo_stats(opt_state),  # empty unless the optimizer is Shampoo
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
