@@ -1,0 +1,71 @@
+"""Adam, Adafactor and Shampoo on one model: compile time, step time amortised over a
+preconditioning period, and optimizer-state memory.
+
+    python benchmarks/optimizers.py [--periods 3] [overrides...]      (default size=small)
+
+Shampoo recomputes its inverse roots every `optim.preconditioning_every` steps, so step times are
+summed over whole periods and the median period is divided by its length. Shampoo is timed with
+preconditioning on from the first step (start_preconditioning_step=0). One run, this machine;
+nothing here is asserted by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import fresh_train_step, timed_steps  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--periods", type=int, default=3)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    import jax
+    import numpy as np
+
+    from dalle_ablate.cli import compose
+    from dalle_ablate.config import to_run_config
+    from dalle_ablate.data import abstract_sizes
+
+    rows = {}
+    for name in ("adam", "adafactor", "shampoo"):
+        extra = ["optim.start_preconditioning_step=0"] if name == "shampoo" else []
+        cfg = to_run_config(compose(["size=small", f"optim={name}", *extra, *args.overrides]))
+        period = cfg.optim.preconditioning_every if name == "shampoo" else 1
+        mcfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
+        step, state, _ = fresh_train_step(cfg, mcfg)
+        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
+        rng = np.random.default_rng(0)
+        b = cfg.trainer.batch_size
+        batch = {
+            "text": rng.integers(4, mcfg.text_vocab, (b, mcfg.text_len)).astype(np.int32),
+            "text_mask": np.ones((b, mcfg.text_len), bool),
+            "codes": rng.integers(0, mcfg.image_vocab, (b, mcfg.image_len)).astype(np.int32),
+            "weights": np.ones(b, np.float32),
+        }
+        t = time.perf_counter()
+        compiled = step.lower(state, batch).compile()
+        compile_s = time.perf_counter() - t
+        # The warm-up step is count 0; counts 1..period*k hold exactly one root refresh per period.
+        _, times, _ = timed_steps(compiled, state, batch, period * args.periods)
+        per_period = [sum(times[i : i + period]) / period for i in range(0, len(times), period)]
+        rows[name] = (compile_s, statistics.median(per_period), state_bytes)
+        print(f"measured {name}", file=sys.stderr)
+
+    base = rows["adam"]
+    print(f"device: {jax.devices()[0].device_kind}, size=small, batch {b}, median of {args.periods} periods\n")
+    print(f"{'optimizer':<10}{'compile s':>10}{'x adam':>8}{'step ms':>9}{'x adam':>8}{'state MiB':>11}{'x adam':>8}")
+    for name, (c, s, m) in rows.items():
+        print(f"{name:<10}{c:>10.2f}{c / base[0]:>8.2f}{s * 1e3:>9.1f}{s / base[1]:>8.2f}{m / 2**20:>11.1f}{m / base[2]:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
