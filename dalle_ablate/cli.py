@@ -22,7 +22,7 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 def format_error(ex: BaseException) -> Optional[str]:
     """One line for a user mistake, or None for an unexpected error."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     if isinstance(ex, ConfigError):
         return str(ex)
@@ -34,9 +34,7 @@ def format_error(ex: BaseException) -> Optional[str]:
     if isinstance(ex, OverrideParseException):
         return f"cannot parse override: {str(ex).splitlines()[0]}"
     cause = ex.__cause__ if isinstance(ex, ConfigCompositionException) else ex
-    if isinstance(cause, ConfigKeyError) or (
-        isinstance(cause, OmegaConfBaseException) and "not in" in str(cause) and getattr(cause, "full_key", None)
-    ):
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
         key = cause.full_key
         obj = getattr(cause, "object_type", None)
         fields = sorted(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else []
