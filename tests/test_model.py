@@ -4,7 +4,6 @@ are checked by abstract shapes only."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from flax import nnx
 
 from conftest import compose, run_config
 from dalle_ablate.config import to_run_config
-from dalle_ablate.model import abstract_model, build_model, param_count, resolve
+from dalle_ablate.model import abstract_model, build_model, param_count
 from dalle_ablate.model.attention import PositionBias, attention_logits, grid_offsets
 from dalle_ablate.model.layers import Norm, smelu
 from dalle_ablate.model.layouts import deepnet_constants, magneto_gains
@@ -51,7 +52,6 @@ def test_init_gains_reach_exactly_the_kernels_variants_md_names(layout):
     cfg = tiny_model_cfg(layout, init_std=s, d_model=256, heads=4, ffn_dim=256, encoder_layers=n, decoder_layers=n)
     model = build_model(cfg, 0)
     if layout == "deepnet":
-        enc = dec = cross = None
         enc, dec = deepnet_constants(n, n)["encoder"][1], deepnet_constants(n, n)["decoder"][1]
         cross = dec  # cross-attention uses the decoder's beta
     else:
@@ -216,14 +216,8 @@ def test_mega_parameter_count_equals_an_analytic_count():
     (["model.smelu_beta=-1"], "model.smelu_beta=-1.0 must be positive"),
 ])
 def test_illegal_variant_combinations_fail_before_compilation_naming_the_flags(overrides, message):
-    with pytest.raises(ConfigError, match=re_escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         run_config(*overrides)
-
-
-def re_escape(s):
-    import re
-
-    return re.escape(s)
 
 
 # -- end to end ---------------------------------------------------------------------------------------

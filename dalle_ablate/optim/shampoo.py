@@ -18,7 +18,6 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from dalle_ablate.registry import ConfigError
@@ -215,9 +214,10 @@ def scale_by_shampoo(
         mats = [g.reshape(s) if s is not None else None for g, s in zip(grads, plan.shapes2d)]
         g_stacks = gather(plan, mats)
         new_stacks = []
+        c2 = 1 - beta2 if beta2 < 1 else 1.0  # beta2 = 1: Adagrad-style sums
         for st, gs in zip(state.stacks, g_stacks):
-            ll = beta2 * st.left.astype(jnp.float32) + (1 - beta2 if beta2 < 1 else 1.0) * jnp.einsum("nij,nkj->nik", gs, gs)
-            rr = beta2 * st.right.astype(jnp.float32) + (1 - beta2 if beta2 < 1 else 1.0) * jnp.einsum("nji,njk->nik", gs, gs)
+            ll = beta2 * st.left.astype(jnp.float32) + c2 * jnp.einsum("nij,nkj->nik", gs, gs)
+            rr = beta2 * st.right.astype(jnp.float32) + c2 * jnp.einsum("nji,njk->nik", gs, gs)
             new_stacks.append(st._replace(left=ll.astype(sdt), right=rr.astype(sdt)))
         # 3. inverse roots, every preconditioning_every steps; a failed root keeps the previous one
         p = exponent_override or 4  # 2 x rank, rank 2 after reshaping

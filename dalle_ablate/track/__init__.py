@@ -4,9 +4,8 @@ backends. The run store is always written; nothing outside this package imports 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
 
 from dalle_ablate.track.base import CompositeTracker, NullTracker, Tracker
 from dalle_ablate.track.runstore import RunStore

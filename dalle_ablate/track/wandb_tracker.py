@@ -5,7 +5,6 @@ folder, job_type = the model layout, name = the overrides; finish() on every exi
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import numpy as np
 import wandb
