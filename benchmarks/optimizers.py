@@ -58,6 +58,10 @@ def main() -> None:
         _, times, _ = timed_steps(compiled, state, batch, period * args.periods)
         per_period = [sum(times[i : i + period]) / period for i in range(0, len(times), period)]
         rows[name] = (compile_s, statistics.median(per_period), state_bytes)
+        if name == "shampoo":  # the refresh is the last step of each period (count % period == 0)
+            refresh = [times[i] for i in range(period - 1, len(times), period)]
+            plain = [t for i, t in enumerate(times) if i % period != period - 1]
+            split = (statistics.median(plain), statistics.median(refresh) - statistics.median(plain))
         print(f"measured {name}", file=sys.stderr)
 
     base = rows["adam"]
@@ -65,6 +69,8 @@ def main() -> None:
     print(f"{'optimizer':<10}{'compile s':>10}{'x adam':>8}{'step ms':>9}{'x adam':>8}{'state MiB':>11}{'x adam':>8}")
     for name, (c, s, m) in rows.items():
         print(f"{name:<10}{c:>10.2f}{c / base[0]:>8.2f}{s * 1e3:>9.1f}{s / base[1]:>8.2f}{m / 2**20:>11.1f}{m / base[2]:>8.2f}")
+    print(f"\nshampoo: {split[0] * 1e3:.1f} ms per step without a root refresh; a refresh adds {split[1] * 1e3:.0f} ms "
+          f"(every {period} steps)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_config
 from dalle_ablate.optim import build_optimizer, build_schedule, decay_mask
 from dalle_ablate.optim.shampoo import (
-    gather, inverse_root, make_plan, merged_shape, scale_by_shampoo, scatter, shampoo_stats)
+    batched_inverse_roots, gather, inverse_root, make_plan, merged_shape, scale_by_shampoo, scatter, shampoo_stats)
 
 
 def np_root(a: np.ndarray, p: int, eps: float) -> np.ndarray:
@@ -46,6 +46,26 @@ def test_inverse_fourth_root_error_is_bounded(cond):
     ref = np_root(a, 4, 1e-6)
     assert float(err) < 0.1  # below the default inverse_failure_threshold
     assert np.abs(np.asarray(root) - ref).max() <= 0.02 * np.abs(ref).max()
+
+
+def test_batched_roots_of_mixed_block_sizes_equal_the_numpy_roots():
+    # Stacks of three sizes, one size repeated, in interleaved order: each root and error must
+    # come back in its input's place (the sizes are bucketed for the eigendecompositions).
+    rng = np.random.default_rng(3)
+
+    def spd(n, b):
+        g = rng.normal(size=(n, b, 2 * b))
+        return g @ np.swapaxes(g, 1, 2) / b
+
+    mats = [spd(3, 16), spd(2, 40), spd(4, 16), spd(1, 24)]
+    out = jax.jit(lambda ms: batched_inverse_roots(ms, 4, 1e-6))([jnp.asarray(m, jnp.float32) for m in mats])
+    for m, (roots, errors) in zip(mats, out):
+        assert roots.shape == m.shape and errors.shape == m.shape[:1]
+        for a, r, e in zip(m, np.asarray(roots), np.asarray(errors)):
+            ref = np_root(a, 4, 1e-6)
+            assert np.abs(r - ref).max() <= 1e-4 * np.abs(ref).max()
+            x4 = np.linalg.matrix_power(ref, 4) @ (a + 1e-6 * np.linalg.eigvalsh(a).max() * np.eye(len(a)))
+            assert e < 1e-3 and abs(e - np.abs(x4 - np.eye(len(a))).max()) < 1e-3
 
 
 def test_a_nan_in_the_statistics_keeps_the_previous_root():

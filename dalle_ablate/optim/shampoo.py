@@ -93,37 +93,56 @@ def scatter(plan: Plan, stacks: list[jax.Array]) -> list[Optional[jax.Array]]:
 
 
 # -- inverse p-th roots ---------------------------------------------------------------------------
-def inverse_root(a: jax.Array, p: int, ridge_eps: float) -> tuple[jax.Array, jax.Array]:
-    """(A + eps lambda_max I)^(-1/p) by symmetric eigendecomposition, and its relative error
-    max|X^p (A + ridge) - I|. Vmapped over stacks by the caller."""
-    a = a.astype(jnp.float32)
-    a = (a + a.T) / 2
+def _root_from_eigh(a: jax.Array, lam: jax.Array, vec: jax.Array, p: int, ridge_eps: float):
     n = a.shape[-1]
-    lam, vec = jnp.linalg.eigh(a)
     ridge = ridge_eps * jnp.maximum(jnp.max(lam), 0.0)
     lam = jnp.maximum(lam, 0.0) + ridge
     safe = jnp.where(lam > 0, lam, 1.0)
     root = (vec * jnp.where(lam > 0, safe ** (-1.0 / p), 0.0)) @ vec.T
-    recon = jnp.linalg.matrix_power(root, p) @ (a + ridge * jnp.eye(n))
-    return root, jnp.max(jnp.abs(recon - jnp.eye(n)))
+    diag = jnp.arange(n)
+    recon = jnp.linalg.matrix_power(root, p) @ a.at[diag, diag].add(ridge)
+    # Subtract I on the diagonal only: `recon - jnp.eye(n)` lets XLA's CPU backend fuse the
+    # subtraction into the matmul and emit it as a naive loop (3x slower roots at b = 680).
+    return root, jnp.max(jnp.abs(recon.at[diag, diag].add(-1.0)))
+
+
+def _symmetric(a: jax.Array) -> jax.Array:
+    a = a.astype(jnp.float32)
+    return (a + jnp.swapaxes(a, -1, -2)) / 2
+
+
+def inverse_root(a: jax.Array, p: int, ridge_eps: float) -> tuple[jax.Array, jax.Array]:
+    """(A + eps lambda_max I)^(-1/p) by symmetric eigendecomposition, and its relative error
+    max|X^p (A + ridge) - I|."""
+    a = _symmetric(a)
+    lam, vec = jnp.linalg.eigh(a)
+    return _root_from_eigh(a, lam, vec, p, ridge_eps)
 
 
 def batched_inverse_roots(mats: list[jax.Array], p: int, ridge_eps: float) -> list[tuple[jax.Array, jax.Array]]:
-    """Inverse roots of every statistic in ONE batched eigendecomposition: each [n, b, b] stack is
-    zero-padded to the largest b and all are concatenated. Zero padding is exact: the padded matrix
-    is block-diagonal [[A, 0], [0, 0]], its ridge is eps * lambda_max(A), and the top-left block of
-    its root is (A + ridge)^(-1/p). One call also avoids a deadlock of jax 0.10's CPU runtime, seen
-    here when a compiled step holds more than about five eigh calls."""
-    if not mats:
-        return []
-    size = max(m.shape[-1] for m in mats)
-    padded = jnp.concatenate([jnp.pad(m.astype(jnp.float32), ((0, 0), (0, size - m.shape[-1]), (0, size - m.shape[-1]))) for m in mats])
-    roots, errors = jax.vmap(lambda a: inverse_root(a, p, ridge_eps))(padded)
-    out, start = [], 0
-    for m in mats:
-        n, b = m.shape[0], m.shape[-1]
-        out.append((roots[start : start + n, :b, :b], errors[start : start + n]))
-        start += n
+    """Inverse roots of every statistic. Stacks of equal block size are concatenated, so there
+    is one eigendecomposition loop per distinct block size (no zero-padding to the largest
+    size: eigh is O(b^3), padding a 256-block to 680 would cost 19x).
+
+    The eigendecompositions run one matrix at a time in `lax.map`, and only the matmuls are
+    vmapped. jaxlib's batched CPU eigh spreads its batch over XLA's intra-op thread pool and
+    blocks a pool thread waiting for it; two batched eighs that XLA schedules concurrently
+    (on a 2-core machine the pool has two threads) wait on each other forever — seen here as
+    a train step that hangs at random. With one matrix per call the kernel runs inline, and
+    LAPACK's own BLAS threads keep it as fast as the batched call (measured equal)."""
+    by_size: dict[int, list[int]] = {}
+    for k, m in enumerate(mats):
+        by_size.setdefault(m.shape[-1], []).append(k)
+    out: list = [None] * len(mats)
+    for ks in by_size.values():
+        batch = _symmetric(jnp.concatenate([mats[k] for k in ks]))
+        lam, vec = jax.lax.map(jnp.linalg.eigh, batch)
+        roots, errors = jax.vmap(lambda a, w, v: _root_from_eigh(a, w, v, p, ridge_eps))(batch, lam, vec)
+        start = 0
+        for k in ks:
+            n = mats[k].shape[0]
+            out[k] = (roots[start : start + n], errors[start : start + n])
+            start += n
     return out
 
 
@@ -138,7 +157,7 @@ class StackState(NamedTuple):
 
 class ShampooState(NamedTuple):
     count: jax.Array
-    graft: Any  # per-parameter graft statistics (second moments), zeros for sgd
+    graft: Any  # per-parameter graft second moments; a scalar placeholder per parameter for sgd
     momentum: Any  # per-parameter first moment of the grafted direction
     stacks: tuple  # StackState per block shape
     preconditioned: jax.Array  # share of parameter elements that took the Shampoo direction this step
@@ -186,7 +205,9 @@ def scale_by_shampoo(
             stacks.append(StackState(jnp.zeros((n, b1, b1), sdt), jnp.zeros((n, b2, b2), sdt), eye(b1), eye(b2),
                                      jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.int32)))
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return ShampooState(jnp.zeros((), jnp.int32), zeros, jax.tree.map(jnp.copy, zeros), tuple(stacks), jnp.zeros(()))
+        # sgd grafting keeps no second moment: a scalar placeholder per parameter.
+        graft_state = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params) if graft == "sgd" else zeros
+        return ShampooState(jnp.zeros((), jnp.int32), graft_state, jax.tree.map(jnp.copy, zeros), tuple(stacks), jnp.zeros(()))
 
     def graft_direction(g, v, count):
         if graft == "sgd":
@@ -236,19 +257,21 @@ def scale_by_shampoo(
             return tuple(out)
 
         new_stacks = jax.lax.cond(count % preconditioning_every == 0, refresh, tuple, tuple(new_stacks))
-        # 4. preconditioned blocks, each grafted to the norm of the graft direction's block
-        graft_mats = [d.reshape(s) if s is not None else None for d, s in zip(graft_dirs, plan.shapes2d)]
-        graft_stacks = gather(plan, graft_mats)
-        out_stacks = []
-        for st, gs, gr in zip(new_stacks, g_stacks, graft_stacks):
-            pre = jnp.einsum("nij,njk,nkl->nil", st.left_root.astype(jnp.float32), gs, st.right_root.astype(jnp.float32))
-            scale = jnp.linalg.norm(gr, axis=(1, 2)) / (jnp.linalg.norm(pre, axis=(1, 2)) + 1e-16)
-            out_stacks.append(pre * scale[:, None, None])
-        shampoo_mats = scatter(plan, out_stacks)
+        # 4. preconditioned blocks, each grafted to the norm of the graft direction's block. Before
+        # start_preconditioning_step the graft direction is used alone and, under lax.cond, the
+        # preconditioning matmuls are not run at all (statistics and roots still accumulate).
         use_shampoo = count >= start_preconditioning_step
-        directions = [
-            d if m is None else jnp.where(use_shampoo, m.reshape(d.shape), d) for d, m in zip(graft_dirs, shampoo_mats)
-        ]
+
+        def preconditioned(graft_dirs):
+            graft_mats = [d.reshape(s) if s is not None else None for d, s in zip(graft_dirs, plan.shapes2d)]
+            out_stacks = []
+            for st, gs, gr in zip(new_stacks, g_stacks, gather(plan, graft_mats)):
+                pre = jnp.einsum("nij,njk,nkl->nil", st.left_root.astype(jnp.float32), gs, st.right_root.astype(jnp.float32))
+                scale = jnp.linalg.norm(gr, axis=(1, 2)) / (jnp.linalg.norm(pre, axis=(1, 2)) + 1e-16)
+                out_stacks.append(pre * scale[:, None, None])
+            return [d if m is None else m.reshape(d.shape) for d, m in zip(graft_dirs, scatter(plan, out_stacks))]
+
+        directions = jax.lax.cond(use_shampoo, preconditioned, list, graft_dirs) if plan.stacks else graft_dirs
         # 5. momentum on the grafted direction: EMA or heavy ball, optionally Nesterov
         c = (1 - beta1) if moving_average_for_momentum else 1.0
         new_m = [beta1 * m + c * d for m, d in zip(jax.tree.leaves(state.momentum), directions)]
