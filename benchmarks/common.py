@@ -36,3 +36,16 @@ def timed_steps(step, state, batch, n: int) -> tuple[object, list[float], float]
         jax.block_until_ready(m["train/loss"])
         times.append(time.perf_counter() - t)
     return state, times, float(m["train/loss"])
+
+
+def random_batch(model_cfg, batch_size: int, seed: int = 0) -> dict:
+    """A fixed batch of random tokens (full-length captions) shaped for the model."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {
+        "text": rng.integers(4, model_cfg.text_vocab, (batch_size, model_cfg.text_len)).astype(np.int32),
+        "text_mask": np.ones((batch_size, model_cfg.text_len), bool),
+        "codes": rng.integers(0, model_cfg.image_vocab, (batch_size, model_cfg.image_len)).astype(np.int32),
+        "weights": np.ones(batch_size, np.float32),
+    }

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import fresh_train_step, timed_steps  # noqa: E402
+from common import fresh_train_step, random_batch, timed_steps  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +29,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import numpy as np
 
     from dalle_ablate.cli import compose
     from dalle_ablate.config import to_run_config
@@ -43,14 +42,8 @@ def main() -> None:
         mcfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
         step, state, _ = fresh_train_step(cfg, mcfg)
         state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
-        rng = np.random.default_rng(0)
         b = cfg.trainer.batch_size
-        batch = {
-            "text": rng.integers(4, mcfg.text_vocab, (b, mcfg.text_len)).astype(np.int32),
-            "text_mask": np.ones((b, mcfg.text_len), bool),
-            "codes": rng.integers(0, mcfg.image_vocab, (b, mcfg.image_len)).astype(np.int32),
-            "weights": np.ones(b, np.float32),
-        }
+        batch = random_batch(mcfg, b)
         t = time.perf_counter()
         compiled = step.lower(state, batch).compile()
         compile_s = time.perf_counter() - t

@@ -111,6 +111,21 @@ def cmd_describe(args) -> None:
     print(f"(optimizer: {cfg.optim.name})")
 
 
+def cmd_plan(args) -> None:
+    """Per-device memory and FLOPs of a config on its mesh, from abstract shapes."""
+    import dataclasses
+
+    from dalle_ablate.config import to_run_config
+    from dalle_ablate.data import abstract_sizes
+    from dalle_ablate.optim import build_optimizer
+    from dalle_ablate.parallel.plan import plan
+
+    cfg = to_run_config(compose(args.overrides))
+    model_cfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
+    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    print(plan(cfg, model_cfg, optimizer))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -121,6 +136,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     desc = sub.add_parser("describe", help="parameters per module, FLOPs per image token, memory (no allocation)")
     desc.add_argument("overrides", nargs="*", help="config overrides, e.g. model=normformer size=mega")
     desc.set_defaults(func=cmd_describe)
+    pl = sub.add_parser("plan", help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)")
+    pl.add_argument("overrides", nargs="*", help="e.g. size=mega optim=shampoo mesh.data=32 mesh.model=8 trainer.batch_size=4224")
+    pl.set_defaults(func=cmd_plan)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -59,6 +59,8 @@ class ModelConfig:
     activation_dropout: float = 0.0  # after the FFN activation
     scale_embedding: bool = False  # multiply embeddings by sqrt(d_model)
     dtype: str = "float32"  # compute dtype; norms, softmax and loss stay float32
+    remat: str = "none"  # per-layer rematerialisation: none | full | dots_saveable
+    scan_layers: bool = False  # compile one layer and scan it over each stack (faster compiles)
     vocab_pad_multiple: int = 8  # embedding / logits rows padded up to a multiple of this
 
 
@@ -230,6 +232,27 @@ class TrainerConfig:
 
 
 @dataclass
+class MeshConfig:
+    """Device mesh (dalle_ablate/parallel): sizes of its three axes; -1 = the remaining devices."""
+
+    data: int = -1  # batch split, parameters replicated
+    fsdp: int = 1  # batch split, parameters and optimizer state sharded on their embed axis
+    model: int = 1  # tensor parallel: heads, MLP and vocabulary split
+
+
+@dataclass
+class DistributedConfig:
+    """Several processes (hosts) in one run: jax.distributed.initialize before anything else.
+    conf/config.yaml fills the fields from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID when they are set."""
+
+    coordinator_address: Optional[str] = None  # host:port of process 0; null = a single process
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    auto: bool = False  # initialize() with no arguments: Cloud TPU, Slurm and Open MPI detect themselves
+
+
+@dataclass
 class SamplesConfig:
     """Images generated at the end of a run for a few fixed captions."""
 
@@ -248,6 +271,8 @@ class RunConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     seed: int = 0
     resume: Optional[str] = None  # null | auto | a run dir or checkpoint dir
 
@@ -269,6 +294,7 @@ def register_configs() -> None:
         "data_shapes": ShapesDataConfig,
         "data_parquet": ParquetDataConfig,
         "tracker": TrackerConfig,
+        "mesh": MeshConfig,
     }.items():
         cs.store(group="schema", name=name, node=node)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -103,8 +104,19 @@ def test_shapes_batches_resume_and_host_shares(small_dataset):
     resumed = [b for _, b in zip(range(2), ds.train_batches(8, seed=0, start_step=3))]
     for a, b in zip(full[3:], resumed):
         assert all(np.array_equal(a[k], b[k]) for k in a)
-    hosts = [next(ds.train_batches(8, seed=0, process_index=i, process_count=2)) for i in range(2)]
-    assert np.array_equal(np.concatenate([h["codes"] for h in hosts]), full[0]["codes"])
+    # Two hosts: their shares of every global batch are disjoint and together are that batch,
+    # captions blanked identically; over an epoch the hosts together see every example once.
+    n = len(ds.codes["train"])
+    per_epoch = n // 8
+    streams = [ds.train_batches(8, seed=0, process_index=i, process_count=2) for i in range(2)]
+    seen = Counter()
+    for step, single in zip(range(per_epoch), ds.train_batches(8, seed=0)):
+        hosts = [next(s) for s in streams]
+        for k in single:
+            assert np.array_equal(np.concatenate([h[k] for h in hosts]), single[k]), (step, k)
+        seen.update(row.tobytes() for h in hosts for row in h["codes"])
+    available = Counter(row.tobytes() for row in ds.codes["train"])
+    assert sum(seen.values()) == per_epoch * 8 and not seen - available  # nothing twice beyond the data's own repeats
     idx = np.arange(12)
     shares = [host_share(idx, i, 4) for i in range(4)]
     assert np.array_equal(np.sort(np.concatenate(shares)), idx)

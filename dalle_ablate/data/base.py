@@ -76,12 +76,16 @@ class Dataset(ABC):
             "weights": np.ones(len(codes), np.float32) if weights is None else weights.astype(np.float32),
         }
 
-    def blank_captions(self, batch: Batch, rng: np.random.Generator) -> Batch:
+    def blank_captions(self, batch: Batch, rng: np.random.Generator, rows: Optional[np.ndarray] = None,
+                       global_size: Optional[int] = None) -> Batch:
         """Replace a blank_caption_prob share of captions by the empty caption (the unconditional
-        branch that super conditioning needs; DALL·E mini trained with 10%)."""
+        branch that super conditioning needs; DALL·E mini trained with 10%). With `rows` (this
+        host's rows of a global batch of `global_size`) the draw is made for the global batch,
+        so that every split over hosts blanks the same examples."""
         if self.blank_caption_prob <= 0:
             return batch
-        blank = rng.random(len(batch["text"])) < self.blank_caption_prob
+        draw = rng.random(len(batch["text"]) if rows is None else global_size)
+        blank = (draw if rows is None else draw[rows]) < self.blank_caption_prob
         if blank.any():
             ids, mask = self._blank
             batch["text"] = np.where(blank[:, None], ids, batch["text"])

@@ -124,9 +124,9 @@ class ShapesDataset(Dataset):
             # The order of every epoch is a function of (seed, epoch) alone: resuming at any
             # step reproduces exactly the batches an uninterrupted run would have seen.
             perm = np.random.default_rng([seed, 1, epoch]).permutation(n)
-            idx = host_share(perm[pos * batch_size : (pos + 1) * batch_size], process_index, process_count)
-            batch = self.split_batch("train", idx)
-            yield self.blank_captions(batch, np.random.default_rng([seed, 2, step, process_index]))
+            rows = host_share(np.arange(batch_size), process_index, process_count)
+            batch = self.split_batch("train", perm[pos * batch_size : (pos + 1) * batch_size][rows])
+            yield self.blank_captions(batch, np.random.default_rng([seed, 2, step]), rows, batch_size)
             step += 1
 
     def eval_batches(self, batch_size: int, max_batches: Optional[int] = None, split: str = "valid") -> Iterator[Batch]:

@@ -14,8 +14,11 @@ from flax import nnx
 from PIL import Image, ImageDraw
 
 
-def make_sampler(graphdef, image_len: int, temperature: float = 1.0, top_k: Optional[int] = None) -> Callable:
-    """sample(params, text, text_mask, key) -> codes [B, image_len] int32."""
+def make_sampler(
+    graphdef, image_len: int, temperature: float = 1.0, top_k: Optional[int] = None, out_sharding=None
+) -> Callable:
+    """sample(params, text, text_mask, key) -> codes [B, image_len] int32 (replicated with a
+    mesh's replicated `out_sharding`, so that every host can read them)."""
 
     def sample(params, text, text_mask, key):
         model = nnx.merge(graphdef, params)
@@ -32,7 +35,7 @@ def make_sampler(graphdef, image_len: int, temperature: float = 1.0, top_k: Opti
 
         return jax.lax.fori_loop(0, image_len, body, codes)
 
-    return jax.jit(sample)
+    return jax.jit(sample, out_shardings=out_sharding)
 
 
 def image_grid(images: np.ndarray, captions: list[str], per_row: int, scale: int = 2) -> np.ndarray:

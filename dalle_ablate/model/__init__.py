@@ -45,6 +45,11 @@ def validate_model(cfg) -> None:
         raise ConfigError(f"model.position_bias=true needs a square image grid; model.image_len={cfg.image_len} is not a square")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype={cfg.dtype!r} is not valid; valid: bfloat16, float16, float32")
+    if cfg.remat not in ("none", "full", "dots_saveable"):
+        raise ConfigError(f"model.remat={cfg.remat!r} is not valid; valid: dots_saveable, full, none")
+    if cfg.scan_layers and cfg.swin_ln_every:
+        raise ConfigError(f"model.scan_layers=true conflicts with model.swin_ln_every={cfg.swin_ln_every}: "
+                          "a scanned stack has no room for norms between some of its layers")
     check_layout(cfg)
 
 

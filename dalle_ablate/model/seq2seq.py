@@ -67,9 +67,40 @@ class DecoderLayer(nnx.Module):
         return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs)
 
 
-def run_stack(layers, norms, x, rngs, *args) -> jax.Array:
-    for layer, norm in zip(layers, norms):
-        x = layer(x, *args, rngs=rngs)
+# Rematerialisation per layer (gradient checkpointing, Chen et al. 2016, arXiv 1604.06174; DALL·E
+# Mega checkpointed every layer): `full` keeps only each layer's input and recomputes the rest in
+# the backward pass, `dots_saveable` keeps the matmul outputs and recomputes norms, softmax and
+# activations.
+REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+
+
+def _call_layer(layer, x, rngs, *args):
+    return layer(x, *args, rngs=rngs)
+
+
+def _layer_rngs(key, i):
+    # Each layer draws its dropout masks from its own key, fold_in(stack key, layer index): the
+    # same masks whether the stack is unrolled or scanned.
+    return None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, i))
+
+
+def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = False) -> jax.Array:
+    call = _call_layer if remat == "none" else nnx.remat(_call_layer, policy=REMAT_POLICIES[remat])
+    key = rngs.dropout() if rngs is not None else None
+    if scan and len(layers) > 1:
+        # One compiled layer scanned over the stack: the per-layer parameters are stacked on the
+        # fly, so the parameter tree (checkpoints, sharding rules) is the same as unrolled.
+        graphdef = nnx.split(layers[0])[0]
+        states = [nnx.split(layer)[1] for layer in layers]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+        def body(h, inputs):
+            i, state = inputs
+            return call(nnx.merge(graphdef, state), h, _layer_rngs(key, i), *args), None
+
+        return jax.lax.scan(body, x, (jnp.arange(len(layers)), stacked))[0]
+    for i, (layer, norm) in enumerate(zip(layers, norms)):
+        x = call(layer, x, _layer_rngs(key, i), *args)
         if norm is not None:  # Swin v2's periodic norm on the residual stream
             x = norm(x)
     return x
@@ -105,7 +136,7 @@ class Seq2Seq(nnx.Module):
         mask = (text_mask[:, None, :] & text_mask[:, :, None])[:, None]  # [B, 1, T, T]
         # Padding queries would attend to nothing; let them see themselves so rows stay finite.
         mask = mask | jnp.eye(text.shape[1], dtype=bool)[None, None]
-        x = run_stack(self.encoder, self.encoder_stream_norms, x, rngs, mask)
+        x = run_stack(self.encoder, self.encoder_stream_norms, x, rngs, mask, remat=self.cfg.remat, scan=self.cfg.scan_layers)
         return self.encoder_norm(x) if self.encoder_norm is not None else x
 
     def decoder_inputs(self, codes: jax.Array) -> jax.Array:
@@ -119,7 +150,8 @@ class Seq2Seq(nnx.Module):
         x = dropout(self.rate, rngs)(x)
         self_mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
         cross_mask = text_mask[:, None, None, :]
-        x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, enc, self_mask, cross_mask)
+        x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, enc, self_mask, cross_mask, remat=self.cfg.remat,
+                      scan=self.cfg.scan_layers)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         logits = self.lm_head(x).astype(jnp.float32)

@@ -3,6 +3,7 @@ samples, tracking. Returns the final validation loss (the metric a sweep optimis
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -10,17 +11,18 @@ from pathlib import Path
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from dalle_ablate.config import RunConfig
 from dalle_ablate.data import build_dataset
+from dalle_ablate.data.base import host_share
 from dalle_ablate.generate import image_grid, make_sampler
-from dalle_ablate.model import build_model, param_count, resolve
+from dalle_ablate.model import abstract_model, build_model, param_count, resolve
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.optim import build_optimizer
+from dalle_ablate.parallel import Placement, build_mesh, check_batch, distributed, init_state, make_placement, pad_vocab_for_mesh
 from dalle_ablate.track import build_tracker
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
@@ -50,39 +52,45 @@ class Result:
     status: str
 
 
-def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int]) -> float:
+def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement) -> float:
+    """Weighted mean NLL over the valid split; every host reads the same eval batches and feeds
+    its own rows of each."""
     total, weight = 0.0, 0.0
     for batch in dataset.eval_batches(batch_size, max_batches):
-        s, w = jax.device_get(eval_step(params, batch))
+        rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
+        s, w = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
         total, weight = total + float(s), weight + float(w)
     return total / max(weight, 1.0)
 
 
-def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key) -> Optional[tuple[np.ndarray, list[str]]]:
+def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_sharding=None) -> Optional[tuple[np.ndarray, list[str]]]:
     captions = list(cfg.samples.captions or dataset.demo_captions())
     if not captions or not dataset.has_image_decoder():
         return None  # e.g. parquet data without data.codebook_path
     ids, mask = dataset.text.encode([c for c in captions for _ in range(cfg.samples.per_caption)])
-    sampler = make_sampler(graphdef, model_cfg.image_len, cfg.samples.temperature, cfg.samples.top_k)
+    sampler = make_sampler(graphdef, model_cfg.image_len, cfg.samples.temperature, cfg.samples.top_k, out_sharding)
     codes = np.asarray(sampler(params, ids, mask, key))
     return image_grid(dataset.decode_images(codes), captions, cfg.samples.per_caption), captions
 
 
 def train(cfg: RunConfig, job: JobInfo) -> Result:
     t_start = time.perf_counter()
+    distributed.initialize(cfg.distributed)  # before anything touches a device
     run_dir = Path(job.job_dir) / "run"
-    pi, pc = jax.process_index(), jax.process_count()
+    pi = jax.process_index()
     t = cfg.trainer
 
+    mesh = build_mesh(cfg.mesh)  # checked before any data is read or anything compiles
+    check_batch(t, tuple(mesh.shape.values()))
     dataset = build_dataset(cfg.data, cfg.model)
     model_cfg = resolve(cfg.model, dataset.image_len, dataset.image_vocab, dataset.text.vocab_size)
-    model = build_model(model_cfg, cfg.seed)
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    n_params = param_count(model)
-    del model
+    model_cfg = pad_vocab_for_mesh(model_cfg, mesh.shape["model"])
+    abstract = abstract_model(model_cfg)
+    graphdef = nnx.split(abstract, nnx.Param)[0]
+    n_params = param_count(abstract)
     optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, t.steps)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    placement = make_placement(mesh, abstract, optimizer, TrainState)
+    state = init_state(lambda: build_model(model_cfg, cfg.seed), optimizer, placement, TrainState)
 
     # Resume: `auto` continues this run store's own checkpoints; a path restores from there.
     ckpt_dir = run_dir / "checkpoints"
@@ -95,14 +103,17 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         source = checkpoint.find_checkpoints(cfg.resume)
     if source is not None:
         start_step, state = checkpoint.restore(*source, target=state)
-    ckpt = checkpoint.Checkpointer(ckpt_dir, t.keep_checkpoints) if pi == 0 else None
+    # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
+    ckpt = checkpoint.Checkpointer(ckpt_dir, t.keep_checkpoints)
 
     flops_per_step = train_flops_per_example(model_cfg) * t.batch_size
-    peak, peak_source = device_peak_flops()
+    peak, peak_source = device_peak_flops()  # of one device
+    peak_all = peak * mesh.size  # the step runs on every device of the mesh
     tokens_per_step = t.batch_size * (model_cfg.text_len + model_cfg.image_len)
     meta = run_meta(
         job.overrides, n_params, flops_per_step, peak, peak_source, asdict(model_cfg), dataset.info, resumed_from=start_step
     )
+    meta["mesh"] = dict(mesh.shape)
     tracker = build_tracker(
         cfg.tracker,
         run_dir,
@@ -116,9 +127,13 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     )
     status = "failed"
     try:
-        train_step = make_train_step(graphdef, optimizer, schedule, t.grad_accum, cfg.seed)
-        eval_step = make_eval_step(graphdef)
-        batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, pi, pc)
+        train_step = make_train_step(graphdef, optimizer, schedule, t.grad_accum, cfg.seed, placement)
+        # Evaluation in float32 whatever the training compute dtype: the same parameters merged
+        # into the float32 variant of the model (the dtype lives in the graph, not the weights).
+        eval_graphdef = graphdef if model_cfg.dtype == "float32" else nnx.split(
+            abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
+        eval_step = make_eval_step(eval_graphdef, placement)
+        batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, *placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         first_loss = last_loss = eval_loss = math.nan
         pending = None
@@ -140,7 +155,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
                 row.update({
                     "perf/step_time": dt,
                     "perf/tokens_per_s": tokens_per_step / dt,
-                    "perf/mfu": flops_per_step / (dt * peak),  # one device runs the step
+                    "perf/mfu": flops_per_step / (dt * peak_all),
                 })
                 bar.set_postfix(loss=f"{row['train/loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
             else:
@@ -158,7 +173,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             return math.isfinite(last_loss)
 
         for step in range(start_step + 1, t.steps + 1):
-            state, metrics = train_step(state, next(batches))
+            state, metrics = train_step(state, placement.global_batch(next(batches), t.batch_size))
             if pending is not None and not record():
                 status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
                 break
@@ -170,9 +185,9 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
                     status = "diverged"
                     break
                 if evaluate_now:
-                    eval_loss = evaluate(eval_step, state.params, dataset, t.batch_size, t.eval_batches)
+                    eval_loss = evaluate(eval_step, state.params, dataset, t.batch_size, t.eval_batches, placement)
                     tracker.log({"eval/valid/loss": eval_loss, "samples": step * t.batch_size, "tokens": step * tokens_per_step}, step)
-                if save_now and ckpt is not None:
+                if save_now:
                     ckpt.save(step, state)
                 clock["t"] = time.perf_counter()  # eval and save time is not step time
         else:
@@ -182,7 +197,8 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         bar.close()
         final_step = int(jax.device_get(state.step))
         if status == "finished":
-            grid = sample_grid(graphdef, state.params, dataset, model_cfg, cfg, jax.random.fold_in(jax.random.key(cfg.seed), 1))
+            grid = sample_grid(graphdef, state.params, dataset, model_cfg, cfg, jax.random.fold_in(jax.random.key(cfg.seed), 1),
+                               placement.replicated)
             if grid is not None:
                 tracker.log_image("samples/grid", grid[0], final_step, caption=" | ".join(grid[1]))
         tracker.log_summary({
@@ -193,8 +209,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             "steps": final_step,
             "wall_time": time.perf_counter() - t_start,
         })
-        if ckpt is not None:
-            ckpt.close()
+        ckpt.close()
         tracker.finish(status)
     except KeyboardInterrupt:
         tracker.finish("interrupted")

@@ -46,11 +46,14 @@ def group_norms(tree) -> dict[str, jax.Array]:
 
 
 def make_train_step(
-    graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int, seed: int = 0
+    graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int, seed: int = 0,
+    placement=None,
 ) -> Callable:
     """step(state, batch) -> (state, metrics). The batch is split into grad_accum micro-batches
     scanned in one compiled step, so memory holds one micro-batch of activations. Dropout keys
-    are derived from (seed, step, micro-batch): a resumed run draws the same masks."""
+    are derived from (seed, step, micro-batch): a resumed run draws the same masks. With a
+    `dalle_ablate.parallel.Placement` the step is compiled for its mesh: state in and out with
+    the placement's shardings, the batch split over data x fsdp."""
     base_key = jax.random.fold_in(jax.random.key(seed), 2)
 
     def loss_fn(params, micro, total_weight, key):
@@ -66,6 +69,8 @@ def make_train_step(
             loss, grads = grad_fn(state.params, batch, total_weight, step_key)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+            if placement is not None:  # each micro-batch split over data x fsdp, not the scan axis
+                micro = jax.lax.with_sharding_constraint(micro, placement.micro_batch)
 
             def body(carry, xs):
                 i, mb = xs
@@ -89,13 +94,18 @@ def make_train_step(
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return jax.jit(step, donate_argnums=0)
+    if placement is None:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, in_shardings=(placement.state, placement.batch), out_shardings=(placement.state, placement.replicated),
+                   donate_argnums=0)
 
 
-def make_eval_step(graphdef) -> Callable:
+def make_eval_step(graphdef, placement=None) -> Callable:
     """eval(params, batch) -> (weighted NLL sum, weight sum); the loss is computed in float32."""
 
     def eval_step(params, batch):
         return image_loss(nnx.merge(graphdef, params), batch)
 
-    return jax.jit(eval_step)
+    if placement is None:
+        return jax.jit(eval_step)
+    return jax.jit(eval_step, in_shardings=(placement.params, placement.batch), out_shardings=placement.replicated)

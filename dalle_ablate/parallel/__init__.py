@@ -1,0 +1,94 @@
+"""Where every array lives: the device mesh, parameters and optimizer state by logical-axis
+rules, the batch over data x fsdp. XLA's SPMD partitioner inserts the communication; nothing
+here moves data by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dalle_ablate.parallel.mesh import AXES, BATCH_AXES, build_mesh, check_batch, mesh_shape, pad_vocab_for_mesh
+from dalle_ablate.parallel.rules import LOGICAL_RULES, param_specs, state_specs
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Shardings of one run: `state` is a TrainState-shaped tree of NamedShardings."""
+
+    mesh: Mesh
+    params: Any
+    state: Any
+    batch: NamedSharding
+    replicated: NamedSharding
+
+    @property
+    def micro_batch(self) -> NamedSharding:
+        """[grad_accum, micro-batch, ...]: the scan axis whole, each micro-batch split."""
+        return NamedSharding(self.mesh, P(None, BATCH_AXES))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    def host_rows(self, batch_size: int) -> tuple[int, int]:
+        """(index, count): this process feeds rows [index * b / count, (index + 1) * b / count)
+        of every global batch of b. Processes whose devices hold the same rows (the batch is not
+        split over the model axis) read the same share."""
+        spans = {(s[0].start or 0, batch_size if s[0].stop is None else s[0].stop)
+                 for s in self.batch.addressable_devices_indices_map((batch_size,)).values()}
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        covered = sum(b - a for a, b in spans)
+        if covered != hi - lo or batch_size % (hi - lo) or lo % (hi - lo):
+            raise ValueError(f"this process's devices hold rows {sorted(spans)} of a batch of {batch_size}: not one block")
+        return lo // (hi - lo), batch_size // (hi - lo)
+
+    def global_batch(self, local: dict, batch_size: int) -> dict:
+        """This process's rows of a batch (numpy) -> global arrays sharded over data x fsdp."""
+        return {k: jax.make_array_from_process_local_data(self.batch, np.asarray(v), (batch_size, *np.shape(v)[1:]))
+                for k, v in local.items()}
+
+
+def logical_specs(abstract_model: nnx.Module):
+    """The PartitionSpecs of logical axis names that the layers attached to their parameters."""
+    return nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract_model, nnx.Param)))
+
+
+def make_placement(mesh: Mesh, abstract_model: nnx.Module, optimizer, state_cls) -> Placement:
+    """Shardings for parameters (by the rules), the optimizer state (like its parameters) and
+    the train state, from abstract shapes only."""
+    sizes = dict(mesh.shape)
+    shapes = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
+    pspecs = param_specs(logical_specs(abstract_model), shapes, sizes)
+    opt_shapes = jax.eval_shape(optimizer.init, shapes)
+    ospecs = state_specs(opt_shapes, shapes, pspecs, sizes)
+
+    def named(tree):
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P))
+
+    params = named(pspecs)
+    state = state_cls(step=NamedSharding(mesh, P()), params=params, opt_state=named(ospecs))
+    return Placement(mesh, params, state, NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P()))
+
+
+def init_state(graph_fn, optimizer, placement: Placement, state_cls):
+    """The initial TrainState, created directly in its shards (never whole on one device):
+    `graph_fn()` builds the model from its seed inside the jitted initialiser."""
+
+    def init():
+        params = nnx.to_pure_dict(nnx.split(graph_fn(), nnx.Param)[1])
+        return state_cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    return jax.jit(init, out_shardings=placement.state)()
+
+
+__all__ = [
+    "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "build_mesh", "check_batch", "init_state", "logical_specs",
+    "make_placement", "mesh_shape", "pad_vocab_for_mesh", "param_specs", "state_specs",
+]

@@ -1,0 +1,28 @@
+"""Several processes in one run (one per host): `jax.distributed.initialize` before any device
+is touched. Each process then sees the global device list, feeds its own rows of every batch,
+and only process 0 writes the run store and W&B (orbax writes each process's shards of a
+checkpoint)."""
+
+from __future__ import annotations
+
+import jax
+
+from dalle_ablate.registry import ConfigError
+
+
+def initialize(dist_cfg) -> None:
+    """jax.distributed.initialize from `distributed.*`; nothing for a single process."""
+    if jax.distributed.is_initialized():
+        return
+    if dist_cfg.coordinator_address:
+        missing = [k for k in ("num_processes", "process_id") if getattr(dist_cfg, k) is None]
+        if missing:
+            raise ConfigError(
+                f"distributed.coordinator_address={dist_cfg.coordinator_address} needs "
+                + " and ".join(f"distributed.{k}" for k in missing) + " (or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+            )
+        if not 0 <= dist_cfg.process_id < dist_cfg.num_processes:
+            raise ConfigError(f"distributed.process_id={dist_cfg.process_id} must be in [0, {dist_cfg.num_processes})")
+        jax.distributed.initialize(dist_cfg.coordinator_address, dist_cfg.num_processes, dist_cfg.process_id)
+    elif dist_cfg.auto:
+        jax.distributed.initialize()

@@ -1,0 +1,133 @@
+"""`dalle-ablate plan`: per-device memory and FLOPs of a config on a mesh of any size, from
+abstract shapes only (nothing allocated, no devices needed: `size=mega` on a 32 x 8 mesh plans
+on a laptop).
+
+Parameters, gradients and optimizer state are exact: every leaf's bytes divided by the mesh
+axes its PartitionSpec (the same rules the trainer uses) splits it over. Activations are an
+estimate, counted from the layers' code: the tensors each layer keeps for its backward pass per
+example, the tensor-parallel ones divided by `mesh.model` (the accounting of Korthikanti et al.
+2022, arXiv 2205.05198, adapted to this encoder-decoder with GLU and cross-attention):
+
+    encoder layer  T (6d + (4d + 2hT + F) / t)               T text, I image tokens, h heads,
+    decoder layer  I (9d + (6d + 2hI + 2hT + F) / t) + 2dT/t  t = mesh.model, F = 4f (GLU) or 2f
+    logits         I V / t  (compute dtype) + I V / t (float32 softmax)
+
+`full` rematerialisation keeps only each layer's input (T d or I d) plus one layer's
+activations while it is recomputed; `dots_saveable` keeps the matmul outputs (q, k, v, scores,
+context, projections, FFN in-projections) and recomputes norms, softmax and activations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dalle_ablate.model import abstract_model
+from dalle_ablate.model.flops import train_flops_per_example
+from dalle_ablate.model.seq2seq import padded
+from dalle_ablate.parallel.mesh import AXES, pad_vocab_for_mesh
+from dalle_ablate.parallel.rules import param_specs, state_specs
+from dalle_ablate.registry import ConfigError
+
+REMATS = ("none", "dots_saveable", "full")
+
+
+def shard_factor(spec: P, sizes: dict[str, int]) -> int:
+    n = 1
+    for entry in spec:
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None:
+                n *= sizes[axis]
+    return n
+
+
+def per_device_bytes(tree, specs, sizes: dict[str, int]) -> int:
+    leaves = jax.tree.leaves(tree)
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return sum(math.ceil(x.size / shard_factor(s, sizes)) * np.dtype(x.dtype).itemsize for x, s in zip(leaves, flat_specs))
+
+
+def activation_elements(cfg, t: int) -> dict[str, float]:
+    """Elements of activations kept per example for the backward pass, by remat policy."""
+    d, h, f, T, I = cfg.d_model, cfg.heads, cfg.ffn_dim, cfg.text_len, cfg.image_len
+    ffn = (4 if cfg.glu else 2) * f
+    ffn_dots = (2 if cfg.glu else 1) * f
+    enc = T * (6 * d + (4 * d + 2 * h * T + ffn) / t)
+    dec = I * (9 * d + (6 * d + 2 * h * I + 2 * h * T + ffn) / t) + 2 * d * T / t
+    enc_dots = T * (3 * d + (4 * d + h * T + ffn_dots) / t)
+    dec_dots = I * (4 * d + (6 * d + h * I + h * T + ffn_dots) / t) + 2 * d * T / t
+    le, ld = cfg.encoder_layers, cfg.decoder_layers
+    inputs = le * T * d + ld * I * d + T * d  # every layer's input, and the encoder output for cross-attention
+    return {
+        "none": le * enc + ld * dec,
+        "dots_saveable": le * enc_dots + ld * dec_dots,
+        "full": inputs + max(enc, dec),
+    }
+
+
+def memory_plan(cfg, model_cfg, optimizer) -> dict:
+    """Per-device bytes of parameters, gradients (float32, like the master weights), optimizer
+    state and activations by remat policy, for `cfg.mesh` (-1 counts as 1), and FLOPs."""
+    raw = [int(getattr(cfg.mesh, a)) for a in AXES]
+    sizes = dict(zip(AXES, [max(s, 1) for s in raw]))
+    dp = sizes["data"] * sizes["fsdp"]
+    t = cfg.trainer
+    micro = t.batch_size // t.grad_accum
+    if micro % dp:
+        raise ConfigError(f"trainer.batch_size / trainer.grad_accum = {micro} is not divisible by mesh.data x mesh.fsdp = {dp}")
+    model_cfg = pad_vocab_for_mesh(model_cfg, sizes["model"])
+    model = abstract_model(model_cfg)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
+    pspecs = param_specs(logical, params, sizes)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    ospecs = state_specs(opt_state, params, pspecs, sizes)
+    act_bytes = np.dtype(model_cfg.dtype).itemsize
+    vocab = padded(model_cfg.image_vocab + 1, model_cfg.vocab_pad_multiple)
+    logits = model_cfg.image_len * vocab / sizes["model"] * (act_bytes + 4)
+    b = micro // dp
+    per_example = activation_elements(model_cfg, sizes["model"])
+    return {
+        "sizes": sizes,
+        "devices": math.prod(sizes.values()),
+        "micro_batch": micro,
+        "per_device_examples": b,
+        "params": sum(x.size for x in jax.tree.leaves(params)),
+        "param_bytes": per_device_bytes(params, pspecs, sizes),
+        "optimizer_bytes": per_device_bytes(opt_state, ospecs, sizes),
+        "activation_bytes": {k: b * (v * act_bytes + logits) for k, v in per_example.items()},
+        "flops_per_update": train_flops_per_example(model_cfg) * t.batch_size,
+    }
+
+
+def plan(cfg, model_cfg, optimizer) -> str:
+    """The table that `dalle-ablate plan` prints."""
+    m = memory_plan(cfg, model_cfg, optimizer)
+    sizes, t = m["sizes"], cfg.trainer
+    fixed = m["param_bytes"] * 2 + m["optimizer_bytes"]
+    lines = [
+        f"mesh data={sizes['data']} fsdp={sizes['fsdp']} model={sizes['model']} ({m['devices']} devices); batch "
+        f"{t.batch_size} = {t.grad_accum} x {m['micro_batch']}, {m['per_device_examples']} examples per device per micro-batch",
+        f"parameters {m['params']:,}; FLOPs per update {m['flops_per_update']:.3e} "
+        f"({m['flops_per_update'] / m['devices']:.3e} per device)",
+        f"optimizer {cfg.optim.name}; compute dtype {model_cfg.dtype}, master weights and gradients float32",
+        "",
+        f"{'per device':<34}{'memory':>12}",
+        f"{'parameters':<34}{_gb(m['param_bytes']):>12}",
+        f"{'gradients':<34}{_gb(m['param_bytes']):>12}",
+        f"{'optimizer state':<34}{_gb(m['optimizer_bytes']):>12}",
+    ]
+    for policy in REMATS:
+        lines.append(f"{'activations, remat=' + policy:<34}{_gb(m['activation_bytes'][policy]):>12}")
+    for policy in ("none", "full"):
+        lines.append(f"{'total, remat=' + policy:<34}{_gb(fixed + m['activation_bytes'][policy]):>12}")
+    lines.append("(activations are an estimate: see dalle_ablate/parallel/plan.py)")
+    return "\n".join(lines)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
