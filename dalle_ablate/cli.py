@@ -95,35 +95,34 @@ def cmd_encode(args) -> None:
     )
 
 
-def cmd_describe(args) -> None:
-    """Parameters per module, FLOPs per image token and memory, from abstract shapes."""
+def abstract_setup(overrides: list[str]):
+    """(run config, model config with the data's sizes, optimizer) without reading any data."""
     import dataclasses
 
     from dalle_ablate.config import to_run_config
     from dalle_ablate.data import abstract_sizes
-    from dalle_ablate.model.describe import describe
     from dalle_ablate.optim import build_optimizer
 
-    cfg = to_run_config(compose(args.overrides))
+    cfg = to_run_config(compose(overrides))
     model_cfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
     optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    return cfg, model_cfg, optimizer
+
+
+def cmd_describe(args) -> None:
+    """Parameters per module, FLOPs per image token and memory, from abstract shapes."""
+    from dalle_ablate.model.describe import describe
+
+    cfg, model_cfg, optimizer = abstract_setup(args.overrides)
     print(describe(model_cfg, optimizer))
     print(f"(optimizer: {cfg.optim.name})")
 
 
 def cmd_plan(args) -> None:
     """Per-device memory and FLOPs of a config on its mesh, from abstract shapes."""
-    import dataclasses
-
-    from dalle_ablate.config import to_run_config
-    from dalle_ablate.data import abstract_sizes
-    from dalle_ablate.optim import build_optimizer
     from dalle_ablate.parallel.plan import plan
 
-    cfg = to_run_config(compose(args.overrides))
-    model_cfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
-    print(plan(cfg, model_cfg, optimizer))
+    print(plan(*abstract_setup(args.overrides)))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

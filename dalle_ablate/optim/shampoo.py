@@ -157,7 +157,7 @@ class StackState(NamedTuple):
 
 class ShampooState(NamedTuple):
     count: jax.Array
-    graft: Any  # per-parameter graft second moments; a scalar placeholder per parameter for sgd
+    graft: Any  # per-parameter graft second moments; None for sgd, which keeps none
     momentum: Any  # per-parameter first moment of the grafted direction
     stacks: tuple  # StackState per block shape
     preconditioned: jax.Array  # share of parameter elements that took the Shampoo direction this step
@@ -205,8 +205,7 @@ def scale_by_shampoo(
             stacks.append(StackState(jnp.zeros((n, b1, b1), sdt), jnp.zeros((n, b2, b2), sdt), eye(b1), eye(b2),
                                      jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.int32)))
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        # sgd grafting keeps no second moment: a scalar placeholder per parameter.
-        graft_state = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params) if graft == "sgd" else zeros
+        graft_state = None if graft == "sgd" else zeros
         return ShampooState(jnp.zeros((), jnp.int32), graft_state, jax.tree.map(jnp.copy, zeros), tuple(stacks), jnp.zeros(()))
 
     def graft_direction(g, v, count):
@@ -228,9 +227,10 @@ def scale_by_shampoo(
         grads = [g.astype(jnp.float32) for g in grads]
         count = state.count
         # 1. graft directions (and their statistics), per parameter
-        pairs = [graft_direction(g, v, count) for g, v in zip(grads, jax.tree.leaves(state.graft))]
+        moments = [None] * len(grads) if state.graft is None else jax.tree.leaves(state.graft)
+        pairs = [graft_direction(g, v, count) for g, v in zip(grads, moments)]
         graft_dirs = [d for d, _ in pairs]
-        new_graft = jax.tree.unflatten(treedef, [v for _, v in pairs])
+        new_graft = None if state.graft is None else jax.tree.unflatten(treedef, [v for _, v in pairs])
         # 2. Shampoo statistics, stacked
         mats = [g.reshape(s) if s is not None else None for g, s in zip(grads, plan.shapes2d)]
         g_stacks = gather(plan, mats)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.parallel.mesh import AXES, BATCH_AXES, build_mesh, check_batch, mesh_shape, pad_vocab_for_mesh
-from dalle_ablate.parallel.rules import LOGICAL_RULES, param_specs, state_specs
+from dalle_ablate.parallel.rules import LOGICAL_RULES, layout_specs, param_specs, state_specs
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,6 @@ class Placement:
     def micro_batch(self) -> NamedSharding:
         """[grad_accum, micro-batch, ...]: the scan axis whole, each micro-batch split."""
         return NamedSharding(self.mesh, P(None, BATCH_AXES))
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh.shape)
 
     def host_rows(self, batch_size: int) -> tuple[int, int]:
         """(index, count): this process feeds rows [index * b / count, (index + 1) * b / count)
@@ -55,19 +51,10 @@ class Placement:
                 for k, v in local.items()}
 
 
-def logical_specs(abstract_model: nnx.Module):
-    """The PartitionSpecs of logical axis names that the layers attached to their parameters."""
-    return nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract_model, nnx.Param)))
-
-
 def make_placement(mesh: Mesh, abstract_model: nnx.Module, optimizer, state_cls) -> Placement:
     """Shardings for parameters (by the rules), the optimizer state (like its parameters) and
     the train state, from abstract shapes only."""
-    sizes = dict(mesh.shape)
-    shapes = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
-    pspecs = param_specs(logical_specs(abstract_model), shapes, sizes)
-    opt_shapes = jax.eval_shape(optimizer.init, shapes)
-    ospecs = state_specs(opt_shapes, shapes, pspecs, sizes)
+    _, pspecs, _, ospecs = layout_specs(abstract_model, optimizer, dict(mesh.shape))
 
     def named(tree):
         return jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P))
@@ -89,6 +76,6 @@ def init_state(graph_fn, optimizer, placement: Placement, state_cls):
 
 
 __all__ = [
-    "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "build_mesh", "check_batch", "init_state", "logical_specs",
+    "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "build_mesh", "check_batch", "init_state", "layout_specs",
     "make_placement", "mesh_shape", "pad_vocab_for_mesh", "param_specs", "state_specs",
 ]

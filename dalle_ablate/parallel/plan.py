@@ -23,15 +23,13 @@ import math
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.model import abstract_model
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.model.seq2seq import padded
-from dalle_ablate.parallel.mesh import AXES, pad_vocab_for_mesh
-from dalle_ablate.parallel.rules import param_specs, state_specs
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.parallel.mesh import AXES, check_batch, pad_vocab_for_mesh
+from dalle_ablate.parallel.rules import layout_specs
 
 REMATS = ("none", "dots_saveable", "full")
 
@@ -74,18 +72,12 @@ def memory_plan(cfg, model_cfg, optimizer) -> dict:
     state and activations by remat policy, for `cfg.mesh` (-1 counts as 1), and FLOPs."""
     raw = [int(getattr(cfg.mesh, a)) for a in AXES]
     sizes = dict(zip(AXES, [max(s, 1) for s in raw]))
-    dp = sizes["data"] * sizes["fsdp"]
     t = cfg.trainer
+    check_batch(t, tuple(sizes.values()))
+    dp = sizes["data"] * sizes["fsdp"]
     micro = t.batch_size // t.grad_accum
-    if micro % dp:
-        raise ConfigError(f"trainer.batch_size / trainer.grad_accum = {micro} is not divisible by mesh.data x mesh.fsdp = {dp}")
     model_cfg = pad_vocab_for_mesh(model_cfg, sizes["model"])
-    model = abstract_model(model_cfg)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    logical = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
-    pspecs = param_specs(logical, params, sizes)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    ospecs = state_specs(opt_state, params, pspecs, sizes)
+    params, pspecs, opt_state, ospecs = layout_specs(abstract_model(model_cfg), optimizer, sizes)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
     vocab = padded(model_cfg.image_vocab + 1, model_cfg.vocab_pad_multiple)
     logits = model_cfg.image_len * vocab / sizes["model"] * (act_bytes + 4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.optim import path_str
@@ -119,3 +120,13 @@ def state_specs(opt_state, params, specs, mesh_sizes: dict[str, int]):
 
     return jax.tree_util.tree_map_with_path(leaf_spec, opt_state, is_leaf=lambda x: isinstance(x, StackState))
 
+
+
+def layout_specs(abstract_model, optimizer, mesh_sizes: dict[str, int]):
+    """(parameter shapes, their specs, optimizer-state shapes, their specs) for a mesh of these
+    sizes, from abstract shapes only: what training places and what `plan` counts."""
+    state = nnx.state(abstract_model, nnx.Param)
+    shapes = nnx.to_pure_dict(state)
+    pspecs = param_specs(nnx.to_pure_dict(nnx.get_partition_spec(state)), shapes, mesh_sizes)
+    opt_shapes = jax.eval_shape(optimizer.init, shapes)
+    return shapes, pspecs, opt_shapes, state_specs(opt_shapes, shapes, pspecs, mesh_sizes)

@@ -56,8 +56,8 @@ def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[
     """Weighted mean NLL over the valid split; every host reads the same eval batches and feeds
     its own rows of each."""
     total, weight = 0.0, 0.0
+    rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
     for batch in dataset.eval_batches(batch_size, max_batches):
-        rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
         s, w = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
         total, weight = total + float(s), weight + float(w)
     return total / max(weight, 1.0)
