@@ -46,7 +46,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     mesh = build_mesh(cfg.mesh, jax.devices()[: np.prod([max(int(getattr(cfg.mesh, a)), 1) for a in ("data", "fsdp", "model")])])
     mcfg = pad_vocab_for_mesh(dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model)), mesh.shape["model"])
     abstract = abstract_model(mcfg)
-    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, mesh)
     placement = make_placement(mesh, abstract, opt, TrainState)
     state = init_state(lambda: build_model(mcfg, cfg.seed), opt, placement, TrainState)
     step = make_train_step(nnx.split(abstract, nnx.Param)[0], opt, sched, cfg.trainer.grad_accum, cfg.seed, placement)

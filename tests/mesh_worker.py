@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 OPTIM = {
     "adam": ["optim=adam", "optim.lr=1e-2", "schedule=constant", "schedule.warmup_steps=0"],
     "shampoo": ["optim=shampoo", "optim.lr=1e-3", "schedule=constant", "schedule.warmup_steps=0",
-                "optim.start_preconditioning_step=1", "optim.preconditioning_every=1", "optim.matrix_eps=1e-2"],
+                "optim.start_preconditioning_step=1", "optim.preconditioning_every=2", "optim.matrix_eps=1e-2"],
 }
 MODEL = ["model.d_model=64", "model.heads=8", "model.ffn_dim=128", "model.encoder_layers=2", "model.decoder_layers=2"]
 BATCH = 16
@@ -56,7 +56,7 @@ def run(mesh_sizes: list[int], optim: str) -> dict:
     mcfg = resolve(cfg.model, image_len=16, image_vocab=50, text_vocab=40)
     mesh = build_mesh(cfg.mesh)
     abstract = abstract_model(mcfg)
-    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, mesh)
     placement = make_placement(mesh, abstract, opt, TrainState)
     state = init_state(lambda: build_model(mcfg, cfg.seed), opt, placement, TrainState)
     step = make_train_step(nnx.split(abstract, nnx.Param)[0], opt, sched, 1, cfg.seed, placement)
@@ -66,7 +66,8 @@ def run(mesh_sizes: list[int], optim: str) -> dict:
         losses.append(float(metrics["train/loss"]))
     placed = {path_str(p): [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]
               for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
-    stacks = [list(x.sharding.spec) for x in jax.tree.leaves(state.opt_state) if x.ndim == 3]
+    stacks = [[x.shape[0], [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]]
+              for x in jax.tree.leaves(state.opt_state) if x.ndim == 3]
     return {"losses": losses, "params": placed, "stack_specs": stacks, "devices": len(mesh.devices.flat)}
 
 

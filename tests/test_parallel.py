@@ -78,10 +78,19 @@ def test_every_mesh_gives_the_one_device_losses_and_places_parameters_by_the_rul
             # A sharded run really is sharded: something sits on fsdp or model when those are > 1.
             if sizes["fsdp"] > 1 or sizes["model"] > 1:
                 assert any(a for p in placed for a in p)
-        # Shampoo's stacked statistics are whole on every device until the root refresh runs per
-        # device (dalle_ablate/parallel/rules.py, SHARD_SHAMPOO_STACKS).
-        for spec in results[f"{tuple(mesh)}/shampoo"]["stack_specs"]:
-            assert spec == [None, None, None]
+        # Shampoo's stacked statistics and roots: the block axis split over every mesh axis that
+        # divides the number of blocks (fsdp, then model, then data), each block whole.
+        stacks = results[f"{tuple(mesh)}/shampoo"]["stack_specs"]
+        assert stacks
+        for n, spec in stacks:
+            axes, size = [], 1
+            for a in ("fsdp", "model", "data"):
+                if sizes[a] > 1 and n % (size * sizes[a]) == 0:
+                    axes.append(a)
+                    size *= sizes[a]
+            want = None if not axes else axes[0] if len(axes) == 1 else axes  # JAX writes ('a',) as 'a'
+            assert spec == [want, None, None], (mesh, n, spec)
+        assert any(spec[0] for _, spec in stacks), mesh
 
 
 def test_mesh_sizes_must_multiply_to_the_device_count():

@@ -19,6 +19,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.registry import ConfigError
 
@@ -155,6 +157,20 @@ class StackState(NamedTuple):
     failed: jax.Array  # [n] int32: inverse roots rejected so far
 
 
+def stack_spec(n: int, ndim: int, mesh_sizes: dict[str, int]) -> P:
+    """Where a stacked state array ([n, b, b] statistics and roots, [n] errors and failure
+    counts) lives on a mesh: its block axis split over as many mesh axes as divide n (fsdp first,
+    then model, then data), each block whole on one device -- Distributed Shampoo's layout
+    (arXiv 2002.09018, sec. 5): every device keeps and inverts only its own blocks."""
+    axes, size = [], 1
+    for a in ("fsdp", "model", "data"):
+        s = mesh_sizes.get(a, 1)
+        if s > 1 and n % (size * s) == 0:
+            axes.append(a)
+            size *= s
+    return P(tuple(axes) if axes else None, *([None] * (ndim - 1)))
+
+
 class ShampooState(NamedTuple):
     count: jax.Array
     graft: Any  # per-parameter graft second moments; None for sgd, which keeps none
@@ -181,15 +197,28 @@ def scale_by_shampoo(
     nesterov: bool = False,
     statistics_dtype: Any = jnp.float32,
     precondition_mask: Optional[Callable[[Any], Any]] = None,
+    mesh: Optional[Mesh] = None,
 ) -> optax.GradientTransformation:
     """The grafted, momentum-averaged Shampoo direction (chain with weight decay and
     optax.scale_by_learning_rate). `precondition_mask(params)` gives True where a parameter may
-    be preconditioned (DALL·E Mega left embeddings to the graft)."""
+    be preconditioned (DALL·E Mega left embeddings to the graft). With a `mesh`, the stacked
+    state is split along its block axis (`stack_spec`) and each device refreshes the inverse
+    roots of its own blocks."""
     if graft not in GRAFTS:
         raise ConfigError(f"optim.graft={graft!r} is not a known graft; valid: {', '.join(sorted(GRAFTS))}")
     if preconditioning_every < 1 or block_size < 1:
         raise ConfigError("optim.preconditioning_every and optim.block_size must be >= 1")
     sdt = jnp.dtype(statistics_dtype)
+    sharded = mesh is not None and mesh.size > 1
+
+    def spec_of(x: jax.Array) -> P:
+        return stack_spec(int(x.shape[0]), x.ndim, dict(mesh.shape))
+
+    def place(stacks: list[jax.Array]) -> list[jax.Array]:
+        """Stacked arrays constrained to their block-axis split (nothing to do on one device)."""
+        if not sharded:
+            return stacks
+        return [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(x))) for x in stacks]
 
     def plan_for(params) -> Plan:
         leaves = jax.tree.leaves(params)
@@ -233,7 +262,7 @@ def scale_by_shampoo(
         new_graft = None if state.graft is None else jax.tree.unflatten(treedef, [v for _, v in pairs])
         # 2. Shampoo statistics, stacked
         mats = [g.reshape(s) if s is not None else None for g, s in zip(grads, plan.shapes2d)]
-        g_stacks = gather(plan, mats)
+        g_stacks = place(gather(plan, mats))
         new_stacks = []
         c2 = 1 - beta2 if beta2 < 1 else 1.0  # beta2 = 1: Adagrad-style sums
         for st, gs in zip(state.stacks, g_stacks):
@@ -256,22 +285,40 @@ def scale_by_shampoo(
                                        error=jnp.where(ok, err, st.error), failed=st.failed + (~ok).astype(jnp.int32)))
             return tuple(out)
 
-        new_stacks = jax.lax.cond(count % preconditioning_every == 0, refresh, tuple, tuple(new_stacks))
+        new_stacks = tuple(StackState(*place(list(st))) for st in new_stacks)
+        if sharded:
+            # Per device, in shard_map over the block axis: no communication inside the loop of
+            # eighs. Left to XLA's SPMD partitioner, the loop over a sharded stack inside the
+            # refresh's lax.cond became collectives that devices reached in different orders
+            # (a (2, 2, 2) mesh of CPU devices hung: some in an all-gather inside the
+            # conditional, the others in the next all-reduce).
+            specs = tuple(StackState(*(spec_of(v) for v in st)) for st in new_stacks)
+            # check_vma=False: the refresh concatenates the local blocks of equal size from stacks
+            # split over different axes, so JAX's type check sees every output as varying over
+            # all of them; each block's root depends on that block alone, so a stack replicated
+            # over an axis comes out identical on every device of it.
+            refresh = jax.shard_map(refresh, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False)
+        new_stacks = jax.lax.cond(count % preconditioning_every == 0, refresh, tuple, new_stacks)
         # 4. preconditioned blocks, each grafted to the norm of the graft direction's block. Before
         # start_preconditioning_step the graft direction is used alone and, under lax.cond, the
         # preconditioning matmuls are not run at all (statistics and roots still accumulate).
         use_shampoo = count >= start_preconditioning_step
 
-        def preconditioned(graft_dirs):
-            graft_mats = [d.reshape(s) if s is not None else None for d, s in zip(graft_dirs, plan.shapes2d)]
+        # Blocks move between the parameters' layout and the stacks' only outside the conds, so
+        # neither branch communicates: every stack operand is split the same way along its block
+        # axis, and the false branch hands the graft blocks back unchanged.
+        graft_stacks = place(gather(plan, [d.reshape(s) if s is not None else None for d, s in zip(graft_dirs, plan.shapes2d)]))
+
+        def preconditioned(graft_stacks):
             out_stacks = []
-            for st, gs, gr in zip(new_stacks, g_stacks, gather(plan, graft_mats)):
+            for st, gs, gr in zip(new_stacks, g_stacks, graft_stacks):
                 pre = jnp.einsum("nij,njk,nkl->nil", st.left_root.astype(jnp.float32), gs, st.right_root.astype(jnp.float32))
                 scale = jnp.linalg.norm(gr, axis=(1, 2)) / (jnp.linalg.norm(pre, axis=(1, 2)) + 1e-16)
                 out_stacks.append(pre * scale[:, None, None])
-            return [d if m is None else m.reshape(d.shape) for d, m in zip(graft_dirs, scatter(plan, out_stacks))]
+            return out_stacks
 
-        directions = jax.lax.cond(use_shampoo, preconditioned, list, graft_dirs) if plan.stacks else graft_dirs
+        out_stacks = jax.lax.cond(use_shampoo, preconditioned, list, graft_stacks) if plan.stacks else []
+        directions = [d if m is None else m.reshape(d.shape) for d, m in zip(graft_dirs, scatter(plan, out_stacks))]
         # 5. momentum on the grafted direction: EMA or heavy ball, optionally Nesterov
         c = (1 - beta1) if moving_average_for_momentum else 1.0
         new_m = [beta1 * m + c * d for m, d in zip(jax.tree.leaves(state.momentum), directions)]

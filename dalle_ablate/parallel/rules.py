@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.optim import path_str
+from dalle_ablate.optim.shampoo import StackState, stack_spec
 from dalle_ablate.registry import ConfigError
 
 # logical axis -> mesh axis (or None: replicated along it)
@@ -73,35 +74,11 @@ def param_specs(logical_specs, shapes, mesh_sizes: dict[str, int]):
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
-# Shampoo's stacked statistics and roots are replicated for now. Split along their block axis,
-# the root refresh (`lax.map` of single-matrix eighs inside the refresh `lax.cond`) is partitioned
-# by XLA's SPMD partitioner into collectives that devices reach in different orders: on 8 CPU
-# devices a (2, 2, 2) mesh hangs in an all-gather inside the conditional (gdb: some devices wait
-# in the all-gather, the others in the next all-reduce). Sharding them needs a per-device refresh
-# (shard_map over the block axis); until then `stack_spec` keeps them whole on every device.
-SHARD_SHAMPOO_STACKS = False
-
-
-def stack_spec(n: int, ndim: int, mesh_sizes: dict[str, int]) -> P:
-    """Shampoo's stacked state ([n, b, b] statistics and roots, [n] errors and failure counts):
-    with SHARD_SHAMPOO_STACKS the block axis is split over as many mesh axes as divide it (fsdp
-    first, then model, then data), blocks kept whole; otherwise replicated."""
-    axes, size = [], 1
-    for a in ("fsdp", "model", "data") if SHARD_SHAMPOO_STACKS else ():
-        s = mesh_sizes.get(a, 1)
-        if s > 1 and n % (size * s) == 0:
-            axes.append(a)
-            size *= s
-    return P(tuple(axes) if axes else None, *([None] * (ndim - 1)))
-
-
 def state_specs(opt_state, params, specs, mesh_sizes: dict[str, int]):
     """PartitionSpecs for an optax state: a leaf that sits under a copy of the parameter tree
     (Adam's moments, Shampoo's graft and momentum) and has its parameter's shape gets the
     parameter's spec; Shampoo's stacked statistics follow `stack_spec`; everything else (counts,
     Adafactor's factored rows and columns, scalars) is replicated."""
-    from dalle_ablate.optim.shampoo import StackState
-
     by_path: dict[tuple, tuple[tuple[int, ...], P]] = {}
     flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
     for (path, p), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_specs):

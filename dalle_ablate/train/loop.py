@@ -88,7 +88,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     abstract = abstract_model(model_cfg)
     graphdef = nnx.split(abstract, nnx.Param)[0]
     n_params = param_count(abstract)
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, t.steps)
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, t.steps, mesh)
     placement = make_placement(mesh, abstract, optimizer, TrainState)
     state = init_state(lambda: build_model(model_cfg, cfg.seed), optimizer, placement, TrainState)
 
