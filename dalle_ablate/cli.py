@@ -125,6 +125,13 @@ def cmd_plan(args) -> None:
     print(plan(*abstract_setup(args.overrides)))
 
 
+def cmd_eval(args) -> None:
+    """Guidance-scale Pareto, caption sensitivity and prompt grids of a saved checkpoint."""
+    from dalle_ablate.evaluate.standalone import evaluate_checkpoint
+
+    evaluate_checkpoint(args.path, args.overrides)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -138,6 +145,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     pl = sub.add_parser("plan", help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)")
     pl.add_argument("overrides", nargs="*", help="e.g. size=mega optim=shampoo mesh.data=32 mesh.model=8 trainer.batch_size=4224")
     pl.set_defaults(func=cmd_plan)
+    ev = sub.add_parser("eval", help="evaluate a checkpoint: metrics per guidance scale, caption sensitivity, prompt grids")
+    ev.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder")
+    ev.add_argument("overrides", nargs="*", help="e.g. eval=drawbench eval.guidance_scales=[1,3,5] eval.num_samples=128")
+    ev.set_defaults(func=cmd_eval)
     args = parser.parse_args(argv)
     try:
         args.func(args)

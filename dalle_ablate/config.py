@@ -263,6 +263,28 @@ class SamplesConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Sampling evaluation: metrics per guidance scale (the Pareto curve) and prompt grids. Runs
+    every `every` steps during training, at the end of a run, and with `dalle-ablate eval`."""
+
+    name: str = "default"  # which conf/eval preset this came from
+    every: int = 0  # steps between evaluations during training; 0 = only at the end of the run
+    guidance_scales: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 5.0, 8.0])
+    metrics: list[str] = field(default_factory=lambda: ["shapes", "shapes_fd", "caption_sensitivity"])
+    num_samples: int = 64  # prompts of the valid split, one sample each, the same at every scale
+    batch_size: int = 32  # prompts sampled at once
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    sensitivity_examples: int = 64  # valid examples whose captions caption_sensitivity edits
+    grids: list[str] = field(default_factory=lambda: ["shapesbench"])  # prompt lists: shapesbench, drawbench, partiprompts
+    grid_scales: list[float] = field(default_factory=lambda: [3.0])  # guidance scales the grids are drawn at
+    grid_prompts: Optional[int] = 6  # prompts per category and grid (null = all)
+    grid_samples: int = 4  # samples per prompt
+    seed: int = 0  # the sampling noise: fixed across scales, steps and checkpoints
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: Any = MISSING
@@ -271,6 +293,7 @@ class RunConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     seed: int = 0
@@ -295,6 +318,7 @@ def register_configs() -> None:
         "data_parquet": ParquetDataConfig,
         "tracker": TrackerConfig,
         "mesh": MeshConfig,
+        "eval": EvalConfig,
     }.items():
         cs.store(group="schema", name=name, node=node)
 
@@ -348,5 +372,22 @@ def validate(cfg: RunConfig) -> None:
         cfg.tracker.wandb.mode in ("offline", "online", "disabled"),
         f"tracker.wandb.mode={cfg.tracker.wandb.mode!r} is not valid; valid: disabled, offline, online",
     )
+    from dalle_ablate.evaluate import EVALUATORS, PROMPT_LISTS
+    from dalle_ablate.generate import check_sampling
+
+    e = cfg.eval
+    for name in e.metrics:
+        EVALUATORS.get(name)
+    for name in e.grids:
+        PROMPT_LISTS.get(name)
+    _check(e.every >= 0, f"eval.every={e.every} must be >= 0 (0 = only at the end of the run)")
+    for name in ("num_samples", "batch_size", "sensitivity_examples", "grid_samples"):
+        _check(getattr(e, name) > 0, f"eval.{name}={getattr(e, name)} must be positive")
+    _check(e.grid_prompts is None or e.grid_prompts > 0, f"eval.grid_prompts={e.grid_prompts} must be positive or null")
+    _check(bool(e.guidance_scales), "eval.guidance_scales is empty; give at least one scale, e.g. [1]")
+    for name in ("guidance_scales", "grid_scales"):
+        bad = [s for s in getattr(e, name) if not s >= 0]
+        _check(not bad, f"eval.{name} has {bad}; scales must be >= 0 (1 = unguided)")
+    check_sampling(e.temperature, e.top_k, e.top_p, "eval")
     _check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
     _check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")

@@ -42,6 +42,12 @@ TINY_TRAIN = [
     "model.encoder_layers=1",
     "model.decoder_layers=2",
     "model.text_len=24",
+    "eval.num_samples=8",
+    "eval.batch_size=8",
+    "eval.guidance_scales=[1,3]",
+    "eval.sensitivity_examples=8",
+    "eval.grid_prompts=1",
+    "eval.grid_samples=2",
 ]
 
 

@@ -149,6 +149,14 @@ def shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[floa
     return None
 
 
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill) -> None:
+    poly = shape_polygon(shape, cx, cy, r)
+    if poly is None:
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        draw.polygon(poly, fill=fill)
+
+
 def render(scene: Scene, size: int = 64) -> np.ndarray:
     """The scene as an [size, size, 3] uint8 image, anti-aliased by 4x supersampling."""
     big = size * SUPERSAMPLE
@@ -156,15 +164,17 @@ def render(scene: Scene, size: int = 64) -> np.ndarray:
     draw = ImageDraw.Draw(img)
     cell = big / 3
     for o in scene.objects:
-        cx = (o.col + 0.5) * cell
-        cy = (o.row + 0.5) * cell
-        r = SIZES[o.size] * cell
-        poly = shape_polygon(o.shape, cx, cy, r)
-        if poly is None:
-            draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=PALETTE[o.color])
-        else:
-            draw.polygon(poly, fill=PALETTE[o.color])
+        draw_shape(draw, o.shape, (o.col + 0.5) * cell, (o.row + 0.5) * cell, SIZES[o.size] * cell, PALETTE[o.color])
     return np.asarray(img.resize((size, size), Image.Resampling.BOX), dtype=np.uint8)
+
+
+def shape_mask(shape: str, size_name: str, cx: float, cy: float, image_size: int) -> np.ndarray:
+    """[image_size, image_size] bool: where one shape of that size, centred at pixel coordinates
+    (cx, cy), covers at least half of a pixel when rendered as `render` does."""
+    big = image_size * SUPERSAMPLE
+    img = Image.new("L", (big, big), 0)
+    draw_shape(ImageDraw.Draw(img), shape, cx * SUPERSAMPLE, cy * SUPERSAMPLE, SIZES[size_name] * big / 3, 255)
+    return np.asarray(img.resize((image_size, image_size), Image.Resampling.BOX)) >= 128
 
 
 DEMO_CAPTIONS = (

@@ -1,7 +1,12 @@
-"""Plain autoregressive sampling (temperature, optional top-k), batched, jitted and seeded.
+"""Autoregressive sampling with a KV cache and super conditioning, batched, jitted and seeded.
 
-Each position re-runs the decoder over the whole prefix; a KV cache and super conditioning are
-the evaluation issue's. Invalid rows (BOS, padding) are masked by the model's logits."""
+The encoder runs once; each image position runs the decoder on one token against per-layer caches
+of keys and values (`Seq2Seq.decode_step`). Super conditioning (DALL·E mini, after Ho & Salimans'
+classifier-free guidance, arXiv 2207.12598): the same captions are decoded a second time from the
+empty caption, with a second cache, and the logits become u + s (c - u) before temperature,
+top-k and top-p. Every position draws its noise from fold_in(key, position): the same key gives
+the same noise at every scale and every checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -13,29 +18,85 @@ import numpy as np
 from flax import nnx
 from PIL import Image, ImageDraw
 
+from dalle_ablate.registry import ConfigError
+
+
+def guide_logits(cond: jax.Array, uncond: jax.Array, scale: jax.Array) -> jax.Array:
+    """u + s (c - u); exactly c at s = 1 (so scale 1 is unguided sampling bit for bit)."""
+    return jnp.where(scale == 1, cond, uncond + scale * (cond - uncond))
+
+
+def top_p_mask(logits: jax.Array, p: float) -> jax.Array:
+    """True for the smallest set of most likely ids whose probability reaches p (nucleus
+    sampling, Holtzman et al. 2019, arXiv 1904.09751); the most likely id is always kept."""
+    order = jnp.argsort(-logits, axis=-1)
+    probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the ids ranked above each one
+    keep_sorted = before < p
+    return jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+
+
+def filter_logits(logits: jax.Array, valid: jax.Array, temperature: float, top_k: Optional[int], top_p: Optional[float]):
+    """Temperature, then top-k, then top-p; ids outside `valid` (BOS, padding rows) get -inf."""
+    logits = jnp.where(valid, logits / temperature, -jnp.inf)
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1:
+        logits = jnp.where(top_p_mask(logits, top_p), logits, -jnp.inf)
+    return logits
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], field: str = "samples") -> None:
+    if not temperature > 0:
+        raise ConfigError(f"{field}.temperature={temperature:g} must be positive")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"{field}.top_k={top_k} must be >= 1 or null")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"{field}.top_p={top_p:g} must be in (0, 1] or null")
+
 
 def make_sampler(
-    graphdef, image_len: int, temperature: float = 1.0, top_k: Optional[int] = None, out_sharding=None
+    graphdef,
+    image_len: int,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    guided: bool = False,
+    out_sharding=None,
 ) -> Callable:
-    """sample(params, text, text_mask, key) -> codes [B, image_len] int32 (replicated with a
+    """Unguided: sample(params, text, text_mask, key). Guided: sample(params, text, text_mask,
+    key, blank, blank_mask, scale), `blank` the empty caption [1, T] and `scale` a scalar (traced:
+    one compilation serves every scale). Returns codes [B, image_len] int32 (replicated with a
     mesh's replicated `out_sharding`, so that every host can read them)."""
+    check_sampling(temperature, top_k, top_p)
 
-    def sample(params, text, text_mask, key):
+    def run(params, text, text_mask, key, blank=None, blank_mask=None, scale=None):
         model = nnx.merge(graphdef, params)
-        enc = model.encode(text, text_mask)
-        codes = jnp.zeros((text.shape[0], image_len), jnp.int32)
+        b = text.shape[0]
+        if guided:  # one batch of 2B: the captions, then the empty caption for each of them
+            text = jnp.concatenate([text, jnp.broadcast_to(blank, (b, blank.shape[1]))])
+            text_mask = jnp.concatenate([text_mask, jnp.broadcast_to(blank_mask, (b, blank_mask.shape[1]))])
+        cache = model.start_decoding(model.encode(text, text_mask))
+        valid = jnp.arange(model.logit_rows) < model.image_vocab
 
-        def body(i, codes):
-            logits = model.decode(model.decoder_inputs(codes), enc, text_mask)[:, i] / temperature
-            if top_k is not None:
-                kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-                logits = jnp.where(logits < kth, -jnp.inf, logits)
-            tok = jax.random.categorical(jax.random.fold_in(key, i), logits)
-            return codes.at[:, i].set(tok.astype(jnp.int32))
+        def body(i, carry):
+            codes, token, cache = carry
+            logits, cache = model.decode_step(token, i, cache, text_mask)
+            if guided:
+                logits = guide_logits(logits[:b], logits[b:], scale)
+            logits = filter_logits(logits, valid, temperature, top_k, top_p)
+            tok = jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
+            return codes.at[:, i].set(tok), jnp.concatenate([tok, tok]) if guided else tok, cache
 
-        return jax.lax.fori_loop(0, image_len, body, codes)
+        start = jnp.full((text.shape[0],), model.bos_id, jnp.int32)
+        codes = jnp.zeros((b, image_len), jnp.int32)
+        return jax.lax.fori_loop(0, image_len, body, (codes, start, cache))[0]
 
-    return jax.jit(sample, out_shardings=out_sharding)
+    if guided:
+        return jax.jit(run, out_shardings=out_sharding)
+    return jax.jit(lambda params, text, text_mask, key: run(params, text, text_mask, key), out_shardings=out_sharding)
 
 
 def image_grid(images: np.ndarray, captions: list[str], per_row: int, scale: int = 2) -> np.ndarray:

@@ -100,20 +100,45 @@ class Attention(nnx.Module):
             return jnp.full((self.heads,), self.fixed_tau, jnp.float32)
         return jnp.maximum(self.tau[...].astype(jnp.float32), self.tau_min)  # learned, clamped
 
-    def __call__(self, x: jax.Array, kv: jax.Array, mask: Optional[jax.Array], rngs: Optional[nnx.Rngs] = None) -> jax.Array:
-        b, t, d = x.shape
-        split = lambda y: y.reshape(y.shape[0], y.shape[1], self.heads, d // self.heads)  # noqa: E731
-        q, k, v = split(self.q(x)), split(self.k(kv)), split(self.v(kv))
+    def split(self, y: jax.Array) -> jax.Array:
+        return y.reshape(y.shape[0], y.shape[1], self.heads, y.shape[2] // self.heads)
+
+    def keys_values(self, kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[B, T, H, D] keys and values of `kv`: what a decoding cache keeps."""
+        return self.split(self.k(kv)), self.split(self.v(kv))
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[jax.Array], bias: Optional[jax.Array],
+               rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+        """Heads [B, Tq, H, D] against keys and values [B, Tk, H, D] -> [B, Tq, d]. `bias`
+        [H, Tq, Tk] or None."""
+        b, t = q.shape[:2]
         logits = attention_logits(q, k, self.temperature())
-        if self.position_bias is not None:
-            logits = logits + self.position_bias(t)[None]
+        if bias is not None:
+            logits = logits + bias[None]
         if mask is not None:
             logits = jnp.where(mask, logits, MASKED)
         weights = dropout(self.attention_dropout, rngs)(jax.nn.softmax(logits, axis=-1))
         out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
         if self.head_scale is not None:
             out = out * self.head_scale[...].astype(out.dtype)[:, None]
-        out = out.reshape(b, t, d)
+        out = out.reshape(b, t, -1)
         if self.sub_norm is not None:
             out = self.sub_norm(out)
         return self.o(out)
+
+    def __call__(self, x: jax.Array, kv: jax.Array, mask: Optional[jax.Array], rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+        k, v = self.keys_values(kv)
+        bias = self.position_bias(x.shape[1]) if self.position_bias is not None else None
+        return self.attend(self.split(self.q(x)), k, v, mask, bias, rngs)
+
+    def cached_step(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
+                    bias: Optional[jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Causal self-attention of one new token x [B, 1, d] at position `pos` against the cache
+        [B, L, H, D] (positions < pos filled): (output, cache with this token's keys and values).
+        `bias` is the full [H, L, L] position bias or None; its row `pos` is used."""
+        k, v = self.keys_values(x)
+        cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), pos, axis=1)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), pos, axis=1)
+        mask = (jnp.arange(cache_k.shape[1]) <= pos)[None, None, None, :]
+        row = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, pos, 1, axis=1)
+        return self.attend(self.split(self.q(x)), cache_k, cache_v, mask, row), cache_k, cache_v

@@ -8,7 +8,7 @@ Image side (VARIANTS.md): decoder input is `[BOS] + codes[:-1]`, labels are the 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,32 @@ class DecoderLayer(nnx.Module):
         x = self.self_block(x, lambda h: self.self_attn(h, h, self_mask, rngs), rngs)
         x = self.cross_block(x, lambda h: self.cross_attn(h, enc, cross_mask, rngs), rngs)
         return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs)
+
+    def cached_step(self, x, k, v, pos, bias, cross_k, cross_v, cross_mask):
+        """One new token x [B, 1, d] through the layer against its cache: (x, k, v)."""
+        new = {}
+
+        def self_attention(h):
+            y, new["k"], new["v"] = self.self_attn.cached_step(h, k, v, pos, bias)
+            return y
+
+        x = self.self_block(x, self_attention)
+        x = self.cross_block(x, lambda h: self.cross_attn.attend(self.cross_attn.split(self.cross_attn.q(h)), cross_k, cross_v,
+                                                                 cross_mask, None))
+        return self.ffn_block(x, self.ffn), new["k"], new["v"]
+
+
+class DecodeCache(NamedTuple):
+    """What autoregressive decoding keeps between positions, one entry per decoder layer: the
+    self-attention keys and values of the positions so far ([B, L, H, D], filled up to the
+    current one), the cross-attention keys and values of the encoder output ([B, T, H, D],
+    computed once) and Swin v2's position bias table ([H, L, L], computed once; None without)."""
+
+    k: tuple
+    v: tuple
+    cross_k: tuple
+    cross_v: tuple
+    bias: tuple
 
 
 # Rematerialisation per layer (gradient checkpointing, Chen et al. 2016, arXiv 1604.06174; DALL·E
@@ -158,6 +184,37 @@ class Seq2Seq(nnx.Module):
         # BOS and padding rows are never a target nor sampled.
         valid = jnp.arange(self.logit_rows) < self.image_vocab
         return jnp.where(valid, logits, NEG_INF)
+
+    def start_decoding(self, enc: jax.Array) -> DecodeCache:
+        """An empty cache for decoding image tokens after the text encoded as `enc` [B, T, d]."""
+        b, length = enc.shape[0], self.cfg.image_len
+        heads = self.cfg.heads
+        empty = jnp.zeros((b, length, heads, self.cfg.d_model // heads), jnp.dtype(self.cfg.dtype))
+        cross = [layer.cross_attn.keys_values(enc) for layer in self.decoder]
+        bias = [layer.self_attn.position_bias(length) if layer.self_attn.position_bias is not None else None
+                for layer in self.decoder]
+        n = len(self.decoder)
+        return DecodeCache((empty,) * n, (empty,) * n, tuple(k for k, _ in cross), tuple(v for _, v in cross), tuple(bias))
+
+    def decode_step(self, token: jax.Array, pos: jax.Array, cache: DecodeCache, text_mask: jax.Array) -> tuple[jax.Array, DecodeCache]:
+        """Logits [B, logit_rows] (float32, invalid rows masked) for the image token after decoder
+        input `token` [B] at position `pos`, and the cache with that position added. Token by
+        token this equals `decode` on the whole prefix (tests/test_sampling.py)."""
+        x = self.image_embed(token[:, None]) * self.embed_scale + self.image_pos(pos[None])[None]
+        cross_mask = text_mask[:, None, None, :]
+        ks, vs = [], []
+        for i, (layer, norm) in enumerate(zip(self.decoder, self.decoder_stream_norms)):
+            x, k, v = layer.cached_step(x, cache.k[i], cache.v[i], pos, cache.bias[i], cache.cross_k[i], cache.cross_v[i],
+                                        cross_mask)
+            ks.append(k)
+            vs.append(v)
+            if norm is not None:
+                x = norm(x)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        logits = self.lm_head(x[:, 0]).astype(jnp.float32)
+        valid = jnp.arange(self.logit_rows) < self.image_vocab
+        return jnp.where(valid, logits, NEG_INF), cache._replace(k=tuple(ks), v=tuple(vs))
 
     def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
         """Teacher-forced logits. With a dropout_key the dropout layers are active (training)."""

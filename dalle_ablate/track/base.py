@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -16,6 +16,11 @@ class Tracker(ABC):
     @abstractmethod
     def log_image(self, key: str, image: np.ndarray, step: int, caption: str = "") -> None:
         """An [H, W, 3] uint8 image."""
+
+    @abstractmethod
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, line: Optional[tuple[str, str]] = None) -> None:
+        """A table at a step; cells are scalars, strings or [H, W, 3] uint8 images. `line`:
+        (x, y) columns to also draw as a line chart, rows joined in order."""
 
     @abstractmethod
     def log_summary(self, values: dict[str, Any]) -> None:
@@ -33,6 +38,9 @@ class NullTracker(Tracker):
         return None
 
     def log_image(self, key, image, step, caption=""):
+        return None
+
+    def log_table(self, key, columns, rows, step, line=None):
         return None
 
     def log_summary(self, values):
@@ -53,6 +61,10 @@ class CompositeTracker(Tracker):
     def log_image(self, key, image, step, caption=""):
         for t in self.trackers:
             t.log_image(key, image, step, caption)
+
+    def log_table(self, key, columns, rows, step, line=None):
+        for t in self.trackers:
+            t.log_table(key, columns, rows, step, line)
 
     def log_summary(self, values):
         for t in self.trackers:

@@ -5,6 +5,7 @@
     metrics.jsonl  one JSON object per log call: {"step": s, <metric>: value, ...}
     summary.json   final values
     media/         images (PNG), named <key>_<step>.png
+    tables/        tables, <key>_<step>.json ({"columns", "rows"}; image cells are PNG paths)
     checkpoints/   orbax checkpoints (written by the trainer)
 """
 
@@ -63,6 +64,24 @@ class RunStore(Tracker):
         path = self.media / f"{key.replace('/', '_')}_{int(step)}.png"
         Image.fromarray(np.asarray(image, np.uint8)).save(path)
         self.log({f"{key}/path": str(path.relative_to(self.root)), f"{key}/caption": caption}, step)
+
+    def log_table(self, key, columns, rows, step, line=None):
+        name = f"{key.replace('/', '_')}_{int(step)}"
+        tables = self.root / "tables"
+        tables.mkdir(exist_ok=True)
+        out = []
+        for i, row in enumerate(rows):
+            cells = []
+            for j, v in enumerate(row):
+                if isinstance(v, np.ndarray) and v.ndim == 3:
+                    path = tables / name / f"{i}_{j}.png"
+                    path.parent.mkdir(exist_ok=True)
+                    Image.fromarray(np.asarray(v, np.uint8)).save(path)
+                    v = str(path.relative_to(self.root))
+                cells.append(_jsonable(v))
+            out.append(cells)
+        atomic_write(tables / f"{name}.json", json.dumps({"columns": list(columns), "rows": out, "line": line}))
+        self.log({f"{key}/table": f"tables/{name}.json"}, step)
 
     def log_summary(self, values):
         self.summary.update({k: _jsonable(v) for k, v in values.items()})

@@ -41,6 +41,14 @@ class WandbTracker(Tracker):
     def log_image(self, key, image, step, caption=""):
         self.run.log({key: wandb.Image(np.asarray(image, np.uint8), caption=caption)}, step=int(step))
 
+    def log_table(self, key, columns, rows, step, line=None):
+        cell = lambda v: wandb.Image(np.asarray(v, np.uint8)) if isinstance(v, np.ndarray) and v.ndim == 3 else v  # noqa: E731
+        table = wandb.Table(columns=list(columns), data=[[cell(v) for v in r] for r in rows])
+        logged = {key: table}
+        if line is not None:
+            logged[f"{key}_chart"] = wandb.plot.line(table, line[0], line[1], title=f"{key}: {line[1]} vs {line[0]}")
+        self.run.log(logged, step=int(step))
+
     def log_summary(self, values):
         for k, v in values.items():
             self.run.summary[k] = v

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from dalle_ablate.config import RunConfig
 from dalle_ablate.data import build_dataset
 from dalle_ablate.data.base import host_share
+from dalle_ablate.evaluate.runner import evaluation_or_none
 from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.model import abstract_model, build_model, param_count, resolve
 from dalle_ablate.model.flops import train_flops_per_example
@@ -68,7 +69,8 @@ def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_s
     if not captions or not dataset.has_image_decoder():
         return None  # e.g. parquet data without data.codebook_path
     ids, mask = dataset.text.encode([c for c in captions for _ in range(cfg.samples.per_caption)])
-    sampler = make_sampler(graphdef, model_cfg.image_len, cfg.samples.temperature, cfg.samples.top_k, out_sharding)
+    sampler = make_sampler(graphdef, model_cfg.image_len, temperature=cfg.samples.temperature, top_k=cfg.samples.top_k,
+                           out_sharding=out_sharding)
     codes = np.asarray(sampler(params, ids, mask, key))
     return image_grid(dataset.decode_images(codes), captions, cfg.samples.per_caption), captions
 
@@ -114,6 +116,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         job.overrides, n_params, flops_per_step, peak, peak_source, asdict(model_cfg), dataset.info, resumed_from=start_step
     )
     meta["mesh"] = dict(mesh.shape)
+    meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
     tracker = build_tracker(
         cfg.tracker,
         run_dir,
@@ -133,6 +136,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         eval_graphdef = graphdef if model_cfg.dtype == "float32" else nnx.split(
             abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
         eval_step = make_eval_step(eval_graphdef, placement)
+        evaluation = evaluation_or_none(cfg, dataset, model_cfg, eval_graphdef, tracker, placement.replicated)
         batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, *placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         first_loss = last_loss = eval_loss = math.nan
@@ -180,13 +184,16 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             pending = (step, metrics)
             evaluate_now = step % t.eval_every == 0 or step == t.steps
             save_now = step % t.save_every == 0 or step == t.steps
-            if evaluate_now or save_now:
+            sample_now = evaluation is not None and ((cfg.eval.every and step % cfg.eval.every == 0) or step == t.steps)
+            if evaluate_now or save_now or sample_now:
                 if not record():
                     status = "diverged"
                     break
                 if evaluate_now:
                     eval_loss = evaluate(eval_step, state.params, dataset, t.batch_size, t.eval_batches, placement)
                     tracker.log({"eval/valid/loss": eval_loss, "samples": step * t.batch_size, "tokens": step * tokens_per_step}, step)
+                if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
+                    evaluation.run(state.params, step, job.name or run_dir.parent.name)
                 if save_now:
                     ckpt.save(step, state)
                 clock["t"] = time.perf_counter()  # eval and save time is not step time

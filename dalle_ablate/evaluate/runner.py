@@ -1,0 +1,166 @@
+"""One evaluation of a model at a step: for each guidance scale, samples of the eval prompts
+(the same prompts and the same noise at every scale and every step) scored by the `samples`
+evaluators -> one Pareto row per scale; the `model` evaluators once; the prompt grids. Everything
+goes to the tracker: scalars, a table with a line chart, a PNG of the Pareto curve, grid images
+and a table of them."""
+
+from __future__ import annotations
+
+import io
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dalle_ablate.evaluate.evaluators import EVALUATORS
+from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category
+from dalle_ablate.generate import image_grid, make_sampler
+
+# Which metrics make the Pareto plot's axes, first pair present wins: (fidelity, alignment).
+PARETO_AXES = (("fid/fid", "clip/score"), ("shapes_fd/fd", "shapes/all"), ("shapes/clean", "shapes/all"))
+
+
+def pareto_png(rows: list[dict], x: str, y: str, title: str) -> np.ndarray:
+    """One point per guidance scale, joined in order of scale and labelled with it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    rows = sorted(rows, key=lambda r: r["scale"])
+    fig, ax = plt.subplots(figsize=(4.5, 3.5), dpi=100)
+    xs, ys = [r[x] for r in rows], [r[y] for r in rows]
+    ax.plot(xs, ys, "-o", color="tab:blue")
+    for r, a, b in zip(rows, xs, ys):
+        ax.annotate(f"s={r['scale']:g}", (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+
+
+class Evaluation:
+    def __init__(self, cfg, dataset, model_cfg, graphdef, tracker, out_sharding=None):
+        """`graphdef`: the float32 model graph (evaluation is in float32 whatever the training
+        dtype); `cfg`: the RunConfig (its `eval` section)."""
+        self.cfg, self.e = cfg, cfg.eval
+        self.dataset, self.model_cfg, self.tracker = dataset, model_cfg, tracker
+        self.graphdef = graphdef
+        self.evaluators = {n: EVALUATORS.get(n) for n in self.e.metrics}
+        self.skipped = [n for n, ev in self.evaluators.items() if not ev.available(dataset)]
+        self.evaluators = {n: ev for n, ev in self.evaluators.items() if n not in self.skipped}
+        self.can_draw = dataset.has_image_decoder()
+        specs = getattr(dataset, "specs", None)
+        self.specs = specs["valid"][: self.e.num_samples] if specs else None
+        self.prompts = self.specs and [s["caption"] for s in self.specs]
+        self.sampler = make_sampler(graphdef, model_cfg.image_len, temperature=self.e.temperature, top_k=self.e.top_k,
+                                    top_p=self.e.top_p, guided=True, out_sharding=out_sharding)
+        self.blank = dataset.text.encode([""])
+
+        def per_image_nll(params, text, text_mask, codes):
+            logits = nnx.merge(graphdef, params)(text, text_mask, codes)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, codes).sum(-1)
+
+        self._nll = jax.jit(per_image_nll, out_shardings=out_sharding)
+        self.params = None
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _batches(self, n: int):
+        b = self.e.batch_size
+        for start in range(0, n, b):
+            idx = np.arange(start, min(start + b, n))
+            yield start // b, np.concatenate([idx, np.full(b - len(idx), idx[-1])]), len(idx)  # fixed shape: one compile
+
+    def per_image_nll(self, ids: np.ndarray, mask: np.ndarray, codes: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(codes), np.float64)
+        for _, idx, k in self._batches(len(codes)):
+            v = self._nll(self.params, jnp.asarray(ids[idx]), jnp.asarray(mask[idx]), jnp.asarray(codes[idx]))
+            out[idx[:k]] = np.asarray(v)[:k]
+        return out
+
+    def sample(self, prompts: list[str], scale: float, repeats: int = 1) -> np.ndarray:
+        """Codes [len(prompts) * repeats, image_len], prompt-major. Batch j always draws from
+        fold_in(key(eval.seed), j): the same noise at every scale, step and checkpoint."""
+        ids, mask = self.dataset.text.encode([p for p in prompts for _ in range(repeats)])
+        out = np.zeros((len(ids), self.model_cfg.image_len), np.int32)
+        key = jax.random.key(self.e.seed)
+        for j, idx, k in self._batches(len(ids)):
+            codes = self.sampler(self.params, jnp.asarray(ids[idx]), jnp.asarray(mask[idx]), jax.random.fold_in(key, j),
+                                 jnp.asarray(self.blank[0]), jnp.asarray(self.blank[1]), jnp.asarray(scale, jnp.float32))
+            out[idx[:k]] = np.asarray(codes)[:k]
+        return out
+
+    # -- one evaluation -------------------------------------------------------------------------
+    def run(self, params, step: int, run_name: str = "") -> dict:
+        """Evaluate `params` at `step`; returns {"pareto": rows, "model": metrics}."""
+        self.params = params
+        rows: list[dict] = []
+        sample_evals = {n: ev for n, ev in self.evaluators.items() if ev.kind == "samples"}
+        if sample_evals and self.can_draw and self.prompts:
+            for scale in self.e.guidance_scales:
+                images = self.dataset.decode_images(self.sample(self.prompts, scale))
+                row = {"run": run_name, "step": int(step), "scale": float(scale), "n": len(images)}
+                for name, ev in sample_evals.items():
+                    row.update({f"{name}/{k}": v for k, v in ev.fn(images, self.specs, self).items()})
+                rows.append(row)
+            self._log_pareto(rows, step, run_name)
+        model_metrics: dict[str, float] = {}
+        for name, ev in self.evaluators.items():
+            if ev.kind == "model":
+                n = min(self.e.sensitivity_examples, len(self.dataset.specs["valid"]))
+                specs = self.dataset.specs["valid"][:n]
+                codes = self.dataset.codes["valid"][:n]
+                model_metrics.update({f"eval/{name}/{k}": v for k, v in ev.fn(self, specs, codes, self.e.seed).items()})
+        if model_metrics:
+            self.tracker.log(model_metrics, step)
+        if self.can_draw:
+            self._grids(step)
+        return {"pareto": rows, "model": model_metrics}
+
+    def _log_pareto(self, rows: list[dict], step: int, run_name: str) -> None:
+        columns = list(rows[0])
+        for r in rows:  # scalars too, one series per scale, for W&B's own charts and reports
+            self.tracker.log({f"eval/pareto/s{r['scale']:g}/{k}": v for k, v in r.items()
+                              if k not in ("run", "step", "scale") and not isinstance(v, str)}, step)
+        axes = next(((x, y) for x, y in PARETO_AXES if x in rows[0] and y in rows[0]), None)
+        self.tracker.log_table("eval/pareto", columns, [[r[c] for c in columns] for r in rows], step, line=axes)
+        if axes is not None:
+            title = f"step {step}, N={rows[0]['n']} per scale: {axes[1]} vs {axes[0]}"
+            self.tracker.log_image("eval/pareto_plot", pareto_png(rows, *axes, title), step, caption=title)
+
+    def _grids(self, step: int) -> None:
+        table = []
+        for list_name in self.e.grids:
+            for category, prompts in by_category(PROMPT_LISTS.get(list_name)(), self.e.grid_prompts).items():
+                texts = [p.text for p in prompts]
+                for scale in self.e.grid_scales:
+                    images = self.dataset.decode_images(self.sample(texts, scale, self.e.grid_samples))
+                    grid = image_grid(images, texts, self.e.grid_samples)
+                    key = f"grids/{list_name}/{_slug(category)}/s{scale:g}"
+                    self.tracker.log_image(key, grid, step, caption=f"{list_name} / {category} at scale {scale:g}")
+                    for i, t in enumerate(texts):
+                        for k in range(self.e.grid_samples):
+                            table.append([list_name, category, t, float(scale), k, images[i * self.e.grid_samples + k]])
+        if table:
+            self.tracker.log_table("eval/grids", ["list", "category", "prompt", "scale", "sample", "image"], table, step)
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in s.lower()).strip("_")
+
+
+def evaluation_or_none(cfg, dataset, model_cfg, graphdef, tracker, out_sharding=None) -> Optional[Evaluation]:
+    """An Evaluation, or None when nothing is left to evaluate on this data."""
+    ev = Evaluation(cfg, dataset, model_cfg, graphdef, tracker, out_sharding)
+    if not ev.evaluators and not (ev.can_draw and cfg.eval.grids):
+        return None
+    return ev

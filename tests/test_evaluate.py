@@ -1,0 +1,221 @@
+"""Evaluation: the shapes parser against real renders and the tokenizer's reconstructions, caption
+edits, the per-scale Pareto rows and grids in the run store, and `dalle-ablate eval`."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
+from dalle_ablate.data.scenes import Obj, Scene, random_scene, render
+from dalle_ablate.evaluate.caption_sensitivity import KINDS, sensitivity, swap
+from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category
+from dalle_ablate.evaluate.shapes_parser import accuracy, parse, score
+
+
+def scenes(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    out = [random_scene(rng) for _ in range(n)]
+    return np.stack([render(s) for s in out]), [s.to_dict() for s in out]
+
+
+def test_parser_reads_real_renders_exactly():
+    images, specs = scenes(200, 0)
+    acc = accuracy(images, specs)
+    assert acc["all"] == 1.0 and acc["n"] == 200
+    for k in ("color", "shape", "size", "position", "count", "relation"):
+        assert acc[k] == 1.0, k
+
+
+def test_parser_reads_the_tokenizers_reconstructions(tmp_path):
+    """Renders through the default patch codebook (encode, decode): what a perfect model could
+    at best produce. Template matching keeps ~99% here (a bounding-box fill ratio got 68%)."""
+    from conftest import run_config
+    from dalle_ablate.data import build_dataset
+
+    cfg = run_config(data=("data.num_train=3000", "data.num_valid=300", "data.num_test=48"))
+    ds = build_dataset(cfg.data, cfg.model)
+    acc = accuracy(ds.decode_images(ds.codes["valid"]), ds.specs["valid"])
+    assert acc["all"] >= 0.96, acc
+    for k in ("color", "shape", "size", "position"):
+        assert acc[k] >= 0.98, (k, acc)
+
+
+def test_shuffled_captions_drop_accuracy_to_chance():
+    images, specs = scenes(300, 1)
+    shuffled = [specs[i] for i in np.random.default_rng(2).permutation(len(specs))]
+    acc = accuracy(images, shuffled)
+    assert acc["all"] < 0.05
+    assert acc["color"] < 0.4 and acc["shape"] < 0.55 and acc["position"] < 0.3
+    assert acc["clean"] == accuracy(images, specs)["clean"]  # fidelity does not read the caption
+
+
+def test_score_checks_count_relation_and_binding():
+    a = Obj("circle", "red", "large", 1, 0, ["shape", "color"])
+    b = Obj("square", "blue", "large", 1, 2, ["shape", "color"])
+    spec = Scene([a, b], "a red circle to the left of a blue square", {"subject": 0, "object": 1, "rel": "left of"}).to_dict()
+    assert score(parse(render(Scene([a, b], ""))), spec)["all"] == (1, 1)
+    # relation flipped: objects right, relation wrong
+    flipped = Scene([Obj("circle", "red", "large", 1, 2), Obj("square", "blue", "large", 1, 0)], "")
+    got = score(parse(render(flipped)), spec)
+    assert got["relation"] == (0, 1) and got["color"] == (2, 2) and got["all"] == (0, 1)
+    # attributes swapped between the objects (binding): colours and shapes each half wrong
+    swapped = Scene([Obj("circle", "blue", "large", 1, 0), Obj("square", "red", "large", 1, 2)], "")
+    got = score(parse(render(swapped)), spec)
+    assert got["all"] == (0, 1) and got["count"] == (1, 1)
+    assert got["color"][0] + got["shape"][0] == 2
+    # a missing object fails the count and all its attributes
+    got = score(parse(render(Scene([a], ""))), spec)
+    assert got["count"] == (0, 1) and got["color"] == (1, 2) and got["shape"] == (1, 2)
+
+
+def test_swap_changes_exactly_one_attribute():
+    rng = np.random.default_rng(0)
+    seen = dict.fromkeys(KINDS, 0)
+    for _ in range(300):
+        spec = random_scene(rng).to_dict()
+        for kind in KINDS:
+            new = swap(spec, kind, rng)
+            if new is None:
+                continue
+            seen[kind] += 1
+            assert new != spec["caption"]
+            if kind == "count":
+                assert len(new) < len(spec["caption"]) and spec["caption"].startswith(new.split(" and ")[0])
+            else:
+                ops = difflib.SequenceMatcher(a=spec["caption"].split(), b=new.split()).get_opcodes()
+                changed = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
+                assert 1 <= changed <= 2, (spec["caption"], new)  # the word and its article, or a two-word position
+            assert not re.search(r"\ban [^aeiou]|\ba [aeiou]", new), new  # articles agree with the new word
+    assert all(v > 20 for v in seen.values()), seen
+
+
+def test_sensitivity_is_the_mean_nll_rise_of_edited_captions():
+    """With an oracle NLL that charges 5 nats for every attribute word of the caption that the
+    true caption lacks, the gap is 5 per changed word and 0 for a dropped object."""
+    from dalle_ablate.data.scenes import COLS, PALETTE, ROWS, SHAPES
+
+    _, specs = scenes(80, 3)
+    vocab = set(PALETTE) | set(SHAPES) | set(ROWS) | set(COLS)
+
+    def encode(captions):
+        return np.array(captions, dtype=object), np.ones(len(captions), bool)
+
+    def nll(captions, mask, codes):
+        words = lambda c: set(re.findall(r"[a-z]+", c))  # noqa: E731
+        return np.array([5.0 * len((words(c) & vocab) - words(specs[int(k)]["caption"])) for c, k in zip(captions, codes)])
+
+    out = sensitivity(nll, encode, specs, np.arange(len(specs)), seed=0)
+    assert min(out[f"{k}_n"] for k in KINDS) > 0, out
+    assert out["color"] == 5.0 and out["shape"] == 5.0 and out["count"] == 0.0
+    assert 5.0 <= out["position"] <= 10.0  # a position is one or two words ("top left")
+
+
+def test_prompt_lists_ship_with_their_categories():
+    drawbench = PROMPT_LISTS.get("drawbench")()
+    assert len(drawbench) == 200 and len(by_category(drawbench, None)) == 11
+    parti = PROMPT_LISTS.get("partiprompts")()
+    assert len(parti) == 1632 and len(by_category(parti, None)) == 12
+    bench = PROMPT_LISTS.get("shapesbench")()
+    cats = by_category(bench, None)
+    assert set(cats) == {"color", "shape", "size", "position", "count", "binding", "relation"}
+    # every ShapesBench spec is what its caption says: its rendering parses as fully correct
+    images = np.stack([render(Scene([Obj(**o) for o in p.spec["objects"]], p.text)) for p in bench])
+    assert accuracy(images, [p.spec for p in bench])["all"] == 1.0
+    assert (ROOT / "dalle_ablate" / "evaluate" / "prompts" / "SOURCES.md").exists()
+
+
+def test_bad_eval_config_names_the_field():
+    from conftest import run_config
+    from dalle_ablate.registry import ConfigError
+
+    with pytest.raises(ConfigError, match=r"eval.metrics='fidd' is not a known evaluator; valid: caption_sensitivity, shapes, shapes_fd"):
+        run_config("eval.metrics=[fidd]")
+    with pytest.raises(ConfigError, match=r"eval.grids='coco' is not a known prompt list; valid: drawbench, partiprompts, shapesbench"):
+        run_config("eval.grids=[coco]")
+    with pytest.raises(ConfigError, match=r"eval.guidance_scales has \[-1.0\]; scales must be >= 0"):
+        run_config("eval.guidance_scales=[1,-1]")
+
+
+@pytest.mark.slow
+def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_path):
+    proc = run_py(*SMALL_DATA, *TINY_TRAIN, "eval.every=3", "tracker=none", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = tmp_path / "outputs" / "run" / "run"
+    rows = [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()]
+    tables = sorted(p.name for p in (store / "tables").glob("eval_pareto_*.json"))
+    assert tables == ["eval_pareto_3.json", "eval_pareto_6.json"]  # every eval.every steps and at the end
+    table = json.loads((store / "tables" / "eval_pareto_6.json").read_text())
+    scales = [r[table["columns"].index("scale")] for r in table["rows"]]
+    assert scales == [1.0, 3.0]
+    assert all(r[table["columns"].index("n")] == 8 for r in table["rows"])
+    assert table["line"] == ["shapes_fd/fd", "shapes/all"]
+    assert (store / "media" / "eval_pareto_plot_6.png").exists()
+    assert any("eval/caption_sensitivity/shape" in r for r in rows)
+    grids = sorted(p.name for p in (store / "media").glob("grids_shapesbench_*_6.png"))
+    assert len(grids) == 7
+    # Standalone on the last checkpoint, more scales: a store of its own, the same metrics at the
+    # scales both evaluated (same prompts, same noise).
+    env = {**os.environ}
+    out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(tmp_path / "outputs" / "run"),
+                          "eval.guidance_scales=[1,3,5]", "tracker=none"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ev = store / "evals" / "default_step6"
+    again = json.loads((ev / "tables" / "eval_pareto_6.json").read_text())
+    assert [r[2] for r in again["rows"]] == [1.0, 3.0, 5.0]
+    assert again["rows"][:2] and [r[3:] for r in again["rows"][:2]] == [r[3:] for r in table["rows"]]
+    # the training run's own files were not touched
+    assert [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()] == rows
+
+
+def test_frechet_distance_equals_three_independent_float64_routes():
+    import scipy.linalg
+
+    from dalle_ablate.evaluate.frechet import frechet_distance, kid, statistics
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(400, 16)) @ rng.normal(size=(16, 16))
+    b = rng.normal(0.3, 1.0, size=(300, 16)) @ rng.normal(size=(16, 16))
+    (m1, s1), (m2, s2) = statistics(a), statistics(b)
+    got = frechet_distance(m1, s1, m2, s2)
+    base = ((m1 - m2) ** 2).sum() + np.trace(s1) + np.trace(s2)
+    by_eigvals = base - 2 * np.sqrt(np.linalg.eigvals(s1 @ s2).real.clip(0)).sum()  # eigenvalues of S1 S2
+    by_sqrtm = base - 2 * np.trace(scipy.linalg.sqrtm(s1 @ s2)).real  # the classical pytorch-fid route
+    l1, l2 = np.linalg.cholesky(s1), np.linalg.cholesky(s2)
+    by_svd = base - 2 * np.linalg.svd(l1.T @ l2, compute_uv=False).sum()  # nuclear norm of L1' L2
+    for other in (by_eigvals, by_sqrtm, by_svd):
+        assert got == pytest.approx(other, rel=1e-9, abs=1e-8)
+    assert frechet_distance(m1, s1, m1, s1) == pytest.approx(0.0, abs=1e-8)
+    assert abs(kid(a, a[::-1].copy(), subsets=3, subset_size=100)) < kid(a, b, subsets=3, subset_size=100)
+
+
+def test_shapes_distance_sits_at_its_floor_for_real_images_and_rises_with_each_corruption(tmp_path):
+    from PIL import Image, ImageFilter
+
+    from dalle_ablate.evaluate.frechet import frechet_between
+    from dalle_ablate.evaluate.shapes_features import real_renders, shapes_features
+
+    net = shapes_features(os.environ["DALLE_ABLATE_CACHE"])
+    a, _ = real_renders(400, 100)
+    b, _ = real_renders(400, 200)
+    fa = net.extract(a)
+    floor = frechet_between(fa, net.extract(b))
+    rng = np.random.default_rng(0)
+    corruptions = {
+        "blur": lambda x, r: np.stack([np.asarray(Image.fromarray(i).filter(ImageFilter.GaussianBlur(r))) for i in x]),
+        "noise": lambda x, s: np.clip(x + rng.normal(0, s, x.shape), 0, 255).astype(np.uint8),
+        "jitter": lambda x, s: np.clip(x.astype(float) + rng.normal(0, s, (len(x), 1, 1, 3)), 0, 255).astype(np.uint8),
+    }
+    levels = {"blur": (1.0, 2.0, 3.0), "noise": (30, 60, 90), "jitter": (30, 60, 90)}
+    for name, f in corruptions.items():
+        d = [frechet_between(fa, net.extract(f(b, v))) for v in levels[name]]
+        assert floor < d[0] < d[1] < d[2], (name, floor, d)
+        assert d[-1] > 3 * floor, (name, floor, d)
