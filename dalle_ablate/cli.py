@@ -72,8 +72,35 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
+def cmd_encode_images(args) -> None:
+    """A folder of images with captions -> dalle-mini's parquet, through a VQGAN."""
+    from dalle_ablate.vqgan import load_vqgan
+    from dalle_ablate.vqgan.encode_folder import encode_folder
+
+    if not args.vqgan:
+        raise ConfigError("--images needs --vqgan WEIGHTS.npz (convert a taming-transformers checkpoint with convert-vqgan)")
+    vqgan = load_vqgan(args.vqgan, "--vqgan")
+    path = encode_folder(args.images, vqgan, args.out, args.batch)
+    n = vqgan.cfg.n_embed
+    print(f"wrote {path}")
+    print(f"train on it: python run.py data=parquet data.path={path} data.image_vocab={n} data.vqgan_path={args.vqgan}")
+
+
+def cmd_convert_vqgan(args) -> None:
+    """A taming-transformers VQGAN checkpoint -> this project's .npz weights."""
+    from dalle_ablate.vqgan import VQGANConfig, convert_state_dict, save_vqgan
+    from dalle_ablate.vqgan.model import config_from_taming_yaml, read_state_dict
+
+    cfg = config_from_taming_yaml(args.config) if args.config else VQGANConfig()
+    model = convert_state_dict(read_state_dict(args.checkpoint), cfg)
+    save_vqgan(model, args.out)
+    print(f"wrote {args.out} ({cfg.n_embed} codes, f{cfg.factor}, {cfg.resolution} px)")
+
+
 def cmd_encode(args) -> None:
     """Write the shapes data in dalle-mini's parquet format, with the codebook and tokenizer."""
+    if args.images:
+        return cmd_encode_images(args)
     from dalle_ablate.config import to_run_config
     from dalle_ablate.data.parquet import write_parquet
     from dalle_ablate.data.shapes import SPLITS, ShapesDataset
@@ -135,9 +162,18 @@ def cmd_eval(args) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
-    enc = sub.add_parser("encode", help="write the built-in shapes data as parquet (+ codebook, tokenizer)")
+    enc = sub.add_parser("encode", help="write parquet for data=parquet: the built-in shapes data, or a folder of images "
+                                        "with captions through a VQGAN (--images, --vqgan)")
     enc.add_argument("--out", required=True, help="output folder")
+    enc.add_argument("--images", help="a folder of images, each with its caption in a .txt of the same name")
+    enc.add_argument("--vqgan", help="VQGAN weights (.npz) for --images")
+    enc.add_argument("--batch", type=int, default=16, help="images encoded at once (--images)")
     enc.add_argument("overrides", nargs="*", help="config overrides, e.g. data.num_train=1000 data.patch_size=4")
+    cv = sub.add_parser("convert-vqgan", help="a taming-transformers VQGAN checkpoint (.ckpt, or .npz of its state dict) -> .npz")
+    cv.add_argument("checkpoint")
+    cv.add_argument("out")
+    cv.add_argument("--config", help="its taming-transformers yaml (default: vqgan_imagenet_f16_16384's shape)")
+    cv.set_defaults(func=cmd_convert_vqgan)
     enc.set_defaults(func=cmd_encode)
     desc = sub.add_parser("describe", help="parameters per module, FLOPs per image token, memory (no allocation)")
     desc.add_argument("overrides", nargs="*", help="config overrides, e.g. model=normformer size=mega")

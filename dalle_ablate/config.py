@@ -201,6 +201,7 @@ class ParquetDataConfig(DataConfig):
     image_len: Optional[int] = None  # null = model.image_len, else the first row's length
     shuffle_buffer: int = 10000
     codebook_path: Optional[str] = None  # a patch codebook (.npz) to decode samples; null = no grid
+    vqgan_path: Optional[str] = None  # or VQGAN weights (.npz, dalle-ablate convert-vqgan) to decode them
     valid_max_rows: int = 2048
 
 

@@ -69,6 +69,15 @@ class ParquetDataset(Dataset):
                 raise ConfigError(
                     f"data.codebook_path has {self.codebook.size} codes but data.image_vocab={self.image_vocab}"
                 )
+        self.vqgan = None
+        if cfg.vqgan_path:
+            if cfg.codebook_path:
+                raise ConfigError("data.codebook_path and data.vqgan_path are both set; the codes come from one image tokenizer")
+            from dalle_ablate.vqgan import load_vqgan
+
+            self.vqgan = load_vqgan(cfg.vqgan_path, "data.vqgan_path")
+            if self.vqgan.cfg.n_embed != self.image_vocab:
+                raise ConfigError(f"data.vqgan_path has {self.vqgan.cfg.n_embed} codes but data.image_vocab={self.image_vocab}")
         if cfg.tokenizer_path:
             self.text = TextTokenizer.from_file(cfg.tokenizer_path, text_len)
         else:
@@ -204,9 +213,13 @@ class ParquetDataset(Dataset):
         return [c for c in dict.fromkeys(self.valid[3]) if c][:6]
 
     def has_image_decoder(self) -> bool:
-        return self.codebook is not None
+        return self.codebook is not None or self.vqgan is not None
 
     def decode_images(self, codes: np.ndarray) -> Optional[np.ndarray]:
+        if self.vqgan is not None:
+            from dalle_ablate.vqgan.encode_folder import decode_codes
+
+            return decode_codes(self.vqgan, codes)
         return None if self.codebook is None else self.codebook.decode(codes)
 
 

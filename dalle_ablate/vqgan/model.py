@@ -1,0 +1,308 @@
+"""The taming-transformers VQGAN as nnx modules. Parameter paths follow the PyTorch state dict's
+names (`encoder/down/0/block/1/norm1/scale` for `encoder.down.0.block.1.norm1.weight`), so that
+conversion is a rename plus a kernel transpose."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dalle_ablate.registry import ConfigError
+
+
+@dataclass(frozen=True)
+class VQGANConfig:
+    """Defaults: `vqgan_imagenet_f16_16384` (taming-transformers' ImageNet f16 config)."""
+
+    ch: int = 128
+    ch_mult: tuple = (1, 1, 2, 2, 4)  # one level per entry; a 2x downsample between levels: f = 2^(levels - 1)
+    num_res_blocks: int = 2
+    attn_resolutions: tuple = (16,)
+    resolution: int = 256
+    z_channels: int = 256
+    embed_dim: int = 256
+    n_embed: int = 16384
+    in_channels: int = 3
+    out_ch: int = 3
+    extra: dict = field(default_factory=dict)  # unused keys of a config file, kept for the record
+
+    @property
+    def factor(self) -> int:
+        return 2 ** (len(self.ch_mult) - 1)
+
+
+def _norm(c: int, rngs) -> nnx.GroupNorm:
+    return nnx.GroupNorm(c, num_groups=min(32, c), epsilon=1e-6, rngs=rngs)
+
+
+def _conv(i: int, o: int, k: int, rngs, stride: int = 1, padding="SAME") -> nnx.Conv:
+    return nnx.Conv(i, o, (k, k), strides=stride, padding=padding, rngs=rngs)
+
+
+class ResnetBlock(nnx.Module):
+    def __init__(self, i: int, o: int, rngs):
+        self.norm1, self.conv1 = _norm(i, rngs), _conv(i, o, 3, rngs)
+        self.norm2, self.conv2 = _norm(o, rngs), _conv(o, o, 3, rngs)
+        self.nin_shortcut = _conv(i, o, 1, rngs) if i != o else None
+
+    def __call__(self, x):
+        h = self.conv1(jax.nn.swish(self.norm1(x)))
+        h = self.conv2(jax.nn.swish(self.norm2(h)))
+        return (self.nin_shortcut(x) if self.nin_shortcut is not None else x) + h
+
+
+class AttnBlock(nnx.Module):
+    def __init__(self, c: int, rngs):
+        self.norm = _norm(c, rngs)
+        self.q, self.k, self.v, self.proj_out = (_conv(c, c, 1, rngs) for _ in range(4))
+
+    def __call__(self, x):
+        b, hgt, w, c = x.shape
+        h = self.norm(x)
+        q, k, v = (f(h).reshape(b, hgt * w, c) for f in (self.q, self.k, self.v))
+        a = jax.nn.softmax(jnp.einsum("bic,bjc->bij", q, k) / np.sqrt(c), axis=-1)
+        return x + self.proj_out(jnp.einsum("bij,bjc->bic", a, v).reshape(b, hgt, w, c))
+
+
+class Downsample(nnx.Module):
+    def __init__(self, c: int, rngs):
+        self.conv = _conv(c, c, 3, rngs, stride=2, padding="VALID")
+
+    def __call__(self, x):
+        return self.conv(jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0))))  # taming pads right and bottom only
+
+
+class Upsample(nnx.Module):
+    def __init__(self, c: int, rngs):
+        self.conv = _conv(c, c, 3, rngs)
+
+    def __call__(self, x):
+        return self.conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))  # nearest neighbour x2
+
+
+class Level(nnx.Module):
+    def __init__(self, blocks, attns, resample):
+        self.block = nnx.List(blocks)
+        self.attn = nnx.List(attns)
+        self.resample = resample
+
+
+class Encoder(nnx.Module):
+    def __init__(self, cfg: VQGANConfig, rngs):
+        self.conv_in = _conv(cfg.in_channels, cfg.ch, 3, rngs)
+        res, mults = cfg.resolution, (1, *cfg.ch_mult)
+        levels = []
+        for i in range(len(cfg.ch_mult)):
+            cin, cout = cfg.ch * mults[i], cfg.ch * cfg.ch_mult[i]
+            blocks = [ResnetBlock(cin if j == 0 else cout, cout, rngs) for j in range(cfg.num_res_blocks)]
+            attns = [AttnBlock(cout, rngs) for _ in range(cfg.num_res_blocks)] if res in cfg.attn_resolutions else []
+            last = i == len(cfg.ch_mult) - 1
+            levels.append(Level(blocks, attns, None if last else Downsample(cout, rngs)))
+            res = res if last else res // 2
+        self.down = nnx.List(levels)
+        c = cfg.ch * cfg.ch_mult[-1]
+        self.mid_block_1, self.mid_attn_1, self.mid_block_2 = ResnetBlock(c, c, rngs), AttnBlock(c, rngs), ResnetBlock(c, c, rngs)
+        self.norm_out, self.conv_out = _norm(c, rngs), _conv(c, cfg.z_channels, 3, rngs)
+
+    def __call__(self, x):
+        h = self.conv_in(x)
+        for level in self.down:
+            for j, block in enumerate(level.block):
+                h = block(h)
+                if len(level.attn):
+                    h = level.attn[j](h)
+            if level.resample is not None:
+                h = level.resample(h)
+        h = self.mid_block_2(self.mid_attn_1(self.mid_block_1(h)))
+        return self.conv_out(jax.nn.swish(self.norm_out(h)))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: VQGANConfig, rngs):
+        c = cfg.ch * cfg.ch_mult[-1]
+        res = cfg.resolution // cfg.factor
+        self.conv_in = _conv(cfg.z_channels, c, 3, rngs)
+        self.mid_block_1, self.mid_attn_1, self.mid_block_2 = ResnetBlock(c, c, rngs), AttnBlock(c, rngs), ResnetBlock(c, c, rngs)
+        levels = {}
+        for i in reversed(range(len(cfg.ch_mult))):
+            cout = cfg.ch * cfg.ch_mult[i]
+            blocks = [ResnetBlock(c if j == 0 else cout, cout, rngs) for j in range(cfg.num_res_blocks + 1)]
+            attns = [AttnBlock(cout, rngs) for _ in range(cfg.num_res_blocks + 1)] if res in cfg.attn_resolutions else []
+            levels[i] = Level(blocks, attns, Upsample(cout, rngs) if i != 0 else None)
+            c = cout
+            res = res * 2 if i != 0 else res
+        self.up = nnx.List([levels[i] for i in range(len(cfg.ch_mult))])  # indexed as taming's up[i]
+        self.norm_out, self.conv_out = _norm(c, rngs), _conv(c, cfg.out_ch, 3, rngs)
+
+    def __call__(self, z):
+        h = self.mid_block_2(self.mid_attn_1(self.mid_block_1(self.conv_in(z))))
+        for level in reversed(list(self.up)):
+            for j, block in enumerate(level.block):
+                h = block(h)
+                if len(level.attn):
+                    h = level.attn[j](h)
+            if level.resample is not None:
+                h = level.resample(h)
+        return self.conv_out(jax.nn.swish(self.norm_out(h)))
+
+
+class VQGAN(nnx.Module):
+    def __init__(self, cfg: VQGANConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.encoder, self.decoder = Encoder(cfg, rngs), Decoder(cfg, rngs)
+        self.quant_conv = _conv(cfg.z_channels, cfg.embed_dim, 1, rngs)
+        self.post_quant_conv = _conv(cfg.embed_dim, cfg.z_channels, 1, rngs)
+        init = nnx.initializers.uniform(2.0 / cfg.n_embed)
+        self.embedding = nnx.Param(init(rngs.params(), (cfg.n_embed, cfg.embed_dim)) - 1.0 / cfg.n_embed)
+
+    def encode(self, images: jax.Array) -> jax.Array:
+        """[B, H, W, 3] uint8 -> [B, H/f * W/f] int32 codes, raster order (nearest codebook entry)."""
+        x = images.astype(jnp.float32) / 127.5 - 1.0
+        z = self.quant_conv(self.encoder(x))
+        e = self.embedding[...]
+        d = jnp.sum(z**2, -1, keepdims=True) - 2 * z @ e.T + jnp.sum(e**2, -1)
+        return jnp.argmin(d, -1).reshape(images.shape[0], -1).astype(jnp.int32)
+
+    def decode(self, codes: jax.Array) -> jax.Array:
+        """[B, n] codes (n a square) -> [B, H, W, 3] uint8."""
+        side = int(round(codes.shape[1] ** 0.5))
+        if side * side != codes.shape[1]:
+            raise ValueError(f"{codes.shape[1]} codes are not a square grid")
+        z = self.embedding[...][codes].reshape(codes.shape[0], side, side, -1)
+        x = self.decoder(self.post_quant_conv(z))
+        return jnp.clip(jnp.round((x + 1.0) * 127.5), 0, 255).astype(jnp.uint8)
+
+
+# -- weights ------------------------------------------------------------------------------------
+def _flat(model: VQGAN) -> dict[str, np.ndarray]:
+    """Parameter path -> array (ShapeDtypeStructs for an abstract model)."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {"/".join(str(k) for k in path): v.get_value() if isinstance(v.get_value(), jax.ShapeDtypeStruct)
+            else np.asarray(v.get_value()) for path, v in flat}
+
+
+def save_vqgan(model: VQGAN, path: str | Path) -> None:
+    """`.npz` of the parameters by path, and the config as JSON under `__config__`."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.stem}.tmp.npz")
+    cfg = asdict(model.cfg)
+    np.savez(tmp, __config__=np.array(json.dumps(cfg)), **_flat(model))
+    tmp.replace(path)
+
+
+def _with_params(cfg: VQGANConfig, arrays: dict[str, np.ndarray], source: str) -> VQGAN:
+    """A VQGAN of this config with every parameter taken from `arrays` (path -> array)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: VQGAN(cfg, nnx.Rngs(0))))
+    flat = []
+    for path_, var in nnx.to_flat_state(state):
+        key = "/".join(str(p) for p in path_)
+        if key not in arrays:
+            raise ConfigError(f"{source} lacks the parameter {key}")
+        if tuple(arrays[key].shape) != tuple(var.shape):
+            raise ConfigError(f"{source}: {key} has shape {tuple(arrays[key].shape)}, the model needs {tuple(var.shape)}")
+        flat.append((path_, var.replace(jnp.asarray(arrays[key], var.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_vqgan(path: str | Path, field: str = "vqgan weights") -> VQGAN:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{field}: {path} does not exist (convert the PyTorch checkpoint with `dalle-ablate convert-vqgan`)")
+    data = np.load(path)
+    if "__config__" not in data:
+        raise ConfigError(f"{field}: {path} has no __config__ entry; it was not written by save_vqgan or convert-vqgan")
+    raw = json.loads(str(data["__config__"]))
+    cfg = VQGANConfig(**{**raw, "ch_mult": tuple(raw["ch_mult"]), "attn_resolutions": tuple(raw["attn_resolutions"])})
+    return _with_params(cfg, {k: data[k] for k in data.files if k != "__config__"}, f"{field} {path}")
+
+
+def _torch_name(key: str) -> tuple[str, str]:
+    """Our parameter path -> (taming state-dict name, how to convert the array)."""
+    parts = key.split("/")
+    leaf = parts[-1]
+    mods = parts[:-1]
+    # nnx.List levels: `down/0/block/1` is taming's `down.0.block.1`; the resampler is
+    # `downsample` / `upsample` there; mid blocks are `mid.block_1` etc.
+    out = []
+    for i, p in enumerate(mods):
+        if p == "resample":
+            out.append("downsample" if "down" in mods[:i] else "upsample")
+        elif p.startswith("mid_"):
+            out.extend(["mid", p[4:]])
+        else:
+            out.append(p)
+    if leaf == "embedding":
+        return "quantize.embedding.weight", "copy"
+    if leaf == "kernel":
+        return ".".join(out + ["weight"]), "conv"
+    if leaf == "scale":
+        return ".".join(out + ["weight"]), "copy"
+    return ".".join(out + [leaf]), "copy"  # bias
+
+
+def convert_state_dict(state_dict: dict[str, np.ndarray], cfg: VQGANConfig) -> VQGAN:
+    """A VQGAN with the weights of a taming-transformers state dict (name -> array; conv
+    kernels OIHW become HWIO). Every parameter must be found; extra entries (the loss's
+    discriminator, LPIPS) are ignored."""
+    ours = {}
+    for key in _flat(nnx.eval_shape(lambda: VQGAN(cfg, nnx.Rngs(0)))):
+        name, how = _torch_name(key)
+        if name not in state_dict:
+            raise ConfigError(f"the checkpoint has no {name} (for {key}); is it a taming-transformers VQGAN with this config?")
+        w = np.asarray(state_dict[name], np.float32)
+        ours[key] = w.transpose(2, 3, 1, 0) if how == "conv" else w
+    return _with_params(cfg, ours, "the checkpoint")
+
+
+def torch_names(model: VQGAN) -> dict[str, np.ndarray]:
+    """The inverse of convert_state_dict: our weights under taming's names and layouts."""
+    out = {}
+    for key, w in _flat(model).items():
+        name, how = _torch_name(key)
+        if how == "conv":  # HWIO -> OIHW
+            w = jax.ShapeDtypeStruct(tuple(w.shape[i] for i in (3, 2, 0, 1)), w.dtype) if isinstance(w, jax.ShapeDtypeStruct) \
+                else w.transpose(3, 2, 0, 1)
+        out[name] = w
+    return out
+
+
+def config_from_taming_yaml(path: str | Path) -> VQGANConfig:
+    """The VQGANConfig of a taming-transformers model config (model.params.ddconfig, embed_dim,
+    n_embed), as shipped next to its checkpoints."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).expanduser().read_text())
+    try:
+        params = raw["model"]["params"]
+        dd = params["ddconfig"]
+        return VQGANConfig(ch=dd["ch"], ch_mult=tuple(dd["ch_mult"]), num_res_blocks=dd["num_res_blocks"],
+                           attn_resolutions=tuple(dd["attn_resolutions"]), resolution=dd["resolution"],
+                           z_channels=dd["z_channels"], embed_dim=params["embed_dim"], n_embed=params["n_embed"],
+                           in_channels=dd["in_channels"], out_ch=dd["out_ch"])
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"--config {path}: not a taming-transformers VQGAN config (missing {e})") from e
+
+
+def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
+    """A PyTorch checkpoint (.ckpt/.pt/.pth: needs torch, the `ref` extra) or an .npz of the same
+    names."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file")
+    if path.suffix == ".npz":
+        data = np.load(path)
+        return {k: data[k] for k in data.files}
+    try:
+        import torch
+    except ImportError as e:
+        raise ConfigError(f"{path}: reading a PyTorch checkpoint needs torch (pip install -e '.[ref]'), "
+                          "or give an .npz of its state dict") from e
+    ckpt = torch.load(str(path), map_location="cpu", weights_only=False)
+    sd = ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt
+    return {k: v.float().numpy() for k, v in sd.items() if hasattr(v, "numpy")}
