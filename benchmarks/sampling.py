@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def timed(fn, repeats: int = 3) -> float:
+def timed(fn, repeats: int = 5) -> float:
     import jax
 
     jax.block_until_ready(fn())  # compile

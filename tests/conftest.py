@@ -48,7 +48,12 @@ TINY_TRAIN = [
     "eval.sensitivity_examples=8",
     "eval.grid_prompts=1",
     "eval.grid_samples=2",
+    # No sampling evaluation in the many short runs of the suite; EVAL_ON turns it back on
+    # (tests/test_evaluate.py).
+    "eval.metrics=[]",
+    "eval.grids=[]",
 ]
+EVAL_ON = ["eval.metrics=[shapes,shapes_fd,caption_sensitivity]", "eval.grids=[shapesbench]"]
 
 
 def compose(*overrides: str):

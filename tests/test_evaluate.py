@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
+from conftest import EVAL_ON, ROOT, SMALL_DATA, TINY_TRAIN, run_py
 from dalle_ablate.data.scenes import Obj, Scene, random_scene, render
 from dalle_ablate.evaluate.caption_sensitivity import KINDS, sensitivity, swap
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category
@@ -146,7 +146,7 @@ def test_bad_eval_config_names_the_field():
 
 @pytest.mark.slow
 def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_path):
-    proc = run_py(*SMALL_DATA, *TINY_TRAIN, "eval.every=3", "tracker=none", cwd=tmp_path)
+    proc = run_py(*SMALL_DATA, *TINY_TRAIN, *EVAL_ON, "eval.every=3", "tracker=none", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = tmp_path / "outputs" / "run" / "run"
     rows = [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()]

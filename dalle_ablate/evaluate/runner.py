@@ -161,6 +161,8 @@ def _slug(s: str) -> str:
 def evaluation_or_none(cfg, dataset, model_cfg, graphdef, tracker, out_sharding=None) -> Optional[Evaluation]:
     """An Evaluation, or None when nothing is left to evaluate on this data."""
     ev = Evaluation(cfg, dataset, model_cfg, graphdef, tracker, out_sharding)
+    if ev.skipped:
+        print(f"eval: skipping {', '.join(ev.skipped)} (data={dataset.name} has no scene specs)")
     if not ev.evaluators and not (ev.can_draw and cfg.eval.grids):
         return None
     return ev

@@ -19,7 +19,7 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     from dalle_ablate.cli import compose
     from dalle_ablate.config import to_run_config
     from dalle_ablate.data import build_dataset
-    from dalle_ablate.evaluate.runner import Evaluation
+    from dalle_ablate.evaluate.runner import evaluation_or_none
     from dalle_ablate.model import abstract_model, build_model, resolve
     from dalle_ablate.optim import build_optimizer
     from dalle_ablate.parallel import build_mesh, make_placement, pad_vocab_for_mesh
@@ -58,9 +58,10 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
                             is_main_process=jax.process_index() == 0)
     status = "failed"
     try:
-        ev = Evaluation(cfg, dataset, model_cfg, nnx.split(abstract, nnx.Param)[0], tracker, placement.replicated)
-        if ev.skipped:
-            print(f"skipped (this data has no scene specs): {', '.join(ev.skipped)}")
+        ev = evaluation_or_none(cfg, dataset, model_cfg, nnx.split(abstract, nnx.Param)[0], tracker, placement.replicated)
+        if ev is None:
+            raise ConfigError(f"nothing to evaluate: eval.metrics={list(cfg.eval.metrics)} need scene specs or are empty, and "
+                              f"eval.grids={list(cfg.eval.grids)} need an image decoder (data.codebook_path or data.vqgan_path)")
         result = ev.run(state.params, step, run_name)
         tracker.log_summary({"evaluated_step": step, **result["model"]})
         status = "finished"

@@ -192,10 +192,10 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
                 if evaluate_now:
                     eval_loss = evaluate(eval_step, state.params, dataset, t.batch_size, t.eval_batches, placement)
                     tracker.log({"eval/valid/loss": eval_loss, "samples": step * t.batch_size, "tokens": step * tokens_per_step}, step)
+                if save_now:  # before the sampling evaluation: a failure there never costs a checkpoint
+                    ckpt.save(step, state)
                 if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
                     evaluation.run(state.params, step, job.name or run_dir.parent.name)
-                if save_now:
-                    ckpt.save(step, state)
                 clock["t"] = time.perf_counter()  # eval and save time is not step time
         else:
             status = "finished"

@@ -87,10 +87,20 @@ class Upsample(nnx.Module):
 
 
 class Level(nnx.Module):
+    """One resolution: ResNet blocks, each followed by attention at the attention resolutions,
+    then the down- or upsampler (none at the last level)."""
+
     def __init__(self, blocks, attns, resample):
         self.block = nnx.List(blocks)
         self.attn = nnx.List(attns)
         self.resample = resample
+
+    def __call__(self, h):
+        for j, block in enumerate(self.block):
+            h = block(h)
+            if len(self.attn):
+                h = self.attn[j](h)
+        return self.resample(h) if self.resample is not None else h
 
 
 class Encoder(nnx.Module):
@@ -113,12 +123,7 @@ class Encoder(nnx.Module):
     def __call__(self, x):
         h = self.conv_in(x)
         for level in self.down:
-            for j, block in enumerate(level.block):
-                h = block(h)
-                if len(level.attn):
-                    h = level.attn[j](h)
-            if level.resample is not None:
-                h = level.resample(h)
+            h = level(h)
         h = self.mid_block_2(self.mid_attn_1(self.mid_block_1(h)))
         return self.conv_out(jax.nn.swish(self.norm_out(h)))
 
@@ -143,12 +148,7 @@ class Decoder(nnx.Module):
     def __call__(self, z):
         h = self.mid_block_2(self.mid_attn_1(self.mid_block_1(self.conv_in(z))))
         for level in reversed(list(self.up)):
-            for j, block in enumerate(level.block):
-                h = block(h)
-                if len(level.attn):
-                    h = level.attn[j](h)
-            if level.resample is not None:
-                h = level.resample(h)
+            h = level(h)
         return self.conv_out(jax.nn.swish(self.norm_out(h)))
 
 
