@@ -127,7 +127,7 @@ def test_prompt_lists_ship_with_their_categories():
     cats = by_category(bench, None)
     assert set(cats) == {"color", "shape", "size", "position", "count", "binding", "relation"}
     # every ShapesBench spec is what its caption says: its rendering parses as fully correct
-    images = np.stack([render(Scene([Obj(**o) for o in p.spec["objects"]], p.text)) for p in bench])
+    images = np.stack([render(Scene.from_dict(p.spec)) for p in bench])
     assert accuracy(images, [p.spec for p in bench])["all"] == 1.0
     assert (ROOT / "dalle_ablate" / "evaluate" / "prompts" / "SOURCES.md").exists()
 

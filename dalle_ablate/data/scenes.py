@@ -58,6 +58,10 @@ class Scene:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, spec: dict) -> "Scene":
+        return cls([Obj(**o) for o in spec["objects"]], spec["caption"], spec.get("relation"))
+
 
 def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"

@@ -5,7 +5,7 @@ per evaluation. Each returns named metrics and the number of samples behind them
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -17,10 +17,10 @@ from dalle_ablate.registry import Registry
 class Evaluator:
     kind: str  # "samples" or "model"
     fn: Callable
-    needs: Optional[str] = None  # what the data must provide ("specs": scene specs), else skipped
+    needs_specs: bool = False  # the data must carry scene specs (data=shapes), else it is skipped
 
     def available(self, dataset) -> bool:
-        return self.needs != "specs" or getattr(dataset, "specs", None) is not None
+        return not self.needs_specs or getattr(dataset, "specs", None) is not None
 
 
 EVALUATORS: Registry = Registry("evaluator", "eval.metrics")
@@ -39,21 +39,21 @@ def _shapes_fd(images: np.ndarray, specs: list[dict], ctx) -> dict[str, float]:
     from dalle_ablate.evaluate.shapes_features import shapes_features
 
     net = shapes_features(str(ctx.cfg.data.cache_dir))
-    ref = statistics(net.reference)
     feats = net.extract(images)
-    if not hasattr(ctx, "_shapes_fd_floor"):
-        from dalle_ablate.data.scenes import Obj, Scene, render
+    if "shapes_fd/floor" not in ctx.cache:  # the prompts are fixed for the Evaluation's life
+        from dalle_ablate.data.scenes import Scene, render
 
-        real = np.stack([render(Scene([Obj(**o) for o in s["objects"]], s["caption"]), images.shape[1]) for s in specs])
-        ctx._shapes_fd_floor = frechet_distance(*statistics(net.extract(real)), *ref)
-    return {"fd": frechet_distance(*statistics(feats), *ref), "kid": kid(feats, net.reference, subset_size=min(100, len(feats))),
-            "floor": ctx._shapes_fd_floor, "n": float(len(feats)), "features": net.hash}
+        real = np.stack([render(Scene.from_dict(s), images.shape[1]) for s in specs])
+        ctx.cache["shapes_fd/floor"] = frechet_distance(*statistics(net.extract(real)), *net.reference_stats)
+    return {"fd": frechet_distance(*statistics(feats), *net.reference_stats),
+            "kid": kid(feats, net.reference, subset_size=min(100, len(feats))),
+            "floor": ctx.cache["shapes_fd/floor"], "n": float(len(feats)), "features": net.hash}
 
 
 def _caption_sensitivity(ctx, specs: list[dict], codes: np.ndarray, seed: int) -> dict[str, float]:
     return caption_sensitivity.sensitivity(ctx.per_image_nll, ctx.dataset.text.encode, specs, codes, seed)
 
 
-EVALUATORS.register("shapes", Evaluator("samples", _shapes, needs="specs"))
-EVALUATORS.register("shapes_fd", Evaluator("samples", _shapes_fd, needs="specs"))
-EVALUATORS.register("caption_sensitivity", Evaluator("model", _caption_sensitivity, needs="specs"))
+EVALUATORS.register("shapes", Evaluator("samples", _shapes, needs_specs=True))
+EVALUATORS.register("shapes_fd", Evaluator("samples", _shapes_fd, needs_specs=True))
+EVALUATORS.register("caption_sensitivity", Evaluator("model", _caption_sensitivity, needs_specs=True))

@@ -12,12 +12,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category
 from dalle_ablate.generate import image_grid, make_sampler
+from dalle_ablate.train.step import token_nll
 
 # Which metrics make the Pareto plot's axes, first pair present wins: (fidelity, alignment).
 PARETO_AXES = (("fid/fid", "clip/score"), ("shapes_fd/fd", "shapes/all"), ("shapes/clean", "shapes/all"))
@@ -66,12 +66,10 @@ class Evaluation:
                                     top_p=self.e.top_p, guided=True, out_sharding=out_sharding)
         self.blank = dataset.text.encode([""])
 
-        def per_image_nll(params, text, text_mask, codes):
-            logits = nnx.merge(graphdef, params)(text, text_mask, codes)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, codes).sum(-1)
-
-        self._nll = jax.jit(per_image_nll, out_shardings=out_sharding)
+        self._nll = jax.jit(lambda params, *batch: token_nll(nnx.merge(graphdef, params), *batch).sum(-1),
+                            out_shardings=out_sharding)
         self.params = None
+        self.cache: dict = {}  # what evaluators compute once per Evaluation (fixed prompts), e.g. a floor
 
     # -- pieces ---------------------------------------------------------------------------------
     def _batches(self, n: int):

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from dalle_ablate.data.scenes import PALETTE, SHAPES, SIZES, random_scene, render
+from dalle_ablate.evaluate.frechet import statistics
 
 SETTINGS = {"version": 1, "train_images": 4000, "steps": 400, "batch": 64, "lr": 3e-3, "features": 32, "seed": 0,
             "reference_images": 2000, "image_size": 64}
@@ -92,6 +93,7 @@ class ShapesFeatures:
         root = Path(cache_dir).expanduser() / "shapes_features"
         root.mkdir(parents=True, exist_ok=True)
         path = root / f"{self.hash}.npz"
+        self._features = nnx.jit(lambda m, x: m.features(x))
         model = CellNet(settings["features"], nnx.Rngs(0))
         graphdef, state = nnx.split(model)
         if path.exists():
@@ -108,11 +110,11 @@ class ShapesFeatures:
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
             np.savez(tmp, reference=self.reference, **{f"p{i}": np.asarray(x) for i, x in enumerate(leaves)})
             os.replace(tmp, path)
-        self._features = nnx.jit(lambda m, x: m.features(x))
+        self.reference_stats = statistics(self.reference)
 
     def extract(self, images: np.ndarray, batch: int = 256) -> np.ndarray:
-        fn = getattr(self, "_features", None) or nnx.jit(lambda m, x: m.features(x))
-        return np.concatenate([np.asarray(fn(self.model, jnp.asarray(images[i : i + batch]))) for i in range(0, len(images), batch)])
+        return np.concatenate([np.asarray(self._features(self.model, jnp.asarray(images[i : i + batch])))
+                               for i in range(0, len(images), batch)])
 
 
 @lru_cache(maxsize=4)

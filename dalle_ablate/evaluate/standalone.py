@@ -22,7 +22,7 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     from dalle_ablate.evaluate.runner import evaluation_or_none
     from dalle_ablate.model import abstract_model, build_model, resolve
     from dalle_ablate.optim import build_optimizer
-    from dalle_ablate.parallel import build_mesh, make_placement, pad_vocab_for_mesh
+    from dalle_ablate.parallel import abstract_state, build_mesh, make_placement, pad_vocab_for_mesh
     from dalle_ablate.track import build_tracker
     from dalle_ablate.train import checkpoint
     from dalle_ablate.train.step import TrainState
@@ -43,13 +43,7 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     abstract = abstract_model(model_cfg)
     optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, mesh)
     placement = make_placement(mesh, abstract, optimizer, TrainState)
-
-    def init():
-        params = nnx.to_pure_dict(nnx.split(build_model(model_cfg, cfg.seed), nnx.Param)[1])
-        return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=optimizer.init(params))
-
-    shapes = jax.eval_shape(init)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, placement.state)
+    target = abstract_state(lambda: build_model(model_cfg, cfg.seed), optimizer, placement, TrainState)
     step, state = checkpoint.restore(ckpt_dir, step, target)
     out = store / "evals" / f"{cfg.eval.name}_step{step}"
     run_name = store.parent.name

@@ -64,18 +64,27 @@ def make_placement(mesh: Mesh, abstract_model: nnx.Module, optimizer, state_cls)
     return Placement(mesh, params, state, NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P()))
 
 
-def init_state(graph_fn, optimizer, placement: Placement, state_cls):
-    """The initial TrainState, created directly in its shards (never whole on one device):
-    `graph_fn()` builds the model from its seed inside the jitted initialiser."""
-
+def _initialiser(graph_fn, optimizer, state_cls):
     def init():
         params = nnx.to_pure_dict(nnx.split(graph_fn(), nnx.Param)[1])
         return state_cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
-    return jax.jit(init, out_shardings=placement.state)()
+    return init
+
+
+def init_state(graph_fn, optimizer, placement: Placement, state_cls):
+    """The initial TrainState, created directly in its shards (never whole on one device):
+    `graph_fn()` builds the model from its seed inside the jitted initialiser."""
+    return jax.jit(_initialiser(graph_fn, optimizer, state_cls), out_shardings=placement.state)()
+
+
+def abstract_state(graph_fn, optimizer, placement: Placement, state_cls):
+    """The TrainState's shapes, dtypes and shardings, nothing allocated: a restore target."""
+    shapes = jax.eval_shape(_initialiser(graph_fn, optimizer, state_cls))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, placement.state)
 
 
 __all__ = [
-    "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "build_mesh", "check_batch", "init_state", "layout_specs",
+    "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "abstract_state", "build_mesh", "check_batch", "init_state", "layout_specs",
     "make_placement", "mesh_shape", "pad_vocab_for_mesh", "param_specs", "state_specs",
 ]

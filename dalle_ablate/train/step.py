@@ -21,10 +21,15 @@ class TrainState:
     opt_state: Any
 
 
+def token_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> jax.Array:
+    """Teacher-forced NLL of every image code, float32 [B, I]."""
+    logits = model(text, text_mask, codes, dropout_key=dropout_key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, codes)
+
+
 def image_loss(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, jax.Array]:
     """(sum over examples of weight x mean per-token NLL of the image codes, sum of weights)."""
-    logits = model(batch["text"], batch["text_mask"], batch["codes"], dropout_key=dropout_key)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["codes"])  # float32 [B, I]
+    nll = token_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key)
     w = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll.mean(axis=-1) * w), jnp.sum(w)
 
