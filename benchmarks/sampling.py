@@ -104,6 +104,31 @@ def main() -> None:
     feat_rate = len(images) / (time.perf_counter() - t)
     print(f"\nevaluators (64 px images/s): shapes parser {parse_rate:,.0f}, shapes_fd features {feat_rate:,.0f}")
 
+    # The pretrained scorers at their real sizes, random weights (speed does not depend on them).
+    import tempfile
+
+    from flax import nnx
+
+    from dalle_ablate.evaluate import clip, inception
+    from dalle_ablate.weights import random_arrays
+
+    with tempfile.TemporaryDirectory() as tmp:
+        inception.save_inception(random_arrays(lambda: inception.InceptionV3(nnx.Rngs(0)), 0), f"{tmp}/i.npz")
+        fid_net = inception.InceptionFeatures(f"{tmp}/i.npz", batch_size=32)
+        cfg_b32 = clip.PRESETS["ViT-B/32"]
+        merges = [f"{a} {b}" for a in "abcdefghij" for b in "abcdefghij"]  # the tokenizer's cost is not measured here
+        clip.save_clip(random_arrays(lambda: clip.CLIP(cfg_b32, nnx.Rngs(0)), 0), merges, f"{tmp}/c.npz", cfg_b32)
+        scorer = clip.CLIPScorer(f"{tmp}/c.npz", batch_size=32)
+    batch, captions = images[:32], [s["caption"] for s in specs[:32]]
+    rates = {}
+    for name, fn in (("fid (Inception, 299 px)", lambda: fid_net(batch)), ("clip (ViT-B/32, 224 px)", lambda: scorer.scores(batch, captions))):
+        fn()  # compile
+        t = time.perf_counter()
+        for _ in range(2):
+            fn()
+        rates[name] = 2 * len(batch) / (time.perf_counter() - t)
+    print("pretrained scorers (images/s, batch 32): " + ", ".join(f"{k} {v:,.1f}" for k, v in rates.items()))
+
 
 if __name__ == "__main__":
     main()

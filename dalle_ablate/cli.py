@@ -89,12 +89,59 @@ def cmd_encode_images(args) -> None:
 def cmd_convert_vqgan(args) -> None:
     """A taming-transformers VQGAN checkpoint -> this project's .npz weights."""
     from dalle_ablate.vqgan import VQGANConfig, convert_state_dict, save_vqgan
-    from dalle_ablate.vqgan.model import config_from_taming_yaml, read_state_dict
+    from dalle_ablate.vqgan.model import config_from_taming_yaml
+    from dalle_ablate.weights import read_state_dict
 
     cfg = config_from_taming_yaml(args.config) if args.config else VQGANConfig()
     model = convert_state_dict(read_state_dict(args.checkpoint), cfg)
     save_vqgan(model, args.out)
     print(f"wrote {args.out} ({cfg.n_embed} codes, f{cfg.factor}, {cfg.resolution} px)")
+
+
+def cmd_convert_inception(args) -> None:
+    """torch-fidelity's / pytorch-fid's FID Inception weights -> this project's .npz."""
+    from dalle_ablate.evaluate.inception import convert_state_dict, save_inception
+    from dalle_ablate.weights import file_hash, read_state_dict
+
+    save_inception(convert_state_dict(read_state_dict(args.checkpoint)), args.out)
+    print(f"wrote {args.out} (FID Inception, pool3 2048-d; weights hash {file_hash(args.out)})")
+
+
+def cmd_convert_clip(args) -> None:
+    """An OpenAI or open_clip CLIP ViT checkpoint + CLIP's BPE merges -> one .npz."""
+    from dalle_ablate.evaluate.clip import config_from_state_dict, convert_state_dict, read_bpe, save_clip
+    from dalle_ablate.weights import read_state_dict
+
+    sd = read_state_dict(args.checkpoint)
+    cfg = config_from_state_dict(sd, act=args.act, head_width=args.head_width)
+    save_clip(convert_state_dict(sd, cfg), read_bpe(args.bpe), args.out)
+    print(f"wrote {args.out} (CLIP ViT patch {cfg.patch_size}, {cfg.image_size} px, width {cfg.vision_width}x"
+          f"{cfg.vision_layers}, text {cfg.text_width}x{cfg.text_layers}, embed {cfg.embed_dim}, {cfg.act})")
+
+
+def cmd_fid_reference(args) -> None:
+    """FID reference statistics of a folder of images, or of a run's data (its valid split)."""
+    from dalle_ablate.evaluate.fid import read_image_folder, reference_from_images
+    from dalle_ablate.evaluate.inception import InceptionFeatures
+
+    net = InceptionFeatures(args.weights, "--weights")
+    if args.images:
+        if args.overrides:
+            raise ConfigError(f"--images and config overrides ({' '.join(args.overrides)}) exclude each other")
+        ref = reference_from_images(net, read_image_folder(args.images, args.num), f"folder {args.images}")
+    else:
+        from dalle_ablate.config import to_run_config
+        from dalle_ablate.data import build_dataset
+
+        cfg = to_run_config(compose(args.overrides))
+        ds = build_dataset(cfg.data, cfg.model)
+        images = ds.reference_images(args.num or 10_000)
+        if images is None:
+            raise ConfigError(f"data={cfg.data.name} has no image decoder (set data.codebook_path or data.vqgan_path), "
+                              "so it has no real images; use --images")
+        ref = reference_from_images(net, images, f"data={cfg.data.name} valid split")
+    ref.save(args.out)
+    print(f"wrote {args.out}: {ref.n} images ({ref.source}), Inception weights {ref.weights}, {ref.resize}")
 
 
 def cmd_encode(args) -> None:
@@ -175,6 +222,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     cv.add_argument("--config", help="its taming-transformers yaml (default: vqgan_imagenet_f16_16384's shape)")
     cv.set_defaults(func=cmd_convert_vqgan)
     enc.set_defaults(func=cmd_encode)
+    ci = sub.add_parser("convert-inception", help="FID Inception weights (torch-fidelity's weights-inception-2015-12-05-"
+                                                  "6726825d.pth, or an .npz of that state dict) -> .npz for eval.fid.weights")
+    ci.add_argument("checkpoint")
+    ci.add_argument("out")
+    ci.set_defaults(func=cmd_convert_inception)
+    cc = sub.add_parser("convert-clip", help="a CLIP ViT checkpoint (OpenAI .pt, open_clip .pt/.bin/.safetensors, or .npz of "
+                                             "its state dict) and CLIP's BPE merges -> .npz for eval.clip.weights")
+    cc.add_argument("checkpoint")
+    cc.add_argument("out")
+    cc.add_argument("--bpe", required=True, help="bpe_simple_vocab_16e6.txt.gz (ships with the CLIP and open_clip packages)")
+    cc.add_argument("--act", choices=["quick_gelu", "gelu"], default="quick_gelu",
+                    help="MLP activation: quick_gelu for OpenAI's weights (default), gelu for open_clip's own ViT-* models")
+    cc.add_argument("--head-width", type=int, default=64, help="attention head width (64 in every OpenAI model)")
+    cc.set_defaults(func=cmd_convert_clip)
+    fr = sub.add_parser("fid-reference", help="FID reference statistics (.npz for eval.reference) of a folder of images "
+                                              "(--images) or of a data config's valid split")
+    fr.add_argument("--weights", required=True, help="FID Inception weights (.npz from convert-inception)")
+    fr.add_argument("--out", required=True, help="output .npz")
+    fr.add_argument("--images", help="a folder of images (any sizes; searched recursively)")
+    fr.add_argument("--num", type=int, help="at most this many images (default: all of the folder; 10000 of a data split)")
+    fr.add_argument("overrides", nargs="*", help="data config overrides, e.g. data=parquet data.path=... data.vqgan_path=...")
+    fr.set_defaults(func=cmd_fid_reference)
     desc = sub.add_parser("describe", help="parameters per module, FLOPs per image token, memory (no allocation)")
     desc.add_argument("overrides", nargs="*", help="config overrides, e.g. model=normformer size=mega")
     desc.set_defaults(func=cmd_describe)

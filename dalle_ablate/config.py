@@ -264,6 +264,15 @@ class SamplesConfig:
 
 
 @dataclass
+class PretrainedEvalConfig:
+    """A pretrained scoring network (FID Inception or CLIP): a local `.npz` of converted weights
+    (`dalle-ablate convert-inception` / `convert-clip`); nothing is downloaded."""
+
+    weights: Optional[str] = None
+    batch_size: int = 32  # images (or captions) per forward pass
+
+
+@dataclass
 class EvalConfig:
     """Sampling evaluation: metrics per guidance scale (the Pareto curve) and prompt grids. Runs
     every `every` steps during training, at the end of a run, and with `dalle-ablate eval`."""
@@ -283,6 +292,9 @@ class EvalConfig:
     grid_prompts: Optional[int] = 6  # prompts per category and grid (null = all)
     grid_samples: int = 4  # samples per prompt
     seed: int = 0  # the sampling noise: fixed across scales, steps and checkpoints
+    fid: PretrainedEvalConfig = field(default_factory=PretrainedEvalConfig)  # eval.metrics=[fid]: Inception weights
+    clip: PretrainedEvalConfig = field(default_factory=PretrainedEvalConfig)  # eval.metrics=[clip]: CLIP weights + BPE
+    reference: Optional[str] = None  # FID reference statistics (.npz, `dalle-ablate fid-reference`); null = the real images of the eval prompts
 
 
 @dataclass

@@ -136,7 +136,7 @@ def test_bad_eval_config_names_the_field():
     from conftest import run_config
     from dalle_ablate.registry import ConfigError
 
-    with pytest.raises(ConfigError, match=r"eval.metrics='fidd' is not a known evaluator; valid: caption_sensitivity, shapes, shapes_fd"):
+    with pytest.raises(ConfigError, match=r"eval.metrics='fidd' is not a known evaluator; valid: caption_sensitivity, clip, fid, shapes, shapes_fd"):
         run_config("eval.metrics=[fidd]")
     with pytest.raises(ConfigError, match=r"eval.grids='coco' is not a known prompt list; valid: drawbench, partiprompts, shapesbench"):
         run_config("eval.grids=[coco]")
@@ -147,6 +147,7 @@ def test_bad_eval_config_names_the_field():
 @pytest.mark.slow
 def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_path):
     proc = run_py(*SMALL_DATA, *TINY_TRAIN, *EVAL_ON, "eval.every=3", "tracker=none", cwd=tmp_path)
+    METRICS = EVAL_ON[0].split("=")[1].strip("[]").split(",")
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = tmp_path / "outputs" / "run" / "run"
     rows = [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()]
@@ -161,17 +162,34 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     assert any("eval/caption_sensitivity/shape" in r for r in rows)
     grids = sorted(p.name for p in (store / "media").glob("grids_shapesbench_*_6.png"))
     assert len(grids) == 7
-    # Standalone on the last checkpoint, more scales: a store of its own, the same metrics at the
-    # scales both evaluated (same prompts, same noise).
+    # Standalone on the last checkpoint, more scales, and FID / CLIP score with weights files made
+    # here: a store of its own, the same metrics at the scales both evaluated (same prompts,
+    # same noise).
+    from dalle_ablate.evaluate.fid import Reference
+    from dalle_ablate.evaluate.inception import RESIZE
+    from dalle_ablate.weights import file_hash
+    from pretrained_weights import clip_file, inception_file
+
+    inception, clip = inception_file(tmp_path / "inception.npz"), clip_file(tmp_path / "clip.npz")
+    Reference(np.zeros(2048), np.eye(2048), 100, file_hash(inception), RESIZE, "test").save(tmp_path / "stats.npz")
     env = {**os.environ}
     out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(tmp_path / "outputs" / "run"),
-                          "eval.guidance_scales=[1,3,5]", "tracker=none"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+                          "eval.guidance_scales=[1,3,5]", "tracker=none", f"eval.metrics=[{','.join(METRICS)},fid,clip]",
+                          f"eval.fid.weights={inception}", f"eval.clip.weights={clip}", f"eval.reference={tmp_path / 'stats.npz'}",
+                          "eval.fid.batch_size=8"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     ev = store / "evals" / "default_step6"
     again = json.loads((ev / "tables" / "eval_pareto_6.json").read_text())
-    assert [r[2] for r in again["rows"]] == [1.0, 3.0, 5.0]
-    assert again["rows"][:2] and [r[3:] for r in again["rows"][:2]] == [r[3:] for r in table["rows"]]
+    col = {c: again["columns"].index(c) for c in again["columns"]}
+    assert [r[col["scale"]] for r in again["rows"]] == [1.0, 3.0, 5.0]
+    for before, after in zip(table["rows"], again["rows"][:2]):
+        assert {c: v for c, v in zip(table["columns"], before) if c != "run"} == \
+            {c: after[col[c]] for c in table["columns"] if c != "run"}
+    assert again["line"] == ["fid/fid", "clip/score"]
+    for r in again["rows"]:
+        assert r[col["fid/n"]] == r[col["clip/n"]] == 8 and r[col["fid/reference_n"]] == 100
+        assert r[col["fid/weights"]] == file_hash(inception) and r[col["clip/weights"]] == file_hash(clip)
+        assert np.isfinite(r[col["fid/fid"]]) and r[col["fid/fid"]] > 0 and 0 <= r[col["clip/score"]] <= 100
     # the training run's own files were not touched
     assert [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()] == rows
 

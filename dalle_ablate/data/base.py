@@ -68,6 +68,15 @@ class Dataset(ABC):
         """[N, image_len] codes -> [N, H, W, 3] uint8, or None when no decoder is available."""
         return None
 
+    @abstractmethod
+    def valid_examples(self, n: int) -> tuple[list[str], np.ndarray]:
+        """(captions, codes) of the first n examples of the valid split: the eval prompts."""
+
+    def reference_images(self, n: int) -> Optional[np.ndarray]:
+        """The real images of the first n valid examples, for distances to a real set: here the
+        decoded true codes (the image tokenizer's reconstructions); exact renders on shapes."""
+        return self.decode_images(self.valid_examples(n)[1])
+
     def make_batch(self, ids: np.ndarray, mask: np.ndarray, codes: np.ndarray, weights: np.ndarray | None = None) -> Batch:
         return {
             "text": ids.astype(np.int32),

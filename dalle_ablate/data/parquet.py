@@ -215,6 +215,9 @@ class ParquetDataset(Dataset):
     def has_image_decoder(self) -> bool:
         return self.codebook is not None or self.vqgan is not None
 
+    def valid_examples(self, n: int) -> tuple[list[str], np.ndarray]:
+        return list(self.valid[3][:n]), self.valid[2][:n]
+
     def decode_images(self, codes: np.ndarray) -> Optional[np.ndarray]:
         if self.vqgan is not None:
             from dalle_ablate.vqgan.encode_folder import decode_codes

@@ -17,7 +17,7 @@ import numpy as np
 
 from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_share, unigram_entropy
 from dalle_ablate.data.image_tokenizer import PatchCodebook
-from dalle_ablate.data.scenes import DEMO_CAPTIONS, random_scene, render
+from dalle_ablate.data.scenes import DEMO_CAPTIONS, Scene, random_scene, render
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
@@ -141,3 +141,9 @@ class ShapesDataset(Dataset):
 
     def decode_images(self, codes: np.ndarray) -> np.ndarray:
         return self.codebook.decode(codes)
+
+    def valid_examples(self, n: int) -> tuple[list[str], np.ndarray]:
+        return self.captions["valid"][:n], self.codes["valid"][:n]
+
+    def reference_images(self, n: int) -> np.ndarray:
+        return np.stack([render(Scene.from_dict(s), self.cfg.image_size) for s in self.specs["valid"][:n]])

@@ -61,7 +61,11 @@ class Evaluation:
         self.can_draw = dataset.has_image_decoder()
         specs = getattr(dataset, "specs", None)
         self.specs = specs["valid"][: self.e.num_samples] if specs else None
-        self.prompts = self.specs and [s["caption"] for s in self.specs]
+        self.prompts = dataset.valid_examples(self.e.num_samples)[0]
+        self.cache: dict = {}  # what evaluators compute once per Evaluation (fixed prompts), e.g. a floor
+        for name, ev in self.evaluators.items():
+            if ev.setup is not None:
+                self.cache[name] = ev.setup(self.e)
         self.sampler = make_sampler(graphdef, model_cfg.image_len, temperature=self.e.temperature, top_k=self.e.top_k,
                                     top_p=self.e.top_p, guided=True, out_sharding=out_sharding)
         self.blank = dataset.text.encode([""])
@@ -69,9 +73,14 @@ class Evaluation:
         self._nll = jax.jit(lambda params, *batch: token_nll(nnx.merge(graphdef, params), *batch).sum(-1),
                             out_shardings=out_sharding)
         self.params = None
-        self.cache: dict = {}  # what evaluators compute once per Evaluation (fixed prompts), e.g. a floor
 
     # -- pieces ---------------------------------------------------------------------------------
+    def reference_images(self) -> np.ndarray:
+        """The real images of the eval prompts (computed once)."""
+        if "real" not in self.cache:
+            self.cache["real"] = self.dataset.reference_images(len(self.prompts))
+        return self.cache["real"]
+
     def _batches(self, n: int):
         b = self.e.batch_size
         for start in range(0, n, b):
@@ -108,7 +117,7 @@ class Evaluation:
                 images = self.dataset.decode_images(self.sample(self.prompts, scale))
                 row = {"run": run_name, "step": int(step), "scale": float(scale), "n": len(images)}
                 for name, ev in sample_evals.items():
-                    row.update({f"{name}/{k}": v for k, v in ev.fn(images, self.specs, self).items()})
+                    row.update({f"{name}/{k}": v for k, v in ev.fn(images, self).items()})
                 rows.append(row)
             self._log_pareto(rows, step, run_name)
         model_metrics: dict[str, float] = {}

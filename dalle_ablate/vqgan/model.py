@@ -4,7 +4,6 @@ conversion is a rename plus a kernel transpose."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.weights import from_state_dict, open_weights, save_weights, to_state_dict, with_arrays
 
 
 @dataclass(frozen=True)
@@ -180,46 +180,16 @@ class VQGAN(nnx.Module):
 
 
 # -- weights ------------------------------------------------------------------------------------
-def _flat(model: VQGAN) -> dict[str, np.ndarray]:
-    """Parameter path -> array (ShapeDtypeStructs for an abstract model)."""
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {"/".join(str(k) for k in path): v.get_value() if isinstance(v.get_value(), jax.ShapeDtypeStruct)
-            else np.asarray(v.get_value()) for path, v in flat}
-
-
 def save_vqgan(model: VQGAN, path: str | Path) -> None:
     """`.npz` of the parameters by path, and the config as JSON under `__config__`."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.stem}.tmp.npz")
-    cfg = asdict(model.cfg)
-    np.savez(tmp, __config__=np.array(json.dumps(cfg)), **_flat(model))
-    tmp.replace(path)
-
-
-def _with_params(cfg: VQGANConfig, arrays: dict[str, np.ndarray], source: str) -> VQGAN:
-    """A VQGAN of this config with every parameter taken from `arrays` (path -> array)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: VQGAN(cfg, nnx.Rngs(0))))
-    flat = []
-    for path_, var in nnx.to_flat_state(state):
-        key = "/".join(str(p) for p in path_)
-        if key not in arrays:
-            raise ConfigError(f"{source} lacks the parameter {key}")
-        if tuple(arrays[key].shape) != tuple(var.shape):
-            raise ConfigError(f"{source}: {key} has shape {tuple(arrays[key].shape)}, the model needs {tuple(var.shape)}")
-        flat.append((path_, var.replace(jnp.asarray(arrays[key], var.dtype))))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    save_weights(model, path, config=asdict(model.cfg))
 
 
 def load_vqgan(path: str | Path, field: str = "vqgan weights") -> VQGAN:
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ConfigError(f"{field}: {path} does not exist (convert the PyTorch checkpoint with `dalle-ablate convert-vqgan`)")
-    data = np.load(path)
-    if "__config__" not in data:
-        raise ConfigError(f"{field}: {path} has no __config__ entry; it was not written by save_vqgan or convert-vqgan")
-    raw = json.loads(str(data["__config__"]))
+    meta, arrays = open_weights(path, field, "convert the PyTorch checkpoint with `dalle-ablate convert-vqgan`")
+    raw = meta["config"]
     cfg = VQGANConfig(**{**raw, "ch_mult": tuple(raw["ch_mult"]), "attn_resolutions": tuple(raw["attn_resolutions"])})
-    return _with_params(cfg, {k: data[k] for k in data.files if k != "__config__"}, f"{field} {path}")
+    return with_arrays(lambda: VQGAN(cfg, nnx.Rngs(0)), arrays, f"{field} {Path(path).expanduser()}")
 
 
 def _torch_name(key: str) -> tuple[str, str]:
@@ -247,29 +217,15 @@ def _torch_name(key: str) -> tuple[str, str]:
 
 
 def convert_state_dict(state_dict: dict[str, np.ndarray], cfg: VQGANConfig) -> VQGAN:
-    """A VQGAN with the weights of a taming-transformers state dict (name -> array; conv
-    kernels OIHW become HWIO). Every parameter must be found; extra entries (the loss's
-    discriminator, LPIPS) are ignored."""
-    ours = {}
-    for key in _flat(nnx.eval_shape(lambda: VQGAN(cfg, nnx.Rngs(0)))):
-        name, how = _torch_name(key)
-        if name not in state_dict:
-            raise ConfigError(f"the checkpoint has no {name} (for {key}); is it a taming-transformers VQGAN with this config?")
-        w = np.asarray(state_dict[name], np.float32)
-        ours[key] = w.transpose(2, 3, 1, 0) if how == "conv" else w
-    return _with_params(cfg, ours, "the checkpoint")
+    """A VQGAN with the weights of a taming-transformers state dict (name -> array). Extra
+    entries (the loss's discriminator, LPIPS) are ignored."""
+    return from_state_dict(lambda: VQGAN(cfg, nnx.Rngs(0)), state_dict, _torch_name,
+                           "a taming-transformers VQGAN with this config")
 
 
 def torch_names(model: VQGAN) -> dict[str, np.ndarray]:
     """The inverse of convert_state_dict: our weights under taming's names and layouts."""
-    out = {}
-    for key, w in _flat(model).items():
-        name, how = _torch_name(key)
-        if how == "conv":  # HWIO -> OIHW
-            w = jax.ShapeDtypeStruct(tuple(w.shape[i] for i in (3, 2, 0, 1)), w.dtype) if isinstance(w, jax.ShapeDtypeStruct) \
-                else w.transpose(3, 2, 0, 1)
-        out[name] = w
-    return out
+    return to_state_dict(model, _torch_name)
 
 
 def config_from_taming_yaml(path: str | Path) -> VQGANConfig:
@@ -287,22 +243,3 @@ def config_from_taming_yaml(path: str | Path) -> VQGANConfig:
                            in_channels=dd["in_channels"], out_ch=dd["out_ch"])
     except (KeyError, TypeError) as e:
         raise ConfigError(f"--config {path}: not a taming-transformers VQGAN config (missing {e})") from e
-
-
-def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
-    """A PyTorch checkpoint (.ckpt/.pt/.pth: needs torch, the `ref` extra) or an .npz of the same
-    names."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ConfigError(f"{path}: no such file")
-    if path.suffix == ".npz":
-        data = np.load(path)
-        return {k: data[k] for k in data.files}
-    try:
-        import torch
-    except ImportError as e:
-        raise ConfigError(f"{path}: reading a PyTorch checkpoint needs torch (pip install -e '.[ref]'), "
-                          "or give an .npz of its state dict") from e
-    ckpt = torch.load(str(path), map_location="cpu", weights_only=False)
-    sd = ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt
-    return {k: v.float().numpy() for k, v in sd.items() if hasattr(v, "numpy")}
