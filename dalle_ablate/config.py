@@ -297,6 +297,20 @@ class EvalConfig:
     reference: Optional[str] = None  # FID reference statistics (.npz, `dalle-ablate fid-reference`); null = the real images of the eval prompts
 
 
+# Values of a run's summary a job can return to a sweeper (RunConfig.objectives).
+OBJECTIVES = ("eval/valid/loss", "train/loss", "train/first_loss", "wall_time", "steps")
+
+
+@dataclass
+class OptunaTrialConfig:
+    """Set by the Optuna sweeper (hydra/sweeper=optuna), never by hand: which study and trial this
+    job runs for, so the trainer can report eval losses to it and be pruned."""
+
+    storage: Optional[str] = None
+    study: Optional[str] = None
+    trial: Optional[int] = None
+
+
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -311,6 +325,10 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     seed: int = 0
     resume: Optional[str] = None  # null | auto | a run dir or checkpoint dir
+    # What the job returns to a sweeper: one value, or a list for a multi-objective sweep; names
+    # of the run's summary (OBJECTIVES above).
+    objectives: list[str] = field(default_factory=lambda: ["eval/valid/loss"])
+    optuna: OptunaTrialConfig = field(default_factory=OptunaTrialConfig)
 
 
 def register_configs() -> None:
@@ -375,6 +393,8 @@ def validate(cfg: RunConfig) -> None:
         f"trainer.batch_size={t.batch_size} is not divisible by trainer.grad_accum={t.grad_accum}",
     )
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    bad = [o for o in cfg.objectives if o not in OBJECTIVES]
+    _check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
     _check(cfg.schedule.warmup_steps >= 0, f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be >= 0")
     _check(0.0 <= cfg.data.blank_caption_prob <= 1.0, f"data.blank_caption_prob={cfg.data.blank_caption_prob} must be in [0, 1]")
     _check(

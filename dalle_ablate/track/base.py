@@ -28,7 +28,7 @@ class Tracker(ABC):
 
     @abstractmethod
     def finish(self, status: str = "finished") -> None:
-        """Flush and close; status is finished, failed or interrupted. Safe to call twice."""
+        """Flush and close; status is finished, diverged, pruned, failed or interrupted. Safe to call twice."""
 
 
 class NullTracker(Tracker):

@@ -56,4 +56,6 @@ class WandbTracker(Tracker):
     def finish(self, status="finished"):
         if not self._done:
             self._done = True
-            self.run.finish(exit_code=0 if status == "finished" else 1)
+            self.run.summary["status"] = status
+            # A trial the sweep's pruner stopped ended as asked: not a crashed run.
+            self.run.finish(exit_code=0 if status in ("finished", "pruned") else 1)

@@ -27,11 +27,13 @@ def job_info(cfg: DictConfig) -> JobInfo:
     )
 
 
-def run(cfg: DictConfig) -> float:
+def run(cfg: DictConfig) -> float | list[float]:
     # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found, and orbax's per-save
     # chatter (through absl), would bury the progress bar.
     for name in ("jax._src.xla_bridge", "absl"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    result = train(to_run_config(cfg), job_info(cfg))
-    # A diverged run has no meaningful validation loss: a sweep must see it as failed.
-    return result.eval_loss if result.status == "finished" else float("nan")
+    run_cfg = to_run_config(cfg)
+    result = train(run_cfg, job_info(cfg))
+    # A diverged run has no meaningful values: a sweep must see it as failed (NaN).
+    values = [float(result.summary[k]) if result.status == "finished" else float("nan") for k in run_cfg.objectives]
+    return values[0] if len(values) == 1 else values

@@ -51,6 +51,7 @@ class Result:
     steps: int
     run_dir: Path
     status: str
+    summary: dict = field(default_factory=dict)
 
 
 def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement) -> float:
@@ -140,6 +141,11 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, *placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         first_loss = last_loss = eval_loss = math.nan
+        pruning = None
+        if cfg.optuna.trial is not None and jax.process_count() == 1:  # launched by the Optuna sweeper
+            from dalle_ablate.sweep.trial import pruning_for
+
+            pruning = pruning_for(cfg.optuna)
         pending = None
         clock = {"t": time.perf_counter(), "compiled": False}
 
@@ -197,6 +203,11 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
                 if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
                     evaluation.run(state.params, step, job.name or run_dir.parent.name)
                 clock["t"] = time.perf_counter()  # eval and save time is not step time
+                if evaluate_now and pruning is not None and step < t.steps and pruning.report(eval_loss, step):
+                    status = "pruned"  # the sweep's pruner stops this trial (optuna, via sweep/trial.py)
+                    if not save_now:
+                        ckpt.save(step, state)
+                    break
         else:
             status = "finished"
         if pending is not None:
@@ -208,14 +219,15 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
                                placement.replicated)
             if grid is not None:
                 tracker.log_image("samples/grid", grid[0], final_step, caption=" | ".join(grid[1]))
-        tracker.log_summary({
+        summary = {
             "train/loss": last_loss,
             "train/first_loss": first_loss,
             "eval/valid/loss": eval_loss,
             "data/code_unigram_entropy": dataset.info.get("code_unigram_entropy"),
             "steps": final_step,
             "wall_time": time.perf_counter() - t_start,
-        })
+        }
+        tracker.log_summary(summary)
         ckpt.close()
         tracker.finish(status)
     except KeyboardInterrupt:
@@ -224,4 +236,8 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     except BaseException:
         tracker.finish("failed")
         raise
-    return Result(eval_loss=eval_loss, train_loss=last_loss, steps=final_step, run_dir=run_dir, status=status)
+    if status == "pruned":
+        import optuna
+
+        raise optuna.TrialPruned(f"pruned at step {final_step} of {t.steps} (eval loss {eval_loss:.4f})")
+    return Result(eval_loss=eval_loss, train_loss=last_loss, steps=final_step, run_dir=run_dir, status=status, summary=summary)

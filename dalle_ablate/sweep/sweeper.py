@@ -1,0 +1,157 @@
+"""The project's Optuna sweeper for Hydra (`hydra/sweeper=optuna`), on optuna 5 through its
+ask-and-tell interface: the search space comes from the overrides (space.py), trials run as
+Hydra jobs through whatever launcher is configured (basic, joblib), and their returns are told
+back. Unlike the official plugin (optuna < 3): trials are counted across resumes and across
+processes sharing the study, a job that raises or returns NaN is a FAILED trial and the sweep
+goes on, and jobs can be pruned (trial.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import optuna
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import DictConfig, OmegaConf
+
+from dalle_ablate.fileio import atomic_write
+from dalle_ablate.registry import ConfigError
+from dalle_ablate.sweep import space as spaces
+from dalle_ablate.sweep.study import PRUNER_ATTR, default_storage, make_pruner, make_sampler, storage, trial_lock
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplerConf:
+    name: str = "tpe"  # tpe, random, cmaes, grid, nsgaii
+    seed: Optional[int] = None
+    kwargs: dict = field(default_factory=dict)  # passed to the optuna sampler, e.g. {n_startup_trials: 5}
+
+
+@dataclass
+class PrunerConf:
+    name: str = "none"  # none, median, percentile, hyperband, successive_halving, threshold
+    kwargs: dict = field(default_factory=dict)  # e.g. {n_startup_trials: 3, n_warmup_steps: 100}
+
+
+@dataclass
+class OptunaSweeperConf:
+    _target_: str = "hydra_plugins.dalle_ablate_sweeper.optuna_sweeper.OptunaSweeper"
+    study_name: str = "dalle-ablate"
+    storage: Optional[str] = None  # SQLAlchemy URL; null = sqlite:///<sweep dir>/optuna.db
+    direction: Any = "minimize"  # or a list, one per value the job returns (multi-objective)
+    n_trials: int = 20  # the study's total, counted across resumes and processes
+    n_jobs: int = 1  # trials asked for and launched at once (parallel with hydra/launcher=joblib)
+    sampler: SamplerConf = field(default_factory=SamplerConf)
+    pruner: PrunerConf = field(default_factory=PrunerConf)
+    params: dict = field(default_factory=dict)  # name -> search space, as on the command line
+
+
+def outcome(ret: JobReturn, n_objectives: int) -> tuple[optuna.trial.TrialState, Optional[list[float]], str]:
+    """(state, values, why) of a finished job."""
+    if ret.status == JobStatus.FAILED:
+        exc = ret._return_value
+        if isinstance(exc, optuna.TrialPruned):
+            return optuna.trial.TrialState.PRUNED, None, str(exc)
+        return optuna.trial.TrialState.FAIL, None, f"raised {type(exc).__name__}: {exc}"
+    value = ret.return_value
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError):
+        return optuna.trial.TrialState.FAIL, None, f"returned {value!r}, not numbers"
+    if len(values) != n_objectives:
+        return optuna.trial.TrialState.FAIL, None, f"returned {len(values)} values for {n_objectives} directions"
+    if not all(math.isfinite(v) for v in values):
+        return optuna.trial.TrialState.FAIL, None, f"returned {values} (not finite)"
+    return optuna.trial.TrialState.COMPLETE, values, ""
+
+
+class OptunaSweeper(Sweeper):
+    def __init__(self, study_name: str, storage: Optional[str], direction: Any, n_trials: int, n_jobs: int,
+                 sampler: DictConfig, pruner: DictConfig, params: DictConfig):
+        self.study_name, self.storage_url = study_name, storage
+        self.directions = [str(d) for d in direction] if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction) \
+            else [str(direction)]
+        bad = [d for d in self.directions if d not in ("minimize", "maximize")]
+        if bad:
+            raise ConfigError(f"hydra.sweeper.direction has {bad}; valid: minimize, maximize (or a list of them)")
+        if n_trials < 1 or n_jobs < 1:
+            raise ConfigError(f"hydra.sweeper.n_trials={n_trials} and hydra.sweeper.n_jobs={n_jobs} must be >= 1")
+        self.n_trials, self.n_jobs = n_trials, n_jobs
+        self.sampler_conf = OmegaConf.to_container(sampler, resolve=True) if OmegaConf.is_config(sampler) else dict(sampler)
+        self.pruner_conf = OmegaConf.to_container(pruner, resolve=True) if OmegaConf.is_config(pruner) else dict(pruner)
+        self.params = {str(k): str(v) for k, v in (params or {}).items()}
+
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function,
+                                                                config=config)
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+
+    def study(self, space) -> tuple[optuna.Study, str]:
+        url = self.storage_url or default_storage(self.sweep_dir)
+        sampler = make_sampler(self.sampler_conf.get("name", "tpe"), self.sampler_conf.get("seed"), space,
+                               self.sampler_conf.get("kwargs") or {})
+        pruner_spec = {"name": self.pruner_conf.get("name", "none"), **(self.pruner_conf.get("kwargs") or {})}
+        with trial_lock(url, self.study_name):  # processes starting together: one creates the tables and the study
+            study = optuna.create_study(storage=storage(url), study_name=self.study_name, directions=self.directions,
+                                        sampler=sampler, pruner=make_pruner(pruner_spec), load_if_exists=True)
+        have = [d.name.lower() for d in study.directions]
+        if have != self.directions:
+            raise ConfigError(f"hydra.sweeper.direction={self.directions} but study {self.study_name!r} in {url} was "
+                              f"created with {have}; use another hydra.sweeper.study_name")
+        study.set_user_attr(PRUNER_ATTR, pruner_spec)
+        return study, url
+
+    def sweep(self, arguments: list[str]) -> list[optuna.trial.FrozenTrial]:
+        space = spaces.parse(arguments, self.params)
+        if not space.distributions:
+            raise ConfigError("hydra/sweeper=optuna has nothing to search: give interval(...), choice(...) or range(...) "
+                              "overrides, or hydra.sweeper.params")
+        n_trials = self.n_trials
+        if self.sampler_conf.get("name") == "grid":
+            size = math.prod(len(v) for v in space.grid().values())
+            n_trials = min(n_trials, size)  # every point once; more would repeat points
+        study, url = self.study(space)
+        log.info(f"Optuna study {self.study_name!r} in {url}: {n_trials} trials in all, sampler "
+                 f"{self.sampler_conf.get('name')}, pruner {self.pruner_conf.get('name')}")
+        while True:
+            with trial_lock(url, self.study_name) as locked:
+                if not locked:
+                    log.warning(f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
+                                f"than n_trials={n_trials} trials")
+                done = len(study.get_trials(deepcopy=False))
+                trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, n_trials - done))]
+            if not trials:
+                break
+            batch = [space.overrides(t.params) + [f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'",
+                                                  f"optuna.trial={t.number}"] for t in trials]
+            self.validate_batch_is_legal(batch)
+            for trial, ret in zip(trials, self.launcher.launch(batch, initial_job_idx=trials[0].number)):
+                state, values, why = outcome(ret, len(self.directions))
+                if why:
+                    trial.set_user_attr("why", why)
+                    log.warning(f"trial {trial.number} {state.name}: {why}")
+                study.tell(trial, values, state=state)
+        self._write_results(study)
+        return study.get_trials()
+
+    def _write_results(self, study: optuna.Study) -> None:
+        trials = study.get_trials(deepcopy=False)
+        counts = {s.name: sum(t.state == s for t in trials) for s in optuna.trial.TrialState}
+        out = {"study": self.study_name, "directions": self.directions, "trials": {k: v for k, v in counts.items() if v}}
+        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+        if complete and len(self.directions) == 1:
+            out["best"] = {"number": study.best_trial.number, "value": study.best_value, "params": study.best_params}
+        elif complete:
+            out["pareto_front"] = [{"number": t.number, "values": t.values, "params": t.params} for t in study.best_trials]
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(out)))

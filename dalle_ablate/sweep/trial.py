@@ -1,0 +1,36 @@
+"""The job's side of a sweep trial: the sweeper passes the study's storage, name and the trial's
+number as `optuna.*` overrides (a trial object cannot cross into launcher processes); the job
+reopens the trial from the storage, reports its eval loss at each evaluation and asks the
+study's pruner whether to stop."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import optuna
+
+from dalle_ablate.sweep.study import PRUNER_ATTR, make_pruner
+
+
+class Pruning:
+    def __init__(self, storage: str, study_name: str, number: int):
+        # The pruner the sweeper configured, as the study recorded it.
+        spec = optuna.load_study(study_name=study_name, storage=storage).user_attrs.get(PRUNER_ATTR, {"name": "none"})
+        self.study = optuna.load_study(study_name=study_name, storage=storage, pruner=make_pruner(spec))
+        trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+        self.trial = optuna.trial.Trial(self.study, trial_id)
+        self.number = number
+
+    def report(self, value: float, step: int) -> bool:
+        """Record an intermediate value; True when the pruner says to stop."""
+        self.trial.report(value, step)
+        return self.trial.should_prune()
+
+
+def pruning_for(link) -> Optional[Pruning]:
+    """The trial this job runs for, when a sweeper launched it with pruning possible (one
+    objective: optuna prunes single-objective studies only); else None."""
+    if link is None or link.storage is None or link.trial is None:
+        return None
+    p = Pruning(link.storage, link.study, link.trial)
+    return p if len(p.study.directions) == 1 else None

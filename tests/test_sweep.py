@@ -1,0 +1,194 @@
+"""The Optuna sweeper (hydra/sweeper=optuna): search spaces from overrides, trial states, resume
+and shared storages with exact trial counts, pruning (of the test app's job and of the trainer),
+parallel jobs through the joblib launcher, and the sweeps/ config group."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import optuna
+import optuna.distributions as D
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+
+from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
+from dalle_ablate.registry import ConfigError
+from dalle_ablate.sweep.space import parse
+from dalle_ablate.sweep.sweeper import outcome
+
+APP = Path(__file__).parent / "sweep_app" / "app.py"
+S = optuna.trial.TrialState
+
+
+def test_each_override_form_becomes_its_distribution():
+    space = parse(["optim.lr=tag(log, interval(1e-4, 1e-2))", "model=choice(normformer,deepnet)", "seed=0,1,2",
+                   "k=range(1,7,2)", "w=tag(int, interval(2, 9))", "x=interval(0, 1)", "trainer.steps=3"],
+                  {"optim.b1": "interval(0.8, 0.95)", "x": "choice(5,6)"})
+    d = space.distributions
+    assert d["optim.lr"] == D.FloatDistribution(1e-4, 1e-2, log=True)
+    assert d["model"] == D.CategoricalDistribution(["normformer", "deepnet"])
+    assert d["seed"] == D.CategoricalDistribution([0, 1, 2])
+    assert d["k"] == D.IntDistribution(1, 5, step=2)
+    assert d["w"] == D.IntDistribution(2, 9)
+    assert d["x"] == D.FloatDistribution(0.0, 1.0)  # the command line wins over the params block
+    assert d["optim.b1"] == D.FloatDistribution(0.8, 0.95)
+    assert space.fixed == ["trainer.steps=3"]
+    assert space.overrides({"optim.lr": 0.001, "model": "deepnet", "k": 3}) == [
+        "trainer.steps=3", "optim.lr=0.001", "model=deepnet", "k=3"]
+    assert parse(["seed=0,1", "k=range(1,4)"]).grid() == {"seed": [0, 1], "k": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("x=tag(log, interval(0, 1))", r"x: tag\(log, interval\(0.0, 1.0\)\) needs a positive lower bound"),
+    ("x=interval(2, 1)", r"x: interval\(2.0, 1.0\) is empty"),
+    ("x=tag(sqrt, interval(1, 2))", r"x: unknown tag sqrt; valid tags: log, int"),
+    ("x=tag(log, choice(1, 2))", r"x: tag\(log, \.\.\.\) applies to interval\(\.\.\.\) and range\(\.\.\.\), not to choice"),
+    ("x=interval(1,", r"cannot parse sweep override"),
+])
+def test_bad_search_spaces_name_the_parameter(override, message):
+    with pytest.raises(ConfigError, match=message):
+        parse([override])
+
+
+def test_grid_needs_discrete_parameters():
+    with pytest.raises(ConfigError, match=r"hydra.sweeper.sampler.name=grid needs discrete parameters; x is an interval "
+                                          r"\[0.0, 1.0\] \(use choice"):
+        parse(["x=interval(0, 1)"]).grid()
+
+
+def _ret(status, value):
+    r = JobReturn()
+    r.status, r._return_value = status, value
+    return r
+
+
+def test_job_outcomes_become_trial_states():
+    assert outcome(_ret(JobStatus.COMPLETED, 0.5), 1) == (S.COMPLETE, [0.5], "")
+    assert outcome(_ret(JobStatus.COMPLETED, [0.5, 2]), 2) == (S.COMPLETE, [0.5, 2.0], "")
+    assert outcome(_ret(JobStatus.FAILED, RuntimeError("boom")), 1) == (S.FAIL, None, "raised RuntimeError: boom")
+    assert outcome(_ret(JobStatus.FAILED, optuna.TrialPruned("at 3")), 1) == (S.PRUNED, None, "at 3")
+    assert outcome(_ret(JobStatus.COMPLETED, math.nan), 1) == (S.FAIL, None, "returned [nan] (not finite)")
+    assert outcome(_ret(JobStatus.COMPLETED, 0.5), 2) == (S.FAIL, None, "returned 1 values for 2 directions")
+    assert outcome(_ret(JobStatus.COMPLETED, None), 1)[0] == S.FAIL
+
+
+def sweep(tmp_path: Path, *args: str, sweep_dir: Path | None = None, wait: bool = True):
+    cmd = [sys.executable, str(APP), "-m", f"hydra.sweep.dir={sweep_dir or tmp_path / 'sweep'}", *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def trials(url: str, name: str = "dalle-ablate") -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=url).get_trials()
+
+
+def test_a_resumed_study_counts_its_total_and_does_not_repeat_trials(tmp_path):
+    sweep(tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0")
+    first = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    proc = sweep(tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0")
+    assert (proc.stdout + proc.stderr).count("Launching 1 jobs") == 1  # 3 in all: one more, not three more
+    after = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert [t.number for t in after] == [0, 1, 2] and all(t.state == S.COMPLETE for t in after)
+    assert [t.params for t in after[:2]] == [t.params for t in first]  # finished trials are kept, not rerun
+    for t in after:  # each value is the job's function of its parameters
+        assert t.value == pytest.approx((t.params["x"] - 0.3) ** 2 + (0.5 if t.params["y"] == "b" else 0.0) + 0.01)
+    results = (tmp_path / "sweep" / "optimization_results.yaml").read_text()
+    assert "COMPLETE: 3" in results and f"value: {min(t.value for t in after)}" in results
+
+
+def test_a_failing_job_is_a_failed_trial_and_the_sweep_goes_on(tmp_path):
+    proc = sweep(tmp_path, "mode=choice(raise, nonfinite, ok)", "hydra.sweeper.sampler.name=grid", "hydra.sweeper.n_trials=10")
+    got = {t.params["mode"]: (t.state, t.user_attrs.get("why")) for t in trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")}
+    assert got == {"raise": (S.FAIL, "raised RuntimeError: job failed on purpose"),
+                   "nonfinite": (S.FAIL, "returned [nan] (not finite)"), "ok": (S.COMPLETE, None)}  # grid: 3 points, not 10
+    assert "FAIL: raised RuntimeError: job failed on purpose" in proc.stdout + proc.stderr
+
+
+def test_the_pruner_stops_a_job_and_records_it_pruned(tmp_path):
+    sweep(tmp_path, "x=interval(0, 1)", "mode=report", "steps=5", "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner.name=threshold",
+          "+hydra.sweeper.pruner.kwargs.upper=0.5")
+    got = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert [t.state for t in got] == [S.PRUNED, S.PRUNED]
+    # the job reported value + 1/step > 0.5 at step 1 and stopped there
+    assert [json.loads((tmp_path / "sweep" / str(t.number) / "steps.json").read_text()) for t in got] == [1, 1]
+    assert all(list(t.intermediate_values) == [1] for t in got)
+
+
+def test_parallel_jobs_through_joblib_and_several_objectives(tmp_path):
+    sweep(tmp_path, "x=interval(0, 1)", "two_objectives=true", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+          "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=4", "hydra.sweeper.direction=[minimize,maximize]",
+          "hydra.sweeper.sampler.name=nsgaii", "hydra.sweeper.sampler.seed=1")
+    got = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert [t.number for t in got] == [0, 1, 2, 3] and all(t.state == S.COMPLETE for t in got)
+    assert all(t.values == pytest.approx([(t.params["x"] - 0.3) ** 2 + 0.01, t.params["x"]]) for t in got)
+    assert "pareto_front:" in (tmp_path / "sweep" / "optimization_results.yaml").read_text()
+
+
+def two_processes(tmp_path: Path, url: str, name: str, n: int) -> list[optuna.trial.FrozenTrial]:
+    procs = [sweep(tmp_path, "x=interval(0, 1)", "sleep=0.3", f"hydra.sweeper.n_trials={n}", f"hydra.sweeper.storage='{url}'",
+                   f"hydra.sweeper.study_name={name}", sweep_dir=tmp_path / f"p{i}", wait=False) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    return trials(url, name)
+
+
+def test_two_processes_on_one_sqlite_study_run_exactly_n_trials(tmp_path):
+    got = two_processes(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", "shared", 6)
+    assert sorted(t.number for t in got) == list(range(6)) and all(t.state == S.COMPLETE for t in got)
+    ran = sorted(p.name for d in ("p0", "p1") for p in (tmp_path / d).iterdir() if p.is_dir())
+    assert ran == [str(i) for i in range(6)]  # each trial ran once, in one of the two processes
+
+
+def test_two_processes_on_one_postgresql_study_run_exactly_n_trials(tmp_path):
+    url = os.environ.get("DALLE_ABLATE_TEST_POSTGRES")
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide a PostgreSQL server: .ci/run sets DALLE_ABLATE_TEST_POSTGRES from .ci/postgres.sh")
+        pytest.skip("no PostgreSQL server: set DALLE_ABLATE_TEST_POSTGRES (see .ci/postgres.sh)")
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    got = two_processes(tmp_path, url, name, 6)
+    assert sorted(t.number for t in got) == list(range(6)) and all(t.state == S.COMPLETE for t in got)
+    optuna.delete_study(study_name=name, storage=url)
+
+
+@pytest.mark.parametrize("name", ["lr_adam", "lr_adafactor", "lr_shampoo", "layouts_x_seeds"])
+def test_the_sweeps_group_composes(name):
+    from hydra import compose, initialize_config_dir
+
+    from dalle_ablate import config  # noqa: F401  (registers the schemas)
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"+sweeps={name}"], return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    if name.startswith("lr_"):
+        assert cfg.optim.name == name[3:] and sweeper.study_name == name
+        assert sweeper._target_.endswith("OptunaSweeper") and sweeper.pruner.name == "median"
+        lr = parse([], dict(sweeper.params)).distributions["optim.lr"]
+        assert lr.log and 0 < lr.low < lr.high
+    else:
+        assert set(sweeper.params) == {"model", "seed"} and len(str(sweeper.params.model).split(",")) == 7
+
+
+@pytest.mark.slow
+def test_the_trainer_reports_eval_loss_and_stops_when_pruned(tmp_path):
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1",
+                  "optim.lr=tag(log, interval(1e-4, 1e-2))", "model=choice(normformer,deepnet)", "tracker=none",
+                  "hydra.sweeper.pruner.name=threshold", "+hydra.sweeper.pruner.kwargs.upper=0.0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (t,) = trials(f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
+    assert t.state == S.PRUNED and list(t.intermediate_values) == [3]  # first evaluation (trainer.eval_every=3) of 6 steps
+    store = tmp_path / "multirun" / "0" / "run"
+    steps = [json.loads(line)["step"] for line in (store / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 3 and t.intermediate_values[3] == pytest.approx(
+        [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()][-1]["eval/valid/loss"])
+    assert json.loads((store / "summary.json").read_text())["status"] == "pruned"
