@@ -206,6 +206,17 @@ def cmd_eval(args) -> None:
     evaluate_checkpoint(args.path, args.overrides)
 
 
+def cmd_report(args) -> None:
+    """An ablation report of a multirun or sweep folder (or a glob of run stores)."""
+    import time
+
+    from dalle_ablate.report import build_report
+
+    t = time.perf_counter()
+    folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "")
+    print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -254,6 +265,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     ev.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder")
     ev.add_argument("overrides", nargs="*", help="e.g. eval=drawbench eval.guidance_scales=[1,3,5] eval.num_samples=128")
     ev.set_defaults(func=cmd_eval)
+    rp = sub.add_parser("report", help="an ablation report of a multirun/sweep folder or a glob of run stores: "
+                                       "reports/<name>/index.html, report.md, runs.csv, wandb_report.json")
+    rp.add_argument("source", help="e.g. multirun/2026-11-22/10-00-00, or 'outputs/*/*/run'")
+    rp.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
+    rp.add_argument("--name", help="the report's folder name (default: from the source path)")
+    rp.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
+                                       "e.g. model.layout=preln (default: the first variant)")
+    rp.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
+    rp.add_argument("--wandb-project")
+    rp.set_defaults(func=cmd_report)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -96,3 +96,8 @@ def by_category(prompts: list[Prompt], limit: Optional[int]) -> dict[str, list[P
     for p in prompts:
         out.setdefault(p.category, []).append(p)
     return {c: ps[:limit] if limit else ps for c, ps in out.items()}
+
+
+def slug(category: str) -> str:
+    """A category as it appears in media keys and file names (`grids/<list>/<slug>/s<scale>`)."""
+    return "".join(c if c.isalnum() else "_" for c in category.lower()).strip("_")

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from dalle_ablate.evaluate.evaluators import EVALUATORS
-from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category
+from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
 from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.train.step import token_nll
 
@@ -152,17 +152,13 @@ class Evaluation:
                 for scale in self.e.grid_scales:
                     images = self.dataset.decode_images(self.sample(texts, scale, self.e.grid_samples))
                     grid = image_grid(images, texts, self.e.grid_samples)
-                    key = f"grids/{list_name}/{_slug(category)}/s{scale:g}"
+                    key = f"grids/{list_name}/{slug(category)}/s{scale:g}"
                     self.tracker.log_image(key, grid, step, caption=f"{list_name} / {category} at scale {scale:g}")
                     for i, t in enumerate(texts):
                         for k in range(self.e.grid_samples):
                             table.append([list_name, category, t, float(scale), k, images[i * self.e.grid_samples + k]])
         if table:
             self.tracker.log_table("eval/grids", ["list", "category", "prompt", "scale", "sample", "image"], table, step)
-
-
-def _slug(s: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in s.lower()).strip("_")
 
 
 def evaluation_or_none(cfg, dataset, model_cfg, graphdef, tracker, out_sharding=None) -> Optional[Evaluation]:

@@ -1,0 +1,150 @@
+"""Report figures (matplotlib, Agg) as PNG bytes."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.stats import t_interval
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def colors(variants: list[str]) -> dict[str, str]:
+    cycle = _plt().rcParams["axes.prop_cycle"].by_key()["color"]
+    return {v: cycle[i % len(cycle)] for i, v in enumerate(variants)}
+
+
+def seed_band(runs: list[Run], column: str, x: str = "step") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean, low, high) over the x values every run of the group logged."""
+    curves = [dict(zip(*series(r, column, x))) for r in runs]
+    curves = [c for c in curves if c]
+    if not curves:
+        return (np.zeros(0),) * 4
+    xs = np.array(sorted(set.intersection(*(set(c) for c in curves))))
+    values = np.array([[c[v] for v in xs] for c in curves])
+    return (xs, *t_interval(values, axis=0))
+
+
+def curves_figure(by_variant: dict[str, list[Run]], columns: list[str], palette: dict) -> bytes:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(columns), figsize=(5.2 * len(columns), 3.6))
+    for ax, col in zip(np.atleast_1d(axes), columns):
+        for variant, runs in by_variant.items():
+            xs, mean, low, high = seed_band(runs, col)
+            if len(xs) == 0:
+                continue
+            ax.plot(xs, mean, "-o", ms=2, color=palette[variant], lw=1.4)
+            if np.isfinite(low).any():
+                ax.fill_between(xs, low, high, color=palette[variant], alpha=0.2, lw=0)
+        ax.set_title(f"{col}: mean and 95% t-interval across seeds", fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if col.endswith("grad_norm"):
+            ax.set_yscale("log")
+    fig.tight_layout()
+    _legend_below(fig, palette, {v: len(r) for v, r in by_variant.items()})
+    return png(fig)
+
+
+def _legend_below(fig, palette: dict, counts: dict | None = None) -> None:
+    """Variant labels can be long: one legend under the axes, not over the curves."""
+    plt = _plt()
+    handles = [plt.Line2D([], [], color=c, label=v + (f" (n={counts[v]})" if counts else "")) for v, c in palette.items()]
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7, frameon=False)
+
+
+def compute_figure(runs: list[Run], column: str, palette: dict) -> bytes:
+    """The metric against tokens, wall time and FLOPs: equal-compute comparisons."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15.6, 3.6))
+    for r in runs:
+        steps, values = series(r, column)
+        if len(steps) == 0:
+            continue
+        m = r.metrics.set_index("step")
+        tokens = m["tokens"].reindex(steps).to_numpy(float) if "tokens" in m else np.full(len(steps), np.nan)
+        step_time = m["perf/step_time"].fillna(0).cumsum() if "perf/step_time" in m else None
+        wall = step_time.reindex(steps).to_numpy(float) if step_time is not None else np.full(len(steps), np.nan)
+        flops = steps * float(r.meta.get("flops_per_step") or np.nan)
+        for ax, xs in zip(axes, (tokens, wall, flops)):
+            ax.plot(xs, values, "-o", ms=2, color=palette[r.variant], lw=1, alpha=0.8)
+    for ax, label in zip(axes, ("tokens", "training wall time (s, steps only)", "training FLOPs")):
+        ax.set_xlabel(label)
+        ax.set_ylabel(column)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    _legend_below(fig, palette)
+    return png(fig)
+
+
+def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | None:
+    tables = [(r, r.pareto) for r in runs if r.pareto and r.pareto.get("line")]
+    if not tables:
+        return None
+    x, y = tables[0][1]["line"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for r, t in tables:
+        if list(t["line"]) != [x, y]:
+            continue
+        c = {name: i for i, name in enumerate(t["columns"])}
+        rows = sorted(t["rows"], key=lambda row: row[c["scale"]])
+        ax.plot([row[c[x]] for row in rows], [row[c[y]] for row in rows], "-o", ms=3, color=palette[r.variant], alpha=0.8)
+        for row in rows[:: max(1, len(rows) - 1)]:
+            ax.annotate(f"s={row[c['scale']]:g}", (row[c[x]], row[c[y]]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title("guidance-scale Pareto curves, one line per run", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    _legend_below(fig, palette)
+    return png(fig), x, y
+
+
+def optuna_figures(study) -> dict[str, bytes]:
+    """Optimisation history, parameter importances (PED-ANOVA: no scikit-learn) and parallel
+    coordinates of a single-objective study with finished trials."""
+    import optuna
+    from optuna.visualization import matplotlib as ov
+
+    out = {}
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+    if len(study.directions) != 1 or not complete:
+        return out
+    plots = {"history": lambda: ov.plot_optimization_history(study),
+             "parallel coordinates": lambda: ov.plot_parallel_coordinate(study)}
+    if len(complete) >= 2 and complete[0].params:
+        plots["importances"] = lambda: ov.plot_param_importances(
+            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
+    import warnings
+
+    for name, make in plots.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental
+            try:
+                ax = make()
+            except (ValueError, RuntimeError) as e:  # e.g. importances of a single distinct value
+                out[name] = str(e).encode()
+                continue
+        fig = np.atleast_1d(ax)[0].figure
+        fig.set_size_inches(7, 4)
+        fig.tight_layout()
+        out[name] = png(fig)
+    return out

@@ -1,0 +1,145 @@
+"""Runs for a report, read from their local run stores (`<job>/run/`: metrics.jsonl, config.yaml,
+meta.json, summary.json, tables/, media/), as pandas frames."""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from dalle_ablate.registry import ConfigError
+
+# Config fields that never make two runs different variants: the seed (runs of one variant
+# differ by it), the sweeper's link, where things are written, how progress is shown.
+NOT_A_VARIANT = ("seed", "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir")
+
+
+@dataclass
+class Run:
+    name: str
+    root: Path  # the run store
+    config: dict  # flattened: "optim.lr" -> value
+    meta: dict
+    summary: dict
+    metrics: pd.DataFrame  # one row per logged step (train and eval rows merged), sorted by step
+    variant: str = ""
+    pareto: Optional[dict] = None  # the last eval_pareto table: columns, rows, line
+    grids: list[tuple[str, Path, list[str]]] = field(default_factory=list)  # (key, png, prompts) of the last evaluation
+
+    @property
+    def seed(self):
+        return self.config.get("seed")
+
+    @property
+    def status(self) -> str:
+        return str(self.summary.get("status", "unknown"))
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def find_stores(source: str) -> list[Path]:
+    """Run stores under a multirun/sweep folder, or matched by a glob (of stores or job dirs)."""
+    paths = [Path(p) for p in sorted(glob.glob(source))] if any(c in source for c in "*?[") else [Path(source)]
+    stores = []
+    for p in paths:
+        if (p / "metrics.jsonl").exists():
+            stores.append(p)
+        elif p.is_dir():
+            stores += sorted((m.parent for m in p.rglob("metrics.jsonl") if "evals" not in m.parent.parts),
+                             key=lambda s: (len(s.parts), str(s)))
+    if not stores:
+        raise ConfigError(f"report: no run stores (folders with metrics.jsonl) under {source!r}; give a multirun or sweep "
+                          "folder, or a glob such as 'outputs/*/*/run'")
+    return stores
+
+
+def _job_name(store: Path, meta: dict) -> str:
+    over = [o for o in meta.get("overrides", []) if not o.startswith(("optuna.", "hydra."))]
+    return store.parent.name + (": " + " ".join(over[-4:]) if over else "")
+
+
+def load_run(store: Path) -> Run:
+    meta = json.loads((store / "meta.json").read_text()) if (store / "meta.json").exists() else {}
+    summary = json.loads((store / "summary.json").read_text()) if (store / "summary.json").exists() else {}
+    config = flatten(yaml.safe_load((store / "config.yaml").read_text()) or {}) if (store / "config.yaml").exists() else {}
+    rows = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    frame = pd.DataFrame(rows)
+    if "step" in frame:
+        frame = frame.groupby("step", as_index=False).last()  # train and eval rows of one step merged
+    run = Run(_job_name(store, meta), store, config, meta, summary, frame)
+    tables = sorted((store / "tables").glob("eval_pareto_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1])) \
+        if (store / "tables").exists() else []
+    if tables:
+        run.pareto = json.loads(tables[-1].read_text())
+    prompts: dict[str, list[str]] = {}  # grid key -> its prompts, from the last eval_grids table
+    grid_tables = sorted((store / "tables").glob("eval_grids_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1])) \
+        if (store / "tables").exists() else []
+    if grid_tables:
+        from dalle_ablate.evaluate.prompts import slug
+
+        t = json.loads(grid_tables[-1].read_text())
+        c = {name: i for i, name in enumerate(t["columns"])}
+        for row in t["rows"]:
+            key = f"{row[c['list']]}/{slug(row[c['category']])}/s{row[c['scale']]:g}"
+            if row[c["prompt"]] not in prompts.setdefault(key, []):
+                prompts[key].append(row[c["prompt"]])
+    paths = [c for c in frame.columns if c.startswith("grids/") and c.endswith("/path")]
+    for c in sorted(paths):
+        last = frame[c].dropna()
+        if len(last):
+            key = c[len("grids/"):-len("/path")]
+            run.grids.append((key, store / str(last.iloc[-1]), prompts.get(key, [])))
+    return run
+
+
+def load_runs(source: str) -> list[Run]:
+    runs = [load_run(s) for s in find_stores(source)]
+    assign_variants(runs)
+    return runs
+
+
+def differing_fields(runs: list[Run], exclude=()) -> list[str]:
+    keys = sorted(set().union(*(r.config for r in runs)))
+    out = []
+    for k in keys:
+        if any(k == e or (e.endswith(".") and k.startswith(e)) for e in exclude):
+            continue
+        values = {repr(r.config.get(k)) for r in runs}
+        if len(values) > 1:
+            out.append(k)
+    return out
+
+
+def assign_variants(runs: list[Run]) -> None:
+    """A variant is what differs between runs apart from the seed: its label names those fields."""
+    fields = differing_fields(runs, NOT_A_VARIANT)
+    for r in runs:
+        r.variant = " ".join(f"{k}={_short(r.config.get(k))}" for k in fields) or "all runs"
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def series(run: Run, column: str, x: str = "step") -> tuple[np.ndarray, np.ndarray]:
+    if column not in run.metrics or x not in run.metrics:
+        return np.zeros(0), np.zeros(0)
+    f = run.metrics[[x, column]].dropna()
+    return f[x].to_numpy(float), f[column].to_numpy(float)

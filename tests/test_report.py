@@ -1,0 +1,165 @@
+"""`dalle-ablate report` on synthetic run stores with known curves: intervals, the significance
+marker, the config diff, stability counts, escaping, the files it writes; and the HTML rendered
+by headless Chromium."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+from scipy import stats as st
+
+from dalle_ablate.cli import main
+from dalle_ablate.report.build import SECTIONS, TITLES
+from dalle_ablate.report.stats import bootstrap_ci, bootstrap_diff, spikes, t_interval
+
+STEPS = np.arange(1, 41)
+# Final eval losses per variant and seed: B is 1.0 worse than A everywhere (beyond the spread),
+# C differs from A by 0.05 with a spread of 0.2 (within it).
+FINAL = {"preln": [1.0, 1.1, 0.9], "deepnet": [2.0, 2.1, 1.9], "sandwich": [0.85, 1.25, 1.05]}
+EVIL = "<script>alert('x')</script>"
+
+
+def write_store(root: Path, layout: str, seed: int, final: float, spike: bool = False, lr: float = 1e-3) -> Path:
+    store = root / f"{layout}_{seed}" / "run"
+    (store / "media").mkdir(parents=True)
+    (store / "tables").mkdir()
+    rows = []
+    for s in STEPS:
+        loss = final + 2.0 / s
+        rows.append({"step": int(s), "train/loss": loss * (3 if spike and s == 30 else 1), "train/grad_norm": 1.0 + 0.01 * s,
+                     "perf/step_time": 0.1 * (2 if layout == "deepnet" else 1), "tokens": int(s) * 100})
+        if s % 10 == 0:
+            rows.append({"step": int(s), "eval/valid/loss": loss})
+    grid = f"media/grids_shapesbench_color_s3_{STEPS[-1]}.png"
+    Image.fromarray(np.full((8, 8, 3), 40 * seed, np.uint8)).save(store / grid)
+    rows.append({"step": int(STEPS[-1]), "grids/shapesbench/color/s3/path": grid, "grids/shapesbench/color/s3/caption": "c"})
+    (store / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    config = {"model": {"layout": layout, "d_model": 32}, "optim": {"name": "adam", "lr": lr}, "seed": seed,
+              "tracker": {"wandb": {"name": f"job{seed}"}}, "samples": {"captions": [EVIL]}}
+    (store / "config.yaml").write_text(yaml.safe_dump(config))
+    (store / "meta.json").write_text(json.dumps({"flops_per_step": 1e9, "wandb_group": str(root), "overrides": [f"model={layout}", f"seed={seed}"]}))
+    (store / "summary.json").write_text(json.dumps({"status": "finished"}))
+    pareto = {"columns": ["run", "step", "scale", "n", "fid/fid", "clip/score"], "line": ["fid/fid", "clip/score"],
+              "rows": [["r", 40, s, 8, 10.0 / s + seed, 20.0 + s] for s in (1.0, 3.0)]}
+    (store / "tables" / "eval_pareto_40.json").write_text(json.dumps(pareto))
+    grids = {"columns": ["list", "category", "prompt", "scale", "sample", "image"],
+             "rows": [["shapesbench", "color", f"a red circle {EVIL}", 3.0, 0, "x.png"]]}
+    (store / "tables" / "eval_grids_40.json").write_text(json.dumps(grids))
+    return store
+
+
+@pytest.fixture
+def synthetic(tmp_path):
+    root = tmp_path / "multirun"
+    for layout, finals in FINAL.items():
+        for seed, final in enumerate(finals):
+            write_store(root, layout, seed, final, spike=(layout == "preln" and seed == 2),
+                        lr=2e-3 if (layout == "sandwich" and seed == 1) else 1e-3)
+    return root
+
+
+def test_interval_statistics_are_the_textbook_ones():
+    mean, lo, hi = t_interval(np.array([[1.0], [2.0], [3.0]]))
+    half = st.t.ppf(0.975, 2) / np.sqrt(3)
+    assert (mean[0], lo[0], hi[0]) == pytest.approx((2.0, 2.0 - half, 2.0 + half))
+    m, lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0])
+    assert m == 2.5 and 1.0 <= lo < 2.5 < hi <= 4.0
+    d, lo, hi = bootstrap_diff([2.0, 2.1, 1.9], [1.0, 1.1, 0.9])
+    assert d == pytest.approx(1.0) and 0.8 <= lo < 1.0 < hi <= 1.2
+    assert spikes(np.r_[np.ones(30), 2.0, np.ones(5)], window=20, factor=1.5) == 1
+    assert spikes(np.ones(40)) == 0
+
+
+def test_report_on_known_runs(synthetic, tmp_path):
+    main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r", "--baseline", "preln"])
+    out = tmp_path / "reports" / "r"
+    rows = list(csv.DictReader((out / "runs.csv").open()))
+    assert len(rows) == 9 and {r["variant"] for r in rows} == {
+        "model.layout=preln optim.lr=0.001", "model.layout=deepnet optim.lr=0.001", "model.layout=sandwich optim.lr=0.001",
+        "model.layout=sandwich optim.lr=0.002"}  # what differs apart from the seed
+    assert {r["run"].split(":")[0]: float(r["eval/valid/loss"]) for r in rows}["deepnet_1"] == pytest.approx(2.1 + 2.0 / 40)
+    html = (out / "index.html").read_text()
+    for key in SECTIONS:
+        assert f'<section id="{key}"><h2>{TITLES[key]}</h2>' in html
+    assert "<script>" not in html and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html  # the prompt, escaped
+    assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html  # self-contained
+    md = (out / "report.md").read_text()
+    assert all(f"## {TITLES[k]}" in md for k in SECTIONS)
+    assert all((out / p).exists() for p in __import__("re").findall(r"\]\((figures/[^)]+)\)", md))
+    spec = json.loads((out / "wandb_report.json").read_text())
+    assert spec["group"] == str(synthetic) and len(spec["runs"]) == 9 and spec["report"]
+
+
+def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.load import load_runs
+
+    runs = [r for r in load_runs(str(synthetic)) if not (r.variant.startswith("model.layout=sandwich") and r.seed == 1)]
+    # drop the one run with another lr: three variants of three, two and three seeds
+    for r in runs:
+        r.variant = f"model.layout={r.config['model.layout']}"
+    sections, info = build_sections(runs, "model.layout=preln")
+    assert info["marks"] == {("model.layout=deepnet", "eval/valid/loss"): True, ("model.layout=deepnet", "train/loss"): True,
+                             ("model.layout=sandwich", "eval/valid/loss"): False, ("model.layout=sandwich", "train/loss"): False}
+    final = next(s for s in sections if s.key == "final")
+    cols, rows = final.tables[0]
+    row = {r[0]: dict(zip(cols, r)) for r in rows}
+    assert row["model.layout=deepnet"]["eval/valid/loss"] == pytest.approx(2.0 + 2.0 / 40)  # last eval at step 40
+    assert row["model.layout=deepnet"]["Δ eval/valid/loss vs baseline"] == pytest.approx(1.0)
+    assert row["model.layout=deepnet"]["beyond seed spread"] == "*" and row["model.layout=sandwich"]["beyond seed spread"] == ""
+    stability = next(s for s in sections if s.key == "stability").tables[0][1]
+    assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [("model.layout=preln", 2, 1)]  # the one spike, in its run
+
+
+def test_config_diff_lists_exactly_the_differing_fields(synthetic):
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.load import load_runs
+
+    sections, _ = build_sections(load_runs(str(synthetic)), None)
+    cols, rows = next(s for s in sections if s.key == "config").tables[0]
+    assert cols == ["run", "model.layout", "optim.lr", "seed"]  # not tracker.wandb.name: bookkeeping, not a choice
+    assert len(rows) == 9
+
+
+def test_bad_sources_and_baselines_are_named(synthetic, tmp_path):
+    from dalle_ablate.registry import ConfigError
+    from dalle_ablate.report import build_report
+
+    with pytest.raises(ConfigError, match=r"report: no run stores \(folders with metrics.jsonl\) under"):
+        build_report(str(tmp_path / "nothing"), tmp_path / "r")
+    with pytest.raises(ConfigError, match=r"--baseline 'swinv2' matches 0 variants; variants: "):
+        build_report(str(synthetic), tmp_path / "r", baseline="swinv2")
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
+    exe = chromium()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide Chromium: .ci/run installs Debian's chromium package")
+        pytest.skip("no chromium (apt-get install chromium)")
+    main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r"])
+    page = (tmp_path / "reports" / "r" / "index.html").resolve()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "shot.png"
+    subprocess.run([exe, *flags, f"--screenshot={shot}", "--window-size=1280,4000", page.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    img = np.asarray(Image.open(shot).convert("L"), np.float64)
+    assert img.shape == (4000, 1280) and img.std() > 10  # not a blank page
+    dom = subprocess.run([exe, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True).stdout
+    for key in SECTIONS:  # every section made it into the rendered document
+        assert f'id="{key}"' in dom
+    assert dom.count("<img ") >= 5 and "<script>alert" not in dom
