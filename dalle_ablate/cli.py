@@ -267,7 +267,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ev.set_defaults(func=cmd_eval)
     rp = sub.add_parser("report", help="an ablation report of a multirun/sweep folder or a glob of run stores: "
                                        "reports/<name>/index.html, report.md, runs.csv, wandb_report.json")
-    rp.add_argument("source", help="e.g. multirun/2026-11-22/10-00-00, or 'outputs/*/*/run'")
+    rp.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), or "
+                                   "wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)")
     rp.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
     rp.add_argument("--name", help="the report's folder name (default: from the source path)")
     rp.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "

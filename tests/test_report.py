@@ -163,3 +163,29 @@ def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
     for key in SECTIONS:  # every section made it into the rendered document
         assert f'id="{key}"' in dom
     assert dom.count("<img ") >= 5 and "<script>alert" not in dom
+
+
+def test_a_wandb_group_reads_like_run_stores(synthetic, tmp_path):
+    """The W&B source through a stand-in for wandb.Api (no network here): the runs the tracker
+    logged -- config with its `meta`, summary, history with `_step` -- give the same report data
+    as their run stores."""
+    from types import SimpleNamespace
+
+    from dalle_ablate.report.load import load_runs
+
+    stores = load_runs(str(synthetic))
+
+    class Api:
+        def runs(self, path, filters):
+            assert path == "me/dalle-ablate" and filters == {"group": "g"}
+            return [SimpleNamespace(name=r.name, id=f"id{i}", summary=r.summary,
+                                    config={**yaml.safe_load((r.root / "config.yaml").read_text()), "meta": r.meta},
+                                    scan_history=lambda r=r: [{"_step": row.pop("step"), "_runtime": 1.0, **row}
+                                                              for row in r.metrics.to_dict("records")])
+                    for i, r in enumerate(stores)]
+
+    got = load_runs("wandb:me/dalle-ablate/g", api=Api())
+    assert [r.variant for r in got] == [r.variant for r in stores]
+    for a, b in zip(got, stores):
+        assert a.config == b.config and a.meta == b.meta
+        assert a.metrics["eval/valid/loss"].dropna().tolist() == b.metrics["eval/valid/loss"].dropna().tolist()

@@ -256,12 +256,15 @@ def wandb_report(title: str, group: Optional[str], entity: str = "", project: st
 def build_report(source: str, out_dir: str | Path = "reports", name: Optional[str] = None,
                  baseline: Optional[str] = None, wandb_entity: str = "", wandb_project: str = "") -> Path:
     runs = load_runs(source)
-    src = Path(source.split("*")[0]).resolve() if "*" in source else Path(source).resolve()
+    if source.startswith("wandb:"):
+        src = Path(source[len("wandb:"):])
+    else:
+        src = Path(source.split("*")[0]).resolve() if "*" in source else Path(source).resolve()
     name = name or "_".join(src.parts[-2:]) or "report"
     folder = Path(out_dir) / name
     (folder / "figures").mkdir(parents=True, exist_ok=True)
     study = None
-    db = src / "optuna.db" if src.is_dir() else None
+    db = src / "optuna.db" if not source.startswith("wandb:") and src.is_dir() else None
     if db is not None and db.exists():
         import optuna
 

@@ -107,8 +107,36 @@ def load_run(store: Path) -> Run:
     return run
 
 
-def load_runs(source: str) -> list[Run]:
-    runs = [load_run(s) for s in find_stores(source)]
+def load_wandb_group(source: str, api=None) -> list[Run]:
+    """The runs of a W&B group, `wandb:ENTITY/PROJECT/GROUP` (needs a login and network): their
+    config (with the run's `meta`, as the tracker logged it), summary and full history. Pareto
+    tables and grids are read from run stores only."""
+    try:
+        entity, project, group = source[len("wandb:"):].split("/", 2)
+    except ValueError as e:
+        raise ConfigError(f"report: {source!r} is not wandb:ENTITY/PROJECT/GROUP") from e
+    if api is None:
+        import wandb
+
+        api = wandb.Api(timeout=60)
+    runs = []
+    for r in api.runs(f"{entity}/{project}", filters={"group": group}):
+        config = dict(r.config)
+        meta = config.pop("meta", {}) or {}
+        rows = [{("step" if k == "_step" else k): v for k, v in row.items() if not k.startswith("_") or k == "_step"}
+                for row in r.scan_history()]
+        frame = pd.DataFrame(rows)
+        if "step" in frame:
+            frame = frame.groupby("step", as_index=False).last()
+        runs.append(Run(r.name, Path(f"wandb:{entity}/{project}/{r.id}"), flatten(config), meta, dict(r.summary), frame))
+    if not runs:
+        raise ConfigError(f"report: W&B group {group!r} of {entity}/{project} has no runs")
+    return runs
+
+
+def load_runs(source: str, api=None) -> list[Run]:
+    """Runs of a multirun/sweep folder, a glob of run stores, or `wandb:ENTITY/PROJECT/GROUP`."""
+    runs = load_wandb_group(source, api) if source.startswith("wandb:") else [load_run(s) for s in find_stores(source)]
     assign_variants(runs)
     return runs
 
