@@ -115,7 +115,9 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
     cols, rows, marks = final_table(by_variant, baseline)
     s.text.append("Last logged value per run; mean over seeds with a 95% percentile-bootstrap interval (10,000 resamples "
                   "of the seeds). Δ is the variant's mean minus the baseline's, its interval from resampling both sides' "
-                  "seeds; * marks a difference whose interval excludes 0, i.e. beyond the seed spread.")
+                  "seeds; * marks a difference whose interval excludes 0, i.e. beyond the seed spread. With fewer than about 5 seeds "
+                  "a percentile bootstrap is too narrow (it cannot see spread the seeds did not show): read the marker as a "
+                  "hint there.")
     s.tables.append((cols, rows))
 
     s = sections["stability"]
