@@ -83,3 +83,59 @@ def small_dataset():
 
     cfg = run_config()
     return build_dataset(cfg.data, cfg.model)
+
+
+# -- long tests ---------------------------------------------------------------------------------
+# Tests marked `long` (minutes of end-to-end runs) run when the code could have changed their
+# outcome: the record below holds, per test, the hash of the code it last passed on; when the
+# code's hash is the same, the test is skipped with that reason. DALLE_ABLATE_LONG=1 runs them
+# regardless; every pass updates the record (commit it with the code it passed on).
+LONG_RECORD = ROOT / "tests" / "long_tests_passed.json"
+_CODE = ("dalle_ablate", "conf", "hydra_plugins", "sweeps", "tests", "run.py", "pyproject.toml")
+
+
+def code_hash() -> str:
+    """SHA-256 of the tracked files of the code (their contents as they are now)."""
+    import hashlib
+
+    listed = subprocess.run(["git", "ls-files", "--", *_CODE], cwd=ROOT, capture_output=True, text=True)
+    files = sorted(listed.stdout.split()) if listed.returncode == 0 else []
+    if not files:  # not a git checkout: hash everything there, so that nothing is skipped wrongly
+        return "no-git"
+    h = hashlib.sha256()
+    for name in files:
+        f = ROOT / name
+        if f == LONG_RECORD or not f.is_file():
+            continue
+        h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _record() -> dict:
+    import json
+
+    return json.loads(LONG_RECORD.read_text()) if LONG_RECORD.exists() else {}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("DALLE_ABLATE_LONG") == "1" or not any(i.get_closest_marker("long") for i in items):
+        return
+    digest = code_hash()
+    if digest == "no-git":
+        return
+    record = _record()
+    for item in items:
+        if item.get_closest_marker("long") and record.get(item.nodeid) == digest:
+            item.add_marker(pytest.mark.skip(reason=f"long test that passed on this exact code ({digest[:12]}); "
+                                                    "DALLE_ABLATE_LONG=1 runs it"))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed and "long" in report.keywords and code_hash() != "no-git":
+        import json
+
+        from dalle_ablate.fileio import atomic_write
+
+        record = _record()
+        record[report.nodeid] = code_hash()
+        atomic_write(LONG_RECORD, json.dumps(dict(sorted(record.items())), indent=1) + "\n")

@@ -145,6 +145,7 @@ def test_bad_eval_config_names_the_field():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_path):
     proc = run_py(*SMALL_DATA, *TINY_TRAIN, *EVAL_ON, "eval.every=3", "tracker=none", cwd=tmp_path)
     METRICS = EVAL_ON[0].split("=")[1].strip("[]").split(",")

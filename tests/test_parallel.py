@@ -57,6 +57,7 @@ def worker_model():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_every_mesh_gives_the_one_device_losses_and_places_parameters_by_the_rules():
     reference = worker(1, [[1, 1, 1]], "adam,shampoo")
     results = worker(8, MESHES, "adam,shampoo")
@@ -187,6 +188,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_reproduce_the_single_process_run_and_only_process_0_writes(tmp_path):
     from dalle_ablate.track.runstore import read_metrics
 
@@ -221,6 +223,7 @@ def test_two_processes_reproduce_the_single_process_run_and_only_process_0_write
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_run_py_trains_shampoo_on_a_2x2x2_mesh(tmp_path, monkeypatch):
     from conftest import SMALL_DATA, TINY_TRAIN, run_py
 
