@@ -42,6 +42,7 @@ def test_each_override_form_becomes_its_distribution():
     assert space.overrides({"optim.lr": 0.001, "model": "deepnet", "k": 3}) == [
         "trainer.steps=3", "optim.lr=0.001", "model=deepnet", "k=3"]
     assert parse(["seed=0,1", "k=range(1,4)"]).grid() == {"seed": [0, 1], "k": [1, 2, 3]}
+    assert parse(["+extra.rate=interval(0, 1)"]).overrides({"extra.rate": 0.5}) == ["+extra.rate=0.5"]  # a new field keeps its +
 
 
 @pytest.mark.parametrize("override,message", [

@@ -5,7 +5,7 @@ jobs unchanged."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import optuna.distributions as D
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -21,13 +21,14 @@ class Space:
     distributions: dict[str, D.BaseDistribution]
     encoded: dict[str, dict]  # categorical: choice value -> override text
     fixed: list[str]  # overrides that are not searched
+    keys: dict[str, str] = field(default_factory=dict)  # parameter name -> the override's key as written (`+new.field`)
 
     def overrides(self, params: dict) -> list[str]:
         """The job's overrides for a trial's parameter values."""
         out = list(self.fixed)
         for name, value in params.items():
             text = self.encoded[name][value] if name in self.encoded else _encode(value)
-            out.append(f"{name}={text}")
+            out.append(f"{self.keys.get(name, name)}={text}")
         return out
 
     def grid(self) -> dict[str, list]:
@@ -105,13 +106,13 @@ def parse(arguments: list[str], params: dict | None = None) -> Space:
         parsed = parser.parse_overrides(block) + parser.parse_overrides(list(arguments))
     except Exception as e:  # noqa: BLE001 - Hydra's parse errors carry the offending text
         raise ConfigError(f"cannot parse sweep override: {str(e).splitlines()[0]}") from e
-    dists, encoded, fixed = {}, {}, {}
+    dists, encoded, fixed, keys = {}, {}, {}, {}
     for o in parsed:
         key = o.get_key_element()
         if o.is_sweep_override():
             d, enc = distribution(o)
             name = key.lstrip("+~")
-            dists[name] = d
+            dists[name], keys[name] = d, key
             fixed.pop(name, None)
             if enc is not None:
                 encoded[name] = enc
@@ -120,4 +121,4 @@ def parse(arguments: list[str], params: dict | None = None) -> Space:
         else:
             fixed[key] = o.input_line
             dists.pop(key.lstrip("+~"), None)
-    return Space(dists, encoded, list(fixed.values()))
+    return Space(dists, encoded, list(fixed.values()), keys)
