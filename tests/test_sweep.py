@@ -114,6 +114,14 @@ def test_a_failing_job_is_a_failed_trial_and_the_sweep_goes_on(tmp_path):
     assert "FAIL: raised RuntimeError: job failed on purpose" in proc.stdout + proc.stderr
 
 
+def test_a_bad_override_fails_the_asked_trials_instead_of_leaving_them_running(tmp_path):
+    proc = subprocess.run([sys.executable, str(APP), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "x=interval(0, 1)",
+                           "no_such_field=choice(1, 2)"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "no_such_field" in proc.stderr
+    (t,) = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert t.state == S.FAIL and t.user_attrs["why"].startswith("sweep stopped: ConfigCompositionException")
+
+
 def test_the_pruner_stops_a_job_and_records_it_pruned(tmp_path):
     sweep(tmp_path, "x=interval(0, 1)", "mode=report", "steps=5", "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner.name=threshold",
           "+hydra.sweeper.pruner.kwargs.upper=0.5")

@@ -123,9 +123,11 @@ class OptunaSweeper(Sweeper):
         study, url = self.study(space)
         log.info(f"Optuna study {self.study_name!r} in {url}: {n_trials} trials in all, sampler "
                  f"{self.sampler_conf.get('name')}, pruner {self.pruner_conf.get('name')}")
+        warned = False
         while True:
             with trial_lock(url, self.study_name) as locked:
-                if not locked:
+                if not locked and not warned:
+                    warned = True
                     log.warning(f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
                                 f"than n_trials={n_trials} trials")
                 done = len(study.get_trials(deepcopy=False))
@@ -134,8 +136,15 @@ class OptunaSweeper(Sweeper):
                 break
             batch = [space.overrides(t.params) + [f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'",
                                                   f"optuna.trial={t.number}"] for t in trials]
-            self.validate_batch_is_legal(batch)
-            for trial, ret in zip(trials, self.launcher.launch(batch, initial_job_idx=trials[0].number)):
+            try:
+                self.validate_batch_is_legal(batch)
+                returns = self.launcher.launch(batch, initial_job_idx=trials[0].number)
+            except BaseException as e:  # a bad override, Ctrl-C: never leave the asked trials RUNNING
+                for trial in trials:
+                    trial.set_user_attr("why", f"sweep stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                raise
+            for trial, ret in zip(trials, returns):
                 state, values, why = outcome(ret, len(self.directions))
                 if why:
                     trial.set_user_attr("why", why)
