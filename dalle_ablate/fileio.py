@@ -6,6 +6,17 @@ import os
 from pathlib import Path
 
 
+def atomic_savez(path: Path, **arrays) -> None:
+    """np.savez to a temporary name, then rename over the target: a failure never leaves a torn
+    .npz where a good one was."""
+    import numpy as np
+
+    path = Path(path)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write to a temporary name of this process, then rename over the target (atomic on POSIX)."""
     path = Path(path)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.registry import ConfigError
 
 
@@ -31,11 +32,8 @@ def save_weights(model: nnx.Module | dict[str, np.ndarray], path: str | Path, **
     """`.npz` of the arrays by path (of a module, or path -> array) and each `meta` entry as JSON
     under `__<key>__`; written to a temporary name first, so a failure never leaves a torn file
     where good weights were."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.stem}.tmp.npz")
     arrays = model if isinstance(model, dict) else flat_arrays(model)
-    np.savez(tmp, **{f"__{k}__": np.array(json.dumps(v)) for k, v in meta.items()}, **arrays)
-    tmp.replace(path)
+    atomic_savez(path, **{f"__{k}__": np.array(json.dumps(v)) for k, v in meta.items()}, **arrays)
 
 
 def open_weights(path: str | Path, field: str, convert_hint: str) -> tuple[dict, dict[str, np.ndarray]]:

@@ -8,13 +8,13 @@ fitted deterministically from a seed and cached on disk under a key of its setti
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.registry import ConfigError
 
 
@@ -112,9 +112,7 @@ class PatchCodebook:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, codes=self.codes, patch_size=self.patch_size)
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written file
+        atomic_savez(path, codes=self.codes, patch_size=self.patch_size)  # a crash never leaves a half-written file
 
     @classmethod
     def load(cls, path: str | Path) -> "PatchCodebook":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -19,7 +18,7 @@ from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_shar
 from dalle_ablate.data.image_tokenizer import PatchCodebook
 from dalle_ablate.data.scenes import DEMO_CAPTIONS, Scene, random_scene, render
 from dalle_ablate.data.text_tokenizer import TextTokenizer
-from dalle_ablate.fileio import atomic_write
+from dalle_ablate.fileio import atomic_savez, atomic_write
 from dalle_ablate.registry import ConfigError
 
 SPLITS = ("train", "valid", "test")
@@ -75,9 +74,7 @@ def build_or_load(cfg) -> tuple[dict[str, list[dict]], dict[str, np.ndarray], Pa
     # leaves a cache that is rebuilt, never read, and concurrent builders (parallel test workers,
     # a multirun's jobs) write identical files without tearing them.
     codebook.save(root / "codebook.npz")
-    tmp = root / f"codes.{os.getpid()}.npz"
-    np.savez(tmp, **codes)
-    os.replace(tmp, root / "codes.npz")
+    atomic_savez(root / "codes.npz", **codes)
     atomic_write(root / "scenes.json", json.dumps(specs))
     atomic_write(root / "done", "ok\n")
     return specs, codes, codebook

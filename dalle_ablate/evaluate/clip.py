@@ -226,9 +226,9 @@ _ATTN = {"in_proj/kernel": ("in_proj_weight", "linear"), "in_proj/bias": ("in_pr
 
 def _torch_name(key: str) -> tuple[str, str]:
     *mods, leaf = key.split("/")
-    tail = "/".join(key.split("/")[-2:])
-    if mods and mods[-1] == "in_proj":
-        return ".".join(mods[:-1] + [_ATTN[tail][0]]), _ATTN[tail][1]
+    if mods and mods[-1] == "in_proj":  # PyTorch's MultiheadAttention keeps q, k, v in one in_proj_* pair
+        name, how = _ATTN[f"in_proj/{leaf}"]
+        return ".".join(mods[:-1] + [name]), how
     if key == "token_embedding/embedding":
         return "token_embedding.weight", "copy"
     if leaf == "kernel":

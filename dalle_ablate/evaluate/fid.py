@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dalle_ablate.evaluate.frechet import statistics
+from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.evaluate.inception import FEATURES, RESIZE, InceptionFeatures
 from dalle_ablate.registry import ConfigError
 
@@ -27,11 +28,9 @@ class Reference:
     source: str
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.tmp.npz")
-        np.savez(tmp, mu=self.mu, sigma=self.sigma, n=self.n, weights=self.weights, resize=self.resize, source=self.source)
-        tmp.replace(path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_savez(Path(path), mu=self.mu, sigma=self.sigma, n=self.n, weights=self.weights, resize=self.resize,
+                     source=self.source)
 
     @classmethod
     def load(cls, path: str | Path, field: str = "eval.reference") -> "Reference":

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
+from dalle_ablate.registry import ConfigError
 from dalle_ablate.weights import apply_batched, file_hash, from_state_dict, open_weights, save_weights, to_state_dict, with_arrays
 
 SIZE = 299
@@ -227,8 +228,6 @@ class InceptionFeatures:
     def __init__(self, path: str | Path, field: str = "eval.fid.weights", batch_size: int = 32):
         meta, arrays = open_weights(path, field, _HINT)
         if meta["config"].get("net") != "fid-inception-v3":
-            from dalle_ablate.registry import ConfigError
-
             raise ConfigError(f"{field}: {path} is not FID Inception weights ({_HINT})")
         model = with_arrays(lambda: InceptionV3(nnx.Rngs(0)), arrays, f"{field} {path}")
         self.state = nnx.state(model)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from flax import nnx
 
 from dalle_ablate.data.scenes import PALETTE, SHAPES, SIZES, random_scene, render
 from dalle_ablate.evaluate.frechet import statistics
+from dalle_ablate.fileio import atomic_savez
 
 SETTINGS = {"version": 1, "train_images": 4000, "steps": 400, "batch": 64, "lr": 3e-3, "features": 32, "seed": 0,
             "reference_images": 2000, "image_size": 64}
@@ -107,9 +107,7 @@ class ShapesFeatures:
             self.model = _train(settings)
             self.reference = self.extract(real_renders(settings["reference_images"], settings["seed"] + 2)[0])
             leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(self.model)))
-            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-            np.savez(tmp, reference=self.reference, **{f"p{i}": np.asarray(x) for i, x in enumerate(leaves)})
-            os.replace(tmp, path)
+            atomic_savez(path, reference=self.reference, **{f"p{i}": np.asarray(x) for i, x in enumerate(leaves)})
         self.reference_stats = statistics(self.reference)
 
     def extract(self, images: np.ndarray, batch: int = 256) -> np.ndarray:

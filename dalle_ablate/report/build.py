@@ -18,7 +18,7 @@ import pandas as pd
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.load import NOT_A_VARIANT, Run, differing_fields, load_runs, series
+from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, load_runs, series
 from dalle_ablate.report.stats import bootstrap_ci, bootstrap_diff, diverged, significant, spikes
 
 SECTIONS = ("overview", "curves", "final", "stability", "compute", "pareto", "grids", "config", "optuna")
@@ -123,8 +123,9 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
     s = sections["stability"]
     s.text.append("Per run: loss spikes (steps whose train/loss exceeds 1.5x the median of the 20 steps before), gradient-"
                   "norm peaks (5x), the largest gradient norm, and whether the loss stopped being finite.")
+    stability = stability_rows(runs)
     s.tables.append((["run", "variant", "seed", "status", "loss spikes", "grad-norm peaks", "max grad norm", "diverged"],
-                     stability_rows(runs)))
+                     stability))
 
     s = sections["compute"]
     s.text.append("The eval loss against tokens seen, training wall time (the sum of step times) and training FLOPs "
@@ -150,7 +151,7 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
         s.images.append((f"{r.name}: {key}" + (": " + " | ".join(prompts) if prompts else ""), path.read_bytes()))
 
     s = sections["config"]
-    fields = differing_fields(runs, [e for e in NOT_A_VARIANT if e not in ("seed",)])
+    fields = differing_fields(runs, NOT_A_CHOICE)
     s.text.append(f"The {len(fields)} config fields whose values differ between runs (others are the same everywhere).")
     s.tables.append((["run", *fields], [[r.name, *[_fmt(r.config.get(f)) for f in fields]] for r in runs]))
 
@@ -165,7 +166,8 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
                 s.images.append((name, img))
             else:
                 s.text.append(f"{name}: {img.decode()}")
-    return [sections[k] for k in SECTIONS], {"baseline": baseline, "variants": list(by_variant), "marks": marks}
+    return [sections[k] for k in SECTIONS], {"baseline": baseline, "variants": list(by_variant), "marks": marks,
+                                             "stability": stability}
 
 
 # -- writers ------------------------------------------------------------------------------------
@@ -222,14 +224,14 @@ def to_markdown(title: str, sections: list[Section], folder: Path) -> str:
     return "\n".join(out)
 
 
-def runs_csv(runs: list[Run]) -> pd.DataFrame:
-    fields = differing_fields(runs, [e for e in NOT_A_VARIANT if e != "seed"])
-    stab = {row[0]: row for row in stability_rows(runs)}
+def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
+    """One row per run; `stability`: stability_rows(runs), in the same order."""
+    fields = differing_fields(runs, NOT_A_CHOICE)
     rows = []
-    for r in runs:
+    for r, stab in zip(runs, stability):
         row = {"run": r.name, "store": str(r.root), "variant": r.variant, "seed": r.seed, "status": r.status}
         row.update({m: final_value(r, m) for m in FINAL_METRICS})
-        row.update({"loss_spikes": stab[r.name][4], "grad_norm_peaks": stab[r.name][5], "max_grad_norm": stab[r.name][6]})
+        row.update({"loss_spikes": stab[4], "grad_norm_peaks": stab[5], "max_grad_norm": stab[6]})
         row.update({f: r.config.get(f) for f in fields})
         rows.append(row)
     return pd.DataFrame(rows)
@@ -276,7 +278,7 @@ def build_report(source: str, out_dir: str | Path = "reports", name: Optional[st
     sections, info = build_sections(runs, baseline, study)
     atomic_write(folder / "index.html", to_html(title, sections))
     atomic_write(folder / "report.md", to_markdown(title, sections, folder))
-    runs_csv(runs).to_csv(folder / "runs.csv", index=False)
+    runs_csv(runs, info["stability"]).to_csv(folder / "runs.csv", index=False)
     group = next((r.meta.get("wandb_group") for r in runs if r.meta.get("wandb_group")), None)
     report = wandb_report(title, group)
     spec = {"title": title, "group": group, "runs": [r.name for r in runs],

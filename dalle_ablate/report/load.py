@@ -18,6 +18,7 @@ from dalle_ablate.registry import ConfigError
 # Config fields that never make two runs different variants: the seed (runs of one variant
 # differ by it), the sweeper's link, where things are written, how progress is shown.
 NOT_A_VARIANT = ("seed", "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir")
+NOT_A_CHOICE = tuple(e for e in NOT_A_VARIANT if e != "seed")  # the config diff shows seeds
 
 
 @dataclass
