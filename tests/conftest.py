@@ -100,7 +100,7 @@ def code_hash() -> str:
 
     listed = subprocess.run(["git", "ls-files", "--", *_CODE], cwd=ROOT, capture_output=True, text=True)
     files = sorted(listed.stdout.split()) if listed.returncode == 0 else []
-    if not files:  # not a git checkout: hash everything there, so that nothing is skipped wrongly
+    if not files:  # not a git checkout: no hash, so every long test runs (none is skipped wrongly)
         return "no-git"
     h = hashlib.sha256()
     for name in files:
@@ -131,11 +131,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call" and report.passed and "long" in report.keywords and code_hash() != "no-git":
+    if report.when != "call" or not report.passed or "long" not in report.keywords:
+        return
+    digest = code_hash()
+    if digest != "no-git":
         import json
 
         from dalle_ablate.fileio import atomic_write
 
         record = _record()
-        record[report.nodeid] = code_hash()
+        record[report.nodeid] = digest
         atomic_write(LONG_RECORD, json.dumps(dict(sorted(record.items())), indent=1) + "\n")

@@ -43,6 +43,12 @@ def test_each_override_form_becomes_its_distribution():
         "trainer.steps=3", "optim.lr=0.001", "model=deepnet", "k=3"]
     assert parse(["seed=0,1", "k=range(1,4)"]).grid() == {"seed": [0, 1], "k": [1, 2, 3]}
     assert parse(["+extra.rate=interval(0, 1)"]).overrides({"extra.rate": 0.5}) == ["+extra.rate=0.5"]  # a new field keeps its +
+    # A field fixed with + in the params block and searched on the command line is searched only
+    # (the job must not get both `+extra.rate=0.1` and `+extra.rate=...`), and the other way round.
+    searched = parse(["+extra.rate=interval(0, 1)"], {"+extra.rate": "0.1"})
+    assert searched.fixed == [] and searched.overrides({"extra.rate": 0.5}) == ["+extra.rate=0.5"]
+    fixed = parse(["+extra.rate=0.1"], {"+extra.rate": "interval(0, 1)"})
+    assert fixed.distributions == {} and fixed.fixed == ["+extra.rate=0.1"]
 
 
 @pytest.mark.parametrize("override,message", [

@@ -311,9 +311,14 @@ class CLIPScorer:
 
     def scores(self, images: np.ndarray, texts: list[str]) -> np.ndarray:
         """100 * max(cos, 0) per (image, caption) pair."""
-        a, b = self.image_embeddings(images), self.text_embeddings(texts)
-        cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-        return 100.0 * np.maximum(cos, 0.0)
+        return clip_score(self.image_embeddings(images), self.text_embeddings(texts))
+
+
+def clip_score(image_embeddings: np.ndarray, text_embeddings: np.ndarray) -> np.ndarray:
+    """100 * max(cos, 0) per row pair of image and caption embeddings."""
+    a, b = image_embeddings, text_embeddings
+    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+    return 100.0 * np.maximum(cos, 0.0)
 
 
 @lru_cache(maxsize=None)  # per config: every loaded copy of the same shape shares the compilations

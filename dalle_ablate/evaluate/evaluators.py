@@ -87,9 +87,14 @@ def _clip_setup(e) -> dict:
 
 def _clip(images: np.ndarray, ctx) -> dict:
     # CLIP score, 100 * max(cos, 0) of image and caption embeddings, mean over the samples.
-    scorer = ctx.cache["clip"]["scorer"]
-    return {"score": float(scorer.scores(images, ctx.prompts[: len(images)]).mean()), "n": float(len(images)),
-            "weights": scorer.hash}
+    from dalle_ablate.evaluate.clip import clip_score
+
+    state = ctx.cache["clip"]
+    scorer = state["scorer"]
+    if "text" not in state:  # the prompts are fixed for the Evaluation's life: encode them once
+        state["text"] = scorer.text_embeddings(ctx.prompts)
+    return {"score": float(clip_score(scorer.image_embeddings(images), state["text"][: len(images)]).mean()),
+            "n": float(len(images)), "weights": scorer.hash}
 
 
 def _caption_sensitivity(ctx, specs: list[dict], codes: np.ndarray, seed: int) -> dict[str, float]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from dalle_ablate.evaluate.frechet import statistics
-from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.evaluate.inception import FEATURES, RESIZE, InceptionFeatures
+from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.registry import ConfigError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -80,4 +80,3 @@ def features_of_any_size(net: InceptionFeatures, images: list[np.ndarray]) -> np
     for idx in by_shape.values():
         out[idx] = net(np.stack([images[i] for i in idx]))
     return out
-

@@ -162,10 +162,10 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
         states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
         s.text.append(f"Study {study.study_name!r}: " + ", ".join(f"{k} {v}" for k, v in states.items()) + ".")
         for name, img in figures.optuna_figures(study).items():
-            if img.startswith(b"\x89PNG"):
+            if isinstance(img, bytes):
                 s.images.append((name, img))
             else:
-                s.text.append(f"{name}: {img.decode()}")
+                s.text.append(f"{name}: {img}")
     return [sections[k] for k in SECTIONS], {"baseline": baseline, "variants": list(by_variant), "marks": marks,
                                              "stability": stability}
 

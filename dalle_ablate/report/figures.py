@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 
@@ -118,9 +119,10 @@ def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | No
     return png(fig), x, y
 
 
-def optuna_figures(study) -> dict[str, bytes]:
+def optuna_figures(study) -> dict[str, bytes | str]:
     """Optimisation history, parameter importances (PED-ANOVA: no scikit-learn) and parallel
-    coordinates of a single-objective study with finished trials."""
+    coordinates of a single-objective study with finished trials: PNG bytes, or the reason
+    optuna gave for not drawing one."""
     import optuna
     from optuna.visualization import matplotlib as ov
 
@@ -133,15 +135,13 @@ def optuna_figures(study) -> dict[str, bytes]:
     if len(complete) >= 2 and complete[0].params:
         plots["importances"] = lambda: ov.plot_param_importances(
             study, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
-    import warnings
-
     for name, make in plots.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental
             try:
                 ax = make()
             except (ValueError, RuntimeError) as e:  # e.g. importances of a single distinct value
-                out[name] = str(e).encode()
+                out[name] = str(e)
                 continue
         fig = np.atleast_1d(ax)[0].figure
         fig.set_size_inches(7, 4)

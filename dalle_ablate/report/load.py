@@ -74,26 +74,31 @@ def _job_name(store: Path, meta: dict) -> str:
     return store.parent.name + (": " + " ".join(over[-4:]) if over else "")
 
 
+def by_step(rows: list[dict]) -> pd.DataFrame:
+    """Logged rows as one row per step (train and eval rows of one step merged)."""
+    frame = pd.DataFrame(rows)
+    return frame.groupby("step", as_index=False).last() if "step" in frame else frame
+
+
+def _last_table(store: Path, key: str) -> Optional[dict]:
+    """The last step's `tables/<key>_<step>.json` of a run store (the tracker's table files)."""
+    tables = sorted((store / "tables").glob(f"{key}_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    return json.loads(tables[-1].read_text()) if tables else None
+
+
 def load_run(store: Path) -> Run:
     meta = json.loads((store / "meta.json").read_text()) if (store / "meta.json").exists() else {}
     summary = json.loads((store / "summary.json").read_text()) if (store / "summary.json").exists() else {}
     config = flatten(yaml.safe_load((store / "config.yaml").read_text()) or {}) if (store / "config.yaml").exists() else {}
     rows = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    frame = pd.DataFrame(rows)
-    if "step" in frame:
-        frame = frame.groupby("step", as_index=False).last()  # train and eval rows of one step merged
+    frame = by_step(rows)
     run = Run(_job_name(store, meta), store, config, meta, summary, frame)
-    tables = sorted((store / "tables").glob("eval_pareto_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1])) \
-        if (store / "tables").exists() else []
-    if tables:
-        run.pareto = json.loads(tables[-1].read_text())
+    run.pareto = _last_table(store, "eval_pareto")
     prompts: dict[str, list[str]] = {}  # grid key -> its prompts, from the last eval_grids table
-    grid_tables = sorted((store / "tables").glob("eval_grids_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1])) \
-        if (store / "tables").exists() else []
-    if grid_tables:
+    t = _last_table(store, "eval_grids")
+    if t is not None:
         from dalle_ablate.evaluate.prompts import slug
 
-        t = json.loads(grid_tables[-1].read_text())
         c = {name: i for i, name in enumerate(t["columns"])}
         for row in t["rows"]:
             key = f"{row[c['list']]}/{slug(row[c['category']])}/s{row[c['scale']]:g}"
@@ -126,10 +131,8 @@ def load_wandb_group(source: str, api=None) -> list[Run]:
         meta = config.pop("meta", {}) or {}
         rows = [{("step" if k == "_step" else k): v for k, v in row.items() if not k.startswith("_") or k == "_step"}
                 for row in r.scan_history()]
-        frame = pd.DataFrame(rows)
-        if "step" in frame:
-            frame = frame.groupby("step", as_index=False).last()
-        runs.append(Run(r.name, Path(f"wandb:{entity}/{project}/{r.id}"), flatten(config), meta, dict(r.summary), frame))
+        runs.append(Run(r.name, Path(f"wandb:{entity}/{project}/{r.id}"), flatten(config), meta, dict(r.summary),
+                        by_step(rows)))
     if not runs:
         raise ConfigError(f"report: W&B group {group!r} of {entity}/{project} has no runs")
     return runs

@@ -107,11 +107,11 @@ def parse(arguments: list[str], params: dict | None = None) -> Space:
     except Exception as e:  # noqa: BLE001 - Hydra's parse errors carry the offending text
         raise ConfigError(f"cannot parse sweep override: {str(e).splitlines()[0]}") from e
     dists, encoded, fixed, keys = {}, {}, {}, {}
-    for o in parsed:
+    for o in parsed:  # by the name without its +/~ prefix: a later override of a name replaces an earlier one
         key = o.get_key_element()
+        name = key.lstrip("+~")
         if o.is_sweep_override():
             d, enc = distribution(o)
-            name = key.lstrip("+~")
             dists[name], keys[name] = d, key
             fixed.pop(name, None)
             if enc is not None:
@@ -119,6 +119,6 @@ def parse(arguments: list[str], params: dict | None = None) -> Space:
             else:
                 encoded.pop(name, None)
         else:
-            fixed[key] = o.input_line
-            dists.pop(key.lstrip("+~"), None)
+            fixed[name] = o.input_line
+            dists.pop(name, None)
     return Space(dists, encoded, list(fixed.values()), keys)

@@ -14,9 +14,9 @@ from dalle_ablate.sweep.study import PRUNER_ATTR, make_pruner
 
 class Pruning:
     def __init__(self, storage: str, study_name: str, number: int):
-        # The pruner the sweeper configured, as the study recorded it.
-        spec = optuna.load_study(study_name=study_name, storage=storage).user_attrs.get(PRUNER_ATTR, {"name": "none"})
-        self.study = optuna.load_study(study_name=study_name, storage=storage, pruner=make_pruner(spec))
+        self.study = optuna.load_study(study_name=study_name, storage=storage)
+        # The pruner the sweeper configured, as the study recorded it (load_study cannot know it).
+        self.study.pruner = make_pruner(self.study.user_attrs.get(PRUNER_ATTR, {"name": "none"}))
         trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
         self.trial = optuna.trial.Trial(self.study, trial_id)
         self.number = number

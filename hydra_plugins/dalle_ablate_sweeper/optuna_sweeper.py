@@ -16,6 +16,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=impl.Opt
 class OptunaSweeper(impl.OptunaSweeper):
     """Hydra instantiates sweepers only from the hydra_plugins package; the code is the library's."""
 
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
