@@ -102,7 +102,21 @@ def test_clip_equals_open_clips_model_with_the_same_weights(tmp_path, act):
     np.testing.assert_allclose(scorer.image_embeddings(x), img, atol=1e-5 * np.abs(img).max(), rtol=0)
     np.testing.assert_allclose(scorer.text_embeddings(captions), txt, atol=1e-5 * np.abs(txt).max(), rtol=0)
     cos = (img * txt).sum(-1) / np.linalg.norm(img, axis=-1) / np.linalg.norm(txt, axis=-1)
-    np.testing.assert_allclose(scorer.scores(x, captions), 100 * np.maximum(cos, 0), atol=1e-3)
+    np.testing.assert_allclose(scorer.scores(x, captions), 100 * cos, atol=1e-3)
+
+
+def test_clip_score_clamps_the_mean_not_each_pair():
+    """torchmetrics' CLIPScore: max(mean(100 * cos), 0). Pairs at cos 0.5 and -0.2 give 15, not
+    the 25 of clamping each pair; pairs at 0.1 and -0.3 give 0."""
+    from dalle_ablate.evaluate.clip import clip_score
+
+    def pairs(*cosines):
+        img = np.array([[1.0, 0.0]] * len(cosines))
+        txt = np.array([[c, np.sqrt(1 - c * c)] for c in cosines]) * 3.0  # norms do not matter
+        return img, txt
+
+    assert clip_score(*pairs(0.5, -0.2)) == pytest.approx(15.0)
+    assert clip_score(*pairs(0.1, -0.3)) == 0.0
 
 
 @pytest.mark.parametrize("name,preset", [("ViT-B-32", "ViT-B/32"), ("ViT-L-14", "ViT-L/14")])

@@ -7,8 +7,9 @@ share (`visual/transformer/resblocks/3/attn/in_proj/kernel` for
 `visual.transformer.resblocks.3.attn.in_proj_weight`); `dalle-ablate convert-clip` turns a
 checkpoint and CLIP's `bpe_simple_vocab_16e6.txt.gz` into one `.npz` (weights, config, BPE).
 
-Score convention (as torchmetrics' CLIPScore): 100 * max(cos(image embedding, caption
-embedding), 0), averaged over the samples. Images are preprocessed as CLIP's own transform does:
+Score convention (as torchmetrics' CLIPScore): 100 * cos(image embedding, caption embedding) per
+sample, averaged over the samples, and the mean clamped at 0 (torchmetrics clamps the mean, not
+each pair). Images are preprocessed as CLIP's own transform does:
 PIL bicubic resize of the shorter side to the input size, centre crop, OpenAI's mean and std.
 """
 
@@ -310,15 +311,19 @@ class CLIPScorer:
         return apply_batched(self._text, self.state, self.tokenizer(texts), self.batch_size)
 
     def scores(self, images: np.ndarray, texts: list[str]) -> np.ndarray:
-        """100 * max(cos, 0) per (image, caption) pair."""
-        return clip_score(self.image_embeddings(images), self.text_embeddings(texts))
+        """100 * cos per (image, caption) pair (signed; `clip_score` reduces them)."""
+        return pair_scores(self.image_embeddings(images), self.text_embeddings(texts))
 
 
-def clip_score(image_embeddings: np.ndarray, text_embeddings: np.ndarray) -> np.ndarray:
-    """100 * max(cos, 0) per row pair of image and caption embeddings."""
+def pair_scores(image_embeddings: np.ndarray, text_embeddings: np.ndarray) -> np.ndarray:
+    """100 * cos per row pair of image and caption embeddings (not clamped)."""
     a, b = image_embeddings, text_embeddings
-    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-    return 100.0 * np.maximum(cos, 0.0)
+    return 100.0 * (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def clip_score(image_embeddings: np.ndarray, text_embeddings: np.ndarray) -> float:
+    """The CLIP score of a set of samples as torchmetrics computes it: max(mean of 100 * cos, 0)."""
+    return max(float(pair_scores(image_embeddings, text_embeddings).mean()), 0.0)
 
 
 @lru_cache(maxsize=None)  # per config: every loaded copy of the same shape shares the compilations

@@ -86,14 +86,15 @@ def _clip_setup(e) -> dict:
 
 
 def _clip(images: np.ndarray, ctx) -> dict:
-    # CLIP score, 100 * max(cos, 0) of image and caption embeddings, mean over the samples.
+    # CLIP score as torchmetrics': 100 * cos of image and caption embeddings, mean over the
+    # samples, the mean clamped at 0.
     from dalle_ablate.evaluate.clip import clip_score
 
     state = ctx.cache["clip"]
     scorer = state["scorer"]
     if "text" not in state:  # the prompts are fixed for the Evaluation's life: encode them once
         state["text"] = scorer.text_embeddings(ctx.prompts)
-    return {"score": float(clip_score(scorer.image_embeddings(images), state["text"][: len(images)]).mean()),
+    return {"score": clip_score(scorer.image_embeddings(images), state["text"][: len(images)]),
             "n": float(len(images)), "weights": scorer.hash}
 
 
