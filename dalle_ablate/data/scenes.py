@@ -175,9 +175,14 @@ def render(scene: Scene, size: int = 64) -> np.ndarray:
 def shape_mask(shape: str, size_name: str, cx: float, cy: float, image_size: int) -> np.ndarray:
     """[image_size, image_size] bool: where one shape of that size, centred at pixel coordinates
     (cx, cy), covers at least half of a pixel when rendered as `render` does."""
+    return shape_mask_r(shape, SIZES[size_name] * image_size / 3, cx, cy, image_size)
+
+
+def shape_mask_r(shape: str, r: float, cx: float, cy: float, image_size: int) -> np.ndarray:
+    """As `shape_mask`, for any half-extent r in pixels (the parser fits sizes between the data's)."""
     big = image_size * SUPERSAMPLE
     img = Image.new("L", (big, big), 0)
-    draw_shape(ImageDraw.Draw(img), shape, cx * SUPERSAMPLE, cy * SUPERSAMPLE, SIZES[size_name] * big / 3, 255)
+    draw_shape(ImageDraw.Draw(img), shape, cx * SUPERSAMPLE, cy * SUPERSAMPLE, r * SUPERSAMPLE, 255)
     return np.asarray(img.resize((image_size, image_size), Image.Resampling.BOX)) >= 128
 
 
