@@ -174,9 +174,9 @@ class ShapesDataConfig(DataConfig):
 
     name: str = "shapes"
     seed: int = 0  # fixes the scenes of every split; the run's seed only orders them
-    image_size: int = 64
-    patch_size: int = 8  # 8x8 patches on 64 px = 64 image tokens; 4x4 = 256 (DALL·E Mega's count)
-    codebook_size: int = 1024
+    image_size: int = 48  # the 3x3 scene grid on the patch grid: a cell is 2x2 patches of 8 px
+    patch_size: int = 8  # 8x8 patches on 48 px = 36 image tokens; on 64 px 64 tokens, 4x4 on 64 px = 256 (DALL·E Mega's count)
+    codebook_size: int = 145  # at 48 px: every distinct patch of the renders, a lossless tokenizer
     num_train: int = 20000
     num_valid: int = 512
     num_test: int = 512
@@ -221,13 +221,13 @@ class TrackerConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 600
+    steps: int = 2000
     batch_size: int = 32  # examples per optimizer step, all micro-batches together
     grad_accum: int = 1  # micro-batches per step
     log_every: int = 50  # per-layer norms, optimizer stats
-    eval_every: int = 200
+    eval_every: int = 500
     eval_batches: Optional[int] = None  # null = the whole valid split
-    save_every: int = 500
+    save_every: int = 1000
     keep_checkpoints: int = 2
     progress: bool = True
 
@@ -281,7 +281,7 @@ class EvalConfig:
     every: int = 0  # steps between evaluations during training; 0 = only at the end of the run
     guidance_scales: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 5.0, 8.0])
     metrics: list[str] = field(default_factory=lambda: ["shapes", "shapes_fd", "caption_sensitivity"])
-    num_samples: int = 64  # prompts of the valid split, one sample each, the same at every scale
+    num_samples: int = 128  # stratified prompts (an equal share per difficulty tier), one sample each, the same at every scale
     batch_size: int = 32  # prompts sampled at once
     temperature: float = 1.0
     top_k: Optional[int] = None

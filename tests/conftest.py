@@ -25,7 +25,7 @@ SMALL_DATA = [
     "data.num_train=1500",
     "data.num_valid=48",
     "data.num_test=48",
-    "data.codebook_size=256",
+    "data.codebook_size=145",
 ]
 TINY_TRAIN = [
     "trainer.steps=6",

@@ -23,14 +23,14 @@ def test_encode_then_train_on_parquet(tmp_path, small_dataset, capsys):
     assert np.array_equal(np.array(table.column("encoding").to_pylist()), small_dataset.codes["valid"])
     cfg = run_config(
         "data=parquet", f"data.path={out}/train.parquet", f"data.valid_path={out}/valid.parquet",
-        "data.image_vocab=256", f"data.codebook_path={out}/codebook.npz", f"data.tokenizer_path={out}/tokenizer.json",
+        "data.image_vocab=145", f"data.codebook_path={out}/codebook.npz", f"data.tokenizer_path={out}/tokenizer.json",
         "data.shuffle_buffer=64", "tracker=none", data=(),
     )
     res = train(cfg, JobInfo(tmp_path / "job"))
     assert res.status == "finished" and np.isfinite(res.eval_loss)
     assert (res.run_dir / "media" / "samples_grid_6.png").is_file()
     meta = json.loads((res.run_dir / "meta.json").read_text())
-    assert meta["data"]["image_len"] == 64 and meta["data"]["files"] == 1
+    assert meta["data"]["image_len"] == small_dataset.image_len == 36 and meta["data"]["files"] == 1
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -39,4 +39,4 @@ def test_cli_errors_are_one_line(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: data.patch_size=7 does not divide data.image_size=64"
+    assert proc.stderr.strip() == "error: data.patch_size=7 does not divide data.image_size=48"

@@ -117,7 +117,8 @@ def test_colours_are_judged_by_their_blend_with_white_and_capped():
 
 def test_tiers_and_wilson_intervals():
     """Per-tier rates on hand-made verdicts, and the Wilson interval against its closed form."""
-    from dalle_ablate.evaluate.shapes_parser import TIERS, tier, wilson
+    from dalle_ablate.data.scenes import TIERS, tier
+    from dalle_ablate.evaluate.shapes_parser import wilson
 
     for k, n in ((0, 10), (3, 10), (10, 10), (57, 64)):
         p, z = k / n, 1.959963984540054

@@ -72,6 +72,15 @@ class Dataset(ABC):
     def valid_examples(self, n: int) -> tuple[list[str], np.ndarray]:
         """(captions, codes) of the first n examples of the valid split: the eval prompts."""
 
+    def eval_prompts(self, n: int) -> tuple[list[str], Optional[list[dict]]]:
+        """(captions, scene specs or None) a sampling evaluation draws: here the first n captions
+        of the valid split, without specs; datasets with specs give a stratified set."""
+        return self.valid_examples(n)[0], None
+
+    def eval_reference_images(self, n: int) -> Optional[np.ndarray]:
+        """The real images of `eval_prompts(n)`."""
+        return self.reference_images(n)
+
     def reference_images(self, n: int) -> Optional[np.ndarray]:
         """The real images of the first n valid examples, for distances to a real set: here the
         decoded true codes (the image tokenizer's reconstructions); exact renders on shapes."""

@@ -144,6 +144,17 @@ def random_scene(rng: np.random.Generator, min_objects: int = 1, max_objects: in
     return Scene(objs, caption, relation)
 
 
+# Difficulty tiers of a caption, as the evaluation reports them.
+TIERS = ("one", "two", "three", "relation")
+
+
+def tier(spec: dict) -> str:
+    """One object; two or three objects listed; two objects in a stated relation."""
+    if spec.get("relation") is not None:
+        return "relation"
+    return TIERS[len(spec["objects"]) - 1]
+
+
 def shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]] | None:
     """Outline used to draw a shape of half-extent r centred at (cx, cy); None for a circle."""
     if shape == "square":

@@ -16,7 +16,7 @@ import numpy as np
 
 from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_share, unigram_entropy
 from dalle_ablate.data.image_tokenizer import PatchCodebook
-from dalle_ablate.data.scenes import DEMO_CAPTIONS, Scene, random_scene, render
+from dalle_ablate.data.scenes import DEMO_CAPTIONS, TIERS, Scene, random_scene, render, tier
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.fileio import atomic_savez, atomic_write
 from dalle_ablate.registry import ConfigError
@@ -32,6 +32,24 @@ def generate_split(cfg, split: str) -> tuple[list[dict], np.ndarray]:
     scenes = [random_scene(rng, cfg.min_objects, cfg.max_objects) for _ in range(n)]
     images = np.stack([render(s, cfg.image_size) for s in scenes]) if n else np.zeros((0, cfg.image_size, cfg.image_size, 3), np.uint8)
     return [s.to_dict() for s in scenes], images
+
+
+def stratified_prompts(n: int, seed: int) -> list[dict]:
+    """n scene specs, tier by tier (the first n % 4 tiers get one more), each tier drawn by
+    rejection from random scenes of its object count; deterministic in (n, seed)."""
+    rng = np.random.default_rng([seed, len(SPLITS)])  # a stream no split uses
+    out = []
+    for i, name in enumerate(TIERS):
+        want = n // len(TIERS) + (i < n % len(TIERS))
+        objects = {"one": 1, "two": 2, "three": 3, "relation": 2}[name]
+        got = 0
+        while got < want:
+            spec = random_scene(rng, objects, objects).to_dict()
+            # one object: only captions that state all four of its attributes
+            if tier(spec) == name and (name != "one" or len(spec["objects"][0]["said"]) == 4):
+                out.append(spec)
+                got += 1
+    return out
 
 
 def cache_key(cfg) -> str:
@@ -144,3 +162,14 @@ class ShapesDataset(Dataset):
 
     def reference_images(self, n: int) -> np.ndarray:
         return np.stack([render(Scene.from_dict(s), self.cfg.image_size) for s in self.specs["valid"][:n]])
+
+    def eval_prompts(self, n: int) -> tuple[list[str], list[dict]]:
+        """A fixed, stratified prompt set: n split equally over the difficulty tiers (one object
+        with colour, shape, size and cell stated; two; three; two in a relation), drawn from a
+        stream of their own (data.seed), so every run of these settings is scored on the same
+        prompts whatever the valid split holds."""
+        specs = stratified_prompts(n, self.cfg.seed)
+        return [s["caption"] for s in specs], specs
+
+    def eval_reference_images(self, n: int) -> np.ndarray:
+        return np.stack([render(Scene.from_dict(s), self.cfg.image_size) for s in self.eval_prompts(n)[1]])

@@ -42,9 +42,9 @@ def _shapes_fd(images: np.ndarray, ctx) -> dict[str, float]:
     from dalle_ablate.evaluate.shapes_features import shapes_features
 
     net = shapes_features(str(ctx.cfg.data.cache_dir))
-    feats = net.extract(images)
+    feats = net.extract(net.resized(images))
     if "shapes_fd/floor" not in ctx.cache:  # the prompts are fixed for the Evaluation's life
-        real = ctx.reference_images()
+        real = net.resized(ctx.reference_images())
         ctx.cache["shapes_fd/floor"] = frechet_distance(*statistics(net.extract(real)), *net.reference_stats)
     return {"fd": frechet_distance(*statistics(feats), *net.reference_stats),
             "kid": kid(feats, net.reference, subset_size=min(100, len(feats))),

@@ -35,6 +35,9 @@ def pareto_png(rows: list[dict], x: str, y: str, title: str) -> np.ndarray:
     fig, ax = plt.subplots(figsize=(4.5, 3.5), dpi=100)
     xs, ys = [r[x] for r in rows], [r[y] for r in rows]
     ax.plot(xs, ys, "-o", color="tab:blue")
+    if f"{y}_lo" in rows[0]:  # the 95% interval of a rate (shapes/all: Wilson)
+        err = [[b - r[f"{y}_lo"] for r, b in zip(rows, ys)], [r[f"{y}_hi"] - b for r, b in zip(rows, ys)]]
+        ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor="tab:blue", alpha=0.5, capsize=3)
     for r, a, b in zip(rows, xs, ys):
         ax.annotate(f"s={r['scale']:g}", (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel(x)
@@ -59,9 +62,7 @@ class Evaluation:
         self.skipped = [n for n, ev in self.evaluators.items() if not ev.available(dataset)]
         self.evaluators = {n: ev for n, ev in self.evaluators.items() if n not in self.skipped}
         self.can_draw = dataset.has_image_decoder()
-        specs = getattr(dataset, "specs", None)
-        self.specs = specs["valid"][: self.e.num_samples] if specs else None
-        self.prompts = dataset.valid_examples(self.e.num_samples)[0]
+        self.prompts, self.specs = dataset.eval_prompts(self.e.num_samples)
         self.cache: dict = {}  # what evaluators compute once per Evaluation (fixed prompts), e.g. a floor
         for name, ev in self.evaluators.items():
             if ev.setup is not None:
@@ -78,7 +79,7 @@ class Evaluation:
     def reference_images(self) -> np.ndarray:
         """The real images of the eval prompts (computed once)."""
         if "real" not in self.cache:
-            self.cache["real"] = self.dataset.reference_images(len(self.prompts))
+            self.cache["real"] = self.dataset.eval_reference_images(len(self.prompts))
         return self.cache["real"]
 
     def _batches(self, n: int):

@@ -110,6 +110,16 @@ class ShapesFeatures:
             atomic_savez(path, reference=self.reference, **{f"p{i}": np.asarray(x) for i, x in enumerate(leaves)})
         self.reference_stats = statistics(self.reference)
 
+    def resized(self, images: np.ndarray) -> np.ndarray:
+        """Images of another size brought to the network's (bilinear); the floor in the
+        evaluator is computed through the same resize, so it still says what a perfect model gets."""
+        size = SETTINGS["image_size"]
+        if images.shape[1:3] == (size, size):
+            return images
+        from PIL import Image
+
+        return np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BILINEAR)) for im in images])
+
     def extract(self, images: np.ndarray, batch: int = 256) -> np.ndarray:
         return np.concatenate([np.asarray(self._features(self.model, jnp.asarray(images[i : i + batch])))
                                for i in range(0, len(images), batch)])

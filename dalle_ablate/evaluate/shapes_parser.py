@@ -37,7 +37,7 @@ from scipy import ndimage
 from scipy.optimize import linear_sum_assignment
 from scipy.stats import binomtest
 
-from dalle_ablate.data.scenes import BACKGROUND, PALETTE, SHAPES, SIZES, shape_mask_r
+from dalle_ablate.data.scenes import BACKGROUND, PALETTE, SHAPES, SIZES, TIERS, shape_mask_r, tier
 
 COLORS = list(PALETTE)
 _W = np.array(BACKGROUND, np.float32)
@@ -220,16 +220,6 @@ def score(detected: list[Detected], spec: dict) -> dict[str, tuple[int, int]]:
 
 
 # -- difficulty tiers ---------------------------------------------------------------------------
-TIERS = ("one", "two", "three", "relation")
-
-
-def tier(spec: dict) -> str:
-    """One object; two or three objects listed; two objects in a stated relation."""
-    if spec.get("relation") is not None:
-        return "relation"
-    return TIERS[len(spec["objects"]) - 1]
-
-
 def wilson(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval of a rate (scipy's binomtest); (nan, nan) when n is 0."""
     if n == 0:

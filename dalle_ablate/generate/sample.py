@@ -99,16 +99,18 @@ def make_sampler(
     return jax.jit(lambda params, text, text_mask, key: run(params, text, text_mask, key), out_shardings=out_sharding)
 
 
-def image_grid(images: np.ndarray, captions: list[str], per_row: int, scale: int = 2) -> np.ndarray:
-    """Rows of `per_row` images, one row per caption, the caption written above its row."""
+def image_grid(images: np.ndarray, captions: list[str], per_row: int, scale: int = 3) -> np.ndarray:
+    """Rows of `per_row` images, one row per caption, the caption written in a band of its own
+    above its row (never over an image); images upscaled nearest-neighbour by `scale`."""
     n, h, w, _ = images.shape
     rows = n // per_row
-    label = 12
+    label = 16  # PIL's default font is 11 px high
     cell_h = h * scale + label
     canvas = Image.new("RGB", (per_row * w * scale, rows * cell_h), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     for r in range(rows):
-        draw.text((2, r * cell_h), captions[r][: 12 * per_row], fill=(0, 0, 0))
+        # about 6 px per character: cut to the row's width
+        draw.text((2, r * cell_h + 2), captions[r][: per_row * w * scale // 6], fill=(0, 0, 0))
         for c in range(per_row):
             img = Image.fromarray(images[r * per_row + c]).resize((w * scale, h * scale), Image.Resampling.NEAREST)
             canvas.paste(img, (c * w * scale, r * cell_h + label))
