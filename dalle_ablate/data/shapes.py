@@ -22,7 +22,7 @@ from dalle_ablate.fileio import atomic_savez, atomic_write
 from dalle_ablate.registry import ConfigError
 
 SPLITS = ("train", "valid", "test")
-_VERSION = "shapes-v1"  # bump when scenes, rendering or the codebook fit change
+_VERSION = "shapes-v2"  # bump when scenes, rendering or the codebook fit change
 
 
 def generate_split(cfg, split: str) -> tuple[list[dict], np.ndarray]:

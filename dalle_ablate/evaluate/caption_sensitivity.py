@@ -43,8 +43,10 @@ def swap(spec: dict, kind: str, rng: np.random.Generator) -> Optional[str]:
         old = position_name(o["row"], o["col"]) if kind == "position" else o[kind]
         if not _once(old, caption):
             continue
-        # A replacement that is not a word of the caption already (keeps the edit one word).
-        options = [v for v in values if v != old and not re.search(rf"\b{re.escape(v)}\b", caption)]
+        # A replacement with a word the caption does not have already: "center" -> "bottom left"
+        # in a caption that says "bottom" and "left" of other objects would say nothing new.
+        words = set(re.findall(r"[a-z]+", caption))
+        options = [v for v in values if v != old and not set(v.split()) <= words]
         if options:
             return _replace(caption, old, options[rng.integers(len(options))])
     return None

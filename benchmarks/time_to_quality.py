@@ -1,0 +1,134 @@
+"""Time to quality: how caption-following grows with training time for the default job.
+
+    python benchmarks/time_to_quality.py [--seeds 0 1 2] [--every 500] [--out time_to_quality] [overrides...]
+
+Trains the default config once per seed (the real loop, `python run.py` with these overrides),
+with the sampling evaluation every `--every` steps, and prints for each seed, step and difficulty
+tier the all-correct rate with its 95% Wilson interval at every guidance scale against the
+training seconds so far (the compile step and the train steps; evaluation, checkpoints and set-up
+are excluded and reported separately). Writes `<out>.csv` and `<out>.png` (all-correct of each
+tier against training seconds at the best scale of the last evaluation, one line per seed).
+Times are this machine's: compare rows of one run, not across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TIERS = ("one", "two", "three", "relation")
+
+
+def rows_of(run_dir: Path, seed: int) -> tuple[list[dict], float, float]:
+    """(one row per evaluation, scale and tier; training seconds; everything else in seconds)."""
+    import json
+
+    from dalle_ablate.track.runstore import read_metrics
+
+    metrics = read_metrics(run_dir)
+    train_s, at_step, rows = 0.0, {}, []
+    for r in metrics:
+        train_s += r.get("perf/step_time", 0.0) + r.get("perf/compile_time", 0.0)
+        at_step[r["step"]] = train_s
+    for r in metrics:
+        for key, value in r.items():
+            # eval/pareto/s<scale>/shapes/<tier>/all
+            parts = key.split("/")
+            if len(parts) == 6 and parts[:2] == ["eval", "pareto"] and parts[3] == "shapes" and parts[5] == "all":
+                scale, tier = float(parts[2][1:]), parts[4]
+                base = f"eval/pareto/s{parts[2][1:]}/shapes/{tier}"
+                rows.append({"seed": seed, "step": r["step"], "train_s": round(at_step[r["step"]], 1), "scale": scale,
+                             "tier": tier, "all": value, "lo": r[f"{base}/all_lo"], "hi": r[f"{base}/all_hi"],
+                             "n": int(r[f"{base}/n"])})
+    wall = json.loads((run_dir / "summary.json").read_text())["wall_time"]
+    return rows, train_s, wall - train_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--every", type=int, default=500, help="steps between evaluations")
+    ap.add_argument("--out", default="time_to_quality")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="ttq-"))
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_DIR", str(tmp))
+
+    from dalle_ablate.cli import compose
+    from dalle_ablate.config import to_run_config
+    from dalle_ablate.train.loop import JobInfo, train
+
+    rows, times = [], []
+    for seed in args.seeds:
+        cfg = to_run_config(compose([f"seed={seed}", f"eval.every={args.every}", "trainer.progress=false", *args.overrides]))
+        res = train(cfg, JobInfo(tmp / f"seed{seed}"))
+        got, train_s, other_s = rows_of(res.run_dir, seed)
+        rows += got
+        times.append((seed, res.steps, train_s, other_s))
+
+    print(f"{'seed':>4} {'steps':>6} {'train s':>8} {'eval+other s':>13}")
+    for seed, steps, train_s, other_s in times:
+        print(f"{seed:>4} {steps:>6} {train_s:>8.1f} {other_s:>13.1f}")
+    scales = sorted({r["scale"] for r in rows})
+    print(f"\nall-correct per tier, [95% Wilson interval], by guidance scale (N per tier: {rows[0]['n'] if rows else 0})")
+    print(f"{'seed':>4} {'step':>5} {'train s':>8} {'scale':>5} " + " ".join(f"{t:>18}" for t in TIERS))
+    for seed in args.seeds:
+        for step in sorted({r["step"] for r in rows if r["seed"] == seed}):
+            for scale in scales:
+                cell = {r["tier"]: r for r in rows if r["seed"] == seed and r["step"] == step and r["scale"] == scale}
+                if not cell:
+                    continue
+                t_s = next(iter(cell.values()))["train_s"]
+                print(f"{seed:>4} {step:>5} {t_s:>8.1f} {scale:>5g} " + " ".join(
+                    f"{cell[t]['all']:>6.1%} [{cell[t]['lo']:.2f},{cell[t]['hi']:.2f}]" if t in cell else f"{'-':>18}" for t in TIERS))
+
+    out = Path(args.out)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["seed", "step", "train_s", "scale", "tier", "all", "lo", "hi", "n"])
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out.with_suffix(".png"))
+    print(f"\nwrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    last = max(r["step"] for r in rows)
+    # the scale whose last evaluation is best on average over seeds and tiers
+    scales = sorted({r["scale"] for r in rows})
+    best = max(scales, key=lambda s: sum(r["all"] for r in rows if r["step"] == last and r["scale"] == s))
+    fig, axes = plt.subplots(1, len(TIERS), figsize=(4 * len(TIERS), 3.4), sharey=True)
+    for ax, tier in zip(axes, TIERS):
+        for seed in sorted({r["seed"] for r in rows}):
+            pts = sorted((r["train_s"], r["all"], r["lo"], r["hi"]) for r in rows
+                         if r["seed"] == seed and r["tier"] == tier and r["scale"] == best)
+            if pts:
+                xs, ys, lo, hi = zip(*pts)
+                ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]], marker="o",
+                            capsize=3, label=f"seed {seed}")
+        ax.set_title(f"{tier} (scale {best:g})")
+        ax.set_xlabel("training seconds (this machine)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("all-correct (95% Wilson)")
+    axes[0].set_ylim(0, 1)
+    axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
