@@ -144,3 +144,23 @@ def test_cached_sampling_matches_uncached_sampling():
         logits = model.decode(model.decoder_inputs(ref), enc, mask)[:, i]
         ref = ref.at[:, i].set(jax.random.categorical(jax.random.fold_in(key, i), logits))
     assert np.array_equal(codes, np.asarray(ref))
+
+
+def test_image_grid_puts_captions_above_framed_nearest_neighbour_images():
+    from dalle_ablate.generate import image_grid
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (6, 5, 7, 3)).astype(np.uint8)  # 2 captions x 3 samples, 5x7 px
+    grid = image_grid(images, ["a red circle", "two blue squares"], per_row=3, scale=3)
+    label, pad, ih, iw = 16, 2, 5 * 3 + 4, 7 * 3 + 4
+    assert grid.shape == (2 * (label + ih), 3 * iw, 3)
+    for k, img in enumerate(images):
+        r, c = divmod(k, 3)
+        y, x = r * (label + ih) + label, c * iw
+        # the image, each pixel repeated 3x3 (nearest neighbour), inside a grey frame
+        np.testing.assert_array_equal(grid[y + pad: y + ih - pad, x + pad: x + iw - pad], img.repeat(3, 0).repeat(3, 1))
+        frame = np.concatenate([grid[y, x: x + iw], grid[y + ih - 1, x: x + iw], grid[y: y + ih, x], grid[y: y + ih, x + iw - 1]])
+        assert (frame == 170).all()
+    for r in range(2):  # the caption band: text (dark) on white, and some text drawn
+        band = grid[r * (label + ih): r * (label + ih) + label]
+        assert (band.min(-1) == band.max(-1)).all() and (band < 128).any()

@@ -101,17 +101,21 @@ def make_sampler(
 
 def image_grid(images: np.ndarray, captions: list[str], per_row: int, scale: int = 3) -> np.ndarray:
     """Rows of `per_row` images, one row per caption, the caption written in a band of its own
-    above its row (never over an image); images upscaled nearest-neighbour by `scale`."""
+    above its row (never over an image); images upscaled nearest-neighbour by `scale`, each in a
+    grey frame so that white backgrounds do not run into each other."""
     n, h, w, _ = images.shape
     rows = n // per_row
-    label = 16  # PIL's default font is 11 px high
-    cell_h = h * scale + label
-    canvas = Image.new("RGB", (per_row * w * scale, rows * cell_h), (255, 255, 255))
+    label, pad = 16, 2  # PIL's default font is 11 px high; a 2 px frame around every image
+    iw, ih = w * scale + 2 * pad, h * scale + 2 * pad
+    cell_h = ih + label
+    canvas = Image.new("RGB", (per_row * iw, rows * cell_h), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     for r in range(rows):
         # about 6 px per character: cut to the row's width
-        draw.text((2, r * cell_h + 2), captions[r][: per_row * w * scale // 6], fill=(0, 0, 0))
+        draw.text((2, r * cell_h + 2), captions[r][: per_row * iw // 6], fill=(0, 0, 0))
         for c in range(per_row):
+            x, y = c * iw, r * cell_h + label
+            draw.rectangle([x, y, x + iw - 1, y + ih - 1], fill=(170, 170, 170))
             img = Image.fromarray(images[r * per_row + c]).resize((w * scale, h * scale), Image.Resampling.NEAREST)
-            canvas.paste(img, (c * w * scale, r * cell_h + label))
+            canvas.paste(img, (x + pad, y + pad))
     return np.asarray(canvas)
