@@ -70,7 +70,7 @@ def _fid(images: np.ndarray, ctx) -> dict:
 
     state = ctx.cache["fid"]
     if state["reference"] is None:
-        state["reference"] = reference_from_images(state["net"], ctx.reference_images(), f"{ctx.dataset.name} valid split")
+        state["reference"] = reference_from_images(state["net"], ctx.reference_images(), f"{ctx.dataset.name} eval prompts")
     ref = state["reference"]
     return {"fid": frechet_distance(*statistics(state["net"](images)), ref.mu, ref.sigma), "n": float(len(images)),
             "reference_n": float(ref.n), "weights": ref.weights, "resize": ref.resize}
