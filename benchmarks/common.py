@@ -5,6 +5,20 @@ from __future__ import annotations
 import time
 
 
+def offline_workdir(prefix: str):
+    """A fresh temp folder for the benchmark's runs, with W&B offline and writing into it (set
+    before anything imports wandb). Returns its Path."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_DIR", str(tmp))
+    return tmp
+
+
 def fresh_train_step(cfg, model_cfg):
     """(jitted train step, initial TrainState, parameter count) for a resolved model config."""
     import jax.numpy as jnp

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import offline_workdir  # noqa: E402
 
 TIERS = ("one", "two", "three", "relation")
 
@@ -58,10 +57,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="ttq-"))
-    os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.environ.setdefault("WANDB_DIR", str(tmp))
+    tmp = offline_workdir("ttq-")
 
     from dalle_ablate.cli import compose
     from dalle_ablate.config import to_run_config

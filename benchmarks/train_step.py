@@ -11,14 +11,12 @@ measured in this one run, on this machine; nothing here is asserted by the tests
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import fresh_train_step, timed_steps  # noqa: E402
+from common import fresh_train_step, offline_workdir, timed_steps  # noqa: E402
 
 
 def bare_step_times(cfg, dataset, steps: int) -> list[float]:
@@ -39,10 +37,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-"))
-    os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.environ.setdefault("WANDB_DIR", str(tmp))
+    tmp = offline_workdir("bench-")
 
     from dalle_ablate.cli import compose
     from dalle_ablate.config import to_run_config
