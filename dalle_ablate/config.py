@@ -24,7 +24,7 @@ class ModelConfig:
     """Architecture. `conf/model/<layout>.yaml` sets the layout flags; `conf/size/` the shape."""
 
     family: str = "seq2seq"  # encoder-decoder (DALL·E mini / Mega)
-    layout: str = "preln"  # where the norms sit: see VARIANTS.md "Layouts"
+    layout: str = "preln"  # where the norms sit: see docs/variants.md "Layouts"
     d_model: int = 128
     heads: int = 4
     encoder_layers: int = 2

@@ -18,3 +18,15 @@ def test_generated_output_is_ignored_by_git():
              "reports/some-report/index.html", ".venv/bin/python"]
     proc = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True)
     assert proc.stdout.split() == paths
+
+
+def test_docs_live_in_the_repository():
+    """Every doc reference resolves inside the repository: nothing points at files a user of the
+    package does not have (the design notes beside a developer's checkout)."""
+    import re
+
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.yaml"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    outside = [f for f in tracked if re.search(r"\.\./shared|\bDESIGN\.md|\bVARIANTS\.md", (ROOT / f).read_text())]
+    assert outside == [], outside
+    for link in re.findall(r"\]\((docs/[^)]+)\)", (ROOT / "README.md").read_text()):
+        assert (ROOT / link).is_file(), link

@@ -1,4 +1,4 @@
-"""Every formula of VARIANTS.md, checked against the math written out independently here."""
+"""Every formula of docs/variants.md, checked against the math written out independently here."""
 
 from __future__ import annotations
 

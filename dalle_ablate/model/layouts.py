@@ -1,4 +1,4 @@
-"""Layouts: where the norms sit around each sublayer (VARIANTS.md, "Layouts").
+"""Layouts: where the norms sit around each sublayer (docs/variants.md, "Layouts").
 
 A layout is one `Layout` entry in the LAYOUTS registry; `Sublayer` applies it to any sublayer
 (self-attention, cross-attention, FFN) and `stack_gains` gives its init gains and residual scale.

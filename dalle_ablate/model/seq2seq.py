@@ -1,7 +1,7 @@
 """The seq2seq family (DALL·E mini / Mega): a bidirectional text encoder and a causal image-code
 decoder with cross-attention; untied text and image embeddings; learned positions.
 
-Image side (VARIANTS.md): decoder input is `[BOS] + codes[:-1]`, labels are the codes; BOS id is
+Image side (docs/variants.md): decoder input is `[BOS] + codes[:-1]`, labels are the codes; BOS id is
 `image_vocab`; embedding and logits rows are padded up to a multiple of `vocab_pad_multiple`.
 """
 

@@ -11,7 +11,7 @@ import numpy as np
 class Tracker(ABC):
     @abstractmethod
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Scalars at an optimizer step (metric names as in DESIGN.md)."""
+        """Scalars at an optimizer step (metric names as in docs/architecture.md)."""
 
     @abstractmethod
     def log_image(self, key: str, image: np.ndarray, step: int, caption: str = "") -> None:

@@ -1,5 +1,5 @@
 """Weights & Biases backend. Offline by default (never touches the network); online when
-`tracker.wandb.mode=online` and logged in. Conventions (DESIGN.md): group = the sweep or multirun
+`tracker.wandb.mode=online` and logged in. Conventions (docs/architecture.md): group = the sweep or multirun
 folder, job_type = the model layout, name = the overrides; finish() on every exit path."""
 
 from __future__ import annotations

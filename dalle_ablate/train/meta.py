@@ -1,4 +1,4 @@
-"""What every run records about itself besides its config (DESIGN.md "Conventions")."""
+"""What every run records about itself besides its config (docs/architecture.md, "Conventions")."""
 
 from __future__ import annotations
 
