@@ -58,6 +58,9 @@ ATTRIBUTES = ("color", "shape", "size", "position")
 # between is named right, and stray blobs much smaller than the smallest object fit nothing.
 _SCALES = np.linspace(0.8, 1.25, 10)
 EXTENT_RANGE = (0.85, 1.15)
+_SIZE_NAMES = sorted(SIZES, key=SIZES.get)  # small, large
+# Boundary between the data's sizes: the geometric mean of their half-extents.
+_SIZE_CUT = float(np.sqrt(np.prod([SIZES[n] for n in _SIZE_NAMES])))
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class Detected:
     cy: float
     area: int
     iou: float  # of the best template: how shape-like the component is
-    extent: float = 0.0  # fitted half-extent as a fraction of a grid cell's width
+    extent: float  # fitted half-extent as a fraction of a grid cell's width
 
 
 def snap(image: np.ndarray) -> np.ndarray:
@@ -97,9 +100,7 @@ def parse(image: np.ndarray, min_area: int = MIN_AREA, min_iou: float = MIN_IOU)
     s = image.shape[0]
     labels = snap(image)
     cell = s / 3
-    size_names = sorted(SIZES, key=SIZES.get)
-    # Boundary between the data's sizes: the geometric mean of their half-extents.
-    cut = float(np.sqrt(np.prod([SIZES[n] for n in size_names])))
+    lo, hi = EXTENT_RANGE[0] * min(SIZES.values()) * cell, EXTENT_RANGE[1] * max(SIZES.values()) * cell
     found = []
     # Objects of the data never touch (a gap of at least a quarter cell): a component that touches
     # a larger one of another colour is that one's quantised edge (a patch codebook renders part
@@ -121,7 +122,6 @@ def parse(image: np.ndarray, min_area: int = MIN_AREA, min_iou: float = MIN_IOU)
             # whose half-width estimates the half-extent.
             bx, by = (xs.min() + xs.max() + 1) / 2, (ys.min() + ys.max() + 1) / 2
             r0 = (xs.max() - xs.min() + ys.max() - ys.min() + 2) / 4
-            lo, hi = EXTENT_RANGE[0] * min(SIZES.values()) * cell, EXTENT_RANGE[1] * max(SIZES.values()) * cell
             radii = sorted({round(4 * min(max(r0 * f, lo), hi)) for f in _SCALES})  # quarter pixels
             best = max(
                 ((_iou(mask, _template(sh, r4, round(bx * 2), round(by * 2), s)), sh, r4) for sh in SHAPES for r4 in radii),
@@ -130,7 +130,7 @@ def parse(image: np.ndarray, min_area: int = MIN_AREA, min_iou: float = MIN_IOU)
             if best[0] < min_iou:
                 continue
             extent = best[2] / 4 / cell
-            size = size_names[0] if extent < cut else size_names[-1]
+            size = _SIZE_NAMES[0] if extent < _SIZE_CUT else _SIZE_NAMES[-1]
             cx, cy = xs.mean() + 0.5, ys.mean() + 0.5
             found.append(Detected(color, best[1], size, min(int(cy // cell), 2), min(int(cx // cell), 2),
                                   float(cx), float(cy), area, float(best[0]), float(extent)))
