@@ -203,6 +203,7 @@ class ParquetDataConfig(DataConfig):
     codebook_path: Optional[str] = None  # a patch codebook (.npz) to decode samples; null = no grid
     vqgan_path: Optional[str] = None  # or VQGAN weights (.npz, dalle-ablate convert-vqgan) to decode them
     valid_max_rows: int = 2048
+    allow_blank_captions: bool = False  # train on a set whose captions are all blank (unconditional)
 
 
 @dataclass

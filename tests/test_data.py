@@ -201,6 +201,82 @@ def test_parquet_errors_name_file_and_row(tmp_path, parquet_dir):
         ParquetDataset(parquet_cfg(parquet_dir / "train.parquet", tokenizer_path=str(bad)), 24, 64)
 
 
+def _corrupt_middle(path):
+    """Overwrite bytes of the second row group's pages; the footer stays intact."""
+    meta = pq.ParquetFile(path).metadata
+    rg = meta.row_group(1).column(0)
+    start = rg.dictionary_page_offset or rg.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start:start + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _malformed(tmp_path, name):
+    """Each malformed input as the issue (#14) found it; file -> (data overrides, expected message)."""
+    codes = [[1] * 64, [2] * 64, [3] * 64]
+    caps = ["a red circle", "a blue square", "a green triangle"]
+    enc = pa.list_(pa.int64())
+    tables = {
+        "binary_captions": pa.table({"caption": pa.array([c.encode() for c in caps], pa.binary()), "encoding": pa.array(codes, enc)}),
+        "bad_utf8": pa.table({"caption": pa.array([b"ok", b"caf\xe9", b"ok"], pa.binary()).view(pa.string()), "encoding": pa.array(codes, enc)}),
+        "null_code": pa.table({"caption": caps, "encoding": pa.array([[1] * 64, [2] * 30 + [None] + [2] * 33, [3] * 64], enc)}),
+        "null_list": pa.table({"caption": caps, "encoding": pa.array([[1] * 64, [2] * 64, None], enc)}),
+        "float_codes": pa.table({"caption": caps, "encoding": pa.array([[1.5] * 64] * 3, pa.list_(pa.float64()))}),
+        "string_codes": pa.table({"caption": caps, "encoding": pa.array([["1"] * 64] * 3, pa.list_(pa.string()))}),
+        "scalar_codes": pa.table({"caption": caps, "encoding": pa.array([1, 2, 3], pa.int64())}),
+        "all_blank": pa.table({"caption": pa.array([None, "", "  "], pa.string()), "encoding": pa.array(codes, enc)}),
+        "negative_code": pa.table({"caption": caps, "encoding": pa.array([[1] * 64, [2] * 64, [3] * 10 + [-1] + [3] * 53], enc)}),
+    }
+    f = tmp_path / f"{name}.parquet"
+    if name == "corrupt_middle":
+        big = pa.table({"caption": [f"a red circle {i}" for i in range(3000)],
+                        "encoding": pa.array([[i % 145] * 64 for i in range(3000)], enc)})
+        pq.write_table(big, str(f), row_group_size=1000)
+        return _corrupt_middle(f)
+    return _write(f, tables[name])
+
+
+MALFORMED = {
+    "binary_captions": "{f}: column 'caption' has type binary; captions must be UTF-8 strings (data.caption_column)",
+    "bad_utf8": "{f}: row 1: column 'caption' is not valid UTF-8 (byte 3: b'\\xe9')",
+    "null_code": "{f}: row 1: column 'encoding' has a null code at position 30",
+    "null_list": "{f}: row 2: column 'encoding' is null (no codes)",
+    "float_codes": "{f}: column 'encoding' holds double codes; codes must be integers in [0, 145)",
+    "string_codes": "{f}: column 'encoding' holds string codes; codes must be integers in [0, 145)",
+    "scalar_codes": "{f}: column 'encoding' has type int64; expected a list of integer codes per row (data.encoding_column)",
+    "negative_code": "{f}: row 2: code -1 at position 10 is outside the codebook [0, 145) (data.image_vocab)",
+    "all_blank": "data.path={f}: every caption of the first 3 training rows is blank (column 'caption'); a model trained on it "
+                 "never sees text. Set data.caption_column, or data.allow_blank_captions=true to train unconditionally",
+    "corrupt_middle": "{f}: rows 1000..1999 (row group 1) cannot be read (corrupt file?): ",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_parquet_fails_in_one_line_naming_file_row_and_column(tmp_path, parquet_dir, name):
+    f = _malformed(tmp_path, name)
+    cfg = parquet_cfg(f, tokenizer_path=str(parquet_dir / "tokenizer.json"), valid_path=str(parquet_dir / "valid.parquet"))
+    with pytest.raises(ConfigError) as err:
+        ParquetDataset(cfg, 24, 64)
+    msg = str(err.value)
+    assert msg.startswith(MALFORMED[name].format(f=f)) and "\n" not in msg
+
+
+def test_blank_captions_allowed_when_asked_and_the_preflight_report(tmp_path, parquet_dir):
+    f = _malformed(tmp_path, "all_blank")
+    cfg = parquet_cfg(f, tokenizer_path=str(parquet_dir / "tokenizer.json"), valid_path=str(f), allow_blank_captions=True)
+    pds = ParquetDataset(cfg, 24, 64)
+    assert pds.info["preflight"] == {"rows": 3, "scanned": 3, "blank_captions": 1.0, "code_min": 1, "code_max": 3, "codes_used": 3}
+    # On real data: the counts of the file written from the shapes set.
+    pds = ParquetDataset(parquet_cfg(parquet_dir / "train.parquet", tokenizer_path=str(parquet_dir / "tokenizer.json"),
+                                     valid_path=str(parquet_dir / "valid.parquet")), 24, None)
+    codes = pq.read_table(parquet_dir / "train.parquet").column("encoding").combine_chunks().flatten().to_numpy()
+    rep = pds.info["preflight"]
+    assert rep["rows"] == rep["scanned"] == pq.ParquetFile(parquet_dir / "train.parquet").metadata.num_rows
+    assert (rep["code_min"], rep["code_max"], rep["codes_used"]) == (codes.min(), codes.max(), len(np.unique(codes)))
+    assert rep["blank_captions"] == 0.0
+
+
 def test_scene_specs_are_kept_as_json(small_dataset):
     spec = small_dataset.specs["valid"][0]
     assert json.loads(json.dumps(spec)) == spec

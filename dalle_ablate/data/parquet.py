@@ -1,8 +1,12 @@
 """Pre-encoded data in dalle-mini's format: parquet files with a caption column and an encoding
 column (a list of image-code ints per row), streamed with pyarrow through a shuffle buffer.
 
-Every row is checked as it streams: a missing column, a wrong number of codes or a code outside
-the codebook fails naming the file and the row. Without `data.valid_path`, a fixed hash of
+Every row is checked as it streams, and a bad one fails in one line naming the file, the row and
+the column: captions must be UTF-8 strings (null = blank), codes lists of integers of the model's
+length, none null, all inside the codebook; an unreadable row group names the rows it held.
+Before training, a pre-flight scan of the first rows reports the row count, the blank-caption
+share and the range of codes used, and refuses a set without any caption (unless
+`data.allow_blank_captions`). Without `data.valid_path`, a fixed hash of
 (file name, row) holds out `data.valid_fraction` of the rows, so train and valid never overlap.
 Hosts split rows by index (row % process_count), so their shares are disjoint and complete.
 """
@@ -10,6 +14,7 @@ Hosts split rows by index (row % process_count), so their shares are disjoint an
 from __future__ import annotations
 
 import glob
+import logging
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional
@@ -24,8 +29,10 @@ from dalle_ablate.data.image_tokenizer import PatchCodebook
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.registry import ConfigError
 
+log = logging.getLogger(__name__)
+
 _READ_ROWS = 4096  # rows per record batch read from a file
-_TOKENIZER_ROWS = 100_000  # captions a BPE tokenizer is trained on when none is given
+_SCAN_ROWS = 100_000  # rows the pre-flight scan reads (and a BPE tokenizer is trained on when none is given)
 
 
 def list_files(spec: str, field: str) -> list[Path]:
@@ -80,12 +87,8 @@ class ParquetDataset(Dataset):
                 raise ConfigError(f"data.vqgan_path has {self.vqgan.cfg.n_embed} codes but data.image_vocab={self.image_vocab}")
         if cfg.tokenizer_path:
             self.text = TextTokenizer.from_file(cfg.tokenizer_path, text_len)
-        else:
-            captions = []
-            for _, cap, _ in self._rows(self.files, "train"):
-                captions.append(cap)
-                if len(captions) >= _TOKENIZER_ROWS:
-                    break
+        captions, scan = self._preflight()
+        if not cfg.tokenizer_path:
             self.text = TextTokenizer.trained_or_cached(
                 captions, cfg.text_vocab_size, text_len, Path(cfg.cache_dir).expanduser()
             )
@@ -96,38 +99,98 @@ class ParquetDataset(Dataset):
             "image_vocab": self.image_vocab,
             "text_vocab": self.text.vocab_size,
             "num_valid": len(self.valid[0]),
+            "preflight": scan,
         }
 
     # -- reading and checking ---------------------------------------------------------------
     def _open(self, file: Path) -> pq.ParquetFile:
         try:
             pf = pq.ParquetFile(file)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise ConfigError(f"{file}: not a readable parquet file: {e}") from e
-        names = pf.schema_arrow.names
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(f"{file}: not a readable parquet file: {_first_line(e)}") from e
+        schema = pf.schema_arrow
         for col, field in ((self.cfg.caption_column, "caption_column"), (self.cfg.encoding_column, "encoding_column")):
-            if col not in names:
+            if col not in schema.names:
                 raise ConfigError(
-                    f"{file}: no column {col!r} (columns: {', '.join(names)}); set data.{field}"
+                    f"{file}: no column {col!r} (columns: {', '.join(schema.names)}); set data.{field}"
                 )
+        cap = schema.field(self.cfg.caption_column).type
+        if not (pa.types.is_string(cap) or pa.types.is_large_string(cap)):
+            # Binary captions would turn into "b'...'" reprs; other types are not text at all.
+            raise ConfigError(f"{file}: column {self.cfg.caption_column!r} has type {cap}; captions must be UTF-8 strings "
+                              f"(data.caption_column)")
+        enc = schema.field(self.cfg.encoding_column).type
+        if not pa.types.is_list(enc) and not pa.types.is_large_list(enc) and not pa.types.is_fixed_size_list(enc):
+            raise ConfigError(f"{file}: column {self.cfg.encoding_column!r} has type {enc}; expected a list of integer "
+                              f"codes per row (data.encoding_column)")
+        if not pa.types.is_integer(enc.value_type):
+            # Floats would be truncated silently, strings fail deep inside numpy.
+            raise ConfigError(f"{file}: column {self.cfg.encoding_column!r} holds {enc.value_type} codes; codes must be "
+                              f"integers in [0, {self.image_vocab})")
         return pf
+
+    def _record_batches(self, file: Path, pf: pq.ParquetFile) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """(first row, record batch) of the caption and code columns, row group by row group: a
+        corrupt group fails naming the file and its rows (the footer alone can look fine)."""
+        row = 0
+        for g in range(pf.num_row_groups):
+            start, n = row, pf.metadata.row_group(g).num_rows
+            batches = pf.iter_batches(batch_size=_READ_ROWS, row_groups=[g],
+                                      columns=[self.cfg.caption_column, self.cfg.encoding_column])
+            while True:
+                try:
+                    rb = next(batches)
+                except StopIteration:
+                    break
+                except (pa.ArrowException, OSError) as e:
+                    raise ConfigError(f"{file}: rows {start}..{start + n - 1} (row group {g}) cannot be read (corrupt file?): "
+                                      f"{_first_line(e)}") from e
+                yield row, rb
+                row += rb.num_rows
 
     def _first_length(self) -> int:
         pf = self._open(self.files[0])
-        for rb in pf.iter_batches(batch_size=1, columns=[self.cfg.encoding_column]):
-            return len(rb.column(0)[0].as_py())
+        for _, rb in self._record_batches(self.files[0], pf):
+            first = rb.column(1)[0]
+            if not first.is_valid:
+                raise ConfigError(f"{self.files[0]}: row 0: column {self.cfg.encoding_column!r} is null")
+            return len(first)
         raise ConfigError(f"{self.files[0]}: file has no rows")
 
+    def _check_captions(self, file: Path, first_row: int, col: pa.Array) -> list[str]:
+        """The captions of a record batch, null as blank; invalid UTF-8 named by row."""
+        try:
+            col.validate(full=True)  # parquet readers do not check that strings are UTF-8
+        except pa.ArrowInvalid:
+            for r, raw in enumerate(col.view(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()):
+                try:
+                    raw is None or raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"{file}: row {first_row + r}: column {self.cfg.caption_column!r} is not valid UTF-8 "
+                                      f"(byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+            raise
+        return ["" if c is None else c for c in col.to_pylist()]
+
     def _check_codes(self, file: Path, first_row: int, col: pa.Array) -> np.ndarray:
-        lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        enc = self.cfg.encoding_column
+        lengths = pc.list_value_length(col)
+        if lengths.null_count:
+            r = int(np.flatnonzero(pc.is_null(lengths).to_numpy(zero_copy_only=False))[0])
+            raise ConfigError(f"{file}: row {first_row + r}: column {enc!r} is null (no codes)")
+        lengths = lengths.to_numpy(zero_copy_only=False)
         bad = np.flatnonzero(lengths != self.image_len)
         if len(bad):
             r = int(bad[0])
             raise ConfigError(
-                f"{file}: row {first_row + r}: column {self.cfg.encoding_column!r} has {lengths[r]} codes, "
+                f"{file}: row {first_row + r}: column {enc!r} has {lengths[r]} codes, "
                 f"expected {self.image_len}"
             )
-        codes = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), self.image_len)
+        values = col.flatten()
+        if values.null_count:
+            i = int(np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))[0])
+            raise ConfigError(f"{file}: row {first_row + i // self.image_len}: column {enc!r} has a null code at "
+                              f"position {i % self.image_len}")
+        codes = values.to_numpy(zero_copy_only=False).reshape(len(col), self.image_len)
         out = (codes < 0) | (codes >= self.image_vocab)
         if out.any():
             r, c = map(int, np.argwhere(out)[0])
@@ -140,21 +203,42 @@ class ParquetDataset(Dataset):
     def _rows(self, files: list[Path], split: str, process_index: int = 0, process_count: int = 1):
         """(row index, caption, codes) of one pass over files, for `split` and this host."""
         for file in files:
-            pf = self._open(file)
-            row = 0
-            for rb in pf.iter_batches(batch_size=_READ_ROWS, columns=[self.cfg.caption_column, self.cfg.encoding_column]):
-                n = rb.num_rows
-                rows = np.arange(row, row + n)
+            for row, rb in self._record_batches(file, self._open(file)):
+                rows = np.arange(row, row + rb.num_rows)
                 codes = self._check_codes(file, row, rb.column(1))
-                caps = rb.column(0).to_pylist()
+                caps = self._check_captions(file, row, rb.column(0))
                 keep = rows % process_count == process_index
                 if self.valid_files is None:
                     held = _held_out(file, rows, self.cfg.valid_fraction)
                     keep &= held if split == "valid" else ~held
                 for i in np.flatnonzero(keep):
-                    cap = caps[i]
-                    yield int(rows[i]), "" if cap is None else str(cap), codes[i]
-                row += n
+                    yield int(rows[i]), caps[i], codes[i]
+
+    def _preflight(self) -> tuple[list[str], dict]:
+        """Read and check the first rows before anything is built: (their captions, a report of
+        the data). Row counts come from the file footers; the rest from the rows read."""
+        rows = sum(self._open(f).metadata.num_rows for f in self.files)
+        captions, lo, hi, used = [], None, None, np.zeros(self.image_vocab, bool)
+        for _, cap, codes in self._rows(self.files, "train"):
+            captions.append(cap)
+            lo = int(codes.min()) if lo is None else min(lo, int(codes.min()))
+            hi = int(codes.max()) if hi is None else max(hi, int(codes.max()))
+            used[codes] = True
+            if len(captions) >= _SCAN_ROWS:
+                break
+        if not captions:
+            raise ConfigError(f"data.path={self.cfg.path}: no training rows ({rows} rows in {len(self.files)} files, all held out "
+                              f"by data.valid_fraction={self.cfg.valid_fraction}?)")
+        blank = sum(not c.strip() for c in captions) / len(captions)
+        report = {"rows": rows, "scanned": len(captions), "blank_captions": blank, "code_min": lo, "code_max": hi,
+                  "codes_used": int(used.sum())}
+        log.info(f"data: {rows:,} rows in {len(self.files)} file(s); of the first {len(captions):,} training rows "
+                 f"{blank:.1%} have a blank caption; codes {lo}..{hi}, {report['codes_used']:,} of {self.image_vocab:,} used")
+        if blank == 1.0 and not self.cfg.allow_blank_captions:
+            raise ConfigError(f"data.path={self.cfg.path}: every caption of the first {len(captions):,} training rows is blank "
+                              f"(column {self.cfg.caption_column!r}); a model trained on it never sees text. Set "
+                              f"data.caption_column, or data.allow_blank_captions=true to train unconditionally")
+        return captions, report
 
     def _load_valid(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
         files = self.valid_files or self.files
@@ -224,6 +308,10 @@ class ParquetDataset(Dataset):
 
             return decode_codes(self.vqgan, codes)
         return None if self.codebook is None else self.codebook.decode(codes)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def write_parquet(path: str | Path, captions: list[str], codes: np.ndarray, caption_column="caption", encoding_column="encoding") -> None:
