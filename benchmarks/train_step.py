@@ -51,6 +51,7 @@ def main() -> None:
         cfg = to_run_config(compose([
             f"size={size}", f"trainer.steps={steps}", f"trainer.eval_every={10 * steps}",
             f"trainer.save_every={10 * steps}", "trainer.log_every=10", "trainer.progress=false",
+            "schedule.allow_long_warmup=true",  # a throughput run: the rate never matters
             "samples.per_caption=1", *args.overrides,
         ]))
         dataset = build_dataset(cfg.data, cfg.model)

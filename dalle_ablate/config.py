@@ -130,6 +130,7 @@ class ScheduleConfig:
     name: str = MISSING
     warmup_steps: int = 50
     lr_offset: int = 0  # hold the rate at 0 for the first N steps (resuming with a fresh optimizer)
+    allow_long_warmup: bool = False  # let warmup (with lr_offset) last as long as the run or longer
 
 
 @dataclass
@@ -376,6 +377,79 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+# Valid ranges of numeric fields, checked wherever the chosen option has the field (decay_rate is
+# Adafactor's and the exponential schedule's, ...); "@name": only for that option. "or null": the
+# field is optional.
+RANGES = {
+    "seed": "[0, inf)",
+    "trainer.eval_batches": "[1, inf) or null",
+    "trainer.keep_checkpoints": "[1, inf)",
+    "optim.weight_decay": "[0, inf)",
+    "optim.b1": "[0, 1)",
+    "optim.b2@adam": "[0, 1)",  # b2 = 1: the bias correction divides by 0
+    "optim.b2@shampoo": "[0, 1]",  # b2 = 1: Adagrad-style sums
+    "optim.eps": "[0, inf)",
+    "optim.eps_root": "[0, inf)",
+    "optim.block_size": "[1, inf)",
+    "optim.graft_b2": "[0, 1]",
+    "optim.graft_eps": "[0, inf)",
+    "optim.matrix_eps": "[0, inf)",
+    "optim.exponent_override": "[0, inf)",
+    "optim.preconditioning_every": "[1, inf)",
+    "optim.start_preconditioning_step": "[0, inf)",
+    "optim.inverse_failure_threshold": "(0, inf)",
+    "optim.skip_preconditioning_dim_size_gt": "[1, inf)",
+    "optim.decay_rate": "(0, 1]",
+    "optim.decay_offset": "[0, inf)",
+    "optim.clipping_threshold": "(0, inf) or null",
+    "optim.momentum": "[0, 1) or null",
+    "optim.min_dim_size_to_factor": "[1, inf)",
+    "schedule.lr_offset": "[0, inf)",
+    "schedule.end_factor": "[0, 1]",
+    "schedule.decay_steps": "[1, inf) or null",
+    "schedule.transition_steps": "[1, inf)",
+    "data.text_vocab_size": "[1, inf)",
+    "data.image_size": "[1, inf)",
+    "data.patch_size": "[1, inf)",
+    "data.codebook_size": "[2, inf)",
+    "data.num_train": "[1, inf)",
+    "data.num_valid": "[1, inf)",
+    "data.num_test": "[1, inf)",
+    "data.min_objects": "[1, 9]",  # the scene grid has 9 cells
+    "data.max_objects": "[1, 9]",
+    "data.kmeans_patches": "[1, inf)",
+    "data.kmeans_iters": "[1, inf)",
+    "data.valid_fraction": "[0, 1)",
+    "data.image_vocab": "[1, inf)",
+    "data.image_len": "[1, inf) or null",
+    "data.shuffle_buffer": "[1, inf)",
+    "data.valid_max_rows": "[1, inf)",
+    "samples.top_k": "[1, inf) or null",
+}
+
+
+def check_ranges(cfg, ranges: dict[str, str] = RANGES) -> None:
+    """Raise ConfigError for the first field of `ranges` outside its interval, naming both."""
+    for key, spec in ranges.items():
+        path, _, option = key.partition("@")
+        *parents, leaf = path.split(".")
+        section = cfg
+        for part in parents:
+            section = getattr(section, part)
+        node = getattr(section, leaf, _ABSENT)
+        if node is _ABSENT or (option and section.name != option):
+            continue  # not a field of the chosen option
+        interval, optional = spec.removesuffix(" or null"), spec.endswith(" or null")
+        if node is None and optional:
+            continue
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        ok = node is not None and (lo <= node if interval[0] == "[" else lo < node) and (node <= hi if interval[-1] == "]" else node < hi)
+        _check(ok, f"{path}={node} must be in {spec}")
+
+
+_ABSENT = object()
+
+
 def validate(cfg: RunConfig) -> None:
     # Imported here: the registries live with the concepts they name.
     from dalle_ablate.model import validate_model
@@ -383,6 +457,7 @@ def validate(cfg: RunConfig) -> None:
     from dalle_ablate.data import DATASETS
 
     validate_model(cfg.model)
+    check_ranges(cfg)
     OPTIMIZERS.get(cfg.optim.name)
     SCHEDULES.get(cfg.schedule.name)
     DATASETS.get(cfg.data.name)
@@ -396,7 +471,18 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]
     _check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
-    _check(cfg.schedule.warmup_steps >= 0, f"schedule.warmup_steps={cfg.schedule.warmup_steps} must be >= 0")
+    sc = cfg.schedule
+    _check(sc.warmup_steps >= 0, f"schedule.warmup_steps={sc.warmup_steps} must be >= 0")
+    _check(
+        sc.allow_long_warmup or sc.lr_offset + sc.warmup_steps < t.steps,
+        f"schedule.warmup_steps={sc.warmup_steps} (after schedule.lr_offset={sc.lr_offset}) is not shorter than "
+        f"trainer.steps={t.steps}: the learning rate would never reach optim.lr; shorten it, or set "
+        f"schedule.allow_long_warmup=true",
+    )
+    _check(
+        cfg.data.name != "shapes" or cfg.data.min_objects <= cfg.data.max_objects,
+        f"data.min_objects={getattr(cfg.data, 'min_objects', None)} exceeds data.max_objects={getattr(cfg.data, 'max_objects', None)}",
+    )
     _check(0.0 <= cfg.data.blank_caption_prob <= 1.0, f"data.blank_caption_prob={cfg.data.blank_caption_prob} must be in [0, 1]")
     _check(
         cfg.tracker.backend in ("wandb", "none"),

@@ -29,6 +29,7 @@ SMALL_DATA = [
 ]
 TINY_TRAIN = [
     "trainer.steps=6",
+    "schedule.warmup_steps=1",  # shorter than the run (a longer warmup is refused)
     "trainer.batch_size=8",
     "trainer.eval_every=3",
     "trainer.save_every=3",

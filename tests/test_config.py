@@ -79,3 +79,43 @@ def test_unknown_field_lists_valid_fields(tmp_path: Path):
 def test_bad_value_names_the_field(tmp_path: Path):
     line = _one_line_error(run_py("trainer.steps=many", cwd=tmp_path))
     assert line.startswith("error: bad value for 'trainer.steps'")
+
+
+# Values the issue (#14) found accepted silently, and one per kind of range.
+OUT_OF_RANGE = [
+    (["trainer.eval_batches=0"], "trainer.eval_batches=0 must be in [1, inf) or null"),
+    (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be in [1, inf)"),
+    (["seed=-1"], "seed=-1 must be in [0, inf)"),
+    (["schedule.warmup_steps=100000", "trainer.steps=10"],
+     "schedule.warmup_steps=100000 (after schedule.lr_offset=0) is not shorter than trainer.steps=10: the learning rate "
+     "would never reach optim.lr; shorten it, or set schedule.allow_long_warmup=true"),
+    (["schedule.warmup_steps=4", "schedule.lr_offset=2"], "schedule.warmup_steps=4 (after schedule.lr_offset=2) is not shorter"),
+    (["optim.b2=1.0"], "optim.b2=1.0 must be in [0, 1)"),  # Adam's b2 = 1 never forgets: inf / 0
+    (["optim=shampoo", "optim.b1=1.0"], "optim.b1=1.0 must be in [0, 1)"),
+    (["optim=adafactor", "optim.decay_rate=0"], "optim.decay_rate=0.0 must be in (0, 1]"),
+    (["optim=adafactor", "optim.momentum=1.5"], "optim.momentum=1.5 must be in [0, 1) or null"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be in [0, inf)"),
+    (["schedule=cosine", "schedule.end_factor=2"], "schedule.end_factor=2.0 must be in [0, 1]"),
+    (["data.num_train=0"], "data.num_train=0 must be in [1, inf)"),
+    (["data.max_objects=12"], "data.max_objects=12 must be in [1, 9]"),
+    (["data.min_objects=3", "data.max_objects=2"], "data.min_objects=3 exceeds data.max_objects=2"),
+    (["data=parquet", "data.path=x", "data.valid_fraction=1"], "data.valid_fraction=1.0 must be in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", OUT_OF_RANGE)
+def test_values_out_of_range_name_the_field_and_the_range(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        run_config(*overrides, **({"data": ()} if "data=parquet" in overrides else {}))
+    assert str(err.value).startswith(message)
+
+
+def test_a_long_warmup_runs_when_asked():
+    cfg = run_config("schedule.warmup_steps=100", "schedule.allow_long_warmup=true")
+    assert cfg.schedule.warmup_steps == 100 > cfg.trainer.steps
+    assert run_config("trainer.eval_batches=null").trainer.eval_batches is None
+
+
+def test_seed_out_of_range_is_one_line_and_exit_2(tmp_path: Path):
+    line = _one_line_error(run_py("seed=-1", cwd=tmp_path))
+    assert line == "error: seed=-1 must be in [0, inf)"
