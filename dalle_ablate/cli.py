@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, RunFailed
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -48,11 +48,15 @@ def format_error(ex: BaseException) -> Optional[str]:
 
 
 def run_hydra(main: Callable[[], object]) -> None:
-    """Call a `@hydra.main` function, turning user mistakes into one line and exit code 2."""
+    """Call a `@hydra.main` function: a user mistake is one line and exit code 2, a run that
+    diverged or failed for a known reason one line and its code (README "When things go wrong")."""
     # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
+    except RunFailed as ex:  # diverged, or failed for a known reason: the run store says so too
+        print(f"error: {ex}", file=sys.stderr)
+        sys.exit(ex.exit_code)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex) or (format_error(ex.__cause__) if ex.__cause__ else None)
         if msg is None:

@@ -213,6 +213,7 @@ class WandbConfig:
     project: str = "dalle-ablate"
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+    fallback: Optional[str] = None  # offline = log offline when online cannot connect or authenticate; null = fail
 
 
 @dataclass
@@ -491,6 +492,10 @@ def validate(cfg: RunConfig) -> None:
     _check(
         cfg.tracker.wandb.mode in ("offline", "online", "disabled"),
         f"tracker.wandb.mode={cfg.tracker.wandb.mode!r} is not valid; valid: disabled, offline, online",
+    )
+    _check(
+        cfg.tracker.wandb.fallback in (None, "offline"),
+        f"tracker.wandb.fallback={cfg.tracker.wandb.fallback!r} is not valid; valid: offline, null",
     )
     from dalle_ablate.evaluate import EVALUATORS, PROMPT_LISTS
     from dalle_ablate.generate import check_sampling

@@ -9,7 +9,26 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A user mistake in a config value, data file or flag. Its message is shown as one line."""
+    """A user mistake in a config value, data file or flag. Its message is shown as one line, and
+    the process exits with code 2."""
+
+
+class RunFailed(RuntimeError):
+    """A run that ended without finishing, for a known reason (diverged, a checkpoint that could
+    not be written, a tracker that cannot connect): one line on stderr and `exit_code`."""
+
+    DIVERGED = 3
+    FAILED = 4
+
+    def __init__(self, message: str, exit_code: int = FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: first line of the message`, for a one-line report of an exception."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 class Registry(Generic[T]):

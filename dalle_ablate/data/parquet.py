@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_share
 from dalle_ablate.data.image_tokenizer import PatchCodebook
 from dalle_ablate.data.text_tokenizer import TextTokenizer
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class ParquetDataset(Dataset):
         try:
             pf = pq.ParquetFile(file)
         except (pa.ArrowException, OSError) as e:
-            raise ConfigError(f"{file}: not a readable parquet file: {_first_line(e)}") from e
+            raise ConfigError(f"{file}: not a readable parquet file: {first_line(e)}") from e
         schema = pf.schema_arrow
         for col, field in ((self.cfg.caption_column, "caption_column"), (self.cfg.encoding_column, "encoding_column")):
             if col not in schema.names:
@@ -144,7 +144,7 @@ class ParquetDataset(Dataset):
                     break
                 except (pa.ArrowException, OSError) as e:
                     raise ConfigError(f"{file}: rows {start}..{start + n - 1} (row group {g}) cannot be read (corrupt file?): "
-                                      f"{_first_line(e)}") from e
+                                      f"{first_line(e)}") from e
                 yield row, rb
                 row += rb.num_rows
 
@@ -308,10 +308,6 @@ class ParquetDataset(Dataset):
 
             return decode_codes(self.vqgan, codes)
         return None if self.codebook is None else self.codebook.decode(codes)
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def write_parquet(path: str | Path, captions: list[str], codes: np.ndarray, caption_column="caption", encoding_column="encoding") -> None:

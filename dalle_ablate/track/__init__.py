@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 
+from dalle_ablate.registry import first_line
 from dalle_ablate.track.base import CompositeTracker, NullTracker, Tracker
 from dalle_ablate.track.runstore import RunStore
 
@@ -31,9 +32,12 @@ def build_tracker(
     if tracker_cfg.backend == "wandb" and tracker_cfg.wandb.mode != "disabled":
         from dalle_ablate.track.wandb_tracker import WandbTracker
 
-        trackers.append(
-            WandbTracker(tracker_cfg.wandb, store, config, meta, name=name, group=group, job_type=job_type)
-        )
+        try:
+            trackers.append(WandbTracker(tracker_cfg.wandb, store, config, meta, name=name, group=group, job_type=job_type))
+        except BaseException as e:  # the run store still says how the run ended
+            store.log_summary({"reason": first_line(e)})
+            store.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+            raise
     return CompositeTracker(trackers)
 
 

@@ -39,6 +39,12 @@ class RunStore(Tracker):
         self.media.mkdir(parents=True, exist_ok=True)
         atomic_write(self.root / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         self.meta = dict(meta)
+        old_meta = self.root / "meta.json"
+        if resume_step is not None and old_meta.exists():
+            # The W&B run this store logs to outlives the process: a resume continues it.
+            for key in ("wandb_id", "wandb_dir"):
+                if key in (old := json.loads(old_meta.read_text())):
+                    self.meta.setdefault(key, old[key])
         self.write_meta()
         metrics = self.root / "metrics.jsonl"
         if resume_step is not None and metrics.exists():

@@ -1,25 +1,66 @@
 """Weights & Biases backend. Offline by default (never touches the network); online when
-`tracker.wandb.mode=online` and logged in. Conventions (docs/architecture.md): group = the sweep or multirun
+`tracker.wandb.mode=online` and logged in, checked within 25 s before the run starts (or offline
+instead with `tracker.wandb.fallback=offline`). A resumed run continues the same W&B run. Conventions (docs/architecture.md): group = the sweep or multirun
 folder, job_type = the model layout, name = the overrides; finish() on every exit path."""
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+from urllib.parse import urlparse
 
 import numpy as np
 import wandb
 
+from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import Tracker
 from dalle_ablate.track.runstore import RunStore
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 10  # seconds for the server to accept a connection
+VERIFY_TIMEOUT = 15  # seconds for it to answer who the API key belongs to
+
+
+def online_problem() -> str | None:
+    """Why an online run could not start, found within CONNECT_TIMEOUT + VERIFY_TIMEOUT seconds
+    (wandb.init alone retries for minutes): no API key, no route to the server, a refused key."""
+    try:
+        wandb.login(verify=False)  # reads WANDB_API_KEY or ~/.netrc; never prompts without a tty
+    except wandb.errors.UsageError:
+        return "no W&B API key (run `wandb login` or set WANDB_API_KEY)"
+    url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=CONNECT_TIMEOUT).close()
+    except OSError as e:
+        return f"cannot reach {url} ({e.strerror or e})"
+    try:
+        wandb.Api(timeout=VERIFY_TIMEOUT).viewer  # noqa: B018 - the request is the check
+    except wandb.errors.CommError as e:
+        return f"{url} did not accept the API key ({str(e).strip().splitlines()[0]})"
+    return None
 
 
 class WandbTracker(Tracker):
     def __init__(self, cfg, store: RunStore, config: dict, meta: dict, *, name, group, job_type):
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
+        mode = cfg.mode
+        if mode == "online":
+            problem = online_problem()
+            if problem and cfg.fallback != "offline":
+                raise RunFailed(f"tracker.wandb.mode=online: {problem}; run offline with tracker.wandb.mode=offline "
+                                f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline")
+            if problem:
+                log.warning(f"W&B online: {problem}; logging offline instead (tracker.wandb.fallback=offline)")
+                mode = "offline"
+                store.meta["wandb_fallback"] = problem
         self.run = wandb.init(
             project=cfg.project,
             entity=cfg.entity,
-            mode=cfg.mode,
+            mode=mode,
             name=name,
             group=group,
             job_type=job_type,
@@ -29,19 +70,31 @@ class WandbTracker(Tracker):
             id=run_id,
             resume="allow" if run_id else None,
             reinit="finish_previous",  # a multirun's jobs never share a run
+            settings=wandb.Settings(init_timeout=30),
         )
+        # A resumed W&B run starts at the step after the last one its server holds (0 offline,
+        # where `wandb sync` drops repeats); steps below it were sent before the interruption,
+        # and the resumed run recomputes them exactly, so they are not sent twice.
+        self.first_new_step = self.run.step if run_id else 0
         store.meta["wandb_id"] = self.run.id
         store.meta["wandb_dir"] = self.run.dir
         store.write_meta()
         self._done = False
 
+    def _logged(self, step) -> bool:
+        return step < self.first_new_step
+
     def log(self, metrics, step):
-        self.run.log(dict(metrics), step=int(step))
+        if not self._logged(step):
+            self.run.log(dict(metrics), step=int(step))
 
     def log_image(self, key, image, step, caption=""):
-        self.run.log({key: wandb.Image(np.asarray(image, np.uint8), caption=caption)}, step=int(step))
+        if not self._logged(step):
+            self.run.log({key: wandb.Image(np.asarray(image, np.uint8), caption=caption)}, step=int(step))
 
     def log_table(self, key, columns, rows, step, line=None):
+        if self._logged(step):
+            return
         cell = lambda v: wandb.Image(np.asarray(v, np.uint8)) if isinstance(v, np.ndarray) and v.ndim == 3 else v  # noqa: E731
         table = wandb.Table(columns=list(columns), data=[[cell(v) for v in r] for r in rows])
         logged = {key: table}

@@ -7,32 +7,112 @@ functions of (seed, step), so the step is all a resume needs besides the state i
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 import jax
 import orbax.checkpoint as ocp
 
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, RunFailed, first_line
 
 
 class Checkpointer:
+    """Asynchronous saves that fail loudly: a save that could not be written (disk full, no
+    permission) stops the run at the next step with one line naming the folder and the OS error;
+    the checkpoints written before it stay, so `resume=auto` continues from the last of them."""
+
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
+        try:  # find an unwritable folder now, not at the first save
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.directory).close()
+        except OSError as e:
+            raise RunFailed(f"checkpoints cannot be written to {self.directory}: {e.strerror or e}") from e
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            # cleanup_tmp_directories: a save that failed or was killed leaves `<step>.orbax-checkpoint-tmp`;
+            # the resumed run removes it and writes that step again.
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True),
         )
+        self.saving: Optional[int] = None  # step of the save that may still be in flight
+        _quiet_abandoned_writes()
 
     def save(self, step: int, state) -> None:
-        self.manager.save(step, args=ocp.args.StandardSave(state))
+        try:
+            # orbax waits for the previous save before starting one: wait here, so that its
+            # failure is reported as its own.
+            self.manager.wait_until_finished()
+            self.check()
+            self.saving = step
+            self.manager.save(step, args=ocp.args.StandardSave(state))
+        except RunFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax wraps the OS error in several types
+            raise self._failed(e) from e
+
+    def check(self) -> None:
+        """Raise RunFailed if a save in the background has failed (cheap: no waiting)."""
+        if self.saving is None:
+            return
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(e) from e
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.manager.wait_until_finished()
+            self.check()
+        except RunFailed:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(e) from e
+        finally:
+            self.manager.close()
+
+    def _failed(self, e: BaseException) -> RunFailed:
+        code = _os_error_code(e)
+        cause = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}" if code else first_line(e)
+        done = [s for s in self.manager.all_steps() if s != self.saving]
+        kept = f"checkpoints {done} are intact, resume=auto continues from step {max(done)}" if done else "no earlier checkpoint"
+        return RunFailed(f"checkpoint of step {self.saving} could not be written to {self.directory} ({cause}); {kept}")
+
+
+def _quiet_abandoned_writes() -> None:
+    """After one write of a save fails, orbax closes that save's event loop; tensorstore then
+    completes the save's other writes into the closed loop, and each completion prints a
+    "RuntimeError: Event loop is closed" traceback (about a hundred for a small model) through
+    sys.unraisablehook. They say nothing the one-line failure does not: drop just those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_callbacks", False):
+        return
+
+    def hook(args):
+        if not (args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"):
+            previous(args)
+
+    hook.drops_closed_loop_callbacks = True
+    sys.unraisablehook = hook
+
+
+def _os_error_code(e: BaseException) -> Optional[int]:
+    """The errno behind an exception from orbax or tensorstore, which report it in the text."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        found = re.search(r"os_error_code='(\d+)'|\[Errno (\d+)\]", str(e))
+        if found:
+            return int(found.group(1) or found.group(2))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:

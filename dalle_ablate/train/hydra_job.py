@@ -10,6 +10,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dalle_ablate.config import to_run_config
+from dalle_ablate.registry import RunFailed
 from dalle_ablate.train.loop import JobInfo, train
 
 
@@ -28,12 +29,16 @@ def job_info(cfg: DictConfig) -> JobInfo:
 
 
 def run(cfg: DictConfig) -> float | list[float]:
-    # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found, and orbax's per-save
-    # chatter (through absl), would bury the progress bar.
-    for name in ("jax._src.xla_bridge", "absl"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found would bury the progress
+    # bar. orbax logs through absl: its per-save chatter, and a failed save once per thread with a
+    # traceback, which the Checkpointer reports in one line instead (train/checkpoint.py).
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     run_cfg = to_run_config(cfg)
-    result = train(run_cfg, job_info(cfg))
-    # A diverged run has no meaningful values: a sweep must see it as failed (NaN).
-    values = [float(result.summary[k]) if result.status == "finished" else float("nan") for k in run_cfg.objectives]
+    job = job_info(cfg)
+    result = train(run_cfg, job)
+    if result.status == "diverged":
+        # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
+        raise RunFailed(f"{job.name}: {result.reason} (run store {result.run_dir})", RunFailed.DIVERGED)
+    values = [float(result.summary[k]) for k in run_cfg.objectives]
     return values[0] if len(values) == 1 else values

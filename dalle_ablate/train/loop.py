@@ -24,7 +24,9 @@ from dalle_ablate.model import abstract_model, build_model, param_count, resolve
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.optim import build_optimizer
 from dalle_ablate.parallel import Placement, build_mesh, check_batch, distributed, init_state, make_placement, pad_vocab_for_mesh
+from dalle_ablate.registry import first_line
 from dalle_ablate.track import build_tracker
+from dalle_ablate.track.runstore import read_metrics
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
 from dalle_ablate.train.perf import device_peak_flops
@@ -52,6 +54,7 @@ class Result:
     run_dir: Path
     status: str
     summary: dict = field(default_factory=dict)
+    reason: str = ""  # why a run that did not finish stopped, in one line
 
 
 def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement) -> float:
@@ -106,8 +109,6 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         source = checkpoint.find_checkpoints(cfg.resume)
     if source is not None:
         start_step, state = checkpoint.restore(*source, target=state)
-    # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
-    ckpt = checkpoint.Checkpointer(ckpt_dir, t.keep_checkpoints)
 
     flops_per_step = train_flops_per_example(model_cfg) * t.batch_size
     peak, peak_source = device_peak_flops()  # of one device
@@ -129,8 +130,10 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         resume_step=start_step if source is not None else None,
         is_main_process=pi == 0,
     )
-    status = "failed"
+    status, reason = "failed", ""
     try:
+        # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
+        ckpt = checkpoint.Checkpointer(ckpt_dir, t.keep_checkpoints)
         train_step = make_train_step(graphdef, optimizer, schedule, t.grad_accum, cfg.seed, placement)
         # Evaluation in float32 whatever the training compute dtype: the same parameters merged
         # into the float32 variant of the model (the dtype lives in the graph, not the weights).
@@ -141,6 +144,16 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, *placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         first_loss = last_loss = eval_loss = math.nan
+        if source is not None and cfg.resume == "auto" and pi == 0:
+            # Continuing this run store: the summary starts from what was logged before the
+            # interruption (its first loss; its last ones if no step is left to run).
+            rows = read_metrics(run_dir)
+            train_losses = [float(r["train/loss"]) for r in rows if "train/loss" in r]
+            eval_losses = [float(r["eval/valid/loss"]) for r in rows if "eval/valid/loss" in r]
+            if train_losses:
+                first_loss, last_loss = train_losses[0], train_losses[-1]
+            eval_loss = eval_losses[-1] if eval_losses else math.nan
+        last_finite = None  # (step, loss): what a diverged run reports
         pruning = None
         if cfg.optuna.trial is not None and jax.process_count() == 1:  # launched by the Optuna sweeper
             from dalle_ablate.sweep.trial import pruning_for
@@ -177,12 +190,19 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
 
         def record() -> bool:
             """Log the step in flight; False once the loss is no longer finite."""
-            nonlocal first_loss, last_loss
+            nonlocal first_loss, last_loss, last_finite, reason
+            step = pending[0]
             last_loss = flush()
             first_loss = last_loss if math.isnan(first_loss) else first_loss
-            return math.isfinite(last_loss)
+            if math.isfinite(last_loss):
+                last_finite = (step, last_loss)
+                return True
+            reason = f"diverged at step {step}: train/loss={last_loss}; " + (
+                f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "no finite loss before it")
+            return False
 
         for step in range(start_step + 1, t.steps + 1):
+            ckpt.check()  # a checkpoint that failed in the background stops the run here
             state, metrics = train_step(state, placement.global_batch(next(batches), t.batch_size))
             if pending is not None and not record():
                 status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
@@ -227,17 +247,22 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             "steps": final_step,
             "wall_time": time.perf_counter() - t_start,
         }
+        if reason:
+            summary["reason"] = reason
         tracker.log_summary(summary)
         ckpt.close()
         tracker.finish(status)
     except KeyboardInterrupt:
         tracker.finish("interrupted")
         raise
-    except BaseException:
+    except BaseException as e:
+        tracker.log_summary({"reason": first_line(e)})
         tracker.finish("failed")
         raise
     if status == "pruned":
         import optuna
 
         raise optuna.TrialPruned(f"pruned at step {final_step} of {t.steps} (eval loss {eval_loss:.4f})")
-    return Result(eval_loss=eval_loss, train_loss=last_loss, steps=final_step, run_dir=run_dir, status=status, summary=summary)
+    return Result(eval_loss=eval_loss, train_loss=last_loss, steps=final_step, run_dir=run_dir, status=status, summary=summary,
+                  reason=reason)
+

@@ -1,0 +1,39 @@
+"""`python run.py ...` that kills itself with SIGKILL at a chosen point, so a test can cut a run
+off exactly there: `KILL_AT=step:N` before train step N (the checkpoint before it written), or
+`KILL_AT=save:N` right after the save of step N was handed to orbax (the write in flight)."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+from dalle_ablate.train import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+where, at = os.environ["KILL_AT"].split(":")
+at = int(at)
+save, check = checkpoint.Checkpointer.save, checkpoint.Checkpointer.check
+steps = {"n": 0}
+
+
+def killing_save(self, step, state):
+    save(self, step, state)
+    if where == "save" and step == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "step":
+        self.manager.wait_until_finished()  # the checkpoints before the kill are complete
+
+
+def killing_check(self):
+    steps["n"] += 1  # the loop checks once before every train step
+    if where == "step" and steps["n"] == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    check(self)
+
+
+checkpoint.Checkpointer.save, checkpoint.Checkpointer.check = killing_save, killing_check
+sys.argv = [str(ROOT / "run.py"), *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")

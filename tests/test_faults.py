@@ -1,0 +1,213 @@
+"""Fault injection: a full disk, a read-only checkpoint folder, kill -9 mid-run and mid-checkpoint,
+a diverged run, W&B online without a network. Each ends in one `error:` line and its exit code
+(README "When things go wrong"), the run store says how the run ended, and nothing written
+before the fault is lost: `resume=auto` continues and reproduces the uninterrupted run."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_config, run_py
+from dalle_ablate.registry import RunFailed
+from dalle_ablate.track.runstore import read_metrics
+from wandb_records import history, run_info
+
+# 6 steps, a checkpoint every 3 (~0.8 MB each); a constant rate, so that a run made longer (to be
+# killed at leisure) takes the same first steps as the 6-step reference.
+TINY = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant"]
+
+
+def job_dir(tmp_path: Path) -> Path:
+    return tmp_path / "outputs" / "run"
+
+
+def error_line(proc) -> str:
+    """The one `error:` line of a failed run; no traceback."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run) if "train/loss" in r}
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run every resumed one is compared with, step by step."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run_py(*TINY, "tracker=none", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return job_dir(tmp) / "run"
+
+
+@contextlib.contextmanager
+def filesystem(path: Path, size: str, readonly: bool = False):
+    """A small tmpfs at path (root only); yields False where mounting is not possible."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        yield False
+        return
+    opts = f"size={size}" + (",ro" if readonly else "")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True).returncode:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues(tmp_path, reference, monkeypatch):
+    ckpt = job_dir(tmp_path) / "run" / "checkpoints"
+    expected = (f"checkpoint of step 6 could not be written to {ckpt} (ENOSPC: No space left on device); "
+                f"checkpoints [3] are intact, resume=auto continues from step 3")
+    with filesystem(ckpt, "1200k") as mounted:  # room for one checkpoint, not two
+        if mounted:
+            proc = run_py(*TINY, "tracker=none", cwd=tmp_path)
+            assert proc.returncode == RunFailed.FAILED
+            assert error_line(proc) == f"error: {expected}"
+        else:  # not root: the checkpoint writer raises what a full disk raises
+            import orbax.checkpoint as ocp
+
+            from dalle_ablate.train.loop import JobInfo, train
+
+            real = ocp.CheckpointManager.save
+
+            def save(self, step, *a, **kw):
+                if step == 6:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return real(self, step, *a, **kw)
+
+            monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+            with pytest.raises(RunFailed) as err:
+                train(run_config(*TINY[len(SMALL_DATA):], "tracker=none"), JobInfo(job_dir(tmp_path)))
+            assert str(err.value) == expected
+            monkeypatch.undo()
+        run = job_dir(tmp_path) / "run"
+        assert summary(run)["status"] == "failed" and summary(run)["reason"] == f"RunFailed: {expected}"
+        kept = losses(run)
+        assert kept == {s: v for s, v in losses(reference).items() if s <= max(kept)}  # metrics intact
+    # The disk has room again (the tmpfs is gone): the run continues from step 3.
+    proc = run_py(*TINY, "tracker=none", "resume=auto", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(run) == losses(reference)
+    assert summary(run)["status"] == "finished" and summary(run)["train/first_loss"] == summary(reference)["train/first_loss"]
+
+
+def test_a_read_only_checkpoint_folder_fails_before_the_first_step(tmp_path):
+    ckpt = job_dir(tmp_path) / "run" / "checkpoints"
+    with filesystem(ckpt, "1m", readonly=True) as mounted:
+        if not mounted:
+            ckpt.chmod(0o555)
+        t0 = time.perf_counter()
+        proc = run_py(*TINY, "tracker=none", cwd=tmp_path)
+        elapsed = time.perf_counter() - t0
+        assert proc.returncode == RunFailed.FAILED
+        why = "Read-only file system" if mounted else "Permission denied"
+        assert error_line(proc) == f"error: checkpoints cannot be written to {ckpt}: {why}"
+        run = job_dir(tmp_path) / "run"
+        assert summary(run)["status"] == "failed" and not losses(run)  # stopped before any step
+        assert elapsed < 120  # never the 5-minute stall of orbax waiting on a folder it cannot write
+
+
+def killed(tmp_path: Path, at: str, *overrides: str) -> int:
+    """Run the tiny job until it kills itself at `at` (tests/kill_worker.py); its exit code."""
+    cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
+    env = {**os.environ, "KILL_AT": at, "PYTHONPATH": str(ROOT / "tests")}
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode
+
+
+def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference):
+    """Killed before step 5 (checkpoint 3 written), resumed and killed again while checkpoint 6
+    is being written, resumed to the end: the same losses as the uninterrupted run, each step
+    once in the run store, one W&B run with every step logged once."""
+    wandb_dir = Path(os.environ["WANDB_DIR"])
+    before = set(wandb_dir.glob("wandb/offline-run-*"))
+    run = job_dir(tmp_path) / "run"
+    assert killed(tmp_path, "step:5") == -signal.SIGKILL
+    first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
+    assert (run / "checkpoints" / "3").is_dir() and max(losses(run)) < 5
+    assert killed(tmp_path, "save:6", "resume=auto") == -signal.SIGKILL
+    assert max(losses(run)) == 6
+    proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
+    for key in ("train/first_loss", "train/loss", "eval/valid/loss"):
+        assert summary(run)[key] == pytest.approx(summary(reference)[key], rel=1e-6), key
+    assert json.loads((run / "meta.json").read_text())["wandb_id"] == first_id
+    # W&B: all three processes logged to the same run (offline folders end in the run id; what a
+    # killed process had not flushed, W&B lost). The last one sent each step after its restore
+    # point once.
+    runs = sorted(set(wandb_dir.glob("wandb/offline-run-*")) - before)
+    assert len(runs) == 3 and {d.name.rsplit("-", 1)[1] for d in runs} == {first_id}
+    last = next(runs[-1].glob("run-*.wandb"))
+    assert run_info(last)["id"] == first_id
+    start = json.loads((run / "meta.json").read_text())["resumed_from_step"]
+    assert [row["_step"] for row in history(last) if "train/loss" in row] == list(range(start + 1, 7))
+
+
+def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
+    proc = run_py(*TINY, "tracker=none", "optim.lr=1e9", "optim.clip_grad_norm=null", "schedule.warmup_steps=0", "trainer.steps=20", cwd=tmp_path)
+    assert proc.returncode == RunFailed.DIVERGED
+    line = error_line(proc)
+    run = job_dir(tmp_path) / "run"
+    rows = [r for r in read_metrics(run) if "train/loss" in r]
+    bad = rows[-1]
+    finite = [r for r in rows if isinstance(r["train/loss"], float)]
+    assert bad["train/loss"] in ("nan", "inf", "-inf")
+    reason = f"diverged at step {bad['step']}: train/loss={bad['train/loss']}; " + (
+        f"last finite loss {finite[-1]['train/loss']:.4f} at step {finite[-1]['step']}" if finite else "no finite loss before it")
+    assert line.startswith("error: ") and f": {reason} (run store {run})" in line
+    assert summary(run)["status"] == "diverged" and summary(run)["reason"] == reason
+
+
+def _online(tmp_path, env_extra: dict, *overrides):
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    env.update({"HOME": str(tmp_path / "home"), **env_extra})  # no ~/.netrc with a key
+    cmd = [sys.executable, str(ROOT / "run.py"), *TINY, "tracker.wandb.mode=online", *overrides,
+           f"hydra.run.dir={job_dir(tmp_path)}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return proc, time.perf_counter() - t0
+
+
+# A closed port on loopback: nothing leaves the machine.
+OFFLINE_SERVER = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "0" * 40}
+
+
+@pytest.mark.parametrize("case,env,why", [
+    ("no key", {}, "no W&B API key (run `wandb login` or set WANDB_API_KEY)"),
+    ("no network", OFFLINE_SERVER, "cannot reach http://127.0.0.1:9 (Connection refused)"),
+])
+def test_wandb_online_that_cannot_connect_fails_fast_in_one_line(tmp_path, case, env, why):
+    proc, elapsed = _online(tmp_path, env)
+    assert proc.returncode == RunFailed.FAILED
+    assert error_line(proc) == (f"error: tracker.wandb.mode=online: {why}; run offline with tracker.wandb.mode=offline "
+                                f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline")
+    assert elapsed < 60  # the check itself takes at most 25 s; the rest is starting Python and JAX
+    assert summary(job_dir(tmp_path) / "run")["status"] == "failed"
+
+
+def test_wandb_online_falls_back_to_offline_when_asked(tmp_path):
+    proc, _ = _online(tmp_path, OFFLINE_SERVER, "tracker.wandb.fallback=offline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = job_dir(tmp_path) / "run"
+    assert summary(run)["status"] == "finished"
+    assert json.loads((run / "meta.json").read_text())["wandb_fallback"] == "cannot reach http://127.0.0.1:9 (Connection refused)"
