@@ -211,3 +211,29 @@ def test_wandb_online_falls_back_to_offline_when_asked(tmp_path):
     run = job_dir(tmp_path) / "run"
     assert summary(run)["status"] == "finished"
     assert json.loads((run / "meta.json").read_text())["wandb_fallback"] == "cannot reach http://127.0.0.1:9 (Connection refused)"
+
+
+def test_a_sweep_killed_mid_trial_retries_it_from_its_checkpoint(tmp_path, reference):
+    """The sweep process dies with its trial at step 5; the next start finds the trial by its
+    heartbeat, marks it and its run store failed, and (retry_failed=1) runs the same parameters
+    again from the dead trial's checkpoint of step 3: the same losses as the uninterrupted run."""
+    args = ["-m", *TINY, "tracker=none", "hydra/sweeper=optuna", "seed=choice(0)", "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2", "hydra.sweeper.retry_failed=1",
+            f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args]
+    env = {**os.environ, "KILL_AT": "step:5", "PYTHONPATH": str(ROOT / "tests")}
+    assert subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode == -signal.SIGKILL
+    dead = tmp_path / "multirun" / "0" / "run"
+    assert summary(dead)["status"] == "running"  # what a kill leaves
+    time.sleep(2.5)  # past the grace period
+    proc = run_py(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import optuna
+
+    study = optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
+    assert [t.state.name for t in study.trials] == ["FAIL", "COMPLETE"]
+    assert summary(dead)["status"] == "failed" and summary(dead)["reason"].startswith("killed: its process died")
+    retry = tmp_path / "multirun" / "1" / "run"
+    assert json.loads((retry / "meta.json").read_text())["resumed_from_step"] == 3
+    assert losses(retry) == pytest.approx({s: v for s, v in losses(reference).items() if s > 3}, rel=1e-6)
+    assert study.trials[1].value == pytest.approx(summary(reference)["eval/valid/loss"], rel=1e-6)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -106,6 +108,7 @@ def test_a_resumed_study_counts_its_total_and_does_not_repeat_trials(tmp_path):
     after = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.number for t in after] == [0, 1, 2] and all(t.state == S.COMPLETE for t in after)
     assert [t.params for t in after[:2]] == [t.params for t in first]  # finished trials are kept, not rerun
+    assert after[2].params not in [t.params for t in first]  # the same seed, yet a new point in the resumed sweep
     for t in after:  # each value is the job's function of its parameters
         assert t.value == pytest.approx((t.params["x"] - 0.3) ** 2 + (0.5 if t.params["y"] == "b" else 0.0) + 0.01)
     results = (tmp_path / "sweep" / "optimization_results.yaml").read_text()
@@ -148,9 +151,9 @@ def test_parallel_jobs_through_joblib_and_several_objectives(tmp_path):
     assert "pareto_front:" in (tmp_path / "sweep" / "optimization_results.yaml").read_text()
 
 
-def two_processes(tmp_path: Path, url: str, name: str, n: int) -> list[optuna.trial.FrozenTrial]:
+def two_processes(tmp_path: Path, url: str, name: str, n: int, *args: str) -> list[optuna.trial.FrozenTrial]:
     procs = [sweep(tmp_path, "x=interval(0, 1)", "sleep=0.3", f"hydra.sweeper.n_trials={n}", f"hydra.sweeper.storage='{url}'",
-                   f"hydra.sweeper.study_name={name}", sweep_dir=tmp_path / f"p{i}", wait=False) for i in range(2)]
+                   f"hydra.sweeper.study_name={name}", *args, sweep_dir=tmp_path / f"p{i}", wait=False) for i in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -158,10 +161,39 @@ def two_processes(tmp_path: Path, url: str, name: str, n: int) -> list[optuna.tr
 
 
 def test_two_processes_on_one_sqlite_study_run_exactly_n_trials(tmp_path):
-    got = two_processes(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", "shared", 6)
+    # Both seeded alike: each process draws from its own seed (study.sampler_seed), 6 points, not 3 twice.
+    got = two_processes(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", "shared", 6, "hydra.sweeper.sampler.name=random",
+                        "hydra.sweeper.sampler.seed=0")
     assert sorted(t.number for t in got) == list(range(6)) and all(t.state == S.COMPLETE for t in got)
+    assert len({t.params["x"] for t in got}) == 6
     ran = sorted(p.name for d in ("p0", "p1") for p in (tmp_path / d).iterdir() if p.is_dir())
     assert ran == [str(i) for i in range(6)]  # each trial ran once, in one of the two processes
+
+
+def test_a_trial_whose_sweep_was_killed_is_failed_on_the_next_start_and_not_counted(tmp_path):
+    url = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
+    beat = ["hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2"]
+    proc = subprocess.Popen([sys.executable, str(APP), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "x=interval(0, 1)",
+                             "sleep=120", "hydra.sweeper.n_trials=2", *beat], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (tmp_path / "sweep" / "0").is_dir():  # trial 0's job has started
+            time.sleep(0.1)
+        time.sleep(1.5)  # its heartbeat is recorded
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    (t,) = trials(url)
+    assert t.state == S.RUNNING  # what a killed sweep leaves behind
+    time.sleep(2.5)  # past the grace period
+    proc = sweep(tmp_path, "x=interval(0, 1)", "hydra.sweeper.n_trials=2", *beat)
+    got = trials(url)
+    assert [t.state for t in got] == [S.FAIL, S.COMPLETE, S.COMPLETE]  # the dead one is not one of the 2
+    why = "its process died: no heartbeat for over 2 s (hydra.sweeper.grace_period), found by a later sweep start"
+    assert optuna.load_study(study_name="dalle-ablate", storage=url).user_attrs["dalle_ablate.died"] == {"0": why}
+    assert "died:\n  0: 'its process died" in (tmp_path / "sweep" / "optimization_results.yaml").read_text()
+    assert "trial 0 FAIL: its process died" in proc.stdout + proc.stderr
 
 
 def test_two_processes_on_one_postgresql_study_run_exactly_n_trials(tmp_path):

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
+import numpy as np
 import optuna
 
 from dalle_ablate.registry import ConfigError, Registry
@@ -40,6 +42,15 @@ PRUNERS.register("successive_halving", lambda kw: optuna.pruners.SuccessiveHalvi
 PRUNERS.register("threshold", lambda kw: optuna.pruners.ThresholdPruner(**kw))
 
 PRUNER_ATTR = "dalle_ablate.pruner"  # the study's pruner spec, so that jobs rebuild the same pruner
+STARTS_ATTR = "dalle_ablate.sampler_starts"  # sweep processes started on the study so far
+
+
+def sampler_seed(seed: Optional[int], start: int) -> Optional[int]:
+    """The seed of the start-th sweep process on a study: a seeded sampler in a resumed or a
+    second process would otherwise draw the very points the first one drew."""
+    if seed is None or start == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, start]).generate_state(1)[0])
 
 
 def make_sampler(name: str, seed: Optional[int], space, kwargs: dict) -> optuna.samplers.BaseSampler:
@@ -64,11 +75,37 @@ def default_storage(sweep_dir: str | Path) -> str:
     return f"sqlite:///{path}"
 
 
-def storage(url: str) -> optuna.storages.RDBStorage:
+def storage(url: str, heartbeat_interval: Optional[int] = None, grace_period: Optional[int] = None,
+            on_stale: Optional[Callable] = None) -> optuna.storages.RDBStorage:
+    """The study's storage; with heartbeats, a RUNNING trial whose heartbeat is older than the
+    grace period is one whose process died (optuna.storages.fail_stale_trials)."""
     try:
-        return optuna.storages.RDBStorage(url)
+        return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                                          heartbeat_stale_trial_callback=on_stale)
     except Exception as e:  # noqa: BLE001 - SQLAlchemy's errors name the driver or the server
         raise ConfigError(f"hydra.sweeper.storage={url!r} cannot be opened: {str(e).splitlines()[0]}") from e
+
+
+@contextlib.contextmanager
+def heartbeats(store: optuna.storages.RDBStorage, trial_ids: list[int], interval: int) -> Iterator[None]:
+    """Record the trials' heartbeats every `interval` seconds while their jobs run (what
+    study.optimize does for its own trials; ask-and-tell leaves it to the caller)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            for trial_id in trial_ids:
+                store.record_heartbeat(trial_id)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name="optuna-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextlib.contextmanager

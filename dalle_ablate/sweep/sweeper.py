@@ -3,12 +3,15 @@ ask-and-tell interface: the search space comes from the overrides (space.py), tr
 Hydra jobs through whatever launcher is configured (basic, joblib), and their returns are told
 back. Unlike the official plugin (optuna < 3): trials are counted across resumes and across
 processes sharing the study, a job that raises or returns NaN is a FAILED trial and the sweep
-goes on, and jobs can be pruned (trial.py)."""
+goes on, jobs can be pruned (trial.py), a trial whose process died is found by its heartbeat and
+replaced (or retried from its checkpoint), and a seeded sampler draws new points in every
+process that joins the study."""
 
 from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -21,9 +24,20 @@ from omegaconf import DictConfig, OmegaConf
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import space as spaces
-from dalle_ablate.sweep.study import PRUNER_ATTR, default_storage, make_pruner, make_sampler, storage, trial_lock
+from dalle_ablate.sweep.study import (PRUNER_ATTR, STARTS_ATTR, default_storage, heartbeats, make_pruner, make_sampler,
+                                      sampler_seed, storage, trial_lock)
+from dalle_ablate.sweep.trial import RUN_DIR_ATTR
+from dalle_ablate.track.runstore import mark_failed
+from dalle_ablate.train.checkpoint import find_checkpoints
 
 log = logging.getLogger(__name__)
+# Heartbeats (RDBStorage's heartbeat_interval, fail_stale_trials) have carried optuna's
+# "experimental" label since v2.9; the warning would print at every sweep start.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+# The study's record of FAILED trials whose process died, {number: why} (a finished trial takes no
+# more attributes): they do not count toward n_trials.
+STALE_ATTR = "dalle_ablate.died"
 
 
 @dataclass
@@ -50,6 +64,11 @@ class OptunaSweeperConf:
     sampler: SamplerConf = field(default_factory=SamplerConf)
     pruner: PrunerConf = field(default_factory=PrunerConf)
     params: dict = field(default_factory=dict)  # name -> search space, as on the command line
+    # A running trial's heartbeat; one older than the grace period (null = 2 intervals) means its
+    # process died: the next sweep start marks it FAILED and runs another trial in its place.
+    heartbeat_interval: int = 60
+    grace_period: Optional[int] = None
+    retry_failed: int = 0  # run such a trial again (same parameters, from its last checkpoint), up to N times
 
 
 def outcome(ret: JobReturn, n_objectives: int) -> tuple[optuna.trial.TrialState, Optional[list[float]], str]:
@@ -74,7 +93,8 @@ def outcome(ret: JobReturn, n_objectives: int) -> tuple[optuna.trial.TrialState,
 
 class OptunaSweeper(Sweeper):
     def __init__(self, study_name: str, storage: Optional[str], direction: Any, n_trials: int, n_jobs: int,
-                 sampler: DictConfig, pruner: DictConfig, params: DictConfig):
+                 sampler: DictConfig, pruner: DictConfig, params: DictConfig, heartbeat_interval: int = 60,
+                 grace_period: Optional[int] = None, retry_failed: int = 0):
         self.study_name, self.storage_url = study_name, storage
         self.directions = [str(d) for d in direction] if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction) \
             else [str(direction)]
@@ -87,6 +107,11 @@ class OptunaSweeper(Sweeper):
         self.sampler_conf = OmegaConf.to_container(sampler, resolve=True) if OmegaConf.is_config(sampler) else dict(sampler)
         self.pruner_conf = OmegaConf.to_container(pruner, resolve=True) if OmegaConf.is_config(pruner) else dict(pruner)
         self.params = {str(k): str(v) for k, v in (params or {}).items()}
+        if heartbeat_interval < 1 or (grace_period is not None and grace_period <= heartbeat_interval) or retry_failed < 0:
+            raise ConfigError(f"hydra.sweeper.heartbeat_interval={heartbeat_interval} must be >= 1, hydra.sweeper.grace_period="
+                              f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0")
+        self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period or 2 * heartbeat_interval
+        self.retry = optuna.storages.RetryFailedTrialCallback(max_retry=retry_failed) if retry_failed else None
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -98,12 +123,15 @@ class OptunaSweeper(Sweeper):
 
     def study(self, space) -> tuple[optuna.Study, str]:
         url = self.storage_url or default_storage(self.sweep_dir)
-        sampler = make_sampler(self.sampler_conf.get("name", "tpe"), self.sampler_conf.get("seed"), space,
-                               self.sampler_conf.get("kwargs") or {})
         pruner_spec = {"name": self.pruner_conf.get("name", "none"), **(self.pruner_conf.get("kwargs") or {})}
+        store = storage(url, self.heartbeat_interval, self.grace_period, self._stale)
         with trial_lock(url, self.study_name):  # processes starting together: one creates the tables and the study
-            study = optuna.create_study(storage=storage(url), study_name=self.study_name, directions=self.directions,
-                                        sampler=sampler, pruner=make_pruner(pruner_spec), load_if_exists=True)
+            study = optuna.create_study(storage=store, study_name=self.study_name, directions=self.directions,
+                                        pruner=make_pruner(pruner_spec), load_if_exists=True)
+            start = study.user_attrs.get(STARTS_ATTR, 0)
+            study.set_user_attr(STARTS_ATTR, start + 1)
+        seed = sampler_seed(self.sampler_conf.get("seed"), start)
+        study.sampler = make_sampler(self.sampler_conf.get("name", "tpe"), seed, space, self.sampler_conf.get("kwargs") or {})
         have = [d.name.lower() for d in study.directions]
         if have != self.directions:
             raise ConfigError(f"hydra.sweeper.direction={self.directions} but study {self.study_name!r} in {url} was "
@@ -130,15 +158,19 @@ class OptunaSweeper(Sweeper):
                     warned = True
                     log.warning(f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
                                 f"than n_trials={n_trials} trials")
-                done = len(study.get_trials(deepcopy=False))
+                optuna.storages.fail_stale_trials(study)  # trials of processes that died (self._stale)
+                died = optuna.load_study(study_name=self.study_name, storage=study._storage).user_attrs.get(STALE_ATTR, {})
+                asked = study.get_trials(deepcopy=False, states=[s for s in optuna.trial.TrialState if s.name != "WAITING"])
+                done = len(asked) - len(died)  # a WAITING trial (a retry) is yet to be asked
                 trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, n_trials - done))]
             if not trials:
                 break
-            batch = [space.overrides(t.params) + [f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'",
-                                                  f"optuna.trial={t.number}"] for t in trials]
+            batch = [space.overrides(t.params) + self._resume(study, t) + [
+                f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'", f"optuna.trial={t.number}"] for t in trials]
             try:
                 self.validate_batch_is_legal(batch)
-                returns = self.launcher.launch(batch, initial_job_idx=trials[0].number)
+                with heartbeats(study._storage, [t._trial_id for t in trials], self.heartbeat_interval):
+                    returns = self.launcher.launch(batch, initial_job_idx=trials[0].number)
             except BaseException as e:  # a bad override, Ctrl-C: never leave the asked trials RUNNING
                 for trial in trials:
                     trial.set_user_attr("why", f"sweep stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -153,10 +185,38 @@ class OptunaSweeper(Sweeper):
         self._write_results(study)
         return study.get_trials()
 
+    def _stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        """A trial whose process died: say why, mark its run store, and queue a retry if asked."""
+        why = (f"its process died: no heartbeat for over {self.grace_period} s (hydra.sweeper.grace_period), found by a "
+               f"later sweep start")
+        died = study._storage.get_study_user_attrs(study._study_id).get(STALE_ATTR, {})
+        study.set_user_attr(STALE_ATTR, {**died, str(trial.number): why})
+        log.warning(f"trial {trial.number} FAIL: {why}")
+        run_dir = trial.user_attrs.get(RUN_DIR_ATTR)
+        if run_dir and Path(run_dir).is_dir():
+            mark_failed(run_dir, f"killed: {why}")
+        if self.retry is not None:
+            self.retry(study, trial)  # enqueues the same parameters, remembering this trial's number
+
+    def _resume(self, study: optuna.Study, trial: optuna.trial.Trial) -> list[str]:
+        """For a retried trial: continue from the last checkpoint of the trial it retries."""
+        number = optuna.storages.RetryFailedTrialCallback.retried_trial_number(study._storage.get_trial(trial._trial_id))
+        if number is None:
+            return []
+        run_dir = study.get_trials(deepcopy=False)[number].user_attrs.get(RUN_DIR_ATTR)
+        try:
+            find_checkpoints(run_dir) if run_dir else None
+        except ConfigError:  # it died before its first checkpoint: start over
+            return []
+        return [f"resume='{run_dir}'"] if run_dir else []
+
     def _write_results(self, study: optuna.Study) -> None:
         trials = study.get_trials(deepcopy=False)
         counts = {s.name: sum(t.state == s for t in trials) for s in optuna.trial.TrialState}
         out = {"study": self.study_name, "directions": self.directions, "trials": {k: v for k, v in counts.items() if v}}
+        died = study.user_attrs.get(STALE_ATTR)
+        if died:
+            out["died"] = {int(k): v for k, v in died.items()}  # FAILED, not counted, replaced
         complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
         if complete and len(self.directions) == 1:
             out["best"] = {"number": study.best_trial.number, "value": study.best_value, "params": study.best_params}

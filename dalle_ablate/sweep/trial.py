@@ -34,3 +34,15 @@ def pruning_for(link) -> Optional[Pruning]:
         return None
     p = Pruning(link.storage, link.study, link.trial)
     return p if len(p.study.directions) == 1 else None
+
+
+RUN_DIR_ATTR = "run_dir"  # the trial's run store, so that a later sweep can mark it or resume from it
+
+
+def record_run_dir(link, run_dir) -> None:
+    """Tell the study where this trial's run store is (set by the trainer at its start)."""
+    if link is None or link.storage is None or link.trial is None:
+        return
+    study = optuna.load_study(study_name=link.study, storage=link.storage)
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, link.trial)
+    study._storage.set_trial_user_attr(trial_id, RUN_DIR_ATTR, str(run_dir))

@@ -3,7 +3,8 @@
     config.yaml    the fully resolved config, nested
     meta.json      overrides, git commit, library versions, devices, parameter count, FLOPs
     metrics.jsonl  one JSON object per log call: {"step": s, <metric>: value, ...}
-    summary.json   final values
+    summary.json   final values; status running until the run ends (finished, diverged, pruned,
+                   failed or interrupted, with a reason unless finished)
     media/         images (PNG), named <key>_<step>.png
     tables/        tables, <key>_<step>.json ({"columns", "rows"}; image cells are PNG paths)
     checkpoints/   orbax checkpoints (written by the trainer)
@@ -57,6 +58,8 @@ class RunStore(Tracker):
         self._metrics = open(metrics, "a")
         summary = self.root / "summary.json"
         self.summary: dict[str, Any] = json.loads(summary.read_text()) if resume_step is not None and summary.exists() else {}
+        self.summary.pop("reason", None)
+        self.log_summary({"status": "running"})  # until finish(); a killed run keeps saying so
 
     def write_meta(self) -> None:
         atomic_write(self.root / "meta.json", json.dumps(self.meta, indent=2, default=str))
@@ -97,6 +100,15 @@ class RunStore(Tracker):
         if not self._metrics.closed:
             self.log_summary({"status": status})
             self._metrics.close()
+
+
+def mark_failed(run_dir: str | Path, reason: str) -> None:
+    """Record in a run store that its process died (found by a sweep's heartbeat check)."""
+    path = Path(run_dir) / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    if summary.get("status") in (None, "running"):
+        summary.update(status="failed", reason=reason)
+        atomic_write(path, json.dumps(summary, indent=2))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

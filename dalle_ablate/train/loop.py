@@ -155,10 +155,12 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             eval_loss = eval_losses[-1] if eval_losses else math.nan
         last_finite = None  # (step, loss): what a diverged run reports
         pruning = None
-        if cfg.optuna.trial is not None and jax.process_count() == 1:  # launched by the Optuna sweeper
-            from dalle_ablate.sweep.trial import pruning_for
+        if cfg.optuna.trial is not None and pi == 0:  # launched by the Optuna sweeper
+            from dalle_ablate.sweep.trial import pruning_for, record_run_dir
 
-            pruning = pruning_for(cfg.optuna)
+            record_run_dir(cfg.optuna, run_dir)
+            if jax.process_count() == 1:
+                pruning = pruning_for(cfg.optuna)
         pending = None
         clock = {"t": time.perf_counter(), "compiled": False}
 
