@@ -4,6 +4,7 @@ samples, tracking. Returns the final validation loss (the metric a sweep optimis
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -153,6 +154,9 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             if train_losses:
                 first_loss, last_loss = train_losses[0], train_losses[-1]
             eval_loss = eval_losses[-1] if eval_losses else math.nan
+            # wall_time counts the earlier processes up to their last checkpoint (recorded at each save).
+            saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+            t_start -= float(saved.get("wall_time", 0.0))
         last_finite = None  # (step, loss): what a diverged run reports
         pruning = None
         if cfg.optuna.trial is not None and pi == 0:  # launched by the Optuna sweeper
@@ -222,6 +226,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
                     tracker.log({"eval/valid/loss": eval_loss, "samples": step * t.batch_size, "tokens": step * tokens_per_step}, step)
                 if save_now:  # before the sampling evaluation: a failure there never costs a checkpoint
                     ckpt.save(step, state)
+                    tracker.log_summary({"wall_time": time.perf_counter() - t_start, "steps": step})
                 if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
                     evaluation.run(state.params, step, job.name or run_dir.parent.name)
                 clock["t"] = time.perf_counter()  # eval and save time is not step time
