@@ -120,6 +120,23 @@ def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
     assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [("model.layout=preln", 2, 1)]  # the one spike, in its run
 
 
+def test_the_pareto_section_shows_all_correct_per_tier_with_intervals(tmp_path):
+    store = write_store(tmp_path / "m", "preln", 0, 1.0)
+    # Hand-made verdicts: tier one 30 of 32 right, tier two 12 of 32, three tier-less columns.
+    cols = ["run", "step", "scale", "n", "shapes/all", "shapes/one/all", "shapes/one/all_lo", "shapes/one/all_hi",
+            "shapes/one/n", "shapes/two/all", "shapes/two/all_lo", "shapes/two/all_hi", "shapes/two/n"]
+    rows = [["r", 40, 2.0, 64, 0.65, 30 / 32, 0.80, 0.98, 32, 12 / 32, 0.23, 0.55, 32],
+            ["r", 40, 1.0, 64, 0.5, 0.75, 0.58, 0.87, 32, 0.25, 0.13, 0.42, 32]]
+    (store / "tables" / "eval_pareto_40.json").write_text(json.dumps({"columns": cols, "line": None, "rows": rows}))
+    main(["report", str(tmp_path / "m"), "--out", str(tmp_path / "reports"), "--name", "t"])
+    md = (tmp_path / "reports" / "t" / "report.md").read_text()
+    assert "| run | variant | scale | one | two |" in md
+    lines = [line for line in md.splitlines() if line.startswith("| preln_0") and "N=32" in line]
+    assert [line.split(" | ")[2:] for line in lines] == [
+        ["1", "75.0% [0.58, 0.87] N=32", "25.0% [0.13, 0.42] N=32 |"],  # scales in order
+        ["2", "93.8% [0.80, 0.98] N=32", "37.5% [0.23, 0.55] N=32 |"]]
+
+
 def test_config_diff_lists_exactly_the_differing_fields(synthetic):
     from dalle_ablate.report.build import build_sections
     from dalle_ablate.report.load import load_runs

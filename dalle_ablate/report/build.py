@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
@@ -139,6 +140,11 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
         s.text.append("No run has a sampling evaluation (eval.metrics) with a Pareto table.")
     else:
         s.images.append((f"{pareto[2]} vs {pareto[1]}", pareto[0]))
+    tiers = tier_table(runs)
+    if tiers is not None:
+        s.text.append("Shapes all-correct by difficulty tier at each guidance scale of the last evaluation: the rate, its "
+                      "95% Wilson interval and N (prompts of that tier).")
+        s.tables.append(tiers)
 
     s = sections["grids"]
     shown = [(r, key, path, prompts) for r in runs for key, path, prompts in r.grids[:3] if path.exists()]
@@ -168,6 +174,25 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
                 s.text.append(f"{name}: {img}")
     return [sections[k] for k in SECTIONS], {"baseline": baseline, "variants": list(by_variant), "marks": marks,
                                              "stability": stability}
+
+
+def tier_table(runs: list[Run]) -> Optional[tuple[list[str], list[list]]]:
+    """Per run and scale, `shapes/<tier>/all` with its interval and N, tiers in the data's order."""
+    rows, tiers = [], []
+    for r in runs:
+        if not r.pareto:
+            continue
+        c = {name: i for i, name in enumerate(r.pareto["columns"])}
+        found = [t for t in TIERS if f"shapes/{t}/all" in c]
+        tiers += [t for t in found if t not in tiers]
+        for row in sorted(r.pareto["rows"], key=lambda row: row[c["scale"]]) if found else []:
+            cells = {t: f"{row[c[f'shapes/{t}/all']]:.1%} [{row[c[f'shapes/{t}/all_lo']]:.2f}, "
+                        f"{row[c[f'shapes/{t}/all_hi']]:.2f}] N={row[c[f'shapes/{t}/n']]}" for t in found}
+            rows.append((r, row[c["scale"]], cells))
+    if not rows:
+        return None
+    return ["run", "variant", "scale", *tiers], [[r.name, r.variant, f"{scale:g}", *[cells.get(t, "") for t in tiers]]
+                                                for r, scale, cells in rows]
 
 
 # -- writers ------------------------------------------------------------------------------------
