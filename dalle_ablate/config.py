@@ -444,7 +444,8 @@ def check_ranges(cfg, ranges: dict[str, str] = RANGES) -> None:
         if node is None and optional:
             continue
         lo, hi = (float(x) for x in interval[1:-1].split(","))
-        ok = node is not None and (lo <= node if interval[0] == "[" else lo < node) and (node <= hi if interval[-1] == "]" else node < hi)
+        ok = node is not None and (lo <= node if interval[0] == "[" else lo < node)
+        ok = ok and (node <= hi if interval[-1] == "]" else node < hi)
         _check(ok, f"{path}={node} must be in {spec}")
 
 

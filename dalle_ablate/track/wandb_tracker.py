@@ -1,7 +1,8 @@
 """Weights & Biases backend. Offline by default (never touches the network); online when
 `tracker.wandb.mode=online` and logged in, checked within 25 s before the run starts (or offline
-instead with `tracker.wandb.fallback=offline`). A resumed run continues the same W&B run. Conventions (docs/architecture.md): group = the sweep or multirun
-folder, job_type = the model layout, name = the overrides; finish() on every exit path."""
+instead with `tracker.wandb.fallback=offline`). A resumed run continues the same W&B run.
+Conventions (docs/architecture.md): group = the sweep or multirun folder, job_type = the model
+layout, name = the overrides; finish() on every exit path."""
 
 from __future__ import annotations
 
