@@ -208,6 +208,34 @@ def test_wandb_online_that_cannot_connect_fails_fast_in_one_line(tmp_path, case,
     assert summary(job_dir(tmp_path) / "run")["status"] == "failed"
 
 
+def test_wandb_online_with_a_key_the_server_refuses_fails_fast_in_one_line(tmp_path):
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):  # a W&B server on loopback that knows no key
+        def do_POST(self):
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"errors": [{"message": "user is not logged in"}]}')
+
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        proc, elapsed = _online(tmp_path, {"WANDB_BASE_URL": url, "WANDB_API_KEY": "0" * 40})
+    finally:
+        server.shutdown()
+    assert proc.returncode == RunFailed.FAILED
+    assert error_line(proc).startswith(f"error: tracker.wandb.mode=online: {url} did not accept the API key (")
+    assert "user is not logged in" in error_line(proc) and elapsed < 60
+
+
 def test_wandb_online_falls_back_to_offline_when_asked(tmp_path):
     proc, _ = _online(tmp_path, OFFLINE_SERVER, "tracker.wandb.fallback=offline")
     assert proc.returncode == 0, proc.stderr[-3000:]
