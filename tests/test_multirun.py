@@ -26,9 +26,9 @@ def test_two_job_multirun_writes_two_run_stores_and_two_wandb_runs(tmp_path):
         meta = json.loads((job / "run" / "meta.json").read_text())
         by_id[meta["wandb_id"]] = job
     found = {}
-    for f in wandb_files:
-        info = run_info(f)
-        if info["id"] in by_id:
+    for f in wandb_files:  # other tests' runs share WANDB_DIR (some killed, with empty files): pick ours by id
+        if f.stem.removeprefix("run-") in by_id:
+            info = run_info(f)
             found[info["id"]] = (f, info)
     assert set(found) == set(by_id), "each job has its own W&B run"
     groups = {info["group"] for _, info in found.values()}
