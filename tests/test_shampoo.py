@@ -230,12 +230,12 @@ def test_shampoo_from_config_trains_and_logs_its_stats(tmp_path, small_dataset):
 
 
 def test_schedules_warmup_decay_cosine_and_offset():
-    cfg = run_config("schedule=cosine", "schedule.warmup_steps=10", "schedule.end_factor=0.1").schedule
+    cfg = run_config("schedule=cosine", "schedule.warmup_steps=10", "schedule.end_factor=0.1", "trainer.steps=110").schedule
     s = build_schedule(cfg, 1.0, total_steps=110)
     assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5) and float(s(10)) == pytest.approx(1.0)
     assert float(s(60)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.5)), rel=1e-5)
     assert float(s(110)) == pytest.approx(0.1, rel=1e-5)
-    off = run_config("schedule=linear", "schedule.warmup_steps=10", "schedule.lr_offset=20").schedule
+    off = run_config("schedule=linear", "schedule.warmup_steps=10", "schedule.lr_offset=20", "trainer.steps=130").schedule
     s = build_schedule(off, 1.0, total_steps=130)
     assert float(s(0)) == 0.0 and float(s(19)) == 0.0 and float(s(25)) == pytest.approx(0.5)
     assert float(s(30)) == pytest.approx(1.0) and float(s(130)) == pytest.approx(0.0, abs=1e-6)
