@@ -103,11 +103,17 @@ def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues
         assert summary(run)["status"] == "failed" and summary(run)["reason"] == f"RunFailed: {expected}"
         kept = losses(run)
         assert kept == {s: v for s, v in losses(reference).items() if s <= max(kept)}  # metrics intact
-    spent = summary(run)["wall_time"]  # recorded with checkpoint 3
-    # The disk has room again (the tmpfs is gone): the run continues from step 3.
+        assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["3"]
+        if mounted:  # the disk gets room: the same files on a disk that is not full
+            shutil.copytree(ckpt, tmp_path / "saved")
+    if mounted:
+        shutil.rmtree(ckpt)
+        shutil.copytree(tmp_path / "saved", ckpt)
+    spent = summary(run)["wall_time"]
     t0 = time.perf_counter()
     proc = run_py(*TINY, "tracker=none", "resume=auto", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 3
     assert losses(run) == losses(reference)
     assert spent < summary(run)["wall_time"] < spent + time.perf_counter() - t0  # both processes' time
     assert summary(run)["status"] == "finished" and summary(run)["train/first_loss"] == summary(reference)["train/first_loss"]

@@ -83,7 +83,8 @@ def test_same_seed_same_losses_and_a_different_seed_differs(tmp_path, small_data
 
 
 def test_resume_auto_continues_step_data_and_rng(tmp_path, small_dataset):
-    cfg = run_config("tracker=none")  # 6 steps, a checkpoint every 3
+    # 6 steps, a checkpoint every 3; a constant rate, so that the 3-step run takes the same steps
+    cfg = run_config("tracker=none", "schedule=constant")
     full = train(cfg, JobInfo(tmp_path / "full"))
     half = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=3))
     train(half, JobInfo(tmp_path / "resumed"))

@@ -124,8 +124,8 @@ class OptunaSweeper(Sweeper):
     def study(self, space) -> tuple[optuna.Study, str]:
         url = self.storage_url or default_storage(self.sweep_dir)
         pruner_spec = {"name": self.pruner_conf.get("name", "none"), **(self.pruner_conf.get("kwargs") or {})}
-        store = storage(url, self.heartbeat_interval, self.grace_period, self._stale)
         with trial_lock(url, self.study_name):  # processes starting together: one creates the tables and the study
+            store = storage(url, self.heartbeat_interval, self.grace_period, self._stale)
             study = optuna.create_study(storage=store, study_name=self.study_name, directions=self.directions,
                                         pruner=make_pruner(pruner_spec), load_if_exists=True)
             start = study.user_attrs.get(STARTS_ATTR, 0)
