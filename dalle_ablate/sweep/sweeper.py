@@ -159,7 +159,7 @@ class OptunaSweeper(Sweeper):
                     log.warning(f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
                                 f"than n_trials={n_trials} trials")
                 optuna.storages.fail_stale_trials(study)  # trials of processes that died (self._stale)
-                died = optuna.load_study(study_name=self.study_name, storage=study._storage).user_attrs.get(STALE_ATTR, {})
+                died = study.user_attrs.get(STALE_ATTR, {})  # read from the storage: other processes add to it
                 asked = study.get_trials(deepcopy=False, states=[s for s in optuna.trial.TrialState if s.name != "WAITING"])
                 done = len(asked) - len(died)  # a WAITING trial (a retry) is yet to be asked
                 trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, n_trials - done))]
@@ -189,8 +189,7 @@ class OptunaSweeper(Sweeper):
         """A trial whose process died: say why, mark its run store, and queue a retry if asked."""
         why = (f"its process died: no heartbeat for over {self.grace_period} s (hydra.sweeper.grace_period), found by a "
                f"later sweep start")
-        died = study._storage.get_study_user_attrs(study._study_id).get(STALE_ATTR, {})
-        study.set_user_attr(STALE_ATTR, {**died, str(trial.number): why})
+        study.set_user_attr(STALE_ATTR, {**study.user_attrs.get(STALE_ATTR, {}), str(trial.number): why})
         log.warning(f"trial {trial.number} FAIL: {why}")
         run_dir = trial.user_attrs.get(RUN_DIR_ATTR)
         if run_dir and Path(run_dir).is_dir():

@@ -17,8 +17,7 @@ class Pruning:
         self.study = optuna.load_study(study_name=study_name, storage=storage)
         # The pruner the sweeper configured, as the study recorded it (load_study cannot know it).
         self.study.pruner = make_pruner(self.study.user_attrs.get(PRUNER_ATTR, {"name": "none"}))
-        trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
-        self.trial = optuna.trial.Trial(self.study, trial_id)
+        self.trial = optuna.trial.Trial(self.study, _trial_id(self.study, number))
         self.number = number
 
     def report(self, value: float, step: int) -> bool:
@@ -44,5 +43,8 @@ def record_run_dir(link, run_dir) -> None:
     if link is None or link.storage is None or link.trial is None:
         return
     study = optuna.load_study(study_name=link.study, storage=link.storage)
-    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, link.trial)
-    study._storage.set_trial_user_attr(trial_id, RUN_DIR_ATTR, str(run_dir))
+    study._storage.set_trial_user_attr(_trial_id(study, link.trial), RUN_DIR_ATTR, str(run_dir))
+
+
+def _trial_id(study: optuna.Study, number: int) -> int:
+    return study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)

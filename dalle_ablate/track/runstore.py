@@ -43,8 +43,9 @@ class RunStore(Tracker):
         old_meta = self.root / "meta.json"
         if resume_step is not None and old_meta.exists():
             # The W&B run this store logs to outlives the process: a resume continues it.
+            old = json.loads(old_meta.read_text())
             for key in ("wandb_id", "wandb_dir"):
-                if key in (old := json.loads(old_meta.read_text())):
+                if key in old:
                     self.meta.setdefault(key, old[key])
         self.write_meta()
         metrics = self.root / "metrics.jsonl"

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import numpy as np
 import wandb
 
-from dalle_ablate.registry import RunFailed
+from dalle_ablate.registry import RunFailed, first_line
 from dalle_ablate.track.base import Tracker
 from dalle_ablate.track.runstore import RunStore
 
@@ -41,7 +41,7 @@ def online_problem() -> str | None:
     try:
         wandb.Api(timeout=VERIFY_TIMEOUT).viewer  # noqa: B018 - the request is the check
     except wandb.errors.CommError as e:
-        return f"{url} did not accept the API key ({str(e).strip().splitlines()[0]})"
+        return f"{url} did not accept the API key ({first_line(e)})"
     return None
 
 
