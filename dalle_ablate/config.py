@@ -94,17 +94,31 @@ class ShampooConfig(OptimConfig):
     b1: float = 0.9  # momentum on the grafted direction
     b2: float = 0.99  # statistics decay; 1.0 = Adagrad-style sums
     graft: str = "rmsprop_normalized"  # rmsprop_normalized | rmsprop | adagrad | sgd | adam
-    graft_b2: float = 0.99
-    graft_eps: float = 1e-8
+    graft_b2: Optional[float] = None  # null: b2, as the reference has one beta2
+    graft_eps: float = 1e-10  # Mega's diagonal_epsilon
+    # parameter: each parameter's Shampoo direction takes its graft direction's norm, as the
+    # reference; block: each block's (this project's rule before issue 15; blocks of one matrix
+    # then move at different rates).
+    graft_scope: str = "parameter"
     matrix_eps: float = 1e-6  # ridge, relative to the largest eigenvalue
-    exponent_override: int = 0  # 0 = 2 x rank (4 for matrices)
+    exponent_override: int = 0  # 0 = 2 x the statistics per block (4 for matrices, 2 for vectors)
     preconditioning_every: int = 10  # recompute inverse roots every k steps
     start_preconditioning_step: int = 101  # graft direction alone before this step
-    inverse_failure_threshold: float = 0.1  # keep the previous root above this relative error
+    inverse_failure_threshold: float = 0.1  # keep the previous root above this eigh backward error
     skip_preconditioning_dim_size_gt: int = 4096  # graft only for any larger dimension
-    moving_average_for_momentum: bool = False  # EMA momentum instead of heavy ball
+    # Vectors (biases, norm gains) preconditioned by their one statistic, as Mega ran it
+    # (skip_preconditioning_rank_lt=1); false leaves them to the graft, which is cheaper.
+    precondition_1d: bool = True
+    # Neighbouring dims are merged while their product is at most this (the reference's
+    # merge_small_dims_block_size), so a 64 x 64 matrix is preconditioned as a 4096-vector: four
+    # 1024-blocks and 1024 x 1024 roots instead of two 64 x 64. 0 keeps every matrix a matrix.
+    merge_small_dims: int = 4096
+    moving_average_for_momentum: bool = True  # EMA momentum (dalle-mini's setting) instead of heavy ball
     nesterov: bool = False
     statistics_dtype: str = "float32"  # float32 | bfloat16 for statistics and roots
+    # Where inverse roots are computed: auto = float64 where the backend has it (CPU, GPU), float32
+    # on TPU. float32 roots of ill-conditioned statistics are off by up to ~1e-3 (optim/shampoo.py).
+    root_dtype: str = "auto"
     # Parameters whose path matches one of these get the graft direction only (Mega: embeddings).
     no_precondition: list[str] = field(default_factory=lambda: ["embed", "lm_head"])
 

@@ -27,7 +27,7 @@ RANGES = {
     "optim.eps": "[0, inf)",
     "optim.eps_root": "[0, inf)",
     "optim.block_size": "[1, inf)",
-    "optim.graft_b2": "[0, 1]",
+    "optim.graft_b2": "[0, 1] or null",
     "optim.graft_eps": "[0, inf)",
     "optim.matrix_eps": "[0, inf)",
     "optim.exponent_override": "[0, inf)",
@@ -35,6 +35,7 @@ RANGES = {
     "optim.start_preconditioning_step": "[0, inf)",
     "optim.inverse_failure_threshold": "(0, inf)",
     "optim.skip_preconditioning_dim_size_gt": "[1, inf)",
+    "optim.merge_small_dims": "[0, inf)",
     "optim.decay_rate": "(0, 1]",
     "optim.decay_offset": "[0, inf)",
     "optim.clipping_threshold": "(0, inf) or null",
@@ -106,6 +107,13 @@ def validate(cfg: RunConfig) -> None:
         f"trainer.batch_size={t.batch_size} is not divisible by trainer.grad_accum={t.grad_accum}",
     )
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    if cfg.optim.name == "shampoo":
+        from dalle_ablate.optim.shampoo import GRAFT_SCOPES, GRAFTS
+
+        for name, valid in (("graft", GRAFTS), ("graft_scope", GRAFT_SCOPES), ("statistics_dtype", ("bfloat16", "float32")),
+                            ("root_dtype", ("auto", "float32", "float64"))):
+            value = getattr(cfg.optim, name)
+            _check(value in valid, f"optim.{name}={value!r} is not valid; valid: {', '.join(sorted(valid))}")
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]
     _check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
     sc = cfg.schedule

@@ -16,11 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Shampoo with a ridge of 1e-2: after one or two steps the statistics are nearly singular, and
 # with the default 1e-6 the inverse 4th root amplifies float32 reduction-order noise (a sum split
 # over devices) into visibly different updates. A larger ridge keeps the parity test about the
-# sharding, not about the conditioning of a two-step-old statistic.
+# sharding, not about the conditioning of a two-step-old statistic. merge_small_dims=0 keeps the
+# 64 x 64 matrices matrices (merged into 4096-vectors they would need 1024 x 1024 roots: minutes
+# on 8 fake devices sharing two cores).
 OPTIM = {
     "adam": ["optim=adam", "optim.lr=1e-2", "schedule=constant", "schedule.warmup_steps=0"],
     "shampoo": ["optim=shampoo", "optim.lr=1e-3", "schedule=constant", "schedule.warmup_steps=0",
-                "optim.start_preconditioning_step=1", "optim.preconditioning_every=2", "optim.matrix_eps=1e-2"],
+                "optim.start_preconditioning_step=1", "optim.preconditioning_every=2", "optim.matrix_eps=1e-2", "optim.merge_small_dims=0"],
 }
 MODEL = ["model.d_model=64", "model.heads=8", "model.ffn_dim=128", "model.encoder_layers=2", "model.decoder_layers=2"]
 BATCH = 16

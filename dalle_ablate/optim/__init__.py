@@ -38,6 +38,11 @@ def _adam(cfg, lr, mesh) -> optax.GradientTransformation:
                        mask=decay_mask(cfg.wd_exclude), nesterov=cfg.nesterov)
 
 
+def root_dtype(name: str) -> str:
+    """optim.root_dtype: auto is float64 unless the backend is a TPU, which has no float64."""
+    return ("float32" if jax.default_backend() == "tpu" else "float64") if name == "auto" else name
+
+
 @OPTIMIZERS.register("shampoo")
 def _shampoo(cfg, lr, mesh) -> optax.GradientTransformation:
     # The grafted Shampoo direction with momentum, then decoupled weight decay, then the rate.
@@ -45,12 +50,13 @@ def _shampoo(cfg, lr, mesh) -> optax.GradientTransformation:
         raise ConfigError(f"optim.statistics_dtype={cfg.statistics_dtype!r} is not valid; valid: bfloat16, float32")
     direction = scale_by_shampoo(
         block_size=cfg.block_size, beta1=cfg.b1, beta2=cfg.b2, graft=cfg.graft, graft_beta2=cfg.graft_b2,
-        graft_eps=cfg.graft_eps, matrix_eps=cfg.matrix_eps, exponent_override=cfg.exponent_override,
+        graft_eps=cfg.graft_eps, graft_scope=cfg.graft_scope, matrix_eps=cfg.matrix_eps, exponent_override=cfg.exponent_override,
         preconditioning_every=cfg.preconditioning_every, start_preconditioning_step=cfg.start_preconditioning_step,
         inverse_failure_threshold=cfg.inverse_failure_threshold,
-        skip_preconditioning_dim_size_gt=cfg.skip_preconditioning_dim_size_gt,
+        skip_preconditioning_dim_size_gt=cfg.skip_preconditioning_dim_size_gt, precondition_1d=cfg.precondition_1d,
+        merge_small_dims=cfg.merge_small_dims,
         moving_average_for_momentum=cfg.moving_average_for_momentum, nesterov=cfg.nesterov,
-        statistics_dtype=cfg.statistics_dtype, precondition_mask=decay_mask(cfg.no_precondition, "optim.no_precondition"),
+        statistics_dtype=cfg.statistics_dtype, root_dtype=root_dtype(cfg.root_dtype), precondition_mask=decay_mask(cfg.no_precondition, "optim.no_precondition"),
         mesh=mesh,
     )
     return optax.chain(
