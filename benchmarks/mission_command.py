@@ -56,7 +56,7 @@ def main() -> None:
             (out / name / "wall_s").write_text(f"{time.perf_counter() - t:.1f}\n")
 
     walls = {name: float((out / name / "wall_s").read_text()) for name in OPTIMIZERS}
-    print(f"{'optimizer':<9}{'model':<12}{'wall s':>8}{'x adam':>8}{'step s':>8}{'refresh share':>15}"
+    print(f"{'optimizer':<10}{'model':<12}{'wall s':>8}{'x adam':>8}{'step s':>8}{'refresh share':>15}"
           f"{'failed roots':>14}{'eval loss':>11}")
     for name in OPTIMIZERS:
         for i, run_dir in enumerate(sorted((out / name).glob("*/run"))):
@@ -66,7 +66,7 @@ def main() -> None:
             s = run_summary(run_dir)
             wall = f"{walls[name]:>8.0f}{walls[name] / walls['adam']:>8.2f}" if i == 0 else " " * 16
             failed = "" if s["failed"] is None else f"{100 * s['failed']:.2f} %"
-            print(f"{name:<9}{layout:<12}{wall}{s['step_s']:>8.0f}{100 * s['refresh_share']:>14.0f}%"
+            print(f"{name:<10}{layout:<12}{wall}{s['step_s']:>8.0f}{100 * s['refresh_share']:>14.0f}%"
                   f"{failed:>14}{s['eval']:>11.4f}")
 
 
