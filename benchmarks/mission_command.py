@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import offline_workdir  # noqa: E402
 
@@ -28,14 +30,16 @@ OPTIMIZERS = ("adam", "shampoo")
 def run_summary(run_dir: Path) -> dict:
     from dalle_ablate.track.runstore import read_metrics
 
+    every = yaml.safe_load((run_dir / "config.yaml").read_text())["optim"].get("preconditioning_every")
     rows = read_metrics(run_dir)
     steps = [(r["step"], r["perf/step_time"]) for r in rows if "perf/step_time" in r]
-    every = 10
-    refresh = sum(t for s, t in steps if (s - 1) % every == 0)  # the step logged as s ran count s - 1
+    total = sum(t for _, t in steps)
+    # The step logged as s ran count s - 1; Shampoo refreshes its roots at counts 0, every, 2 every, ...
+    refresh = sum(t for s, t in steps if (s - 1) % every == 0) / max(total, 1e-9) if every else None
     evals = [r["eval/valid/loss"] for r in rows if "eval/valid/loss" in r]
     rates = [r["optim/shampoo/failed_root_rate"] for r in rows if "optim/shampoo/failed_root_rate" in r]
-    return {"step_s": sum(t for _, t in steps), "refresh_share": refresh / max(sum(t for _, t in steps), 1e-9),
-            "eval": evals[-1] if evals else float("nan"), "failed": rates[-1] if rates else None}
+    return {"step_s": total, "refresh_share": refresh, "eval": evals[-1] if evals else float("nan"),
+            "failed": rates[-1] if rates else None}
 
 
 def main() -> None:
@@ -60,14 +64,12 @@ def main() -> None:
           f"{'failed roots':>14}{'eval loss':>11}")
     for name in OPTIMIZERS:
         for i, run_dir in enumerate(sorted((out / name).glob("*/run"))):
-            import yaml
-
             layout = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["layout"]
             s = run_summary(run_dir)
             wall = f"{walls[name]:>8.0f}{walls[name] / walls['adam']:>8.2f}" if i == 0 else " " * 16
             failed = "" if s["failed"] is None else f"{100 * s['failed']:.2f} %"
-            print(f"{name:<10}{layout:<12}{wall}{s['step_s']:>8.0f}{100 * s['refresh_share']:>14.0f}%"
-                  f"{failed:>14}{s['eval']:>11.4f}")
+            share = "" if s["refresh_share"] is None else f"{100 * s['refresh_share']:.0f} %"
+            print(f"{name:<10}{layout:<12}{wall}{s['step_s']:>8.0f}{share:>15}{failed:>14}{s['eval']:>11.4f}")
 
 
 if __name__ == "__main__":

@@ -43,14 +43,14 @@ def main() -> None:
     from dalle_ablate.data import abstract_sizes
 
     rows, splits = {}, {}
-    variants = [("adam", []), ("adafactor", []), ("shampoo", ["optim.root_dtype=float64"]),
-                ("shampoo f32 roots", ["optim.root_dtype=float32"])]
+    shampoo = ["optim.start_preconditioning_step=0"]
+    # (label, optimizer, overrides, beside a competing process)
+    variants = [("adam", "adam", [], False), ("adafactor", "adafactor", [], False),
+                ("shampoo", "shampoo", [*shampoo, "optim.root_dtype=float64"], False),
+                ("shampoo f32 roots", "shampoo", [*shampoo, "optim.root_dtype=float32"], False)]
     if not args.no_load:
-        variants.append(("shampoo, loaded", ["optim.root_dtype=float64"]))
-    for label, extra in variants:
-        name = label.split()[0].rstrip(",")
-        if name == "shampoo":
-            extra = ["optim.start_preconditioning_step=0", *extra]
+        variants.append(("shampoo, loaded", "shampoo", [*shampoo, "optim.root_dtype=float64"], True))
+    for label, name, extra, loaded in variants:
         cfg = to_run_config(compose(["size=small", f"optim={name}", *extra, *args.overrides]))
         period = cfg.optim.preconditioning_every if name == "shampoo" else 1
         mcfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
@@ -61,7 +61,7 @@ def main() -> None:
         t = time.perf_counter()
         compiled = step.lower(state, batch).compile()
         compile_s = time.perf_counter() - t
-        load = subprocess.Popen([sys.executable, "-c", LOAD]) if label.endswith("loaded") else None
+        load = subprocess.Popen([sys.executable, "-c", LOAD]) if loaded else None
         try:
             # The warm-up step is count 0; counts 1..period*k hold exactly one root refresh per period.
             _, times, _ = timed_steps(compiled, state, batch, period * args.periods)

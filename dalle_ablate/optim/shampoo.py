@@ -231,7 +231,9 @@ class ShampooState(NamedTuple):
     momentum: Any  # momentum of the grafted Shampoo direction
     stacks: tuple  # StackState per stack key
     preconditioned: jax.Array  # share of parameter elements that took the Shampoo direction this step
-    refreshes: jax.Array  # inverse-root refreshes so far (the denominator of the failure rate)
+    # Inverse-root refreshes so far, the failure rate's denominator: ceil(count / period), kept
+    # here so that shampoo_stats needs only the state, not the optimizer's period.
+    refreshes: jax.Array
 
 
 def scale_by_shampoo(
@@ -273,7 +275,7 @@ def scale_by_shampoo(
     if graft_scope not in GRAFT_SCOPES:
         raise ConfigError(f"optim.graft_scope={graft_scope!r} is not valid; valid: {', '.join(GRAFT_SCOPES)}")
     if root_dtype not in ROOT_DTYPES:
-        raise ConfigError(f"optim.root_dtype={root_dtype!r} is not valid; valid: auto, {', '.join(ROOT_DTYPES)}")
+        raise ConfigError(f"optim.root_dtype={root_dtype!r} is not valid; valid: {', '.join(ROOT_DTYPES)}")
     if preconditioning_every < 1 or block_size < 1:
         raise ConfigError("optim.preconditioning_every and optim.block_size must be >= 1")
     sdt = jnp.dtype(statistics_dtype)
@@ -396,12 +398,12 @@ def scale_by_shampoo(
         # 5. grafting: the preconditioned direction takes the graft direction's norm -- per
         # parameter as the reference (arXiv 2002.09018 sec. 3.4 grafts layer-wise), or per block.
         if graft_scope == "parameter":
+            owners = [np.array([m[0] for m in members]) for _, members in plan.stacks]  # each block's parameter
             graft_norms = jnp.stack([jnp.linalg.norm(d) for d in graft_dirs]) if grads else jnp.zeros((0,))
             pre_sq = jnp.zeros((len(grads),), jnp.float32)
-            for (_, members), pre in zip(plan.stacks, pre_stacks):
-                pre_sq = pre_sq.at[np.array([m[0] for m in members])].add(jnp.sum(pre * pre, axis=(1, 2)))
-            scales = [(graft_norms[idx] / (jnp.sqrt(pre_sq[idx]) + 1e-16)) for idx in
-                      (np.array([m[0] for m in members]) for _, members in plan.stacks)]
+            for idx, pre in zip(owners, pre_stacks):
+                pre_sq = pre_sq.at[idx].add(jnp.sum(pre * pre, axis=(1, 2)))
+            scales = [graft_norms[idx] / (jnp.sqrt(pre_sq[idx]) + 1e-16) for idx in owners]
         else:
             graft_stacks = place(gather(plan, [d.reshape(s) if s is not None else None for d, s in zip(graft_dirs, plan.shapes2d)]))
             scales = [jnp.linalg.norm(gr, axis=(1, 2)) / (jnp.linalg.norm(pre, axis=(1, 2)) + 1e-16)
