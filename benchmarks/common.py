@@ -19,22 +19,18 @@ def offline_workdir(prefix: str):
     return tmp
 
 
-def fresh_train_step(cfg, model_cfg):
-    """(jitted train step, initial TrainState, parameter count) for a resolved model config."""
-    import jax.numpy as jnp
-    from flax import nnx
+def fresh_train_step(cfg, dataset=None):
+    """(jitted train step, initial TrainState, the run's Assembly: model_cfg, abstract model, ...)
+    on one device, for the config's data sizes (`dataset`'s if given; else from the config,
+    nothing read)."""
+    import jax
 
-    from dalle_ablate.model import build_model, param_count
-    from dalle_ablate.optim import build_optimizer
-    from dalle_ablate.train.step import TrainState, make_train_step
+    from dalle_ablate.data import abstract_sizes
+    from dalle_ablate.train.assembly import assemble
 
-    model = build_model(model_cfg, cfg.seed)
-    n_params = param_count(model)
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params))
-    return make_train_step(graphdef, opt, sched, cfg.trainer.grad_accum, cfg.seed), state, n_params
+    sizes = None if dataset is not None else abstract_sizes(cfg.data, cfg.model)
+    run = assemble(cfg, dataset=dataset, sizes=sizes, devices=jax.devices()[:1])
+    return run.train_step(), run.init_state(), run
 
 
 def timed_steps(step, state, batch, n: int) -> tuple[object, list[float], float]:

@@ -28,28 +28,19 @@ MESHES = [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]
 
 def measure(overrides: list[str], steps: int) -> dict:
     """Compile time, median step time and per-device memory of one config's train step."""
-    import dataclasses
-
     import jax
     import numpy as np
-    from flax import nnx
 
-    from dalle_ablate.cli import compose
-    from dalle_ablate.config import to_run_config
+    from dalle_ablate.config import compose
     from dalle_ablate.data import abstract_sizes
-    from dalle_ablate.model import abstract_model, build_model
-    from dalle_ablate.optim import build_optimizer
-    from dalle_ablate.parallel import build_mesh, init_state, make_placement, pad_vocab_for_mesh
-    from dalle_ablate.train.step import TrainState, make_train_step
+    from dalle_ablate.train.assembly import assemble
+    from dalle_ablate.validate import to_run_config
 
     cfg = to_run_config(compose(overrides))
-    mesh = build_mesh(cfg.mesh, jax.devices()[: np.prod([max(int(getattr(cfg.mesh, a)), 1) for a in ("data", "fsdp", "model")])])
-    mcfg = pad_vocab_for_mesh(dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model)), mesh.shape["model"])
-    abstract = abstract_model(mcfg)
-    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, mesh)
-    placement = make_placement(mesh, abstract, opt, TrainState)
-    state = init_state(lambda: build_model(mcfg, cfg.seed), opt, placement, TrainState)
-    step = make_train_step(nnx.split(abstract, nnx.Param)[0], opt, sched, cfg.trainer.grad_accum, cfg.seed, placement)
+    devices = jax.devices()[: np.prod([max(int(getattr(cfg.mesh, a)), 1) for a in ("data", "fsdp", "model")])]
+    run = assemble(cfg, sizes=abstract_sizes(cfg.data, cfg.model), devices=devices)
+    mcfg, placement = run.model_cfg, run.placement
+    state, step = run.init_state(), run.train_step()
     b = cfg.trainer.batch_size
     batch = placement.global_batch(random_batch(mcfg, b), b)
     t = time.perf_counter()

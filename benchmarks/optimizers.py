@@ -15,7 +15,6 @@ asserted by the tests.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import fresh_train_step, random_batch, timed_steps  # noqa: E402
-
 
 LOAD = "import numpy as np\na = np.ones((512, 512), np.float32)\nwhile True:\n    a = (a @ a) / 512"
 
@@ -38,9 +36,8 @@ def main() -> None:
 
     import jax
 
-    from dalle_ablate.cli import compose
-    from dalle_ablate.config import to_run_config
-    from dalle_ablate.data import abstract_sizes
+    from dalle_ablate.config import compose
+    from dalle_ablate.validate import to_run_config
 
     rows, splits = {}, {}
     shampoo = ["optim.start_preconditioning_step=0"]
@@ -53,8 +50,8 @@ def main() -> None:
     for label, name, extra, loaded in variants:
         cfg = to_run_config(compose(["size=small", f"optim={name}", *extra, *args.overrides]))
         period = cfg.optim.preconditioning_every if name == "shampoo" else 1
-        mcfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-        step, state, _ = fresh_train_step(cfg, mcfg)
+        step, state, run = fresh_train_step(cfg)
+        mcfg = run.model_cfg
         state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
         b = cfg.trainer.batch_size
         batch = random_batch(mcfg, b)

@@ -61,10 +61,10 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from dalle_ablate.cli import compose
-    from dalle_ablate.config import to_run_config
+    from dalle_ablate.config import compose
     from dalle_ablate.generate import make_sampler
     from dalle_ablate.model import build_model, resolve
+    from dalle_ablate.validate import to_run_config
 
     cfg = to_run_config(compose(["size=tiny", *args.overrides]))
     b = args.batch

@@ -59,9 +59,9 @@ def main() -> None:
 
     tmp = offline_workdir("ttq-")
 
-    from dalle_ablate.cli import compose
-    from dalle_ablate.config import to_run_config
+    from dalle_ablate.config import compose
     from dalle_ablate.train.loop import JobInfo, train
+    from dalle_ablate.validate import to_run_config
 
     rows, times = [], []
     for seed in args.seeds:

@@ -22,10 +22,8 @@ from common import fresh_train_step, offline_workdir, timed_steps  # noqa: E402
 def bare_step_times(cfg, dataset, steps: int) -> list[float]:
     import jax
 
-    from dalle_ablate.model import resolve
 
-    mcfg = resolve(cfg.model, dataset.image_len, dataset.image_vocab, dataset.text.vocab_size)
-    step, state, _ = fresh_train_step(cfg, mcfg)
+    step, state, _ = fresh_train_step(cfg, dataset)
     batch = jax.device_put(next(dataset.train_batches(cfg.trainer.batch_size, cfg.seed)))
     return timed_steps(step, state, batch, steps)[1]
 
@@ -39,11 +37,11 @@ def main() -> None:
 
     tmp = offline_workdir("bench-")
 
-    from dalle_ablate.cli import compose
-    from dalle_ablate.config import to_run_config
+    from dalle_ablate.config import compose
     from dalle_ablate.data import build_dataset
     from dalle_ablate.track.runstore import read_metrics
     from dalle_ablate.train.loop import JobInfo, train
+    from dalle_ablate.validate import to_run_config
 
     rows = []
     for size in args.sizes:

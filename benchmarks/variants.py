@@ -11,7 +11,6 @@ outputs + temporaries, less donated buffers), then run on one fixed random batch
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -24,10 +23,11 @@ from common import fresh_train_step, timed_steps  # noqa: E402
 def measure(cfg, steps: int) -> dict:
     import numpy as np
 
-    from dalle_ablate.data import abstract_sizes
 
-    mcfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-    step, state, n_params = fresh_train_step(cfg, mcfg)
+    from dalle_ablate.model import param_count
+
+    step, state, run = fresh_train_step(cfg)
+    mcfg, n_params = run.model_cfg, param_count(run.abstract)
     rng = np.random.default_rng(0)
     b = cfg.trainer.batch_size
     batch = {
@@ -53,9 +53,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
-    from dalle_ablate.cli import compose
-    from dalle_ablate.config import to_run_config
+    from dalle_ablate.config import compose
     from dalle_ablate.model import LAYOUTS
+    from dalle_ablate.validate import to_run_config
 
     layouts = ["preln"] + [n for n in LAYOUTS.names() if n != "preln"]
     rows = {}

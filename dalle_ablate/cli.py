@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from dalle_ablate.config import compose
 from dalle_ablate.registry import ConfigError, RunFailed
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def format_error(ex: BaseException) -> Optional[str]:
@@ -65,21 +64,10 @@ def run_hydra(main: Callable[[], object]) -> None:
         sys.exit(2)
 
 
-def compose(overrides: list[str]):
-    """The run config for these overrides, composed as `python run.py` would."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from dalle_ablate import config  # noqa: F401  (registers the schemas)
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
-
-
 def cmd_encode_images(args) -> None:
     """A folder of images with captions -> dalle-mini's parquet, through a VQGAN."""
     from dalle_ablate.vqgan import load_vqgan
-    from dalle_ablate.vqgan.encode_folder import encode_folder
+    from dalle_ablate.data.image_folder import encode_folder
 
     if not args.vqgan:
         raise ConfigError("--images needs --vqgan WEIGHTS.npz (convert a taming-transformers checkpoint with convert-vqgan)")
@@ -134,8 +122,8 @@ def cmd_fid_reference(args) -> None:
             raise ConfigError(f"--images and config overrides ({' '.join(args.overrides)}) exclude each other")
         ref = reference_from_images(net, read_image_folder(args.images, args.num), f"folder {args.images}")
     else:
-        from dalle_ablate.config import to_run_config
         from dalle_ablate.data import build_dataset
+        from dalle_ablate.validate import to_run_config
 
         cfg = to_run_config(compose(args.overrides))
         ds = build_dataset(cfg.data, cfg.model)
@@ -152,9 +140,9 @@ def cmd_encode(args) -> None:
     """Write the shapes data in dalle-mini's parquet format, with the codebook and tokenizer."""
     if args.images:
         return cmd_encode_images(args)
-    from dalle_ablate.config import to_run_config
     from dalle_ablate.data.parquet import write_parquet
     from dalle_ablate.data.shapes import SPLITS, ShapesDataset
+    from dalle_ablate.validate import to_run_config
 
     cfg = to_run_config(compose(["data=shapes", *args.overrides]))
     ds = ShapesDataset(cfg.data, cfg.model.text_len)
@@ -177,9 +165,9 @@ def abstract_setup(overrides: list[str]):
     """(run config, model config with the data's sizes, optimizer) without reading any data."""
     import dataclasses
 
-    from dalle_ablate.config import to_run_config
     from dalle_ablate.data import abstract_sizes
     from dalle_ablate.optim import build_optimizer
+    from dalle_ablate.validate import to_run_config
 
     cfg = to_run_config(compose(overrides))
     model_cfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
@@ -205,7 +193,7 @@ def cmd_plan(args) -> None:
 
 def cmd_eval(args) -> None:
     """Guidance-scale Pareto, caption sensitivity and prompt grids of a saved checkpoint."""
-    from dalle_ablate.evaluate.standalone import evaluate_checkpoint
+    from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
 
     evaluate_checkpoint(args.path, args.overrides)
 

@@ -1,7 +1,8 @@
 """Typed run configuration: Hydra structured configs registered in the ConfigStore.
 
-Every YAML file in `conf/<group>/` starts from one of the schemas below (`/schema/<name>@_here_`),
-so a typo in a field name fails when Hydra composes the config, before anything is built.
+Every YAML file in `dalle_ablate/conf/<group>/` starts from one of the schemas below
+(`/schema/<name>@_here_`), so a typo in a field name fails when Hydra composes the config, before
+anything is built.
 Values are checked by `validate.py` (ranges, and choices that depend on registries: layouts, norms,
 optimizers, ...), which names the field and what would be valid.
 """
@@ -12,9 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-
-from dalle_ablate.registry import ConfigError
+from omegaconf import MISSING, DictConfig
 
 DEFAULT_CACHE = "${oc.env:DALLE_ABLATE_CACHE,${oc.env:HOME,.}/.cache/dalle-ablate}"
 
@@ -374,16 +373,12 @@ def register_configs() -> None:
 register_configs()
 
 
-def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    """The typed, validated config. Raises ConfigError naming the field and the valid values."""
-    if isinstance(cfg, RunConfig):
-        run = cfg
-    else:
-        missing = sorted(OmegaConf.missing_keys(cfg))
-        if missing:
-            raise ConfigError(f"missing value for {', '.join(missing)} (set it on the command line, e.g. {missing[0]}=...)")
-        run = OmegaConf.to_object(cfg)
-    from dalle_ablate.validate import validate  # it reaches into the registries of the packages
+def compose(overrides: list[str]) -> DictConfig:
+    """The config for these overrides, composed as `python run.py` would (from the package's
+    `conf/`, so the same from a wheel as from a checkout); `validate.to_run_config` types and
+    checks it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
 
-    validate(run)
-    return run
+    with initialize_config_module(config_module="dalle_ablate.conf", version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)

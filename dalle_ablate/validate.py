@@ -4,6 +4,8 @@ Every failure is a ConfigError naming the field and what would be valid."""
 
 from __future__ import annotations
 
+from omegaconf import DictConfig, OmegaConf
+
 from dalle_ablate.config import OBJECTIVES, RunConfig
 from dalle_ablate.registry import ConfigError
 
@@ -90,9 +92,9 @@ _ABSENT = object()
 
 def validate(cfg: RunConfig) -> None:
     # Imported here: the registries live with the concepts they name.
+    from dalle_ablate.data import DATASETS
     from dalle_ablate.model import validate_model
     from dalle_ablate.optim import OPTIMIZERS, SCHEDULES
-    from dalle_ablate.data import DATASETS
 
     validate_model(cfg.model)
     check_ranges(cfg)
@@ -160,3 +162,16 @@ def validate(cfg: RunConfig) -> None:
     check_sampling(e.temperature, e.top_k, e.top_p, "eval")
     _check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
     _check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The typed, validated config. Raises ConfigError naming the field and the valid values."""
+    if isinstance(cfg, RunConfig):
+        run = cfg
+    else:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise ConfigError(f"missing value for {', '.join(missing)} (set it on the command line, e.g. {missing[0]}=...)")
+        run = OmegaConf.to_object(cfg)
+    validate(run)
+    return run

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "dalle_ablate" / "conf"  # the config groups, shipped in the package
 _TMP = Path(tempfile.mkdtemp(prefix="dalle-ablate-tests-"))
 # Set before anything imports wandb or builds data; subprocesses inherit them.
 os.environ["WANDB_MODE"] = "offline"
@@ -58,13 +59,13 @@ EVAL_ON = ["eval.metrics=[shapes,shapes_fd,caption_sensitivity]", "eval.grids=[s
 
 
 def compose(*overrides: str):
-    from dalle_ablate.cli import compose as _compose
+    from dalle_ablate.config import compose as _compose
 
     return _compose(list(overrides))
 
 
 def run_config(*overrides: str, data=tuple(SMALL_DATA)):
-    from dalle_ablate.config import to_run_config
+    from dalle_ablate.validate import to_run_config
 
     return to_run_config(compose(*data, *TINY_TRAIN, *overrides))
 

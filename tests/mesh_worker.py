@@ -44,24 +44,17 @@ def batches(cfg, n: int):
 
 def run(mesh_sizes: list[int], optim: str) -> dict:
     import jax
-    from flax import nnx
 
     from conftest import run_config
-    from dalle_ablate.model import abstract_model, build_model, resolve
-    from dalle_ablate.optim import build_optimizer, path_str
-    from dalle_ablate.parallel import build_mesh, init_state, make_placement
-    from dalle_ablate.train.step import TrainState, make_train_step
+    from dalle_ablate.optim import path_str
+    from dalle_ablate.train.assembly import assemble
 
     d, f, m = mesh_sizes
     cfg = run_config(*MODEL, *OPTIM[optim], f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.model={m}",
                      f"trainer.batch_size={BATCH}")
-    mcfg = resolve(cfg.model, image_len=16, image_vocab=50, text_vocab=40)
-    mesh = build_mesh(cfg.mesh)
-    abstract = abstract_model(mcfg)
-    opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, mesh)
-    placement = make_placement(mesh, abstract, opt, TrainState)
-    state = init_state(lambda: build_model(mcfg, cfg.seed), opt, placement, TrainState)
-    step = make_train_step(nnx.split(abstract, nnx.Param)[0], opt, sched, 1, cfg.seed, placement)
+    run = assemble(cfg, sizes={"image_len": 16, "image_vocab": 50, "text_vocab": 40})
+    mcfg, mesh, placement = run.model_cfg, run.mesh, run.placement
+    state, step = run.init_state(), run.train_step()
     losses = []
     for b in batches(mcfg, 3):
         state, metrics = step(state, placement.global_batch(b, BATCH))

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import CONF, compose, run_config, run_py
 
-from conftest import ROOT, compose, run_config, run_py
-from dalle_ablate.config import to_run_config
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.validate import to_run_config
 
-GROUPS = ["model", "size", "optim", "schedule", "data", "tracker", "experiment"]
+GROUPS = ["model", "size", "optim", "schedule", "data", "tracker", "experiment", "eval", "mesh"]
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])

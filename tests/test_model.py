@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from conftest import compose, run_config
-from dalle_ablate.config import to_run_config
 from dalle_ablate.model import LAYOUTS, abstract_model, build_model, param_count, resolve
 from dalle_ablate.model.flops import forward_flops_per_example
 from dalle_ablate.model.seq2seq import padded
+from dalle_ablate.validate import to_run_config
 
 
 def tiny_model_cfg(layout: str, **kw):

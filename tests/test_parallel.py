@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, compose, run_config
-from dalle_ablate.config import to_run_config
 from dalle_ablate.model import abstract_model, resolve
 from dalle_ablate.parallel import check_batch, mesh_shape, param_specs
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.validate import to_run_config
 
 MESHES = [[8, 1, 1], [2, 2, 2], [1, 4, 2], [1, 1, 8]]
 # The rules as the issue states them, written out here rather than imported.

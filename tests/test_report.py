@@ -96,7 +96,12 @@ def test_report_on_known_runs(synthetic, tmp_path):
     assert all(f"## {TITLES[k]}" in md for k in SECTIONS)
     assert all((out / p).exists() for p in __import__("re").findall(r"\]\((figures/[^)]+)\)", md))
     spec = json.loads((out / "wandb_report.json").read_text())
-    assert spec["group"] == str(synthetic) and len(spec["runs"]) == 9 and spec["report"]
+    assert spec["group"] == str(synthetic) and len(spec["runs"]) == 9
+    blocks = spec["report"]["spec"]["blocks"]
+    headings = [b["children"][0]["text"] for b in blocks if b["type"] == "heading"]
+    assert headings == [f"dalle-ablate report: {synthetic}", "Loss and gradient norm", "Equal compute", "Final metrics"]
+    run_filters = [f for b in blocks if b["type"] == "panel-grid" for rs in b["metadata"]["runSets"] for f in rs["filters"]["filters"]]
+    assert len(run_filters) == 3 and all(f["key"]["name"] == "group" and f["value"] == str(synthetic) for f in run_filters)
 
 
 def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ROOT, run_config
+from conftest import CONF, run_config
 from dalle_ablate.generate import guide_logits, make_sampler, top_p_mask
 from dalle_ablate.model import build_model, resolve
 
-LAYOUTS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+LAYOUTS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 IMAGE_LEN, IMAGE_VOCAB, TEXT_VOCAB = 16, 30, 40
 
 

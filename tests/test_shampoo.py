@@ -273,8 +273,13 @@ def test_shampoo_from_config_trains_and_logs_its_stats(tmp_path, small_dataset):
     assert [r["step"] for r in rows] == [2, 4, 6]
     # Embeddings and the logits head are graft-only; the layers' matrices are preconditioned.
     assert 0.4 < rows[-1]["optim/shampoo/preconditioned_fraction"] < 1.0
+    # Found inside the optimizer's chain; a fresh state has preconditioned and rejected nothing.
     opt, _ = build_optimizer(cfg.optim, cfg.schedule, 10)
-    assert shampoo_stats(opt.init({"w": jnp.zeros((4, 4))}))
+    fresh = {k: float(v) for k, v in shampoo_stats(opt.init({"w": jnp.zeros((4, 4))})).items()}
+    assert fresh == {f"optim/shampoo/{k}": 0.0 for k in
+                     ("preconditioned_fraction", "failed_roots_last_refresh", "failed_root_rate", "root_error")}
+    adam, _ = build_optimizer(run_config("optim=adam").optim, cfg.schedule, 10)
+    assert shampoo_stats(adam.init({"w": jnp.zeros((4, 4))})) == {}
 
 
 def test_schedules_warmup_decay_cosine_and_offset():

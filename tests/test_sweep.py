@@ -19,7 +19,7 @@ import optuna.distributions as D
 import pytest
 from hydra.core.utils import JobReturn, JobStatus
 
-from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
+from conftest import CONF, SMALL_DATA, TINY_TRAIN, run_py
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep.space import parse
 from dalle_ablate.sweep.sweeper import outcome
@@ -214,7 +214,7 @@ def test_the_sweeps_group_composes(name):
 
     from dalle_ablate import config  # noqa: F401  (registers the schemas)
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"+sweeps={name}"], return_hydra_config=True)
     sweeper = cfg.hydra.sweeper
     if name.startswith("lr_"):

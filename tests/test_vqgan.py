@@ -12,7 +12,7 @@ from PIL import Image
 from conftest import run_config
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.vqgan import VQGAN, VQGANConfig, convert_state_dict, load_vqgan, save_vqgan
-from dalle_ablate.vqgan.encode_folder import decode_codes
+from dalle_ablate.vqgan.codes import decode_codes
 from dalle_ablate.vqgan.model import torch_names
 
 TINY = VQGANConfig(ch=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), resolution=16, z_channels=4, embed_dim=4,
@@ -108,7 +108,7 @@ def test_encode_a_folder_of_captioned_images_into_parquet_the_trainer_reads(tmp_
     assert batch["codes"].shape == (4, 64) and batch["codes"].max() < 32
     assert ds.decode_images(batch["codes"]).shape == (4, 16, 16, 3)
     # the rows are the images' own codes
-    from dalle_ablate.vqgan.encode_folder import load_square
+    from dalle_ablate.data.image_folder import load_square
 
     import pyarrow.parquet as pq
 

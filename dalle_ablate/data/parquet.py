@@ -304,7 +304,7 @@ class ParquetDataset(Dataset):
 
     def decode_images(self, codes: np.ndarray) -> Optional[np.ndarray]:
         if self.vqgan is not None:
-            from dalle_ablate.vqgan.encode_folder import decode_codes
+            from dalle_ablate.vqgan.codes import decode_codes
 
             return decode_codes(self.vqgan, codes)
         return None if self.codebook is None else self.codebook.decode(codes)

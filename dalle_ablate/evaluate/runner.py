@@ -17,7 +17,7 @@ from flax import nnx
 from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
 from dalle_ablate.generate import image_grid, make_sampler
-from dalle_ablate.train.step import token_nll
+from dalle_ablate.model import token_nll
 
 # Which metrics make the Pareto plot's axes, first pair present wins: (fidelity, alignment).
 PARETO_AXES = (("fid/fid", "clip/score"), ("shapes_fd/fd", "shapes/all"), ("shapes/clean", "shapes/all"))

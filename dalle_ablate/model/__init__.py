@@ -6,6 +6,7 @@ import dataclasses
 
 import flax
 import jax
+import optax
 from flax import nnx
 
 from dalle_ablate.model.layers import ACTIVATIONS, NORMS
@@ -19,6 +20,13 @@ flax.config.update("flax_always_shard_variable", False)
 
 FAMILIES: Registry = Registry("model family", "model.family")
 FAMILIES.register("seq2seq", Seq2Seq)
+
+
+def token_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> jax.Array:
+    """Teacher-forced NLL of every image code, float32 [B, I]: the training loss and the
+    evaluation's caption scores alike."""
+    logits = model(text, text_mask, codes, dropout_key=dropout_key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, codes)
 
 
 def validate_model(cfg) -> None:

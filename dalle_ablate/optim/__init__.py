@@ -32,7 +32,7 @@ def decay_mask(exclude: list[str], field: str = "optim.wd_exclude"):
 
 
 @OPTIMIZERS.register("adam")
-def _adam(cfg, lr, mesh) -> optax.GradientTransformation:
+def _adam(cfg, lr, stack_sharding) -> optax.GradientTransformation:
     # AdamW (Loshchilov & Hutter, arXiv 1711.05101): decoupled, masked weight decay.
     return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, eps_root=cfg.eps_root, weight_decay=cfg.weight_decay,
                        mask=decay_mask(cfg.wd_exclude), nesterov=cfg.nesterov)
@@ -44,7 +44,7 @@ def root_dtype(name: str) -> str:
 
 
 @OPTIMIZERS.register("shampoo")
-def _shampoo(cfg, lr, mesh) -> optax.GradientTransformation:
+def _shampoo(cfg, lr, stack_sharding) -> optax.GradientTransformation:
     # The grafted Shampoo direction with momentum, then decoupled weight decay, then the rate.
     if cfg.statistics_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"optim.statistics_dtype={cfg.statistics_dtype!r} is not valid; valid: bfloat16, float32")
@@ -57,7 +57,7 @@ def _shampoo(cfg, lr, mesh) -> optax.GradientTransformation:
         merge_small_dims=cfg.merge_small_dims,
         moving_average_for_momentum=cfg.moving_average_for_momentum, nesterov=cfg.nesterov,
         statistics_dtype=cfg.statistics_dtype, root_dtype=root_dtype(cfg.root_dtype), precondition_mask=decay_mask(cfg.no_precondition, "optim.no_precondition"),
-        mesh=mesh,
+        stack_sharding=stack_sharding,
     )
     return optax.chain(
         direction,
@@ -67,7 +67,7 @@ def _shampoo(cfg, lr, mesh) -> optax.GradientTransformation:
 
 
 @OPTIMIZERS.register("adafactor")
-def _adafactor(cfg, lr, mesh) -> optax.GradientTransformation:
+def _adafactor(cfg, lr, stack_sharding) -> optax.GradientTransformation:
     # Adafactor (Shazeer & Stern, arXiv 1804.04235).
     return optax.adafactor(
         lr,
@@ -84,12 +84,13 @@ def _adafactor(cfg, lr, mesh) -> optax.GradientTransformation:
     )
 
 
-def build_optimizer(optim_cfg, schedule_cfg, total_steps: int, mesh=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(optim_cfg, schedule_cfg, total_steps: int, stack_sharding=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(transformation, schedule): optional global-norm clipping, then the named optimizer.
-    `mesh`: the device mesh the state will live on, for optimizers whose update computes per
-    device (Shampoo's root refresh); None on one device and for abstract shapes."""
+    `stack_sharding`: where Shampoo's stacked state lives on the mesh (`parallel.stack_sharding`),
+    so that each device refreshes its own blocks' roots; None on one device and for abstract
+    shapes. This package builds no shardings itself."""
     schedule = build_schedule(schedule_cfg, optim_cfg.lr, total_steps)
-    opt = OPTIMIZERS.get(optim_cfg.name)(optim_cfg, schedule, mesh)
+    opt = OPTIMIZERS.get(optim_cfg.name)(optim_cfg, schedule, stack_sharding)
     if optim_cfg.clip_grad_norm is not None:
         if optim_cfg.clip_grad_norm <= 0:
             raise ConfigError(f"optim.clip_grad_norm={optim_cfg.clip_grad_norm} must be positive or null")

@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from dalle_ablate.registry import ConfigError
 
@@ -210,20 +209,6 @@ class StackState(NamedTuple):
     last_failed: jax.Array  # [n] int32: 1 where the latest refresh was rejected
 
 
-def stack_spec(n: int, ndim: int, mesh_sizes: dict[str, int]) -> P:
-    """Where a stacked state array ([n, b, b] statistics and roots, [n] errors and failure
-    counts) lives on a mesh: its block axis split over as many mesh axes as divide n (fsdp first,
-    then model, then data), each block whole on one device -- Distributed Shampoo's layout
-    (arXiv 2002.09018, sec. 5): every device keeps and inverts only its own blocks."""
-    axes, size = [], 1
-    for a in ("fsdp", "model", "data"):
-        s = mesh_sizes.get(a, 1)
-        if s > 1 and n % (size * s) == 0:
-            axes.append(a)
-            size *= s
-    return P(tuple(axes) if axes else None, *([None] * (ndim - 1)))
-
-
 class ShampooState(NamedTuple):
     count: jax.Array
     graft: Any  # per-parameter graft second moments; None for sgd, which keeps none
@@ -258,7 +243,7 @@ def scale_by_shampoo(
     statistics_dtype: Any = jnp.float32,
     root_dtype: str = "float64",
     precondition_mask: Optional[Callable[[Any], Any]] = None,
-    mesh: Optional[Mesh] = None,
+    stack_sharding: Optional[Callable[[tuple[int, ...]], NamedSharding]] = None,
 ) -> optax.GradientTransformation:
     """The grafted, momentum-averaged Shampoo direction (chain with weight decay and
     optax.scale_by_learning_rate), step for step Google's `distributed_shampoo` as DALL·E Mega
@@ -267,8 +252,8 @@ def scale_by_shampoo(
     takes over at start_preconditioning_step), vectors preconditioned with their one statistic.
     `graft_beta2` None: beta2, as the reference has one beta2. `precondition_mask(params)` gives
     True where a parameter may be preconditioned (Mega's embeddings were too large for it). With
-    a `mesh`, the stacked state is split along its block axis (`stack_spec`) and each device
-    refreshes the inverse roots of its own blocks. `root_dtype`: where the eigendecompositions
+    `stack_sharding` (the shape of a stacked state array -> where it lives; `parallel.stack_sharding`
+    splits the block axis over the mesh) each device refreshes the inverse roots of its own blocks. `root_dtype`: where the eigendecompositions
     run (`batched_inverse_roots`); TPUs have no float64."""
     if graft not in GRAFTS:
         raise ConfigError(f"optim.graft={graft!r} is not a known graft; valid: {', '.join(sorted(GRAFTS))}")
@@ -279,7 +264,7 @@ def scale_by_shampoo(
     if preconditioning_every < 1 or block_size < 1:
         raise ConfigError("optim.preconditioning_every and optim.block_size must be >= 1")
     sdt = jnp.dtype(statistics_dtype)
-    sharded = mesh is not None and mesh.size > 1
+    sharded = stack_sharding is not None
     graft_beta2 = beta2 if graft_beta2 is None else graft_beta2
 
     def decay(b: float) -> float:
@@ -288,14 +273,11 @@ def scale_by_shampoo(
     def exponent(rank: int) -> int:
         return exponent_override or 2 * rank  # the reference: 2 x the number of statistics
 
-    def spec_of(x: jax.Array) -> P:
-        return stack_spec(int(x.shape[0]), x.ndim, dict(mesh.shape))
-
     def place(stacks: list[jax.Array]) -> list[jax.Array]:
         """Stacked arrays constrained to their block-axis split (nothing to do on one device)."""
         if not sharded:
             return stacks
-        return [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(x))) for x in stacks]
+        return [jax.lax.with_sharding_constraint(x, stack_sharding(x.shape)) for x in stacks]
 
     def plan_for(params) -> Plan:
         leaves = jax.tree.leaves(params)
@@ -377,13 +359,14 @@ def scale_by_shampoo(
         # 3. inverse roots, every preconditioning_every steps
         new_stacks = tuple(StackState(*place(list(st))) for st in new_stacks)
         do_refresh = functools.partial(refresh, keys=keys)
-        if sharded:
+        if sharded and new_stacks:
             # Per device, in shard_map over the block axis: no communication inside the loop of
             # eighs. Left to XLA's SPMD partitioner, the loop over a sharded stack inside the
             # refresh's lax.cond became collectives that devices reached in different orders
             # (a (2, 2, 2) mesh of CPU devices hung: some in an all-gather inside the
             # conditional, the others in the next all-reduce).
-            specs = tuple(StackState(*(spec_of(v) for v in st)) for st in new_stacks)
+            specs = tuple(StackState(*(stack_sharding(v.shape).spec for v in st)) for st in new_stacks)
+            mesh = stack_sharding(new_stacks[0].left.shape).mesh
             # check_vma=False: the refresh concatenates the local blocks of equal size from stacks
             # split over different axes, so JAX's type check sees every output as varying over
             # all of them; each block's root depends on that block alone, so a stack replicated

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.parallel.mesh import AXES, BATCH_AXES, build_mesh, check_batch, mesh_shape, pad_vocab_for_mesh
-from dalle_ablate.parallel.rules import LOGICAL_RULES, layout_specs, param_specs, state_specs
+from dalle_ablate.parallel.rules import LOGICAL_RULES, layout_specs, param_specs, stack_sharding, state_specs
 
 
 @dataclass(frozen=True)
@@ -86,5 +86,5 @@ def abstract_state(graph_fn, optimizer, placement: Placement, state_cls):
 
 __all__ = [
     "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "abstract_state", "build_mesh", "check_batch", "init_state", "layout_specs",
-    "make_placement", "mesh_shape", "pad_vocab_for_mesh", "param_specs", "state_specs",
+    "make_placement", "mesh_shape", "pad_vocab_for_mesh", "param_specs", "stack_sharding", "state_specs",
 ]

@@ -8,14 +8,15 @@ PartitionSpec over the mesh, and the optimizer state is laid out like the parame
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.optim import path_str
-from dalle_ablate.optim.shampoo import StackState, stack_spec
+from dalle_ablate.optim.shampoo import StackState
 from dalle_ablate.registry import ConfigError
 
 # logical axis -> mesh axis (or None: replicated along it)
@@ -72,6 +73,28 @@ def param_specs(logical_specs, shapes, mesh_sizes: dict[str, int]):
     for (path, x), logical in zip(flat_shapes, flat_logical):
         specs.append(spec_for(path_str(path), logical if logical is not None else P(), tuple(x.shape), mesh_sizes))
     return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def stack_spec(n: int, ndim: int, mesh_sizes: dict[str, int]) -> P:
+    """Where a stacked Shampoo state array ([n, b, b] statistics and roots, [n] errors and failure
+    counts) lives on a mesh: its block axis split over as many mesh axes as divide n (fsdp first,
+    then model, then data), each block whole on one device -- Distributed Shampoo's layout
+    (arXiv 2002.09018, sec. 5): every device keeps and inverts only its own blocks."""
+    axes, size = [], 1
+    for a in ("fsdp", "model", "data"):
+        s = mesh_sizes.get(a, 1)
+        if s > 1 and n % (size * s) == 0:
+            axes.append(a)
+            size *= s
+    return P(tuple(axes) if axes else None, *([None] * (ndim - 1)))
+
+
+def stack_sharding(mesh: Optional[Mesh]) -> Optional[Callable[[tuple[int, ...]], NamedSharding]]:
+    """What `scale_by_shampoo(stack_sharding=...)` needs: a stacked array's shape -> its
+    NamedSharding on this mesh; None on one device (nothing to place)."""
+    if mesh is None or mesh.size == 1:
+        return None
+    return lambda shape: NamedSharding(mesh, stack_spec(int(shape[0]), len(shape), dict(mesh.shape)))
 
 
 def state_specs(opt_state, params, specs, mesh_sizes: dict[str, int]):

@@ -21,6 +21,7 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, load_runs, series
 from dalle_ablate.report.stats import bootstrap_ci, bootstrap_diff, diverged, significant, spikes
+from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
 SECTIONS = ("overview", "curves", "final", "stability", "compute", "pareto", "grids", "config", "optuna")
 TITLES = {"overview": "Runs and variants", "curves": "Loss and gradient norm across seeds",
@@ -262,26 +263,6 @@ def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def wandb_report(title: str, group: Optional[str], entity: str = "", project: str = ""):
-    """The report's structure as a W&B report (wandb-workspaces): a run set filtered by the W&B
-    group, grouped by layout, line plots of the curves and a run comparer of the configs."""
-    import wandb_workspaces.reports.v2 as wr
-
-    filters = f'Group = "{group}"' if group else ""
-    # Offline: no entity/project on the run set (resolving them is a network call); the spec
-    # records the group, and `--wandb-entity/--wandb-project` save it to W&B when online.
-    runset = wr.Runset(entity=entity, project=project, name=group or "runs", filters=filters, groupby=["model.layout"])
-    blocks = [wr.H1(title), wr.P("Built by dalle-ablate report from the same run stores as the HTML report."),
-              wr.H2("Loss and gradient norm"),
-              wr.PanelGrid(runsets=[runset], panels=[wr.LinePlot(x="Step", y=["train/loss"]), wr.LinePlot(x="Step", y=["train/grad_norm"]),
-                                                     wr.LinePlot(x="Step", y=["eval/valid/loss"])]),
-              wr.H2("Equal compute"),
-              wr.PanelGrid(runsets=[runset], panels=[wr.LinePlot(x="tokens", y=["eval/valid/loss"])]),
-              wr.H2("Final metrics"),
-              wr.PanelGrid(runsets=[runset], panels=[wr.RunComparer(diff_only="split")])]
-    return wr.Report(project=project or "dalle-ablate", entity=entity or "offline", title=title, blocks=blocks)
-
-
 def build_report(source: str, out_dir: str | Path = "reports", name: Optional[str] = None,
                  baseline: Optional[str] = None, wandb_entity: str = "", wandb_project: str = "") -> Path:
     runs = load_runs(source)
@@ -306,8 +287,7 @@ def build_report(source: str, out_dir: str | Path = "reports", name: Optional[st
     runs_csv(runs, info["stability"]).to_csv(folder / "runs.csv", index=False)
     group = next((r.meta.get("wandb_group") for r in runs if r.meta.get("wandb_group")), None)
     report = wandb_report(title, group)
-    spec = {"title": title, "group": group, "runs": [r.name for r in runs],
-            "report": json.loads(report._to_model().model_dump_json(by_alias=True))}
+    spec = {"title": title, "group": group, "runs": [r.name for r in runs], "report": report_spec(report)}
     atomic_write(folder / "wandb_report.json", json.dumps(spec, indent=1))
     if wandb_entity and wandb_project:  # online: the same report saved to W&B
         saved = wandb_report(title, group, wandb_entity, wandb_project).save()

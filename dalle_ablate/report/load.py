@@ -14,6 +14,7 @@ import pandas as pd
 import yaml
 
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.track.wandb_api import group_runs
 
 # Config fields that never make two runs different variants: the seed (runs of one variant
 # differ by it), the sweeper's link, where things are written, how progress is shown.
@@ -121,18 +122,11 @@ def load_wandb_group(source: str, api=None) -> list[Run]:
         entity, project, group = source[len("wandb:"):].split("/", 2)
     except ValueError as e:
         raise ConfigError(f"report: {source!r} is not wandb:ENTITY/PROJECT/GROUP") from e
-    if api is None:
-        import wandb
-
-        api = wandb.Api(timeout=60)
     runs = []
-    for r in api.runs(f"{entity}/{project}", filters={"group": group}):
+    for r in group_runs(entity, project, group, api):
         config = dict(r.config)
         meta = config.pop("meta", {}) or {}
-        rows = [{("step" if k == "_step" else k): v for k, v in row.items() if not k.startswith("_") or k == "_step"}
-                for row in r.scan_history()]
-        runs.append(Run(r.name, Path(f"wandb:{entity}/{project}/{r.id}"), flatten(config), meta, dict(r.summary),
-                        by_step(rows)))
+        runs.append(Run(r.name, Path(f"wandb:{entity}/{project}/{r.id}"), flatten(config), meta, r.summary, by_step(r.history)))
     if not runs:
         raise ConfigError(f"report: W&B group {group!r} of {entity}/{project} has no runs")
     return runs

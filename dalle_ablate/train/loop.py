@@ -17,23 +17,33 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from dalle_ablate.config import RunConfig
-from dalle_ablate.data import build_dataset
 from dalle_ablate.data.base import host_share
 from dalle_ablate.evaluate.runner import evaluation_or_none
 from dalle_ablate.generate import image_grid, make_sampler
-from dalle_ablate.model import abstract_model, build_model, param_count, resolve
+from dalle_ablate.model import abstract_model, param_count
 from dalle_ablate.model.flops import train_flops_per_example
-from dalle_ablate.optim import build_optimizer
-from dalle_ablate.parallel import Placement, build_mesh, check_batch, distributed, init_state, make_placement, pad_vocab_for_mesh
+from dalle_ablate.parallel import Placement, distributed
 from dalle_ablate.registry import first_line
 from dalle_ablate.track import build_tracker
 from dalle_ablate.track.runstore import read_metrics
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
 from dalle_ablate.train.perf import device_peak_flops
-from dalle_ablate.train.step import TrainState, make_eval_step, make_train_step
+from dalle_ablate.train.assembly import assemble
+from dalle_ablate.train.step import make_eval_step
 
 SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
+
+
+class RunHooks:
+    """What a caller above the trainer hears from it, on process 0 only (job.py's Optuna trial)."""
+
+    def started(self, run_dir: Path, processes: int) -> None:
+        """The run store exists and nothing has been trained yet."""
+
+    def should_stop(self, eval_loss: float, step: int) -> bool:
+        """Asked after each evaluation before the last step: True stops the run as "pruned"."""
+        return False
 
 
 @dataclass
@@ -45,6 +55,7 @@ class JobInfo:
     group: Optional[str] = None
     overrides: list[str] = field(default_factory=list)
     config: Optional[dict] = None  # the resolved, nested config to record (default: from RunConfig)
+    hooks: RunHooks = field(default_factory=RunHooks)
 
 
 @dataclass
@@ -80,182 +91,190 @@ def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_s
     return image_grid(dataset.decode_images(codes), captions, cfg.samples.per_caption), captions
 
 
+class StepLogger:
+    """Each step's metrics, logged one step late: the next step is already queued when this one's
+    values are fetched, so the device never waits on the host. Keeps the first, last and last
+    finite loss, and times steps between boundaries (eval and save time is not step time)."""
+
+    def __init__(self, tracker, bar, t, flops_per_step: float, tokens_per_step: int, peak_all: float):
+        self.tracker, self.bar, self.t = tracker, bar, t
+        self.flops_per_step, self.tokens_per_step, self.peak_all = flops_per_step, tokens_per_step, peak_all
+        self.pending: Optional[tuple[int, dict]] = None
+        self.clock, self.compiled = time.perf_counter(), False
+        self.first_loss = self.last_loss = math.nan
+        self.last_finite: Optional[tuple[int, float]] = None  # (step, loss): what a diverged run reports
+        self.reason = ""
+
+    def push(self, step: int, metrics: dict) -> bool:
+        """Log the step in flight and hold this one; False once a loss is not finite."""
+        ok = self.flush()
+        self.pending = (step, metrics)
+        return ok
+
+    def flush(self) -> bool:
+        """Fetch and log the step in flight (if any); False if its loss is not finite."""
+        if self.pending is None:
+            return True
+        (step, metrics), self.pending = self.pending, None
+        t = self.t
+        per_layer = step % t.log_every == 0 or step == t.steps
+        values = jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
+        now = time.perf_counter()
+        dt, self.clock = now - self.clock, now
+        row = {k: float(v) for k, v in values.items()}
+        row.update({"samples": step * t.batch_size, "tokens": step * self.tokens_per_step})
+        if self.compiled:
+            row.update({"perf/step_time": dt, "perf/tokens_per_s": self.tokens_per_step / dt,
+                        "perf/mfu": self.flops_per_step / (dt * self.peak_all)})
+            self.bar.set_postfix(loss=f"{row['train/loss']:.3f}", tok_s=f"{self.tokens_per_step / dt:,.0f}", refresh=False)
+        else:
+            row["perf/compile_time"] = dt  # the first step includes compilation
+            self.compiled = True
+        self.tracker.log(row, step)
+        self.bar.update(1)
+        self.last_loss = row["train/loss"]
+        self.first_loss = self.last_loss if math.isnan(self.first_loss) else self.first_loss
+        if math.isfinite(self.last_loss):
+            self.last_finite = (step, self.last_loss)
+            return True
+        self.reason = f"diverged at step {step}: train/loss={self.last_loss}; " + (
+            f"last finite loss {self.last_finite[1]:.4f} at step {self.last_finite[0]}" if self.last_finite
+            else "no finite loss before it")
+        return False
+
+    def restart_clock(self) -> None:
+        self.clock = time.perf_counter()
+
+
+class Boundaries:
+    """What happens between steps: the validation loss every `eval_every`, a checkpoint every
+    `save_every`, the sampling evaluation every `eval.every` (each also at the last step), and
+    the caller's `should_stop` after each validation loss."""
+
+    def __init__(self, cfg: RunConfig, run, tracker, ckpt, job: JobInfo, t_start: float):
+        self.cfg, self.run, self.tracker, self.ckpt, self.job, self.t_start = cfg, run, tracker, ckpt, job, t_start
+        model_cfg = run.model_cfg
+        # Evaluation in float32 whatever the training compute dtype: the same parameters merged
+        # into the float32 variant of the model (the dtype lives in the graph, not the weights).
+        eval_graphdef = run.graphdef if model_cfg.dtype == "float32" else nnx.split(
+            abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
+        self.eval_step = make_eval_step(eval_graphdef, run.placement)
+        self.evaluation = evaluation_or_none(cfg, run.dataset, model_cfg, eval_graphdef, tracker, run.placement.replicated)
+        self.eval_loss = math.nan
+
+    def due(self, step: int) -> tuple[bool, bool, bool]:
+        t, last = self.cfg.trainer, step == self.cfg.trainer.steps
+        every = self.cfg.eval.every
+        return (step % t.eval_every == 0 or last, step % t.save_every == 0 or last,
+                self.evaluation is not None and (bool(every and step % every == 0) or last))
+
+    def run_at(self, step: int, state) -> bool:
+        """Evaluate, save and sample as due at this step; True when the run is to stop here."""
+        t = self.cfg.trainer
+        evaluate_now, save_now, sample_now = self.due(step)
+        if evaluate_now:
+            self.eval_loss = evaluate(self.eval_step, state.params, self.run.dataset, t.batch_size, t.eval_batches,
+                                      self.run.placement)
+            tokens = step * t.batch_size * (self.run.model_cfg.text_len + self.run.model_cfg.image_len)
+            self.tracker.log({"eval/valid/loss": self.eval_loss, "samples": step * t.batch_size, "tokens": tokens}, step)
+        if save_now:  # before the sampling evaluation: a failure there never costs a checkpoint
+            self.ckpt.save(step, state)
+            self.tracker.log_summary({"wall_time": time.perf_counter() - self.t_start, "steps": step})
+        if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
+            self.evaluation.run(state.params, step, self.job.name or self.job.job_dir.name)
+        stop = (evaluate_now and jax.process_index() == 0 and step < t.steps
+                and self.job.hooks.should_stop(self.eval_loss, step))
+        if stop and not save_now:
+            self.ckpt.save(step, state)  # a stopped run can be resumed
+        return stop
+
+
+def resume_source(cfg: RunConfig, ckpt_dir: Path):
+    """(checkpoint folder, step or None for the latest) to start from, or None for a fresh start:
+    `resume=auto` continues this run store's own checkpoints, a path restores from there."""
+    if cfg.resume == "auto":
+        return (ckpt_dir, None) if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()) else None
+    return checkpoint.find_checkpoints(cfg.resume) if cfg.resume else None
+
+
+def continued_summary(run_dir: Path, log: StepLogger, bounds: Boundaries) -> float:
+    """Continuing this run store: the summary starts from what was logged before the
+    interruption (its first loss; its last ones if no step is left to run). Returns the wall
+    time of the earlier processes up to their last checkpoint (recorded at each save)."""
+    rows = read_metrics(run_dir)
+    train_losses = [float(r["train/loss"]) for r in rows if "train/loss" in r]
+    eval_losses = [float(r["eval/valid/loss"]) for r in rows if "eval/valid/loss" in r]
+    if train_losses:
+        log.first_loss, log.last_loss = train_losses[0], train_losses[-1]
+    bounds.eval_loss = eval_losses[-1] if eval_losses else math.nan
+    saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return float(saved.get("wall_time", 0.0))
+
+
 def train(cfg: RunConfig, job: JobInfo) -> Result:
     t_start = time.perf_counter()
     distributed.initialize(cfg.distributed)  # before anything touches a device
-    run_dir = Path(job.job_dir) / "run"
-    pi = jax.process_index()
-    t = cfg.trainer
-
-    mesh = build_mesh(cfg.mesh)  # checked before any data is read or anything compiles
-    check_batch(t, tuple(mesh.shape.values()))
-    dataset = build_dataset(cfg.data, cfg.model)
-    model_cfg = resolve(cfg.model, dataset.image_len, dataset.image_vocab, dataset.text.vocab_size)
-    model_cfg = pad_vocab_for_mesh(model_cfg, mesh.shape["model"])
-    abstract = abstract_model(model_cfg)
-    graphdef = nnx.split(abstract, nnx.Param)[0]
-    n_params = param_count(abstract)
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, t.steps, mesh)
-    placement = make_placement(mesh, abstract, optimizer, TrainState)
-    state = init_state(lambda: build_model(model_cfg, cfg.seed), optimizer, placement, TrainState)
-
-    # Resume: `auto` continues this run store's own checkpoints; a path restores from there.
-    ckpt_dir = run_dir / "checkpoints"
+    run_dir, t, pi = Path(job.job_dir) / "run", cfg.trainer, jax.process_index()
+    run = assemble(cfg)  # the mesh and batch are checked before any data is read or anything compiles
+    state = run.init_state()
+    source = resume_source(cfg, run_dir / "checkpoints")
     start_step = 0
-    source = None
-    if cfg.resume == "auto":
-        if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
-            source = (ckpt_dir, None)
-    elif cfg.resume:
-        source = checkpoint.find_checkpoints(cfg.resume)
     if source is not None:
         start_step, state = checkpoint.restore(*source, target=state)
-
-    flops_per_step = train_flops_per_example(model_cfg) * t.batch_size
-    peak, peak_source = device_peak_flops()  # of one device
-    peak_all = peak * mesh.size  # the step runs on every device of the mesh
-    tokens_per_step = t.batch_size * (model_cfg.text_len + model_cfg.image_len)
-    meta = run_meta(
-        job.overrides, n_params, flops_per_step, peak, peak_source, asdict(model_cfg), dataset.info, resumed_from=start_step
-    )
-    meta["mesh"] = dict(mesh.shape)
+    flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
+    peak, peak_source = device_peak_flops()  # of one device; the step runs on every device of the mesh
+    meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
+                    run.dataset.info, resumed_from=start_step)
+    meta["mesh"] = dict(run.mesh.shape)
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
-    tracker = build_tracker(
-        cfg.tracker,
-        run_dir,
-        job.config if job.config is not None else asdict(cfg),
-        meta,
-        name=job.name,
-        group=job.group,
-        job_type=cfg.model.layout,
-        resume_step=start_step if source is not None else None,
-        is_main_process=pi == 0,
-    )
-    status, reason = "failed", ""
+    tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
+                            group=job.group, job_type=cfg.model.layout, resume_step=start_step if source is not None else None,
+                            is_main_process=pi == 0)
+    status = "failed"
     try:
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
-        ckpt = checkpoint.Checkpointer(ckpt_dir, t.keep_checkpoints)
-        train_step = make_train_step(graphdef, optimizer, schedule, t.grad_accum, cfg.seed, placement)
-        # Evaluation in float32 whatever the training compute dtype: the same parameters merged
-        # into the float32 variant of the model (the dtype lives in the graph, not the weights).
-        eval_graphdef = graphdef if model_cfg.dtype == "float32" else nnx.split(
-            abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
-        eval_step = make_eval_step(eval_graphdef, placement)
-        evaluation = evaluation_or_none(cfg, dataset, model_cfg, eval_graphdef, tracker, placement.replicated)
-        batches = dataset.train_batches(t.batch_size, cfg.seed, start_step, *placement.host_rows(t.batch_size))
+        ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
+        train_step = run.train_step()
+        bounds = Boundaries(cfg, run, tracker, ckpt, job, t_start)
+        batches = run.dataset.train_batches(t.batch_size, cfg.seed, start_step, *run.placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
-        first_loss = last_loss = eval_loss = math.nan
+        tokens_per_step = t.batch_size * (run.model_cfg.text_len + run.model_cfg.image_len)
+        log = StepLogger(tracker, bar, t, flops_per_step, tokens_per_step, peak * run.mesh.size)
         if source is not None and cfg.resume == "auto" and pi == 0:
-            # Continuing this run store: the summary starts from what was logged before the
-            # interruption (its first loss; its last ones if no step is left to run).
-            rows = read_metrics(run_dir)
-            train_losses = [float(r["train/loss"]) for r in rows if "train/loss" in r]
-            eval_losses = [float(r["eval/valid/loss"]) for r in rows if "eval/valid/loss" in r]
-            if train_losses:
-                first_loss, last_loss = train_losses[0], train_losses[-1]
-            eval_loss = eval_losses[-1] if eval_losses else math.nan
-            # wall_time counts the earlier processes up to their last checkpoint (recorded at each save).
-            saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-            t_start -= float(saved.get("wall_time", 0.0))
-        last_finite = None  # (step, loss): what a diverged run reports
-        pruning = None
-        if cfg.optuna.trial is not None and pi == 0:  # launched by the Optuna sweeper
-            from dalle_ablate.sweep.trial import pruning_for, record_run_dir
-
-            record_run_dir(cfg.optuna, run_dir)
-            if jax.process_count() == 1:
-                pruning = pruning_for(cfg.optuna)
-        pending = None
-        clock = {"t": time.perf_counter(), "compiled": False}
-
-        def flush() -> float:
-            """Fetch and log the metrics of the step in flight (the next one is already queued, so
-            the device never waits on this host sync)."""
-            nonlocal pending
-            step, metrics = pending
-            pending = None
-            per_layer = step % t.log_every == 0 or step == t.steps
-            values = jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
-            now = time.perf_counter()
-            dt, clock["t"] = now - clock["t"], now
-            row = {k: float(v) for k, v in values.items()}
-            row.update({"samples": step * t.batch_size, "tokens": step * tokens_per_step})
-            if clock["compiled"]:
-                row.update({
-                    "perf/step_time": dt,
-                    "perf/tokens_per_s": tokens_per_step / dt,
-                    "perf/mfu": flops_per_step / (dt * peak_all),
-                })
-                bar.set_postfix(loss=f"{row['train/loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
-            else:
-                row["perf/compile_time"] = dt  # the first step includes compilation
-                clock["compiled"] = True
-            tracker.log(row, step)
-            bar.update(1)
-            return row["train/loss"]
-
-        def record() -> bool:
-            """Log the step in flight; False once the loss is no longer finite."""
-            nonlocal first_loss, last_loss, last_finite, reason
-            step = pending[0]
-            last_loss = flush()
-            first_loss = last_loss if math.isnan(first_loss) else first_loss
-            if math.isfinite(last_loss):
-                last_finite = (step, last_loss)
-                return True
-            reason = f"diverged at step {step}: train/loss={last_loss}; " + (
-                f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "no finite loss before it")
-            return False
-
+            bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
+        if pi == 0:
+            job.hooks.started(run_dir, jax.process_count())
         for step in range(start_step + 1, t.steps + 1):
             ckpt.check()  # a checkpoint that failed in the background stops the run here
-            state, metrics = train_step(state, placement.global_batch(next(batches), t.batch_size))
-            if pending is not None and not record():
+            state, metrics = train_step(state, run.placement.global_batch(next(batches), t.batch_size))
+            if not log.push(step, metrics):
                 status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
                 break
-            pending = (step, metrics)
-            evaluate_now = step % t.eval_every == 0 or step == t.steps
-            save_now = step % t.save_every == 0 or step == t.steps
-            sample_now = evaluation is not None and ((cfg.eval.every and step % cfg.eval.every == 0) or step == t.steps)
-            if evaluate_now or save_now or sample_now:
-                if not record():
+            if any(bounds.due(step)):
+                if not log.flush():
                     status = "diverged"
                     break
-                if evaluate_now:
-                    eval_loss = evaluate(eval_step, state.params, dataset, t.batch_size, t.eval_batches, placement)
-                    tracker.log({"eval/valid/loss": eval_loss, "samples": step * t.batch_size, "tokens": step * tokens_per_step}, step)
-                if save_now:  # before the sampling evaluation: a failure there never costs a checkpoint
-                    ckpt.save(step, state)
-                    tracker.log_summary({"wall_time": time.perf_counter() - t_start, "steps": step})
-                if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
-                    evaluation.run(state.params, step, job.name or run_dir.parent.name)
-                clock["t"] = time.perf_counter()  # eval and save time is not step time
-                if evaluate_now and pruning is not None and step < t.steps and pruning.report(eval_loss, step):
-                    status = "pruned"  # the sweep's pruner stops this trial (optuna, via sweep/trial.py)
-                    if not save_now:
-                        ckpt.save(step, state)
+                stop = bounds.run_at(step, state)
+                log.restart_clock()
+                if stop:
+                    status = "pruned"  # e.g. the sweep's pruner stopped this trial (job.py)
+                    log.reason = f"pruned at step {step} of {t.steps} (eval loss {bounds.eval_loss:.4f})"
                     break
         else:
             status = "finished"
-        if pending is not None:
-            last_loss = flush()
+        log.flush()
         bar.close()
         final_step = int(jax.device_get(state.step))
         if status == "finished":
-            grid = sample_grid(graphdef, state.params, dataset, model_cfg, cfg, jax.random.fold_in(jax.random.key(cfg.seed), 1),
-                               placement.replicated)
+            grid = sample_grid(run.graphdef, state.params, run.dataset, run.model_cfg, cfg,
+                               jax.random.fold_in(jax.random.key(cfg.seed), 1), run.placement.replicated)
             if grid is not None:
                 tracker.log_image("samples/grid", grid[0], final_step, caption=" | ".join(grid[1]))
-        summary = {
-            "train/loss": last_loss,
-            "train/first_loss": first_loss,
-            "eval/valid/loss": eval_loss,
-            "data/code_unigram_entropy": dataset.info.get("code_unigram_entropy"),
-            "steps": final_step,
-            "wall_time": time.perf_counter() - t_start,
-        }
-        if reason:
-            summary["reason"] = reason
+        summary = {"train/loss": log.last_loss, "train/first_loss": log.first_loss, "eval/valid/loss": bounds.eval_loss,
+                   "data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
+                   "wall_time": time.perf_counter() - t_start}
+        if log.reason:
+            summary["reason"] = log.reason
         tracker.log_summary(summary)
         ckpt.close()
         tracker.finish(status)
@@ -266,10 +285,5 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         tracker.log_summary({"reason": first_line(e)})
         tracker.finish("failed")
         raise
-    if status == "pruned":
-        import optuna
-
-        raise optuna.TrialPruned(f"pruned at step {final_step} of {t.steps} (eval loss {eval_loss:.4f})")
-    return Result(eval_loss=eval_loss, train_loss=last_loss, steps=final_step, run_dir=run_dir, status=status, summary=summary,
-                  reason=reason)
-
+    return Result(eval_loss=bounds.eval_loss, train_loss=log.last_loss, steps=final_step, run_dir=run_dir, status=status,
+                  summary=summary, reason=log.reason)

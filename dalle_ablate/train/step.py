@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from dalle_ablate.model import token_nll
 from dalle_ablate.optim import path_str, shampoo_stats
 
 
@@ -19,12 +20,6 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: Any  # pure dict of float32 master weights
     opt_state: Any
-
-
-def token_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> jax.Array:
-    """Teacher-forced NLL of every image code, float32 [B, I]."""
-    logits = model(text, text_mask, codes, dropout_key=dropout_key)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, codes)
 
 
 def image_loss(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, jax.Array]:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import numpy as np
-from flax import nnx
 from PIL import Image
 from tqdm.auto import tqdm
 
+from dalle_ablate.data.parquet import write_parquet
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.vqgan.codes import encode_images
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
@@ -47,44 +47,17 @@ def load_square(path: Path, size: int) -> np.ndarray:
     return np.asarray(img.crop((left, top, left + size, top + size)), np.uint8)
 
 
-_COMPILED: dict = {}  # (id(model), method) -> (model, jitted fn, state): one compile per model and method
-
-
-def _jitted(model, method: str):
-    key = (id(model), method)
-    if key not in _COMPILED:
-        graphdef, state = nnx.split(model)
-        _COMPILED[key] = (model, jax.jit(lambda s, x: getattr(nnx.merge(graphdef, s), method)(x)), state)
-    _, fn, state = _COMPILED[key]
-    return fn, state
-
-
 def encode_folder(folder: str | Path, vqgan, out: str | Path, batch: int = 16, progress: bool = True) -> Path:
     """Encode every image of `folder`; write `out/data.parquet`. Returns its path."""
-    from dalle_ablate.data.parquet import write_parquet
-
     pairs = image_caption_pairs(folder)
     size = vqgan.cfg.resolution
-    fn, state = _jitted(vqgan, "encode")
     codes = []
     for start in tqdm(range(0, len(pairs), batch), total=-(-len(pairs) // batch), unit="batch", disable=not progress,
                       desc="encoding"):
-        chunk = pairs[start : start + batch]
-        images = np.stack([load_square(p, size) for p, _ in chunk])
-        pad = np.concatenate([images, np.repeat(images[-1:], batch - len(images), 0)])  # one compiled shape
-        codes.append(np.asarray(fn(state, pad))[: len(images)])
+        images = np.stack([load_square(p, size) for p, _ in pairs[start : start + batch]])
+        codes.append(encode_images(vqgan, images, batch))
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "data.parquet"
     write_parquet(path, [c for _, c in pairs], np.concatenate(codes))
     return path
-
-
-def decode_codes(vqgan, codes: np.ndarray, batch: int = 16) -> np.ndarray:
-    fn, state = _jitted(vqgan, "decode")
-    out = []
-    for start in range(0, len(codes), batch):
-        chunk = np.asarray(codes[start : start + batch])
-        pad = np.concatenate([chunk, np.repeat(chunk[-1:], batch - len(chunk), 0)])
-        out.append(np.asarray(fn(state, pad))[: len(chunk)])
-    return np.concatenate(out)

@@ -1,0 +1,83 @@
+"""The Hydra task function (`run.py`): from the composed config to a training run, and, when the
+Optuna sweeper launched the job, the bridge to its trial -- the trainer itself knows nothing of
+Optuna: it calls `RunHooks` and reports "pruned", which this module turns into the
+`optuna.TrialPruned` the sweeper records."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from dalle_ablate.cli import run_hydra
+from dalle_ablate.registry import RunFailed
+from dalle_ablate.train.loop import JobInfo, RunHooks, train
+from dalle_ablate.validate import to_run_config
+
+
+def job_info(cfg: DictConfig) -> JobInfo:
+    hc = HydraConfig.get()
+    overrides = list(hc.overrides.task)
+    multirun = hc.mode == RunMode.MULTIRUN
+    return JobInfo(
+        job_dir=Path(hc.runtime.output_dir),
+        # W&B: group = the multirun (or sweep) folder, name = the overrides that made this job.
+        group=hc.sweep.dir if multirun else None,
+        name=hc.job.override_dirname or hc.job.name,
+        overrides=overrides,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+class TrialHooks(RunHooks):
+    """A job launched by the Optuna sweeper (`optuna.*` set): its run store recorded on the trial
+    at the start, and the study's pruner asked after each evaluation -- in a single-process run
+    only, since other processes could not agree with process 0 on when to stop."""
+
+    def __init__(self, link):
+        self.link = link
+        self.pruning = None
+
+    def started(self, run_dir: Path, processes: int) -> None:
+        from dalle_ablate.sweep.trial import pruning_for, record_run_dir
+
+        record_run_dir(self.link, run_dir)
+        if processes == 1:
+            self.pruning = pruning_for(self.link)
+
+    def should_stop(self, eval_loss: float, step: int) -> bool:
+        return self.pruning is not None and self.pruning.report(eval_loss, step)
+
+
+def run(cfg: DictConfig) -> float | list[float]:
+    # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found would bury the progress
+    # bar. orbax logs through absl: its per-save chatter, and a failed save once per thread with a
+    # traceback, which the Checkpointer reports in one line instead (train/checkpoint.py).
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    run_cfg = to_run_config(cfg)
+    job = job_info(cfg)
+    if run_cfg.optuna.trial is not None:
+        job.hooks = TrialHooks(run_cfg.optuna)
+    result = train(run_cfg, job)
+    if result.status == "diverged":
+        # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
+        raise RunFailed(f"{job.name}: {result.reason} (run store {result.run_dir})", RunFailed.DIVERGED)
+    if result.status == "pruned":
+        import optuna
+
+        raise optuna.TrialPruned(result.reason)
+    values = [float(result.summary[k]) for k in run_cfg.objectives]
+    return values[0] if len(values) == 1 else values
+
+
+# The configs are the package's own (dalle_ablate/conf), found beside this module from a checkout
+# and from an installed wheel alike.
+main = hydra.main(version_base="1.3", config_path="conf", config_name="config")(run)
+
+if __name__ == "__main__":
+    run_hydra(main)

@@ -1,0 +1,72 @@
+"""One run put together from its config, in one place: device mesh, dataset, model config with the
+data's sizes, graph, optimizer and schedule, placement, and the train state. Training, `dalle-ablate
+eval`, the mesh tests and the benchmarks all start here, so they cannot drift apart."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from dalle_ablate.config import RunConfig
+from dalle_ablate.data import Dataset, build_dataset
+from dalle_ablate.model import abstract_model, build_model, resolve
+from dalle_ablate.optim import build_optimizer
+from dalle_ablate.parallel import Placement, abstract_state, build_mesh, check_batch, init_state, make_placement, pad_vocab_for_mesh
+from dalle_ablate.parallel import stack_sharding
+from dalle_ablate.train.step import TrainState, make_train_step
+
+
+@dataclass
+class Assembly:
+    cfg: RunConfig
+    mesh: Mesh
+    dataset: Optional[Dataset]  # None when the sizes were given instead (nothing read)
+    model_cfg: Any  # the ModelConfig with the data's sizes, vocabulary rows padded for the mesh
+    abstract: nnx.Module  # the model's shapes, nothing allocated
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    placement: Placement
+
+    @property
+    def graphdef(self):
+        return nnx.split(self.abstract, nnx.Param)[0]
+
+    def init_state(self) -> TrainState:
+        """The initial state from the run's seed, created in its shards."""
+        return init_state(lambda: build_model(self.model_cfg, self.cfg.seed), self.optimizer, self.placement, TrainState)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, nothing allocated: a checkpoint's restore target."""
+        return abstract_state(lambda: build_model(self.model_cfg, self.cfg.seed), self.optimizer, self.placement, TrainState)
+
+    def train_step(self):
+        """The jitted step (state, global batch) -> (state, metrics)."""
+        return make_train_step(self.graphdef, self.optimizer, self.schedule, self.cfg.trainer.grad_accum, self.cfg.seed,
+                               self.placement)
+
+
+def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Optional[dict] = None, devices=None,
+             model_axis: Optional[int] = None, dtype: Optional[str] = None) -> Assembly:
+    """The run of `cfg` on `devices` (default: all). Its data: `dataset` if given, else the
+    `sizes` (image_len, image_vocab, text_vocab; no data read: `data.abstract_sizes` gives them
+    from the config), else the dataset the config names, built here. `model_axis`: pad the
+    vocabulary rows for this model axis instead of the mesh's (a checkpoint saved on another
+    mesh); `dtype`: the compute dtype instead of the config's (evaluation runs in float32). The
+    mesh and batch are checked before any data is read or anything compiles."""
+    mesh = build_mesh(cfg.mesh, devices)
+    check_batch(cfg.trainer, tuple(mesh.shape.values()))
+    if sizes is None:
+        dataset = dataset if dataset is not None else build_dataset(cfg.data, cfg.model)
+        sizes = {"image_len": dataset.image_len, "image_vocab": dataset.image_vocab, "text_vocab": dataset.text.vocab_size}
+    model_cfg = pad_vocab_for_mesh(resolve(cfg.model, **sizes), mesh.shape["model"] if model_axis is None else model_axis)
+    if dtype is not None:
+        model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
+    abstract = abstract_model(model_cfg)
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, stack_sharding(mesh))
+    placement = make_placement(mesh, abstract, optimizer, TrainState)
+    return Assembly(cfg, mesh, dataset, model_cfg, abstract, optimizer, schedule, placement)
