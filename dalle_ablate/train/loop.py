@@ -106,9 +106,11 @@ class StepLogger:
         self.reason = ""
 
     def push(self, step: int, metrics: dict) -> bool:
-        """Log the step in flight and hold this one; False once a loss is not finite."""
+        """Log the step in flight and hold this one; False (holding nothing) once a loss is not
+        finite: the run stops there, and the step after it is never logged."""
         ok = self.flush()
-        self.pending = (step, metrics)
+        if ok:
+            self.pending = (step, metrics)
         return ok
 
     def flush(self) -> bool:
@@ -181,7 +183,7 @@ class Boundaries:
             self.ckpt.save(step, state)
             self.tracker.log_summary({"wall_time": time.perf_counter() - self.t_start, "steps": step})
         if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
-            self.evaluation.run(state.params, step, self.job.name or self.job.job_dir.name)
+            self.evaluation.run(state.params, step, self.job.name or Path(self.job.job_dir).name)
         stop = (evaluate_now and jax.process_index() == 0 and step < t.steps
                 and self.job.hooks.should_stop(self.eval_loss, step))
         if stop and not save_now:
