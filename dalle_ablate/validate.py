@@ -110,10 +110,10 @@ def validate(cfg: RunConfig) -> None:
     )
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
     if cfg.optim.name == "shampoo":
-        from dalle_ablate.optim.shampoo import GRAFT_SCOPES, GRAFTS
+        from dalle_ablate.optim.shampoo import GRAFT_SCOPES, GRAFTS, ROOT_DTYPES, STATISTICS_DTYPES
 
-        for name, valid in (("graft", GRAFTS), ("graft_scope", GRAFT_SCOPES), ("statistics_dtype", ("bfloat16", "float32")),
-                            ("root_dtype", ("auto", "float32", "float64"))):
+        for name, valid in (("graft", GRAFTS), ("graft_scope", GRAFT_SCOPES), ("statistics_dtype", STATISTICS_DTYPES),
+                            ("root_dtype", ("auto", *ROOT_DTYPES))):
             value = getattr(cfg.optim, name)
             _check(value in valid, f"optim.{name}={value!r} is not valid; valid: {', '.join(sorted(valid))}")
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]

@@ -9,6 +9,7 @@ import importlib.metadata as md
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -90,8 +91,6 @@ def test_packages_import_only_downward():
 
 def test_a_broken_layer_fails_the_contract(tmp_path):
     """The check can fail: a copy of the package whose model imports the trainer breaks it."""
-    import shutil
-
     shutil.copytree(ROOT / "dalle_ablate", tmp_path / "dalle_ablate", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     with open(tmp_path / "dalle_ablate" / "model" / "flops.py", "a") as f:
@@ -109,8 +108,14 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     are this environment's dependencies, and, from a folder outside the checkout, `python -m
     dalle_ablate describe`, `dalle-ablate plan` and a 5-step run of the default job work on the
     configs the wheel carries."""
+    # Built from the tracked files, copied: what a clean checkout holds, and setuptools' build/
+    # and egg-info land in the copy, not in the working tree.
+    src = tmp_path / "src"
+    for f in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split():
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, src / f)
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
                    check=True, capture_output=True, text=True)
     wheel = next(wheels.glob("dalle_ablate-*.whl"))
     venv = tmp_path / "venv"

@@ -8,7 +8,7 @@ import jax
 import optax
 
 from dalle_ablate.optim.schedules import SCHEDULES, build_schedule
-from dalle_ablate.optim.shampoo import scale_by_shampoo, shampoo_stats
+from dalle_ablate.optim.shampoo import STATISTICS_DTYPES, scale_by_shampoo, shampoo_stats
 from dalle_ablate.registry import ConfigError, Registry
 
 OPTIMIZERS: Registry = Registry("optimizer", "optim")
@@ -46,8 +46,8 @@ def root_dtype(name: str) -> str:
 @OPTIMIZERS.register("shampoo")
 def _shampoo(cfg, lr, stack_sharding) -> optax.GradientTransformation:
     # The grafted Shampoo direction with momentum, then decoupled weight decay, then the rate.
-    if cfg.statistics_dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"optim.statistics_dtype={cfg.statistics_dtype!r} is not valid; valid: bfloat16, float32")
+    if cfg.statistics_dtype not in STATISTICS_DTYPES:
+        raise ConfigError(f"optim.statistics_dtype={cfg.statistics_dtype!r} is not valid; valid: {', '.join(STATISTICS_DTYPES)}")
     direction = scale_by_shampoo(
         block_size=cfg.block_size, beta1=cfg.b1, beta2=cfg.b2, graft=cfg.graft, graft_beta2=cfg.graft_b2,
         graft_eps=cfg.graft_eps, graft_scope=cfg.graft_scope, matrix_eps=cfg.matrix_eps, exponent_override=cfg.exponent_override,

@@ -28,6 +28,7 @@ from dalle_ablate.registry import ConfigError
 GRAFTS = ("rmsprop_normalized", "rmsprop", "adagrad", "sgd", "adam")
 GRAFT_SCOPES = ("parameter", "block")
 ROOT_DTYPES = ("float64", "float32")
+STATISTICS_DTYPES = ("bfloat16", "float32")
 
 
 # -- static plan: how each parameter is reshaped and blocked ------------------------------------
@@ -150,13 +151,10 @@ def _symmetric(a: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 
 def inverse_root(a: jax.Array, p: int, ridge_eps: float, dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
-    """(A + ridge I)^(-1/p) by symmetric eigendecomposition in `dtype`, and its error
-    (`_root_from_eigh`), both float32."""
-    with jax.enable_x64(dtype == "float64"):
-        a = _symmetric(a, dtype)
-        lam, vec = jnp.linalg.eigh(a)
-        root, err = _root_from_eigh(a, lam, vec, p, ridge_eps)
-        return root.astype(jnp.float32), err.astype(jnp.float32)
+    """(A + ridge I)^(-1/p) of one matrix and its error (`_root_from_eigh`), both float32: a
+    stack of one through `batched_inverse_roots`."""
+    ((root, err),) = batched_inverse_roots([a[None]], [p], ridge_eps, dtype)
+    return root[0], err[0]
 
 
 def batched_inverse_roots(mats: list[jax.Array], ps: list[int], ridge_eps: float,
@@ -253,8 +251,8 @@ def scale_by_shampoo(
     `graft_beta2` None: beta2, as the reference has one beta2. `precondition_mask(params)` gives
     True where a parameter may be preconditioned (Mega's embeddings were too large for it). With
     `stack_sharding` (the shape of a stacked state array -> where it lives; `parallel.stack_sharding`
-    splits the block axis over the mesh) each device refreshes the inverse roots of its own blocks. `root_dtype`: where the eigendecompositions
-    run (`batched_inverse_roots`); TPUs have no float64."""
+    splits the block axis over the mesh) each device refreshes the inverse roots of its own blocks.
+    `root_dtype`: where the eigendecompositions run (`batched_inverse_roots`); TPUs have no float64."""
     if graft not in GRAFTS:
         raise ConfigError(f"optim.graft={graft!r} is not a known graft; valid: {', '.join(sorted(GRAFTS))}")
     if graft_scope not in GRAFT_SCOPES:

@@ -5,6 +5,7 @@ eval`, the mesh tests and the benchmarks all start here, so they cannot drift ap
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,9 +33,14 @@ class Assembly:
     schedule: optax.Schedule
     placement: Placement
 
-    @property
+    @functools.cached_property
     def graphdef(self):
         return nnx.split(self.abstract, nnx.Param)[0]
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Text and image tokens in one global batch."""
+        return self.cfg.trainer.batch_size * (self.model_cfg.text_len + self.model_cfg.image_len)
 
     def init_state(self) -> TrainState:
         """The initial state from the run's seed, created in its shards."""

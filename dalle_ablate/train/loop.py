@@ -170,15 +170,15 @@ class Boundaries:
         return (step % t.eval_every == 0 or last, step % t.save_every == 0 or last,
                 self.evaluation is not None and (bool(every and step % every == 0) or last))
 
-    def run_at(self, step: int, state) -> bool:
-        """Evaluate, save and sample as due at this step; True when the run is to stop here."""
+    def run_at(self, step: int, state, due: tuple[bool, bool, bool]) -> bool:
+        """Evaluate, save and sample as `due(step)` says; True when the run is to stop here."""
         t = self.cfg.trainer
-        evaluate_now, save_now, sample_now = self.due(step)
+        evaluate_now, save_now, sample_now = due
         if evaluate_now:
             self.eval_loss = evaluate(self.eval_step, state.params, self.run.dataset, t.batch_size, t.eval_batches,
                                       self.run.placement)
-            tokens = step * t.batch_size * (self.run.model_cfg.text_len + self.run.model_cfg.image_len)
-            self.tracker.log({"eval/valid/loss": self.eval_loss, "samples": step * t.batch_size, "tokens": tokens}, step)
+            self.tracker.log({"eval/valid/loss": self.eval_loss, "samples": step * t.batch_size,
+                              "tokens": step * self.run.tokens_per_step}, step)
         if save_now:  # before the sampling evaluation: a failure there never costs a checkpoint
             self.ckpt.save(step, state)
             self.tracker.log_summary({"wall_time": time.perf_counter() - self.t_start, "steps": step})
@@ -240,8 +240,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         bounds = Boundaries(cfg, run, tracker, ckpt, job, t_start)
         batches = run.dataset.train_batches(t.batch_size, cfg.seed, start_step, *run.placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
-        tokens_per_step = t.batch_size * (run.model_cfg.text_len + run.model_cfg.image_len)
-        log = StepLogger(tracker, bar, t, flops_per_step, tokens_per_step, peak * run.mesh.size)
+        log = StepLogger(tracker, bar, t, flops_per_step, run.tokens_per_step, peak * run.mesh.size)
         if source is not None and cfg.resume == "auto" and pi == 0:
             bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
         if pi == 0:
@@ -252,11 +251,12 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             if not log.push(step, metrics):
                 status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
                 break
-            if any(bounds.due(step)):
+            due = bounds.due(step)
+            if any(due):
                 if not log.flush():
                     status = "diverged"
                     break
-                stop = bounds.run_at(step, state)
+                stop = bounds.run_at(step, state, due)
                 log.restart_clock()
                 if stop:
                     status = "pruned"  # e.g. the sweep's pruner stopped this trial (job.py)
