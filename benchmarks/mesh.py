@@ -31,7 +31,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     import jax
     import numpy as np
 
-    from dalle_ablate.config import compose
+    from dalle_ablate.validate import compose
     from dalle_ablate.data import abstract_sizes
     from dalle_ablate.train.assembly import assemble
     from dalle_ablate.validate import to_run_config

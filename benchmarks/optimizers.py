@@ -36,7 +36,7 @@ def main() -> None:
 
     import jax
 
-    from dalle_ablate.config import compose
+    from dalle_ablate.validate import compose
     from dalle_ablate.validate import to_run_config
 
     rows, splits = {}, {}

@@ -61,7 +61,7 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from dalle_ablate.config import compose
+    from dalle_ablate.validate import compose
     from dalle_ablate.generate import make_sampler
     from dalle_ablate.model import build_model, resolve
     from dalle_ablate.validate import to_run_config

@@ -59,7 +59,7 @@ def main() -> None:
 
     tmp = offline_workdir("ttq-")
 
-    from dalle_ablate.config import compose
+    from dalle_ablate.validate import compose
     from dalle_ablate.train.loop import JobInfo, train
     from dalle_ablate.validate import to_run_config
 

@@ -37,7 +37,7 @@ def main() -> None:
 
     tmp = offline_workdir("bench-")
 
-    from dalle_ablate.config import compose
+    from dalle_ablate.validate import compose
     from dalle_ablate.data import build_dataset
     from dalle_ablate.track.runstore import read_metrics
     from dalle_ablate.train.loop import JobInfo, train

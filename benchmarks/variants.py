@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
-    from dalle_ablate.config import compose
+    from dalle_ablate.validate import compose
     from dalle_ablate.model import LAYOUTS
     from dalle_ablate.validate import to_run_config
 

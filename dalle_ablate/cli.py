@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from dalle_ablate.config import compose
+from dalle_ablate.validate import compose
 from dalle_ablate.registry import ConfigError, RunFailed
 
 

@@ -1,9 +1,15 @@
 """Name-based registries (as in big_vision): one place to add a variant, and a failed lookup
-that lists the valid names."""
+that lists the valid names. An option of a config group (an optimizer, schedule, dataset, tracker
+or model family) is registered once, by `Registry.option`, with its config dataclass: the builder
+goes in the registry and the dataclass in Hydra's ConfigStore, where the group's YAML presets
+start from it (`/schema/<group>_<name>@_here_`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Generic, TypeVar
+
+from hydra.core.config_store import ConfigStore
 
 T = TypeVar("T")
 
@@ -31,11 +37,53 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+_ABSENT = object()
+
+
+def check_ranges(section: Any, ranges: dict[str, str], prefix: str = "") -> None:
+    """Raise ConfigError for the first field of `ranges` (dotted paths under `section`, each
+    with an interval like "[0, 1)", "(0, inf)" or "[1, inf) or null") outside its interval, naming
+    `prefix.path` and the interval. Fields the section does not have are skipped."""
+    for path, spec in ranges.items():
+        *parents, leaf = path.split(".")
+        node = section
+        for part in parents:
+            node = getattr(node, part)
+        value = getattr(node, leaf, _ABSENT)
+        if value is _ABSENT:
+            continue
+        interval, optional = spec.removesuffix(" or null"), spec.endswith(" or null")
+        if value is None and optional:
+            continue
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        ok = value is not None and (lo <= value if interval[0] == "[" else lo < value)
+        ok = ok and (value <= hi if interval[-1] == "]" else value < hi)
+        check(ok, f"{prefix + '.' if prefix else ''}{path}={value} must be in {spec}")
+
+
+@dataclass
+class OptionConfig:
+    """Base of an option's config dataclass. `RANGES` (field -> interval, merged down the class
+    hierarchy) and `validate` run when the run config is validated, before anything is built."""
+
+    RANGES: ClassVar[dict[str, str]] = {}
+
+    def validate(self, run: Any) -> None:
+        """Checks beyond the ranges; `run` is the whole RunConfig, for checks that span groups."""
+
+
 class Registry(Generic[T]):
-    def __init__(self, kind: str, field: str):
+    def __init__(self, kind: str, field: str, key: str = "name"):
         self.kind = kind  # e.g. "layout"
-        self.field = field  # the config field users set, e.g. "model.layout"
+        self.field = field  # the config field users set, e.g. "model.layout"; for options, the group
+        self.key = key  # options: the field of the group's config that names the option
         self._items: dict[str, T] = {}
+        self._schemas: dict[str, type] = {}
 
     def register(self, name: str, item: T | None = None) -> Callable[[T], T] | T:
         def add(obj: T) -> T:
@@ -46,11 +94,43 @@ class Registry(Generic[T]):
 
         return add if item is None else add(item)
 
+    def option(self, name: str, schema: type) -> Callable[[T], T]:
+        """Decorator registering `builder` as option `name` of the config group `self.field`, with
+        `schema` (an OptionConfig dataclass whose `key` field defaults to `name`) stored in Hydra's
+        ConfigStore as `schema/<group>_<name>`."""
+        default = getattr(schema, self.key, None)
+        if default != name:
+            raise ValueError(f"{schema.__name__}.{self.key} defaults to {default!r}, not to its option name {name!r}")
+
+        def add(builder: T) -> T:
+            self.register(name, builder)
+            self._schemas[name] = schema
+            ConfigStore.instance().store(group="schema", name=f"{self.field}_{name}", node=schema)
+            return builder
+
+        return add
+
+    def validate(self, cfg: Any, run: Any) -> None:
+        """The chosen option exists, `cfg` is its schema, its fields are in range and its own
+        `validate(run)` passes."""
+        name = getattr(cfg, self.key)
+        self.get(name)
+        schema = self._schemas[name]
+        check(
+            isinstance(cfg, schema),
+            f"{self.field}.{self.key}={name!r} does not match the {self.field} preset chosen ({type(cfg).__name__}); "
+            f"choose the option itself with {self.field}={name}",
+        )
+        ranges: dict[str, str] = {}
+        for klass in reversed(type(cfg).__mro__):
+            ranges.update(vars(klass).get("RANGES", {}))
+        check_ranges(cfg, ranges, self.field)
+        cfg.validate(run)
+
     def get(self, name: str) -> T:
         if name not in self._items:
-            raise ConfigError(
-                f"{self.field}={name!r} is not a known {self.kind}; valid: {', '.join(self.names())}"
-            )
+            field = self.field if self.key == "name" else f"{self.field}.{self.key}"
+            raise ConfigError(f"{field}={name!r} is not a known {self.kind}; valid: {', '.join(self.names())}")
         return self._items[name]
 
     def names(self) -> list[str]:

@@ -59,7 +59,7 @@ EVAL_ON = ["eval.metrics=[shapes,shapes_fd,caption_sensitivity]", "eval.grids=[s
 
 
 def compose(*overrides: str):
-    from dalle_ablate.config import compose as _compose
+    from dalle_ablate.validate import compose as _compose
 
     return _compose(list(overrides))
 

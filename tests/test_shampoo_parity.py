@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 
-from dalle_ablate.optim.shampoo import scale_by_shampoo
+from dalle_ablate.optim.scale_by_shampoo import scale_by_shampoo
 
 ds = pytest.importorskip("optax_shampoo.distributed_shampoo", reason="the reference is in the ref extra")
 

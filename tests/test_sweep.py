@@ -212,7 +212,7 @@ def test_two_processes_on_one_postgresql_study_run_exactly_n_trials(tmp_path):
 def test_the_sweeps_group_composes(name):
     from hydra import compose, initialize_config_dir
 
-    from dalle_ablate import config  # noqa: F401  (registers the schemas)
+    from dalle_ablate import validate  # noqa: F401  (registers every schema)
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"+sweeps={name}"], return_hydra_config=True)

@@ -1,13 +1,40 @@
-"""What every dataset gives the trainer: batches of (text ids, text mask, image codes, weights)."""
+"""What every dataset gives the trainer: batches of (text ids, text mask, image codes, weights);
+and what every dataset option's config has."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
+from omegaconf import MISSING
 
 from dalle_ablate.data.text_tokenizer import TextTokenizer
+from dalle_ablate.registry import OptionConfig, Registry, check
+
+# name -> builder(data cfg, model cfg) -> Dataset
+DATASETS: Registry = Registry("dataset", "data")
+
+DEFAULT_CACHE = "${oc.env:DALLE_ABLATE_CACHE,${oc.env:HOME,.}/.cache/dalle-ablate}"
+
+
+@dataclass
+class DataConfig(OptionConfig):
+    RANGES = {"text_vocab_size": "[1, inf)"}
+
+    name: str = MISSING
+    blank_caption_prob: float = 0.1  # empty captions train the unconditional branch
+    tokenizer_path: Optional[str] = None  # a tokenizer.json; null = BPE trained on the captions
+    text_vocab_size: int = 512  # BPE vocabulary when trained here
+    cache_dir: str = DEFAULT_CACHE
+
+    def validate(self, run) -> None:
+        check(0.0 <= self.blank_caption_prob <= 1.0, f"data.blank_caption_prob={self.blank_caption_prob} must be in [0, 1]")
+
+    def image_sizes(self) -> dict[str, Optional[int]]:
+        """image_len and image_vocab as far as the config alone says (None: only the data knows)."""
+        return {"image_len": None, "image_vocab": None}
 
 Batch = dict[str, np.ndarray]  # text [B, T] int32, text_mask [B, T] bool, codes [B, I] int32, weights [B] f32
 

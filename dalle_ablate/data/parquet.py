@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import logging
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -23,8 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from omegaconf import MISSING
 
-from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_share
+from dalle_ablate.data.base import DATASETS, Batch, DataConfig, Dataset, eval_index_batches, host_share
 from dalle_ablate.data.image_tokenizer import PatchCodebook
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.registry import ConfigError, first_line
@@ -33,6 +35,31 @@ log = logging.getLogger(__name__)
 
 _READ_ROWS = 4096  # rows per record batch read from a file
 _SCAN_ROWS = 100_000  # rows the pre-flight scan reads (and a BPE tokenizer is trained on when none is given)
+
+
+@dataclass
+class ParquetDataConfig(DataConfig):
+    """dalle-mini's format: parquet files with a caption column and a list-of-int code column."""
+
+    RANGES = {"valid_fraction": "[0, 1)", "image_vocab": "[1, inf)", "image_len": "[1, inf) or null",
+              "shuffle_buffer": "[1, inf)", "valid_max_rows": "[1, inf)"}
+
+    name: str = "parquet"
+    path: str = MISSING  # a file, a folder or a glob of training files
+    valid_path: Optional[str] = None  # null = hold out valid_fraction of rows by hash
+    valid_fraction: float = 0.01
+    caption_column: str = "caption"
+    encoding_column: str = "encoding"
+    image_vocab: int = 16384
+    image_len: Optional[int] = None  # null = model.image_len, else the first row's length
+    shuffle_buffer: int = 10000
+    codebook_path: Optional[str] = None  # a patch codebook (.npz) to decode samples; null = no grid
+    vqgan_path: Optional[str] = None  # or VQGAN weights (.npz, dalle-ablate convert-vqgan) to decode them
+    valid_max_rows: int = 2048
+    allow_blank_captions: bool = False  # train on a set whose captions are all blank (unconditional)
+
+    def image_sizes(self) -> dict[str, Optional[int]]:
+        return {"image_len": self.image_len, "image_vocab": self.image_vocab}
 
 
 def list_files(spec: str, field: str) -> list[Path]:
@@ -314,3 +341,8 @@ def write_parquet(path: str | Path, captions: list[str], codes: np.ndarray, capt
     """Write (caption, codes) rows in dalle-mini's format."""
     table = pa.table({caption_column: pa.array(captions, pa.string()), encoding_column: pa.array(list(map(list, codes)), pa.list_(pa.int64()))})
     pq.write_table(table, str(path))
+
+
+@DATASETS.option("parquet", ParquetDataConfig)
+def parquet(cfg: ParquetDataConfig, model_cfg) -> ParquetDataset:
+    return ParquetDataset(cfg, model_cfg.text_len, model_cfg.image_len)

@@ -9,19 +9,52 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
-from dalle_ablate.data.base import Batch, Dataset, eval_index_batches, host_share, unigram_entropy
+from dalle_ablate.data.base import DATASETS, Batch, DataConfig, Dataset, eval_index_batches, host_share, unigram_entropy
 from dalle_ablate.data.image_tokenizer import PatchCodebook
 from dalle_ablate.data.scenes import DEMO_CAPTIONS, TIERS, Scene, random_scene, render, tier
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.fileio import atomic_savez, atomic_write
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, check
 
 SPLITS = ("train", "valid", "test")
+
+
+@dataclass
+class ShapesDataConfig(DataConfig):
+    """Procedural scenes of coloured shapes, tokenised by a k-means patch codebook."""
+
+    RANGES = {
+        "image_size": "[1, inf)", "patch_size": "[1, inf)", "codebook_size": "[2, inf)", "num_train": "[1, inf)",
+        "num_valid": "[1, inf)", "num_test": "[1, inf)", "kmeans_patches": "[1, inf)", "kmeans_iters": "[1, inf)",
+        "min_objects": "[1, 9]", "max_objects": "[1, 9]",  # the scene grid has 9 cells
+    }
+
+    name: str = "shapes"
+    seed: int = 0  # fixes the scenes of every split; the run's seed only orders them
+    image_size: int = 48  # the 3x3 scene grid on the patch grid: a cell is 2x2 patches of 8 px
+    patch_size: int = 8  # 8x8 patches on 48 px = 36 image tokens; on 64 px 64 tokens, 4x4 on 64 px = 256 (DALL·E Mega's count)
+    codebook_size: int = 145  # at 48 px: every distinct patch of the renders, a lossless tokenizer
+    num_train: int = 20000
+    num_valid: int = 512
+    num_test: int = 512
+    min_objects: int = 1
+    max_objects: int = 3
+    kmeans_patches: int = 1_000_000  # patches (of whole training renders) the codebook is fitted on
+    kmeans_iters: int = 20
+    text_vocab_size: int = 256
+
+    def validate(self, run) -> None:
+        super().validate(run)
+        check(self.min_objects <= self.max_objects, f"data.min_objects={self.min_objects} exceeds data.max_objects={self.max_objects}")
+
+    def image_sizes(self) -> dict[str, int]:
+        return {"image_len": (self.image_size // self.patch_size) ** 2, "image_vocab": self.codebook_size}
 _VERSION = "shapes-v2"  # bump when scenes, rendering or the codebook fit change
 
 
@@ -173,3 +206,8 @@ class ShapesDataset(Dataset):
 
     def eval_reference_images(self, n: int) -> np.ndarray:
         return np.stack([render(Scene.from_dict(s), self.cfg.image_size) for s in self.eval_prompts(n)[1]])
+
+
+@DATASETS.option("shapes", ShapesDataConfig)
+def shapes(cfg: ShapesDataConfig, model_cfg) -> ShapesDataset:
+    return ShapesDataset(cfg, model_cfg.text_len)

@@ -9,17 +9,14 @@ import jax
 import optax
 from flax import nnx
 
-from dalle_ablate.model.layers import ACTIVATIONS, NORMS
-from dalle_ablate.model.layouts import LAYOUTS, check_layout
-from dalle_ablate.model.seq2seq import Seq2Seq
-from dalle_ablate.registry import ConfigError, Registry
+from dalle_ablate.model import seq2seq  # noqa: F401 - registers the family
+from dalle_ablate.model.config import FAMILIES, ModelConfig
+from dalle_ablate.model.layouts import LAYOUTS
+from dalle_ablate.registry import ConfigError
 
 # Parameters carry logical axis names only; `dalle_ablate.parallel` places them on a mesh. Flax
 # would otherwise try to shard every annotated variable eagerly, at creation, against a global mesh.
 flax.config.update("flax_always_shard_variable", False)
-
-FAMILIES: Registry = Registry("model family", "model.family")
-FAMILIES.register("seq2seq", Seq2Seq)
 
 
 def token_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> jax.Array:
@@ -30,35 +27,8 @@ def token_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> ja
 
 
 def validate_model(cfg) -> None:
-    """Check a ModelConfig before anything is built; messages name the flags."""
-    FAMILIES.get(cfg.family)
-    LAYOUTS.get(cfg.layout)
-    NORMS.get(cfg.norm)
-    ACTIVATIONS.get(cfg.activation)
-    for name in ("d_model", "heads", "encoder_layers", "decoder_layers", "ffn_dim", "text_len", "vocab_pad_multiple"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be positive")
-    if cfg.d_model % cfg.heads:
-        raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.heads={cfg.heads}")
-    for name in ("dropout", "attention_dropout", "activation_dropout"):
-        if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be in [0, 1)")
-    if cfg.smelu_beta <= 0:
-        raise ConfigError(f"model.smelu_beta={cfg.smelu_beta} must be positive")
-    if cfg.tau_init <= 0 or cfg.tau_min <= 0:
-        raise ConfigError(f"model.tau_init={cfg.tau_init} and model.tau_min={cfg.tau_min} must be positive")
-    if cfg.learn_tau and not cfg.cosine_attention:
-        raise ConfigError("model.learn_tau=true conflicts with model.cosine_attention=false: tau is the cosine attention's temperature")
-    if cfg.position_bias and cfg.image_len is not None and round(cfg.image_len**0.5) ** 2 != cfg.image_len:
-        raise ConfigError(f"model.position_bias=true needs a square image grid; model.image_len={cfg.image_len} is not a square")
-    if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"model.dtype={cfg.dtype!r} is not valid; valid: bfloat16, float16, float32")
-    if cfg.remat not in ("none", "full", "dots_saveable"):
-        raise ConfigError(f"model.remat={cfg.remat!r} is not valid; valid: dots_saveable, full, none")
-    if cfg.scan_layers and cfg.swin_ln_every:
-        raise ConfigError(f"model.scan_layers=true conflicts with model.swin_ln_every={cfg.swin_ln_every}: "
-                          "a scanned stack has no room for norms between some of its layers")
-    check_layout(cfg)
+    """The model config's own checks (its family's `validate`), also for configs not from a run."""
+    FAMILIES.validate(cfg, None)
 
 
 def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
@@ -92,4 +62,4 @@ def param_count(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["FAMILIES", "LAYOUTS", "abstract_model", "build_model", "param_count", "resolve", "validate_model"]
+__all__ = ["FAMILIES", "LAYOUTS", "ModelConfig", "abstract_model", "build_model", "param_count", "resolve", "validate_model"]

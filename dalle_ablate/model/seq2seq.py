@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dalle_ablate.model.attention import Attention
+from dalle_ablate.model.config import FAMILIES, ModelConfig
 from dalle_ablate.model.layers import FeedForward, Norm, dense, dropout
 from dalle_ablate.model.layouts import LAYOUTS, Sublayer, mid_norm, stack_gains, stream_norms
 
@@ -132,6 +133,7 @@ def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = F
     return x
 
 
+@FAMILIES.option("seq2seq", ModelConfig)
 class Seq2Seq(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         """cfg: ModelConfig with text_vocab, image_vocab and image_len resolved."""

@@ -1,49 +1,95 @@
-"""Learning-rate schedules: linear warmup from 0, then constant, linear or exponential decay
-(optax schedules joined at the end of warmup)."""
+"""Learning-rate schedules: linear warmup from 0, then constant, linear, cosine or exponential
+decay (optax schedules joined at the end of warmup). Each option is its config dataclass and its
+builder, side by side; they are a few lines each, so they share this module."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import optax
+from omegaconf import MISSING
 
-from dalle_ablate.registry import ConfigError, Registry
+from dalle_ablate.registry import OptionConfig, Registry, check
 
+# name -> builder(schedule cfg, peak lr, steps left after warmup) -> optax.Schedule
 SCHEDULES: Registry = Registry("schedule", "schedule")
 
 
-@SCHEDULES.register("constant")
-def _constant(cfg, lr: float, decay_steps: int) -> optax.Schedule:
+@dataclass
+class ScheduleConfig(OptionConfig):
+    """Linear warmup from 0 to optim.lr over warmup_steps, then the named decay."""
+
+    RANGES = {"warmup_steps": "[0, inf)", "lr_offset": "[0, inf)"}
+
+    name: str = MISSING
+    warmup_steps: int = 50
+    lr_offset: int = 0  # hold the rate at 0 for the first N steps (resuming with a fresh optimizer)
+    allow_long_warmup: bool = False  # let warmup (with lr_offset) last as long as the run or longer
+
+    def validate(self, run) -> None:
+        steps = run.trainer.steps
+        check(
+            self.allow_long_warmup or self.lr_offset + self.warmup_steps < steps,
+            f"schedule.warmup_steps={self.warmup_steps} (after schedule.lr_offset={self.lr_offset}) is not shorter than "
+            f"trainer.steps={steps}: the learning rate would never reach optim.lr; shorten it, or set "
+            f"schedule.allow_long_warmup=true",
+        )
+
+
+@dataclass
+class ConstantScheduleConfig(ScheduleConfig):
+    name: str = "constant"
+
+
+@SCHEDULES.option("constant", ConstantScheduleConfig)
+def constant(cfg, lr: float, decay_steps: int) -> optax.Schedule:
     return optax.constant_schedule(lr)
 
 
-@SCHEDULES.register("linear")
-def _linear(cfg, lr: float, decay_steps: int) -> optax.Schedule:
-    if cfg.decay_steps is not None and cfg.decay_steps <= 0:
-        raise ConfigError(f"schedule.decay_steps={cfg.decay_steps} must be positive or null")
+@dataclass
+class LinearScheduleConfig(ScheduleConfig):
+    RANGES = {"end_factor": "[0, 1]", "decay_steps": "[1, inf) or null"}
+
+    name: str = "linear"
+    end_factor: float = 0.0  # final lr as a fraction of optim.lr
+    decay_steps: Optional[int] = None  # null = until trainer.steps
+
+
+@SCHEDULES.option("linear", LinearScheduleConfig)
+def linear(cfg, lr: float, decay_steps: int) -> optax.Schedule:
     # null: decay over what is left after warmup (at least one step, also for runs shorter than warmup)
     steps = cfg.decay_steps if cfg.decay_steps is not None else max(decay_steps, 1)
     return optax.linear_schedule(lr, lr * cfg.end_factor, steps)
 
 
-@SCHEDULES.register("cosine")
-def _cosine(cfg, lr: float, decay_steps: int) -> optax.Schedule:
-    if cfg.decay_steps is not None and cfg.decay_steps <= 0:
-        raise ConfigError(f"schedule.decay_steps={cfg.decay_steps} must be positive or null")
+@dataclass
+class CosineScheduleConfig(LinearScheduleConfig):
+    name: str = "cosine"
+
+
+@SCHEDULES.option("cosine", CosineScheduleConfig)
+def cosine(cfg, lr: float, decay_steps: int) -> optax.Schedule:
     steps = cfg.decay_steps if cfg.decay_steps is not None else max(decay_steps, 1)
     return optax.cosine_decay_schedule(lr, steps, alpha=cfg.end_factor)
 
 
-@SCHEDULES.register("exponential")
-def _exponential(cfg, lr: float, decay_steps: int) -> optax.Schedule:
-    if cfg.transition_steps <= 0 or not 0 < cfg.decay_rate:
-        raise ConfigError(
-            f"schedule.transition_steps={cfg.transition_steps} and schedule.decay_rate={cfg.decay_rate} must be positive"
-        )
+@dataclass
+class ExponentialScheduleConfig(ScheduleConfig):
+    RANGES = {"transition_steps": "[1, inf)", "decay_rate": "(0, inf)"}
+
+    name: str = "exponential"
+    transition_steps: int = 1000
+    decay_rate: float = 0.5
+    staircase: bool = False
+
+
+@SCHEDULES.option("exponential", ExponentialScheduleConfig)
+def exponential(cfg, lr: float, decay_steps: int) -> optax.Schedule:
     return optax.exponential_decay(lr, cfg.transition_steps, cfg.decay_rate, staircase=cfg.staircase)
 
 
 def build_schedule(cfg, lr: float, total_steps: int) -> optax.Schedule:
-    if cfg.lr_offset < 0:
-        raise ConfigError(f"schedule.lr_offset={cfg.lr_offset} must be >= 0")
     decay = SCHEDULES.get(cfg.name)(cfg, lr, total_steps - cfg.lr_offset - cfg.warmup_steps)
     schedule = decay
     if cfg.warmup_steps > 0:

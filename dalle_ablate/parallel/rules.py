@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.optim import path_str
-from dalle_ablate.optim.shampoo import StackState
+from dalle_ablate.optim.scale_by_shampoo import StackState
 from dalle_ablate.registry import ConfigError
 
 # logical axis -> mesh axis (or None: replicated along it)

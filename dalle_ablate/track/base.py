@@ -1,11 +1,35 @@
-"""The Tracker interface and its combinators."""
+"""The Tracker interface and its combinators; what every tracker option's config has, and the
+`none` option (the run store alone)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+from omegaconf import MISSING
+
+from dalle_ablate.registry import OptionConfig, Registry
+
+# name -> builder(tracker cfg, run store, config, meta, *, name, group, job_type) -> trackers
+# beside the run store, which is always written
+TRACKERS: Registry = Registry("tracker", "tracker", key="backend")
+
+
+@dataclass
+class TrackerConfig(OptionConfig):
+    backend: str = MISSING
+
+
+@dataclass
+class NoTrackerConfig(TrackerConfig):
+    backend: str = "none"
+
+
+@TRACKERS.option("none", NoTrackerConfig)
+def no_tracker(cfg: NoTrackerConfig, store, config: dict, meta: dict, **naming) -> list:
+    return []
 
 
 class Tracker(ABC):

@@ -1,21 +1,22 @@
-"""Weights & Biases backend. Offline by default (never touches the network); online when
+"""tracker=wandb: the Weights & Biases backend, its config and builder. Offline by default (never touches the network); online when
 `tracker.wandb.mode=online` and logged in, checked within 25 s before the run starts (or offline
 instead with `tracker.wandb.fallback=offline`). A resumed run continues the same W&B run.
 Conventions (docs/architecture.md): group = the sweep or multirun folder, job_type = the model
-layout, name = the overrides; finish() on every exit path."""
+layout, name = the overrides; finish() on every exit path. `wandb` (0.6 s to import) is imported only by a run that logs to it."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+from dataclasses import dataclass, field
+from typing import Optional
 from urllib.parse import urlparse
 
 import numpy as np
-import wandb
 
-from dalle_ablate.registry import RunFailed, first_line
-from dalle_ablate.track.base import Tracker
+from dalle_ablate.registry import RunFailed, check, first_line
+from dalle_ablate.track.base import TRACKERS, Tracker, TrackerConfig
 from dalle_ablate.track.runstore import RunStore
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,36 @@ CONNECT_TIMEOUT = 10  # seconds for the server to accept a connection
 VERIFY_TIMEOUT = 15  # seconds for it to answer who the API key belongs to
 
 
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "dalle-ablate"
+    entity: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    fallback: Optional[str] = None  # offline = log offline when online cannot connect or authenticate; null = fail
+
+
+@dataclass
+class WandbTrackerConfig(TrackerConfig):
+    backend: str = "wandb"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, run) -> None:
+        mode, fallback = self.wandb.mode, self.wandb.fallback
+        check(mode in ("offline", "online", "disabled"), f"tracker.wandb.mode={mode!r} is not valid; valid: disabled, offline, online")
+        check(fallback in (None, "offline"), f"tracker.wandb.fallback={fallback!r} is not valid; valid: offline, null")
+
+
+@TRACKERS.option("wandb", WandbTrackerConfig)
+def wandb_tracker(cfg: WandbTrackerConfig, store: RunStore, config: dict, meta: dict, **naming) -> list[Tracker]:
+    return [] if cfg.wandb.mode == "disabled" else [WandbTracker(cfg.wandb, store, config, meta, **naming)]
+
+
 def online_problem() -> str | None:
     """Why an online run could not start, found within CONNECT_TIMEOUT + VERIFY_TIMEOUT seconds
     (wandb.init alone retries for minutes): no API key, no route to the server, a refused key."""
+    import wandb
+
     try:
         wandb.login(verify=False)  # reads WANDB_API_KEY or ~/.netrc; never prompts without a tty
     except wandb.errors.UsageError:
@@ -47,6 +75,9 @@ def online_problem() -> str | None:
 
 class WandbTracker(Tracker):
     def __init__(self, cfg, store: RunStore, config: dict, meta: dict, *, name, group, job_type):
+        import wandb
+
+        self._wandb = wandb
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
         mode = cfg.mode
         if mode == "online":
@@ -91,11 +122,12 @@ class WandbTracker(Tracker):
 
     def log_image(self, key, image, step, caption=""):
         if not self._logged(step):
-            self.run.log({key: wandb.Image(np.asarray(image, np.uint8), caption=caption)}, step=int(step))
+            self.run.log({key: self._wandb.Image(np.asarray(image, np.uint8), caption=caption)}, step=int(step))
 
     def log_table(self, key, columns, rows, step, line=None):
         if self._logged(step):
             return
+        wandb = self._wandb
         cell = lambda v: wandb.Image(np.asarray(v, np.uint8)) if isinstance(v, np.ndarray) and v.ndim == 3 else v  # noqa: E731
         table = wandb.Table(columns=list(columns), data=[[cell(v) for v in r] for r in rows])
         logged = {key: table}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from dalle_ablate.config import compose
+from dalle_ablate.validate import compose
 from dalle_ablate.evaluate.runner import evaluation_or_none
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.track import build_tracker

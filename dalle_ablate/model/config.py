@@ -1,0 +1,90 @@
+"""What every model family's config has (the layout flags and the shape), its checks, and the
+FAMILIES registry each family module registers its config and class in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dalle_ablate.model.layers import ACTIVATIONS, NORMS
+from dalle_ablate.model.layouts import LAYOUTS, check_layout
+from dalle_ablate.registry import ConfigError, OptionConfig, Registry
+
+# name -> the family's nnx.Module class, called as cls(model cfg, rngs)
+FAMILIES: Registry = Registry("model family", "model", key="family")
+
+
+@dataclass
+class ModelConfig(OptionConfig):
+    """Architecture. `conf/model/<layout>.yaml` sets the layout flags; `conf/size/` the shape. A
+    family (`family`, registered by `FAMILIES.option`) subclasses it with its own default."""
+
+    family: str = "seq2seq"  # encoder-decoder (DALL·E mini / Mega)
+    layout: str = "preln"  # where the norms sit: see docs/variants.md "Layouts"
+    d_model: int = 128
+    heads: int = 4
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    ffn_dim: int = 344  # hidden width of the FFN (with GLU, ~2/3 of the dense width)
+    text_len: int = 32  # text positions, BOS and EOS included
+    # None = taken from the data (patch grid / codebook / tokenizer); presets for large models set them
+    image_len: Optional[int] = None
+    image_vocab: Optional[int] = None
+    text_vocab: Optional[int] = None
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    ln_eps: float = 1e-5
+    force_ln_scale: bool = False  # learned scale also on norms that feed a Dense layer
+    activation: str = "gelu"  # gelu | swish | relu | smelu
+    gelu_approximate: bool = False  # tanh approximation of gelu
+    smelu_beta: float = 1.0  # SmeLU half-width
+    glu: bool = True  # W_o (act(W_g x) * (W_v x))
+    head_scale: bool = False  # NormFormer per-head scale
+    final_ln_encoder: bool = True
+    final_ln_decoder: bool = True
+    swin_ln_every: Optional[int] = None  # swinv2: a norm on the residual stream every k layers
+    cosine_attention: bool = False  # Swin v2: cos(q, k) / tau instead of q.k / sqrt(d)
+    tau_init: float = 0.05  # cosine attention temperature (fixed, or the init of a learned one)
+    learn_tau: bool = False  # learn tau per head and layer, clamped at >= tau_min
+    tau_min: float = 0.01
+    position_bias: bool = False  # Swin v2 log-spaced continuous position bias on image self-attention
+    cpb_hidden: int = 64  # hidden width of the position-bias MLP
+    bias: bool = False  # DALL·E mini study: biases cost time and hurt convergence
+    init_std: float = 0.02
+    dropout: float = 0.0  # on embeddings and on every sublayer output
+    attention_dropout: float = 0.0  # on attention weights
+    activation_dropout: float = 0.0  # after the FFN activation
+    scale_embedding: bool = False  # multiply embeddings by sqrt(d_model)
+    dtype: str = "float32"  # compute dtype; norms, softmax and loss stay float32
+    remat: str = "none"  # per-layer rematerialisation: none | full | dots_saveable
+    scan_layers: bool = False  # compile one layer and scan it over each stack (faster compiles)
+    vocab_pad_multiple: int = 8  # embedding / logits rows padded up to a multiple of this
+
+    def validate(self, run=None) -> None:
+        """Check before anything is built; messages name the flags."""
+        LAYOUTS.get(self.layout)
+        NORMS.get(self.norm)
+        ACTIVATIONS.get(self.activation)
+        for name in ("d_model", "heads", "encoder_layers", "decoder_layers", "ffn_dim", "text_len", "vocab_pad_multiple"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be positive")
+        if self.d_model % self.heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.smelu_beta <= 0:
+            raise ConfigError(f"model.smelu_beta={self.smelu_beta} must be positive")
+        if self.tau_init <= 0 or self.tau_min <= 0:
+            raise ConfigError(f"model.tau_init={self.tau_init} and model.tau_min={self.tau_min} must be positive")
+        if self.learn_tau and not self.cosine_attention:
+            raise ConfigError("model.learn_tau=true conflicts with model.cosine_attention=false: tau is the cosine attention's temperature")
+        if self.position_bias and self.image_len is not None and round(self.image_len**0.5) ** 2 != self.image_len:
+            raise ConfigError(f"model.position_bias=true needs a square image grid; model.image_len={self.image_len} is not a square")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype={self.dtype!r} is not valid; valid: bfloat16, float16, float32")
+        if self.remat not in ("none", "full", "dots_saveable"):
+            raise ConfigError(f"model.remat={self.remat!r} is not valid; valid: dots_saveable, full, none")
+        if self.scan_layers and self.swin_ln_every:
+            raise ConfigError(f"model.scan_layers=true conflicts with model.swin_ln_every={self.swin_ln_every}: "
+                              "a scanned stack has no room for norms between some of its layers")
+        check_layout(self)

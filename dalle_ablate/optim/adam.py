@@ -1,0 +1,28 @@
+"""optim=adam: AdamW (Loshchilov & Hutter, arXiv 1711.05101) with decoupled, masked weight decay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import optax
+
+from dalle_ablate.optim.base import OPTIMIZERS, OptimConfig, decay_mask
+
+
+@dataclass
+class AdamConfig(OptimConfig):
+    # b2 = 1 would never forget, and the bias correction would divide by 0.
+    RANGES = {"b1": "[0, 1)", "b2": "[0, 1)", "eps": "[0, inf)", "eps_root": "[0, inf)"}
+
+    name: str = "adam"
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    eps_root: float = 0.0
+    nesterov: bool = False
+
+
+@OPTIMIZERS.option("adam", AdamConfig)
+def adam(cfg: AdamConfig, lr, stack_sharding) -> optax.GradientTransformation:
+    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, eps_root=cfg.eps_root, weight_decay=cfg.weight_decay,
+                       mask=decay_mask(cfg.wd_exclude), nesterov=cfg.nesterov)
