@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A PostgreSQL server on loopback for the sweeper's shared-storage test (tests/test_sweep.py):
+# A PostgreSQL server on loopback for the sweeper's shared-storage test (tests/sweep/test_sweep.py):
 # installs Debian's package when it is missing, starts the newest cluster, makes a role and a
 # database, and prints the SQLAlchemy URL. Run as root.
 set -euo pipefail

@@ -51,7 +51,7 @@ TINY_TRAIN = [
     "eval.grid_prompts=1",
     "eval.grid_samples=2",
     # No sampling evaluation in the many short runs of the suite; EVAL_ON turns it back on
-    # (tests/test_evaluate.py).
+    # (tests/evaluate/test_evaluate.py).
     "eval.metrics=[]",
     "eval.grids=[]",
 ]

@@ -21,7 +21,7 @@ to detected objects (an assignment); per attribute, objects the caption states b
 lacks count as wrong, and every extra detected object counts as one more wrong check, so clutter
 never raises a rate. Each attribute is scored under the assignment chosen by the *other*
 attributes, never by itself: with captions that do not belong to their images every attribute
-scores at chance (tests/test_evaluate.py), where matching on all attributes at once let the best
+scores at chance (tests/evaluate/test_evaluate.py), where matching on all attributes at once let the best
 of several objects pass.
 """
 

@@ -201,7 +201,7 @@ class Seq2Seq(nnx.Module):
     def decode_step(self, token: jax.Array, pos: jax.Array, cache: DecodeCache, text_mask: jax.Array) -> tuple[jax.Array, DecodeCache]:
         """Logits [B, logit_rows] (float32, invalid rows masked) for the image token after decoder
         input `token` [B] at position `pos`, and the cache with that position added. Token by
-        token this equals `decode` on the whole prefix (tests/test_sampling.py)."""
+        token this equals `decode` on the whole prefix (tests/generate/test_sampling.py)."""
         x = self.image_embed(token[:, None]) * self.embed_scale + self.image_pos(pos[None])[None]
         cross_mask = text_mask[:, None, None, :]
         ks, vs = [], []

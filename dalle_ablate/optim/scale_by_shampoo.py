@@ -245,7 +245,7 @@ def scale_by_shampoo(
 ) -> optax.GradientTransformation:
     """The grafted, momentum-averaged Shampoo direction (chain with weight decay and
     optax.scale_by_learning_rate), step for step Google's `distributed_shampoo` as DALL·E Mega
-    configured it (tests/test_shampoo_parity.py): statistics from matrix_eps I, grafting per
+    configured it (tests/optim/test_shampoo_parity.py): statistics from matrix_eps I, grafting per
     parameter, a graft and a Shampoo momentum buffer both updated from step 0 (the Shampoo one
     takes over at start_preconditioning_step), vectors preconditioned with their one statistic.
     `graft_beta2` None: beta2, as the reference has one beta2. `precondition_mask(params)` gives

@@ -29,7 +29,7 @@ EXPECTED_RULES = {"vocab": "model", "embed": "fsdp", "heads": "model", "mlp": "m
 
 def worker(n_devices: int, meshes: list[list[int]], optims: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "mesh_worker.py"), json.dumps(meshes), optims],
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "mesh_worker.py"), json.dumps(meshes), optims],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
@@ -192,7 +192,7 @@ def _free_port() -> int:
 def test_two_processes_reproduce_the_single_process_run_and_only_process_0_writes(tmp_path):
     from dalle_ablate.track.runstore import read_metrics
 
-    script = str(Path(__file__).parent / "multihost_worker.py")
+    script = str(Path(__file__).resolve().parents[1] / "multihost_worker.py")
     base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
 
     def result(proc) -> dict:
