@@ -1,8 +1,9 @@
-"""tracker=wandb: the Weights & Biases backend, its config and builder. Offline by default (never touches the network); online when
-`tracker.wandb.mode=online` and logged in, checked within 25 s before the run starts (or offline
-instead with `tracker.wandb.fallback=offline`). A resumed run continues the same W&B run.
-Conventions (docs/architecture.md): group = the sweep or multirun folder, job_type = the model
-layout, name = the overrides; finish() on every exit path. `wandb` (0.6 s to import) is imported only by a run that logs to it."""
+"""tracker=wandb: the Weights & Biases backend, its config and its builder. Offline by default
+(never touches the network); online when `tracker.wandb.mode=online` and logged in, checked
+within 25 s before the run starts (or offline instead with `tracker.wandb.fallback=offline`). A
+resumed run continues the same W&B run. Conventions (docs/architecture.md): group = the sweep or
+multirun folder, job_type = the model layout, name = the overrides; finish() on every exit path.
+`wandb` takes 0.6 s to import, so only a run that logs to it imports it."""
 
 from __future__ import annotations
 
