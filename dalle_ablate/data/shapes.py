@@ -52,6 +52,9 @@ class ShapesDataConfig(DataConfig):
     def validate(self, run) -> None:
         super().validate(run)
         check(self.min_objects <= self.max_objects, f"data.min_objects={self.min_objects} exceeds data.max_objects={self.max_objects}")
+        check(self.max_objects <= 3,  # the captions and the evaluation's tiers know scenes of 1 to 3 objects
+              f"data.min_objects={self.min_objects}, data.max_objects={self.max_objects}: need 1 <= min <= max <= 3")
+        check(self.image_size % self.patch_size == 0, f"data.patch_size={self.patch_size} does not divide data.image_size={self.image_size}")
 
     def image_sizes(self) -> dict[str, int]:
         return {"image_len": (self.image_size // self.patch_size) ** 2, "image_vocab": self.codebook_size}
@@ -93,20 +96,8 @@ def cache_key(cfg) -> str:
     return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
 
 
-def _check(cfg) -> None:
-    if cfg.image_size % cfg.patch_size:
-        raise ConfigError(f"data.patch_size={cfg.patch_size} does not divide data.image_size={cfg.image_size}")
-    if not 1 <= cfg.min_objects <= cfg.max_objects <= 3:
-        raise ConfigError(
-            f"data.min_objects={cfg.min_objects}, data.max_objects={cfg.max_objects}: need 1 <= min <= max <= 3"
-        )
-    if cfg.num_train < 1 or cfg.num_valid < 1:
-        raise ConfigError("data.num_train and data.num_valid must be at least 1")
-
-
 def build_or_load(cfg) -> tuple[dict[str, list[dict]], dict[str, np.ndarray], PatchCodebook]:
     """(scene specs per split, codes per split, codebook), from the cache when present."""
-    _check(cfg)
     root = Path(cfg.cache_dir).expanduser() / "shapes" / cache_key(cfg)
     if (root / "done").is_file():
         specs = json.loads((root / "scenes.json").read_text())

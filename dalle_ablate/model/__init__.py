@@ -26,11 +26,6 @@ def token_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> ja
     return optax.softmax_cross_entropy_with_integer_labels(logits, codes)
 
 
-def validate_model(cfg) -> None:
-    """The model config's own checks (its family's `validate`), also for configs not from a run."""
-    FAMILIES.validate(cfg, None)
-
-
 def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
     """The model config with the data-dependent sizes filled in; a preset that fixes them must
     agree with the data."""
@@ -46,7 +41,7 @@ def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
 
 def build_model(cfg, seed: int) -> nnx.Module:
     """A model with parameters initialised from the seed (logical axes attached, not yet sharded)."""
-    validate_model(cfg)
+    FAMILIES.validate(cfg, None)  # also for a model config that did not come from a run
     for name in ("image_len", "image_vocab", "text_vocab"):
         if getattr(cfg, name) is None:
             raise ConfigError(f"model.{name} is not set and no data gave it")
@@ -62,4 +57,4 @@ def param_count(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["FAMILIES", "LAYOUTS", "ModelConfig", "abstract_model", "build_model", "param_count", "resolve", "validate_model"]
+__all__ = ["FAMILIES", "LAYOUTS", "ModelConfig", "abstract_model", "build_model", "param_count", "resolve"]
