@@ -163,16 +163,11 @@ def cmd_encode(args) -> None:
 
 def abstract_setup(overrides: list[str]):
     """(run config, model config with the data's sizes, optimizer) without reading any data."""
-    import dataclasses
-
-    from dalle_ablate.data import abstract_sizes
-    from dalle_ablate.optim import build_optimizer
+    from dalle_ablate.train.assembly import abstract_run
     from dalle_ablate.validate import to_run_config
 
     cfg = to_run_config(compose(overrides))
-    model_cfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
-    return cfg, model_cfg, optimizer
+    return (cfg, *abstract_run(cfg))
 
 
 def cmd_describe(args) -> None:

@@ -4,8 +4,9 @@ Every YAML file in `dalle_ablate/conf/<group>/` starts from a schema (`/schema/<
 a typo in a field name fails when Hydra composes the config, before anything is built. The
 sections below are the run's own; each option of the `model`, `optim`, `schedule`, `data` and
 `tracker` groups has its config dataclass in its own module, beside its builder, registered by
-`Registry.option` (docs/architecture.md, "Adding an option"). `validate.py` composes, types and
-checks the whole.
+`Registry.option` (docs/architecture.md, "Adding an option"); the `eval` section, with the
+settings of its evaluators, is `evaluate.EvalConfig`. `validate.py` composes, types and checks the
+whole.
 """
 
 from __future__ import annotations
@@ -61,40 +62,6 @@ class SamplesConfig:
     top_k: Optional[int] = None
 
 
-@dataclass
-class PretrainedEvalConfig:
-    """A pretrained scoring network (FID Inception or CLIP): a local `.npz` of converted weights
-    (`dalle-ablate convert-inception` / `convert-clip`); nothing is downloaded."""
-
-    weights: Optional[str] = None
-    batch_size: int = 32  # images (or captions) per forward pass
-
-
-@dataclass
-class EvalConfig:
-    """Sampling evaluation: metrics per guidance scale (the Pareto curve) and prompt grids. Runs
-    every `every` steps during training, at the end of a run, and with `dalle-ablate eval`."""
-
-    name: str = "default"  # which conf/eval preset this came from
-    every: int = 0  # steps between evaluations during training; 0 = only at the end of the run
-    guidance_scales: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 5.0, 8.0])
-    metrics: list[str] = field(default_factory=lambda: ["shapes", "shapes_fd", "caption_sensitivity"])
-    num_samples: int = 128  # stratified prompts (an equal share per difficulty tier), one sample each, the same at every scale
-    batch_size: int = 32  # prompts sampled at once
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    sensitivity_examples: int = 64  # valid examples whose captions caption_sensitivity edits
-    grids: list[str] = field(default_factory=lambda: ["shapesbench"])  # prompt lists: shapesbench, drawbench, partiprompts
-    grid_scales: list[float] = field(default_factory=lambda: [3.0])  # guidance scales the grids are drawn at
-    grid_prompts: Optional[int] = 6  # prompts per category and grid (null = all)
-    grid_samples: int = 4  # samples per prompt
-    seed: int = 0  # the sampling noise: fixed across scales, steps and checkpoints
-    fid: PretrainedEvalConfig = field(default_factory=PretrainedEvalConfig)  # eval.metrics=[fid]: Inception weights
-    clip: PretrainedEvalConfig = field(default_factory=PretrainedEvalConfig)  # eval.metrics=[clip]: CLIP weights + BPE
-    reference: Optional[str] = None  # FID reference statistics (.npz, `dalle-ablate fid-reference`); null = the real images of the eval prompts
-
-
 # Values of a run's summary a job can return to a sweeper (RunConfig.objectives).
 OBJECTIVES = ("eval/valid/loss", "train/loss", "train/first_loss", "wall_time", "steps")
 
@@ -112,7 +79,8 @@ class OptunaTrialConfig:
 @dataclass
 class RunConfig:
     # Options, each typed by the schema its preset starts from (model.ModelConfig, optim.OptimConfig,
-    # optim.ScheduleConfig, data.DataConfig, track.TrackerConfig and their subclasses).
+    # optim.ScheduleConfig, data.DataConfig, track.TrackerConfig and their subclasses), and the
+    # evaluation (evaluate.EvalConfig, which holds its evaluators' settings).
     model: Any = MISSING
     optim: Any = MISSING
     schedule: Any = MISSING
@@ -120,7 +88,7 @@ class RunConfig:
     tracker: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: Any = MISSING
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     seed: int = 0
@@ -136,8 +104,7 @@ def register_configs() -> None:
     messages see only the YAML options; each YAML starts from one with `/schema/<name>@_here_`."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
-    for name, node in {"mesh": MeshConfig, "eval": EvalConfig}.items():
-        cs.store(group="schema", name=name, node=node)
+    cs.store(group="schema", name="mesh", node=MeshConfig)
 
 
 register_configs()

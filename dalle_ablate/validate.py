@@ -1,8 +1,9 @@
 """A run config from the command line's overrides: composed with every option loaded, typed, and
 checked before anything is built. The run-level checks are here (numeric ranges in one table,
-choices from the evaluation's registries, fields that span sections); each option of a group
-checks itself (its class's RANGES and `validate`, through its registry). Every failure is a
-ConfigError naming the field and what would be valid."""
+fields that span sections); each option of a group checks itself (its class's RANGES and
+`validate`, through its registry), and so does the `eval` section (`EvalConfig.validate`, with
+the settings of each evaluator chosen). Every failure is a ConfigError naming the field and what
+would be valid."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 # Importing these registers every option's schema in Hydra's ConfigStore before anything composes.
 from dalle_ablate.config import OBJECTIVES, RunConfig
 from dalle_ablate.data import DATASETS
-from dalle_ablate.evaluate import EVALUATORS, PROMPT_LISTS
-from dalle_ablate.generate import check_sampling
+from dalle_ablate.evaluate import EvalConfig  # noqa: F401 (the eval schema)
 from dalle_ablate.model import FAMILIES
 from dalle_ablate.optim import OPTIMIZERS, SCHEDULES
 from dalle_ablate.registry import ConfigError, check, check_ranges
@@ -43,20 +43,7 @@ def validate(cfg: RunConfig) -> None:
     )
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]
     check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
-    e = cfg.eval
-    for name in e.metrics:
-        EVALUATORS.get(name)
-    for name in e.grids:
-        PROMPT_LISTS.get(name)
-    check(e.every >= 0, f"eval.every={e.every} must be >= 0 (0 = only at the end of the run)")
-    for name in ("num_samples", "batch_size", "sensitivity_examples", "grid_samples"):
-        check(getattr(e, name) > 0, f"eval.{name}={getattr(e, name)} must be positive")
-    check(e.grid_prompts is None or e.grid_prompts > 0, f"eval.grid_prompts={e.grid_prompts} must be positive or null")
-    check(bool(e.guidance_scales), "eval.guidance_scales is empty; give at least one scale, e.g. [1]")
-    for name in ("guidance_scales", "grid_scales"):
-        bad = [s for s in getattr(e, name) if not s >= 0]
-        check(not bad, f"eval.{name} has {bad}; scales must be >= 0 (1 = unguided)")
-    check_sampling(e.temperature, e.top_k, e.top_p, "eval")
+    cfg.eval.validate(cfg)
     check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
     check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")
 

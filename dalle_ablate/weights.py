@@ -36,11 +36,17 @@ def save_weights(model: nnx.Module | dict[str, np.ndarray], path: str | Path, **
     atomic_savez(path, **{f"__{k}__": np.array(json.dumps(v)) for k, v in meta.items()}, **arrays)
 
 
-def open_weights(path: str | Path, field: str, convert_hint: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(meta entries, arrays) of a weights file written by save_weights; errors name `field`."""
+def existing(path: str | Path, field: str, hint: str) -> Path:
+    """`path` (user-expanded) if it exists, else a ConfigError naming `field`, with how to make one."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ConfigError(f"{field}: {path} does not exist ({convert_hint})")
+        raise ConfigError(f"{field}: {path} does not exist ({hint})")
+    return path
+
+
+def open_weights(path: str | Path, field: str, convert_hint: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta entries, arrays) of a weights file written by save_weights; errors name `field`."""
+    path = existing(path, field, convert_hint)
     data = np.load(path)
     if "__config__" not in data.files:
         raise ConfigError(f"{field}: {path} has no __config__ entry; it was not written by this project ({convert_hint})")

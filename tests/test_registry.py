@@ -107,3 +107,16 @@ def test_a_schema_must_default_to_its_option_name():
     registry.option("other", Named)(lambda cfg: None)
     with pytest.raises(ValueError, match="^toy 'other' registered twice$"):
         registry.option("other", Named)(lambda cfg: None)
+
+
+def test_each_evaluator_with_settings_has_them_typed_at_eval_name():
+    # An evaluator that registers settings must find them at eval.<name> with that type, or its
+    # checks and setup would read some other section.
+    from dalle_ablate.evaluate import EVALUATORS, EvalConfig
+
+    e = EvalConfig()
+    with_settings = [n for n in EVALUATORS.names() if EVALUATORS.get(n).settings is not None]
+    assert with_settings == ["clip", "fid"]
+    for name in with_settings:
+        assert type(e.settings(name)) is EVALUATORS.get(name).settings
+    assert e.settings("shapes") is None

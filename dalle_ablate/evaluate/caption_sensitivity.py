@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from dalle_ablate.data.scenes import PALETTE, ROWS, SHAPES, position_name
+from dalle_ablate.evaluate.evaluators import evaluator
 
 KINDS = ("color", "shape", "position", "count")
 POSITIONS = sorted({position_name(r, c) for r in range(len(ROWS)) for c in range(3)})
@@ -69,3 +70,9 @@ def sensitivity(per_image_nll, encode, specs: list[dict], codes: np.ndarray, see
         swapped = per_image_nll(*encode([c for _, c in edited]), codes[idx])
         out[kind] = float(np.mean(swapped - true[idx]))
     return out
+
+
+@evaluator("caption_sensitivity", "model", needs_specs=True)
+def caption_sensitivity_evaluator(ctx, specs: list[dict], codes: np.ndarray, seed: int) -> dict[str, float]:
+    """eval.metrics=[caption_sensitivity]: the model's loss under swapped captions of valid examples."""
+    return sensitivity(ctx.per_image_nll, ctx.dataset.text.encode, specs, codes, seed)

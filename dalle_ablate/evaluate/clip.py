@@ -20,14 +20,17 @@ import html
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dalle_ablate.registry import ConfigError
-from dalle_ablate.weights import apply_batched, file_hash, from_state_dict, open_weights, save_weights, to_state_dict, with_arrays
+from dalle_ablate.evaluate.evaluators import evaluator
+from dalle_ablate.registry import ConfigError, OptionConfig, check
+from dalle_ablate.weights import apply_batched, existing, file_hash, from_state_dict, open_weights, save_weights, to_state_dict
+from dalle_ablate.weights import with_arrays
 
 MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)  # OpenAI's preprocessing
 STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
@@ -269,16 +272,16 @@ def save_clip(model: CLIP | dict[str, np.ndarray], merges: list[str], path: str 
     save_weights(model, path, config=asdict(cfg or model.cfg), bpe=merges, preprocess=PREPROCESS)
 
 
-_HINT = "convert a CLIP checkpoint and its bpe_simple_vocab_16e6.txt.gz with `dalle-ablate convert-clip`"
+HINT = "convert a CLIP checkpoint and its bpe_simple_vocab_16e6.txt.gz with `dalle-ablate convert-clip`"
 
 
 class CLIPScorer:
     """CLIP score of images against their captions, batched and jitted, with the weights' hash."""
 
     def __init__(self, path: str | Path, field: str = "eval.clip.weights", batch_size: int = 32):
-        meta, arrays = open_weights(path, field, _HINT)
+        meta, arrays = open_weights(path, field, HINT)
         if "bpe" not in meta:
-            raise ConfigError(f"{field}: {path} has no BPE merges; it is not a CLIP weights file ({_HINT})")
+            raise ConfigError(f"{field}: {path} has no BPE merges; it is not a CLIP weights file ({HINT})")
         self.cfg = CLIPConfig(**meta["config"])
         if self.cfg.act not in ACTIVATIONS:
             raise ConfigError(f"{field}: {path} asks for activation {self.cfg.act!r}; valid: {', '.join(ACTIVATIONS)}")
@@ -331,3 +334,34 @@ def _encoders(cfg: CLIPConfig):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: CLIP(cfg, nnx.Rngs(0))))
     return (jax.jit(lambda state, x: nnx.merge(graphdef, state).encode_image(x)),
             jax.jit(lambda state, ids: nnx.merge(graphdef, state).encode_text(ids)))
+
+
+@dataclass
+class ClipEvalConfig(OptionConfig):
+    """eval.clip: the CLIP network and its BPE, a local `.npz` of converted weights; nothing is
+    downloaded."""
+
+    RANGES = {"batch_size": "[1, inf)"}
+
+    weights: Optional[str] = None
+    batch_size: int = 32  # images (or captions) per forward pass
+
+    def validate(self, run: Any) -> None:
+        check(bool(self.weights), f"eval.metrics has clip but eval.clip.weights is not set: give CLIP weights (.npz; {HINT})")
+        existing(self.weights, "eval.clip.weights", HINT)
+
+
+def clip_setup(settings: ClipEvalConfig, eval_cfg) -> dict:
+    return {"scorer": CLIPScorer(settings.weights, "eval.clip.weights", settings.batch_size)}
+
+
+@evaluator("clip", "samples", settings=ClipEvalConfig, setup=clip_setup)
+def clip_evaluator(images: np.ndarray, ctx) -> dict:
+    """eval.metrics=[clip]: CLIP score as torchmetrics': 100 * cos of image and caption
+    embeddings, mean over the samples, the mean clamped at 0."""
+    state = ctx.cache["clip"]
+    scorer = state["scorer"]
+    if "text" not in state:  # the prompts are fixed for the Evaluation's life: encode them once
+        state["text"] = scorer.text_embeddings(ctx.prompts)
+    return {"score": clip_score(scorer.image_embeddings(images), state["text"][: len(images)]),
+            "n": float(len(images)), "weights": scorer.hash}

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 
-from dalle_ablate.evaluate.frechet import statistics
-from dalle_ablate.evaluate.inception import FEATURES, RESIZE, InceptionFeatures
+from dalle_ablate.evaluate.evaluators import evaluator
+from dalle_ablate.evaluate.frechet import frechet_distance, statistics
+from dalle_ablate.evaluate.inception import FEATURES, HINT, RESIZE, InceptionFeatures
 from dalle_ablate.fileio import atomic_savez
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, OptionConfig, check
+from dalle_ablate.weights import existing
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+REFERENCE_HINT = "write one with `dalle-ablate fid-reference`"
 
 
 @dataclass
@@ -34,14 +38,12 @@ class Reference:
 
     @classmethod
     def load(cls, path: str | Path, field: str = "eval.reference") -> "Reference":
-        path = Path(path).expanduser()
-        if not path.exists():
-            raise ConfigError(f"{field}: {path} does not exist (write one with `dalle-ablate fid-reference`)")
+        path = existing(path, field, REFERENCE_HINT)
         d = np.load(path)
         missing = {"mu", "sigma", "n", "weights", "resize"} - set(d.files)
         if missing:
             raise ConfigError(f"{field}: {path} is not FID reference statistics (missing {', '.join(sorted(missing))}; "
-                              "write one with `dalle-ablate fid-reference`)")
+                              f"{REFERENCE_HINT})")
         return cls(d["mu"], d["sigma"], int(d["n"]), str(d["weights"]), str(d["resize"]), str(d.get("source", "")))
 
     def check(self, net: InceptionFeatures, field: str = "eval.reference") -> "Reference":
@@ -80,3 +82,40 @@ def features_of_any_size(net: InceptionFeatures, images: list[np.ndarray]) -> np
     for idx in by_shape.values():
         out[idx] = net(np.stack([images[i] for i in idx]))
     return out
+
+
+@dataclass
+class FidConfig(OptionConfig):
+    """eval.fid: the FID Inception network, a local `.npz` of converted weights; nothing is
+    downloaded. Its reference statistics are `eval.reference` (null: the real images of the
+    eval prompts)."""
+
+    RANGES = {"batch_size": "[1, inf)"}
+
+    weights: Optional[str] = None
+    batch_size: int = 32  # images per forward pass
+
+    def validate(self, run: Any) -> None:
+        check(bool(self.weights),
+              f"eval.metrics has fid but eval.fid.weights is not set: give the FID Inception weights (.npz; {HINT})")
+        existing(self.weights, "eval.fid.weights", HINT)
+        if run.eval.reference:
+            existing(run.eval.reference, "eval.reference", REFERENCE_HINT)
+
+
+def fid_setup(settings: FidConfig, eval_cfg) -> dict:
+    net = InceptionFeatures(settings.weights, "eval.fid.weights", settings.batch_size)
+    return {"net": net, "reference": Reference.load(eval_cfg.reference).check(net) if eval_cfg.reference else None}
+
+
+@evaluator("fid", "samples", settings=FidConfig, setup=fid_setup)
+def fid_evaluator(images: np.ndarray, ctx) -> dict:
+    """eval.metrics=[fid]: FID (Heusel et al. 2017) on pool3 features of the FID Inception, against
+    eval.reference or, without one, the real images of the eval prompts (computed once per
+    Evaluation)."""
+    state = ctx.cache["fid"]
+    if state["reference"] is None:
+        state["reference"] = reference_from_images(state["net"], ctx.reference_images(), f"{ctx.dataset.name} eval prompts")
+    ref = state["reference"]
+    return {"fid": frechet_distance(*statistics(state["net"](images)), ref.mu, ref.sigma), "n": float(len(images)),
+            "reference_n": float(ref.n), "weights": ref.weights, "resize": ref.resize}

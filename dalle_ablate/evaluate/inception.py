@@ -218,7 +218,7 @@ def save_inception(model: InceptionV3 | dict[str, np.ndarray], path: str | Path)
     save_weights(model, path, config={"net": "fid-inception-v3", "resize": RESIZE})
 
 
-_HINT = "convert torch-fidelity's weights-inception-2015-12-05-6726825d.pth with `dalle-ablate convert-inception`"
+HINT = "convert torch-fidelity's weights-inception-2015-12-05-6726825d.pth with `dalle-ablate convert-inception`"
 
 
 class InceptionFeatures:
@@ -226,9 +226,9 @@ class InceptionFeatures:
     with the hash of the weights file that produced them."""
 
     def __init__(self, path: str | Path, field: str = "eval.fid.weights", batch_size: int = 32):
-        meta, arrays = open_weights(path, field, _HINT)
+        meta, arrays = open_weights(path, field, HINT)
         if meta["config"].get("net") != "fid-inception-v3":
-            raise ConfigError(f"{field}: {path} is not FID Inception weights ({_HINT})")
+            raise ConfigError(f"{field}: {path} is not FID Inception weights ({HINT})")
         model = with_arrays(lambda: InceptionV3(nnx.Rngs(0)), arrays, f"{field} {path}")
         self.state = nnx.state(model)
         self.hash = file_hash(path)

@@ -66,7 +66,7 @@ class Evaluation:
         self.cache: dict = {}  # what evaluators compute once per Evaluation (fixed prompts), e.g. a floor
         for name, ev in self.evaluators.items():
             if ev.setup is not None:
-                self.cache[name] = ev.setup(self.e)
+                self.cache[name] = ev.setup(self.e.settings(name), self.e)
         self.sampler = make_sampler(graphdef, model_cfg.image_len, temperature=self.e.temperature, top_k=self.e.top_k,
                                     top_p=self.e.top_p, guided=True, out_sharding=out_sharding)
         self.blank = dataset.text.encode([""])

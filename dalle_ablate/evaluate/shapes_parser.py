@@ -38,6 +38,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.stats import binomtest
 
 from dalle_ablate.data.scenes import BACKGROUND, PALETTE, SHAPES, SIZES, TIERS, shape_mask_r, tier
+from dalle_ablate.evaluate.evaluators import evaluator
 
 COLORS = list(PALETTE)
 _W = np.array(BACKGROUND, np.float32)
@@ -267,3 +268,9 @@ def accuracy(images: np.ndarray, specs: list[dict]) -> dict[str, float]:
     out["clean"] = float(np.mean(clean)) if clean else float("nan")
     out["n"] = float(len(specs))
     return out
+
+
+@evaluator("shapes", "samples", needs_specs=True)
+def shapes_evaluator(images: np.ndarray, ctx) -> dict[str, float]:
+    """eval.metrics=[shapes]: the images parsed and scored against their captions' scene specs."""
+    return accuracy(images, ctx.specs)

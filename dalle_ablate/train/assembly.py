@@ -1,6 +1,7 @@
 """One run put together from its config, in one place: device mesh, dataset, model config with the
 data's sizes, graph, optimizer and schedule, placement, and the train state. Training, `dalle-ablate
-eval`, the mesh tests and the benchmarks all start here, so they cannot drift apart."""
+eval`, the mesh tests and the benchmarks all start here, so they cannot drift apart; `describe`
+and `plan`, which count a run on a mesh this machine need not have, start from `abstract_run`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dalle_ablate.config import RunConfig
-from dalle_ablate.data import Dataset, build_dataset
+from dalle_ablate.data import Dataset, abstract_sizes, build_dataset
 from dalle_ablate.model import abstract_model, build_model, resolve
 from dalle_ablate.optim import build_optimizer
 from dalle_ablate.parallel import Placement, abstract_state, build_mesh, check_batch, init_state, make_placement, pad_vocab_for_mesh
@@ -76,3 +77,11 @@ def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Option
     optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, stack_sharding(mesh))
     placement = make_placement(mesh, abstract, optimizer, TrainState)
     return Assembly(cfg, mesh, dataset, model_cfg, abstract, optimizer, schedule, placement)
+
+
+def abstract_run(cfg: RunConfig) -> tuple[Any, optax.GradientTransformation]:
+    """(model config, optimizer) of `cfg` from the config alone: the sizes its data implies,
+    nothing read, and no mesh built, so that a run of any size on any mesh can be counted here."""
+    model_cfg = resolve(cfg.model, **abstract_sizes(cfg.data, cfg.model))
+    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    return model_cfg, optimizer

@@ -174,14 +174,22 @@ def test_fid_reference_is_tagged_with_its_weights_and_checked(tmp_path):
         inception.InceptionFeatures(clip_file(tmp_path / "clip.npz"))
 
 
-def test_evaluators_name_their_missing_weights():
-    from dalle_ablate.evaluate.evaluators import EVALUATORS
+def test_evaluators_name_their_missing_weights(tmp_path):
+    # Checked with the run config, before any data is built or any weights are read.
     from conftest import run_config
 
-    e = run_config("eval.metrics=[fid,clip]").eval
-    with pytest.raises(ConfigError, match=r"eval.metrics has fid but eval.fid.weights is not set"):
-        EVALUATORS.get("fid").setup(e)
-    with pytest.raises(ConfigError, match=r"eval.metrics has clip but eval.clip.weights is not set"):
-        EVALUATORS.get("clip").setup(e)
+    with pytest.raises(ConfigError, match=r"^eval.metrics has fid but eval.fid.weights is not set: give the FID Inception"):
+        run_config("eval.metrics=[fid]")
+    with pytest.raises(ConfigError, match=r"^eval.metrics has clip but eval.clip.weights is not set: give CLIP weights"):
+        run_config("eval.metrics=[shapes,clip]")
+    with pytest.raises(ConfigError, match=rf"^eval.clip.weights: {tmp_path}/nope.npz does not exist \(convert a CLIP"):
+        run_config("eval.metrics=[clip]", f"eval.clip.weights={tmp_path}/nope.npz")
+    weights = inception_file(tmp_path / "inception.npz")
+    with pytest.raises(ConfigError, match=r"^eval.fid.batch_size=0 must be in \[1, inf\)$"):
+        run_config("eval.metrics=[fid]", f"eval.fid.weights={weights}", "eval.fid.batch_size=0")
+    with pytest.raises(ConfigError, match=rf"^eval.reference: {tmp_path}/stats.npz does not exist \(write one with"):
+        run_config("eval.metrics=[fid]", f"eval.fid.weights={weights}", f"eval.reference={tmp_path}/stats.npz")
+    # Settings of an evaluator not chosen are not checked: eval.fid stays unset without fid.
+    assert run_config("eval.metrics=[shapes]").eval.fid.weights is None
     with pytest.raises(ConfigError, match=r"--bpe: .*nope.txt.gz does not exist"):
         clip.read_bpe("/nope.txt.gz")

@@ -4,7 +4,6 @@ devices (XLA_FLAGS must be set before jax starts)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -136,14 +135,12 @@ def test_a_parameter_without_a_rule_is_named():
 
 
 def test_plan_for_mega_on_32_by_8_matches_an_analytic_per_device_count():
-    from dalle_ablate.data import abstract_sizes
-    from dalle_ablate.optim import build_optimizer
     from dalle_ablate.parallel.plan import memory_plan
+    from dalle_ablate.train.assembly import abstract_run
 
     cfg = to_run_config(compose("size=mega", "model=normformer", "optim=adam", "mesh.data=32", "mesh.model=8",
                                 "trainer.batch_size=4224"))
-    mcfg = dataclasses.replace(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-    opt, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    mcfg, opt = abstract_run(cfg)
     got = memory_plan(cfg, mcfg, opt)
     # Written out from the architecture: matrices, vocabularies and the FFN's mid norm (its
     # axis is `mlp`) split 8 ways over `model`; LayerNorms over d and position tables replicated
