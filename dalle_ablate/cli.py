@@ -56,6 +56,9 @@ def run_hydra(main: Callable[[], object]) -> None:
     except RunFailed as ex:  # diverged, or failed for a known reason: the run store says so too
         print(f"error: {ex}", file=sys.stderr)
         sys.exit(ex.exit_code)
+    except KeyboardInterrupt as ex:  # Ctrl-C: a run in its steps saved a checkpoint and says how to resume
+        print(f"error: {ex}" if str(ex) else "error: interrupted", file=sys.stderr)
+        sys.exit(130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex) or (format_error(ex.__cause__) if ex.__cause__ else None)
         if msg is None:

@@ -6,15 +6,17 @@ Optuna: it calls `RunHooks` and reports "pruned", which this module turns into t
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dalle_ablate.cli import run_hydra
-from dalle_ablate.registry import RunFailed
+from dalle_ablate.registry import Interrupted, RunFailed
 from dalle_ablate.train.loop import JobInfo, RunHooks, train
 from dalle_ablate.validate import to_run_config
 
@@ -67,12 +69,25 @@ def run(cfg: DictConfig) -> float | list[float]:
     if result.status == "diverged":
         # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
         raise RunFailed(f"{job.name}: {result.reason} (run store {result.run_dir})", RunFailed.DIVERGED)
+    if result.status == "interrupted":
+        kept = [o for o in job.overrides if not o.startswith(("resume=", "optuna."))]  # resumed as a run of its own
+        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={job.job_dir}"])
+        raise Interrupted(f"{result.reason}; checkpoint saved; resume with: python run.py {again}")
     if result.status == "pruned":
         import optuna
 
         raise optuna.TrialPruned(result.reason)
     values = [float(result.summary[k]) for k in run_cfg.objectives]
     return values[0] if len(values) == 1 else values
+
+
+class ReportHint(Callback):
+    """At the end of a multirun or sweep (conf/config.yaml `hydra.callbacks`): its folder, and the
+    command that compares its runs."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        folder = config.hydra.sweep.dir
+        print(f"multirun finished: {folder}; compare its runs with: dalle-ablate report {shlex.quote(str(folder))}")
 
 
 # The configs are the package's own (dalle_ablate/conf), found beside this module from a checkout

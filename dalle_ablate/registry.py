@@ -31,6 +31,12 @@ class RunFailed(RuntimeError):
         self.exit_code = exit_code
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, after the run saved a checkpoint of its last step and its summary: the message
+    (how to resume) is shown as one line, and the process exits with code 130. A KeyboardInterrupt,
+    so a multirun or a sweep stops at it, as at any Ctrl-C."""
+
+
 def first_line(e: BaseException) -> str:
     """`Type: first line of the message`, for a one-line report of an exception."""
     text = str(e).strip()

@@ -1,6 +1,7 @@
-"""`python run.py ...` that kills itself with SIGKILL at a chosen point, so a test can cut a run
-off exactly there: `KILL_AT=step:N` before train step N (the checkpoint before it written), or
-`KILL_AT=save:N` right after the save of step N was handed to orbax (the write in flight)."""
+"""`python run.py ...` that kills itself with SIGKILL (or `KILL_SIGNAL`, e.g. SIGINT for a Ctrl-C)
+at a chosen point, so a test can cut a run off exactly there: `KILL_AT=step:N` before train step N
+(the checkpoint before it written), or `KILL_AT=save:N` right after the save of step N was handed
+to orbax (the write in flight)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,27 @@ from dalle_ablate.train import checkpoint
 ROOT = Path(__file__).resolve().parent.parent
 where, at = os.environ["KILL_AT"].split(":")
 at = int(at)
+sig = getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL"))
 save, check = checkpoint.Checkpointer.save, checkpoint.Checkpointer.check
 steps = {"n": 0}
 
 
 def killing_save(self, step, state):
+    steps["saving"] = True
     save(self, step, state)
+    steps["saving"] = False
     if where == "save" and step == at:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
     if where == "step":
         self.manager.wait_until_finished()  # the checkpoints before the kill are complete
 
 
 def killing_check(self):
+    if steps.get("saving"):  # save() calls check() too: not a step
+        return check(self)
     steps["n"] += 1  # the loop checks once before every train step
     if where == "step" and steps["n"] == at:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
     check(self)
 
 

@@ -18,6 +18,8 @@ from wandb_records import history, run_info
 def test_two_job_multirun_writes_two_run_stores_and_two_wandb_runs(tmp_path):
     proc = run_py("-m", "model=normformer,deepnet", *SMALL_DATA, *TINY_TRAIN, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == (f"multirun finished: {tmp_path / 'multirun'}; compare its runs with: "
+                                            f"dalle-ablate report {tmp_path / 'multirun'}")
     jobs = sorted(p for p in (tmp_path / "multirun").iterdir() if p.is_dir() and (p / "run").is_dir())
     assert len(jobs) == 2
     wandb_files = sorted(Path(os.environ["WANDB_DIR"]).glob("wandb/offline-run-*/run-*.wandb"))

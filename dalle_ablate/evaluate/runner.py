@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
@@ -74,6 +75,20 @@ class Evaluation:
         self._nll = jax.jit(lambda params, *batch: token_nll(nnx.merge(graphdef, params), *batch).sum(-1),
                             out_shardings=out_sharding)
         self.params = None
+        # The prompt grids, fixed for the Evaluation's life: (list, category, prompts).
+        self.grid_prompts = [(name, category, [p.text for p in prompts]) for name in self.e.grids
+                             for category, prompts in by_category(PROMPT_LISTS.get(name)(), self.e.grid_prompts).items()]
+        self.progress = tqdm(disable=True)  # one bar per run(), when cfg.trainer.progress (process 0)
+
+    def _work(self) -> int:
+        """Batches one run() samples, plus one per model evaluator: the progress bar's total."""
+        def batches(n: int) -> int:
+            return -(-n // self.e.batch_size)
+
+        sampled = self.can_draw and self.prompts and any(ev.kind == "samples" for ev in self.evaluators.values())
+        pareto = batches(len(self.prompts)) * len(self.e.guidance_scales) if sampled else 0
+        grids = sum(batches(len(texts) * self.e.grid_samples) for *_, texts in self.grid_prompts) if self.can_draw else 0
+        return pareto + grids * len(self.e.grid_scales) + sum(ev.kind == "model" for ev in self.evaluators.values())
 
     # -- pieces ---------------------------------------------------------------------------------
     def reference_images(self) -> np.ndarray:
@@ -105,12 +120,17 @@ class Evaluation:
             codes = self.sampler(self.params, jnp.asarray(ids[idx]), jnp.asarray(mask[idx]), jax.random.fold_in(key, j),
                                  jnp.asarray(self.blank[0]), jnp.asarray(self.blank[1]), jnp.asarray(scale, jnp.float32))
             out[idx[:k]] = np.asarray(codes)[:k]
+            self.progress.update(1)
         return out
 
     # -- one evaluation -------------------------------------------------------------------------
     def run(self, params, step: int, run_name: str = "") -> dict:
         """Evaluate `params` at `step`; returns {"pareto": rows, "model": metrics}."""
         self.params = params
+        # Sampling at every scale and the grids take about a minute on a CPU: show how far it is.
+        show = self.cfg.trainer.progress and jax.process_index() == 0
+        self.progress = tqdm(total=self._work(), desc=f"eval step {step}", unit="batch", disable=not show,
+                             dynamic_ncols=True)
         rows: list[dict] = []
         sample_evals = {n: ev for n, ev in self.evaluators.items() if ev.kind == "samples"}
         if sample_evals and self.can_draw and self.prompts:
@@ -128,10 +148,12 @@ class Evaluation:
                 specs = self.dataset.specs["valid"][:n]
                 codes = self.dataset.codes["valid"][:n]
                 model_metrics.update({f"eval/{name}/{k}": v for k, v in ev.fn(self, specs, codes, self.e.seed).items()})
+                self.progress.update(1)
         if model_metrics:
             self.tracker.log(model_metrics, step)
         if self.can_draw:
             self._grids(step)
+        self.progress.close()
         return {"pareto": rows, "model": model_metrics}
 
     def _log_pareto(self, rows: list[dict], step: int, run_name: str) -> None:
@@ -147,17 +169,15 @@ class Evaluation:
 
     def _grids(self, step: int) -> None:
         table = []
-        for list_name in self.e.grids:
-            for category, prompts in by_category(PROMPT_LISTS.get(list_name)(), self.e.grid_prompts).items():
-                texts = [p.text for p in prompts]
-                for scale in self.e.grid_scales:
-                    images = self.dataset.decode_images(self.sample(texts, scale, self.e.grid_samples))
-                    grid = image_grid(images, texts, self.e.grid_samples)
-                    key = f"grids/{list_name}/{slug(category)}/s{scale:g}"
-                    self.tracker.log_image(key, grid, step, caption=f"{list_name} / {category} at scale {scale:g}")
-                    for i, t in enumerate(texts):
-                        for k in range(self.e.grid_samples):
-                            table.append([list_name, category, t, float(scale), k, images[i * self.e.grid_samples + k]])
+        for list_name, category, texts in self.grid_prompts:
+            for scale in self.e.grid_scales:
+                images = self.dataset.decode_images(self.sample(texts, scale, self.e.grid_samples))
+                grid = image_grid(images, texts, self.e.grid_samples)
+                key = f"grids/{list_name}/{slug(category)}/s{scale:g}"
+                self.tracker.log_image(key, grid, step, caption=f"{list_name} / {category} at scale {scale:g}")
+                for i, t in enumerate(texts):
+                    for k in range(self.e.grid_samples):
+                        table.append([list_name, category, t, float(scale), k, images[i * self.e.grid_samples + k]])
         if table:
             self.tracker.log_table("eval/grids", ["list", "category", "prompt", "scale", "sample", "image"], table, step)
 

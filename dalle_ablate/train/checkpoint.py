@@ -48,6 +48,8 @@ class Checkpointer:
             # failure is reported as its own.
             self.manager.wait_until_finished()
             self.check()
+            if step in self.manager.all_steps():
+                return  # e.g. a run interrupted just after its scheduled save of this step
             self.saving = step
             self.manager.save(step, args=ocp.args.StandardSave(state))
         except RunFailed:

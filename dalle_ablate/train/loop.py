@@ -245,28 +245,38 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
-        for step in range(start_step + 1, t.steps + 1):
-            ckpt.check()  # a checkpoint that failed in the background stops the run here
-            state, metrics = train_step(state, run.placement.global_batch(next(batches), t.batch_size))
-            if not log.push(step, metrics):
-                status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
-                break
-            due = bounds.due(step)
-            if any(due):
-                if not log.flush():
-                    status = "diverged"
+        try:
+            for step in range(start_step + 1, t.steps + 1):
+                ckpt.check()  # a checkpoint that failed in the background stops the run here
+                state, metrics = train_step(state, run.placement.global_batch(next(batches), t.batch_size))
+                if not log.push(step, metrics):
+                    status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
                     break
-                stop = bounds.run_at(step, state, due)
-                log.restart_clock()
-                if stop:
-                    status = "pruned"  # e.g. the sweep's pruner stopped this trial (job.py)
-                    log.reason = f"pruned at step {step} of {t.steps} (eval loss {bounds.eval_loss:.4f})"
-                    break
-        else:
-            status = "finished"
-        log.flush()
+                due = bounds.due(step)
+                if any(due):
+                    if not log.flush():
+                        status = "diverged"
+                        break
+                    stop = bounds.run_at(step, state, due)
+                    log.restart_clock()
+                    if stop:
+                        status = "pruned"  # e.g. the sweep's pruner stopped this trial (job.py)
+                        log.reason = f"pruned at step {step} of {t.steps} (eval loss {bounds.eval_loss:.4f})"
+                        break
+            else:
+                status = "finished"
+        except KeyboardInterrupt:
+            if jax.process_count() > 1:
+                raise  # the other processes are not stopping with this one: no save they could join
+            status = "interrupted"  # `state` is the last whole step, wherever the interrupt came
+        if not log.flush() and status == "interrupted":
+            status = "diverged"
         bar.close()
         final_step = int(jax.device_get(state.step))
+        if status == "interrupted":
+            log.reason = f"interrupted at step {final_step} of {t.steps}"
+            if final_step > start_step:
+                ckpt.save(final_step, state)  # resume=auto continues from here (none if this step is saved)
         if status == "finished":
             grid = sample_grid(run.graphdef, state.params, run.dataset, run.model_cfg, cfg,
                                jax.random.fold_in(jax.random.key(cfg.seed), 1), run.placement.replicated)

@@ -260,8 +260,12 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(tmp_path / "outputs" / "run"),
                           "eval.guidance_scales=[1,3,5]", "tracker=none", f"eval.metrics=[{','.join(METRICS)},fid,clip]",
                           f"eval.fid.weights={inception}", f"eval.clip.weights={clip}", f"eval.reference={tmp_path / 'stats.npz'}",
-                          "eval.fid.batch_size=8"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                          "eval.fid.batch_size=8", "trainer.progress=true"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    # The evaluation's progress bar ran to its total (sampling batches and model evaluators).
+    done = re.findall(r"eval step 6: 100%\|[^|]*\| (\d+)/(\d+) ", out.stderr)
+    assert done and done[-1][0] == done[-1][1] and int(done[-1][1]) >= 3, out.stderr[-2000:]
     ev = store / "evals" / "default_step6"
     again = json.loads((ev / "tables" / "eval_pareto_6.json").read_text())
     col = {c: again["columns"].index(c) for c in again["columns"]}

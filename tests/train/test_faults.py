@@ -9,6 +9,7 @@ import contextlib
 import errno
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -135,11 +136,11 @@ def test_a_read_only_checkpoint_folder_fails_before_the_first_step(tmp_path):
         assert elapsed < 120  # never the 5-minute stall of orbax waiting on a folder it cannot write
 
 
-def killed(tmp_path: Path, at: str, *overrides: str) -> int:
-    """Run the tiny job until it kills itself at `at` (tests/kill_worker.py); its exit code."""
+def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL") -> subprocess.CompletedProcess:
+    """Run the tiny job until it sends itself `sig` at `at` (tests/kill_worker.py)."""
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
-    env = {**os.environ, "KILL_AT": at, "PYTHONPATH": str(ROOT / "tests")}
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode
+    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": str(ROOT / "tests")}
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference):
@@ -149,10 +150,10 @@ def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_
     wandb_dir = Path(os.environ["WANDB_DIR"])
     before = set(wandb_dir.glob("wandb/offline-run-*"))
     run = job_dir(tmp_path) / "run"
-    assert killed(tmp_path, "step:5") == -signal.SIGKILL
+    assert killed(tmp_path, "step:5").returncode == -signal.SIGKILL
     first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
     assert (run / "checkpoints" / "3").is_dir() and max(losses(run)) < 5
-    assert killed(tmp_path, "save:6", "resume=auto") == -signal.SIGKILL
+    assert killed(tmp_path, "save:6", "resume=auto").returncode == -signal.SIGKILL
     assert max(losses(run)) == 6
     proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -170,6 +171,30 @@ def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_
     assert run_info(last)["id"] == first_id
     start = json.loads((run / "meta.json").read_text())["resumed_from_step"]
     assert [row["_step"] for row in history(last) if "train/loss" in row] == list(range(start + 1, 7))
+
+
+def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130(tmp_path, reference):
+    """SIGINT before step 5 (the last checkpoint was step 3): step 4 is saved, the summary is
+    whole, and the command the line gives continues to the uninterrupted run's losses."""
+    run = job_dir(tmp_path) / "run"
+    proc = killed(tmp_path, "step:5", "tracker=none", sig="SIGINT")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    line = error_line(proc)
+    head = "error: interrupted at step 4 of 6; checkpoint saved; resume with: python run.py "
+    assert line.startswith(head), line
+    again = shlex.split(line.removeprefix(head))
+    assert again == [*TINY, "tracker=none", "resume=auto", f"hydra.run.dir={job_dir(tmp_path)}"]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 4]
+    s = summary(run)
+    assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, "interrupted at step 4 of 6")
+    assert s["train/loss"] == pytest.approx(losses(reference)[4], rel=1e-6)
+    assert s["train/first_loss"] == pytest.approx(losses(reference)[1], rel=1e-6)
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 4
+    assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
 
 
 def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
