@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from dalle_ablate.parallel.devices import DEVICES
 from dalle_ablate.validate import compose
 from dalle_ablate.registry import ConfigError, RunFailed
 
@@ -186,7 +187,7 @@ def cmd_plan(args) -> None:
     """Per-device memory and FLOPs of a config on its mesh, from abstract shapes."""
     from dalle_ablate.parallel.plan import plan
 
-    print(plan(*abstract_setup(args.overrides)))
+    print(plan(*abstract_setup(args.overrides), device=args.device, mfu=args.mfu))
 
 
 def cmd_eval(args) -> None:
@@ -248,8 +249,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     desc = sub.add_parser("describe", help="parameters per module, FLOPs per image token, memory (no allocation)")
     desc.add_argument("overrides", nargs="*", help="config overrides, e.g. model=normformer size=mega")
     desc.set_defaults(func=cmd_describe)
-    pl = sub.add_parser("plan", help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)")
-    pl.add_argument("overrides", nargs="*", help="e.g. size=mega optim=shampoo mesh.data=32 mesh.model=8 trainer.batch_size=4224")
+    pl = sub.add_parser(
+        "plan", help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)",
+        description="Per-device memory (parameters, gradients, optimizer state, activations by remat policy), "
+                    "communication per mesh axis, checkpoint size and FLOPs of a run, from abstract shapes: any size, "
+                    "any mesh, on this machine. With --device: whether it fits, and its step time at --mfu.",
+        epilog="overrides it reads: size=, model=, model.dtype=, model.glu=, model.* (the shapes), optim= (its state), "
+               "mesh.data=, mesh.fsdp=, mesh.model= (-1 counts as 1), trainer.batch_size=, trainer.grad_accum=, and data= "
+               "(image and vocabulary sizes, from the config alone). Example: dalle-ablate plan size=mega "
+               "model=normformer optim=adam mesh.data=32 mesh.model=8 trainer.batch_size=4224 --device tpu-v3")
+    pl.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py (see below)")
+    pl.add_argument("--device", help=f"an accelerator to check against: {', '.join(DEVICES)}")
+    pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (default 0.4)")
     pl.set_defaults(func=cmd_plan)
     ev = sub.add_parser("eval", help="evaluate a checkpoint: metrics per guidance scale, caption sensitivity, prompt grids")
     ev.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder")

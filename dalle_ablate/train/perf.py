@@ -12,27 +12,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak FLOP/s per device as JAX reports it (a TPU v2/v3 "device" is one core).
-PEAK_FLOPS = {
-    "TPU v2": 22.5e12,
-    "TPU v3": 61.5e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA L4": 121e12,
-    "NVIDIA A10G": 125e12,
-    "Tesla V100-SXM2-16GB": 125e12,
-    "Tesla V100-SXM2-32GB": 125e12,
-}
+from dalle_ablate.parallel.devices import DEVICES
+
+# Dense bf16 peak FLOP/s per device, by the device_kind JAX reports (parallel/devices.py).
+PEAK_FLOPS = {kind: spec.peak for spec in DEVICES.values() for kind in spec.kinds}
 
 
 def matmul_probe(n: int = 1024, repeats: int = 10) -> float:

@@ -155,6 +155,14 @@ def test_plan_for_mega_on_32_by_8_matches_an_analytic_per_device_count():
     # AdamW: two float32 moments laid out like the parameters, plus int32 step counters.
     counters = got["optimizer_bytes"] - 2 * got["param_bytes"]
     assert counters % 4 == 0 and 0 < counters <= 16
+    assert got["checkpoint_bytes"] == 3 * 4 * (split + whole) + counters
+    # Communication: the gradient all-reduce over 32, fsdp idle, and per example 2 all-reduces of
+    # [64, d] per encoder layer, 3 of [256, d] per decoder layer and one of [64 + 256, d] for the
+    # embeddings, forward and backward, over 8.
+    comm = got["communication_bytes"]
+    assert comm["data"] == pytest.approx(2 * 31 / 32 * 4 * (split // t + whole))
+    assert comm["fsdp"] == 0
+    assert comm["model"] == pytest.approx(132 * 2 * (n * 2 * 64 * d + m * 3 * 256 * d + 320 * d) * 2 * 7 / 8 * 4)
     assert got["per_device_examples"] == 4224 // 32
     assert got["flops_per_update"] == 3 * 4224 * forward_flops(mcfg)
 
@@ -167,13 +175,48 @@ def forward_flops(c) -> int:
     return 2 * (enc + dec + i * d * v)
 
 
+def test_plan_says_which_remat_fits_a_device_and_its_step_time():
+    from dalle_ablate.parallel.devices import DEVICES
+    from dalle_ablate.parallel.plan import memory_plan, plan
+    from dalle_ablate.train.assembly import abstract_run
+
+    cfg = to_run_config(compose("size=mega", "model=normformer", "optim=adam", "mesh.data=32", "mesh.model=8",
+                                "trainer.batch_size=4224"))
+    mcfg, opt = abstract_run(cfg)
+    m = memory_plan(cfg, mcfg, opt)
+    fixed = 2 * m["param_bytes"] + m["optimizer_bytes"]
+    text = plan(cfg, mcfg, opt, device="tpu-v3", mfu=0.5)
+    for policy, act in m["activation_bytes"].items():
+        line = next(x for x in text.splitlines() if x.startswith(f"total, remat={policy} "))
+        over = fixed + act - 16 * 2**30
+        assert ("does not fit" in line) == (over > 0), line
+        if over > 0:
+            assert f"({over / 2**30:.2f} GiB over 16.00 GiB)" in line or f"({over / 2**20:.2f} MiB over 16.00 GiB)" in line
+    # Full remat: 16.1 GiB, just over a v3 core's 16 GiB; a v4 chip's 32 GiB holds it.
+    assert "tpu-v3: does not fit" in text.split("total, remat=full")[1].splitlines()[0]
+    assert "tpu-v4: fits" in plan(cfg, mcfg, opt, device="tpu-v4").split("total, remat=full")[1].splitlines()[0]
+    step = 3 * 4224 * forward_flops(mcfg) / 256 / (61.5e12 * 0.5)
+    assert f"at 50% MFU (61.5 TFLOP/s bf16 peak each): {step:.3g} s" in text
+    assert DEVICES["tpu-v3"].memory == 16 * 2**30
+    with pytest.raises(ConfigError, match=r"^--device 'tpu-v9' is not a known device; valid: tpu-v2, tpu-v3, "):
+        plan(cfg, mcfg, opt, device="tpu-v9")
+    with pytest.raises(ConfigError, match=r"^--mfu 1.5 must be in \(0, 1\]$"):
+        plan(cfg, mcfg, opt, device="tpu-v3", mfu=1.5)
+
+
 def test_plan_verb_prints_the_table_without_devices():
     proc = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "plan", "size=mega", "optim=shampoo", "mesh.data=32",
                            "mesh.model=8", "trainer.batch_size=4224"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "(256 devices)" in proc.stdout and "parameters 2,586,906,624" in proc.stdout
-    for row in ("optimizer state", "activations, remat=none", "activations, remat=full", "activations, remat=dots_saveable"):
+    for row in ("optimizer state", "activations, remat=none", "activations, remat=full", "activations, remat=dots_saveable",
+                "over data (32)", "over model (8)", "checkpoint size"):
         assert row in proc.stdout
+    helped = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "plan", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0
+    for text in ("--device", "tpu-v3", "h100", "--mfu", "mesh.fsdp=", "trainer.grad_accum=", "model.dtype="):
+        assert text in helped.stdout, text
 
 
 def _free_port() -> int:
