@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -43,7 +44,11 @@ def format_error(ex: BaseException) -> Optional[str]:
     if isinstance(cause, ValidationError):
         return f"bad value for {cause.full_key!r}: {str(cause).splitlines()[0]}"
     if isinstance(ex, ConfigCompositionException):
-        return str(ex).splitlines()[0]
+        line = str(ex).splitlines()[0]
+        twice = re.fullmatch(r"Multiple values for (\S+)\. To override a value use 'override \1: (.+)'", line)
+        if twice:  # `+sweeps=x`: the group is already in the defaults list, and Hydra's hint is for YAML files
+            return f"{twice[1]} is already in the defaults list: choose it with {twice[1]}={twice[2]}, without the '+'"
+        return line
     return None
 
 

@@ -26,7 +26,7 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import space as spaces
 from dalle_ablate.sweep.study import (PRUNER_ATTR, STARTS_ATTR, default_storage, heartbeats, make_pruner, make_sampler,
                                       sampler_seed, storage, trial_lock)
-from dalle_ablate.sweep.trial import RUN_DIR_ATTR
+from dalle_ablate.sweep.trial import RUN_DIR_ATTR, WANDB_ATTR
 from dalle_ablate.track.runstore import mark_failed
 from dalle_ablate.train.checkpoint import find_checkpoints
 
@@ -120,6 +120,7 @@ class OptunaSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function,
                                                                 config=config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.objectives = [str(o) for o in config.get("objectives", [])]  # what the jobs return (RunConfig.objectives)
 
     def study(self, space) -> tuple[optuna.Study, str]:
         url = self.storage_url or default_storage(self.sweep_dir)
@@ -137,6 +138,8 @@ class OptunaSweeper(Sweeper):
             raise ConfigError(f"hydra.sweeper.direction={self.directions} but study {self.study_name!r} in {url} was "
                               f"created with {have}; use another hydra.sweeper.study_name")
         study.set_user_attr(PRUNER_ATTR, pruner_spec)
+        if len(self.objectives) == len(self.directions):
+            study.set_metric_names(self.objectives)  # optuna-dashboard's axes name the metric
         return study, url
 
     def sweep(self, arguments: list[str]) -> list[optuna.trial.FrozenTrial]:
@@ -181,6 +184,8 @@ class OptunaSweeper(Sweeper):
                 if why:
                     trial.set_user_attr("why", why)
                     log.warning(f"trial {trial.number} {state.name}: {why}")
+                else:
+                    log.info(f"trial {trial.number} {state.name}: {self._values(values)} at {_short(trial.params)}")
                 study.tell(trial, values, state=state)
         self._write_results(study)
         return study.get_trials()
@@ -216,10 +221,31 @@ class OptunaSweeper(Sweeper):
         died = study.user_attrs.get(STALE_ATTR)
         if died:
             out["died"] = {int(k): v for k, v in died.items()}  # FAILED, not counted, replaced
+        out["objectives"] = self.objectives
         complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
         if complete and len(self.directions) == 1:
-            out["best"] = {"number": study.best_trial.number, "value": study.best_value, "params": study.best_params}
+            best = study.best_trial
+            out["best"] = {"number": best.number, "value": best.value, "params": best.params, **self._where(best)}
+            log.info(f"best of {len(complete)} complete trials: trial {best.number}, {self._values(best.values)} at "
+                     f"{_short(best.params)}, run store {best.user_attrs.get(RUN_DIR_ATTR)}")
         elif complete:
-            out["pareto_front"] = [{"number": t.number, "values": t.values, "params": t.params} for t in study.best_trials]
+            out["pareto_front"] = [{"number": t.number, "values": t.values, "params": t.params, **self._where(t)}
+                                   for t in study.best_trials]
+            log.info(f"Pareto front of {len(complete)} complete trials: trials {[t.number for t in study.best_trials]}")
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(out)))
+
+    def _values(self, values: list[float]) -> str:
+        """`eval/valid/loss=0.4123`, one per objective."""
+        names = self.objectives if len(self.objectives) == len(values) else [f"value{i}" for i in range(len(values))]
+        return " ".join(f"{n}={v:.6g}" for n, v in zip(names, values))
+
+    @staticmethod
+    def _where(trial: optuna.trial.FrozenTrial) -> dict:
+        """The trial's run store and W&B run, as the job recorded them."""
+        return {k: trial.user_attrs[k] for k in (RUN_DIR_ATTR, WANDB_ATTR) if k in trial.user_attrs}
+
+
+def _short(params: dict) -> str:
+    """Parameters as overrides, numbers to 3 significant digits (a sampled rate has 17)."""
+    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

@@ -5,6 +5,8 @@ study's pruner whether to stop."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import optuna
@@ -36,14 +38,21 @@ def pruning_for(link) -> Optional[Pruning]:
 
 
 RUN_DIR_ATTR = "run_dir"  # the trial's run store, so that a later sweep can mark it or resume from it
+WANDB_ATTR = "wandb_id"  # the trial's W&B run, where it has one
 
 
 def record_run_dir(link, run_dir) -> None:
-    """Tell the study where this trial's run store is (set by the trainer at its start)."""
+    """Tell the study where this trial's run store is, and its W&B run id (from the store's
+    meta.json, written before the first step)."""
     if link is None or link.storage is None or link.trial is None:
         return
     study = optuna.load_study(study_name=link.study, storage=link.storage)
-    study._storage.set_trial_user_attr(_trial_id(study, link.trial), RUN_DIR_ATTR, str(run_dir))
+    trial_id = _trial_id(study, link.trial)
+    study._storage.set_trial_user_attr(trial_id, RUN_DIR_ATTR, str(run_dir))
+    meta = Path(run_dir) / "meta.json"
+    wandb_id = json.loads(meta.read_text()).get("wandb_id") if meta.exists() else None
+    if wandb_id:
+        study._storage.set_trial_user_attr(trial_id, WANDB_ATTR, wandb_id)
 
 
 def _trial_id(study: optuna.Study, number: int) -> int:

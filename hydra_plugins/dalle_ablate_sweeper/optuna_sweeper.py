@@ -1,6 +1,6 @@
 """Hydra discovers this plugin (the `hydra_plugins` namespace package): `hydra/sweeper=optuna`
 is the project's Optuna sweeper (dalle_ablate/sweep/sweeper.py). The ready-made sweeps
-(`+sweeps=lr_shampoo`) are a group of the package's own configs (dalle_ablate/conf/sweeps/)."""
+(`sweeps=lr_shampoo`) are a group of the package's own configs (dalle_ablate/conf/sweeps/)."""
 
 from hydra.core.config_store import ConfigStore
 

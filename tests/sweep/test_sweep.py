@@ -16,6 +16,7 @@ from pathlib import Path
 
 import optuna
 import optuna.distributions as D
+import yaml
 import pytest
 from hydra.core.utils import JobReturn, JobStatus
 
@@ -215,7 +216,7 @@ def test_the_sweeps_group_composes(name):
     from dalle_ablate import validate  # noqa: F401  (registers every schema)
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"+sweeps={name}"], return_hydra_config=True)
+        cfg = compose(config_name="config", overrides=[f"sweeps={name}"], return_hydra_config=True)
     sweeper = cfg.hydra.sweeper
     if name.startswith("lr_"):
         assert cfg.optim.name == name[3:] and sweeper.study_name == name
@@ -224,6 +225,22 @@ def test_the_sweeps_group_composes(name):
         assert lr.log and 0 < lr.low < lr.high
     else:
         assert set(sweeper.params) == {"model", "seed"} and len(str(sweeper.params.model).split(",")) == 7
+
+
+def test_an_experiment_preset_applies_over_a_sweep_preset(capsys):
+    from dalle_ablate.cli import run_hydra
+    from dalle_ablate.validate import compose
+
+    swept = compose(["sweeps=lr_adam"])
+    both = compose(["sweeps=lr_adam", "experiment=quick"])
+    assert (swept.trainer.steps, swept.trainer.eval_every) == (300, 25)
+    assert (both.trainer.steps, both.trainer.eval_every) == (100, 50)  # experiment=quick's
+    assert both.optim.name == "adam" and both.trainer.eval_batches == 8  # what quick leaves alone stays the sweep's
+    with pytest.raises(SystemExit) as e:
+        run_hydra(lambda: compose(["+sweeps=lr_adam"]))
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: sweeps is already in the defaults list: choose it with sweeps=lr_adam, "
+                                       "without the '+'\n")
 
 
 @pytest.mark.slow
@@ -239,3 +256,26 @@ def test_the_trainer_reports_eval_loss_and_stops_when_pruned(tmp_path):
     assert max(steps) == 3 and t.intermediate_values[3] == pytest.approx(
         [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()][-1]["eval/valid/loss"])
     assert json.loads((store / "summary.json").read_text())["status"] == "pruned"
+
+
+@pytest.mark.slow
+def test_a_sweep_of_the_trainer_says_what_it_found(tmp_path):
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1",
+                  "optim.lr=tag(log, interval(1e-4, 1e-2))", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
+    (t,) = study.get_trials()
+    store = tmp_path / "multirun" / "0" / "run"
+    summary = json.loads((store / "summary.json").read_text())
+    assert t.state == S.COMPLETE and t.value == pytest.approx(summary["eval/valid/loss"])
+    # The trial points at its run store and its W&B run; the dashboard names the metric.
+    assert t.user_attrs["run_dir"] == str(store)
+    assert t.user_attrs["wandb_id"] == json.loads((store / "meta.json").read_text())["wandb_id"]
+    assert study.metric_names == ["eval/valid/loss"]
+    results = yaml.safe_load((tmp_path / "multirun" / "optimization_results.yaml").read_text())
+    assert results["objectives"] == ["eval/valid/loss"]
+    assert results["best"]["run_dir"] == str(store) and results["best"]["value"] == t.value
+    out = proc.stdout + proc.stderr
+    lr = f"optim.lr={t.params['optim.lr']:.3g}"
+    assert f"trial 0 COMPLETE: eval/valid/loss={t.value:.6g} at {lr}" in out
+    assert f"best of 1 complete trials: trial 0, eval/valid/loss={t.value:.6g} at {lr}, run store {store}" in out
