@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_DATA, TINY_TRAIN, run_py
+from dalle_ablate.job import run_naming
 from dalle_ablate.track.runstore import read_metrics
-from wandb_records import history, run_info
+from wandb_records import history, metric_definitions, run_info, summary
 
 
 @pytest.mark.slow
@@ -38,7 +39,8 @@ def test_two_job_multirun_writes_two_run_stores_and_two_wandb_runs(tmp_path):
     for run_id, (f, info) in found.items():
         job = by_id[run_id]
         layout = info["config"]["model"]["layout"]
-        assert info["job_type"] == layout and f"model={layout}" in info["name"]
+        # Named by what the multirun varies, not by the overrides every job shares.
+        assert info["name"] == info["job_type"] == f"model={layout}"
         store = {r["step"]: r for r in read_metrics(job / "run") if "train/loss" in r}
         logged = {r["_step"]: r for r in history(f) if "train/loss" in r}
         assert sorted(logged) == sorted(store) == list(range(1, 7))
@@ -49,3 +51,49 @@ def test_two_job_multirun_writes_two_run_stores_and_two_wandb_runs(tmp_path):
         assert [r["_step"] for r in evals] == [3, 6]
         images = [r for r in history(f) if r.get("samples/grid/_type") == "image-file"]
         assert [r["_step"] for r in images] == [6] and images[0]["samples/grid/caption"] == "a red circle"
+
+
+
+def test_runs_are_named_by_what_their_multirun_varies_seed_included():
+    shared = ["optim=shampoo", "trainer.steps=200"]
+    names = [run_naming([f"model={m}", f"seed={s}", *shared], {"model", "seed"}, m) for m in ("normformer", "deepnet")
+             for s in (0, 1, 2)]
+    assert len({n for n, _ in names}) == 6  # every seed its own name
+    assert names[1] == ("model=normformer,seed=1", "model=normformer")  # seeds of a variant share the job type
+    # An Optuna trial: the sampled rate to 3 significant digits, the trial's bookkeeping left out.
+    trial = ["optim.lr=0.0012345678901234567", "optuna.storage='sqlite:///x.db'", "optuna.trial=3", *shared]
+    assert run_naming(trial, {"optim.lr"}, "preln") == ("optim.lr=0.00123", "optim.lr=0.00123")
+    # Only the seed varies: the job type is the layout.
+    assert run_naming(["seed=2", *shared], {"seed"}, "preln") == ("seed=2", "preln")
+    # A single run: all its overrides (seed included), or "run".
+    assert run_naming(["trainer.steps=5", "seed=3", "resume=auto"], set(), "deepnet") == ("trainer.steps=5,seed=3", "deepnet")
+    assert run_naming([], set(), "preln") == ("run", "preln")
+
+
+@pytest.mark.slow
+def test_wandb_names_can_be_set_and_metrics_are_declared(tmp_path):
+    proc = run_py(*SMALL_DATA, *TINY_TRAIN, "eval.metrics=[shapes]", "eval.guidance_scales=[1,3]", "eval.num_samples=8",
+                  "eval.batch_size=8", "eval.grids=[]", "tracker.wandb.group=g1", "tracker.wandb.name=first try",
+                  "tracker.wandb.job_type=probe", "tracker.wandb.notes=why not", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = tmp_path / "outputs" / "run" / "run"
+    meta = json.loads((store / "meta.json").read_text())
+    (f,) = Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*/run-{meta['wandb_id']}.wandb")
+    info = run_info(f)
+    assert (info["group"], info["name"], info["job_type"], info["notes"]) == ("g1", "first try", "probe", "why not")
+    assert meta["wandb_group"] == "g1"  # where `dalle-ablate eval` files its jobs
+    defs = metric_definitions(f)
+    for pattern in ("train/*", "eval/*", "perf/*", "optim/*"):
+        assert defs[pattern]["step_metric"] == "tokens"
+    assert defs["train/loss"] == {"step_metric": "tokens", "hidden": False, "summary": {"min", "last"}}
+    assert defs["eval/valid/loss"]["summary"] == {"min", "last"}
+    for s in ("1", "3"):
+        assert defs[f"eval/pareto/s{s}/shapes/all"]["summary"] == {"max", "last"}
+        assert defs[f"eval/pareto/s{s}/n"]["hidden"] and defs[f"eval/pareto/s{s}/shapes/n"]["hidden"]
+    hidden = {k for k, d in defs.items() if d["hidden"]}
+    assert hidden and all(k.endswith(("/n", "_n", "/floor")) for k in hidden), hidden  # counts only
+    assert any("eval/pareto/s1/shapes/color" in row for row in history(f))  # logged, charted, not hidden
+    # The summary keeps the best as well as the last: the last eval loss is not all there is.
+    evals = [r["eval/valid/loss"] for r in history(f) if "eval/valid/loss" in r]
+    best = summary(f)["eval/valid/loss"]
+    assert best == {"min": pytest.approx(min(evals)), "last": pytest.approx(evals[-1])}

@@ -61,5 +61,26 @@ def run_info(path: Path) -> dict:
         if rec.WhichOneof("record_type") == "run":
             r = rec.run
             return {"id": r.run_id, "group": r.run_group, "job_type": r.job_type, "name": r.display_name,
-                    "project": r.project, "config": {i.key: json.loads(i.value_json) for i in r.config.update}}
+                    "notes": r.notes, "project": r.project, "config": {i.key: json.loads(i.value_json) for i in r.config.update}}
     raise AssertionError(f"{path} has no run record")
+
+
+def metric_definitions(path: Path) -> dict[str, dict]:
+    """The run's define_metric calls: name (or glob) -> {step_metric, hidden, summary: set}."""
+    out = {}
+    for rec in records(path):
+        if rec.WhichOneof("record_type") == "metric":
+            m = rec.metric
+            ops = {f.name for f, v in m.summary.ListFields() if v is True}
+            out[m.name or m.glob_name] = {"step_metric": m.step_metric, "hidden": m.options.hidden, "summary": ops}
+    return out
+
+
+def summary(path: Path) -> dict:
+    """The run's last summary record: key -> value."""
+    out = {}
+    for rec in records(path):
+        if rec.WhichOneof("record_type") == "summary":
+            for item in rec.summary.update:
+                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return out

@@ -152,6 +152,8 @@ class OptunaSweeper(Sweeper):
             size = math.prod(len(v) for v in space.grid().values())
             n_trials = min(n_trials, size)  # every point once; more would repeat points
         study, url = self.study(space)
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")  # as Hydra's sweepers do: jobs read what varies
         log.info(f"Optuna study {self.study_name!r} in {url}: {n_trials} trials in all, sampler "
                  f"{self.sampler_conf.get('name')}, pruner {self.pruner_conf.get('name')}")
         warned = False

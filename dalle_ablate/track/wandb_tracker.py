@@ -2,13 +2,15 @@
 (never touches the network); online when `tracker.wandb.mode=online` and logged in, checked
 within 25 s before the run starts (or offline instead with `tracker.wandb.fallback=offline`). A
 resumed run continues the same W&B run. Conventions (docs/architecture.md): group = the sweep or
-multirun folder, job_type = the model layout, name = the overrides; finish() on every exit path.
+multirun folder, name = the overrides it varies, job_type = the variant (job.py, run_naming), each
+settable (`tracker.wandb.group` ...); finish() on every exit path.
 `wandb` takes 0.6 s to import, so only a run that logs to it imports it."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from typing import Optional
@@ -22,6 +24,16 @@ from dalle_ablate.track.runstore import RunStore
 
 log = logging.getLogger(__name__)
 
+# Charts: every series over `tokens` (an x-axis comparable across batch sizes and sequence
+# lengths, where steps are not); the summary keeps the best of the loss and the headline eval
+# metrics (by how their names end, docs/architecture.md "Metric names") besides the last; constant
+# counts (sample sizes, the real-data floor) are hidden from the charts and stay in the tables.
+X_AXIS = "tokens"
+ON_X_AXIS = ("train/*", "eval/*", "perf/*", "optim/*")
+BEST = {"train/loss": "min", "eval/valid/loss": "min", "/shapes/all": "max", "/clip/score": "max", "/fid/fid": "min",
+        "/shapes_fd/fd": "min"}
+COUNT = re.compile(r"(/n|_n|/floor)$")
+
 CONNECT_TIMEOUT = 10  # seconds for the server to accept a connection
 VERIFY_TIMEOUT = 15  # seconds for it to answer who the API key belongs to
 
@@ -33,6 +45,12 @@ class WandbConfig:
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
     fallback: Optional[str] = None  # offline = log offline when online cannot connect or authenticate; null = fail
+    # null = the run's own: group = the multirun folder, name = the overrides it varies (seed
+    # included), job_type = the same less the seed (the layout when nothing varies)
+    group: Optional[str] = None
+    name: Optional[str] = None
+    job_type: Optional[str] = None
+    notes: Optional[str] = None
 
 
 @dataclass
@@ -94,9 +112,10 @@ class WandbTracker(Tracker):
             project=cfg.project,
             entity=cfg.entity,
             mode=mode,
-            name=name,
-            group=group,
-            job_type=job_type,
+            name=cfg.name or name,
+            group=cfg.group or group,
+            job_type=cfg.job_type or job_type,
+            notes=cfg.notes,
             tags=list(cfg.tags),
             config={**config, "meta": meta},
             dir=None if os.environ.get("WANDB_DIR") else str(store.root),
@@ -110,15 +129,38 @@ class WandbTracker(Tracker):
         # and the resumed run recomputes them exactly, so they are not sent twice.
         self.first_new_step = self.run.step if run_id else 0
         store.meta["wandb_id"] = self.run.id
+        store.meta["wandb_group"] = self.run.group  # tracker.wandb.group if set: `dalle-ablate eval` files its jobs there
         store.meta["wandb_dir"] = self.run.dir
         store.write_meta()
         self._done = False
+        self.run.define_metric(X_AXIS)
+        self.run.define_metric("samples", step_metric=X_AXIS)
+        for pattern in ON_X_AXIS:
+            self.run.define_metric(pattern, step_metric=X_AXIS)
+        self._declared: set[str] = set()
+        self._best: set[str] = set()  # keys whose summary W&B aggregates (log_summary leaves them)
+
+    def _declare(self, keys) -> None:
+        """define_metric for keys seen for the first time: counts hidden, headlines with their best."""
+        for key in set(keys) - self._declared:
+            self._declared.add(key)
+            step = X_AXIS if key.startswith(tuple(p[:-1] for p in ON_X_AXIS)) else None
+            if COUNT.search(key):
+                self.run.define_metric(key, step_metric=step, hidden=True)
+                continue
+            best = next((v for k, v in BEST.items() if key == k or (k.startswith("/") and key.endswith(k))), None)
+            if key.startswith("eval/caption_sensitivity/"):
+                best = "max"
+            if best:
+                self.run.define_metric(key, step_metric=step, summary=f"{best},last")
+                self._best.add(key)
 
     def _logged(self, step) -> bool:
         return step < self.first_new_step
 
     def log(self, metrics, step):
         if not self._logged(step):
+            self._declare(metrics)
             self.run.log(dict(metrics), step=int(step))
 
     def log_image(self, key, image, step, caption=""):
@@ -138,7 +180,8 @@ class WandbTracker(Tracker):
 
     def log_summary(self, values):
         for k, v in values.items():
-            self.run.summary[k] = v
+            if k not in self._best:  # W&B keeps their best and last; the run store's summary.json has the final value
+                self.run.summary[k] = v
 
     def finish(self, status="finished"):
         if not self._done:

@@ -53,6 +53,7 @@ class JobInfo:
     job_dir: Path
     name: Optional[str] = None
     group: Optional[str] = None
+    job_type: Optional[str] = None  # default: the model layout
     overrides: list[str] = field(default_factory=list)
     config: Optional[dict] = None  # the resolved, nested config to record (default: from RunConfig)
     hooks: RunHooks = field(default_factory=RunHooks)
@@ -230,7 +231,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     meta["mesh"] = dict(run.mesh.shape)
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
     tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
-                            group=job.group, job_type=cfg.model.layout, resume_step=start_step if source is not None else None,
+                            group=job.group, job_type=job.job_type or cfg.model.layout, resume_step=start_step if source is not None else None,
                             is_main_process=pi == 0)
     status = "failed"
     try:
