@@ -225,7 +225,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     if source is not None:
         start_step, state = checkpoint.restore(*source, target=state)
     flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
-    peak, peak_source = device_peak_flops()  # of one device; the step runs on every device of the mesh
+    peak, peak_source = device_peak_flops(cache_dir=cfg.data.cache_dir)  # of one device; the step runs on every device
     meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
                     run.dataset.info, resumed_from=start_step)
     meta["mesh"] = dict(run.mesh.shape)
