@@ -12,7 +12,7 @@ import pytest
 from conftest import SMALL_DATA, TINY_TRAIN, run_py
 from dalle_ablate.job import run_naming
 from dalle_ablate.track.runstore import read_metrics
-from wandb_records import history, metric_definitions, run_info, summary
+from wandb_records import artifacts, history, metric_definitions, run_info, summary
 
 
 @pytest.mark.slow
@@ -71,10 +71,11 @@ def test_runs_are_named_by_what_their_multirun_varies_seed_included():
 
 
 @pytest.mark.slow
-def test_wandb_names_can_be_set_and_metrics_are_declared(tmp_path):
+def test_wandb_names_can_be_set_metrics_are_declared_and_checkpoints_kept(tmp_path):
     proc = run_py(*SMALL_DATA, *TINY_TRAIN, "eval.metrics=[shapes]", "eval.guidance_scales=[1,3]", "eval.num_samples=8",
                   "eval.batch_size=8", "eval.grids=[]", "tracker.wandb.group=g1", "tracker.wandb.name=first try",
-                  "tracker.wandb.job_type=probe", "tracker.wandb.notes=why not", cwd=tmp_path)
+                  "tracker.wandb.job_type=probe", "tracker.wandb.notes=why not", "tracker.wandb.log_checkpoints=true",
+                  cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = tmp_path / "outputs" / "run" / "run"
     meta = json.loads((store / "meta.json").read_text())
@@ -97,3 +98,10 @@ def test_wandb_names_can_be_set_and_metrics_are_declared(tmp_path):
     evals = [r["eval/valid/loss"] for r in history(f) if "eval/valid/loss" in r]
     best = summary(f)["eval/valid/loss"]
     assert best == {"min": pytest.approx(min(evals)), "last": pytest.approx(evals[-1])}
+    # Each checkpoint, once complete on disk, as a model artifact with every file orbax wrote.
+    logged = [a for a in artifacts(f) if a["type"] == "model"]
+    assert [(a["name"], set(a["aliases"]), a["metadata"]) for a in logged] == [
+        (f"checkpoint-{meta['wandb_id']}", {f"step-{s}", "latest"}, {"step": s}) for s in (3, 6)]
+    on_disk = sorted(str(p.relative_to(store / "checkpoints" / "6")) for p in (store / "checkpoints" / "6").rglob("*")
+                     if p.is_file())
+    assert logged[-1]["files"] == on_disk

@@ -84,3 +84,15 @@ def summary(path: Path) -> dict:
             for item in rec.summary.update:
                 out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return out
+
+
+def artifacts(path: Path) -> list[dict]:
+    """The artifacts the run logged: type, name, aliases, metadata and the files of each."""
+    out = []
+    for rec in records(path):
+        if rec.WhichOneof("record_type") == "artifact":
+            a = rec.artifact
+            out.append({"type": a.type, "name": a.name, "aliases": list(a.aliases),
+                        "metadata": json.loads(a.metadata) if a.metadata else {},
+                        "files": sorted(e.path for e in a.manifest.contents)})
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -54,6 +55,9 @@ class Tracker(ABC):
     def finish(self, status: str = "finished") -> None:
         """Flush and close; status is finished, diverged, pruned, failed or interrupted. Safe to call twice."""
 
+    def log_checkpoint(self, step: int, path: Path) -> None:
+        """A checkpoint folder, complete on disk (W&B keeps it as an artifact when asked to)."""
+
 
 class NullTracker(Tracker):
     """Logs nothing (processes other than 0, and tests)."""
@@ -93,6 +97,10 @@ class CompositeTracker(Tracker):
     def log_summary(self, values):
         for t in self.trackers:
             t.log_summary(values)
+
+    def log_checkpoint(self, step, path):
+        for t in self.trackers:
+            t.log_checkpoint(step, path)
 
     def finish(self, status="finished"):
         # Every backend is finished even if one fails: a multirun must never share a W&B run.

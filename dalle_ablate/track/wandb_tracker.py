@@ -51,6 +51,7 @@ class WandbConfig:
     name: Optional[str] = None
     job_type: Optional[str] = None
     notes: Optional[str] = None
+    log_checkpoints: bool = False  # each complete checkpoint as a `model` artifact (aliases step-<n>, latest)
 
 
 @dataclass
@@ -96,7 +97,7 @@ class WandbTracker(Tracker):
     def __init__(self, cfg, store: RunStore, config: dict, meta: dict, *, name, group, job_type):
         import wandb
 
-        self._wandb = wandb
+        self._wandb, self.cfg = wandb, cfg
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
         mode = cfg.mode
         if mode == "online":
@@ -177,6 +178,12 @@ class WandbTracker(Tracker):
         if line is not None:
             logged[f"{key}_chart"] = wandb.plot.line(table, line[0], line[1], title=f"{key}: {line[1]} vs {line[0]}")
         self.run.log(logged, step=int(step))
+
+    def log_checkpoint(self, step, path):
+        if self.cfg.log_checkpoints and not self._logged(step):
+            artifact = self._wandb.Artifact(f"checkpoint-{self.run.id}", type="model", metadata={"step": int(step)})
+            artifact.add_dir(str(path))  # staged (copied) now: the checkpoint may be rotated out later
+            self.run.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
 
     def log_summary(self, values):
         for k, v in values.items():

@@ -13,7 +13,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
@@ -26,8 +26,10 @@ class Checkpointer:
     permission) stops the run at the next step with one line naming the folder and the OS error;
     the checkpoints written before it stay, so `resume=auto` continues from the last of them."""
 
-    def __init__(self, directory: Path, keep: int):
+    def __init__(self, directory: Path, keep: int, on_saved: Optional[Callable[[int, Path], None]] = None):
+        """`on_saved(step, folder)` is called once each save is complete on disk."""
         self.directory = Path(directory).absolute()
+        self.on_saved = on_saved
         try:  # find an unwritable folder now, not at the first save
             self.directory.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.directory).close()
@@ -48,6 +50,7 @@ class Checkpointer:
             # failure is reported as its own.
             self.manager.wait_until_finished()
             self.check()
+            self._saved()
             if step in self.manager.all_steps():
                 return  # e.g. a run interrupted just after its scheduled save of this step
             self.saving = step
@@ -69,10 +72,17 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
+    def _saved(self) -> None:
+        """Report the save in flight as complete (called after waiting for it without error)."""
+        if self.saving is not None and self.on_saved is not None and self.saving in self.manager.all_steps():
+            self.on_saved(self.saving, self.directory / str(self.saving))
+        self.saving = None
+
     def close(self) -> None:
         try:
             self.manager.wait_until_finished()
             self.check()
+            self._saved()
         except RunFailed:
             raise
         except Exception as e:  # noqa: BLE001

@@ -236,7 +236,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     status = "failed"
     try:
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
-        ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints)
+        ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)
         train_step = run.train_step()
         bounds = Boundaries(cfg, run, tracker, ckpt, job, t_start)
         batches = run.dataset.train_batches(t.batch_size, cfg.seed, start_step, *run.placement.host_rows(t.batch_size))
