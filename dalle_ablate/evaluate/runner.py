@@ -22,6 +22,24 @@ from dalle_ablate.model import token_nll
 
 # Which metrics make the Pareto plot's axes, first pair present wins: (fidelity, alignment).
 PARETO_AXES = (("fid/fid", "clip/score"), ("shapes_fd/fd", "shapes/all"), ("shapes/clean", "shapes/all"))
+# What a run's closing lines lead with, by guidance scale (alignment first, then fidelity).
+HEADLINES = ("shapes/all", "clip/score", "fid/fid", "shapes_fd/fd")
+
+
+def headline(result: dict) -> list[str]:
+    """Console lines of one evaluation (`Evaluation.run`'s result): each headline metric by
+    guidance scale, with its 95% interval where it has one, and the caption sensitivity."""
+    rows, lines = result.get("pareto") or [], []
+    for key in HEADLINES:
+        if rows and key in rows[0]:
+            cells = [f"s{r['scale']:g} {r[key]:.3g}" + (f" [{r[key + '_lo']:.2f}, {r[key + '_hi']:.2f}]" if key + "_lo" in r else "")
+                     for r in rows]
+            lines.append(f"{key} (n={rows[0]['n']} per scale): " + ", ".join(cells))
+    prefix = "eval/caption_sensitivity/"
+    sens = {k[len(prefix):]: v for k, v in (result.get("model") or {}).items() if k.startswith(prefix) and not k.endswith("_n")}
+    if sens:
+        lines.append("caption sensitivity, nats per image: " + ", ".join(f"{k} {v:.2f}" for k, v in sens.items()))
+    return lines
 
 
 def pareto_png(rows: list[dict], x: str, y: str, title: str) -> np.ndarray:

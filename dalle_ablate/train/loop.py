@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from dalle_ablate.config import RunConfig
 from dalle_ablate.data.base import host_share
-from dalle_ablate.evaluate.runner import evaluation_or_none
+from dalle_ablate.evaluate.runner import evaluation_or_none, headline
 from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.model import abstract_model, param_count
 from dalle_ablate.model.flops import train_flops_per_example
@@ -164,6 +164,7 @@ class Boundaries:
         self.eval_step = make_eval_step(eval_graphdef, run.placement)
         self.evaluation = evaluation_or_none(cfg, run.dataset, model_cfg, eval_graphdef, tracker, run.placement.replicated)
         self.eval_loss = math.nan
+        self.last_eval: dict = {}  # the last sampling evaluation's result, for the closing lines
 
     def due(self, step: int) -> tuple[bool, bool, bool]:
         t, last = self.cfg.trainer, step == self.cfg.trainer.steps
@@ -184,12 +185,23 @@ class Boundaries:
             self.ckpt.save(step, state)
             self.tracker.log_summary({"wall_time": time.perf_counter() - self.t_start, "steps": step})
         if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
-            self.evaluation.run(state.params, step, self.job.name or Path(self.job.job_dir).name)
+            self.last_eval = self.evaluation.run(state.params, step, self.job.name or Path(self.job.job_dir).name)
         stop = (evaluate_now and jax.process_index() == 0 and step < t.steps
                 and self.job.hooks.should_stop(self.eval_loss, step))
         if stop and not save_now:
             self.ckpt.save(step, state)  # a stopped run can be resumed
         return stop
+
+
+def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_dir: Path) -> str:
+    """What a run prints last (after W&B's own block): its losses, the headline metrics of its last
+    evaluation by guidance scale, and where its run store is."""
+    s = summary
+    lines = [f"{status} at step {s['steps']} of {steps} in {s['wall_time']:.0f} s: train/loss {s['train/loss']:.4g} "
+             f"(first {s['train/first_loss']:.4g}), eval/valid/loss {s['eval/valid/loss']:.4g}"]
+    lines += [f"  {line}" for line in headline(last_eval)]
+    lines.append(f"  run store {run_dir}")
+    return "\n".join(lines)
 
 
 def resume_source(cfg: RunConfig, ckpt_dir: Path):
@@ -291,6 +303,8 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         tracker.log_summary(summary)
         ckpt.close()
         tracker.finish(status)
+        if pi == 0:
+            print(closing_lines(status, summary, t.steps, bounds.last_eval, run_dir), flush=True)
     except KeyboardInterrupt:
         tracker.finish("interrupted")
         raise

@@ -246,6 +246,18 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     assert any("eval/caption_sensitivity/shape" in r for r in rows)
     grids = sorted(p.name for p in (store / "media").glob("grids_shapesbench_*_6.png"))
     assert len(grids) == 7
+    # The run's closing lines lead with its losses and the last evaluation's headline metrics.
+    summary = json.loads((store / "summary.json").read_text())
+    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6"):].splitlines()
+    assert closing[0].endswith(f"train/loss {summary['train/loss']:.4g} (first {summary['train/first_loss']:.4g}), "
+                               f"eval/valid/loss {summary['eval/valid/loss']:.4g}")
+    col = {c: table["columns"].index(c) for c in table["columns"]}
+    cells = [f"s{r[col['scale']]:g} {r[col['shapes/all']]:.3g} [{r[col['shapes/all_lo']]:.2f}, {r[col['shapes/all_hi']]:.2f}]"
+             for r in table["rows"]]
+    assert closing[1] == "  shapes/all (n=8 per scale): " + ", ".join(cells)
+    assert closing[2].startswith("  shapes_fd/fd (n=8 per scale): s1 ")
+    assert closing[3].startswith("  caption sensitivity, nats per image: color ")
+    assert closing[-1] == f"  run store {store}"
     # Standalone on the last checkpoint, more scales, and FID / CLIP score with weights files made
     # here: a store of its own, the same metrics at the scales both evaluated (same prompts,
     # same noise).
