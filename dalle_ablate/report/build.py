@@ -8,6 +8,7 @@ import base64
 import html
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -19,7 +20,7 @@ from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, load_runs, series
+from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs, series
 from dalle_ablate.report.stats import bootstrap_ci, bootstrap_diff, diverged, significant, spikes
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
@@ -263,6 +264,19 @@ def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# Logged keys the W&B report charts besides the losses: headline eval metrics by scale, caption
+# sensitivity, the optimizer's own statistics.
+REPORT_METRICS = re.compile(r"eval/pareto/s[^/]+/(shapes/all|clip/score|fid/fid|shapes_fd/fd)|eval/caption_sensitivity/[a-z]+|optim/.+")
+
+
+def wandb_panels(runs: list[Run]) -> tuple[list[str], list[str], list[str]]:
+    """(the config fields a W&B run set groups by: what varies apart from the seed, the metrics
+    to chart, the media keys: Pareto plot, sample grid and prompt grids) of these runs."""
+    logged = sorted(set().union(*(r.metrics.columns for r in runs)))
+    media = ["eval/pareto_plot", "samples/grid"] + sorted({f"grids/{key}" for r in runs for key, _, _ in r.grids})
+    return differing_fields(runs, NOT_A_VARIANT), [k for k in logged if REPORT_METRICS.fullmatch(k)], media
+
+
 def build_report(source: str, out_dir: str | Path = "reports", name: Optional[str] = None,
                  baseline: Optional[str] = None, wandb_entity: str = "", wandb_project: str = "") -> Path:
     runs = load_runs(source)
@@ -286,10 +300,11 @@ def build_report(source: str, out_dir: str | Path = "reports", name: Optional[st
     atomic_write(folder / "report.md", to_markdown(title, sections, folder))
     runs_csv(runs, info["stability"]).to_csv(folder / "runs.csv", index=False)
     group = next((r.meta.get("wandb_group") for r in runs if r.meta.get("wandb_group")), None)
-    report = wandb_report(title, group)
+    panels = wandb_panels(runs)
+    report = wandb_report(title, group, *panels)
     spec = {"title": title, "group": group, "runs": [r.name for r in runs], "report": report_spec(report)}
     atomic_write(folder / "wandb_report.json", json.dumps(spec, indent=1))
     if wandb_entity and wandb_project:  # online: the same report saved to W&B
-        saved = wandb_report(title, group, wandb_entity, wandb_project).save()
+        saved = wandb_report(title, group, *panels, wandb_entity, wandb_project).save()
         atomic_write(folder / "wandb_report_url.txt", f"{saved.url}\n")
     return folder

@@ -38,10 +38,13 @@ def write_store(root: Path, layout: str, seed: int, final: float, spike: bool = 
         rows.append({"step": int(s), "train/loss": loss * (3 if spike and s == 30 else 1), "train/grad_norm": 1.0 + 0.01 * s,
                      "perf/step_time": 0.1 * (2 if layout == "deepnet" else 1), "tokens": int(s) * 100})
         if s % 10 == 0:
-            rows.append({"step": int(s), "eval/valid/loss": loss})
+            optim = {"optim/shampoo/failed_root_rate": 0.1} if layout == "deepnet" else {}
+            rows.append({"step": int(s), "eval/valid/loss": loss, **optim})
     grid = f"media/grids_shapesbench_color_s3_{STEPS[-1]}.png"
     Image.fromarray(np.full((8, 8, 3), 40 * seed, np.uint8)).save(store / grid)
-    rows.append({"step": int(STEPS[-1]), "grids/shapesbench/color/s3/path": grid, "grids/shapesbench/color/s3/caption": "c"})
+    rows.append({"step": int(STEPS[-1]), "grids/shapesbench/color/s3/path": grid, "grids/shapesbench/color/s3/caption": "c",
+                 **{f"eval/pareto/s{s:g}/{k}": v for s in (1.0, 3.0) for k, v in
+                    (("n", 8), ("fid/fid", 10.0 / s + seed), ("clip/score", 20.0 + s))}})
     (store / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     config = {"model": {"layout": layout, "d_model": 32}, "optim": {"name": "adam", "lr": lr}, "seed": seed,
               "tracker": {"wandb": {"name": f"job{seed}"}}, "samples": {"captions": [EVIL]}}
@@ -99,9 +102,22 @@ def test_report_on_known_runs(synthetic, tmp_path):
     assert spec["group"] == str(synthetic) and len(spec["runs"]) == 9
     blocks = spec["report"]["spec"]["blocks"]
     headings = [b["children"][0]["text"] for b in blocks if b["type"] == "heading"]
-    assert headings == [f"dalle-ablate report: {synthetic}", "Loss and gradient norm", "Equal compute", "Final metrics"]
-    run_filters = [f for b in blocks if b["type"] == "panel-grid" for rs in b["metadata"]["runSets"] for f in rs["filters"]["filters"]]
-    assert len(run_filters) == 3 and all(f["key"]["name"] == "group" and f["value"] == str(synthetic) for f in run_filters)
+    assert headings == [f"dalle-ablate report: {synthetic}", "Loss and gradient norm", "Evaluation by guidance scale",
+                        "Pareto plots and grids", "Optimizer", "Final metrics"]
+    grids = [b["metadata"] for b in blocks if b["type"] == "panel-grid"]
+    run_filters = [f for g in grids for rs in g["runSets"] for f in rs["filters"]["filters"]]
+    assert len(run_filters) == 5 and all(f["key"]["name"] == "group" and f["value"] == str(synthetic) for f in run_filters)
+    # Each variant (what varies apart from the seed) one line with its seeds' spread.
+    assert all(rs["grouping"] == [{"section": "model", "name": "layout"}, {"section": "optim", "name": "lr"}]
+               for g in grids for rs in g["runSets"])
+    panels = [[(p["viewType"], p["config"].get("metrics") or p["config"].get("mediaKeys")) for p in
+               g["panelBankSectionConfig"]["panels"]] for g in grids]
+    line = "Run History Line Plot"
+    assert panels[0] == [(line, ["train/loss"]), (line, ["eval/valid/loss"]), (line, ["train/grad_norm"])]
+    assert panels[1] == [(line, [f"eval/pareto/s{s}/{k}"]) for s in (1, 3) for k in ("clip/score", "fid/fid")]  # no counts
+    assert panels[2] == [("Media Browser", [k]) for k in ("eval/pareto_plot", "samples/grid", "grids/shapesbench/color/s3")]
+    assert panels[3] == [(line, ["optim/shampoo/failed_root_rate"])]
+    assert all(p["config"]["xAxis"] == "tokens" for g in grids[:2] for p in g["panelBankSectionConfig"]["panels"])
 
 
 def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
