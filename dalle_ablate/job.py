@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.registry import Interrupted, RunFailed
+from dalle_ablate.track.naming import run_naming
 from dalle_ablate.train.loop import JobInfo, RunHooks, train
 from dalle_ablate.validate import to_run_config
 
@@ -33,32 +34,6 @@ def varying_keys(sweep_dir: Path) -> set[str]:
     params = saved.sweeper.get("params") or {}
     texts = [*saved.overrides.task, *(f"{k}={v}" for k, v in params.items())]
     return {o.key_or_group for o in OverridesParser.create().parse_overrides(texts) if o.is_sweep_override()}
-
-
-def short(override: str) -> str:
-    """`key=value` with a float value to 3 significant digits (a sampled rate has 17)."""
-    key, _, value = override.partition("=")
-    try:
-        int(value)
-        return override
-    except ValueError:
-        pass
-    try:
-        return f"{key}={float(value):.3g}"
-    except ValueError:
-        return override
-
-
-def run_naming(overrides: list[str], varying: set[str], layout: str) -> tuple[str, str]:
-    """(W&B name, job type) of a job: the name is what the job's overrides set among the keys
-    its multirun varies, seed included (all its overrides for a single run); the job type is the
-    same less the seed, so that the seeds of one variant share it (the layout when nothing else
-    varies)."""
-    own = [o for o in overrides if not o.startswith(("resume=", "optuna.", "hydra."))]
-    key = lambda o: o.partition("=")[0].lstrip("+~")  # noqa: E731
-    named = [short(o) for o in own if key(o) in varying] if varying else [short(o) for o in own]
-    variant = [o for o in named if key(o) != "seed"] if varying else []
-    return ",".join(named) or "run", ",".join(variant) or layout
 
 
 def job_info(cfg: DictConfig) -> JobInfo:

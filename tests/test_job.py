@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_DATA, TINY_TRAIN, run_py
-from dalle_ablate.job import run_naming
+from dalle_ablate.track.naming import run_naming
 from dalle_ablate.track.runstore import read_metrics
 from wandb_records import artifacts, history, metric_definitions, run_info, summary
 

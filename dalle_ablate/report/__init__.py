@@ -1,5 +1,5 @@
 """Ablation reports (`dalle-ablate report`): curves with seed spread, final metrics with
-bootstrap intervals and significance against a baseline, stability, equal-compute views,
+Student-t intervals and Welch differences from a baseline, stability, equal-compute views,
 Pareto overlays, grids, config diff and Optuna plots, as HTML, Markdown, CSV and a W&B report."""
 
 from dalle_ablate.report.build import build_report

@@ -1,155 +1,137 @@
 """`dalle-ablate report`: runs -> reports/<name>/index.html (self-contained: figures inline as
-PNG data, no scripts, no network), report.md (figures beside it), runs.csv, and the same
-structure as a W&B report spec (wandb_report.json; saved to W&B when online)."""
+PNG data, no scripts, no network), report.md (figures beside it), runs.csv, and a W&B report
+spec (wandb_report.json; saved to W&B when online). Variants are what differs between runs
+apart from the seed, labelled as the user typed them; the baseline is the first value listed (a
+sweep: the best completed trial) unless `--baseline` says otherwise."""
 
 from __future__ import annotations
 
-import base64
-import html
 import json
-import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import pandas as pd
 
-from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs, series
-from dalle_ablate.report.stats import bootstrap_ci, bootstrap_diff, diverged, significant, spikes
+from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
+from dalle_ablate.report.tables import (ONE_SEED, STABILITY_COLUMNS, final_table, fmt, runs_csv,
+                                        stability_rows, tier_table)
+from dalle_ablate.report.writers import Section, to_html, to_markdown
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
-SECTIONS = ("overview", "curves", "final", "stability", "compute", "pareto", "grids", "config", "optuna")
-TITLES = {"overview": "Runs and variants", "curves": "Loss and gradient norm across seeds",
-          "final": "Final metrics", "stability": "Stability", "compute": "Equal-compute views",
-          "pareto": "Guidance-scale Pareto curves", "grids": "Prompt grids", "config": "Config diff",
-          "optuna": "Optuna study"}
-FINAL_METRICS = ("eval/valid/loss", "train/loss")
+TITLES = {"overview": "Runs and variants", "final": "Final metrics", "optuna": "Optuna study",
+          "curves": "Loss and gradient norm across seeds", "stability": "Stability", "compute": "Equal-compute views",
+          "pareto": "Guidance-scale Pareto curves", "grids": "Prompt grids", "config": "Config diff"}
+FOLDED = ("stability", "grids", "config")  # long: closed until clicked
 
 
-@dataclass
-class Section:
-    key: str
-    text: list[str] = field(default_factory=list)  # paragraphs (plain text, escaped on output)
-    tables: list[tuple[list[str], list[list]]] = field(default_factory=list)
-    images: list[tuple[str, bytes]] = field(default_factory=list)  # (caption, png)
+def section_keys(sweep: bool) -> list[str]:
+    """The summary first; a sweep's study right after it, where its answer is."""
+    rest = ["curves", "stability", "compute", "pareto", "grids", "config"]
+    return ["overview", "optuna", "final", *rest] if sweep else ["overview", "final", *rest]
 
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return "–" if math.isnan(v) else f"{v:.4g}"
-    return str(v)
+def objective(study) -> tuple[str, bool]:
+    """(the metric a study optimised, whether lower is better)."""
+    names = getattr(study, "metric_names", None)
+    return (names[0] if names else "eval/valid/loss"), study.directions[0].name == "MINIMIZE"
 
 
-def final_value(run: Run, column: str) -> float:
-    _, v = series(run, column)
-    return float(v[-1]) if len(v) else math.nan
+def group_variants(runs: list[Run], study) -> tuple[dict[str, list[Run]], list[Run], str]:
+    """(variant -> its runs, in the order compared; the runs left out; how the order was chosen).
+    A multirun keeps the order of its jobs, so the first value the user listed comes first; a
+    sweep compares completed trials only, best objective first."""
+    compared = runs if study is None else [r for r in runs if r.status == "finished"]
+    left_out = [r for r in runs if r not in compared]
+    by_variant: dict[str, list[Run]] = {}
+    for r in compared:
+        by_variant.setdefault(r.variant, []).append(r)
+    if study is None:
+        return by_variant, left_out, "the first value listed"
+    metric, lower = objective(study)
 
+    def score(v: str) -> float:
+        vals = [float(r.summary.get(metric, float("nan"))) for r in by_variant[v]]
+        mean = sum(vals) / len(vals)
+        return mean if lower else -mean
 
-def final_table(by_variant: dict[str, list[Run]], baseline: str) -> tuple[list[str], list[list], dict]:
-    """Per variant and metric: mean [95% bootstrap interval] over seeds, and the difference from
-    the baseline with its interval; `*` marks a difference whose interval excludes 0."""
-    cols = ["variant", "seeds"]
-    for m in FINAL_METRICS:
-        cols += [m, f"{m} 95% CI", f"Δ {m} vs baseline", "Δ 95% CI", "beyond seed spread"]
-    rows, marks = [], {}
-    base = {m: [final_value(r, m) for r in by_variant[baseline]] for m in FINAL_METRICS}
-    for variant, runs in by_variant.items():
-        row = [variant + (" (baseline)" if variant == baseline else ""), len(runs)]
-        for m in FINAL_METRICS:
-            vals = [final_value(r, m) for r in runs]
-            mean, lo, hi = bootstrap_ci(vals)
-            row += [mean, f"[{_fmt(lo)}, {_fmt(hi)}]"]
-            if variant == baseline:
-                row += ["", "", ""]
-                continue
-            d, dlo, dhi = bootstrap_diff(vals, base[m])
-            sig = significant(dlo, dhi)
-            marks[(variant, m)] = sig
-            row += [d, f"[{_fmt(dlo)}, {_fmt(dhi)}]", "*" if sig else ""]
-        rows.append(row)
-    return cols, rows, marks
-
-
-def stability_rows(runs: list[Run]) -> list[list]:
-    rows = []
-    for r in runs:
-        _, loss = series(r, "train/loss")
-        _, gnorm = series(r, "train/grad_norm")
-        rows.append([r.name, r.variant, r.seed, r.status, spikes(loss, factor=1.5), spikes(gnorm, factor=5.0),
-                     float(np.nanmax(gnorm)) if len(gnorm) else math.nan, "yes" if diverged(loss, r.status) else "no"])
-    return rows
+    ranked = sorted(by_variant, key=lambda v: (pd.isna(score(v)), score(v)))
+    return {v: by_variant[v] for v in ranked}, left_out, f"the best completed trial by {metric}"
 
 
 def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tuple[list[Section], dict]:
-    by_variant: dict[str, list[Run]] = {}
-    for r in sorted(runs, key=lambda r: (r.variant, str(r.seed))):
-        by_variant.setdefault(r.variant, []).append(r)
+    by_variant, left_out, why = group_variants(runs, study)
+    if not by_variant:
+        raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")
     if baseline is None:
         baseline = next(iter(by_variant))
     else:
         matches = [v for v in by_variant if baseline == v] or [v for v in by_variant if baseline in v]
         if len(matches) != 1:
             raise ConfigError(f"--baseline {baseline!r} matches {len(matches)} variants; variants: {'; '.join(by_variant)}")
-        baseline = matches[0]
+        baseline, why = matches[0], "--baseline"
+    compared = [r for rs in by_variant.values() for r in rs]
     palette = figures.colors(list(by_variant))
-    sections: dict[str, Section] = {k: Section(k) for k in SECTIONS}
+    one_seed = max(len(rs) for rs in by_variant.values()) == 1
+    sections = {k: Section(k, TITLES[k], folded=k in FOLDED) for k in section_keys(study is not None)}
 
     s = sections["overview"]
-    s.text.append(f"{len(runs)} runs in {len(by_variant)} variants (what differs between runs apart from the seed); "
-                  f"baseline: {baseline}.")
+    s.text.append(f"{len(compared)} runs in {len(by_variant)} variants (what differs between runs apart from the seed, "
+                  f"as typed); baseline: {baseline} ({why}).")
+    if left_out:
+        s.text.append(f"Left out of the comparisons, not completed: {', '.join(f'{r.name} ({r.status})' for r in left_out)}.")
+    if one_seed:
+        s.text.append("1 seed per variant: no difference can be tested. The tables give each run's value; rerun with "
+                      "seed=0,1,2 for intervals.")
     s.tables.append((["variant", "runs", "seeds", "status"],
                      [[v, len(rs), ", ".join(str(r.seed) for r in rs), ", ".join(sorted({r.status for r in rs}))]
                       for v, rs in by_variant.items()]))
 
-    s = sections["curves"]
-    s.text.append("Lines are the mean over a variant's seeds; the band is the 95% Student-t interval of that mean "
-                  "(none with one seed).")
-    s.images.append(("train/loss and train/grad_norm", figures.curves_figure(by_variant, ["train/loss", "train/grad_norm"], palette)))
-    if any("eval/valid/loss" in r.metrics for r in runs):
-        s.images.append(("eval/valid/loss", figures.curves_figure(by_variant, ["eval/valid/loss"], palette)))
-
     s = sections["final"]
     cols, rows, marks = final_table(by_variant, baseline)
-    s.text.append("Last logged value per run; mean over seeds with a 95% percentile-bootstrap interval (10,000 resamples "
-                  "of the seeds). Δ is the variant's mean minus the baseline's, its interval from resampling both sides' "
-                  "seeds; * marks a difference whose interval excludes 0, i.e. beyond the seed spread. With fewer than about 5 seeds "
-                  "a percentile bootstrap is too narrow (it cannot see spread the seeds did not show): read the marker as a "
-                  "hint there.")
+    s.text.append("Last logged value per run; mean over seeds with a 95% Student-t interval (the curves' bands use the "
+                  "same). Δ is the variant's mean minus the baseline's with Welch's 95% t interval; * marks a difference "
+                  f"whose interval excludes 0, i.e. beyond the seed spread. A variant of one seed shows '{ONE_SEED}'.")
     s.tables.append((cols, rows))
+
+    s = sections["curves"]
+    s.text.append("Lines are the mean over a variant's seeds; the band is the 95% Student-t interval of that mean "
+                  "(none with one seed), on a log scale clipped to the positive values.")
+    s.images.append(("train/loss and train/grad_norm", figures.curves_figure(by_variant, ["train/loss", "train/grad_norm"], palette)))
+    if any("eval/valid/loss" in r.metrics for r in compared):
+        s.images.append(("eval/valid/loss", figures.curves_figure(by_variant, ["eval/valid/loss"], palette)))
 
     s = sections["stability"]
     s.text.append("Per run: loss spikes (steps whose train/loss exceeds 1.5x the median of the 20 steps before), gradient-"
-                  "norm peaks (5x), the largest gradient norm, and whether the loss stopped being finite.")
+                  "norm peaks (5x), the largest gradient norm after warm-up (schedule.warmup_steps) and its step, and "
+                  "whether the loss stopped being finite.")
     stability = stability_rows(runs)
-    s.tables.append((["run", "variant", "seed", "status", "loss spikes", "grad-norm peaks", "max grad norm", "diverged"],
-                     stability))
+    s.tables.append((STABILITY_COLUMNS, stability))
 
     s = sections["compute"]
-    s.text.append("The eval loss against tokens seen, training wall time (the sum of step times) and training FLOPs "
-                  "(steps x the model's FLOPs per step): variants of different cost compared at equal compute.")
-    column = "eval/valid/loss" if any("eval/valid/loss" in r.metrics for r in runs) else "train/loss"
-    s.images.append((f"{column} vs tokens, wall time, FLOPs", figures.compute_figure(runs, column, palette)))
+    s.text.append("The eval loss against tokens seen, training wall time (the sum of step times: it measures the machine's "
+                  "load as well as the variant) and training FLOPs (steps x the model's FLOPs per step): variants of "
+                  "different cost compared at equal compute.")
+    column = "eval/valid/loss" if any("eval/valid/loss" in r.metrics for r in compared) else "train/loss"
+    s.images.append((f"{column} vs tokens, wall time, FLOPs", figures.compute_figure(compared, column, palette)))
 
     s = sections["pareto"]
-    pareto = figures.pareto_figure(runs, palette)
+    pareto = figures.pareto_figure(compared, palette)
     if pareto is None:
         s.text.append("No run has a sampling evaluation (eval.metrics) with a Pareto table.")
     else:
         s.images.append((f"{pareto[2]} vs {pareto[1]}", pareto[0]))
-    tiers = tier_table(runs)
+    tiers = tier_table(compared)
     if tiers is not None:
         s.text.append("Shapes all-correct by difficulty tier at each guidance scale of the last evaluation: the rate, its "
                       "95% Wilson interval and N (prompts of that tier).")
         s.tables.append(tiers)
 
     s = sections["grids"]
-    shown = [(r, key, path, prompts) for r in runs for key, path, prompts in r.grids[:3] if path.exists()]
+    shown = [(r, key, path, prompts) for r in compared for key, path, prompts in r.grids[:3] if path.exists()]
     if not shown:
         s.text.append("No prompt grids (eval.grids) were drawn in these runs.")
     else:
@@ -161,107 +143,21 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
     s = sections["config"]
     fields = differing_fields(runs, NOT_A_CHOICE)
     s.text.append(f"The {len(fields)} config fields whose values differ between runs (others are the same everywhere).")
-    s.tables.append((["run", *fields], [[r.name, *[_fmt(r.config.get(f)) for f in fields]] for r in runs]))
+    s.tables.append((["run", *fields], [[r.name, *[fmt(r.config.get(f)) for f in fields]] for r in runs]))
 
-    s = sections["optuna"]
-    if study is None:
-        s.text.append("Not an Optuna sweep (no optuna.db in the source folder).")
-    else:
+    if study is not None:
+        s = sections["optuna"]
+        metric, lower = objective(study)
         states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
-        s.text.append(f"Study {study.study_name!r}: " + ", ".join(f"{k} {v}" for k, v in states.items()) + ".")
-        for name, img in figures.optuna_figures(study).items():
+        s.text.append(f"Study {study.study_name!r}, {metric} ({'lower' if lower else 'higher'} is better): "
+                      + ", ".join(f"{k} {v}" for k, v in states.items()) + ".")
+        for name, img in figures.optuna_figures(study, metric).items():
             if isinstance(img, bytes):
                 s.images.append((name, img))
             else:
                 s.text.append(f"{name}: {img}")
-    return [sections[k] for k in SECTIONS], {"baseline": baseline, "variants": list(by_variant), "marks": marks,
-                                             "stability": stability}
-
-
-def tier_table(runs: list[Run]) -> Optional[tuple[list[str], list[list]]]:
-    """Per run and scale, `shapes/<tier>/all` with its interval and N, tiers in the data's order."""
-    rows, tiers = [], []
-    for r in runs:
-        if not r.pareto:
-            continue
-        c = {name: i for i, name in enumerate(r.pareto["columns"])}
-        found = [t for t in TIERS if f"shapes/{t}/all" in c]
-        tiers += [t for t in found if t not in tiers]
-        for row in sorted(r.pareto["rows"], key=lambda row: row[c["scale"]]) if found else []:
-            cells = {t: f"{row[c[f'shapes/{t}/all']]:.1%} [{row[c[f'shapes/{t}/all_lo']]:.2f}, "
-                        f"{row[c[f'shapes/{t}/all_hi']]:.2f}] N={row[c[f'shapes/{t}/n']]}" for t in found}
-            rows.append((r, row[c["scale"]], cells))
-    if not rows:
-        return None
-    return ["run", "variant", "scale", *tiers], [[r.name, r.variant, f"{scale:g}", *[cells.get(t, "") for t in tiers]]
-                                                for r, scale, cells in rows]
-
-
-# -- writers ------------------------------------------------------------------------------------
-CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
-table{border-collapse:collapse;margin:.6em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}
-th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.4em 0}section{margin-bottom:2.2em}
-figcaption{font-size:12px;color:#555}.sig{color:#b00;font-weight:bold}"""
-
-
-def _cell(v) -> str:
-    text = html.escape(_fmt(v))
-    return f'<td class="sig">{text}</td>' if text == "*" else f"<td>{text}</td>"
-
-
-def to_html(title: str, sections: list[Section]) -> str:
-    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{CSS}</style>"
-           "</head><body>", f"<h1>{html.escape(title)}</h1>", "<nav>"]
-    out += [f'<a href="#{s.key}">{html.escape(TITLES[s.key])}</a> · ' for s in sections]
-    out.append("</nav>")
-    for s in sections:
-        out.append(f'<section id="{s.key}"><h2>{html.escape(TITLES[s.key])}</h2>')
-        out += [f"<p>{html.escape(t)}</p>" for t in s.text]
-        for cols, rows in s.tables:
-            out.append("<table><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr>")
-            out += ["<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows]
-            out.append("</table>")
-        for caption, img in s.images:
-            data = base64.b64encode(img).decode()
-            out.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-                       f"<figcaption>{html.escape(caption)}</figcaption></figure>")
-        out.append("</section>")
-    out.append("</body></html>")
-    return "\n".join(out)
-
-
-def _md_cell(v) -> str:
-    return _fmt(v).replace("|", "\\|").replace("\n", " ")
-
-
-def to_markdown(title: str, sections: list[Section], folder: Path) -> str:
-    out = [f"# {title}", ""]
-    for s in sections:
-        out += [f"## {TITLES[s.key]}", ""]
-        out += [t + "\n" for t in s.text]
-        for cols, rows in s.tables:
-            out.append("| " + " | ".join(_md_cell(c) for c in cols) + " |")
-            out.append("|" + "---|" * len(cols))
-            out += ["| " + " | ".join(_md_cell(v) for v in row) + " |" for row in rows]
-            out.append("")
-        for i, (caption, img) in enumerate(s.images):
-            name = f"figures/{s.key}_{i}.png"
-            (folder / name).write_bytes(img)
-            out += [f"![{caption}]({name})", ""]
-    return "\n".join(out)
-
-
-def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
-    """One row per run; `stability`: stability_rows(runs), in the same order."""
-    fields = differing_fields(runs, NOT_A_CHOICE)
-    rows = []
-    for r, stab in zip(runs, stability):
-        row = {"run": r.name, "store": str(r.root), "variant": r.variant, "seed": r.seed, "status": r.status}
-        row.update({m: final_value(r, m) for m in FINAL_METRICS})
-        row.update({"loss_spikes": stab[4], "grad_norm_peaks": stab[5], "max_grad_norm": stab[6]})
-        row.update({f: r.config.get(f) for f in fields})
-        rows.append(row)
-    return pd.DataFrame(rows)
+    return list(sections.values()), {"baseline": baseline, "variants": list(by_variant), "marks": marks,
+                                     "stability": stability}
 
 
 # Logged keys the W&B report charts besides the losses: headline eval metrics by scale, caption

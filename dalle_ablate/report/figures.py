@@ -32,32 +32,55 @@ def colors(variants: list[str]) -> dict[str, str]:
     return {v: cycle[i % len(cycle)] for i, v in enumerate(variants)}
 
 
-def seed_band(runs: list[Run], column: str, x: str = "step") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(x, mean, low, high) over the x values every run of the group logged."""
+# What each logged quantity is measured in, for the axes.
+UNITS = {"train/loss": "nats per token", "eval/valid/loss": "nats per token", "train/grad_norm": "global L2 norm",
+         "fid/fid": "FID", "shapes_fd/fd": "Fréchet distance", "clip/score": "100 x cosine", "shapes/all": "fraction correct",
+         "shapes/clean": "fraction of drawn pixels"}
+LOWER_IS_BETTER = ("loss", "fid", "/fd", "grad_norm")
+
+
+def label(column: str) -> str:
+    """`column (unit, lower is better)` for an axis."""
+    better = "lower" if any(k in column for k in LOWER_IS_BETTER) else "higher"
+    unit = UNITS.get(column)
+    return f"{column} ({unit + ', ' if unit else ''}{better} is better)" if column in UNITS else column
+
+
+def seed_band(runs: list[Run], column: str, x: str = "step", log: bool = False):
+    """(x, mean, low, high) over the x values every run of the group logged. `log`: the mean and
+    t interval of the logarithm, mapped back (a geometric mean whose band stays positive, as a
+    log axis needs; the arithmetic band of a few seeds crosses 0 there)."""
     curves = [dict(zip(*series(r, column, x))) for r in runs]
     curves = [c for c in curves if c]
     if not curves:
         return (np.zeros(0),) * 4
     xs = np.array(sorted(set.intersection(*(set(c) for c in curves))))
     values = np.array([[c[v] for v in xs] for c in curves])
-    return (xs, *t_interval(values, axis=0))
+    if not log:
+        return (xs, *t_interval(values, axis=0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean, low, high = t_interval(np.log(np.where(values > 0, values, np.nan)), axis=0)
+    return xs, np.exp(mean), np.exp(low), np.exp(high)
 
 
 def curves_figure(by_variant: dict[str, list[Run]], columns: list[str], palette: dict) -> bytes:
     plt = _plt()
-    fig, axes = plt.subplots(1, len(columns), figsize=(5.2 * len(columns), 3.6))
+    fig, axes = plt.subplots(1, len(columns), figsize=(5.6 * len(columns), 3.8))
     for ax, col in zip(np.atleast_1d(axes), columns):
+        log = col.endswith("grad_norm")
         for variant, runs in by_variant.items():
-            xs, mean, low, high = seed_band(runs, col)
+            xs, mean, low, high = seed_band(runs, col, log=log)
             if len(xs) == 0:
                 continue
             ax.plot(xs, mean, "-o", ms=2, color=palette[variant], lw=1.4)
             if np.isfinite(low).any():
                 ax.fill_between(xs, low, high, color=palette[variant], alpha=0.2, lw=0)
-        ax.set_title(f"{col}: mean and 95% t-interval across seeds", fontsize=9)
-        ax.set_xlabel("step")
+        kind = "geometric mean and 95% t-interval of the log" if log else "mean and 95% t-interval"
+        ax.set_title(f"{col}: {kind} across seeds", fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label(col))
         ax.grid(alpha=0.3)
-        if col.endswith("grad_norm"):
+        if log:
             ax.set_yscale("log")
     fig.tight_layout()
     _legend_below(fig, palette, {v: len(r) for v, r in by_variant.items()})
@@ -68,7 +91,8 @@ def _legend_below(fig, palette: dict, counts: dict | None = None) -> None:
     """Variant labels can be long: one legend under the axes, not over the curves."""
     plt = _plt()
     handles = [plt.Line2D([], [], color=c, label=v + (f" (n={counts[v]})" if counts else "")) for v, c in palette.items()]
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7, frameon=False)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=9, frameon=False,
+               ncol=max(1, min(3, len(handles))))
 
 
 def compute_figure(runs: list[Run], column: str, palette: dict) -> bytes:
@@ -86,9 +110,10 @@ def compute_figure(runs: list[Run], column: str, palette: dict) -> bytes:
         flops = steps * float(r.meta.get("flops_per_step") or np.nan)
         for ax, xs in zip(axes, (tokens, wall, flops)):
             ax.plot(xs, values, "-o", ms=2, color=palette[r.variant], lw=1, alpha=0.8)
-    for ax, label in zip(axes, ("tokens", "training wall time (s, steps only)", "training FLOPs")):
-        ax.set_xlabel(label)
-        ax.set_ylabel(column)
+    for ax, xlabel in zip(axes, ("tokens seen", "training wall time (s, steps only; includes machine load)",
+                                 "training FLOPs")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label(column))
         ax.grid(alpha=0.3)
     fig.tight_layout()
     _legend_below(fig, palette)
@@ -102,27 +127,36 @@ def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | No
     x, y = tables[0][1]["line"]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    labelled = set()
     for r, t in tables:
         if list(t["line"]) != [x, y]:
             continue
         c = {name: i for i, name in enumerate(t["columns"])}
         rows = sorted(t["rows"], key=lambda row: row[c["scale"]])
-        ax.plot([row[c[x]] for row in rows], [row[c[y]] for row in rows], "-o", ms=3, color=palette[r.variant], alpha=0.8)
-        for row in rows[:: max(1, len(rows) - 1)]:
-            ax.annotate(f"s={row[c['scale']]:g}", (row[c[x]], row[c[y]]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title("guidance-scale Pareto curves, one line per run", fontsize=9)
+        xs, ys = [row[c[x]] for row in rows], [row[c[y]] for row in rows]
+        ax.plot(xs, ys, "-o", ms=3, color=palette[r.variant], alpha=0.8)
+        if f"{y}_lo" in c:  # the rate's 95% Wilson interval
+            err = [[v - row[c[f"{y}_lo"]] for v, row in zip(ys, rows)], [row[c[f"{y}_hi"]] - v for v, row in zip(ys, rows)]]
+            ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor=palette[r.variant], alpha=0.4, capsize=2)
+        if r.variant not in labelled:  # the scales once per variant, at its ends: labels of every run overlap
+            labelled.add(r.variant)
+            for row in rows[:: max(1, len(rows) - 1)]:
+                ax.annotate(f"s={row[c['scale']]:g}", (row[c[x]], row[c[y]]), fontsize=8, xytext=(3, 3),
+                            textcoords="offset points")
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    ax.set_title("guidance-scale Pareto curves, one line per run (error bars: 95% interval)", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     _legend_below(fig, palette)
     return png(fig), x, y
 
 
-def optuna_figures(study) -> dict[str, bytes | str]:
-    """Optimisation history, parameter importances (PED-ANOVA: no scikit-learn) and parallel
-    coordinates of a single-objective study with finished trials: PNG bytes, or the reason
-    optuna gave for not drawing one."""
+def optuna_figures(study, metric: str = "Objective Value") -> dict[str, bytes | str]:
+    """Optimisation history, the slice plot (the objective against each searched parameter: a
+    one-parameter sweep's answer), parameter importances (PED-ANOVA: no scikit-learn) and
+    parallel coordinates of a single-objective study with finished trials, the objective named
+    `metric` on their axes: PNG bytes, or the reason optuna gave for not drawing one."""
     import optuna
     from optuna.visualization import matplotlib as ov
 
@@ -130,11 +164,12 @@ def optuna_figures(study) -> dict[str, bytes | str]:
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
     if len(study.directions) != 1 or not complete:
         return out
-    plots = {"history": lambda: ov.plot_optimization_history(study),
-             "parallel coordinates": lambda: ov.plot_parallel_coordinate(study)}
+    plots = {"slice": lambda: ov.plot_slice(study, target_name=metric),
+             "history": lambda: ov.plot_optimization_history(study, target_name=metric),
+             "parallel coordinates": lambda: ov.plot_parallel_coordinate(study, target_name=metric)}
     if len(complete) >= 2 and complete[0].params:
         plots["importances"] = lambda: ov.plot_param_importances(
-            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
+            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(), target_name=metric)
     for name, make in plots.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental

@@ -14,6 +14,7 @@ import pandas as pd
 import yaml
 
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.track.naming import variant_labels
 from dalle_ablate.track.wandb_api import group_runs
 
 # Config fields that never make two runs different variants: the seed (runs of one variant
@@ -132,9 +133,17 @@ def load_wandb_group(source: str, api=None) -> list[Run]:
     return runs
 
 
+def job_order(run: Run):
+    """A multirun's jobs in the order Hydra numbered them (the first value listed first)."""
+    job = run.root.parent.name
+    return (0, int(job), "") if job.isdigit() else (1, 0, str(run.root))
+
+
 def load_runs(source: str, api=None) -> list[Run]:
-    """Runs of a multirun/sweep folder, a glob of run stores, or `wandb:ENTITY/PROJECT/GROUP`."""
+    """Runs of a multirun/sweep folder, a glob of run stores, or `wandb:ENTITY/PROJECT/GROUP`,
+    in job order."""
     runs = load_wandb_group(source, api) if source.startswith("wandb:") else [load_run(s) for s in find_stores(source)]
+    runs.sort(key=job_order)
     assign_variants(runs)
     return runs
 
@@ -152,10 +161,19 @@ def differing_fields(runs: list[Run], exclude=()) -> list[str]:
 
 
 def assign_variants(runs: list[Run]) -> None:
-    """A variant is what differs between runs apart from the seed: its label names those fields."""
+    """A variant is what differs between runs apart from the seed. Its label is what the user
+    typed (`model=deepnet`, from the runs' overrides) where those tell the same variants apart
+    as the configs do; else the config fields that differ (`model.layout=deepnet ...`)."""
     fields = differing_fields(runs, NOT_A_VARIANT)
-    for r in runs:
-        r.variant = " ".join(f"{k}={_short(r.config.get(k))}" for k in fields) or "all runs"
+    by_config = [" ".join(f"{k}={_short(r.config.get(k))}" for k in fields) or "all runs" for r in runs]
+    labels = by_config
+    if all("overrides" in r.meta for r in runs):
+        typed = variant_labels([list(r.meta["overrides"]) for r in runs], NOT_A_VARIANT)
+        same = {(a, b) for a, b in zip(typed, by_config)}
+        if len({a for a, _ in same}) == len(same) == len({b for _, b in same}):  # one-to-one: the same partition
+            labels = typed
+    for r, label in zip(runs, labels):
+        r.variant = label
 
 
 def _short(v) -> str:

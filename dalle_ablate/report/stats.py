@@ -1,5 +1,6 @@
-"""The statistics a report states: intervals across seeds, bootstrap intervals of final
-metrics and of a variant's difference from the baseline, and stability events per run."""
+"""The statistics a report states, one method throughout: Student's t intervals across seeds
+(curves' bands and final metrics) and Welch's t interval of a variant's difference from the
+baseline, and stability events per run."""
 
 from __future__ import annotations
 
@@ -18,30 +19,32 @@ def t_interval(values: np.ndarray, axis: int = 0, level: float = 0.95) -> tuple[
     return mean, mean - half, mean + half
 
 
-def bootstrap_ci(values, resamples: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high): percentile bootstrap interval of the mean over seeds."""
+def mean_ci(values, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): Student's t interval of the mean over seeds (NaN bounds below 2 seeds),
+    the interval the curves' bands use too. Valid at n = 3 for roughly normal seed spreads, where a
+    percentile bootstrap is too narrow: it cannot see spread the 3 seeds did not show."""
     v = np.asarray(values, np.float64)
     v = v[np.isfinite(v)]
     if len(v) == 0:
         return np.nan, np.nan, np.nan
-    if len(v) == 1:
-        return float(v[0]), np.nan, np.nan
-    means = np.random.default_rng(seed).choice(v, (resamples, len(v))).mean(1)
-    a = (1 - level) / 2
-    return float(v.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+    if len(v) == 1 or np.ptp(v) == 0:
+        return float(v.mean()), (np.nan if len(v) == 1 else float(v[0])), (np.nan if len(v) == 1 else float(v[0]))
+    ci = st.ttest_1samp(v, 0.0).confidence_interval(level)
+    return float(v.mean()), float(ci.low), float(ci.high)
 
 
-def bootstrap_diff(a, b, resamples: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """(mean(a) - mean(b), low, high): seeds of each side resampled independently. An interval
-    that excludes 0 is a difference beyond the seed spread."""
+def diff_ci(a, b, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), low, high): Welch's t interval (unequal variances, Welch-Satterthwaite
+    degrees of freedom). An interval that excludes 0 is a difference beyond the seed spread."""
     a, b = (np.asarray(x, np.float64) for x in (a, b))
     a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    d = float(a.mean() - b.mean()) if len(a) and len(b) else np.nan
     if len(a) < 2 or len(b) < 2:
-        return (float(a.mean() - b.mean()) if len(a) and len(b) else np.nan), np.nan, np.nan
-    rng = np.random.default_rng(seed)
-    d = rng.choice(a, (resamples, len(a))).mean(1) - rng.choice(b, (resamples, len(b))).mean(1)
-    q = (1 - level) / 2
-    return float(a.mean() - b.mean()), float(np.quantile(d, q)), float(np.quantile(d, 1 - q))
+        return d, np.nan, np.nan
+    if np.ptp(a) == 0 and np.ptp(b) == 0:  # no spread on either side: the difference is exact
+        return d, d, d
+    ci = st.ttest_ind(a, b, equal_var=False).confidence_interval(level)
+    return d, float(ci.low), float(ci.high)
 
 
 def significant(low: float, high: float) -> bool:

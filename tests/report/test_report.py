@@ -18,8 +18,8 @@ from PIL import Image
 from scipy import stats as st
 
 from dalle_ablate.cli import main
-from dalle_ablate.report.build import SECTIONS, TITLES
-from dalle_ablate.report.stats import bootstrap_ci, bootstrap_diff, spikes, t_interval
+from dalle_ablate.report.build import TITLES, section_keys
+from dalle_ablate.report.stats import diff_ci, mean_ci, spikes, t_interval
 
 STEPS = np.arange(1, 41)
 # Final eval losses per variant and seed: B is 1.0 worse than A everywhere (beyond the spread),
@@ -35,7 +35,9 @@ def write_store(root: Path, layout: str, seed: int, final: float, spike: bool = 
     rows = []
     for s in STEPS:
         loss = final + 2.0 / s
-        rows.append({"step": int(s), "train/loss": loss * (3 if spike and s == 30 else 1), "train/grad_norm": 1.0 + 0.01 * s,
+        # The first step's gradient norm (fresh initialisation) is the largest, as in real runs.
+        rows.append({"step": int(s), "train/loss": loss * (3 if spike and s == 30 else 1),
+                     "train/grad_norm": 100.0 if s == 1 else 1.0 + 0.01 * s,
                      "perf/step_time": 0.1 * (2 if layout == "deepnet" else 1), "tokens": int(s) * 100})
         if s % 10 == 0:
             optim = {"optim/shampoo/failed_root_rate": 0.1} if layout == "deepnet" else {}
@@ -47,9 +49,11 @@ def write_store(root: Path, layout: str, seed: int, final: float, spike: bool = 
                     (("n", 8), ("fid/fid", 10.0 / s + seed), ("clip/score", 20.0 + s))}})
     (store / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     config = {"model": {"layout": layout, "d_model": 32}, "optim": {"name": "adam", "lr": lr}, "seed": seed,
+              "schedule": {"warmup_steps": 5},
               "tracker": {"wandb": {"name": f"job{seed}"}}, "samples": {"captions": [EVIL]}}
     (store / "config.yaml").write_text(yaml.safe_dump(config))
-    (store / "meta.json").write_text(json.dumps({"flops_per_step": 1e9, "wandb_group": str(root), "overrides": [f"model={layout}", f"seed={seed}"]}))
+    typed = [f"model={layout}", f"seed={seed}"] + ([f"optim.lr={lr}"] if lr != 1e-3 else [])
+    (store / "meta.json").write_text(json.dumps({"flops_per_step": 1e9, "wandb_group": str(root), "overrides": typed}))
     (store / "summary.json").write_text(json.dumps({"status": "finished"}))
     pareto = {"columns": ["run", "step", "scale", "n", "fid/fid", "clip/score"], "line": ["fid/fid", "clip/score"],
               "rows": [["r", 40, s, 8, 10.0 / s + seed, 20.0 + s] for s in (1.0, 3.0)]}
@@ -74,10 +78,15 @@ def test_interval_statistics_are_the_textbook_ones():
     mean, lo, hi = t_interval(np.array([[1.0], [2.0], [3.0]]))
     half = st.t.ppf(0.975, 2) / np.sqrt(3)
     assert (mean[0], lo[0], hi[0]) == pytest.approx((2.0, 2.0 - half, 2.0 + half))
-    m, lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0])
-    assert m == 2.5 and 1.0 <= lo < 2.5 < hi <= 4.0
-    d, lo, hi = bootstrap_diff([2.0, 2.1, 1.9], [1.0, 1.1, 0.9])
-    assert d == pytest.approx(1.0) and 0.8 <= lo < 1.0 < hi <= 1.2
+    assert mean_ci([1.0, 2.0, 3.0]) == pytest.approx((2.0, 2.0 - half, 2.0 + half))  # the table's interval is the curves'
+    assert np.isnan(mean_ci([4.0])[1]) and mean_ci([4.0])[0] == 4.0
+    # Welch: (a - b) +- t(df) * se, df by Welch-Satterthwaite, written out by hand.
+    a, b = np.array([2.0, 2.3, 1.9, 2.2]), np.array([1.0, 1.1, 0.9])
+    va, vb = a.var(ddof=1) / 4, b.var(ddof=1) / 3
+    df = (va + vb) ** 2 / (va**2 / 3 + vb**2 / 2)
+    half = st.t.ppf(0.975, df) * np.sqrt(va + vb)
+    d = a.mean() - b.mean()
+    assert diff_ci(a, b) == pytest.approx((d, d - half, d + half))
     assert spikes(np.r_[np.ones(30), 2.0, np.ones(5)], window=20, factor=1.5) == 1
     assert spikes(np.ones(40)) == 0
 
@@ -86,17 +95,18 @@ def test_report_on_known_runs(synthetic, tmp_path):
     main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r", "--baseline", "preln"])
     out = tmp_path / "reports" / "r"
     rows = list(csv.DictReader((out / "runs.csv").open()))
-    assert len(rows) == 9 and {r["variant"] for r in rows} == {
-        "model.layout=preln optim.lr=0.001", "model.layout=deepnet optim.lr=0.001", "model.layout=sandwich optim.lr=0.001",
-        "model.layout=sandwich optim.lr=0.002"}  # what differs apart from the seed
+    # What differs apart from the seed, as typed: model=... and the one run's optim.lr override.
+    assert len(rows) == 9 and {r["variant"] for r in rows} == {"model=preln", "model=deepnet", "model=sandwich",
+                                                               "model=sandwich optim.lr=0.002"}
     assert {r["run"].split(":")[0]: float(r["eval/valid/loss"]) for r in rows}["deepnet_1"] == pytest.approx(2.1 + 2.0 / 40)
     html = (out / "index.html").read_text()
-    for key in SECTIONS:
-        assert f'<section id="{key}"><h2>{TITLES[key]}</h2>' in html
+    for key in section_keys(sweep=False):
+        assert f'<section id="{key}"><details' in html and f"<summary><h2>{TITLES[key]}</h2></summary>" in html
+    assert html.count("<details open>") == 5 and html.count("<details>") == 3  # stability, grids, config folded
     assert "<script>" not in html and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html  # the prompt, escaped
     assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html  # self-contained
     md = (out / "report.md").read_text()
-    assert all(f"## {TITLES[k]}" in md for k in SECTIONS)
+    assert all(f"## {TITLES[k]}" in md for k in section_keys(sweep=False))
     assert all((out / p).exists() for p in __import__("re").findall(r"\]\((figures/[^)]+)\)", md))
     spec = json.loads((out / "wandb_report.json").read_text())
     assert spec["group"] == str(synthetic) and len(spec["runs"]) == 9
@@ -124,7 +134,7 @@ def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
     from dalle_ablate.report.build import build_sections
     from dalle_ablate.report.load import load_runs
 
-    runs = [r for r in load_runs(str(synthetic)) if not (r.variant.startswith("model.layout=sandwich") and r.seed == 1)]
+    runs = [r for r in load_runs(str(synthetic)) if r.variant != "model=sandwich optim.lr=0.002"]
     # drop the one run with another lr: three variants of three, two and three seeds
     for r in runs:
         r.variant = f"model.layout={r.config['model.layout']}"
@@ -139,6 +149,8 @@ def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
     assert row["model.layout=deepnet"]["beyond seed spread"] == "*" and row["model.layout=sandwich"]["beyond seed spread"] == ""
     stability = next(s for s in sections if s.key == "stability").tables[0][1]
     assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [("model.layout=preln", 2, 1)]  # the one spike, in its run
+    # The largest gradient norm after the 5 warm-up steps, not step 1's 100.
+    assert [(r[6], r[7]) for r in stability] == [(pytest.approx(1.4), 40)] * len(stability)
 
 
 def test_the_pareto_section_shows_all_correct_per_tier_with_intervals(tmp_path):
@@ -198,7 +210,7 @@ def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
     img = np.asarray(Image.open(shot).convert("L"), np.float64)
     assert img.shape == (4000, 1280) and img.std() > 10  # not a blank page
     dom = subprocess.run([exe, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True).stdout
-    for key in SECTIONS:  # every section made it into the rendered document
+    for key in section_keys(sweep=False):  # every section made it into the rendered document
         assert f'id="{key}"' in dom
     assert dom.count("<img ") >= 5 and "<script>alert" not in dom
 
@@ -227,3 +239,60 @@ def test_a_wandb_group_reads_like_run_stores(synthetic, tmp_path):
     for a, b in zip(got, stores):
         assert a.config == b.config and a.meta == b.meta
         assert a.metrics["eval/valid/loss"].dropna().tolist() == b.metrics["eval/valid/loss"].dropna().tolist()
+
+
+def test_one_seed_per_variant_says_no_difference_can_be_tested(tmp_path):
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.load import load_runs
+    from dalle_ablate.report.tables import ONE_SEED
+
+    # Jobs 0, 1, 2 as Hydra numbers them for model=sandwich,preln,deepnet: the first listed is the baseline.
+    for job, layout in enumerate(("sandwich", "preln", "deepnet")):
+        store = write_store(tmp_path / "m", layout, 0, FINAL[layout][0])
+        store.parent.rename(tmp_path / "m" / str(job))
+    runs = load_runs(str(tmp_path / "m"))
+    assert [r.variant for r in runs] == ["model=sandwich", "model=preln", "model=deepnet"]
+    sections, info = build_sections(runs, None)
+    assert info["baseline"] == "model=sandwich"
+    overview = next(s for s in sections if s.key == "overview").text
+    assert "1 seed per variant: no difference can be tested." in " ".join(overview)
+    assert "baseline: model=sandwich (the first value listed)" in overview[0]
+    cols, rows = next(s for s in sections if s.key == "final").tables[0]
+    for row in rows:
+        cells = dict(zip(cols, row))
+        assert cells["eval/valid/loss 95% CI"] == ONE_SEED and cells["beyond seed spread"] == ""
+        if row[0] != "model=sandwich (baseline)":
+            assert cells["Δ 95% CI"] == ONE_SEED
+
+
+def test_a_sweep_compares_completed_trials_best_first(tmp_path):
+    import optuna
+
+    from dalle_ablate.report.build import build_sections, section_keys
+    from dalle_ablate.report.load import load_runs
+
+    study = optuna.create_study(direction="minimize")
+    with pytest.warns(optuna.exceptions.ExperimentalWarning):
+        study.set_metric_names(["eval/valid/loss"])
+    results = [(1e-3, 1.5, "finished"), (3e-3, 0.9, "finished"), (1e-2, 9.0, "pruned"), (3e-4, 1.2, "finished")]
+    dist = {"optim.lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}
+    for job, (lr, loss, status) in enumerate(results):
+        store = write_store(tmp_path / "s", "preln", 0, loss, lr=lr)
+        meta = json.loads((store / "meta.json").read_text())
+        (store / "meta.json").write_text(json.dumps({**meta, "overrides": [f"optim.lr={lr}", f"optuna.trial={job}"]}))
+        (store / "summary.json").write_text(json.dumps({"status": status, "eval/valid/loss": loss}))
+        store.parent.rename(tmp_path / "s" / str(job))
+        state = optuna.trial.TrialState.COMPLETE if status == "finished" else optuna.trial.TrialState.PRUNED
+        study.add_trial(optuna.trial.create_trial(params={"optim.lr": lr}, distributions=dist, state=state,
+                                                  value=loss if status == "finished" else None))
+    sections, info = build_sections(load_runs(str(tmp_path / "s")), None, study)
+    assert [s.key for s in sections] == section_keys(sweep=True) and sections[1].key == "optuna"
+    # The pruned trial is left out; the others ranked by eval loss, the best the baseline.
+    assert info["variants"] == ["optim.lr=0.003", "optim.lr=0.0003", "optim.lr=0.001"]
+    assert info["baseline"] == "optim.lr=0.003"
+    overview = " ".join(sections[0].text)
+    assert "baseline: optim.lr=0.003 (the best completed trial by eval/valid/loss)" in overview
+    assert "Left out of the comparisons, not completed: 2: optim.lr=0.01 (pruned)." in overview
+    optuna_text = " ".join(sections[1].text)
+    assert "eval/valid/loss (lower is better): COMPLETE 3, PRUNED 1" in optuna_text
+    assert [caption for caption, _ in sections[1].images][:2] == ["slice", "history"]
