@@ -99,7 +99,8 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
 
     s = sections["curves"]
     s.text.append("Lines are the mean over a variant's seeds; the band is the 95% Student-t interval of that mean "
-                  "(none with one seed), on a log scale clipped to the positive values.")
+                  "(none with one seed). The gradient norm, on a log axis, shows the geometric mean and the interval of "
+                  "its logarithm, which stays positive.")
     s.images.append(("train/loss and train/grad_norm", figures.curves_figure(by_variant, ["train/loss", "train/grad_norm"], palette)))
     if any("eval/valid/loss" in r.metrics for r in compared):
         s.images.append(("eval/valid/loss", figures.curves_figure(by_variant, ["eval/valid/loss"], palette)))
@@ -131,14 +132,23 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
         s.tables.append(tiers)
 
     s = sections["grids"]
-    shown = [(r, key, path, prompts) for r in compared for key, path, prompts in r.grids[:3] if path.exists()]
-    if not shown:
+    # Every grid of the last evaluation (list / category / scale), the variants side by side: each
+    # variant's first seed, the same prompts in the same rows, the same sampling noise.
+    keys = list(dict.fromkeys(key for r in compared for key, path, _ in r.grids if path.exists()))
+    if not keys:
         s.text.append("No prompt grids (eval.grids) were drawn in these runs.")
     else:
-        s.text.append("The last evaluation's grids, up to three per run (rows: prompts, columns: samples with seeds fixed "
-                      "across scales and checkpoints).")
-    for r, key, path, prompts in shown[:27]:
-        s.images.append((f"{r.name}: {key}" + (": " + " | ".join(prompts) if prompts else ""), path.read_bytes()))
+        s.text.append("The last evaluation's grids, every list, category and scale, one image each with the variants side "
+                      "by side (each variant's first seed; rows: prompts, columns: samples, the noise fixed across "
+                      "variants, scales and checkpoints).")
+    for key in keys:
+        panels, prompts = [], []
+        for variant, rs in by_variant.items():
+            found = next(((path, p) for r in rs for k, path, p in r.grids if k == key and path.exists()), None)
+            if found is not None:
+                panels.append((variant, found[0]))
+                prompts = prompts or found[1]
+        s.images.append((key + (": " + " | ".join(prompts) if prompts else ""), figures.side_by_side(panels)))
 
     s = sections["config"]
     fields = differing_fields(runs, NOT_A_CHOICE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -183,3 +184,28 @@ def optuna_figures(study, metric: str = "Objective Value") -> dict[str, bytes | 
         fig.tight_layout()
         out[name] = png(fig)
     return out
+
+
+def side_by_side(panels: list[tuple[str, Path]], border: int = 3, gap: int = 12) -> bytes:
+    """Grid images of one prompt list, category and scale, one per variant, side by side at
+    one height, each framed and titled with its variant, so the same prompts read across."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = [Image.open(path).convert("RGB") for _, path in panels]
+    height = max(im.height for im in images)
+    images = [im if im.height == height else im.resize((round(im.width * height / im.height), height), Image.NEAREST)
+              for im in images]
+    font = ImageFont.load_default(size=14)
+    title = 24
+    width = sum(im.width + 2 * border for im in images) + gap * (len(images) - 1)
+    canvas = Image.new("RGB", (width, height + 2 * border + title), "white")
+    draw = ImageDraw.Draw(canvas)
+    x = 0
+    for (variant, _), im in zip(panels, images):
+        draw.text((x, 2), variant, fill="black", font=font)
+        draw.rectangle([x, title, x + im.width + 2 * border - 1, title + height + 2 * border - 1], fill="#444")
+        canvas.paste(im, (x + border, title + border))
+        x += im.width + 2 * border + gap
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG")
+    return buf.getvalue()

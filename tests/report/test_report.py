@@ -205,10 +205,14 @@ def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
     shot = tmp_path / "shot.png"
-    subprocess.run([exe, *flags, f"--screenshot={shot}", "--window-size=1280,4000", page.as_uri()],
+    subprocess.run([exe, *flags, f"--screenshot={shot}", "--window-size=1280,12000", page.as_uri()],
                    capture_output=True, timeout=120, check=True)
     img = np.asarray(Image.open(shot).convert("L"), np.float64)
-    assert img.shape == (4000, 1280) and img.std() > 10  # not a blank page
+    assert img.shape == (12000, 1280) and img[:2000].std() > 10  # not a blank page
+    # The whole page fits the window (white below its end), with the long sections folded: a
+    # screenshot at full-page height, short enough to read (18 grids once made 16,000 px).
+    drawn = np.flatnonzero((img < 250).any(axis=1))
+    assert 1500 < drawn[-1] < 11500, drawn[-1]
     dom = subprocess.run([exe, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True).stdout
     for key in section_keys(sweep=False):  # every section made it into the rendered document
         assert f'id="{key}"' in dom
@@ -296,3 +300,23 @@ def test_a_sweep_compares_completed_trials_best_first(tmp_path):
     optuna_text = " ".join(sections[1].text)
     assert "eval/valid/loss (lower is better): COMPLETE 3, PRUNED 1" in optuna_text
     assert [caption for caption, _ in sections[1].images][:2] == ["slice", "history"]
+
+
+def test_grids_put_the_variants_side_by_side_framed_and_titled(synthetic):
+    from io import BytesIO
+
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.load import load_runs
+
+    sections, info = build_sections(load_runs(str(synthetic)), None)
+    (caption, png), = next(s for s in sections if s.key == "grids").images  # one grid key: one image
+    assert caption == f"shapesbench/color/s3: a red circle {EVIL}"
+    img = np.asarray(Image.open(BytesIO(png)).convert("RGB"))
+    border, gap, title, n = 3, 12, 24, len(info["variants"])
+    assert img.shape == (title + 8 + 2 * border, n * (8 + 2 * border) + (n - 1) * gap, 3)
+    for i, variant in enumerate(info["variants"]):  # each panel is its variant's first seed's grid, in a dark frame
+        x = i * (8 + 2 * border + gap)
+        seed = 1 if variant == "model=sandwich optim.lr=0.002" else 0
+        assert (img[title + border: title + border + 8, x + border: x + border + 8] == 40 * seed).all(), variant
+        assert (img[title, x: x + 8 + 2 * border] == 0x44).all()
+        assert (img[title // 2, x: x + 8 + 2 * border] < 255).any()  # the variant's name above it
