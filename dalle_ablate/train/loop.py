@@ -193,6 +193,33 @@ class Boundaries:
         return stop
 
 
+def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bounds: Boundaries, ckpt):
+    """The steps, with what is due between them: (status, the state after the last whole step).
+    Stops early when the loss is not finite (diverged), when the caller's hooks say so (pruned)
+    or on Ctrl-C (interrupted; in a run of one process only: others would not stop with it)."""
+    batch_size = bounds.cfg.trainer.batch_size
+    try:
+        for step in steps:
+            ckpt.check()  # a checkpoint that failed in the background stops the run here
+            state, metrics = train_step(state, run.placement.global_batch(next(batches), batch_size))
+            if not log.push(step, metrics):
+                return "diverged", state  # NaN guard: stop, and never checkpoint a broken state
+            due = bounds.due(step)
+            if any(due):
+                if not log.flush():
+                    return "diverged", state
+                stop = bounds.run_at(step, state, due)
+                log.restart_clock()
+                if stop:  # e.g. the sweep's pruner stopped this trial (job.py)
+                    log.reason = f"pruned at step {step} of {steps.stop - 1} (eval loss {bounds.eval_loss:.4f})"
+                    return "pruned", state
+        return "finished", state
+    except KeyboardInterrupt:
+        if jax.process_count() > 1:
+            raise
+        return "interrupted", state  # the last state assigned: a whole step, wherever the interrupt came
+
+
 def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_dir: Path) -> str:
     """What a run prints last (after W&B's own block): its losses, the headline metrics of its last
     evaluation by guidance scale, and where its run store is."""
@@ -243,9 +270,8 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     meta["mesh"] = dict(run.mesh.shape)
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
     tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
-                            group=job.group, job_type=job.job_type or cfg.model.layout, resume_step=start_step if source is not None else None,
-                            is_main_process=pi == 0)
-    status = "failed"
+                            group=job.group, job_type=job.job_type or cfg.model.layout,
+                            resume_step=start_step if source is not None else None, is_main_process=pi == 0)
     try:
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
         ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)
@@ -258,31 +284,9 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
-        try:
-            for step in range(start_step + 1, t.steps + 1):
-                ckpt.check()  # a checkpoint that failed in the background stops the run here
-                state, metrics = train_step(state, run.placement.global_batch(next(batches), t.batch_size))
-                if not log.push(step, metrics):
-                    status = "diverged"  # NaN guard: stop, and never checkpoint a broken state
-                    break
-                due = bounds.due(step)
-                if any(due):
-                    if not log.flush():
-                        status = "diverged"
-                        break
-                    stop = bounds.run_at(step, state, due)
-                    log.restart_clock()
-                    if stop:
-                        status = "pruned"  # e.g. the sweep's pruner stopped this trial (job.py)
-                        log.reason = f"pruned at step {step} of {t.steps} (eval loss {bounds.eval_loss:.4f})"
-                        break
-            else:
-                status = "finished"
-        except KeyboardInterrupt:
-            if jax.process_count() > 1:
-                raise  # the other processes are not stopping with this one: no save they could join
-            status = "interrupted"  # `state` is the last whole step, wherever the interrupt came
-        if not log.flush() and status == "interrupted":
+        status, state = run_steps(state, range(start_step + 1, t.steps + 1), train_step, batches, run, log, bounds, ckpt)
+        flushed = log.flush()  # the step in flight
+        if status == "interrupted" and not flushed:
             status = "diverged"
         bar.close()
         final_step = int(jax.device_get(state.step))
