@@ -37,14 +37,16 @@ def colors(variants: list[str]) -> dict[str, str]:
 UNITS = {"train/loss": "nats per token", "eval/valid/loss": "nats per token", "train/grad_norm": "global L2 norm",
          "fid/fid": "FID", "shapes_fd/fd": "Fréchet distance", "clip/score": "100 x cosine", "shapes/all": "fraction correct",
          "shapes/clean": "fraction of drawn pixels"}
-LOWER_IS_BETTER = ("loss", "fid", "/fd", "grad_norm")
+# Which way is better, for the metrics that have one (a gradient norm has none).
+BETTER = {"train/loss": "lower", "eval/valid/loss": "lower", "fid/fid": "lower", "shapes_fd/fd": "lower",
+          "clip/score": "higher", "shapes/all": "higher", "shapes/clean": "higher"}
 
 
 def label(column: str) -> str:
     """`column (unit, lower is better)` for an axis."""
-    better = "lower" if any(k in column for k in LOWER_IS_BETTER) else "higher"
-    unit = UNITS.get(column)
-    return f"{column} ({unit + ', ' if unit else ''}{better} is better)" if column in UNITS else column
+    parts = [UNITS.get(column)] + ([f"{BETTER[column]} is better"] if column in BETTER else [])
+    parts = [p for p in parts if p]
+    return f"{column} ({', '.join(parts)})" if parts else column
 
 
 def seed_band(runs: list[Run], column: str, x: str = "step", log: bool = False):

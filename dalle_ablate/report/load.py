@@ -71,11 +71,6 @@ def find_stores(source: str) -> list[Path]:
     return stores
 
 
-def _job_name(store: Path, meta: dict) -> str:
-    over = [o for o in meta.get("overrides", []) if not o.startswith(("optuna.", "hydra."))]
-    return store.parent.name + (": " + " ".join(over[-4:]) if over else "")
-
-
 def by_step(rows: list[dict]) -> pd.DataFrame:
     """Logged rows as one row per step (train and eval rows of one step merged)."""
     frame = pd.DataFrame(rows)
@@ -94,7 +89,7 @@ def load_run(store: Path) -> Run:
     config = flatten(yaml.safe_load((store / "config.yaml").read_text()) or {}) if (store / "config.yaml").exists() else {}
     rows = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines() if line.strip()]
     frame = by_step(rows)
-    run = Run(_job_name(store, meta), store, config, meta, summary, frame)
+    run = Run(store.parent.name, store, config, meta, summary, frame)  # named in load_runs
     run.pareto = _last_table(store, "eval_pareto")
     prompts: dict[str, list[str]] = {}  # grid key -> its prompts, from the last eval_grids table
     t = _last_table(store, "eval_grids")
@@ -145,6 +140,9 @@ def load_runs(source: str, api=None) -> list[Run]:
     runs = load_wandb_group(source, api) if source.startswith("wandb:") else [load_run(s) for s in find_stores(source)]
     runs.sort(key=job_order)
     assign_variants(runs)
+    if not source.startswith("wandb:"):  # a W&B run keeps its own name
+        for r in runs:  # the job, then what sets it apart: not the overrides every job shares
+            r.name = f"{r.root.parent.name}: {r.variant}, seed {r.seed}"
     return runs
 
 

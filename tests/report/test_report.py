@@ -296,7 +296,7 @@ def test_a_sweep_compares_completed_trials_best_first(tmp_path):
     assert info["baseline"] == "optim.lr=0.003"
     overview = " ".join(sections[0].text)
     assert "baseline: optim.lr=0.003 (the best completed trial by eval/valid/loss)" in overview
-    assert "Left out of the comparisons, not completed: 2: optim.lr=0.01 (pruned)." in overview
+    assert "Left out of the comparisons, not completed: 2: optim.lr=0.01, seed 0 (pruned)." in overview
     optuna_text = " ".join(sections[1].text)
     assert "eval/valid/loss (lower is better): COMPLETE 3, PRUNED 1" in optuna_text
     assert [caption for caption, _ in sections[1].images][:2] == ["slice", "history"]
