@@ -216,6 +216,12 @@ def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
     dom = subprocess.run([exe, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True).stdout
     for key in section_keys(sweep=False):  # every section made it into the rendered document
         assert f'id="{key}"' in dom
+    # The summary first, in order; variants as typed; the long sections folded.
+    assert [dom.index(f'id="{k}"') for k in section_keys(sweep=False)] == sorted(dom.index(f'id="{k}"')
+                                                                                 for k in section_keys(sweep=False))
+    for label in ("model=deepnet (baseline)", "model=preln", "model=sandwich optim.lr=0.002"):
+        assert f"<td>{label}</td>" in dom, label
+    assert dom.count("<details open") == 5 and dom.count("<details>") == 3
     assert dom.count("<img ") >= 5 and "<script>alert" not in dom
 
 
