@@ -278,7 +278,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     rp.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
     rp.add_argument("--name", help="the report's folder name (default: from the source path)")
     rp.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
-                                       "e.g. model.layout=preln (default: the first variant)")
+                                       "e.g. model=preln (default: the first value listed; a sweep: the best completed trial)")
     rp.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
     rp.add_argument("--wandb-project")
     rp.set_defaults(func=cmd_report)

@@ -41,7 +41,8 @@ class EvalConfig(OptionConfig):
     grid_prompts: Optional[int] = 6  # prompts per category and grid (null = all)
     grid_samples: int = 4  # samples per prompt
     seed: int = 0  # the sampling noise: fixed across scales, steps and checkpoints
-    reference: Optional[str] = None  # FID reference statistics (.npz, `dalle-ablate fid-reference`); null = the real images of the eval prompts
+    # FID reference statistics (.npz, `dalle-ablate fid-reference`); null = the real images of the eval prompts
+    reference: Optional[str] = None
     # Settings of the evaluators that have some (the field is the evaluator's name).
     fid: FidConfig = field(default_factory=FidConfig)  # Inception weights
     clip: ClipEvalConfig = field(default_factory=ClipEvalConfig)  # CLIP weights + BPE

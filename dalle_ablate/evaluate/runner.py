@@ -32,8 +32,8 @@ def headline(result: dict) -> list[str]:
     rows, lines = result.get("pareto") or [], []
     for key in HEADLINES:
         if rows and key in rows[0]:
-            cells = [f"s{r['scale']:g} {r[key]:.3g}" + (f" [{r[key + '_lo']:.2f}, {r[key + '_hi']:.2f}]" if key + "_lo" in r else "")
-                     for r in rows]
+            interval = lambda r: f" [{r[key + '_lo']:.2f}, {r[key + '_hi']:.2f}]" if key + "_lo" in r else ""  # noqa: E731
+            cells = [f"s{r['scale']:g} {r[key]:.3g}{interval(r)}" for r in rows]
             lines.append(f"{key} (n={rows[0]['n']} per scale): " + ", ".join(cells))
     prefix = "eval/caption_sensitivity/"
     sens = {k[len(prefix):]: v for k, v in (result.get("model") or {}).items() if k.startswith(prefix) and not k.endswith("_n")}

@@ -172,7 +172,8 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
 
 # Logged keys the W&B report charts besides the losses: headline eval metrics by scale, caption
 # sensitivity, the optimizer's own statistics.
-REPORT_METRICS = re.compile(r"eval/pareto/s[^/]+/(shapes/all|clip/score|fid/fid|shapes_fd/fd)|eval/caption_sensitivity/[a-z]+|optim/.+")
+REPORT_METRICS = re.compile(r"eval/pareto/s[^/]+/(shapes/all|clip/score|fid/fid|shapes_fd/fd)"
+                            r"|eval/caption_sensitivity/[a-z]+|optim/.+")
 
 
 def wandb_panels(runs: list[Run]) -> tuple[list[str], list[str], list[str]]:

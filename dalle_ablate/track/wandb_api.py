@@ -56,7 +56,8 @@ def wandb_report(title: str, group: str | None, groupby: list[str], metrics: lis
     if evals:
         blocks += [wr.H2("Evaluation by guidance scale"), grid(*(line(m) for m in evals))]
     if media:
-        blocks += [wr.H2("Pareto plots and grids"), grid(*(wr.MediaBrowser(media_keys=[k], title=k, num_columns=1) for k in media))]
+        browsers = [wr.MediaBrowser(media_keys=[k], title=k, num_columns=1) for k in media]
+        blocks += [wr.H2("Pareto plots and grids"), grid(*browsers)]
     if optim:
         blocks += [wr.H2("Optimizer"), grid(*(line(m) for m in optim))]
     blocks += [wr.H2("Final metrics"), grid(wr.RunComparer(diff_only="split"))]

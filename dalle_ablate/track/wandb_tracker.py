@@ -2,7 +2,7 @@
 (never touches the network); online when `tracker.wandb.mode=online` and logged in, checked
 within 25 s before the run starts (or offline instead with `tracker.wandb.fallback=offline`). A
 resumed run continues the same W&B run. Conventions (docs/architecture.md): group = the sweep or
-multirun folder, name = the overrides it varies, job_type = the variant (job.py, run_naming), each
+multirun folder, name = the overrides it varies, job_type = the variant (track/naming.py), each
 settable (`tracker.wandb.group` ...); finish() on every exit path.
 `wandb` takes 0.6 s to import, so only a run that logs to it imports it."""
 
