@@ -82,6 +82,14 @@ class OptionConfig:
     def validate(self, run: Any) -> None:
         """Checks beyond the ranges; `run` is the whole RunConfig, for checks that span groups."""
 
+    def check_all(self, run: Any, prefix: str) -> None:
+        """RANGES (merged down the class hierarchy, fields named `prefix.<field>`), then validate(run)."""
+        ranges: dict[str, str] = {}
+        for klass in reversed(type(self).__mro__):
+            ranges.update(vars(klass).get("RANGES", {}))
+        check_ranges(self, ranges, prefix)
+        self.validate(run)
+
 
 class Registry(Generic[T]):
     def __init__(self, kind: str, field: str, key: str = "name"):
@@ -127,11 +135,7 @@ class Registry(Generic[T]):
             f"{self.field}.{self.key}={name!r} does not match the {self.field} preset chosen ({type(cfg).__name__}); "
             f"choose the option itself with {self.field}={name}",
         )
-        ranges: dict[str, str] = {}
-        for klass in reversed(type(cfg).__mro__):
-            ranges.update(vars(klass).get("RANGES", {}))
-        check_ranges(cfg, ranges, self.field)
-        cfg.validate(run)
+        cfg.check_all(run, self.field)
 
     def get(self, name: str) -> T:
         if name not in self._items:

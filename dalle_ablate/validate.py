@@ -1,8 +1,8 @@
 """A run config from the command line's overrides: composed with every option loaded, typed, and
 checked before anything is built. The run-level checks are here (numeric ranges in one table,
 fields that span sections); each option of a group checks itself (its class's RANGES and
-`validate`, through its registry), and so does the `eval` section (`EvalConfig.validate`, with
-the settings of each evaluator chosen). Every failure is a ConfigError naming the field and what
+`validate`, through its registry), and so does the `eval` section (`EvalConfig`, with the
+settings of each evaluator chosen). Every failure is a ConfigError naming the field and what
 would be valid."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def validate(cfg: RunConfig) -> None:
     )
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]
     check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
-    cfg.eval.validate(cfg)
+    cfg.eval.check_all(cfg, "eval")
     check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
     check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")
 

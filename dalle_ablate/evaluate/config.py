@@ -15,7 +15,7 @@ from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.fid import FidConfig
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS
 from dalle_ablate.generate import check_sampling
-from dalle_ablate.registry import OptionConfig, check, check_ranges
+from dalle_ablate.registry import OptionConfig, check
 
 
 @dataclass
@@ -52,12 +52,11 @@ class EvalConfig(OptionConfig):
         return getattr(self, name) if EVALUATORS.get(name).settings is not None else None
 
     def validate(self, run: Any) -> None:
-        check_ranges(self, self.RANGES, "eval")
+        """Checks beyond RANGES (run.eval.check_all runs both), with each chosen evaluator's settings."""
         for name in self.metrics:
             settings = self.settings(name)
             if settings is not None:
-                check_ranges(settings, type(settings).RANGES, f"eval.{name}")
-                settings.validate(run)
+                settings.check_all(run, f"eval.{name}")
         for name in self.grids:
             PROMPT_LISTS.get(name)
         check(bool(self.guidance_scales), "eval.guidance_scales is empty; give at least one scale, e.g. [1]")

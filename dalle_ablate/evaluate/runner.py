@@ -19,11 +19,10 @@ from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
 from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.model import token_nll
+from dalle_ablate.track import HEADLINES
 
 # Which metrics make the Pareto plot's axes, first pair present wins: (fidelity, alignment).
 PARETO_AXES = (("fid/fid", "clip/score"), ("shapes_fd/fd", "shapes/all"), ("shapes/clean", "shapes/all"))
-# What a run's closing lines lead with, by guidance scale (alignment first, then fidelity).
-HEADLINES = ("shapes/all", "clip/score", "fid/fid", "shapes_fd/fd")
 
 
 def headline(result: dict) -> list[str]:

@@ -20,6 +20,7 @@ from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing
 from dalle_ablate.report.tables import (ONE_SEED, STABILITY_COLUMNS, final_table, fmt, runs_csv,
                                         stability_rows, tier_table)
 from dalle_ablate.report.writers import Section, to_html, to_markdown
+from dalle_ablate.track import HEADLINES
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
 TITLES = {"overview": "Runs and variants", "final": "Final metrics", "optuna": "Optuna study",
@@ -172,7 +173,7 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
 
 # Logged keys the W&B report charts besides the losses: headline eval metrics by scale, caption
 # sensitivity, the optimizer's own statistics.
-REPORT_METRICS = re.compile(r"eval/pareto/s[^/]+/(shapes/all|clip/score|fid/fid|shapes_fd/fd)"
+REPORT_METRICS = re.compile(rf"eval/pareto/s[^/]+/({'|'.join(map(re.escape, HEADLINES))})"
                             r"|eval/caption_sensitivity/[a-z]+|optim/.+")
 
 

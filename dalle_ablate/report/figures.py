@@ -10,6 +10,7 @@ import numpy as np
 
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import t_interval
+from dalle_ablate.track import HEADLINES
 
 
 def _plt():
@@ -38,8 +39,8 @@ UNITS = {"train/loss": "nats per token", "eval/valid/loss": "nats per token", "t
          "fid/fid": "FID", "shapes_fd/fd": "Fréchet distance", "clip/score": "100 x cosine", "shapes/all": "fraction correct",
          "shapes/clean": "fraction of drawn pixels"}
 # Which way is better, for the metrics that have one (a gradient norm has none).
-BETTER = {"train/loss": "lower", "eval/valid/loss": "lower", "fid/fid": "lower", "shapes_fd/fd": "lower",
-          "clip/score": "higher", "shapes/all": "higher", "shapes/clean": "higher"}
+BETTER = {"train/loss": "lower", "eval/valid/loss": "lower", "shapes/clean": "higher",
+          **{k: "lower" if v == "min" else "higher" for k, v in HEADLINES.items()}}
 
 
 def label(column: str) -> str:

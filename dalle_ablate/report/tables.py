@@ -12,10 +12,9 @@ import pandas as pd
 from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, series
 from dalle_ablate.report.stats import diff_ci, diverged, mean_ci, significant, spikes
+from dalle_ablate.track import HEADLINES
 
 FINAL_METRICS = ("eval/valid/loss", "train/loss")
-# Headline metrics of the last evaluation, per guidance scale (runs.csv: `<metric>@s<scale>`).
-HEADLINES = ("shapes/all", "clip/score", "fid/fid", "shapes_fd/fd")
 ONE_SEED = "1 seed: no interval"
 
 
@@ -104,7 +103,8 @@ def tier_table(runs: list[Run]) -> Optional[tuple[list[str], list[list]]]:
 
 
 def headline_values(run: Run) -> dict[str, float]:
-    """The last evaluation's headline metrics by scale and the last caption sensitivity."""
+    """The last evaluation's headline metrics by scale (`<metric>@s<scale>`) and the last caption
+    sensitivity."""
     out: dict[str, float] = {}
     if run.pareto:
         c = {name: i for i, name in enumerate(run.pareto["columns"])}

@@ -27,6 +27,7 @@ from dalle_ablate.sweep import space as spaces
 from dalle_ablate.sweep.study import (PRUNER_ATTR, STARTS_ATTR, default_storage, heartbeats, make_pruner, make_sampler,
                                       sampler_seed, storage, trial_lock)
 from dalle_ablate.sweep.trial import RUN_DIR_ATTR, WANDB_ATTR
+from dalle_ablate.track.naming import short
 from dalle_ablate.track.runstore import mark_failed
 from dalle_ablate.train.checkpoint import find_checkpoints
 
@@ -187,7 +188,7 @@ class OptunaSweeper(Sweeper):
                     trial.set_user_attr("why", why)
                     log.warning(f"trial {trial.number} {state.name}: {why}")
                 else:
-                    log.info(f"trial {trial.number} {state.name}: {self._values(values)} at {_short(trial.params)}")
+                    log.info(f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}")
                 study.tell(trial, values, state=state)
         self._write_results(study)
         return study.get_trials()
@@ -229,7 +230,7 @@ class OptunaSweeper(Sweeper):
             best = study.best_trial
             out["best"] = {"number": best.number, "value": best.value, "params": best.params, **self._where(best)}
             log.info(f"best of {len(complete)} complete trials: trial {best.number}, {self._values(best.values)} at "
-                     f"{_short(best.params)}, run store {best.user_attrs.get(RUN_DIR_ATTR)}")
+                     f"{_short_params(best.params)}, run store {best.user_attrs.get(RUN_DIR_ATTR)}")
         elif complete:
             out["pareto_front"] = [{"number": t.number, "values": t.values, "params": t.params, **self._where(t)}
                                    for t in study.best_trials]
@@ -248,6 +249,6 @@ class OptunaSweeper(Sweeper):
         return {k: trial.user_attrs[k] for k in (RUN_DIR_ATTR, WANDB_ATTR) if k in trial.user_attrs}
 
 
-def _short(params: dict) -> str:
-    """Parameters as overrides, numbers to 3 significant digits (a sampled rate has 17)."""
-    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+def _short_params(params: dict) -> str:
+    """Parameters as overrides, numbers to 3 significant digits, as runs are named."""
+    return " ".join(short(f"{k}={v}") for k, v in params.items())

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from dalle_ablate.registry import RunFailed, check, first_line
-from dalle_ablate.track.base import TRACKERS, Tracker, TrackerConfig
+from dalle_ablate.track.base import HEADLINES, TRACKERS, Tracker, TrackerConfig
 from dalle_ablate.track.runstore import RunStore
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,17 @@ log = logging.getLogger(__name__)
 # counts (sample sizes, the real-data floor) are hidden from the charts and stay in the tables.
 X_AXIS = "tokens"
 ON_X_AXIS = ("train/*", "eval/*", "perf/*", "optim/*")
-BEST = {"train/loss": "min", "eval/valid/loss": "min", "/shapes/all": "max", "/clip/score": "max", "/fid/fid": "min",
-        "/shapes_fd/fd": "min"}
 COUNT = re.compile(r"(/n|_n|/floor)$")
+
+
+def best_of(key: str) -> str | None:
+    """The summary's aggregation for a logged key: min of the losses, max of caption sensitivity,
+    a headline metric's best (track.HEADLINES, at any guidance scale), else none."""
+    if key in ("train/loss", "eval/valid/loss"):
+        return "min"
+    if key.startswith("eval/caption_sensitivity/"):
+        return "max"
+    return next((v for k, v in HEADLINES.items() if key.endswith("/" + k)), None)
 
 CONNECT_TIMEOUT = 10  # seconds for the server to accept a connection
 VERIFY_TIMEOUT = 15  # seconds for it to answer who the API key belongs to
@@ -149,9 +157,7 @@ class WandbTracker(Tracker):
             if COUNT.search(key):
                 self.run.define_metric(key, step_metric=step, hidden=True)
                 continue
-            best = next((v for k, v in BEST.items() if key == k or (k.startswith("/") and key.endswith(k))), None)
-            if key.startswith("eval/caption_sensitivity/"):
-                best = "max"
+            best = best_of(key)
             if best:
                 self.run.define_metric(key, step_metric=step, summary=f"{best},last")
                 self._best.add(key)

@@ -45,8 +45,9 @@ def machine_key(kind: str) -> str:
     if cpuinfo.exists():
         model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                       if line.startswith("model name")), model)
-    return f"{kind}|{model}|{os.cpu_count()} cores|{len(os.sched_getaffinity(0))} usable|jax {jax.__version__}|" \
-           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux only
+    flags = os.environ.get("XLA_FLAGS", "")
+    return f"{kind}|{model}|{os.cpu_count()} cores|{usable} usable|jax {jax.__version__}|XLA_FLAGS={flags}"
 
 
 def cached_probe(path: Path, kind: str) -> tuple[float, str]:
