@@ -1,11 +1,16 @@
-"""Cost of every layout relative to preln: step time, compile time and peak memory of the train step.
+"""Cost of every layout, and of the single-stream family under each attention pattern, relative to
+preln: step time, compile time and peak memory of the train step.
 
     python benchmarks/variants.py [--steps 10] [overrides...]     (default size=small)
 
 Each layout's preset (conf/model/<layout>.yaml) is composed with the overrides, its train step is
 compiled (timed), its memory read from XLA's memory analysis of the compiled step (arguments +
 outputs + temporaries, less donated buffers), then run on one fixed random batch (median of
---steps). All numbers come from this one run; nothing here is asserted by the tests.
+--steps). The single-stream rows (`model=dalle`, one row per `model.attention_pattern`) add the
+attention FLOPs per example their masks need (forward, scores and values) next to what the dense
+kernel computes: the masks are applied to a full score matrix, so a sparse pattern saves FLOPs
+only on paper until a block-sparse kernel skips the masked blocks. All numbers come from this
+one run; nothing here is asserted by the tests.
 """
 
 from __future__ import annotations
@@ -57,22 +62,40 @@ def main() -> None:
     from dalle_ablate.model import LAYOUTS
     from dalle_ablate.validate import to_run_config
 
-    layouts = ["preln"] + [n for n in LAYOUTS.names() if n != "preln"]
+    variants = {n: [f"model={n}"] for n in ["preln"] + [n for n in LAYOUTS.names() if n != "preln"]}
+    variants.update({f"dalle/{p}": ["model=dalle", f"model.attention_pattern={p}"] for p in ("dense", "row", "column", "conv", "dalle")})
     rows = {}
-    for layout in layouts:
-        cfg = to_run_config(compose([f"model={layout}", "size=small", *args.overrides]))
-        rows[layout] = measure(cfg, args.steps)
-        print(f"measured {layout}", file=sys.stderr)
+    for name, overrides in variants.items():
+        cfg = to_run_config(compose([*overrides, "size=small", *args.overrides]))
+        rows[name] = measure(cfg, args.steps)
+        rows[name]["attention"] = attention_flops(cfg)
+        print(f"measured {name}", file=sys.stderr)
     base = rows["preln"]
     import jax
 
     print(f"device: {jax.devices()[0].device_kind}, size=small (overrides: {' '.join(args.overrides) or 'none'}), "
           f"median of {args.steps} steps\n")
-    print(f"{'layout':<11}{'params':>11}{'step ms':>9}{'x preln':>8}{'compile s':>10}{'x preln':>8}{'peak MiB':>10}{'x preln':>8}")
+    print(f"{'variant':<14}{'params':>11}{'step ms':>9}{'x preln':>8}{'compile s':>10}{'x preln':>8}{'peak MiB':>10}{'x preln':>8}"
+          f"{'attn MFLOP':>12}{'needed':>8}")
     for name, r in rows.items():
         peak = f"{r['peak'] / 2**20:>10.1f}{r['peak'] / base['peak']:>8.2f}" if r["peak"] else f"{'n/a':>10}{'':>8}"
-        print(f"{name:<11}{r['params']:>11,}{r['step'] * 1e3:>9.1f}{r['step'] / base['step']:>8.2f}"
-              f"{r['compile']:>10.2f}{r['compile'] / base['compile']:>8.2f}{peak}")
+        attn = f"{r['attention'][0] / 1e6:>12.1f}{r['attention'][1] / r['attention'][0]:>8.0%}" if r["attention"] else ""
+        print(f"{name:<14}{r['params']:>11,}{r['step'] * 1e3:>9.1f}{r['step'] / base['step']:>8.2f}"
+              f"{r['compile']:>10.2f}{r['compile'] / base['compile']:>8.2f}{peak}{attn}")
+    print("\nattn MFLOP: attention scores and values per example, forward, as computed (full square); needed: the "
+          "share the pattern's masks keep")
+
+
+def attention_flops(cfg):
+    """(computed, needed by the masks) attention FLOPs per example of a single-stream model, or None."""
+    from dalle_ablate.data import abstract_sizes
+    from dalle_ablate.model import FAMILIES, resolve
+
+    family = FAMILIES.get(cfg.model.family)
+    if not hasattr(family, "attention_pairs"):
+        return None
+    pairs = family.attention_pairs(resolve(cfg.model, **abstract_sizes(cfg.data, cfg.model)))
+    return 4 * cfg.model.d_model * pairs["square"], 4 * cfg.model.d_model * pairs["pattern"]
 
 
 if __name__ == "__main__":

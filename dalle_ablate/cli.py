@@ -44,12 +44,28 @@ def format_error(ex: BaseException) -> Optional[str]:
     if isinstance(cause, ValidationError):
         return f"bad value for {cause.full_key!r}: {str(cause).splitlines()[0]}"
     if isinstance(ex, ConfigCompositionException):
+        foreign = re.search(r"In '(\S+)': ConfigKeyError.*\nKey '(\w+)' not in '(\w+)'\n\s*full_key: model\.", str(ex))
+        if foreign:  # a preset of one model family composed with another's (size=dalle12b model=preln)
+            return f"{foreign[1]} sets model.{foreign[2]}, which the chosen model preset's {foreign[3]} has no field for; " \
+                   f"it belongs with {family_presets(foreign[2])}"
         line = str(ex).splitlines()[0]
         twice = re.fullmatch(r"Multiple values for (\S+)\. To override a value use 'override \1: (.+)'", line)
         if twice:  # `+sweeps=x`: the group is already in the defaults list, and Hydra's hint is for YAML files
             return f"{twice[1]} is already in the defaults list: choose it with {twice[1]}={twice[2]}, without the '+'"
         return line
     return None
+
+
+def family_presets(field: str) -> str:
+    """The model presets (conf/model/*.yaml) whose family's config has `field`, as `model=a, model=b`."""
+    from importlib.resources import files
+
+    from dalle_ablate.model import FAMILIES
+
+    families = [n for n in FAMILIES.names() if field in {f.name for f in dataclasses.fields(FAMILIES.schema(n))}]
+    presets = sorted(p.name.removesuffix(".yaml") for p in files("dalle_ablate.conf").joinpath("model").iterdir()
+                     if p.name.endswith(".yaml") and any(f"/schema/model_{f}@" in p.read_text() for f in families))
+    return ", ".join(f"model={p}" for p in presets) or "no model preset"
 
 
 def run_hydra(main: Callable[[], object]) -> None:

@@ -137,6 +137,11 @@ class Registry(Generic[T]):
         )
         cfg.check_all(run, self.field)
 
+    def schema(self, name: str) -> type:
+        """The config dataclass option `name` was registered with."""
+        self.get(name)
+        return self._schemas[name]
+
     def get(self, name: str) -> T:
         if name not in self._items:
             field = self.field if self.key == "name" else f"{self.field}.{self.key}"

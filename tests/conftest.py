@@ -99,3 +99,17 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, where every test must run: {reason}"
+
+
+def cached_matches_full(model, text, mask, codes, label: str) -> None:
+    """The sampler's path (encode, start_decoding, decode_step fed the previous code, BOS first)
+    gives the teacher-forced logits at every position."""
+    import jax.numpy as jnp  # here, not at the top: mesh tests set XLA_FLAGS before jax is imported
+    import numpy as np
+
+    full = model(text, mask, codes)  # [B, I, rows], dropout off
+    cache = model.start_decoding(model.encode(text, mask))
+    inputs = jnp.concatenate([jnp.full((codes.shape[0], 1), model.bos_id, jnp.int32), codes[:, :-1]], axis=1)
+    for i in range(codes.shape[1]):
+        logits, cache = model.decode_step(inputs[:, i], jnp.asarray(i), cache, mask)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, i]), rtol=2e-5, atol=2e-5, err_msg=f"{label} position {i}")

@@ -10,7 +10,9 @@ from dalle_ablate.registry import ConfigError
 
 
 def build_dataset(data_cfg, model_cfg) -> Dataset:
-    return DATASETS.get(data_cfg.name)(data_cfg, model_cfg)
+    dataset = DATASETS.get(data_cfg.name)(data_cfg, model_cfg)
+    dataset.blank_is_padding = getattr(model_cfg, "blank_is_padding", False)
+    return dataset
 
 
 def abstract_sizes(data_cfg, model_cfg) -> dict[str, int]:

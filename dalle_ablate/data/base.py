@@ -72,6 +72,7 @@ class Dataset(ABC):
     text: TextTokenizer
     blank_caption_prob: float
     info: dict
+    blank_is_padding: bool = False  # see empty_caption
 
     @abstractmethod
     def train_batches(
@@ -137,8 +138,15 @@ class Dataset(ABC):
             batch["text_mask"] = np.where(blank[:, None], mask, batch["text_mask"])
         return batch
 
+    def empty_caption(self) -> tuple[np.ndarray, np.ndarray]:
+        """The empty caption (ids [1, T], mask [1, T]) as the model family reads it: the tokenizer's
+        "" (BOS, EOS), or every position empty where the family's `blank_is_padding` (set by
+        `build_dataset`; the single-stream family's all-padding caption)."""
+        return self._blank
+
     @property
     def _blank(self) -> tuple[np.ndarray, np.ndarray]:
         if not hasattr(self, "_blank_cache"):
-            self._blank_cache = self.text.encode([""])
+            ids, mask = self.text.encode([""])
+            self._blank_cache = (ids, mask & False) if self.blank_is_padding else (ids, mask)
         return self._blank_cache

@@ -87,7 +87,7 @@ class Evaluation:
                 self.cache[name] = ev.setup(self.e.settings(name), self.e)
         self.sampler = make_sampler(graphdef, model_cfg.image_len, temperature=self.e.temperature, top_k=self.e.top_k,
                                     top_p=self.e.top_p, guided=True, out_sharding=out_sharding)
-        self.blank = dataset.text.encode([""])
+        self.blank = dataset.empty_caption()
 
         self._nll = jax.jit(lambda params, *batch: token_nll(nnx.merge(graphdef, params), *batch).sum(-1),
                             out_shardings=out_sharding)

@@ -132,13 +132,15 @@ class Attention(nnx.Module):
         return self.attend(self.split(self.q(x)), k, v, mask, bias, rngs)
 
     def cached_step(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
-                    bias: Optional[jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    bias: Optional[jax.Array], visible: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Causal self-attention of one new token x [B, 1, d] at position `pos` against the cache
         [B, L, H, D] (positions < pos filled): (output, cache with this token's keys and values).
-        `bias` is the full [H, L, L] position bias or None; its row `pos` is used."""
+        `bias` is the full [H, L, L] position bias or None; its row `pos` is used. `visible` [L]
+        bool: the positions this one sees (a sparse mask's row); default all up to `pos`."""
         k, v = self.keys_values(x)
         cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), pos, axis=1)
         cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), pos, axis=1)
-        mask = (jnp.arange(cache_k.shape[1]) <= pos)[None, None, None, :]
+        mask = (jnp.arange(cache_k.shape[1]) <= pos) if visible is None else visible
+        mask = mask[None, None, None, :]
         row = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, pos, 1, axis=1)
         return self.attend(self.split(self.q(x)), cache_k, cache_v, mask, row), cache_k, cache_v

@@ -4,7 +4,7 @@ FAMILIES registry each family module registers its config and class in."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from dalle_ablate.model.layers import ACTIVATIONS, NORMS
 from dalle_ablate.model.layouts import LAYOUTS, check_layout
@@ -58,6 +58,15 @@ class ModelConfig(OptionConfig):
     remat: str = "none"  # per-layer rematerialisation: none | full | dots_saveable
     scan_layers: bool = False  # compile one layer and scan it over each stack (faster compiles)
     vocab_pad_multiple: int = 8  # embedding / logits rows padded up to a multiple of this
+
+    # The empty caption (blank-caption training, super conditioning's unconditional branch) as
+    # the family reads it: the tokenizer's "" (BOS, EOS), or, when True, every text position
+    # left empty (the single-stream family's all-padding caption). The data layer reads it.
+    blank_is_padding: ClassVar[bool] = False
+
+    def loss_weights(self) -> dict[str, float]:
+        """Weight of each predicted stream's mean NLL in the training objective."""
+        return {"image": 1.0}
 
     def validate(self, run=None) -> None:
         """Check before anything is built; messages name the flags."""

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dalle_ablate.model import abstract_model
+from dalle_ablate.model import FAMILIES, abstract_model
 from dalle_ablate.model.flops import forward_flops_per_example
 from dalle_ablate.optim import path_str
 
@@ -21,7 +21,7 @@ def module_counts(params) -> dict[str, int]:
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         parts = path_str(path).split("/")
         counts[parts[0]] += int(np.prod(x.shape))
-        if parts[0] in ("encoder", "decoder") and parts[1] == "0":
+        if len(parts) > 2 and parts[1] == "0":  # a stack (encoder, decoder): its first layer
             counts[f"{parts[0]}.layer/{parts[2]}"] += int(np.prod(x.shape))
     return dict(counts)
 
@@ -34,8 +34,10 @@ def describe(model_cfg, optimizer) -> str:
     opt_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(opt_state) if np.issubdtype(x.dtype, np.floating))
     fwd = forward_flops_per_example(model_cfg)
     c = model_cfg
+    family = FAMILIES.get(c.family)
+    layers = c.depth if hasattr(c, "depth") else f"{c.encoder_layers}+{c.decoder_layers}"
     lines = [
-        f"{c.family} layout={c.layout} d_model={c.d_model} heads={c.heads} layers={c.encoder_layers}+{c.decoder_layers} "
+        f"{c.family} layout={c.layout} d_model={c.d_model} heads={c.heads} layers={layers} "
         f"ffn_dim={c.ffn_dim} glu={c.glu} norm={c.norm} activation={c.activation}",
         f"text {c.text_len} tokens of {c.text_vocab}; image {c.image_len} tokens of {c.image_vocab}",
         "",
@@ -47,8 +49,16 @@ def describe(model_cfg, optimizer) -> str:
     lines += [
         "",
         f"FLOPs per image token: forward {fwd / c.image_len:,.0f}, training step {3 * fwd / c.image_len:,.0f}",
+    ]
+    if hasattr(family, "attention_pairs"):  # sparse masks: what a kernel that skipped masked pairs would save
+        pairs = family.attention_pairs(c)
+        per_pair = 4 * c.d_model  # scores and weighted values, 2 FLOPs per multiply-add each
+        lines.append(f"attention FLOPs per example (forward): {per_pair * pairs['square']:,} as computed (full square), "
+                     f"{per_pair * pairs['causal']:,} causal, {per_pair * pairs['pattern']:,} with "
+                     f"attention_pattern={c.attention_pattern} ({pairs['pattern'] / pairs['causal']:.1%} of causal)")
+    lines += [
         "",
-        f"{'memory':<28}{'fp32':>12}{'bf16':>12}",
+        f"{'memory':<28}{'fp32':>12}{'fp16/bf16':>12}",
     ]
     for name, n in (("parameters", total), ("gradients", total), ("optimizer state", opt_count)):
         lines.append(f"{name:<28}{_gb(4 * n):>12}{_gb(2 * n):>12}")

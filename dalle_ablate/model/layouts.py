@@ -79,14 +79,25 @@ def magneto_gains(n_enc: int, n_dec: int) -> dict[str, float]:
     return {"encoder": math.sqrt(math.log(3 * m) * math.log(2 * n) / 3), "decoder": math.sqrt(math.log(3 * m))}
 
 
+def decoder_only_gains(n: int) -> tuple[float, float, float]:
+    """(alpha, beta, gamma) of a decoder-only stack of N layers: DeepNet's (2N)^(1/4) and
+    (8N)^(-1/4) (arXiv 2203.00555, Table 1) and Magneto's sqrt(ln 2N) (arXiv 2210.06423, Sec. 3)."""
+    return (2 * n) ** 0.25, (8 * n) ** -0.25, math.sqrt(math.log(2 * n))
+
+
 def stack_gains(cfg, stack: str) -> Gains:
+    """Gains of one stack: `encoder` or `decoder` of an encoder-decoder, or `decoder_only` (a
+    single-stream model of `cfg.depth` layers)."""
     layout = LAYOUTS.get(cfg.layout)
-    if layout.deepnet:  # beta on v, o and FFN kernels; cross-attention uses the decoder's beta
+    if stack == "decoder_only":
+        alpha, beta, gamma = decoder_only_gains(cfg.depth)
+    else:
         alpha, beta = deepnet_constants(cfg.encoder_layers, cfg.decoder_layers)[stack]
+        gamma = magneto_gains(cfg.encoder_layers, cfg.decoder_layers)[stack]
+    if layout.deepnet:  # beta on v, o and FFN kernels; cross-attention uses the decoder's beta
         return Gains(alpha, beta, beta, beta)
     if layout.magneto:  # gamma on FFN kernels and self-attention v, o only
-        g = magneto_gains(cfg.encoder_layers, cfg.decoder_layers)[stack]
-        return Gains(1.0, g, 1.0, g)
+        return Gains(1.0, gamma, 1.0, gamma)
     return Gains()
 
 

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from dalle_ablate.model.attention import Attention
@@ -38,9 +39,12 @@ def embed(num: int, dim: int, axes: tuple[str, str], cfg, rngs: nnx.Rngs) -> nnx
 
 
 class EncoderLayer(nnx.Module):
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    """Self-attention and FFN under a layout: the encoder's layer, and (stack `decoder_only`, with
+    its gains) every layer of the single-stream family."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs, stack: str = "encoder"):
         layout = LAYOUTS.get(cfg.layout)
-        g = stack_gains(cfg, "encoder")
+        g = stack_gains(cfg, stack)
         self.attn_block = Sublayer(layout, "attn", cfg, g.alpha, rngs)
         self.attn = Attention(cfg, rngs, gain=g.attn, sub_norm=layout.attn_sub)
         self.ffn_block = Sublayer(layout, "ffn", cfg, g.alpha, rngs)
@@ -49,6 +53,30 @@ class EncoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, mask: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
         x = self.attn_block(x, lambda h: self.attn(h, h, mask, rngs), rngs)
         return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs)
+
+    def prefill(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer on a whole prefix [B, P, d] (no dropout), and the keys and values [B, P, H, D]
+        a decoding cache keeps of it: (x, k, v)."""
+        new = {}
+
+        def self_attention(h):
+            new["k"], new["v"] = self.attn.keys_values(h)
+            return self.attn.attend(self.attn.split(self.attn.q(h)), new["k"], new["v"], mask, None)
+
+        x = self.attn_block(x, self_attention)
+        return self.ffn_block(x, self.ffn), new["k"], new["v"]
+
+    def cached_step(self, x, k, v, pos, visible):
+        """One new token x [B, 1, d] at position `pos` against the layer's cache, seeing the
+        positions where `visible` [L] is True: (x, k, v)."""
+        new = {}
+
+        def self_attention(h):
+            y, new["k"], new["v"] = self.attn.cached_step(h, k, v, pos, None, visible)
+            return y
+
+        x = self.attn_block(x, self_attention)
+        return self.ffn_block(x, self.ffn), new["k"], new["v"]
 
 
 class DecoderLayer(nnx.Module):
@@ -111,23 +139,27 @@ def _layer_rngs(key, i):
     return None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, i))
 
 
-def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = False) -> jax.Array:
+def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = False, per_layer=None) -> jax.Array:
+    """The layers in order on x, each called as layer(x, *args[, its per_layer array]); `per_layer`
+    has one leading row per layer (the single-stream family's mask of each layer)."""
     call = _call_layer if remat == "none" else nnx.remat(_call_layer, policy=REMAT_POLICIES[remat])
     key = rngs.dropout() if rngs is not None else None
+    own = (lambda i: ()) if per_layer is None else (lambda i: (per_layer[i],))
     if scan and len(layers) > 1:
         # One compiled layer scanned over the stack: the per-layer parameters are stacked on the
         # fly, so the parameter tree (checkpoints, sharding rules) is the same as unrolled.
         graphdef = nnx.split(layers[0])[0]
         states = [nnx.split(layer)[1] for layer in layers]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+        rows = jnp.arange(len(layers)) if per_layer is None else jnp.asarray(per_layer)
 
         def body(h, inputs):
-            i, state = inputs
-            return call(nnx.merge(graphdef, state), h, _layer_rngs(key, i), *args), None
+            i, state, row = inputs
+            return call(nnx.merge(graphdef, state), h, _layer_rngs(key, i), *args, *(() if per_layer is None else (row,))), None
 
-        return jax.lax.scan(body, x, (jnp.arange(len(layers)), stacked))[0]
+        return jax.lax.scan(body, x, (jnp.arange(len(layers)), stacked, rows))[0]
     for i, (layer, norm) in enumerate(zip(layers, norms)):
-        x = call(layer, x, _layer_rngs(key, i), *args)
+        x = call(layer, x, _layer_rngs(key, i), *args, *own(i))
         if norm is not None:  # Swin v2's periodic norm on the residual stream
             x = norm(x)
     return x
@@ -222,3 +254,51 @@ class Seq2Seq(nnx.Module):
         """Teacher-forced logits. With a dropout_key the dropout layers are active (training)."""
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
         return self.decode(self.decoder_inputs(codes), self.encode(text, text_mask, rngs), text_mask, rngs)
+
+    def nll(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> dict[str, jax.Array]:
+        """Per-token NLL of each stream the family predicts: here only the image codes [B, I]."""
+        return {"image": optax.softmax_cross_entropy_with_integer_labels(self(text, text_mask, codes, dropout_key), codes)}
+
+    # What the cost accounting (model/flops.py, parallel/plan.py) needs of a family, from its config.
+    @staticmethod
+    def forward_flops(cfg) -> int:
+        """Matmul FLOPs of one example's forward pass (conventions in model/flops.py)."""
+        d, f, t, i = cfg.d_model, cfg.ffn_dim, cfg.text_len, cfg.image_len
+        ffn_mats = 3 if cfg.glu else 2
+        enc = cfg.encoder_layers * (4 * t * d * d + 2 * t * t * d + ffn_mats * t * d * f)
+        dec_self = 4 * i * d * d + 2 * i * i * d
+        dec_cross = 2 * i * d * d + 2 * t * d * d + 2 * i * t * d
+        dec = cfg.decoder_layers * (dec_self + dec_cross + ffn_mats * i * d * f)
+        head = i * d * padded(cfg.image_vocab + 1, cfg.vocab_pad_multiple)
+        return 2 * (enc + dec + head)
+
+    @staticmethod
+    def activation_elements(cfg, t: int) -> dict[str, float]:
+        """Elements of activations kept per example for the backward pass, by remat policy, with
+        the model axis of size t splitting the heads and FFN."""
+        d, h, f, T, I = cfg.d_model, cfg.heads, cfg.ffn_dim, cfg.text_len, cfg.image_len
+        ffn = (4 if cfg.glu else 2) * f
+        ffn_dots = (2 if cfg.glu else 1) * f
+        enc = T * (6 * d + (4 * d + 2 * h * T + ffn) / t)
+        dec = I * (9 * d + (6 * d + 2 * h * I + 2 * h * T + ffn) / t) + 2 * d * T / t
+        enc_dots = T * (3 * d + (4 * d + h * T + ffn_dots) / t)
+        dec_dots = I * (4 * d + (6 * d + h * I + h * T + ffn_dots) / t) + 2 * d * T / t
+        le, ld = cfg.encoder_layers, cfg.decoder_layers
+        inputs = le * T * d + ld * I * d + T * d  # every layer's input, and the encoder output for cross-attention
+        return {
+            "none": le * enc + ld * dec,
+            "dots_saveable": le * enc_dots + ld * dec_dots,
+            "full": inputs + max(enc, dec),
+        }
+
+    @staticmethod
+    def logit_elements(cfg) -> int:
+        """Logits of one example: a row over the padded image vocabulary per image token."""
+        return cfg.image_len * padded(cfg.image_vocab + 1, cfg.vocab_pad_multiple)
+
+    @staticmethod
+    def model_axis_reductions(cfg) -> int:
+        """Activation elements all-reduced over the model axis per example, forward and backward:
+        one per row-parallel projection (attention output, FFN output) and the embeddings."""
+        d, T, I = cfg.d_model, cfg.text_len, cfg.image_len
+        return 2 * (cfg.encoder_layers * 2 * T * d + cfg.decoder_layers * 3 * I * d + (T + I) * d)

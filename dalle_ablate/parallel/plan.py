@@ -4,9 +4,11 @@ on a laptop).
 
 Parameters, gradients and optimizer state are exact: every leaf's bytes divided by the mesh
 axes its PartitionSpec (the same rules the trainer uses) splits it over. Activations are an
-estimate, counted from the layers' code: the tensors each layer keeps for its backward pass per
-example, the tensor-parallel ones divided by `mesh.model` (the accounting of Korthikanti et al.
-2022, arXiv 2205.05198, adapted to this encoder-decoder with GLU and cross-attention):
+estimate, counted from the layers' code by each model family (`activation_elements`,
+`logit_elements`, `model_axis_reductions` on its class): the tensors each layer keeps for its
+backward pass per example, the tensor-parallel ones divided by `mesh.model` (the accounting of
+Korthikanti et al. 2022, arXiv 2205.05198, adapted to this encoder-decoder with GLU and
+cross-attention; the single-stream family is one stack of encoder-like layers over T + I - 1):
 
     encoder layer  T (6d + (4d + 2hT + F) / t)               T text, I image tokens, h heads,
     decoder layer  I (9d + (6d + 2hI + 2hT + F) / t) + 2dT/t  t = mesh.model, F = 4f (GLU) or 2f
@@ -36,9 +38,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dalle_ablate.model import abstract_model
+from dalle_ablate.model import FAMILIES, abstract_model
 from dalle_ablate.model.flops import train_flops_per_example
-from dalle_ablate.model.seq2seq import padded
 from dalle_ablate.parallel.devices import device_spec
 from dalle_ablate.parallel.mesh import AXES, check_batch, pad_vocab_for_mesh
 from dalle_ablate.parallel.rules import layout_specs
@@ -72,31 +73,12 @@ def communication_bytes(cfg, model_cfg, params, pspecs, param_bytes: int, sizes:
     flat_specs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
     gathered = sum(math.ceil(x.size / shard_factor(s, sizes)) * np.dtype(x.dtype).itemsize * n_f
                    for x, s in zip(jax.tree.leaves(params), flat_specs) if "fsdp" in spec_axes(s))
-    d, T, I = model_cfg.d_model, model_cfg.text_len, model_cfg.image_len
-    reduced = 2 * (model_cfg.encoder_layers * 2 * T * d + model_cfg.decoder_layers * 3 * I * d + (T + I) * d)
+    reduced = FAMILIES.get(model_cfg.family).model_axis_reductions(model_cfg)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
     return {
         "data": 2 * (n_d - 1) / n_d * param_bytes,
         "fsdp": t.grad_accum * 3 * (n_f - 1) / n_f * gathered,
         "model": t.grad_accum * examples * reduced * 2 * (n_t - 1) / n_t * act_bytes,
-    }
-
-
-def activation_elements(cfg, t: int) -> dict[str, float]:
-    """Elements of activations kept per example for the backward pass, by remat policy."""
-    d, h, f, T, I = cfg.d_model, cfg.heads, cfg.ffn_dim, cfg.text_len, cfg.image_len
-    ffn = (4 if cfg.glu else 2) * f
-    ffn_dots = (2 if cfg.glu else 1) * f
-    enc = T * (6 * d + (4 * d + 2 * h * T + ffn) / t)
-    dec = I * (9 * d + (6 * d + 2 * h * I + 2 * h * T + ffn) / t) + 2 * d * T / t
-    enc_dots = T * (3 * d + (4 * d + h * T + ffn_dots) / t)
-    dec_dots = I * (4 * d + (6 * d + h * I + h * T + ffn_dots) / t) + 2 * d * T / t
-    le, ld = cfg.encoder_layers, cfg.decoder_layers
-    inputs = le * T * d + ld * I * d + T * d  # every layer's input, and the encoder output for cross-attention
-    return {
-        "none": le * enc + ld * dec,
-        "dots_saveable": le * enc_dots + ld * dec_dots,
-        "full": inputs + max(enc, dec),
     }
 
 
@@ -112,10 +94,10 @@ def memory_plan(cfg, model_cfg, optimizer) -> dict:
     model_cfg = pad_vocab_for_mesh(model_cfg, sizes["model"])
     params, pspecs, opt_state, ospecs = layout_specs(abstract_model(model_cfg), optimizer, sizes)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
-    vocab = padded(model_cfg.image_vocab + 1, model_cfg.vocab_pad_multiple)
-    logits = model_cfg.image_len * vocab / sizes["model"] * (act_bytes + 4)
+    family = FAMILIES.get(model_cfg.family)
+    logits = family.logit_elements(model_cfg) / sizes["model"] * (act_bytes + 4)  # compute dtype and a float32 copy
     b = micro // dp
-    per_example = activation_elements(model_cfg, sizes["model"])
+    per_example = family.activation_elements(model_cfg, sizes["model"])
     param_bytes = per_device_bytes(params, pspecs, sizes)
     return {
         "sizes": sizes,
@@ -151,8 +133,8 @@ def plan(cfg, model_cfg, optimizer, device: str | None = None, mfu: float = 0.4)
     lines = [
         f"mesh data={sizes['data']} fsdp={sizes['fsdp']} model={sizes['model']} ({m['devices']} devices); batch "
         f"{t.batch_size} = {t.grad_accum} x {m['micro_batch']}, {m['per_device_examples']} examples per device per micro-batch",
-        f"parameters {m['params']:,}; FLOPs per update {m['flops_per_update']:.3e} "
-        f"({m['flops_per_update'] / m['devices']:.3e} per device)",
+        f"parameters {m['params']:,} ({m['params'] * 4 / 1e9:.1f} GB in float32, {m['params'] * 2 / 1e9:.1f} GB in 16 bits); "
+        f"FLOPs per update {m['flops_per_update']:.3e} ({m['flops_per_update'] / m['devices']:.3e} per device)",
         f"optimizer {cfg.optim.name}; compute dtype {model_cfg.dtype}, master weights and gradients float32",
         "",
         f"{'per device':<34}{'memory':>12}",

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from dalle_ablate.model import token_nll
+from dalle_ablate.model import stream_nll, token_nll
 from dalle_ablate.optim import path_str, shampoo_stats
 
 
@@ -23,10 +23,22 @@ class TrainState:
 
 
 def image_loss(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, jax.Array]:
-    """(sum over examples of weight x mean per-token NLL of the image codes, sum of weights)."""
+    """(sum over examples of weight x mean per-token NLL of the image codes, sum of weights): the
+    eval loss, the same quantity in every family."""
     nll = token_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key)
     w = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll.mean(axis=-1) * w), jnp.sum(w)
+
+
+def objective(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The training objective summed over examples (weight x the family's `loss_weights()` mix
+    of each stream's mean per-token NLL; DALL·E normalises text and image separately, arXiv
+    2102.12092 section 2.2), and each stream's weighted NLL sum, for logging."""
+    nll = stream_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key)
+    w = batch["weights"].astype(jnp.float32)
+    sums = {name: jnp.sum(v.mean(axis=-1) * w) for name, v in nll.items()}
+    weights = model.cfg.loss_weights()
+    return sum(weights[name] * s for name, s in sums.items()), sums
 
 
 def layer_group(path) -> str:
@@ -57,16 +69,16 @@ def make_train_step(
     base_key = jax.random.fold_in(jax.random.key(seed), 2)
 
     def loss_fn(params, micro, total_weight, key):
-        nll_sum, _ = image_loss(nnx.merge(graphdef, params), micro, key)
-        return nll_sum / total_weight
+        total, streams = objective(nnx.merge(graphdef, params), micro, key)
+        return total / total_weight, {name: s / total_weight for name, s in streams.items()}
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: dict):
         total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
         step_key = jax.random.fold_in(base_key, state.step)
         if grad_accum == 1:
-            loss, grads = grad_fn(state.params, batch, total_weight, step_key)
+            (loss, streams), grads = grad_fn(state.params, batch, total_weight, step_key)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
             if placement is not None:  # each micro-batch split over data x fsdp, not the scan axis
@@ -74,15 +86,20 @@ def make_train_step(
 
             def body(carry, xs):
                 i, mb = xs
-                loss, grads = grad_fn(state.params, mb, total_weight, jax.random.fold_in(step_key, i))
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                (loss, streams), grads = grad_fn(state.params, mb, total_weight, jax.random.fold_in(step_key, i))
+                return jax.tree.map(jnp.add, carry, (loss, streams, grads)), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-            (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
+            first = jax.tree.map(lambda x: x[0], micro)
+            shapes = jax.eval_shape(lambda: grad_fn(state.params, first, total_weight, step_key))
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0][0], shapes[0][1], shapes[1]))
+            (loss, streams, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "train/loss": loss,
+            # each stream's NLL (the eval loss is the image one): families with different
+            # objectives compare on train/loss/image
+            **{f"train/loss/{name}": v for name, v in streams.items()},
             "train/grad_norm": optax.global_norm(grads),
             "train/param_norm": optax.global_norm(params),
             "train/lr": schedule(state.step),

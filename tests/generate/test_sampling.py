@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import CONF, run_config
+from conftest import CONF, cached_matches_full, run_config
 from dalle_ablate.generate import guide_logits, make_sampler, top_p_mask
 from dalle_ablate.model import build_model, resolve
 
@@ -20,7 +20,8 @@ IMAGE_LEN, IMAGE_VOCAB, TEXT_VOCAB = 16, 30, 40
 
 def small_model(*overrides: str, image_len: int = IMAGE_LEN):
     swin = ["model.swin_ln_every=2"] if "model=swinv2" in overrides else []  # a stream norm inside the stack
-    cfg = run_config(*overrides, "model.decoder_layers=3", *swin).model
+    dalle = ["model.conv_kernel=3"] if "model=dalle" in overrides else []  # a 4 x 4 grid
+    cfg = run_config(*overrides, "model.decoder_layers=3", *swin, *dalle).model
     return build_model(resolve(cfg, image_len=image_len, image_vocab=IMAGE_VOCAB, text_vocab=TEXT_VOCAB), seed=1)
 
 
@@ -37,16 +38,11 @@ def test_every_layout_is_covered():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cached_decoding_equals_the_full_forward_pass_token_by_token(layout):
+    """Every model preset, the single-stream `dalle` (its default row, column and conv layers) included."""
     model = small_model(f"model={layout}", "model.dropout=0.1", "model.attention_dropout=0.1")
     text, mask = text_batch(3)
     codes = jnp.asarray(np.random.default_rng(1).integers(0, IMAGE_VOCAB, (3, IMAGE_LEN)), jnp.int32)
-    enc = model.encode(text, mask)
-    full = model.decode(model.decoder_inputs(codes), enc, mask)  # [B, L, rows]
-    inputs = model.decoder_inputs(codes)
-    cache = model.start_decoding(enc)
-    for i in range(IMAGE_LEN):
-        logits, cache = model.decode_step(inputs[:, i], jnp.asarray(i), cache, mask)
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, i]), rtol=2e-5, atol=2e-5, err_msg=f"{layout} position {i}")
+    cached_matches_full(model, text, mask, codes, layout)
 
 
 def test_guidance_formula_on_hand_made_logits():
