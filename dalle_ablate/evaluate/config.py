@@ -11,9 +11,11 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from dalle_ablate.evaluate.clip import ClipEvalConfig
+from dalle_ablate.evaluate.contrastive import ScorerConfig
 from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.fid import FidConfig
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS
+from dalle_ablate.evaluate.rerank import SCORERS
 from dalle_ablate.generate import check_sampling
 from dalle_ablate.registry import OptionConfig, check
 
@@ -24,7 +26,8 @@ class EvalConfig(OptionConfig):
     every `every` steps during training, at the end of a run, and with `dalle-ablate eval`."""
 
     RANGES = {"every": "[0, inf)", "num_samples": "[1, inf)", "batch_size": "[1, inf)",
-              "sensitivity_examples": "[1, inf)", "grid_prompts": "[1, inf) or null", "grid_samples": "[1, inf)"}
+              "sensitivity_examples": "[1, inf)", "grid_prompts": "[1, inf) or null", "grid_samples": "[1, inf)",
+              "rerank": "[1, inf)"}
 
     name: str = "default"  # which conf/eval preset this came from
     every: int = 0  # steps between evaluations during training; 0 = only at the end of the run
@@ -43,6 +46,12 @@ class EvalConfig(OptionConfig):
     seed: int = 0  # the sampling noise: fixed across scales, steps and checkpoints
     # FID reference statistics (.npz, `dalle-ablate fid-reference`); null = the real images of the eval prompts
     reference: Optional[str] = None
+    # Best-of-N reranking (evaluate/rerank.py): N samples per prompt, the scorer's favourite kept;
+    # metrics at best-of-1, 2, 4, ..., N. 1 = off.
+    rerank: int = 1
+    rerank_scorer: str = "contrastive"  # contrastive (trained here on the shapes data) | clip (eval.clip.weights)
+    rerank_scales: list[float] = field(default_factory=lambda: [1.0, 3.0])  # guidance scales reranked at
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)  # the contrastive scorer's training
     # Settings of the evaluators that have some (the field is the evaluator's name).
     fid: FidConfig = field(default_factory=FidConfig)  # Inception weights
     clip: ClipEvalConfig = field(default_factory=ClipEvalConfig)  # CLIP weights + BPE
@@ -64,6 +73,19 @@ class EvalConfig(OptionConfig):
             bad = [s for s in getattr(self, name) if not s >= 0]
             check(not bad, f"eval.{name} has {bad}; scales must be >= 0 (1 = unguided)")
         check_sampling(self.temperature, self.top_k, self.top_p, "eval")
+        if self.rerank > 1:
+            SCORERS.get(self.rerank_scorer)
+            check(bool(self.rerank_scales), "eval.rerank_scales is empty; give the guidance scales to rerank at, e.g. [1]")
+            bad = [s for s in self.rerank_scales if not s >= 0]
+            check(not bad, f"eval.rerank_scales has {bad}; scales must be >= 0 (1 = unguided)")
+            if self.rerank_scorer == "contrastive":
+                check(run.data.name == "shapes", f"eval.rerank_scorer=contrastive is trained on the shapes data's scenes; "
+                                                 f"with data={run.data.name} use eval.rerank_scorer=clip")
+                self.scorer.check_all(run, "eval.scorer")
+            else:
+                check(bool(self.clip.weights), "eval.rerank_scorer=clip but eval.clip.weights is not set: give CLIP weights "
+                                               "(.npz from dalle-ablate convert-clip)")
+                self.clip.check_all(run, "eval.clip")
 
 
 ConfigStore.instance().store(group="schema", name="eval", node=EvalConfig)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
+from dalle_ablate.evaluate.rerank import SCORERS, rerank_png, rerank_rows
 from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.model import token_nll
 from dalle_ablate.track import HEADLINES
@@ -34,6 +35,11 @@ def headline(result: dict) -> list[str]:
             interval = lambda r: f" [{r[key + '_lo']:.2f}, {r[key + '_hi']:.2f}]" if key + "_lo" in r else ""  # noqa: E731
             cells = [f"s{r['scale']:g} {r[key]:.3g}{interval(r)}" for r in rows]
             lines.append(f"{key} (n={rows[0]['n']} per scale): " + ", ".join(cells))
+    reranked = result.get("rerank") or []
+    for key in [k for k in HEADLINES if reranked and k in reranked[0]] or (["rerank/score"] if reranked else []):
+        for scale in sorted({r["scale"] for r in reranked}):
+            cells = [f"{r['best_of']}: {r[key]:.3g}" for r in reranked if r["scale"] == scale]
+            lines.append(f"{key} best of N at s{scale:g}: " + ", ".join(cells))
     prefix = "eval/caption_sensitivity/"
     sens = {k[len(prefix):]: v for k, v in (result.get("model") or {}).items() if k.startswith(prefix) and not k.endswith("_n")}
     if sens:
@@ -85,6 +91,8 @@ class Evaluation:
         for name, ev in self.evaluators.items():
             if ev.setup is not None:
                 self.cache[name] = ev.setup(self.e.settings(name), self.e)
+        if self.e.rerank > 1 and self.can_draw:
+            self.cache["rerank"] = SCORERS.get(self.e.rerank_scorer)(cfg)
         self.sampler = make_sampler(graphdef, model_cfg.image_len, temperature=self.e.temperature, top_k=self.e.top_k,
                                     top_p=self.e.top_p, guided=True, out_sharding=out_sharding)
         self.blank = dataset.empty_caption()
@@ -105,7 +113,11 @@ class Evaluation:
         sampled = self.can_draw and self.prompts and any(ev.kind == "samples" for ev in self.evaluators.values())
         pareto = batches(len(self.prompts)) * len(self.e.guidance_scales) if sampled else 0
         grids = sum(batches(len(texts) * self.e.grid_samples) for *_, texts in self.grid_prompts) if self.can_draw else 0
-        return pareto + grids * len(self.e.grid_scales) + sum(ev.kind == "model" for ev in self.evaluators.values())
+        reranked = batches(len(self.prompts) * self.e.rerank) * len(self.e.rerank_scales) if self.reranks() else 0
+        return pareto + reranked + grids * len(self.e.grid_scales) + sum(ev.kind == "model" for ev in self.evaluators.values())
+
+    def reranks(self) -> bool:
+        return self.e.rerank > 1 and self.can_draw and bool(self.prompts)
 
     # -- pieces ---------------------------------------------------------------------------------
     def reference_images(self) -> np.ndarray:
@@ -158,6 +170,11 @@ class Evaluation:
                     row.update({f"{name}/{k}": v for k, v in ev.fn(images, self).items()})
                 rows.append(row)
             self._log_pareto(rows, step, run_name)
+        reranked: list[dict] = []
+        if self.reranks():
+            for scale in self.e.rerank_scales:
+                reranked += rerank_rows(self, scale, run_name, step)
+            self._log_rerank(reranked, step)
         model_metrics: dict[str, float] = {}
         for name, ev in self.evaluators.items():
             if ev.kind == "model":
@@ -171,7 +188,7 @@ class Evaluation:
         if self.can_draw:
             self._grids(step)
         self.progress.close()
-        return {"pareto": rows, "model": model_metrics}
+        return {"pareto": rows, "model": model_metrics, "rerank": reranked}
 
     def _log_pareto(self, rows: list[dict], step: int, run_name: str) -> None:
         columns = list(rows[0])
@@ -183,6 +200,17 @@ class Evaluation:
         if axes is not None:
             title = f"step {step}, N={rows[0]['n']} per scale: {axes[1]} vs {axes[0]}"
             self.tracker.log_image("eval/pareto_plot", pareto_png(rows, *axes, title), step, caption=title)
+
+    def _log_rerank(self, rows: list[dict], step: int) -> None:
+        scorer = self.cache["rerank"]
+        for r in rows:
+            self.tracker.log({f"eval/rerank/s{r['scale']:g}/best_of{r['best_of']}/{k}": v for k, v in r.items()
+                              if k not in ("run", "step", "scale", "best_of") and not isinstance(v, str)}, step)
+        columns = list(rows[0])
+        self.tracker.log_table("eval/rerank", columns, [[r[c] for c in columns] for r in rows], step)
+        metric = next((k for k in HEADLINES if k in rows[0]), "rerank/score")
+        title = f"step {step}: {metric}, best of N by {self.e.rerank_scorer} {scorer.hash}"
+        self.tracker.log_image("eval/rerank_plot", rerank_png(rows, metric, title), step, caption=title)
 
     def _grids(self, step: int) -> None:
         table = []

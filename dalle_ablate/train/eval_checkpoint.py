@@ -50,6 +50,8 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
         tracker.finish(status)
     for row in result["pareto"]:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "run"))
+    for row in result["rerank"]:
+        print("rerank  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "run"))
     for k, v in result["model"].items():
         print(f"{k}={v:.4g}")
     print(f"wrote {out}")
