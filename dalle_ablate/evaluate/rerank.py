@@ -13,7 +13,6 @@ weights of `eval.clip.weights`.
 
 from __future__ import annotations
 
-import io
 from typing import Callable
 
 import numpy as np
@@ -72,28 +71,3 @@ def rerank_rows(ctx, scale: float, run_name: str, step: int) -> list[dict]:
                 row.update({f"{name}/{key}": v for key, v in ev.fn(chosen, ctx).items()})
         rows.append(row)
     return rows
-
-
-def rerank_png(rows: list[dict], metric: str, title: str) -> np.ndarray:
-    """The metric against N (log scale), one line per guidance scale: figure 9 of the paper."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from PIL import Image
-
-    fig, ax = plt.subplots(figsize=(4.5, 3.5), dpi=100)
-    for scale in sorted({r["scale"] for r in rows}):
-        pts = sorted((r["best_of"], r[metric]) for r in rows if r["scale"] == scale)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=f"s={scale:g}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("best of N (reranked)")
-    ax.set_ylabel(metric)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))

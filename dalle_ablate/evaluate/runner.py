@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
-from dalle_ablate.evaluate.rerank import SCORERS, rerank_png, rerank_rows
+from dalle_ablate.evaluate.rerank import SCORERS, rerank_rows
 from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.model import token_nll
 from dalle_ablate.track import HEADLINES
@@ -53,7 +53,6 @@ def pareto_png(rows: list[dict], x: str, y: str, title: str) -> np.ndarray:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from PIL import Image
 
     rows = sorted(rows, key=lambda r: r["scale"])
     fig, ax = plt.subplots(figsize=(4.5, 3.5), dpi=100)
@@ -68,6 +67,34 @@ def pareto_png(rows: list[dict], x: str, y: str, title: str) -> np.ndarray:
     ax.set_ylabel(y)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
+    return figure_array(fig)
+
+
+def rerank_png(rows: list[dict], metric: str, title: str) -> np.ndarray:
+    """The metric against N (log scale), one line per guidance scale: DALL·E's figure 9."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.5), dpi=100)
+    for scale in sorted({r["scale"] for r in rows}):
+        pts = sorted((r["best_of"], r[metric]) for r in rows if r["scale"] == scale)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=f"s={scale:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("best of N (reranked)")
+    ax.set_ylabel(metric)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return figure_array(fig)
+
+
+def figure_array(fig) -> np.ndarray:
+    """A matplotlib figure as an RGB array (the figure is closed)."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

@@ -165,6 +165,19 @@ def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = F
     return x
 
 
+def step_stack(layers, norms, x, step) -> tuple[jax.Array, tuple, tuple]:
+    """One decoding step through a stack: `step(i, layer, x) -> (x, k, v)` per layer, then the
+    layer's stream norm if it has one; (x, every layer's k, every layer's v)."""
+    ks, vs = [], []
+    for i, (layer, norm) in enumerate(zip(layers, norms)):
+        x, k, v = step(i, layer, x)
+        ks.append(k)
+        vs.append(v)
+        if norm is not None:
+            x = norm(x)
+    return x, tuple(ks), tuple(vs)
+
+
 @FAMILIES.option("seq2seq", ModelConfig)
 class Seq2Seq(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
@@ -236,19 +249,13 @@ class Seq2Seq(nnx.Module):
         token this equals `decode` on the whole prefix (tests/generate/test_sampling.py)."""
         x = self.image_embed(token[:, None]) * self.embed_scale + self.image_pos(pos[None])[None]
         cross_mask = text_mask[:, None, None, :]
-        ks, vs = [], []
-        for i, (layer, norm) in enumerate(zip(self.decoder, self.decoder_stream_norms)):
-            x, k, v = layer.cached_step(x, cache.k[i], cache.v[i], pos, cache.bias[i], cache.cross_k[i], cache.cross_v[i],
-                                        cross_mask)
-            ks.append(k)
-            vs.append(v)
-            if norm is not None:
-                x = norm(x)
+        x, ks, vs = step_stack(self.decoder, self.decoder_stream_norms, x, lambda i, layer, h: layer.cached_step(
+            h, cache.k[i], cache.v[i], pos, cache.bias[i], cache.cross_k[i], cache.cross_v[i], cross_mask))
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         logits = self.lm_head(x[:, 0]).astype(jnp.float32)
         valid = jnp.arange(self.logit_rows) < self.image_vocab
-        return jnp.where(valid, logits, NEG_INF), cache._replace(k=tuple(ks), v=tuple(vs))
+        return jnp.where(valid, logits, NEG_INF), cache._replace(k=ks, v=vs)
 
     def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
         """Teacher-forced logits. With a dropout_key the dropout layers are active (training)."""

@@ -32,7 +32,7 @@ from dalle_ablate.model.config import FAMILIES, ModelConfig
 from dalle_ablate.model.layers import Norm, dense, dropout
 from dalle_ablate.model.layouts import stream_norms
 from dalle_ablate.model.masks import grid_side, image_pairs, layer_patterns, stream_mask
-from dalle_ablate.model.seq2seq import NEG_INF, EncoderLayer, embed, padded, run_stack
+from dalle_ablate.model.seq2seq import NEG_INF, EncoderLayer, embed, padded, run_stack, step_stack
 from dalle_ablate.registry import ConfigError
 
 
@@ -175,17 +175,16 @@ class SingleStream(nnx.Module):
         p = t - 1 + pos  # stream position of this step's input
         code = self.embed_codes(token[:, None], jnp.maximum(pos - 1, 0))
         x = jnp.where(pos == 0, cache.first.astype(code.dtype), code)
-        ks, vs = [], []
-        for i, (layer, norm, mask) in enumerate(zip(self.decoder, self.decoder_stream_norms, self.masks())):
-            visible = jax.lax.dynamic_index_in_dim(jnp.asarray(mask[:-1, :-1]), p, keepdims=False)
-            x, k, v = layer.cached_step(x, cache.k[i], cache.v[i], p, visible)
-            ks.append(k)
-            vs.append(v)
-            if norm is not None:
-                x = norm(x)
+        masks = self.masks()
+
+        def step(i, layer, h):
+            visible = jax.lax.dynamic_index_in_dim(jnp.asarray(masks[i][:-1, :-1]), p, keepdims=False)
+            return layer.cached_step(h, cache.k[i], cache.v[i], p, visible)
+
+        x, ks, vs = step_stack(self.decoder, self.decoder_stream_norms, x, step)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        return self.image_logits(x[:, 0]), cache._replace(k=tuple(ks), v=tuple(vs))
+        return self.image_logits(x[:, 0]), cache._replace(k=ks, v=vs)
 
     # The cost accounting's view of the family (see Seq2Seq): one stack of self-attention layers
     # over L = T + I - 1 positions, the attention counted over the full square as computed.

@@ -272,7 +272,8 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(tmp_path / "outputs" / "run"),
                           "eval.guidance_scales=[1,3,5]", "tracker=none", f"eval.metrics=[{','.join(METRICS)},fid,clip]",
                           f"eval.fid.weights={inception}", f"eval.clip.weights={clip}", f"eval.reference={tmp_path / 'stats.npz'}",
-                          "eval.fid.batch_size=8", "trainer.progress=true"], cwd=tmp_path, env=env, capture_output=True,
+                          "eval.fid.batch_size=8", "trainer.progress=true", "eval.rerank=4", "eval.rerank_scorer=clip",
+                          "eval.rerank_scales=[3]"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     # The evaluation's progress bar ran to its total (sampling batches and model evaluators).
@@ -290,6 +291,14 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
         assert r[col["fid/n"]] == r[col["clip/n"]] == 8 and r[col["fid/reference_n"]] == 100
         assert r[col["fid/weights"]] == file_hash(inception) and r[col["clip/weights"]] == file_hash(clip)
         assert np.isfinite(r[col["fid/fid"]]) and r[col["fid/fid"]] > 0 and 0 <= r[col["clip/score"]] <= 100
+    # best of 1, 2 and 4 draws per prompt, reranked by the CLIP scorer: never worse under it
+    rerank = json.loads((ev / "tables" / "eval_rerank_6.json").read_text())
+    col = {c: rerank["columns"].index(c) for c in rerank["columns"]}
+    assert [(r[col["scale"]], r[col["best_of"]], r[col["n"]]) for r in rerank["rows"]] == [(3.0, 1, 8), (3.0, 2, 8), (3.0, 4, 8)]
+    scores = [r[col["rerank/score"]] for r in rerank["rows"]]
+    assert scores == sorted(scores) and all(r[col["clip/n"]] == 8 for r in rerank["rows"])
+    assert (ev / "media" / "eval_rerank_plot_6.png").exists()
+    assert sum(line.startswith("rerank  step=6  scale=3  best_of=") for line in out.stdout.splitlines()) == 3
     # the training run's own files were not touched
     assert [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()] == rows
 
