@@ -101,15 +101,19 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI=true, where every test must run: {reason}"
 
 
-def cached_matches_full(model, text, mask, codes, label: str) -> None:
+def cached_vs_full(model, text, mask, codes) -> float:
     """The sampler's path (encode, start_decoding, decode_step fed the previous code, BOS first)
-    gives the teacher-forced logits at every position."""
+    against the teacher-forced logits: the worst |cached - full| / (2e-5 + 2e-5 |full|) over every
+    position (<= 1: equal within rtol = atol = 2e-5)."""
     import jax.numpy as jnp  # here, not at the top: mesh tests set XLA_FLAGS before jax is imported
     import numpy as np
 
-    full = model(text, mask, codes)  # [B, I, rows], dropout off
+    full = np.asarray(model(text, mask, codes))  # [B, I, rows], dropout off
     cache = model.start_decoding(model.encode(text, mask))
     inputs = jnp.concatenate([jnp.full((codes.shape[0], 1), model.bos_id, jnp.int32), codes[:, :-1]], axis=1)
+    worst = 0.0
     for i in range(codes.shape[1]):
         logits, cache = model.decode_step(inputs[:, i], jnp.asarray(i), cache, mask)
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, i]), rtol=2e-5, atol=2e-5, err_msg=f"{label} position {i}")
+        ref = full[:, i]
+        worst = max(worst, float(np.max(np.abs(np.asarray(logits) - ref) / (2e-5 + 2e-5 * np.abs(ref)))))
+    return worst
