@@ -10,6 +10,7 @@ from typing import Optional
 import jax
 from omegaconf import MISSING
 
+from dalle_ablate.optim.powersgd import PowerSGDConfig
 from dalle_ablate.registry import ConfigError, OptionConfig, Registry
 
 # name -> builder(optim cfg, learning-rate schedule, stack_sharding) -> optax.GradientTransformation
@@ -26,9 +27,12 @@ class OptimConfig(OptionConfig):
     # Parameters whose path matches one of these regexes get no weight decay.
     wd_exclude: list[str] = field(default_factory=lambda: ["norm", "bias", "embed"])
     clip_grad_norm: Optional[float] = 1.0  # global gradient clipping; null = off
+    # Data-parallel gradients compressed by PowerSGD (powersgd.py); any optimizer runs on the result.
+    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
 
     def validate(self, run) -> None:
         decay_mask(self.wd_exclude)
+        self.powersgd.check_all(run, "optim.powersgd")
 
 
 def path_str(path) -> str:

@@ -64,6 +64,20 @@ def make_placement(mesh: Mesh, abstract_model: nnx.Module, optimizer, state_cls)
     return Placement(mesh, params, state, NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P()))
 
 
+def over_data(fn, mesh: Mesh, in_split, out_split):
+    """`fn` run once per data-parallel worker (`shard_map` over `data`, where `fn` may `psum` over
+    "data"): each argument and output flagged True in `in_split` / `out_split` (prefix trees of
+    bools) is split along its leading axis over `data` (the batch, per-worker state), the others
+    replicated. Only on meshes whose fsdp and model axes are 1."""
+    if mesh.shape["fsdp"] != 1 or mesh.shape["model"] != 1:
+        raise ValueError(f"over_data needs a data-only mesh, got {dict(mesh.shape)}")
+
+    def specs(split):
+        return jax.tree.map(lambda s: P("data") if s else P(), split)
+
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs(in_split), out_specs=specs(out_split))
+
+
 def _initialiser(graph_fn, optimizer, state_cls):
     def init():
         params = nnx.to_pure_dict(nnx.split(graph_fn(), nnx.Param)[1])
@@ -86,5 +100,5 @@ def abstract_state(graph_fn, optimizer, placement: Placement, state_cls):
 
 __all__ = [
     "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "abstract_state", "build_mesh", "check_batch", "init_state", "layout_specs",
-    "make_placement", "mesh_shape", "pad_vocab_for_mesh", "param_specs", "stack_sharding", "state_specs",
+    "make_placement", "mesh_shape", "over_data", "pad_vocab_for_mesh", "param_specs", "stack_sharding", "state_specs",
 ]

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dalle_ablate.optim import path_str
+from dalle_ablate.optim import PowerSGDState, path_str
 from dalle_ablate.optim.scale_by_shampoo import StackState
 from dalle_ablate.registry import ConfigError
 
@@ -111,6 +111,9 @@ def state_specs(opt_state, params, specs, mesh_sizes: dict[str, int]):
     def leaf_spec(path, x) -> Any:
         if isinstance(x, StackState):
             return StackState(*(stack_spec(int(v.shape[0]), v.ndim, mesh_sizes) for v in x))
+        if isinstance(x, PowerSGDState):
+            return PowerSGDState(q=jax.tree.map(lambda _: P(), x.q),
+                                 error=jax.tree.map(lambda v: P("data", *([None] * (v.ndim - 1))), x.error))
         keys = tuple(str(k) for k in path)
         for d in depths:
             hit = by_path.get(keys[-d:]) if len(keys) >= d else None
@@ -118,7 +121,7 @@ def state_specs(opt_state, params, specs, mesh_sizes: dict[str, int]):
                 return hit[1]
         return P()
 
-    return jax.tree_util.tree_map_with_path(leaf_spec, opt_state, is_leaf=lambda x: isinstance(x, StackState))
+    return jax.tree_util.tree_map_with_path(leaf_spec, opt_state, is_leaf=lambda x: isinstance(x, (StackState, PowerSGDState)))
 
 
 

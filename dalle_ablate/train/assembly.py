@@ -54,7 +54,8 @@ class Assembly:
     def train_step(self):
         """The jitted step (state, global batch) -> (state, metrics)."""
         return make_train_step(self.graphdef, self.optimizer, self.schedule, self.cfg.trainer.grad_accum, self.cfg.seed,
-                               self.placement)
+                               self.placement, self.cfg.optim.powersgd if self.cfg.optim.powersgd.rank is not None else None,
+                               self.cfg.trainer.log_every)
 
 
 def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Optional[dict] = None, devices=None,
@@ -74,7 +75,7 @@ def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Option
     if dtype is not None:
         model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
     abstract = abstract_model(model_cfg)
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, stack_sharding(mesh))
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, stack_sharding(mesh), mesh.shape["data"])
     placement = make_placement(mesh, abstract, optimizer, TrainState)
     return Assembly(cfg, mesh, dataset, model_cfg, abstract, optimizer, schedule, placement)
 
@@ -83,5 +84,5 @@ def abstract_run(cfg: RunConfig) -> tuple[Any, optax.GradientTransformation]:
     """(model config, optimizer) of `cfg` from the config alone: the sizes its data implies,
     nothing read, and no mesh built, so that a run of any size on any mesh can be counted here."""
     model_cfg = resolve(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, data_parallel=max(cfg.mesh.data, 1))
     return model_cfg, optimizer

@@ -12,7 +12,8 @@ import optax
 from flax import nnx, struct
 
 from dalle_ablate.model import stream_nll, token_nll
-from dalle_ablate.optim import path_str, shampoo_stats
+from dalle_ablate.optim import PowerSGDState, path_str, powersgd_mean, shampoo_stats, traffic
+from dalle_ablate.parallel import over_data
 
 
 @struct.dataclass
@@ -59,13 +60,17 @@ def group_norms(tree) -> dict[str, jax.Array]:
 
 def make_train_step(
     graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int, seed: int = 0,
-    placement=None,
+    placement=None, powersgd=None, log_every: int = 1,
 ) -> Callable:
     """step(state, batch) -> (state, metrics). The batch is split into grad_accum micro-batches
     scanned in one compiled step, so memory holds one micro-batch of activations. Dropout keys
     are derived from (seed, step, micro-batch): a resumed run draws the same masks. With a
     `dalle_ablate.parallel.Placement` the step is compiled for its mesh: state in and out with
-    the placement's shardings, the batch split over data x fsdp."""
+    the placement's shardings, the batch split over data x fsdp. With `powersgd` (an
+    optim.powersgd config whose rank is set) each data-parallel worker computes its own gradient
+    under `shard_map` and the workers exchange only PowerSGD's factors (optim/powersgd.py); its
+    exact relative error, which costs a full all-reduce, is measured on the steps the logger
+    fetches (every `log_every`)."""
     base_key = jax.random.fold_in(jax.random.key(seed), 2)
 
     def loss_fn(params, micro, total_weight, key):
@@ -74,26 +79,62 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def gradients(params, batch, total_weight, step_key, micro_sharding):
+        """((loss, stream losses), gradients) of this batch, micro-batches accumulated."""
+        if grad_accum == 1:
+            return grad_fn(params, batch, total_weight, step_key)
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+        if micro_sharding is not None:  # each micro-batch split over data x fsdp, not the scan axis
+            micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+
+        def body(carry, xs):
+            i, mb = xs
+            (loss, streams), grads = grad_fn(params, mb, total_weight, jax.random.fold_in(step_key, i))
+            return jax.tree.map(jnp.add, carry, ((loss, streams), grads)), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(lambda: grad_fn(params, first, total_weight, step_key))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))[0]
+
+    compressed = None
+    if powersgd is not None:
+        if placement is None:
+            raise ValueError("PowerSGD needs the run's mesh: pass its placement")
+        workers = placement.mesh.shape["data"]
+
+        def local(params, batch, psgd, total_weight, step_key, measure):
+            # this worker's rows; its own dropout masks
+            key = jax.random.fold_in(step_key, jax.lax.axis_index("data"))
+            # Parameters marked device-varying: the gradient of a replicated input would be
+            # summed over `data` by shard_map's transpose, the full all-reduce PowerSGD replaces.
+            params = jax.lax.pcast(params, "data", to="varying")
+            (loss, streams), grads = gradients(params, batch, total_weight, key, None)
+            grads, psgd, stats = powersgd_mean(grads, psgd, powersgd.exclude, "data", workers, measure)
+            return jax.lax.psum((loss, streams), "data"), grads, psgd, stats
+
+        # replicated: parameters, weight, key, losses, the mean gradient, Q, stats; split: the
+        # batch and each worker's residuals
+        compressed = over_data(local, placement.mesh, in_split=(False, True, PowerSGDState(q=False, error=True), False, False, False),
+                               out_split=(False, False, PowerSGDState(q=False, error=True), False))
+
     def step(state: TrainState, batch: dict):
         total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
         step_key = jax.random.fold_in(base_key, state.step)
-        if grad_accum == 1:
-            (loss, streams), grads = grad_fn(state.params, batch, total_weight, step_key)
+        opt_state, comm = state.opt_state, {}
+        if compressed is None:
+            (loss, streams), grads = gradients(state.params, batch, total_weight, step_key,
+                                               None if placement is None else placement.micro_batch)
         else:
-            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
-            if placement is not None:  # each micro-batch split over data x fsdp, not the scan axis
-                micro = jax.lax.with_sharding_constraint(micro, placement.micro_batch)
-
-            def body(carry, xs):
-                i, mb = xs
-                (loss, streams), grads = grad_fn(state.params, mb, total_weight, jax.random.fold_in(step_key, i))
-                return jax.tree.map(jnp.add, carry, (loss, streams, grads)), None
-
-            first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(lambda: grad_fn(state.params, first, total_weight, step_key))
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0][0], shapes[0][1], shapes[1]))
-            (loss, streams, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            psgd, inner = opt_state
+            logged = (state.step + 1) % log_every == 0  # the step the logger fetches in full (train/loop.py)
+            (loss, streams), grads, psgd, stats = compressed(state.params, batch, psgd, total_weight, step_key, logged)
+            opt_state = (psgd, inner)
+            floats = traffic(state.params, powersgd.rank, powersgd.exclude)
+            comm = {"comm/powersgd_rel_error": stats["rel_error"], "comm/powersgd_residual": stats["residual"],
+                    "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
+                    "comm/bytes_per_step": jnp.float32(4 * floats["sent"])}
+        updates, opt_state = optimizer.update(grads, opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "train/loss": loss,
@@ -108,6 +149,7 @@ def make_train_step(
             **{f"train/grad_norm/{g}": v for g, v in group_norms(grads).items()},
             **{f"train/param_norm/{g}": v for g, v in group_norms(params).items()},
             **shampoo_stats(opt_state),  # empty unless the optimizer is Shampoo
+            **comm,
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
