@@ -29,6 +29,11 @@ class TrainerConfig:
     save_every: int = 1000
     keep_checkpoints: int = 2
     progress: bool = True
+    # float16 gradient scaling (train/grad_scaling.py): none | global (one dynamic loss scale) |
+    # per_block (DALL·E's per-resblock scales); a step with an Inf or NaN gradient is skipped.
+    grad_scaling: str = "none"
+    grad_scale_init: float = 32768.0  # 2^15
+    grad_scale_growth_every: int = 500  # a scale doubles after this many steps without overflow
 
 
 @dataclass
@@ -61,6 +66,8 @@ class SamplesConfig:
     temperature: float = 1.0
     top_k: Optional[int] = None
 
+
+GRAD_SCALING = ("none", "global", "per_block")  # trainer.grad_scaling (train/grad_scaling.py)
 
 # Values of a run's summary a job can return to a sweeper (RunConfig.objectives).
 OBJECTIVES = ("eval/valid/loss", "train/loss", "train/first_loss", "wall_time", "steps")

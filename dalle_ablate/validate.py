@@ -10,7 +10,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 # Importing these registers every option's schema in Hydra's ConfigStore before anything composes.
-from dalle_ablate.config import OBJECTIVES, RunConfig
+from dalle_ablate.config import GRAD_SCALING, OBJECTIVES, RunConfig
 from dalle_ablate.data import DATASETS
 from dalle_ablate.evaluate import EvalConfig  # noqa: F401 (the eval schema)
 from dalle_ablate.model import FAMILIES
@@ -24,6 +24,8 @@ RANGES = {
     "trainer.eval_batches": "[1, inf) or null",
     "trainer.keep_checkpoints": "[1, inf)",
     "samples.top_k": "[1, inf) or null",
+    "trainer.grad_scale_init": "[5.96e-08, 16777216]",  # 2^-24 .. 2^24, the range a scale moves in
+    "trainer.grad_scale_growth_every": "[1, inf)",
 }
 
 # (registry, section) of each option group: the section's option validates itself.
@@ -41,6 +43,7 @@ def validate(cfg: RunConfig) -> None:
         t.batch_size % t.grad_accum == 0,
         f"trainer.batch_size={t.batch_size} is not divisible by trainer.grad_accum={t.grad_accum}",
     )
+    check(t.grad_scaling in GRAD_SCALING, f"trainer.grad_scaling={t.grad_scaling!r} is not valid; valid: {', '.join(GRAD_SCALING)}")
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]
     check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
     cfg.eval.check_all(cfg, "eval")

@@ -11,6 +11,7 @@ from flax import nnx
 
 from dalle_ablate.model import seq2seq, single_stream  # noqa: F401 - registers the families
 from dalle_ablate.model.config import FAMILIES, ModelConfig
+from dalle_ablate.model.grad_scale import BlockScale
 from dalle_ablate.model.layouts import LAYOUTS
 from dalle_ablate.registry import ConfigError
 
@@ -26,10 +27,11 @@ def token_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> ja
     return optax.softmax_cross_entropy_with_integer_labels(logits, codes)
 
 
-def stream_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None) -> dict[str, jax.Array]:
+def stream_nll(model: nnx.Module, text, text_mask, codes, dropout_key=None, grad_scales=None) -> dict[str, jax.Array]:
     """Per-token NLL, float32, of each stream the family predicts (`image` [B, I], and `text`
-    for the single-stream family): what the training objective weighs by `loss_weights()`."""
-    return model.nll(text, text_mask, codes, dropout_key=dropout_key)
+    for the single-stream family): what the training objective weighs by `loss_weights()`.
+    `grad_scales`: per-resblock gradient scaling ({stack: BlockScale}, model/grad_scale.py)."""
+    return model.nll(text, text_mask, codes, dropout_key=dropout_key, grad_scales=grad_scales)
 
 
 def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
@@ -63,4 +65,4 @@ def param_count(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["FAMILIES", "LAYOUTS", "ModelConfig", "abstract_model", "build_model", "param_count", "resolve", "stream_nll", "token_nll"]
+__all__ = ["BlockScale", "FAMILIES", "LAYOUTS", "ModelConfig", "abstract_model", "build_model", "param_count", "resolve", "stream_nll", "token_nll"]

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from dalle_ablate.model.grad_scale import BlockScale, branch_input, branch_output
 from dalle_ablate.model.layers import Norm, dropout
 from dalle_ablate.registry import ConfigError, Registry
 
@@ -115,12 +117,20 @@ class Sublayer(nnx.Module):
         self.res_norm = Norm(d, cfg, True, rngs) if layout.post_residual else None
         self.alpha = alpha
         self.rate = cfg.dropout
+        self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x: jax.Array, f: Callable[[jax.Array], jax.Array], rngs: Optional[nnx.Rngs] = None) -> jax.Array:
-        y = f(self.pre(x) if self.pre is not None else x)
+    def __call__(self, x: jax.Array, f: Callable[[jax.Array], jax.Array], rngs: Optional[nnx.Rngs] = None,
+                 scale: Optional[BlockScale] = None) -> jax.Array:
+        """x + branch(x) under the layout. With a `scale` (per-resblock gradient scaling) x is the
+        float32 residual stream and the branch runs in the compute dtype between the scale's
+        two edges (model/grad_scale.py)."""
+        h = x if scale is None else branch_input(x, scale.scale, scale.probe_in, self.dtype)
+        y = f(self.pre(h) if self.pre is not None else h)
         if self.post is not None:
             y = self.post(y)
         y = dropout(self.rate, rngs)(y)
+        if scale is not None:
+            y = branch_output(y, scale.scale, scale.probe_out)
         if self.res_norm is not None:
             return self.res_norm(self.alpha * x + y)
         return x + y

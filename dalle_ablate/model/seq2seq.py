@@ -17,6 +17,7 @@ from flax import nnx
 
 from dalle_ablate.model.attention import Attention
 from dalle_ablate.model.config import FAMILIES, ModelConfig
+from dalle_ablate.model.grad_scale import BlockScale, branch_input
 from dalle_ablate.model.layers import FeedForward, Norm, dense, dropout
 from dalle_ablate.model.layouts import LAYOUTS, Sublayer, mid_norm, stack_gains, stream_norms
 
@@ -50,9 +51,15 @@ class EncoderLayer(nnx.Module):
         self.ffn_block = Sublayer(layout, "ffn", cfg, g.alpha, rngs)
         self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=g.ffn)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
-        x = self.attn_block(x, lambda h: self.attn(h, h, mask, rngs), rngs)
-        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs)
+    # The residual branches in order (row i of this layer's BlockScale is branch i's) and the
+    # submodules whose parameters each one holds.
+    BRANCHES = {"attn": ("attn", "attn_block"), "ffn": ("ffn", "ffn_block")}
+
+    def __call__(self, x: jax.Array, mask: jax.Array, rngs: Optional[nnx.Rngs] = None,
+                 scales: Optional[BlockScale] = None) -> jax.Array:
+        s = (lambda i: None) if scales is None else scales.row
+        x = self.attn_block(x, lambda h: self.attn(h, h, mask, rngs), rngs, s(0))
+        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs, s(1))
 
     def prefill(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The layer on a whole prefix [B, P, d] (no dropout), and the keys and values [B, P, H, D]
@@ -89,11 +96,18 @@ class DecoderLayer(nnx.Module):
         self.cross_attn = Attention(cfg, rngs, gain=g.cross, sub_norm=layout.attn_sub)
         self.ffn_block = Sublayer(layout, "ffn", cfg, g.alpha, rngs)
         self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=g.ffn)
+        self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x, enc, self_mask, cross_mask, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
-        x = self.self_block(x, lambda h: self.self_attn(h, h, self_mask, rngs), rngs)
-        x = self.cross_block(x, lambda h: self.cross_attn(h, enc, cross_mask, rngs), rngs)
-        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs)
+    BRANCHES = {"self_attn": ("self_attn", "self_block"), "cross_attn": ("cross_attn", "cross_block"), "ffn": ("ffn", "ffn_block")}
+
+    def __call__(self, x, enc, self_mask, cross_mask, rngs: Optional[nnx.Rngs] = None,
+                 scales: Optional[BlockScale] = None) -> jax.Array:
+        s = (lambda i: None) if scales is None else scales.row
+        x = self.self_block(x, lambda h: self.self_attn(h, h, self_mask, rngs), rngs, s(0))
+        if scales is not None:  # the encoder's output enters this branch too: its gradient leaves it unscaled
+            enc = branch_input(enc, scales.scale[1], scales.probe_in[1], self.dtype)
+        x = self.cross_block(x, lambda h: self.cross_attn(h, enc, cross_mask, rngs), rngs, s(1))
+        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs, s(2))
 
     def cached_step(self, x, k, v, pos, bias, cross_k, cross_v, cross_mask):
         """One new token x [B, 1, d] through the layer against its cache: (x, k, v)."""
@@ -129,8 +143,8 @@ class DecodeCache(NamedTuple):
 REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
 
 
-def _call_layer(layer, x, rngs, *args):
-    return layer(x, *args, rngs=rngs)
+def _call_layer(layer, x, rngs, scales, *args):
+    return layer(x, *args, rngs=rngs, scales=scales)
 
 
 def _layer_rngs(key, i):
@@ -139,12 +153,15 @@ def _layer_rngs(key, i):
     return None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, i))
 
 
-def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = False, per_layer=None) -> jax.Array:
+def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = False, per_layer=None,
+              scales: Optional[BlockScale] = None) -> jax.Array:
     """The layers in order on x, each called as layer(x, *args[, its per_layer array]); `per_layer`
-    has one leading row per layer (the single-stream family's mask of each layer)."""
+    has one leading row per layer (the single-stream family's mask of each layer), and so do
+    `scales` ([layers, branches]: per-resblock gradient scaling, model/grad_scale.py)."""
     call = _call_layer if remat == "none" else nnx.remat(_call_layer, policy=REMAT_POLICIES[remat])
     key = rngs.dropout() if rngs is not None else None
     own = (lambda i: ()) if per_layer is None else (lambda i: (per_layer[i],))
+    scale_of = (lambda i: None) if scales is None else scales.row
     if scan and len(layers) > 1:
         # One compiled layer scanned over the stack: the per-layer parameters are stacked on the
         # fly, so the parameter tree (checkpoints, sharding rules) is the same as unrolled.
@@ -154,12 +171,13 @@ def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = F
         rows = jnp.arange(len(layers)) if per_layer is None else jnp.asarray(per_layer)
 
         def body(h, inputs):
-            i, state, row = inputs
-            return call(nnx.merge(graphdef, state), h, _layer_rngs(key, i), *args, *(() if per_layer is None else (row,))), None
+            i, state, row, scale = inputs
+            return call(nnx.merge(graphdef, state), h, _layer_rngs(key, i), scale, *args,
+                        *(() if per_layer is None else (row,))), None
 
-        return jax.lax.scan(body, x, (jnp.arange(len(layers)), stacked, rows))[0]
+        return jax.lax.scan(body, x, (jnp.arange(len(layers)), stacked, rows, scales))[0]
     for i, (layer, norm) in enumerate(zip(layers, norms)):
-        x = call(layer, x, _layer_rngs(key, i), *args, *own(i))
+        x = call(layer, x, _layer_rngs(key, i), scale_of(i), *args, *own(i))
         if norm is not None:  # Swin v2's periodic norm on the residual stream
             x = norm(x)
     return x
@@ -203,28 +221,33 @@ class Seq2Seq(nnx.Module):
         self.decoder_norm = Norm(d, cfg, cfg.force_ln_scale, rngs) if cfg.final_ln_decoder else None
         self.lm_head = dense(d, self.logit_rows, ("embed", "vocab"), cfg, rngs, bias=False)
 
-    def encode(self, text: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+    def encode(self, text: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None,
+               scales: Optional[BlockScale] = None) -> jax.Array:
         x = self.text_embed(text) * self.embed_scale + self.text_pos(jnp.arange(text.shape[1]))[None]
         x = dropout(self.rate, rngs)(x)
+        x = x if scales is None else x.astype(jnp.float32)  # per-resblock scaling: the residual stream in float32
         mask = (text_mask[:, None, :] & text_mask[:, :, None])[:, None]  # [B, 1, T, T]
         # Padding queries would attend to nothing; let them see themselves so rows stay finite.
         mask = mask | jnp.eye(text.shape[1], dtype=bool)[None, None]
-        x = run_stack(self.encoder, self.encoder_stream_norms, x, rngs, mask, remat=self.cfg.remat, scan=self.cfg.scan_layers)
+        x = run_stack(self.encoder, self.encoder_stream_norms, x, rngs, mask, remat=self.cfg.remat, scan=self.cfg.scan_layers,
+                      scales=scales)
         return self.encoder_norm(x) if self.encoder_norm is not None else x
 
     def decoder_inputs(self, codes: jax.Array) -> jax.Array:
         bos = jnp.full((codes.shape[0], 1), self.bos_id, codes.dtype)
         return jnp.concatenate([bos, codes[:, :-1]], axis=1)
 
-    def decode(self, inputs: jax.Array, enc: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+    def decode(self, inputs: jax.Array, enc: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None,
+               scales: Optional[BlockScale] = None) -> jax.Array:
         """Logits [B, I, logit_rows] (float32, invalid rows masked) for decoder input ids."""
         t = inputs.shape[1]
         x = self.image_embed(inputs) * self.embed_scale + self.image_pos(jnp.arange(t))[None]
         x = dropout(self.rate, rngs)(x)
+        x = x if scales is None else x.astype(jnp.float32)
         self_mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
         cross_mask = text_mask[:, None, None, :]
         x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, enc, self_mask, cross_mask, remat=self.cfg.remat,
-                      scan=self.cfg.scan_layers)
+                      scan=self.cfg.scan_layers, scales=scales)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         logits = self.lm_head(x).astype(jnp.float32)
@@ -257,14 +280,23 @@ class Seq2Seq(nnx.Module):
         valid = jnp.arange(self.logit_rows) < self.image_vocab
         return jnp.where(valid, logits, NEG_INF), cache._replace(k=ks, v=vs)
 
-    def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
-        """Teacher-forced logits. With a dropout_key the dropout layers are active (training)."""
-        rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
-        return self.decode(self.decoder_inputs(codes), self.encode(text, text_mask, rngs), text_mask, rngs)
+    # stacks of residual blocks and their layer class (per-resblock gradient scaling)
+    STACKS = {"encoder": EncoderLayer, "decoder": DecoderLayer}
 
-    def nll(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> dict[str, jax.Array]:
+    def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None,
+                 grad_scales: Optional[dict[str, BlockScale]] = None) -> jax.Array:
+        """Teacher-forced logits. With a dropout_key the dropout layers are active (training);
+        `grad_scales` ({stack: BlockScale [layers, branches]}) scales each block's gradients."""
+        rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
+        s = grad_scales or {}
+        return self.decode(self.decoder_inputs(codes), self.encode(text, text_mask, rngs, s.get("encoder")), text_mask, rngs,
+                           s.get("decoder"))
+
+    def nll(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None,
+            grad_scales: Optional[dict[str, BlockScale]] = None) -> dict[str, jax.Array]:
         """Per-token NLL of each stream the family predicts: here only the image codes [B, I]."""
-        return {"image": optax.softmax_cross_entropy_with_integer_labels(self(text, text_mask, codes, dropout_key), codes)}
+        logits = self(text, text_mask, codes, dropout_key, grad_scales)
+        return {"image": optax.softmax_cross_entropy_with_integer_labels(logits, codes)}
 
     # What the cost accounting (model/flops.py, parallel/plan.py) needs of a family, from its config.
     @staticmethod

@@ -32,6 +32,7 @@ from dalle_ablate.model.config import FAMILIES, ModelConfig
 from dalle_ablate.model.layers import Norm, dense, dropout
 from dalle_ablate.model.layouts import stream_norms
 from dalle_ablate.model.masks import grid_side, image_pairs, layer_patterns, stream_mask
+from dalle_ablate.model.grad_scale import BlockScale
 from dalle_ablate.model.seq2seq import NEG_INF, EncoderLayer, embed, padded, run_stack, step_stack
 from dalle_ablate.registry import ConfigError
 
@@ -122,30 +123,35 @@ class SingleStream(nnx.Module):
         pos = first + jnp.arange(codes.shape[1])
         return self.image_embed(codes) * self.embed_scale + (self.image_row(pos // self.grid) + self.image_col(pos % self.grid))[None]
 
-    def hidden(self, text, text_mask, codes, rngs: Optional[nnx.Rngs]) -> jax.Array:
+    def hidden(self, text, text_mask, codes, rngs: Optional[nnx.Rngs], scales: Optional[BlockScale] = None) -> jax.Array:
         """Final states [B, T + I - 1, d] of the teacher-forced stream."""
         x = jnp.concatenate([self.encode(text, text_mask), self.embed_codes(codes[:, :-1], 0)], axis=1)
         x = dropout(self.cfg.dropout, rngs)(x)
+        x = x if scales is None else x.astype(jnp.float32)  # per-resblock scaling: the residual stream in float32
         n = x.shape[1]
         masks = np.stack([m[:n, :n] for m in self.masks()])[:, None, None]  # [layers, 1, 1, L, L]
         x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, remat=self.cfg.remat, scan=self.cfg.scan_layers,
-                      per_layer=masks)
+                      per_layer=masks, scales=scales)
         return self.decoder_norm(x) if self.decoder_norm is not None else x
 
     def image_logits(self, h: jax.Array) -> jax.Array:
         logits = self.lm_head(h).astype(jnp.float32)
         return jnp.where(jnp.arange(self.logit_rows) < self.image_vocab, logits, NEG_INF)
 
+    STACKS = {"decoder": EncoderLayer}  # stacks of residual blocks (per-resblock gradient scaling)
+
     def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
         """Teacher-forced image logits [B, I, logit_rows] (what caption scores and the eval loss read)."""
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
         return self.image_logits(self.hidden(text, text_mask, codes, rngs)[:, text.shape[1] - 1:])
 
-    def nll(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> dict[str, jax.Array]:
-        """Per-token NLL of both streams: text [B, T - 1] (padding included) and image [B, I]."""
+    def nll(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None,
+            grad_scales: Optional[dict[str, BlockScale]] = None) -> dict[str, jax.Array]:
+        """Per-token NLL of both streams: text [B, T - 1] (padding included) and image [B, I];
+        `grad_scales` ({"decoder": BlockScale [layers, branches]}) scales each block's gradients."""
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
         t = text.shape[1]
-        h = self.hidden(text, text_mask, codes, rngs)
+        h = self.hidden(text, text_mask, codes, rngs, (grad_scales or {}).get("decoder"))
         text_logits = self.text_head(h[:, : t - 1]).astype(jnp.float32)
         text_logits = jnp.where(jnp.arange(text_logits.shape[-1]) < self.text_rows, text_logits, NEG_INF)
         ce = optax.softmax_cross_entropy_with_integer_labels

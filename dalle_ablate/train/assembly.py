@@ -20,6 +20,7 @@ from dalle_ablate.model import abstract_model, build_model, resolve
 from dalle_ablate.optim import build_optimizer
 from dalle_ablate.parallel import Placement, abstract_state, build_mesh, check_batch, init_state, make_placement, pad_vocab_for_mesh
 from dalle_ablate.parallel import stack_sharding
+from dalle_ablate.train.grad_scaling import block_names, scaler_init, with_scaler
 from dalle_ablate.train.step import TrainState, make_train_step
 
 
@@ -55,7 +56,7 @@ class Assembly:
         """The jitted step (state, global batch) -> (state, metrics)."""
         return make_train_step(self.graphdef, self.optimizer, self.schedule, self.cfg.trainer.grad_accum, self.cfg.seed,
                                self.placement, self.cfg.optim.powersgd if self.cfg.optim.powersgd.rank is not None else None,
-                               self.cfg.trainer.log_every)
+                               self.cfg.trainer.log_every, self.cfg.trainer.grad_scaling, self.cfg.trainer.grad_scale_growth_every)
 
 
 def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Optional[dict] = None, devices=None,
@@ -76,6 +77,8 @@ def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Option
         model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
     abstract = abstract_model(model_cfg)
     optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, stack_sharding(mesh), mesh.shape["data"])
+    if cfg.trainer.grad_scaling != "none":  # the scaler's state beside the optimizer's
+        optimizer = with_scaler(optimizer, scaler_init(cfg.trainer.grad_scaling, block_names(abstract), cfg.trainer.grad_scale_init))
     placement = make_placement(mesh, abstract, optimizer, TrainState)
     return Assembly(cfg, mesh, dataset, model_cfg, abstract, optimizer, schedule, placement)
 

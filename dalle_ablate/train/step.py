@@ -3,6 +3,7 @@ and the norms that are logged. Pure functions of (state, batch, rng); the loop o
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable
 
@@ -14,6 +15,7 @@ from flax import nnx, struct
 from dalle_ablate.model import stream_nll, token_nll
 from dalle_ablate.optim import PowerSGDState, path_str, powersgd_mean, shampoo_stats, traffic
 from dalle_ablate.parallel import over_data
+from dalle_ablate.train.grad_scaling import advance, block_scales, probes, unscale
 
 
 @struct.dataclass
@@ -31,11 +33,11 @@ def image_loss(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Ar
     return jnp.sum(nll.mean(axis=-1) * w), jnp.sum(w)
 
 
-def objective(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def objective(model: nnx.Module, batch: dict, dropout_key=None, grad_scales=None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective summed over examples (weight x the family's `loss_weights()` mix
     of each stream's mean per-token NLL; DALL·E normalises text and image separately, arXiv
     2102.12092 section 2.2), and each stream's weighted NLL sum, for logging."""
-    nll = stream_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key)
+    nll = stream_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key, grad_scales)
     w = batch["weights"].astype(jnp.float32)
     sums = {name: jnp.sum(v.mean(axis=-1) * w) for name, v in nll.items()}
     weights = model.cfg.loss_weights()
@@ -60,7 +62,7 @@ def group_norms(tree) -> dict[str, jax.Array]:
 
 def make_train_step(
     graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int, seed: int = 0,
-    placement=None, powersgd=None, log_every: int = 1,
+    placement=None, powersgd=None, log_every: int = 1, grad_scaling: str = "none", growth_every: int = 500,
 ) -> Callable:
     """step(state, batch) -> (state, metrics). The batch is split into grad_accum micro-batches
     scanned in one compiled step, so memory holds one micro-batch of activations. Dropout keys
@@ -70,32 +72,45 @@ def make_train_step(
     optim.powersgd config whose rank is set) each data-parallel worker computes its own gradient
     under `shard_map` and the workers exchange only PowerSGD's factors (optim/powersgd.py); its
     exact relative error, which costs a full all-reduce, is measured on the steps the logger
-    fetches (every `log_every`)."""
+    fetches (every `log_every`). With `grad_scaling` `global` or `per_block` (grad_scaling.py;
+    the optimizer then carries the scaler's state) gradients are scaled for float16 and a step
+    that overflows is skipped."""
     base_key = jax.random.fold_in(jax.random.key(seed), 2)
+    scaling = grad_scaling != "none"
 
-    def loss_fn(params, micro, total_weight, key):
-        total, streams = objective(nnx.merge(graphdef, params), micro, key)
-        return total / total_weight, {name: s / total_weight for name, s in streams.items()}
+    def loss_fn(params, probe_values, micro, total_weight, key, scaler):
+        scales = block_scales(scaler, probe_values) if grad_scaling == "per_block" else None
+        total, streams = objective(nnx.merge(graphdef, params), micro, key, scales)
+        loss = total / total_weight
+        return loss * (scaler.scale if grad_scaling == "global" else 1.0), (loss, {n: v / total_weight for n, v in streams.items()})
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def gradients(params, batch, total_weight, step_key, micro_sharding):
-        """((loss, stream losses), gradients) of this batch, micro-batches accumulated."""
+    def gradients(params, batch, total_weight, step_key, micro_sharding, scaler):
+        """((loss, stream losses), gradients as scaled, the probes' counts) of this batch,
+        micro-batches accumulated."""
+        zero_probes = probes(scaler) if grad_scaling == "per_block" else None
+
+        def one(mb, key):
+            (_, aux), (grads, counts) = grad_fn(params, zero_probes, mb, total_weight, key, scaler)
+            return aux, grads, counts
+
         if grad_accum == 1:
-            return grad_fn(params, batch, total_weight, step_key)
+            return one(batch, step_key)
         micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
         if micro_sharding is not None:  # each micro-batch split over data x fsdp, not the scan axis
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
 
         def body(carry, xs):
             i, mb = xs
-            (loss, streams), grads = grad_fn(params, mb, total_weight, jax.random.fold_in(step_key, i))
-            return jax.tree.map(jnp.add, carry, ((loss, streams), grads)), None
+            return jax.tree.map(jnp.add, carry, one(mb, jax.random.fold_in(step_key, i))), None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(lambda: grad_fn(params, first, total_weight, step_key))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda: one(first, step_key)))
         return jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))[0]
+
+    def unscaled(params, grads, scaler):
+        return unscale(grad_scaling, grads, scaler, nnx.merge(graphdef, params)) if scaling else grads
 
     compressed = None
     if powersgd is not None:
@@ -103,39 +118,51 @@ def make_train_step(
             raise ValueError("PowerSGD needs the run's mesh: pass its placement")
         workers = placement.mesh.shape["data"]
 
-        def local(params, batch, psgd, total_weight, step_key, measure):
+        def local(params, batch, psgd, total_weight, step_key, measure, scaler):
             # this worker's rows; its own dropout masks
             key = jax.random.fold_in(step_key, jax.lax.axis_index("data"))
             # Parameters marked device-varying: the gradient of a replicated input would be
             # summed over `data` by shard_map's transpose, the full all-reduce PowerSGD replaces.
             params = jax.lax.pcast(params, "data", to="varying")
-            (loss, streams), grads = gradients(params, batch, total_weight, key, None)
-            grads, psgd, stats = powersgd_mean(grads, psgd, powersgd.exclude, "data", workers, measure)
-            return jax.lax.psum((loss, streams), "data"), grads, psgd, stats
+            (loss, streams), grads, counts = gradients(params, batch, total_weight, key, None, scaler)
+            grads, psgd, stats = powersgd_mean(unscaled(params, grads, scaler), psgd, powersgd.exclude, "data", workers, measure)
+            return jax.lax.psum((loss, streams, counts), "data"), grads, psgd, stats
 
-        # replicated: parameters, weight, key, losses, the mean gradient, Q, stats; split: the
-        # batch and each worker's residuals
-        compressed = over_data(local, placement.mesh, in_split=(False, True, PowerSGDState(q=False, error=True), False, False, False),
-                               out_split=(False, False, PowerSGDState(q=False, error=True), False))
+        # replicated: parameters, weight, key, scaler, losses, the mean gradient, Q, stats;
+        # split: the batch and each worker's residuals
+        psgd_split = PowerSGDState(q=False, error=True)
+        compressed = over_data(local, placement.mesh, in_split=(False, True, psgd_split, False, False, False, False),
+                               out_split=(False, False, psgd_split, False))
 
     def step(state: TrainState, batch: dict):
         total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
         step_key = jax.random.fold_in(base_key, state.step)
-        opt_state, comm = state.opt_state, {}
+        scaler, opt_state = state.opt_state if scaling else (None, state.opt_state)
+        before, comm = opt_state, {}
         if compressed is None:
-            (loss, streams), grads = gradients(state.params, batch, total_weight, step_key,
-                                               None if placement is None else placement.micro_batch)
+            (loss, streams), grads, counts = gradients(state.params, batch, total_weight, step_key,
+                                                       None if placement is None else placement.micro_batch, scaler)
+            grads = unscaled(state.params, grads, scaler)
         else:
             psgd, inner = opt_state
             logged = (state.step + 1) % log_every == 0  # the step the logger fetches in full (train/loop.py)
-            (loss, streams), grads, psgd, stats = compressed(state.params, batch, psgd, total_weight, step_key, logged)
+            (loss, streams, counts), grads, psgd, stats = compressed(state.params, batch, psgd, total_weight, step_key, logged,
+                                                                     scaler)
             opt_state = (psgd, inner)
             floats = traffic(state.params, powersgd.rank, powersgd.exclude)
             comm = {"comm/powersgd_rel_error": stats["rel_error"], "comm/powersgd_residual": stats["residual"],
                     "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
                     "comm/bytes_per_step": jnp.float32(4 * floats["sent"])}
-        updates, opt_state = optimizer.update(grads, opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if scaling:
+            scaler, skip, comm_scale = advance(grad_scaling, scaler, grads, counts, nnx.merge(graphdef, state.params), growth_every)
+            updates, (_, opt_state) = optimizer.update(grads, (scaler, opt_state), state.params)
+            # a step that overflowed changes nothing but the scales
+            keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(skip, old, new))
+            params, opt_state = keep(optax.apply_updates(state.params, updates), state.params), keep(opt_state, before)
+            opt_state, comm = (scaler, opt_state), {**comm, **comm_scale}
+        else:
+            updates, opt_state = optimizer.update(grads, opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = {
             "train/loss": loss,
             # each stream's NLL (the eval loss is the image one): families with different

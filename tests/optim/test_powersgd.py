@@ -3,6 +3,7 @@ traffic it claims, the 8-device run against a NumPy oracle, and the errors of a 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -19,13 +20,17 @@ from dalle_ablate.optim.powersgd import powersgd_init
 from dalle_ablate.registry import ConfigError
 
 
+@functools.lru_cache
+def _vmapped(w: int, exclude: tuple[str, ...]):
+    return jax.jit(jax.vmap(lambda g, q, e: powersgd_mean(g, PowerSGDState(q=q, error=e), list(exclude), "data", w),
+                            axis_name="data", in_axes=(0, None, 0)))
+
+
 def simulate(grads: dict, state: PowerSGDState, exclude: list[str]):
     """powersgd_mean for W workers vmapped on one device: grads and state.error lead with W."""
     w = len(next(iter(grads.values())))
     err = jax.tree.map(lambda e: e[:, None], state.error)  # each worker sees its own row as [1, ...]
-    f = jax.vmap(lambda g, e: powersgd_mean(g, PowerSGDState(q=state.q, error=e), exclude, "data", w),
-                 axis_name="data", in_axes=(0, 0))
-    mean, new, stats = f(grads, err)
+    mean, new, stats = _vmapped(w, tuple(exclude))(grads, state.q, err)
     return (jax.tree.map(lambda x: x[0], mean), PowerSGDState(q=jax.tree.map(lambda x: x[0], new.q),
                                                              error=jax.tree.map(lambda e: e[:, 0], new.error)), stats)
 
