@@ -2,8 +2,9 @@
 - `oracle`: the worst deviation, over three steps, of PowerSGD under shard_map on the 8-device
   data mesh from a NumPy implementation of the algorithm (arXiv 1905.13727, Alg. 1) that loops
   over the 8 workers on one device;
-- `train`: the losses and final parameters of three Adam steps of a small model on the 8-device
-  data mesh with full-rank PowerSGD and without compression (full rank is exact); eps = 1 makes
+- `train`: the losses and final parameters of three Adam steps (two micro-batches each) of a
+  small model on the 8-device data mesh with full-rank PowerSGD and without compression (full
+  rank is exact); eps = 1 makes
   the update linear in the gradient, so the parameters show the gradients' difference unamplified.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/powersgd_worker.py
@@ -76,7 +77,7 @@ def train(rank: str) -> dict:
     from dalle_ablate.train.assembly import assemble
 
     cfg = run_config(*MODEL, "optim=adam", "optim.lr=1e-2", "optim.eps=1.0", "schedule=constant", "schedule.warmup_steps=0", "mesh.data=8",
-                     "trainer.batch_size=16", f"optim.powersgd.rank={rank}")
+                     "trainer.batch_size=16", "trainer.grad_accum=2", f"optim.powersgd.rank={rank}")
     run = assemble(cfg, sizes={"image_len": 16, "image_vocab": 50, "text_vocab": 40})
     state, step = run.init_state(), run.train_step()
     losses = []

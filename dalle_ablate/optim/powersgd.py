@@ -128,23 +128,20 @@ def powersgd_mean(grads, state: PowerSGDState, exclude: list[str], axis_name: st
     """(the mean gradient as compressed communication gives it, the new state, stats), inside
     `shard_map` over `axis_name`. `grads` are this worker's share of the global gradient (they
     sum over workers to it, as the loss is normalised by the global batch weight); `state.error`
-    holds this worker's row ([1, *shape]). Stats: `residual`, |residual| / |M| over all workers
-    and compressed parameters (what error feedback carries to the next step; cheap, every step);
-    `rel_error`, |compressed mean - true mean| / |true mean| over the compressed parameters,
-    where `measure` (a traced bool) is true -- it all-reduces the residuals, as much traffic as
-    no compression, so the step asks for it only on logging steps -- and NaN elsewhere."""
+    holds this worker's row ([1, *shape]). Stats: `rel_error`, |compressed mean - true mean| /
+    |true mean| over the compressed parameters, where `measure` (a traced bool) is true -- it
+    all-reduces the residuals, as much traffic as no compression, so the step asks for it only on
+    logging steps -- and NaN elsewhere."""
     leaves = compressed_leaves(grads, exclude)
     psum = lambda x: jax.lax.psum(x, axis_name)  # noqa: E731
-    new_q, new_err, approx_of, err_sq, m_sq = {}, {}, {}, 0.0, 0.0
+    new_q, new_err, approx_of = {}, {}, {}
     for keys, g in leaves.items():
         m = workers * g.astype(jnp.float32) + _get(state.error, keys)[0]  # this worker's estimate of the mean, plus its residual
         p_hat = _orthonormal(psum(m @ _get(state.q, keys)) / workers)
         q = psum(jnp.swapaxes(m, -1, -2) @ p_hat) / workers
         approx = p_hat @ jnp.swapaxes(q, -1, -2)
         residual = m - approx
-        new_q[keys], new_err[keys] = q, residual[None]
-        err_sq, m_sq = err_sq + jnp.sum(residual**2), m_sq + jnp.sum(m**2)
-        approx_of[keys] = approx
+        new_q[keys], new_err[keys], approx_of[keys] = q, residual[None], approx
 
     def exact_error():
         # the workers' residuals average to (true mean - compressed mean), exactly
@@ -155,8 +152,7 @@ def powersgd_mean(grads, state: PowerSGDState, exclude: list[str], axis_name: st
     rel = jax.lax.cond(measure, exact_error, lambda: jnp.float32(jnp.nan)) if approx_of else jnp.float32(0.0)
     mean = jax.tree_util.tree_map_with_path(
         lambda path, g: approx_of[_keys(path)].astype(g.dtype) if _keys(path) in approx_of else psum(g), grads)
-    stats = {"residual": jnp.sqrt(psum(err_sq) / jnp.maximum(psum(m_sq), 1e-30)), "rel_error": rel}
-    return mean, PowerSGDState(q=_nest(new_q), error=_nest(new_err)), stats
+    return mean, PowerSGDState(q=_nest(new_q), error=_nest(new_err)), {"rel_error": rel}
 
 
 def with_powersgd(inner: optax.GradientTransformation, cfg: PowerSGDConfig, workers: int) -> optax.GradientTransformation:

@@ -86,9 +86,9 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def gradients(params, batch, total_weight, step_key, micro_sharding, scaler):
+    def gradients(params, batch, total_weight, step_key, micro_sharding, scaler, varying=None):
         """((loss, stream losses), gradients as scaled, the probes' counts) of this batch,
-        micro-batches accumulated."""
+        micro-batches accumulated. `varying`: the shard_map axis the results vary over, if any."""
         zero_probes = probes(scaler) if grad_scaling == "per_block" else None
 
         def one(mb, key):
@@ -107,6 +107,8 @@ def make_train_step(
 
         first = jax.tree.map(lambda x: x[0], micro)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda: one(first, step_key)))
+        if varying is not None:  # the carry has the per-worker type of what is added to it
+            zeros = jax.lax.pcast(zeros, varying, to="varying")
         return jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))[0]
 
     def unscaled(params, grads, scaler):
@@ -121,10 +123,11 @@ def make_train_step(
         def local(params, batch, psgd, total_weight, step_key, measure, scaler):
             # this worker's rows; its own dropout masks
             key = jax.random.fold_in(step_key, jax.lax.axis_index("data"))
-            # Parameters marked device-varying: the gradient of a replicated input would be
-            # summed over `data` by shard_map's transpose, the full all-reduce PowerSGD replaces.
-            params = jax.lax.pcast(params, "data", to="varying")
-            (loss, streams), grads, counts = gradients(params, batch, total_weight, key, None, scaler)
+            # Parameters (and the scales, whose probes count per worker) marked device-varying:
+            # the gradient of a replicated input would be summed over `data` by shard_map's
+            # transpose, the full all-reduce PowerSGD replaces.
+            params, scaler = jax.lax.pcast((params, scaler), "data", to="varying")
+            (loss, streams), grads, counts = gradients(params, batch, total_weight, key, None, scaler, "data")
             grads, psgd, stats = powersgd_mean(unscaled(params, grads, scaler), psgd, powersgd.exclude, "data", workers, measure)
             return jax.lax.psum((loss, streams, counts), "data"), grads, psgd, stats
 
@@ -150,8 +153,7 @@ def make_train_step(
                                                                      scaler)
             opt_state = (psgd, inner)
             floats = traffic(state.params, powersgd.rank, powersgd.exclude)
-            comm = {"comm/powersgd_rel_error": stats["rel_error"], "comm/powersgd_residual": stats["residual"],
-                    "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
+            comm = {"comm/powersgd_rel_error": stats["rel_error"], "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
                     "comm/bytes_per_step": jnp.float32(4 * floats["sent"])}
         if scaling:
             scaler, skip, comm_scale = advance(grad_scaling, scaler, grads, counts, nnx.merge(graphdef, state.params), growth_every)
