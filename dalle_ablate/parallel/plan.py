@@ -20,7 +20,9 @@ context, projections, FFN in-projections) and recomputes norms, softmax and acti
 
 Communication per update and device, by mesh axis, as ring collectives move it (an all-reduce of
 S bytes over n devices sends 2 (n-1)/n S, an all-gather or reduce-scatter (n-1)/n S):
-- `data`: one all-reduce of the gradients (float32, as this device holds them);
+- `data`: one all-reduce of the gradients (float32, as this device holds them); with PowerSGD
+  (`optim.powersgd.rank`) the all-reduces of its factors and of the uncompressed parameters
+  (`optim.powersgd.traffic`);
 - `fsdp`: per micro-batch, the fsdp-sharded parameters all-gathered for the forward and again for
   the backward pass, and their gradients reduce-scattered (float32: an upper bound where XLA
   gathers after the cast to the compute dtype);
@@ -40,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from dalle_ablate.model import FAMILIES, abstract_model
 from dalle_ablate.model.flops import train_flops_per_example
+from dalle_ablate.optim import traffic
 from dalle_ablate.parallel.devices import device_spec
 from dalle_ablate.parallel.mesh import AXES, check_batch, pad_vocab_for_mesh
 from dalle_ablate.parallel.rules import layout_specs
@@ -75,8 +78,9 @@ def communication_bytes(cfg, model_cfg, params, pspecs, param_bytes: int, sizes:
                    for x, s in zip(jax.tree.leaves(params), flat_specs) if "fsdp" in spec_axes(s))
     reduced = FAMILIES.get(model_cfg.family).model_axis_reductions(model_cfg)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
+    floats = traffic(params, cfg.optim.powersgd.rank, cfg.optim.powersgd.exclude)
     return {
-        "data": 2 * (n_d - 1) / n_d * param_bytes,
+        "data": 2 * (n_d - 1) / n_d * param_bytes * floats["sent"] / floats["full"],
         "fsdp": t.grad_accum * 3 * (n_f - 1) / n_f * gathered,
         "model": t.grad_accum * examples * reduced * 2 * (n_t - 1) / n_t * act_bytes,
     }

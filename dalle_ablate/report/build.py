@@ -109,7 +109,7 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
     s = sections["stability"]
     s.text.append("Per run: loss spikes (steps whose train/loss exceeds 1.5x the median of the 20 steps before), gradient-"
                   "norm peaks (5x), the largest gradient norm after warm-up (schedule.warmup_steps) and its step, and "
-                  "whether the loss stopped being finite.")
+                  "whether the loss stopped being finite; with float16 gradient scaling, the steps skipped on overflow.")
     stability = stability_rows(runs)
     s.tables.append((STABILITY_COLUMNS, stability))
 

@@ -66,7 +66,8 @@ def warmup_steps(run: Run) -> int:
 def stability_rows(runs: list[Run]) -> list[list]:
     """Per run: loss spikes, gradient-norm peaks, the largest gradient norm after warm-up (the
     first steps' norms, from a fresh initialisation, are the largest of almost every run) and
-    its step, and whether the loss stopped being finite."""
+    its step, whether the loss stopped being finite, and the float16 steps skipped on overflow
+    (trainer.grad_scaling; "–" where not logged)."""
     rows = []
     for r in runs:
         _, loss = series(r, "train/loss")
@@ -75,12 +76,12 @@ def stability_rows(runs: list[Run]) -> list[list]:
         peak = int(np.argmax(np.where(after, gnorm, -np.inf))) if after.any() else None
         rows.append([r.name, r.variant, r.seed, r.status, spikes(loss, factor=1.5), spikes(gnorm, factor=5.0),
                      float(gnorm[peak]) if peak is not None else math.nan, int(steps[peak]) if peak is not None else "",
-                     "yes" if diverged(loss, r.status) else "no"])
+                     "yes" if diverged(loss, r.status) else "no", final_value(r, "train/skipped_steps")])
     return rows
 
 
 STABILITY_COLUMNS = ["run", "variant", "seed", "status", "loss spikes", "grad-norm peaks", "max grad norm after warm-up",
-                     "at step", "diverged"]
+                     "at step", "diverged", "skipped steps"]
 
 
 def tier_table(runs: list[Run]) -> Optional[tuple[list[str], list[list]]]:
@@ -128,7 +129,10 @@ def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
                "steps": r.summary.get("steps"), "wall_time_s": r.summary.get("wall_time")}
         row.update({m: final_value(r, m) for m in FINAL_METRICS})
         row.update(headline_values(r))
-        row.update({"loss_spikes": stab[4], "grad_norm_peaks": stab[5], "max_grad_norm_after_warmup": stab[6]})
+        row.update({"loss_spikes": stab[4], "grad_norm_peaks": stab[5], "max_grad_norm_after_warmup": stab[6],
+                    "skipped_steps": stab[9],
+                    # PowerSGD (optim.powersgd.rank): floats all-reduced without / with compression
+                    "compression": final_value(r, "comm/compression")})
         row.update({f: r.config.get(f) for f in fields})
         rows.append(row)
     return pd.DataFrame(rows)
