@@ -36,7 +36,8 @@ def image_loss(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Ar
 def objective(model: nnx.Module, batch: dict, dropout_key=None, grad_scales=None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective summed over examples (weight x the family's `loss_weights()` mix
     of each stream's mean per-token NLL; DALL·E normalises text and image separately, arXiv
-    2102.12092 section 2.2), and each stream's weighted NLL sum, for logging."""
+    2102.12092 section 2.2), and each stream's weighted NLL sum, for logging. `grad_scales`:
+    per-resblock gradient scaling ({stack: BlockScale}, model/grad_scale.py)."""
     nll = stream_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key, grad_scales)
     w = batch["weights"].astype(jnp.float32)
     sums = {name: jnp.sum(v.mean(axis=-1) * w) for name, v in nll.items()}
@@ -141,7 +142,7 @@ def make_train_step(
         total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
         step_key = jax.random.fold_in(base_key, state.step)
         scaler, opt_state = state.opt_state if scaling else (None, state.opt_state)
-        before, comm = opt_state, {}
+        before, extra = opt_state, {}
         if compressed is None:
             (loss, streams), grads, counts = gradients(state.params, batch, total_weight, step_key,
                                                        None if placement is None else placement.micro_batch, scaler)
@@ -153,15 +154,15 @@ def make_train_step(
                                                                      scaler)
             opt_state = (psgd, inner)
             floats = traffic(state.params, powersgd.rank, powersgd.exclude)
-            comm = {"comm/powersgd_rel_error": stats["rel_error"], "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
+            extra = {"comm/powersgd_rel_error": stats["rel_error"], "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
                     "comm/bytes_per_step": jnp.float32(4 * floats["sent"])}
         if scaling:
-            scaler, skip, comm_scale = advance(grad_scaling, scaler, grads, counts, nnx.merge(graphdef, state.params), growth_every)
+            scaler, skip, scale_metrics = advance(grad_scaling, scaler, grads, counts, nnx.merge(graphdef, state.params), growth_every)
             updates, (_, opt_state) = optimizer.update(grads, (scaler, opt_state), state.params)
             # a step that overflowed changes nothing but the scales
             keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(skip, old, new))
             params, opt_state = keep(optax.apply_updates(state.params, updates), state.params), keep(opt_state, before)
-            opt_state, comm = (scaler, opt_state), {**comm, **comm_scale}
+            opt_state, extra = (scaler, opt_state), {**extra, **scale_metrics}
         else:
             updates, opt_state = optimizer.update(grads, opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
@@ -178,7 +179,7 @@ def make_train_step(
             **{f"train/grad_norm/{g}": v for g, v in group_norms(grads).items()},
             **{f"train/param_norm/{g}": v for g, v in group_norms(params).items()},
             **shampoo_stats(opt_state),  # empty unless the optimizer is Shampoo
-            **comm,
+            **extra,  # PowerSGD's and the gradient scaler's, when on
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
