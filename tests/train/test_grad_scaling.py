@@ -1,6 +1,6 @@
 """Float16 gradient scaling (model/grad_scale.py, train/grad_scaling.py): per-block scales keep
 float32's gradients where one global scale underflows; an overflow in one block is filtered there
-and skips the step; the dynamic rule; the real train step with each mode."""
+and skips the step; the dynamic rules; the real train step with per-block scales."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_global_rule_halves_on_overflow_and_doubles_after_the_growth_interval():
 
 
 @pytest.mark.slow
-def test_train_step_with_each_scaling_mode_matches_float32_and_a_skipped_step_changes_nothing_but_the_scales():
+def test_train_step_with_per_block_scaling_matches_float32_and_a_skipped_step_changes_nothing_but_the_scales():
     from dalle_ablate.train.assembly import assemble
 
     def setup(dtype, mode):
@@ -163,13 +163,14 @@ def test_train_step_with_each_scaling_mode_matches_float32_and_a_skipped_step_ch
 
     p0, p32, m32 = one_step(*setup("float32", "none"))
     moved32 = np.concatenate([(a - b).ravel() for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p0))])
-    for mode in ("global", "per_block"):
-        r, step, batch = setup("float16", mode)
-        _, p16, m16 = one_step(r, step, batch)
-        assert m16["train/skipped"] == 0.0
-        assert abs(m16["train/loss"] - m32["train/loss"]) < 2e-3 * m32["train/loss"]
-        moved16 = np.concatenate([(a - b).ravel() for a, b in zip(jax.tree.leaves(p16), jax.tree.leaves(p0))])
-        assert np.linalg.norm(moved16 - moved32) < 0.05 * np.linalg.norm(moved32), mode
+    # per_block only: the global mode's rule and unscaling are tested on the toy above, and a
+    # third compiled model would cost the suite ~13 s
+    r, step, batch = setup("float16", "per_block")
+    _, p16, m16 = one_step(r, step, batch)
+    assert m16["train/skipped"] == 0.0
+    assert abs(m16["train/loss"] - m32["train/loss"]) < 2e-3 * m32["train/loss"]
+    moved16 = np.concatenate([(a - b).ravel() for a, b in zip(jax.tree.leaves(p16), jax.tree.leaves(p0))])
+    assert np.linalg.norm(moved16 - moved32) < 0.05 * np.linalg.norm(moved32)
     # per_block scales of 2^24 overflow float16 at once: skipped, parameters unchanged, scales halved
     state = r.init_state()
     scaler, rest = state.opt_state
