@@ -170,12 +170,15 @@ def cmd_encode(args) -> None:
     from dalle_ablate.validate import to_run_config
 
     cfg = to_run_config(compose(["data=shapes", *args.overrides]))
+    if cfg.data.tokenizer != "kmeans":  # data=parquet decodes with a patch codebook (or a VQGAN of its own)
+        raise ConfigError(f"dalle-ablate encode writes the k-means codebook.npz data=parquet decodes with; "
+                          f"data.tokenizer={cfg.data.tokenizer} has none (train on data=shapes data.tokenizer={cfg.data.tokenizer})")
     ds = ShapesDataset(cfg.data, cfg.model.text_len)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
         write_parquet(out / f"{split}.parquet", ds.captions[split], ds.codes[split])
-    ds.codebook.save(out / "codebook.npz")
+    ds.tokenizer.save(out / "codebook.npz")
     ds.text.tok.save(str(out / "tokenizer.json"))
     n = {s: len(ds.codes[s]) for s in SPLITS}
     print(f"wrote {out}/{{train,valid,test}}.parquet ({n['train']}/{n['valid']}/{n['test']} rows, "
@@ -236,6 +239,20 @@ def cmd_train_scorer(args) -> None:
           f"{1 / r['group']:.1%}): caption -> image {r['text_to_image']:.1%}, image -> caption {r['image_to_text']:.1%}")
     print(f"binding: the true caption outscores it with two colours swapped in {r['binding']:.1%} of the held-out scenes "
           f"with two colours (chance 50%)")
+
+
+def cmd_train_tokenizer(args) -> None:
+    """Fit (or load from data.cache_dir) the built-in data's image tokenizer, with its own run
+    store and tracker run, and print its held-out reconstruction scores."""
+    from dalle_ablate.data.shapes import scenes_key
+    from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS
+    from dalle_ablate.train.tokenizer import closing_lines, train_tokenizer
+    from dalle_ablate.validate import to_run_config
+
+    cfg = to_run_config(compose(args.overrides))
+    key = IMAGE_TOKENIZERS.get(cfg.data.tokenizer).key(cfg.data, scenes_key(cfg.data))
+    result = train_tokenizer(cfg, Path(args.out) / f"{cfg.data.tokenizer}-{key}", overrides=args.overrides)
+    print(closing_lines(cfg, result))
 
 
 def cmd_report(args) -> None:
@@ -311,6 +328,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                                               "eval.rerank uses; prints its held-out retrieval accuracy")
     ts.add_argument("overrides", nargs="*", help="e.g. eval.scorer.seed=1 eval.scorer.steps=3000 data.cache_dir=...")
     ts.set_defaults(func=cmd_train_scorer)
+    tt = sub.add_parser("train-tokenizer", help="fit (or load from data.cache_dir) the built-in data's image tokenizer "
+                                                 "(data.tokenizer=kmeans|dvae|vqgan) with its own run store and tracker run; "
+                                                 "prints the shapes parser's score on its held-out reconstructions")
+    tt.add_argument("overrides", nargs="*", help="e.g. data.tokenizer=dvae data.dvae.steps=3000 data.codebook_size=512")
+    tt.add_argument("--out", default="outputs/tokenizers", help="folder of the run stores (default: outputs/tokenizers)")
+    tt.set_defaults(func=cmd_train_tokenizer)
     rp = sub.add_parser("report", help="an ablation report of a multirun/sweep folder or a glob of run stores: "
                                        "reports/<name>/index.html, report.md, runs.csv, wandb_report.json")
     rp.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), or "

@@ -1,21 +1,61 @@
-"""Image tokenizer for the built-in data: a k-means codebook of pixel patches.
+"""Image tokenizers of the built-in data (`data.tokenizer`), one interface: `encode` (uint8
+[N, H, W, 3] -> int32 [N, tokens]), `decode` (back), `size` (codes) and `grid` (tokens per side).
+Each option is registered beside its builder; a builder fits (or loads from
+`<data.cache_dir>/<option>/<key>.npz`) the tokenizer of the data's settings.
 
-As ImageGPT quantised pixels with k-means (Chen et al. 2020), we quantise whole p x p RGB patches:
-encode = index of the nearest code (squared distance), decode = lookup and tiling. The codebook is
-fitted deterministically from a seed and cached on disk under a key of its settings.
+- `kmeans` (here): a k-means codebook of pixel patches. As ImageGPT quantised pixels with k-means
+  (Chen et al. 2020), we quantise whole p x p RGB patches: encode = index of the nearest code
+  (squared distance), decode = lookup and tiling; fitted deterministically from a seed.
+- `dvae` (data/dvae.py): DALL·E's discrete VAE, trained here.
+- `vqgan` (here): a VQGAN's weights (`data.vqgan_path`), the tokenizer of real images, applied to
+  the renders.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
+from typing import Callable, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dalle_ablate.fileio import atomic_savez
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, Registry
+
+
+class ImageTokenizer(Protocol):
+    size: int  # codes in the image vocabulary
+    grid: tuple[int, int]  # tokens down and across an image
+
+    def encode(self, images: np.ndarray) -> np.ndarray: ...
+
+    def decode(self, codes: np.ndarray) -> np.ndarray: ...
+
+
+class TokenizerOption:
+    """An option of `data.tokenizer`: `key` hashes the settings that determine the tokenizer (with
+    `data_key`, the hash of the images it is fitted on), `build` fits or loads it. `images` is
+    called only when it has to be fitted; `log(step, metrics)` hears a training's progress."""
+
+    name: str
+
+    def key(self, cfg, data_key: str) -> str:
+        raise NotImplementedError
+
+    def build(self, cfg, images: Callable[[], np.ndarray], data_key: str,
+              log: Optional[Callable[[int, dict], None]] = None) -> ImageTokenizer:
+        raise NotImplementedError
+
+    def path(self, cfg, data_key: str) -> Path:
+        """Where the fitted tokenizer is cached."""
+        return Path(cfg.cache_dir).expanduser() / self.name / f"{self.key(cfg, data_key)}.npz"
+
+
+# name -> TokenizerOption; data/dvae.py registers `dvae`
+IMAGE_TOKENIZERS: Registry = Registry("image tokenizer", "data.tokenizer")
 
 
 def from_patches(patches: np.ndarray, p: int) -> np.ndarray:
@@ -80,9 +120,17 @@ def kmeans(x: np.ndarray, weights: np.ndarray, k: int, iters: int, seed: int) ->
 
 
 class PatchCodebook:
-    def __init__(self, codes: np.ndarray, patch_size: int):
+    def __init__(self, codes: np.ndarray, patch_size: int, image_size: Optional[int] = None):
         self.codes = np.asarray(codes, np.float32)
         self.patch_size = patch_size
+        self.image_size = image_size  # known once fitted; a codebook decodes any square grid
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        if self.image_size is None:
+            raise ValueError("this codebook was saved without its image size")
+        g = self.image_size // self.patch_size
+        return g, g
 
     @property
     def size(self) -> int:
@@ -112,7 +160,8 @@ class PatchCodebook:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_savez(path, codes=self.codes, patch_size=self.patch_size)  # a crash never leaves a half-written file
+        extra = {} if self.image_size is None else {"image_size": self.image_size}
+        atomic_savez(path, codes=self.codes, patch_size=self.patch_size, **extra)  # a crash never leaves a half-written file
 
     @classmethod
     def load(cls, path: str | Path) -> "PatchCodebook":
@@ -121,7 +170,7 @@ class PatchCodebook:
             raise ConfigError(f"codebook file {path} does not exist")
         try:
             with np.load(path) as f:
-                return cls(f["codes"], int(f["patch_size"]))
+                return cls(f["codes"], int(f["patch_size"]), int(f["image_size"]) if "image_size" in f else None)
         except (KeyError, ValueError, OSError) as e:
             raise ConfigError(f"{path} is not a patch codebook (.npz with 'codes' and 'patch_size'): {e}") from e
 
@@ -133,4 +182,56 @@ class PatchCodebook:
         if len(images) > keep:
             images = images[np.sort(np.random.default_rng(seed).choice(len(images), size=keep, replace=False))]
         patches, _, counts = unique_patches(images, patch_size)
-        return cls(kmeans(patches, counts, size, iters, seed), patch_size)
+        return cls(kmeans(patches, counts, size, iters, seed), patch_size, images.shape[1])
+
+
+class KMeansOption(TokenizerOption):
+    name = "kmeans"
+
+    def key(self, cfg, data_key: str) -> str:
+        fields = ["kmeans-v1", data_key, cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed]
+        return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
+
+    def build(self, cfg, images, data_key, log=None) -> PatchCodebook:
+        path = self.path(cfg, data_key)
+        if path.is_file():
+            return PatchCodebook.load(path)
+        codebook = PatchCodebook.fit(images(), cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed)
+        codebook.save(path)
+        return codebook
+
+
+class VQGANOption(TokenizerOption):
+    """A VQGAN's codes of the renders (data.vqgan_path, at the VQGAN's resolution): the tokenizer
+    of real images, to compare with the ones fitted to this data. Nothing is fitted or cached."""
+
+    name = "vqgan"
+
+    def key(self, cfg, data_key: str) -> str:
+        from dalle_ablate.weights import file_hash
+
+        if not cfg.vqgan_path:
+            raise ConfigError("data.tokenizer=vqgan needs data.vqgan_path (VQGAN weights .npz from dalle-ablate convert-vqgan)")
+        return file_hash(Path(cfg.vqgan_path).expanduser())
+
+    def build(self, cfg, images, data_key, log=None):
+        from dalle_ablate.vqgan import load_vqgan
+        from dalle_ablate.vqgan.codes import decode_codes, encode_images
+
+        vqgan = load_vqgan(cfg.vqgan_path, "data.vqgan_path")
+        factor = 2 ** (len(vqgan.cfg.ch_mult) - 1)
+        want = {"image_size": vqgan.cfg.resolution, "patch_size": factor, "codebook_size": vqgan.cfg.n_embed}
+        for name, value in want.items():
+            if getattr(cfg, name) != value:
+                raise ConfigError(f"data.vqgan_path needs data.{name}={value} (got {getattr(cfg, name)})")
+        g = cfg.image_size // factor
+        return _Wrapped(vqgan.cfg.n_embed, (g, g), lambda x: encode_images(vqgan, x), lambda c: decode_codes(vqgan, c))
+
+
+class _Wrapped:
+    def __init__(self, size: int, grid: tuple[int, int], encode, decode):
+        self.size, self.grid, self.encode, self.decode = size, grid, encode, decode
+
+
+IMAGE_TOKENIZERS.register("kmeans", KMeansOption())
+IMAGE_TOKENIZERS.register("vqgan", VQGANOption())

@@ -1,22 +1,25 @@
-"""The built-in `shapes` dataset: scenes rendered, tokenised by a patch codebook and cached.
+"""The built-in `shapes` dataset: scenes rendered, tokenised by an image tokenizer
+(`data.tokenizer`: kmeans, dvae or vqgan; data/image_tokenizer.py) and cached.
 
 Splits are generated from `data.seed` (train, valid and test each from their own stream), so the
 same settings always give the same examples; the run's `seed` only orders them. Everything that
-is slow (rendering, the k-means codebook, encoding) is cached under a hash of the settings.
+is slow (rendering, fitting the tokenizer, encoding) is cached under a hash of the settings: the
+tokenizer under its own (`<cache_dir>/<tokenizer>/`), the codes under both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
 from dalle_ablate.data.base import DATASETS, Batch, DataConfig, Dataset, eval_index_batches, host_share, unigram_entropy
-from dalle_ablate.data.image_tokenizer import PatchCodebook
+from dalle_ablate.data.dvae import DVAEConfig, groups
+from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS, ImageTokenizer
 from dalle_ablate.data.scenes import DEMO_CAPTIONS, TIERS, Scene, random_scene, render, tier
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.fileio import atomic_savez, atomic_write
@@ -27,7 +30,7 @@ SPLITS = ("train", "valid", "test")
 
 @dataclass
 class ShapesDataConfig(DataConfig):
-    """Procedural scenes of coloured shapes, tokenised by a k-means patch codebook."""
+    """Procedural scenes of coloured shapes, tokenised by an image tokenizer (data.tokenizer)."""
 
     RANGES = {
         "image_size": "[1, inf)", "patch_size": "[1, inf)", "codebook_size": "[2, inf)", "num_train": "[1, inf)",
@@ -38,8 +41,11 @@ class ShapesDataConfig(DataConfig):
     name: str = "shapes"
     seed: int = 0  # fixes the scenes of every split; the run's seed only orders them
     image_size: int = 48  # the 3x3 scene grid on the patch grid: a cell is 2x2 patches of 8 px
-    patch_size: int = 8  # 8x8 patches on 48 px = 36 image tokens; on 64 px 64 tokens, 4x4 on 64 px = 256 (DALL·E Mega's count)
-    codebook_size: int = 145  # at 48 px: every distinct patch of the renders, a lossless tokenizer
+    patch_size: int = 8  # pixels per token side: 8 on 48 px = 36 image tokens; on 64 px 64 tokens, 4 on 64 px = 256 (DALL·E Mega's count)
+    codebook_size: int = 145  # at 48 px: every distinct patch of the renders, a lossless k-means tokenizer
+    tokenizer: str = "kmeans"  # kmeans | dvae | vqgan (data/image_tokenizer.py)
+    dvae: DVAEConfig = field(default_factory=DVAEConfig)  # data.tokenizer=dvae's shape and training
+    vqgan_path: Optional[str] = None  # data.tokenizer=vqgan's weights (.npz, dalle-ablate convert-vqgan)
     num_train: int = 20000
     num_valid: int = 512
     num_test: int = 512
@@ -55,10 +61,18 @@ class ShapesDataConfig(DataConfig):
         check(self.max_objects <= 3,  # the captions and the evaluation's tiers know scenes of 1 to 3 objects
               f"data.min_objects={self.min_objects}, data.max_objects={self.max_objects}: need 1 <= min <= max <= 3")
         check(self.image_size % self.patch_size == 0, f"data.patch_size={self.patch_size} does not divide data.image_size={self.image_size}")
+        IMAGE_TOKENIZERS.get(self.tokenizer)
+        if self.tokenizer == "dvae":
+            groups(self.patch_size)
+            self.dvae.check_all(run, "data.dvae")
+        check(self.tokenizer != "vqgan" or bool(self.vqgan_path),
+              "data.tokenizer=vqgan needs data.vqgan_path (VQGAN weights .npz from dalle-ablate convert-vqgan)")
 
     def image_sizes(self) -> dict[str, int]:
         return {"image_len": (self.image_size // self.patch_size) ** 2, "image_vocab": self.codebook_size}
-_VERSION = "shapes-v2"  # bump when scenes, rendering or the codebook fit change
+
+
+_VERSION = "shapes-v3"  # bump when scenes, rendering or the cache's layout change
 
 
 def generate_split(cfg, split: str) -> tuple[list[dict], np.ndarray]:
@@ -88,38 +102,46 @@ def stratified_prompts(n: int, seed: int) -> list[dict]:
     return out
 
 
-def cache_key(cfg) -> str:
-    fields = [
-        _VERSION, cfg.seed, cfg.image_size, cfg.patch_size, cfg.codebook_size, cfg.num_train, cfg.num_valid,
-        cfg.num_test, cfg.min_objects, cfg.max_objects, cfg.kmeans_patches, cfg.kmeans_iters,
-    ]
+def scenes_key(cfg) -> str:
+    """The hash of the settings that determine the scenes and their renders."""
+    fields = [_VERSION, cfg.seed, cfg.image_size, cfg.num_train, cfg.num_valid, cfg.num_test, cfg.min_objects, cfg.max_objects]
     return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
 
 
-def build_or_load(cfg) -> tuple[dict[str, list[dict]], dict[str, np.ndarray], PatchCodebook]:
-    """(scene specs per split, codes per split, codebook), from the cache when present."""
+def cache_key(cfg) -> str:
+    """The scenes' hash with the tokenizer's: names the cached codes."""
+    scenes = scenes_key(cfg)
+    fields = [scenes, cfg.tokenizer, IMAGE_TOKENIZERS.get(cfg.tokenizer).key(cfg, scenes)]
+    return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
+
+
+def build_tokenizer(cfg, log=None) -> ImageTokenizer:
+    """data.tokenizer fitted on the training renders, or loaded from its cache (rendering only
+    when it has to be fitted); `log(step, metrics)` hears a training's progress."""
+    return IMAGE_TOKENIZERS.get(cfg.tokenizer).build(cfg, lambda: generate_split(cfg, "train")[1], scenes_key(cfg), log)
+
+
+def build_or_load(cfg) -> tuple[dict[str, list[dict]], dict[str, np.ndarray], ImageTokenizer]:
+    """(scene specs per split, codes per split, tokenizer), from the cache when present."""
     root = Path(cfg.cache_dir).expanduser() / "shapes" / cache_key(cfg)
     if (root / "done").is_file():
         specs = json.loads((root / "scenes.json").read_text())
         with np.load(root / "codes.npz") as f:
             codes = {s: f[s] for s in SPLITS}
-        return specs, codes, PatchCodebook.load(root / "codebook.npz")
+        return specs, codes, build_tokenizer(cfg)
     specs, images = {}, {}
     for split in SPLITS:
         specs[split], images[split] = generate_split(cfg, split)
-    codebook = PatchCodebook.fit(
-        images["train"], cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed
-    )
-    codes = {s: codebook.encode(images[s]) for s in SPLITS}
+    tokenizer = IMAGE_TOKENIZERS.get(cfg.tokenizer).build(cfg, lambda: images["train"], scenes_key(cfg))
+    codes = {s: tokenizer.encode(images[s]) for s in SPLITS}
     root.mkdir(parents=True, exist_ok=True)
     # Each file is written under a temporary name and renamed, and "done" comes last: a crash
     # leaves a cache that is rebuilt, never read, and concurrent builders (parallel test workers,
     # a multirun's jobs) write identical files without tearing them.
-    codebook.save(root / "codebook.npz")
     atomic_savez(root / "codes.npz", **codes)
     atomic_write(root / "scenes.json", json.dumps(specs))
     atomic_write(root / "done", "ok\n")
-    return specs, codes, codebook
+    return specs, codes, tokenizer
 
 
 class ShapesDataset(Dataset):
@@ -127,7 +149,7 @@ class ShapesDataset(Dataset):
 
     def __init__(self, cfg, text_len: int):
         self.cfg = cfg
-        self.specs, self.codes, self.codebook = build_or_load(cfg)
+        self.specs, self.codes, self.tokenizer = build_or_load(cfg)
         self.captions = {s: [d["caption"] for d in self.specs[s]] for s in SPLITS}
         if cfg.tokenizer_path:
             self.text = TextTokenizer.from_file(cfg.tokenizer_path, text_len)
@@ -137,7 +159,7 @@ class ShapesDataset(Dataset):
             )
         self.tokens = {s: self.text.encode(self.captions[s]) for s in SPLITS}
         self.image_len = self.codes["train"].shape[1]
-        self.image_vocab = self.codebook.size
+        self.image_vocab = self.tokenizer.size
         self.blank_caption_prob = cfg.blank_caption_prob
         self.info = {
             "num_train": cfg.num_train,
@@ -179,7 +201,7 @@ class ShapesDataset(Dataset):
         return True
 
     def decode_images(self, codes: np.ndarray) -> np.ndarray:
-        return self.codebook.decode(codes)
+        return self.tokenizer.decode(codes)
 
     def valid_examples(self, n: int) -> tuple[list[str], np.ndarray]:
         return self.captions["valid"][:n], self.codes["valid"][:n]

@@ -31,6 +31,7 @@ from dalle_ablate.train.meta import run_meta
 from dalle_ablate.train.perf import device_peak_flops
 from dalle_ablate.train.assembly import assemble
 from dalle_ablate.train.step import make_eval_step
+from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
 
 SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
 
@@ -257,6 +258,11 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     t_start = time.perf_counter()
     distributed.initialize(cfg.distributed)  # before anything touches a device
     run_dir, t, pi = Path(job.job_dir) / "run", cfg.trainer, jax.process_index()
+    if cfg.data.name == "shapes" and pi == 0 and not tokenizer_cached(cfg.data):
+        # stage 1 (e.g. data.tokenizer=dvae) first, with a run store and tracker run of its own
+        res = train_tokenizer(cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,
+                              group=job.group, overrides=job.overrides)
+        print(tokenizer_lines(cfg, res), flush=True)
     run = assemble(cfg)  # the mesh and batch are checked before any data is read or anything compiles
     state = run.init_state()
     source = resume_source(cfg, run_dir / "checkpoints")

@@ -137,7 +137,7 @@ def parquet_dir(tmp_path_factory, small_dataset):
     ds = small_dataset
     write_parquet(d / "train.parquet", ds.captions["train"], ds.codes["train"])
     write_parquet(d / "valid.parquet", ds.captions["valid"], ds.codes["valid"])
-    ds.codebook.save(d / "codebook.npz")
+    ds.tokenizer.save(d / "codebook.npz")
     ds.text.tok.save(str(d / "tokenizer.json"))
     return d
 

@@ -1,0 +1,134 @@
+"""The dVAE image tokenizer (data/dvae.py) and the tokenizer registry: the relaxation, the KL
+term, the schedules, shapes, the settings-hash cache, and `dalle-ablate train-tokenizer`."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import run_config
+from dalle_ablate.data import dvae
+from dalle_ablate.registry import ConfigError
+
+
+def test_the_relaxation_tends_to_a_one_hot_sample_of_the_softmax_as_tau_falls():
+    logits = jnp.asarray([1.0, 0.0, -1.0, 2.0])
+    keys = jax.random.split(jax.random.key(0), 20000)
+    sample = jax.vmap(dvae.relaxed_sample, in_axes=(0, None, None))
+    peaks = []
+    for tau in (1.0, 0.25, 1 / 16, 1e-3):
+        z = np.asarray(sample(keys, logits, tau))
+        assert np.allclose(z.sum(-1), 1.0, atol=1e-5) and (z >= 0).all()  # on the simplex at every τ
+        peaks.append(z.max(-1).mean())
+    assert peaks == sorted(peaks) and peaks[-1] > 0.999  # sharper as τ falls, one-hot at the end
+    # The Gumbel-max trick: the one-hot's position is a sample of softmax(logits).
+    p = np.exp([1.0, 0.0, -1.0, 2.0]) / np.exp([1.0, 0.0, -1.0, 2.0]).sum()
+    freq = np.bincount(z.argmax(-1), minlength=4) / len(z)
+    assert np.abs(freq - p).max() < 4 * np.sqrt(p * (1 - p) / len(z)).max()
+
+
+def test_kl_to_the_uniform_prior_on_hand_made_logits():
+    kl = lambda x: float(dvae.kl_to_uniform(jnp.asarray(x, jnp.float32)))  # noqa: E731
+    assert kl([0.0, 0.0, 0.0, 0.0]) == pytest.approx(0.0, abs=1e-6)  # q is the prior
+    assert kl([0.0, 0.0, -1e9, -1e9]) == pytest.approx(np.log(2), abs=1e-6)  # half of the codes: log 4 - log 2
+    assert kl([100.0, 0.0, 0.0, 0.0]) == pytest.approx(np.log(4), abs=1e-5)  # one code: log K
+    x = np.random.default_rng(0).normal(size=(3, 8))
+    q = np.exp(x) / np.exp(x).sum(-1, keepdims=True)
+    assert np.allclose(dvae.kl_to_uniform(jnp.asarray(x, jnp.float32)), (q * np.log(q * 8)).sum(-1), atol=1e-5)
+
+
+def test_temperature_and_kl_weight_schedules():
+    s = dvae.DVAEConfig(steps=1000, kl_weight=6.6, kl_warmup=0.05, tau_anneal=0.5)
+    at = lambda step: [float(v) for v in dvae.schedules(s, jnp.asarray(step, jnp.float32))]  # noqa: E731
+    assert at(0) == pytest.approx([1.0, 0.0])
+    assert at(50)[1] == pytest.approx(6.6) and at(500)[0] == pytest.approx(1 / 16)
+    assert at(1000) == pytest.approx([1 / 16, 6.6])
+    taus = [at(i)[0] for i in range(0, 600, 20)]
+    assert taus == sorted(taus, reverse=True)
+
+
+def test_encoder_and_decoder_shapes_and_the_grid():
+    assert dvae.groups(8) == 4 and dvae.groups(2) == 2
+    with pytest.raises(ConfigError, match=r"^data.patch_size=6: data.tokenizer=dvae halves the image per group, so it needs a power of 2 >= 2$"):
+        dvae.groups(6)
+    model = dvae.create(7, 8, dvae.DVAEConfig(width=4))
+    images = np.random.default_rng(0).integers(0, 256, (3, 48, 48, 3), dtype=np.uint8)
+    assert model.logits(jnp.asarray(images)).shape == (3, 6, 6, 7)
+    tok = dvae.DVAETokenizer(model, (6, 6), batch=2)  # 3 images in batches of 2: the last one padded
+    codes = tok.encode(images)
+    assert codes.shape == (3, 36) and codes.dtype == np.int32 and codes.min() >= 0 and codes.max() < 7
+    out = tok.decode(codes)
+    assert out.shape == (3, 48, 48, 3) and out.dtype == np.uint8
+    with pytest.raises(ValueError, match=r"codes outside the codebook \[0, 7\)"):
+        tok.decode(codes + 7)
+
+
+def test_each_resblock_branch_enters_with_the_small_gain():
+    block = nnx.jit(lambda: dvae.ResBlock(4, 8, gain=1.0, decoder=False, rngs=nnx.Rngs(0)))()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, 6, 4)), jnp.float32)
+    full = block(x)
+    block.gain = 1 / 16
+    assert np.allclose(block(x), block.id(x) + (full - block.id(x)) / 16, atol=1e-6)
+
+
+TINY_DVAE = ["data.tokenizer=dvae", "data.num_train=64", "data.num_valid=16", "data.num_test=16", "data.codebook_size=16",
+             "data.dvae.steps=4", "data.dvae.width=4", "data.dvae.batch=8", "tracker=none"]
+
+
+@pytest.mark.slow
+def test_train_tokenizer_trains_once_per_settings_and_records_its_run(tmp_path, capsys):
+    from dalle_ablate.cli import main
+    from dalle_ablate.data.shapes import ShapesDataset, generate_split
+
+    cache = [f"data.cache_dir={tmp_path / 'cache'}"]
+    main(["train-tokenizer", *TINY_DVAE, *cache, "--out", str(tmp_path / "tok")])
+    first = capsys.readouterr().out
+    assert first.startswith("trained data.tokenizer=dvae in ")
+    (store,) = (tmp_path / "tok").iterdir()
+    summary = json.loads((store / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["tokenizer/trained"] is True
+    assert summary["tokenizer/codebook_size"] == 16 and summary["tokenizer/grid"] == [6, 6] and summary["tokenizer/valid_n"] == 16
+    assert 1.0 <= summary["tokenizer/valid_perplexity"] <= summary["tokenizer/codes_used"] <= 16
+    rows = [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "tokenizer/perplexity" in r] == [4]
+    assert list((store / "media").glob("tokenizer_reconstructions_*.png"))
+    (weights,) = (tmp_path / "cache" / "dvae").glob("*.npz")
+    assert weights.name.removesuffix(".npz") in store.name
+    # Again: loaded from the cache, not trained; the data built on it uses the same weights.
+    main(["train-tokenizer", *TINY_DVAE, *cache, "--out", str(tmp_path / "tok")])
+    assert capsys.readouterr().out.startswith("loaded data.tokenizer=dvae in ")
+    assert json.loads((store / "summary.json").read_text())["tokenizer/trained"] is False
+    cfg = run_config(*TINY_DVAE, *cache, data=())
+    ds = ShapesDataset(cfg.data, 24)
+    assert ds.image_vocab == 16 and ds.image_len == 36 and len(list((tmp_path / "cache" / "dvae").glob("*.npz"))) == 1
+    assert np.array_equal(ds.tokenizer.encode(generate_split(cfg.data, "valid")[1]), ds.codes["valid"])
+    # Another setting of data.dvae is another tokenizer.
+    main(["train-tokenizer", *TINY_DVAE, *cache, "data.dvae.seed=1", "--out", str(tmp_path / "tok")])
+    assert capsys.readouterr().out.startswith("trained ")
+    assert len(list((tmp_path / "cache" / "dvae").glob("*.npz"))) == 2
+
+
+@pytest.mark.slow
+def test_run_py_with_the_dvae_trains_stage_1_first_in_a_store_of_its_own(tmp_path):
+    from conftest import TINY_TRAIN, run_py
+
+    proc = run_py(*TINY_DVAE, f"data.cache_dir={tmp_path / 'cache'}", *TINY_TRAIN, "eval.metrics=[]", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = tmp_path / "outputs" / "run"
+    assert json.loads((job / "tokenizer" / "summary.json").read_text())["status"] == "finished"
+    run = json.loads((job / "run" / "summary.json").read_text())
+    assert run["status"] == "finished" and run["steps"] == 6
+    assert "trained data.tokenizer=dvae" in proc.stdout
+    assert json.loads((job / "run" / "meta.json").read_text())["data"]["image_vocab"] == 16
+
+
+def test_a_bad_tokenizer_is_named_with_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"^data.tokenizer='dvea' is not a known image tokenizer; valid: dvae, kmeans, vqgan$"):
+        run_config("data.tokenizer=dvea")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer=vqgan needs data.vqgan_path"):
+        run_config("data.tokenizer=vqgan")
