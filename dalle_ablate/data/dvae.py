@@ -142,10 +142,23 @@ class DVAE(nnx.Module):
 
 
 def create(vocab: int, patch_size: int, settings: DVAEConfig, abstract: bool = False) -> DVAE:
-    """A freshly initialised DVAE (initialised in one compiled call: eagerly, each of its dozens
-    of initialisers compiles on its own, ~45 s here), or its abstract shapes only."""
-    make = lambda: DVAE(vocab, groups(patch_size), settings.width, settings.blocks, nnx.Rngs(settings.seed))  # noqa: E731
-    return nnx.eval_shape(make) if abstract else nnx.jit(make)()
+    """A freshly initialised DVAE, or its abstract shapes only. Kernels are drawn as the paper's
+    dVAE draws them, N(0, 1 / (k^2 n_in)), biases 0, with NumPy: JAX's initialisers took 16-24 s
+    to compile for these few dozen convolutions on this machine (eagerly or in one jit)."""
+    shapes = nnx.eval_shape(lambda: DVAE(vocab, groups(patch_size), settings.width, settings.blocks, nnx.Rngs(0)))
+    if abstract:
+        return shapes
+    graphdef, state = nnx.split(shapes)
+    rng = np.random.default_rng(settings.seed)
+
+    def draw(path, x):
+        if path[-1].key == "kernel":  # [k, k, n_in, n_out]
+            return jnp.asarray(rng.normal(0.0, 1.0 / np.sqrt(np.prod(x.shape[:-1])), x.shape), jnp.float32)
+        return jnp.zeros(x.shape, jnp.float32)
+
+    pure = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
 
 
 def relaxed_sample(key: jax.Array, logits: jax.Array, tau: jax.Array) -> jax.Array:

@@ -56,14 +56,13 @@ def test_encoder_and_decoder_shapes_and_the_grid():
     assert dvae.groups(8) == 4 and dvae.groups(2) == 2
     with pytest.raises(ConfigError, match=r"^data.patch_size=6: data.tokenizer=dvae halves the image per group, so it needs a power of 2 >= 2$"):
         dvae.groups(6)
-    model = dvae.create(7, 8, dvae.DVAEConfig(width=4))
-    images = np.random.default_rng(0).integers(0, 256, (3, 48, 48, 3), dtype=np.uint8)
-    assert model.logits(jnp.asarray(images)).shape == (3, 6, 6, 7)
+    model = dvae.create(7, 4, dvae.DVAEConfig(width=4))
+    images = np.random.default_rng(0).integers(0, 256, (3, 24, 24, 3), dtype=np.uint8)
     tok = dvae.DVAETokenizer(model, (6, 6), batch=2)  # 3 images in batches of 2: the last one padded
     codes = tok.encode(images)
     assert codes.shape == (3, 36) and codes.dtype == np.int32 and codes.min() >= 0 and codes.max() < 7
     out = tok.decode(codes)
-    assert out.shape == (3, 48, 48, 3) and out.dtype == np.uint8
+    assert out.shape == (3, 24, 24, 3) and out.dtype == np.uint8
     with pytest.raises(ValueError, match=r"codes outside the codebook \[0, 7\)"):
         tok.decode(codes + 7)
 
@@ -76,55 +75,55 @@ def test_each_resblock_branch_enters_with_the_small_gain():
     assert np.allclose(block(x), block.id(x) + (full - block.id(x)) / 16, atol=1e-6)
 
 
-TINY_DVAE = ["data.tokenizer=dvae", "data.num_train=64", "data.num_valid=16", "data.num_test=16", "data.codebook_size=16",
-             "data.dvae.steps=4", "data.dvae.width=4", "data.dvae.batch=8", "tracker=none"]
+# 16 px renders on a 4 x 4 grid: three groups to compile, not four, and 16 image tokens.
+TINY_DVAE = ["data.tokenizer=dvae", "data.image_size=16", "data.patch_size=4", "data.num_train=64", "data.num_valid=16",
+             "data.num_test=16", "data.codebook_size=16", "data.dvae.steps=4", "data.dvae.width=4", "data.dvae.batch=8",
+             "tracker=none"]
 
 
 @pytest.mark.slow
-def test_train_tokenizer_trains_once_per_settings_and_records_its_run(tmp_path, capsys):
+def test_stage_1_runs_in_a_store_of_its_own_once_per_settings_then_loads_from_the_cache(tmp_path, capsys):
+    from conftest import TINY_TRAIN, run_py
     from dalle_ablate.cli import main
-    from dalle_ablate.data.shapes import ShapesDataset, generate_split
+    from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS
+    from dalle_ablate.data.shapes import ShapesDataset, generate_split, scenes_key
 
     cache = [f"data.cache_dir={tmp_path / 'cache'}"]
-    main(["train-tokenizer", *TINY_DVAE, *cache, "--out", str(tmp_path / "tok")])
-    first = capsys.readouterr().out
-    assert first.startswith("trained data.tokenizer=dvae in ")
-    (store,) = (tmp_path / "tok").iterdir()
-    summary = json.loads((store / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["tokenizer/trained"] is True
-    assert summary["tokenizer/codebook_size"] == 16 and summary["tokenizer/grid"] == [6, 6] and summary["tokenizer/valid_n"] == 16
-    assert 1.0 <= summary["tokenizer/valid_perplexity"] <= summary["tokenizer/codes_used"] <= 16
-    rows = [json.loads(x) for x in (store / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "tokenizer/perplexity" in r] == [4]
-    assert list((store / "media").glob("tokenizer_reconstructions_*.png"))
-    (weights,) = (tmp_path / "cache" / "dvae").glob("*.npz")
-    assert weights.name.removesuffix(".npz") in store.name
-    # Again: loaded from the cache, not trained; the data built on it uses the same weights.
-    main(["train-tokenizer", *TINY_DVAE, *cache, "--out", str(tmp_path / "tok")])
-    assert capsys.readouterr().out.startswith("loaded data.tokenizer=dvae in ")
-    assert json.loads((store / "summary.json").read_text())["tokenizer/trained"] is False
-    cfg = run_config(*TINY_DVAE, *cache, data=())
-    ds = ShapesDataset(cfg.data, 24)
-    assert ds.image_vocab == 16 and ds.image_len == 36 and len(list((tmp_path / "cache" / "dvae").glob("*.npz"))) == 1
-    assert np.array_equal(ds.tokenizer.encode(generate_split(cfg.data, "valid")[1]), ds.codes["valid"])
-    # Another setting of data.dvae is another tokenizer.
-    main(["train-tokenizer", *TINY_DVAE, *cache, "data.dvae.seed=1", "--out", str(tmp_path / "tok")])
-    assert capsys.readouterr().out.startswith("trained ")
-    assert len(list((tmp_path / "cache" / "dvae").glob("*.npz"))) == 2
-
-
-@pytest.mark.slow
-def test_run_py_with_the_dvae_trains_stage_1_first_in_a_store_of_its_own(tmp_path):
-    from conftest import TINY_TRAIN, run_py
-
-    proc = run_py(*TINY_DVAE, f"data.cache_dir={tmp_path / 'cache'}", *TINY_TRAIN, "eval.metrics=[]", cwd=tmp_path)
+    # python run.py with an uncached dVAE: stage 1 first, in <job>/tokenizer, then the run on its codes
+    proc = run_py(*TINY_DVAE, *cache, *TINY_TRAIN, "eval.metrics=[]", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained data.tokenizer=dvae in " in proc.stdout
     job = tmp_path / "outputs" / "run"
-    assert json.loads((job / "tokenizer" / "summary.json").read_text())["status"] == "finished"
+    summary = json.loads((job / "tokenizer" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["tokenizer/trained"] is True
+    assert summary["tokenizer/codebook_size"] == 16 and summary["tokenizer/grid"] == [4, 4] and summary["tokenizer/valid_n"] == 16
+    assert 1.0 <= summary["tokenizer/valid_perplexity"] <= summary["tokenizer/codes_used"] <= 16
+    assert 0.0 <= summary["tokenizer/parser_all_lo"] <= summary["tokenizer/parser_all"] <= summary["tokenizer/parser_all_hi"] <= 1.0
+    rows = [json.loads(x) for x in (job / "tokenizer" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "tokenizer/perplexity" in r] == [4]
+    assert list((job / "tokenizer" / "media").glob("tokenizer_reconstructions_*.png"))
     run = json.loads((job / "run" / "summary.json").read_text())
     assert run["status"] == "finished" and run["steps"] == 6
-    assert "trained data.tokenizer=dvae" in proc.stdout
-    assert json.loads((job / "run" / "meta.json").read_text())["data"]["image_vocab"] == 16
+    meta = json.loads((job / "run" / "meta.json").read_text())
+    assert meta["data"]["image_vocab"] == 16 and meta["data"]["image_len"] == 16
+    (weights,) = (tmp_path / "cache" / "dvae").glob("*.npz")
+    # train-tokenizer with the same settings loads it; the dataset's codes are that tokenizer's
+    main(["train-tokenizer", *TINY_DVAE, *cache, "--out", str(tmp_path / "tok")])
+    out = capsys.readouterr().out
+    assert out.startswith("loaded data.tokenizer=dvae in ") and str(weights) in out
+    (store,) = (tmp_path / "tok").iterdir()
+    assert json.loads((store / "summary.json").read_text())["tokenizer/trained"] is False
+    assert weights.name.removesuffix(".npz") in store.name
+    cfg = run_config(*TINY_DVAE, *cache, data=())
+    ds = ShapesDataset(cfg.data, 24)
+    assert np.array_equal(ds.tokenizer.encode(generate_split(cfg.data, "valid")[1]), ds.codes["valid"])
+    assert list((tmp_path / "cache" / "dvae").glob("*.npz")) == [weights]
+    # any other setting of data.dvae, or of the images, is another tokenizer
+    option, scenes = IMAGE_TOKENIZERS.get("dvae"), scenes_key(cfg.data)
+    others = [run_config(*TINY_DVAE, *cache, o, data=()).data for o in ("data.dvae.seed=1", "data.dvae.kl_weight=2", "data.codebook_size=32")]
+    keys = {option.key(cfg.data, scenes), *(option.key(o, scenes) for o in others),
+            option.key(cfg.data, scenes_key(run_config(*TINY_DVAE, *cache, "data.num_train=65", data=()).data))}
+    assert len(keys) == 5
 
 
 def test_a_bad_tokenizer_is_named_with_the_valid_ones():
