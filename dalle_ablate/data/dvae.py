@@ -291,7 +291,7 @@ class DVAEOption(TokenizerOption):
     name = "dvae"
 
     def key(self, cfg, data_key: str) -> str:
-        fields = {"version": 1, "data": data_key, "vocab": cfg.codebook_size, "patch_size": cfg.patch_size, **asdict(cfg.dvae)}
+        fields = {"version": 2, "data": data_key, "vocab": cfg.codebook_size, "patch_size": cfg.patch_size, **asdict(cfg.dvae)}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     def build(self, cfg, images, data_key: str, log=None) -> DVAETokenizer:
