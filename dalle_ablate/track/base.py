@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 from omegaconf import MISSING
 
-from dalle_ablate.registry import OptionConfig, Registry
+from dalle_ablate.registry import OptionConfig, Registry, first_line
 
 # The headline metrics of a sampling evaluation, as logged under eval/pareto/s<scale>/, and which
 # way is better: what a run's closing lines, W&B summaries and panels and the report lead with.
@@ -35,6 +36,21 @@ class NoTrackerConfig(TrackerConfig):
 @TRACKERS.option("none", NoTrackerConfig)
 def no_tracker(cfg: NoTrackerConfig, store, config: dict, meta: dict, **naming) -> list:
     return []
+
+
+@contextlib.contextmanager
+def ends_on_error(tracker: "Tracker"):
+    """Around a tracked run's work: Ctrl-C finishes the run `interrupted`, any other exception
+    `failed` with its first line as the summary's `reason`; either is re-raised."""
+    try:
+        yield tracker
+    except KeyboardInterrupt:
+        tracker.finish("interrupted")
+        raise
+    except BaseException as e:
+        tracker.log_summary({"reason": first_line(e)})
+        tracker.finish("failed")
+        raise
 
 
 class Tracker(ABC):

@@ -23,8 +23,8 @@ from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.model import abstract_model, param_count
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.parallel import Placement, distributed
-from dalle_ablate.registry import first_line
 from dalle_ablate.track import build_tracker
+from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.track.runstore import read_metrics
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
@@ -278,7 +278,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
                             group=job.group, job_type=job.job_type or cfg.model.layout,
                             resume_step=start_step if source is not None else None, is_main_process=pi == 0)
-    try:
+    with ends_on_error(tracker):
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
         ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)
         train_step = run.train_step()
@@ -315,12 +315,5 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         tracker.finish(status)
         if pi == 0:
             print(closing_lines(status, summary, t.steps, bounds.last_eval, run_dir), flush=True)
-    except KeyboardInterrupt:
-        tracker.finish("interrupted")
-        raise
-    except BaseException as e:
-        tracker.log_summary({"reason": first_line(e)})
-        tracker.finish("failed")
-        raise
     return Result(eval_loss=bounds.eval_loss, train_loss=log.last_loss, steps=final_step, run_dir=run_dir, status=status,
                   summary=summary, reason=log.reason)

@@ -25,8 +25,9 @@ from dalle_ablate.data.dvae import perplexity
 from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS
 from dalle_ablate.data.shapes import build_tokenizer, generate_split, scenes_key
 from dalle_ablate.evaluate.shapes_parser import accuracy
-from dalle_ablate.registry import ConfigError, first_line
+from dalle_ablate.registry import ConfigError
 from dalle_ablate.track import build_tracker
+from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.train.meta import git_commit
 
 
@@ -74,7 +75,7 @@ def train_tokenizer(cfg, run_dir: Path, name: Optional[str] = None, group: Optio
         last[0] = step
         tracker.log(row, step)
 
-    try:
+    with ends_on_error(tracker):
         tokenizer = build_tokenizer(data, log=log)
         specs, images = generate_split(data, "valid")
         codes = tokenizer.encode(images)
@@ -95,13 +96,6 @@ def train_tokenizer(cfg, run_dir: Path, name: Optional[str] = None, group: Optio
                           caption="valid renders (top) and their reconstructions (bottom)")
         tracker.log_summary(summary)
         tracker.finish("finished")
-    except KeyboardInterrupt:
-        tracker.finish("interrupted")
-        raise
-    except BaseException as e:
-        tracker.log_summary({"reason": first_line(e)})
-        tracker.finish("failed")
-        raise
     return TokenizerResult(run_dir, option.path(data, scenes), trained, summary)
 
 
