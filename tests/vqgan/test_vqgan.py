@@ -120,3 +120,23 @@ def test_encode_a_folder_of_captioned_images_into_parquet_the_trainer_reads(tmp_
     with pytest.raises(SystemExit):
         main(["encode", "--images", str(folder), "--vqgan", str(tmp_path / "vq.npz"), "--out", str(tmp_path / "pq2")])
     assert "1 images have no caption file, e.g. extra.png needs extra.txt" in capsys.readouterr().err
+
+
+def test_the_shapes_data_tokenized_by_a_vqgan_are_its_codes_of_the_renders(tmp_path):
+    """data.tokenizer=vqgan: the registry's VQGAN option applied to the built-in renders."""
+    from dalle_ablate.data.shapes import ShapesDataset, generate_split
+    from dalle_ablate.registry import ConfigError
+    from dalle_ablate.vqgan.codes import encode_images
+
+    model = VQGAN(TINY, nnx.Rngs(2))
+    save_vqgan(model, tmp_path / "vq.npz")
+    base = ["data.tokenizer=vqgan", f"data.vqgan_path={tmp_path / 'vq.npz'}", "data.num_train=16", "data.num_valid=8",
+            "data.num_test=8", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = run_config(*base, "data.image_size=16", "data.patch_size=2", "data.codebook_size=32", data=())
+    ds = ShapesDataset(cfg.data, 24)
+    assert (ds.image_len, ds.image_vocab, ds.tokenizer.grid) == (64, 32, (8, 8))
+    renders = generate_split(cfg.data, "valid")[1]
+    assert np.array_equal(ds.codes["valid"], encode_images(load_vqgan(tmp_path / "vq.npz"), renders))
+    assert ds.decode_images(ds.codes["valid"]).shape == (8, 16, 16, 3)
+    with pytest.raises(ConfigError, match=r"^data.vqgan_path needs data.image_size=16 \(got 48\)$"):
+        ShapesDataset(run_config(*base, "data.patch_size=2", "data.codebook_size=32", data=()).data, 24)
