@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
@@ -35,19 +36,19 @@ class ImageTokenizer(Protocol):
     def decode(self, codes: np.ndarray) -> np.ndarray: ...
 
 
-class TokenizerOption:
+class TokenizerOption(ABC):
     """An option of `data.tokenizer`: `key` hashes the settings that determine the tokenizer (with
     `data_key`, the hash of the images it is fitted on), `build` fits or loads it. `images` is
     called only when it has to be fitted; `log(step, metrics)` hears a training's progress."""
 
     name: str
 
-    def key(self, cfg, data_key: str) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def key(self, cfg, data_key: str) -> str: ...
 
+    @abstractmethod
     def build(self, cfg, images: Callable[[], np.ndarray], data_key: str,
-              log: Optional[Callable[[int, dict], None]] = None) -> ImageTokenizer:
-        raise NotImplementedError
+              log: Optional[Callable[[int, dict], None]] = None) -> ImageTokenizer: ...
 
     def path(self, cfg, data_key: str) -> Path:
         """Where the fitted tokenizer is cached."""
