@@ -1,16 +1,17 @@
 """DALL·E's discrete VAE as an image tokenizer (`data.tokenizer=dvae`): Ramesh et al. 2021,
 arXiv 2102.12092, section 2.1 and appendix A.
 
-A convolutional encoder maps an image to logits over `data.codebook_size` codes at every cell of a
-grid `data.patch_size` times smaller than the image; training decodes a Gumbel-softmax relaxation
-of those logits (Jang et al. 2016, Maddison et al. 2016) with the temperature annealed from 1 to
+A convolutional encoder maps an image to logits over `data.codebook_size` codes (null: 512, see
+`DVAEOption.default_size`) at every cell of a grid `data.patch_size` times smaller than the image;
+training decodes a Gumbel-softmax relaxation of those logits (Jang et al. 2016, Maddison et al. 2016) with the temperature annealed from 1 to
 1/16, and pulls each cell's distribution towards the uniform prior by a KL term whose weight
 rises to β. Tokenizing takes each cell's argmax; decoding feeds the one-hot codes to the decoder.
 
-As in the paper: resblocks whose residual branch is multiplied by 1 / (number of resblocks)^2 (so
-the identity path dominates at initialisation), 1 x 1 convolutions next to the relaxation, max
-pooling down and nearest upsampling up, one group of resblocks per scale with widths doubling
-downwards, Adam, and an exponential moving average of the weights used for encoding and
+As in the paper: resblocks whose residual branch is multiplied by 1 / L^p for L resblocks (the
+paper's p = 2 makes it a small constant so the identity path dominates at initialisation; our
+default is p = 0, no scaling, for reasons measured at `DVAEConfig.gain_power`), 1 x 1
+convolutions next to the relaxation, max pooling down and nearest upsampling up, one group of
+resblocks per scale with widths doubling downwards, Adam, and an exponential moving average of the weights used for encoding and
 decoding. The reconstruction term is a Gaussian (MSE) one, not the paper's logit-Laplace: the
 built-in renders are flat palette colours on white, what the evaluation parses is the colour of
 each pixel, and MSE penalises a colour's error directly; logit-Laplace exists for natural images'
@@ -50,7 +51,8 @@ class DVAEConfig(OptionConfig):
     images and codes, names the cached weights)."""
 
     RANGES = {"width": "[4, inf)", "blocks": "[1, inf)", "steps": "[1, inf)", "batch": "[1, inf)", "lr": "(0, inf)",
-              "kl_weight": "[0, inf)", "kl_warmup": "[0, 1]", "tau_anneal": "[0, 1]", "ema": "[0, 1)", "sigma": "(0, inf)"}
+              "kl_weight": "[0, inf)", "kl_warmup": "[0, 1]", "tau_anneal": "[0, 1]", "ema": "[0, 1)", "sigma": "(0, inf)",
+              "gain_power": "[0, inf)"}
 
     width: int = 16  # channels of the finest group; each coarser group doubles it (the paper: 256)
     blocks: int = 1  # resblocks per group (the paper: 2)
@@ -64,6 +66,14 @@ class DVAEConfig(OptionConfig):
     # The Gaussian decoder's pixel scale, which weighs reconstruction against the KL term: at 1.0
     # the KL won (every cell uniform, the decoder drew the mean image), at 0.1 and 0.3 it did not.
     sigma: float = 0.3
+    # Each resblock's branch is multiplied by 1 / L^gain_power, L = resblocks in the encoder (or the
+    # decoder); the paper's power 2 gives 1/16 here. The decoder's branches are the only part that
+    # can carve a shape out of the 8 x 8 blocks its nearest upsampling makes, and through Adam's
+    # unit-size steps a branch scaled by 1/16 changes its output 16x slower: after 2000 steps (512
+    # codes, one seed) the parser read 38.7 % of reconstructions right at power 2, 78.3 % at 1 and
+    # 96.9 % at 0 (MSE 1.0e-3, 3.4e-4, 2.5e-4). The paper's 1.2 M updates leave time for a small
+    # gain; a few thousand do not. At 0 the branch is not scaled at all (gain 1).
+    gain_power: float = 0.0
     seed: int = 0
 
 
@@ -97,8 +107,8 @@ class ResBlock(nnx.Module):
 
 
 class DVAE(nnx.Module):
-    def __init__(self, vocab: int, n_groups: int, width: int, blocks: int, rngs: nnx.Rngs):
-        gain = 1.0 / (n_groups * blocks) ** 2  # the paper's post_gain, per encoder or decoder
+    def __init__(self, vocab: int, n_groups: int, width: int, blocks: int, gain_power: float, rngs: nnx.Rngs):
+        gain = 1.0 / (n_groups * blocks) ** gain_power  # the paper's post_gain (power 2), per encoder or decoder
         widths = [width * 2**g for g in range(n_groups)]
         conv = lambda a, b, k: nnx.Conv(a, b, (k, k), padding="SAME", rngs=rngs)  # noqa: E731
         self.enc_in = conv(3, widths[0], 3)
@@ -145,7 +155,7 @@ def create(vocab: int, patch_size: int, settings: DVAEConfig, abstract: bool = F
     """A freshly initialised DVAE, or its abstract shapes only. Kernels are drawn as the paper's
     dVAE draws them, N(0, 1 / (k^2 n_in)), biases 0, with NumPy: JAX's initialisers took 16-24 s
     to compile for these few dozen convolutions on this machine (eagerly or in one jit)."""
-    shapes = nnx.eval_shape(lambda: DVAE(vocab, groups(patch_size), settings.width, settings.blocks, nnx.Rngs(0)))
+    shapes = nnx.eval_shape(lambda: DVAE(vocab, groups(patch_size), settings.width, settings.blocks, settings.gain_power, nnx.Rngs(0)))
     if abstract:
         return shapes
     graphdef, state = nnx.split(shapes)
@@ -290,16 +300,24 @@ def load(path: Path, vocab: int, patch_size: int, settings: DVAEConfig) -> DVAE:
 class DVAEOption(TokenizerOption):
     name = "dvae"
 
+    def default_size(self, cfg) -> int:
+        # More codes than the renders' 145 distinct patches: the KL to the uniform prior spreads each
+        # cell over several codes that decode alike (valid perplexity ~40 where k-means needs 5), and
+        # at 145 codes distinct patches end up sharing one. After 2000 steps (one seed, gain power 0)
+        # the parser read 67.4 % of reconstructions right with 145 codes and 96.9 % with 512 (MSE
+        # 8.5e-4 vs 2.5e-4); the paper's 8192 is for 256 px photographs.
+        return 512
+
     def key(self, cfg, data_key: str) -> str:
-        fields = {"version": 2, "data": data_key, "vocab": cfg.codebook_size, "patch_size": cfg.patch_size, **asdict(cfg.dvae)}
+        fields = {"version": 3, "data": data_key, "vocab": cfg.vocab(), "patch_size": cfg.patch_size, **asdict(cfg.dvae)}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     def build(self, cfg, images, data_key: str, log=None) -> DVAETokenizer:
         path = self.path(cfg, data_key)
         if path.is_file():
-            model = load(path, cfg.codebook_size, cfg.patch_size, cfg.dvae)
+            model = load(path, cfg.vocab(), cfg.patch_size, cfg.dvae)
         else:
-            model = fit(images(), cfg.codebook_size, cfg.patch_size, cfg.dvae, log)
+            model = fit(images(), cfg.vocab(), cfg.patch_size, cfg.dvae, log)
             save(model, path)
         g = cfg.image_size // cfg.patch_size
         return DVAETokenizer(model, (g, g))

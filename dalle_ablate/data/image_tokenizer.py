@@ -39,9 +39,13 @@ class ImageTokenizer(Protocol):
 class TokenizerOption(ABC):
     """An option of `data.tokenizer`: `key` hashes the settings that determine the tokenizer (with
     `data_key`, the hash of the images it is fitted on), `build` fits or loads it. `images` is
-    called only when it has to be fitted; `log(step, metrics)` hears a training's progress."""
+    called only when it has to be fitted; `log(step, metrics)` hears a training's progress.
+    `default_size` is its number of codes when data.codebook_size is null."""
 
     name: str
+
+    @abstractmethod
+    def default_size(self, cfg) -> int: ...
 
     @abstractmethod
     def key(self, cfg, data_key: str) -> str: ...
@@ -189,15 +193,18 @@ class PatchCodebook:
 class KMeansOption(TokenizerOption):
     name = "kmeans"
 
+    def default_size(self, cfg) -> int:
+        return 145  # the distinct patches of the 48 px renders (conf/data/shapes.yaml): lossless
+
     def key(self, cfg, data_key: str) -> str:
-        fields = ["kmeans-v1", data_key, cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed]
+        fields = ["kmeans-v1", data_key, cfg.patch_size, cfg.vocab(), cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed]
         return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
 
     def build(self, cfg, images, data_key, log=None) -> PatchCodebook:
         path = self.path(cfg, data_key)
         if path.is_file():
             return PatchCodebook.load(path)
-        codebook = PatchCodebook.fit(images(), cfg.patch_size, cfg.codebook_size, cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed)
+        codebook = PatchCodebook.fit(images(), cfg.patch_size, cfg.vocab(), cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed)
         codebook.save(path)
         return codebook
 
@@ -207,6 +214,9 @@ class VQGANOption(TokenizerOption):
     of real images, to compare with the ones fitted to this data. Nothing is fitted or cached."""
 
     name = "vqgan"
+
+    def default_size(self, cfg) -> int:
+        raise ConfigError("data.tokenizer=vqgan needs data.codebook_size: its VQGAN's codebook size (n_embed)")
 
     def key(self, cfg, data_key: str) -> str:
         from dalle_ablate.weights import file_hash
@@ -223,8 +233,9 @@ class VQGANOption(TokenizerOption):
         factor = 2 ** (len(vqgan.cfg.ch_mult) - 1)
         want = {"image_size": vqgan.cfg.resolution, "patch_size": factor, "codebook_size": vqgan.cfg.n_embed}
         for name, value in want.items():
-            if getattr(cfg, name) != value:
-                raise ConfigError(f"data.vqgan_path needs data.{name}={value} (got {getattr(cfg, name)})")
+            got = cfg.vocab() if name == "codebook_size" else getattr(cfg, name)
+            if got != value:
+                raise ConfigError(f"data.vqgan_path needs data.{name}={value} (got {got})")
         g = cfg.image_size // factor
         return _Wrapped(vqgan.cfg.n_embed, (g, g), lambda x: encode_images(vqgan, x), lambda c: decode_codes(vqgan, c))
 

@@ -33,7 +33,7 @@ class ShapesDataConfig(DataConfig):
     """Procedural scenes of coloured shapes, tokenised by an image tokenizer (data.tokenizer)."""
 
     RANGES = {
-        "image_size": "[1, inf)", "patch_size": "[1, inf)", "codebook_size": "[2, inf)", "num_train": "[1, inf)",
+        "image_size": "[1, inf)", "patch_size": "[1, inf)", "codebook_size": "[2, inf) or null", "num_train": "[1, inf)",
         "num_valid": "[1, inf)", "num_test": "[1, inf)", "kmeans_patches": "[1, inf)", "kmeans_iters": "[1, inf)",
         "min_objects": "[1, 9]", "max_objects": "[1, 9]",  # the scene grid has 9 cells
     }
@@ -42,7 +42,9 @@ class ShapesDataConfig(DataConfig):
     seed: int = 0  # fixes the scenes of every split; the run's seed only orders them
     image_size: int = 48  # the 3x3 scene grid on the patch grid: a cell is 2x2 patches of 8 px
     patch_size: int = 8  # pixels per token side: 8 on 48 px = 36 image tokens; on 64 px 64 tokens, 4 on 64 px = 256 (DALL·E Mega's count)
-    codebook_size: int = 145  # at 48 px: every distinct patch of the renders, a lossless k-means tokenizer
+    # Codes of the image tokenizer (the model's image vocabulary); null = the tokenizer's own default
+    # (kmeans 145: every distinct patch at 48 px, lossless; dvae 512, data/dvae.py says why).
+    codebook_size: Optional[int] = None
     tokenizer: str = "kmeans"  # kmeans | dvae | vqgan (data/image_tokenizer.py)
     dvae: DVAEConfig = field(default_factory=DVAEConfig)  # data.tokenizer=dvae's shape and training
     vqgan_path: Optional[str] = None  # data.tokenizer=vqgan's weights (.npz, dalle-ablate convert-vqgan)
@@ -67,9 +69,14 @@ class ShapesDataConfig(DataConfig):
             self.dvae.check_all(run, "data.dvae")
         check(self.tokenizer != "vqgan" or bool(self.vqgan_path),
               "data.tokenizer=vqgan needs data.vqgan_path (VQGAN weights .npz from dalle-ablate convert-vqgan)")
+        self.vocab()  # a tokenizer without a default size (vqgan) refuses a null data.codebook_size here
+
+    def vocab(self) -> int:
+        """data.codebook_size, or the tokenizer's default where it is null."""
+        return self.codebook_size or IMAGE_TOKENIZERS.get(self.tokenizer).default_size(self)
 
     def image_sizes(self) -> dict[str, int]:
-        return {"image_len": (self.image_size // self.patch_size) ** 2, "image_vocab": self.codebook_size}
+        return {"image_len": (self.image_size // self.patch_size) ** 2, "image_vocab": self.vocab()}
 
 
 _VERSION = "shapes-v3"  # bump when scenes, rendering or the cache's layout change

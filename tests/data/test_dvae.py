@@ -73,6 +73,11 @@ def test_each_resblock_branch_enters_with_the_small_gain():
     full = block(x)
     block.gain = 1 / 16
     assert np.allclose(block(x), block.id(x) + (full - block.id(x)) / 16, atol=1e-6)
+    # the gain is 1 / L^gain_power for L resblocks per side (patch 4: 3 groups; 2 blocks each: L = 6)
+    for power in (0.0, 1.0, 2.0):
+        model = dvae.create(16, 4, dvae.DVAEConfig(width=4, blocks=2, gain_power=power), abstract=True)
+        assert len(model.enc) == len(model.dec) == 6
+        assert {b.gain for b in [*model.enc, *model.dec]} == {6.0**-power}
 
 
 # 16 px renders on a 4 x 4 grid: three groups to compile, not four, and 16 image tokens.
@@ -124,6 +129,19 @@ def test_stage_1_runs_in_a_store_of_its_own_once_per_settings_then_loads_from_th
     keys = {option.key(cfg.data, scenes), *(option.key(o, scenes) for o in others),
             option.key(cfg.data, scenes_key(run_config(*TINY_DVAE, *cache, "data.num_train=65", data=()).data))}
     assert len(keys) == 5
+
+
+def test_a_null_codebook_size_is_the_tokenizers_own_default():
+    from dalle_ablate.data import abstract_sizes
+
+    def vocab(*overrides):
+        cfg = run_config(*overrides, data=())
+        return abstract_sizes(cfg.data, cfg.model)["image_vocab"]
+
+    # kmeans: the 145 distinct patches of the 48 px renders; dvae: room for synonyms (data/dvae.py)
+    assert (vocab(), vocab("data.tokenizer=dvae"), vocab("data.tokenizer=dvae", "data.codebook_size=64")) == (145, 512, 64)
+    with pytest.raises(ConfigError, match=r"^data.tokenizer=vqgan needs data.codebook_size: its VQGAN's codebook size \(n_embed\)$"):
+        run_config("data.tokenizer=vqgan", "data.vqgan_path=vqgan.npz", data=())
 
 
 def test_a_bad_tokenizer_is_named_with_the_valid_ones():
