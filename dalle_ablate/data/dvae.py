@@ -3,19 +3,21 @@ arXiv 2102.12092, section 2.1 and appendix A.
 
 A convolutional encoder maps an image to logits over `data.codebook_size` codes (null: 512, see
 `DVAEOption.default_size`) at every cell of a grid `data.patch_size` times smaller than the image;
-training decodes a Gumbel-softmax relaxation of those logits (Jang et al. 2016, Maddison et al. 2016) with the temperature annealed from 1 to
-1/16, and pulls each cell's distribution towards the uniform prior by a KL term whose weight
-rises to β. Tokenizing takes each cell's argmax; decoding feeds the one-hot codes to the decoder.
+training decodes a Gumbel-softmax relaxation of those logits (Jang et al. 2016, Maddison et al.
+2016) with the temperature annealed from 1 to 1/16, and pulls each cell's distribution towards the
+uniform prior by a KL term whose weight rises to β. Tokenizing takes each cell's argmax; decoding
+feeds the one-hot codes to the decoder.
 
 As in the paper: resblocks whose residual branch is multiplied by 1 / L^p for L resblocks (the
 paper's p = 2 makes it a small constant so the identity path dominates at initialisation; our
 default is p = 0, no scaling, for reasons measured at `DVAEConfig.gain_power`), 1 x 1
 convolutions next to the relaxation, max pooling down and nearest upsampling up, one group of
-resblocks per scale with widths doubling downwards, Adam, and an exponential moving average of the weights used for encoding and
-decoding. The reconstruction term is a Gaussian (MSE) one, not the paper's logit-Laplace: the
-built-in renders are flat palette colours on white, what the evaluation parses is the colour of
-each pixel, and MSE penalises a colour's error directly; logit-Laplace exists for natural images'
-bounded pixel range, which the sigmoid output here already respects.
+resblocks per scale with widths doubling downwards, Adam, and an exponential moving average of
+the weights used for encoding and decoding. The reconstruction term is a Gaussian (MSE) one, not
+the paper's logit-Laplace: the built-in renders are flat palette colours on white, what the
+evaluation parses is the colour of each pixel, and MSE penalises a colour's error directly;
+logit-Laplace exists for natural images' bounded pixel range, which the sigmoid output here
+already respects.
 
 Training is seeded and runs once per settings hash; the weights (the moving average) are cached
 under `<data.cache_dir>/dvae/`. `train/tokenizer.py` runs it with a run store and a tracker
