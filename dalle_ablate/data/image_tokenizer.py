@@ -232,10 +232,10 @@ class VQGANOption(TokenizerOption):
         vqgan = load_vqgan(cfg.vqgan_path, "data.vqgan_path")
         factor = 2 ** (len(vqgan.cfg.ch_mult) - 1)
         want = {"image_size": vqgan.cfg.resolution, "patch_size": factor, "codebook_size": vqgan.cfg.n_embed}
+        have = {"image_size": cfg.image_size, "patch_size": cfg.patch_size, "codebook_size": cfg.vocab()}
         for name, value in want.items():
-            got = cfg.vocab() if name == "codebook_size" else getattr(cfg, name)
-            if got != value:
-                raise ConfigError(f"data.vqgan_path needs data.{name}={value} (got {got})")
+            if have[name] != value:
+                raise ConfigError(f"data.vqgan_path needs data.{name}={value} (got {have[name]})")
         g = cfg.image_size // factor
         return _Wrapped(vqgan.cfg.n_embed, (g, g), lambda x: encode_images(vqgan, x), lambda c: decode_codes(vqgan, c))
 
