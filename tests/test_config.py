@@ -93,6 +93,7 @@ OUT_OF_RANGE = [
     (["schedule.warmup_steps=4", "schedule.lr_offset=2"], "schedule.warmup_steps=4 (after schedule.lr_offset=2) is not shorter"),
     (["optim.b2=1.0"], "optim.b2=1.0 must be in [0, 1)"),  # Adam's b2 = 1 never forgets: inf / 0
     (["optim=shampoo", "optim.b1=1.0"], "optim.b1=1.0 must be in [0, 1)"),
+    (["optim=shampoo", "optim.lapack_threads=0"], "optim.lapack_threads=0 must be in [1, inf) or null"),
     (["optim=adafactor", "optim.decay_rate=0"], "optim.decay_rate=0.0 must be in (0, 1]"),
     (["optim=adafactor", "optim.momentum=1.5"], "optim.momentum=1.5 must be in [0, 1) or null"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be in [0, inf)"),

@@ -10,7 +10,8 @@ import jax
 import optax
 
 from dalle_ablate.optim.base import OPTIMIZERS, OptimConfig, decay_mask
-from dalle_ablate.optim.scale_by_shampoo import GRAFT_SCOPES, GRAFTS, ROOT_DTYPES, STATISTICS_DTYPES, scale_by_shampoo
+from dalle_ablate.optim.scale_by_shampoo import (GRAFT_SCOPES, GRAFTS, ROOT_DTYPES, STATISTICS_DTYPES, limit_lapack_threads,
+                                                 scale_by_shampoo)
 from dalle_ablate.registry import check
 
 
@@ -21,6 +22,7 @@ class ShampooConfig(OptimConfig):
         "block_size": "[1, inf)", "graft_b2": "[0, 1] or null", "graft_eps": "[0, inf)", "matrix_eps": "[0, inf)",
         "exponent_override": "[0, inf)", "preconditioning_every": "[1, inf)", "start_preconditioning_step": "[0, inf)",
         "inverse_failure_threshold": "(0, inf)", "skip_preconditioning_dim_size_gt": "[1, inf)", "merge_small_dims": "[0, inf)",
+        "lapack_threads": "[1, inf) or null",
     }
 
     name: str = "shampoo"
@@ -54,6 +56,11 @@ class ShampooConfig(OptimConfig):
     # Where inverse roots are computed: auto = float64 where the backend has it (CPU, GPU), float32
     # on TPU. float32 roots of ill-conditioned statistics are off by up to ~1e-3 (scale_by_shampoo.py).
     root_dtype: str = "auto"
+    # Threads of the BLAS under JAX's CPU eigh (process-wide, on a CPU backend only): its OpenBLAS
+    # busy-waits, and beside another busy process a refresh of size=small's roots took 15.6x its
+    # idle time with a thread per core, 1.25x with one (scale_by_shampoo.limit_lapack_threads).
+    # null leaves the library's own choice.
+    lapack_threads: Optional[int] = 1
     # Parameters whose path matches one of these get the graft direction only (Mega: embeddings).
     no_precondition: list[str] = field(default_factory=lambda: ["embed", "lm_head"])
 
@@ -73,6 +80,8 @@ def root_dtype(name: str) -> str:
 
 @OPTIMIZERS.option("shampoo", ShampooConfig)
 def shampoo(cfg: ShampooConfig, lr, stack_sharding) -> optax.GradientTransformation:
+    if cfg.lapack_threads is not None and jax.default_backend() == "cpu":
+        limit_lapack_threads(cfg.lapack_threads)
     # The grafted Shampoo direction with momentum, then decoupled weight decay, then the rate.
     direction = scale_by_shampoo(
         block_size=cfg.block_size, beta1=cfg.b1, beta2=cfg.b2, graft=cfg.graft, graft_beta2=cfg.graft_b2,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -296,3 +298,30 @@ def test_schedules_warmup_decay_cosine_and_offset():
                      "schedule.decay_rate=0.5", "schedule.staircase=true").schedule
     s = build_schedule(exp, 1.0, total_steps=100)
     assert [float(s(t)) for t in (0, 9, 10, 25)] == pytest.approx([1.0, 1.0, 0.5, 0.25])
+
+
+def test_building_shampoo_caps_the_blas_under_jaxs_eigh_and_only_it():
+    import scipy
+    from threadpoolctl import threadpool_info
+
+    from dalle_ablate.optim.scale_by_shampoo import limit_lapack_threads
+
+    def threads() -> dict[str, int]:
+        return {info["filepath"]: info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
+
+    scipy_dir = str(Path(scipy.__file__).resolve().parent)  # its wheel's BLAS sits in the sibling scipy.libs
+    limit_lapack_threads(2)
+    before = threads()
+    assert any(path.startswith(scipy_dir) for path in before) and all(n == 2 for path, n in before.items()
+                                                                      if path.startswith(scipy_dir))
+    try:
+        build_optimizer(run_config("optim=shampoo", "optim.lapack_threads=null").optim, run_config().schedule, 10)
+        assert threads() == before
+        build_optimizer(run_config("optim=shampoo").optim, run_config().schedule, 10)  # the preset: 1
+        after = threads()
+        assert {p: n for p, n in after.items() if p.startswith(scipy_dir)} == {p: 1 for p in before if p.startswith(scipy_dir)}
+        # NumPy's own BLAS (the data pipeline's) is not touched.
+        assert {p: n for p, n in after.items() if not p.startswith(scipy_dir)} == \
+            {p: n for p, n in before.items() if not p.startswith(scipy_dir)}
+    finally:
+        limit_lapack_threads(1)
