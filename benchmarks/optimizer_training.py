@@ -1,14 +1,17 @@
-"""Training comparison of Adam, Adafactor and Shampoo on the shapes task at size=small: each
-optimizer's learning rate is picked from a x3 grid around its default, then the best runs are
-compared by eval loss after the same number of steps and after the same training time.
+"""Training comparison of Adam, Adafactor and Shampoo on the shapes task (size=small unless
+overridden, e.g. `size=tiny`): each optimizer's learning rate is picked from a x3 grid around its
+default on the first seed, the best rate is run on the other seeds, and the best runs are compared
+by eval loss after the same number of steps and after the same training time, mean over seeds
+with a Student's t 95 % interval.
 
-    python benchmarks/optimizer_training.py [--out DIR] [--read] [overrides...]
+    python benchmarks/optimizer_training.py [--seeds 0 1 2] [--out DIR] [--read] [overrides...]
 
-Runs `python run.py -m experiment=optim_compare optim=<name> optim.lr=<grid>` once per optimizer
-(tracker=none) into DIR/<name>/<job>, then prints the table from the run stores; `--read` only
-prints it from runs already in DIR. "Training time" is the sum of the logged step times: compile,
-evaluation and checkpointing are excluded, so it is what each optimizer costs per unit of progress
-on this machine. Nothing here is asserted by the tests.
+Runs `python run.py -m experiment=optim_compare optim=<name> optim.lr=<grid> seed=<first>` once per
+optimizer (tracker=none) into DIR/<name>/<job>, then `... optim.lr=<best> seed=<rest>` into
+DIR/<name>-seeds/<job>, and prints the tables from the run stores; `--read` only prints them from
+runs already in DIR. "Training time" is the sum of the logged step times: compile, evaluation and
+checkpointing are excluded, so it is what each optimizer costs per unit of progress on this
+machine; the equal-time budget is the shortest mean run. Nothing here is asserted by the tests.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = {"adam": (3e-4, 1e-3, 3e-3), "adafactor": (3e-3, 1e-2, 3e-2), "shampoo": (3e-4, 1e-3, 3e-3)}
@@ -40,46 +45,76 @@ def loss_at_time(points: list[tuple[int, float, float]], budget: float) -> tuple
     return within[-1] if within else (0, float("nan"))
 
 
+def runs_in(folder: Path) -> list[tuple[float, int, float, list]]:
+    """(lr, seed, final eval loss, curve) of every run store under folder."""
+    import yaml
+
+    out = []
+    for run_dir in sorted(folder.glob("*/run")):
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        points, final = curves(run_dir)
+        out.append((cfg["optim"]["lr"], cfg["seed"], final, points))
+    return out
+
+
+def sweep(out: Path, name: str, lrs: str, seeds: str, overrides: list[str]) -> None:
+    cmd = [sys.executable, str(ROOT / "run.py"), "-m", "experiment=optim_compare", f"optim={name}", f"optim.lr={lrs}",
+           f"seed={seeds}", "tracker=none", "trainer.progress=false", f"hydra.sweep.dir={out}", *overrides]
+    print("running", " ".join(cmd[2:]), file=sys.stderr, flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def best_lr(runs) -> float | None:
+    finite = [r for r in runs if r[2] == r[2]]
+    return min(finite, key=lambda r: r[2])[0] if finite else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="multirun/optimizer_training")
-    ap.add_argument("--read", action="store_true", help="only print the table from runs in --out")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="the grid runs on the first")
+    ap.add_argument("--read", action="store_true", help="only print the tables from runs in --out")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out)
-    if not args.read:
-        for name, grid in GRIDS.items():
-            lrs = ",".join(f"{lr:g}" for lr in grid)
-            cmd = [sys.executable, str(ROOT / "run.py"), "-m", "experiment=optim_compare", f"optim={name}",
-                   f"optim.lr={lrs}", "tracker=none", "trainer.progress=false", f"hydra.sweep.dir={out / name}",
-                   *args.overrides]
-            print("running", " ".join(cmd[2:]), file=sys.stderr, flush=True)
-            subprocess.run(cmd, cwd=ROOT, check=True)
+    first, rest = args.seeds[0], args.seeds[1:]
+    for name, grid in GRIDS.items():
+        if not args.read:
+            sweep(out / name, name, ",".join(f"{lr:g}" for lr in grid), str(first), args.overrides)
+        lr = best_lr(runs_in(out / name))
+        if not args.read and rest and lr is not None:
+            sweep(out / f"{name}-seeds", name, f"{lr:g}", ",".join(map(str, rest)), args.overrides)
 
-    import yaml
+    from dalle_ablate.report.stats import mean_ci
 
-    best = {}
+    print(f"grid, seed {first}")
     print(f"{'optimizer':<10}{'lr':>8}{'eval loss':>11}{'train s':>9}")
+    best = {}
     for name in GRIDS:
-        runs = []
-        for run_dir in sorted((out / name).glob("*/run")):
-            lr = yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["lr"]
-            points, final = curves(run_dir)
-            runs.append((final, lr, points))
+        grid = runs_in(out / name)
+        for lr, _, final, points in grid:
             print(f"{name:<10}{lr:>8g}{final:>11.4f}{points[-1][1] if points else float('nan'):>9.1f}")
-        finite = [r for r in runs if r[0] == r[0]]
-        if finite:
-            best[name] = min(finite, key=lambda r: r[0])
+        lr = best_lr(grid)
+        if lr is not None:
+            best[name] = (lr, [r for r in grid + runs_in(out / f"{name}-seeds") if r[0] == lr and r[3]])
     if not best:
         sys.exit(f"no finished runs under {out}")
-    steps = {name: points[-1][0] for name, (_, _, points) in best.items()}
-    budget = min(points[-1][1] for _, _, points in best.values())
-    print(f"\nbest learning rate per optimizer; equal steps = {max(steps.values())}, equal time = {budget:.1f} s "
-          "of training (the fastest optimizer's whole run)")
-    print(f"{'optimizer':<10}{'lr':>8}{'loss @ steps':>14}{'s/step':>8}{'loss @ time':>13}{'step reached':>14}")
-    for name, (final, lr, points) in best.items():
-        step_t, loss_t = loss_at_time(points, budget)
-        print(f"{name:<10}{lr:>8g}{final:>14.4f}{points[-1][1] / points[-1][0]:>8.2f}{loss_t:>13.4f}{step_t:>14}")
+    steps = max(r[3][-1][0] for _, runs in best.values() for r in runs)
+    budget = min(float(np.mean([r[3][-1][1] for r in runs])) for _, runs in best.values())
+    print(f"\nbest learning rate per optimizer, mean over seeds [95 % t interval]; equal steps = {steps}, "
+          f"equal time = {budget:.1f} s of training (the fastest optimizer's mean run)")
+    print(f"{'optimizer':<10}{'lr':>8}{'seeds':>6}{'loss @ steps':>26}{'s/step':>8}{'loss @ time':>26}{'step reached':>14}")
+    for name, (lr, runs) in best.items():
+        at_steps = mean_ci([r[2] for r in runs])
+        at_time = [loss_at_time(r[3], budget) for r in runs]
+        t_mean = mean_ci([loss for _, loss in at_time])
+        per_step = np.mean([r[3][-1][1] / r[3][-1][0] for r in runs])
+        reached = "/".join(str(s) for s, _ in at_time)
+        print(f"{name:<10}{lr:>8g}{len(runs):>6}{fmt(at_steps):>26}{per_step:>8.2f}{fmt(t_mean):>26}{reached:>14}")
+
+
+def fmt(ci: tuple[float, float, float]) -> str:
+    return f"{ci[0]:.4f} [{ci[1]:.3f}, {ci[2]:.3f}]"
 
 
 if __name__ == "__main__":
