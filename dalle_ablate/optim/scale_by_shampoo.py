@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -211,8 +212,6 @@ def limit_lapack_threads(threads: int) -> int:
     BLAS, that one is capped."""
     import scipy
     import scipy.linalg.cython_lapack  # noqa: F401  loads the BLAS before threadpoolctl looks
-    from pathlib import Path
-
     from threadpoolctl import ThreadpoolController
 
     blas = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
