@@ -205,9 +205,9 @@ def limit_lapack_threads(threads: int) -> int:
     jaxlib takes its LAPACK from SciPy (`scipy.linalg.cython_lapack`), whose OpenBLAS starts one
     thread per core and busy-waits for work. Beside XLA's own intra-op threads, on a machine whose
     cores something else also uses, those threads wait for cores that are taken: on 2 cores with a
-    second process busy, the roots of size=small took 86 s instead of 5.5 s idle (15.6x); with one
-    BLAS thread, 6.0 s instead of 4.8 s (1.25x), and 4.8 s idle is within 7 % of two threads'
-    4.5 s (benchmarks/shampoo_refresh.py, issue 15). Only SciPy's own BLAS is capped where it
+    second process busy, a refresh of size=small's roots in the train step took 6.8x its idle time
+    (13x run alone) where a plain step took 2.5x; with one BLAS thread 1.7x (2.1x), at a cost of
+    6-23 % idle (benchmarks/shampoo_refresh.py, issue 15). Only SciPy's own BLAS is capped where it
     ships one (a wheel's `scipy.libs`), NumPy's is left alone; where SciPy links a shared system
     BLAS, that one is capped."""
     import scipy

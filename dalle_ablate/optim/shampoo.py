@@ -57,8 +57,8 @@ class ShampooConfig(OptimConfig):
     # on TPU. float32 roots of ill-conditioned statistics are off by up to ~1e-3 (scale_by_shampoo.py).
     root_dtype: str = "auto"
     # Threads of the BLAS under JAX's CPU eigh (process-wide, on a CPU backend only): its OpenBLAS
-    # busy-waits, and beside another busy process a refresh of size=small's roots took 15.6x its
-    # idle time with a thread per core, 1.25x with one (scale_by_shampoo.limit_lapack_threads).
+    # busy-waits, and beside another busy process a refresh of size=small's roots took 6.8x its
+    # idle time with a thread per core, 1.7x with one (scale_by_shampoo.limit_lapack_threads).
     # null leaves the library's own choice.
     lapack_threads: Optional[int] = 1
     # Parameters whose path matches one of these get the graft direction only (Mega: embeddings).
