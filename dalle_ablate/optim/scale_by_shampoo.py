@@ -208,8 +208,8 @@ def limit_lapack_threads(threads: int) -> int:
     second process busy, a refresh of size=small's roots in the train step took 6.8x its idle time
     (13x run alone) where a plain step took 2.5x; with one BLAS thread 1.7x (2.1x), at a cost of
     6-23 % idle (benchmarks/shampoo_refresh.py, issue 15). Only SciPy's own BLAS is capped where it
-    ships one (a wheel's `scipy.libs`), NumPy's is left alone; where SciPy links a shared system
-    BLAS, that one is capped."""
+    ships one (a wheel's `scipy.libs`), NumPy's is left alone; where SciPy ships none (it links a
+    system BLAS), every BLAS loaded is capped."""
     import scipy
     import scipy.linalg.cython_lapack  # noqa: F401  loads the BLAS before threadpoolctl looks
     from threadpoolctl import ThreadpoolController
