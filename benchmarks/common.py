@@ -1,8 +1,14 @@
-"""Shared by the benchmark scripts: a fresh train step for a config, and timing it."""
+"""Shared by the benchmark scripts: a fresh train step for a config, timing it, and a competing
+process for timings under load."""
 
 from __future__ import annotations
 
+import statistics
 import time
+
+# A second process that keeps every core busy, as a second run or a test suite would on a shared
+# machine: `subprocess.Popen([sys.executable, "-c", COMPETING_LOAD])`.
+COMPETING_LOAD = "import numpy as np\na = np.ones((512, 512), np.float32)\nwhile True:\n    a = (a @ a) / 512"
 
 
 def offline_workdir(prefix: str):
@@ -59,3 +65,11 @@ def random_batch(model_cfg, batch_size: int, seed: int = 0) -> dict:
         "codes": rng.integers(0, model_cfg.image_vocab, (batch_size, model_cfg.image_len)).astype(np.int32),
         "weights": np.ones(batch_size, np.float32),
     }
+
+
+def refresh_split(times: list[float], period: int) -> tuple[float, float]:
+    """(median step without a root refresh, what a refresh adds) from Shampoo step times taken
+    after a warm-up step (timed_steps): the refresh is the last step of each period."""
+    refresh = statistics.median(times[i] for i in range(period - 1, len(times), period))
+    plain = statistics.median(t for i, t in enumerate(times) if i % period != period - 1)
+    return plain, refresh - plain

@@ -22,9 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import fresh_train_step, random_batch, timed_steps  # noqa: E402
-
-LOAD = "import numpy as np\na = np.ones((512, 512), np.float32)\nwhile True:\n    a = (a @ a) / 512"
+from common import COMPETING_LOAD, fresh_train_step, random_batch, refresh_split, timed_steps  # noqa: E402
 
 
 def main() -> None:
@@ -58,7 +56,7 @@ def main() -> None:
         t = time.perf_counter()
         compiled = step.lower(state, batch).compile()
         compile_s = time.perf_counter() - t
-        load = subprocess.Popen([sys.executable, "-c", LOAD]) if loaded else None
+        load = subprocess.Popen([sys.executable, "-c", COMPETING_LOAD]) if loaded else None
         try:
             # The warm-up step is count 0; counts 1..period*k hold exactly one root refresh per period.
             _, times, _ = timed_steps(compiled, state, batch, period * args.periods)
@@ -68,9 +66,7 @@ def main() -> None:
         per_period = [sum(times[i : i + period]) / period for i in range(0, len(times), period)]
         rows[label] = (compile_s, statistics.median(per_period), state_bytes)
         if name == "shampoo":  # the refresh is the last step of each period (count % period == 0)
-            refresh = [times[i] for i in range(period - 1, len(times), period)]
-            plain = [t for i, t in enumerate(times) if i % period != period - 1]
-            splits[label] = (statistics.median(plain), statistics.median(refresh) - statistics.median(plain))
+            splits[label] = refresh_split(times, period)
         print(f"measured {label}", file=sys.stderr)
 
     base = rows["adam"]

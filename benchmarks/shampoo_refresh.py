@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import fresh_train_step, random_batch, timed_steps  # noqa: E402
+from common import COMPETING_LOAD, fresh_train_step, random_batch, refresh_split, timed_steps  # noqa: E402
 
-LOAD = "import numpy as np\na = np.ones((512, 512), np.float32)\nwhile True:\n    a = (a @ a) / 512"
 COLUMNS = ("plain step", "in step", "separate jit", "per stack")
 
 
@@ -37,6 +36,7 @@ def measure(periods: int, overrides: list[str]) -> dict:
     import jax
 
     from dalle_ablate.optim.scale_by_shampoo import ShampooState, batched_inverse_roots
+    from dalle_ablate.optim.shampoo import root_dtype
     from dalle_ablate.validate import compose, to_run_config
 
     cfg = to_run_config(compose(["size=small", "optim=shampoo", "optim.start_preconditioning_step=0", *overrides]))
@@ -45,8 +45,7 @@ def measure(periods: int, overrides: list[str]) -> dict:
     batch = random_batch(run.model_cfg, cfg.trainer.batch_size)
     compiled = step.lower(state, batch).compile()
     state, times, _ = timed_steps(compiled, state, batch, period * periods)
-    refresh = statistics.median(times[i] for i in range(period - 1, len(times), period))
-    plain = statistics.median(t for i, t in enumerate(times) if i % period != period - 1)
+    plain, refresh_add = refresh_split(times, period)
 
     (shampoo,) = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ShampooState))
                   if isinstance(s, ShampooState)]
@@ -55,7 +54,7 @@ def measure(periods: int, overrides: list[str]) -> dict:
         rank = 2 if st.right.shape[-1] > 1 else 1
         mats += [st.left, st.right][:rank]
         ps += [2 * rank] * rank
-    eps, dtype = cfg.optim.matrix_eps, "float64" if cfg.optim.root_dtype == "auto" else cfg.optim.root_dtype
+    eps, dtype = cfg.optim.matrix_eps, root_dtype(cfg.optim.root_dtype)
     together = jax.jit(lambda ms: batched_inverse_roots(ms, ps, eps, dtype))
     apart = [jax.jit(lambda m, p=p: batched_inverse_roots([m], [p], eps, dtype)) for p in ps]
 
@@ -73,7 +72,7 @@ def measure(periods: int, overrides: list[str]) -> dict:
     sizes: dict[int, int] = {}
     for m in mats:
         sizes[m.shape[-1]] = sizes.get(m.shape[-1], 0) + m.shape[0]
-    return {"plain step": plain, "in step": refresh - plain, "separate jit": separate, "per stack": per_stack,
+    return {"plain step": plain, "in step": refresh_add, "separate jit": separate, "per stack": per_stack,
             "statistics": {str(k): v for k, v in sorted(sizes.items())}}
 
 
@@ -92,9 +91,9 @@ def main() -> None:
         for loaded in (False, True):
             cmd = [sys.executable, __file__, "--child", "--periods", str(args.periods), f"optim.lapack_threads={threads}",
                    *args.overrides]
-            load = subprocess.Popen([sys.executable, "-c", LOAD]) if loaded else None
+            load = subprocess.Popen([sys.executable, "-c", COMPETING_LOAD]) if loaded else None
             try:
-                out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+                out = subprocess.run(cmd, capture_output=True, text=True)
             finally:
                 if load is not None:
                     load.kill()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -176,7 +175,7 @@ def batched_inverse_roots(mats: list[jax.Array], ps: list[int], ridge_eps: float
     blocks a pool thread waiting for it; two batched eighs that XLA schedules concurrently
     (on a 2-core machine the pool has two threads) wait on each other forever -- seen here as
     a train step that hangs at random. With one matrix per call the kernel runs inline on an
-    XLA thread, with the threads of LAPACK's BLAS (`limit_lapack_threads`)."""
+    XLA thread, with the threads of LAPACK's BLAS (`shampoo.limit_lapack_threads`)."""
     by_size: dict[int, list[int]] = {}
     for k, m in enumerate(mats):
         by_size.setdefault(m.shape[-1], []).append(k)
@@ -196,30 +195,6 @@ def batched_inverse_roots(mats: list[jax.Array], ps: list[int], ridge_eps: float
             out[k] = (roots[start : start + n], errors[start : start + n])
             start += n
     return out
-
-
-def limit_lapack_threads(threads: int) -> int:
-    """Caps the threads of the BLAS under jaxlib's CPU LAPACK kernels (eigh among them) at
-    `threads`, process-wide; returns how many BLAS libraries were capped.
-
-    jaxlib takes its LAPACK from SciPy (`scipy.linalg.cython_lapack`), whose OpenBLAS starts one
-    thread per core and busy-waits for work. Beside XLA's own intra-op threads, on a machine whose
-    cores something else also uses, those threads wait for cores that are taken: on 2 cores with a
-    second process busy, a refresh of size=small's roots in the train step took 6.8x its idle time
-    (13x run alone) where a plain step took 2.5x; with one BLAS thread 1.7x (2.1x), at a cost of
-    6-23 % idle (benchmarks/shampoo_refresh.py, issue 15). Only SciPy's own BLAS is capped where it
-    ships one (a wheel's `scipy.libs`), NumPy's is left alone; where SciPy ships none (it links a
-    system BLAS), every BLAS loaded is capped."""
-    import scipy
-    import scipy.linalg.cython_lapack  # noqa: F401  loads the BLAS before threadpoolctl looks
-    from threadpoolctl import ThreadpoolController
-
-    blas = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
-    root = Path(scipy.__file__).resolve().parent.parent
-    own = [lib for lib in blas if Path(lib.filepath).resolve().parent in (root / "scipy.libs", root / "scipy")]
-    for lib in own or blas:
-        lib.set_num_threads(threads)
-    return len(own or blas)
 
 
 class StackState(NamedTuple):

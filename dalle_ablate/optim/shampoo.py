@@ -4,14 +4,14 @@ transformation itself is `scale_by_shampoo.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import jax
 import optax
 
 from dalle_ablate.optim.base import OPTIMIZERS, OptimConfig, decay_mask
-from dalle_ablate.optim.scale_by_shampoo import (GRAFT_SCOPES, GRAFTS, ROOT_DTYPES, STATISTICS_DTYPES, limit_lapack_threads,
-                                                 scale_by_shampoo)
+from dalle_ablate.optim.scale_by_shampoo import GRAFT_SCOPES, GRAFTS, ROOT_DTYPES, STATISTICS_DTYPES, scale_by_shampoo
 from dalle_ablate.registry import check
 
 
@@ -58,7 +58,7 @@ class ShampooConfig(OptimConfig):
     root_dtype: str = "auto"
     # Threads of the BLAS under JAX's CPU eigh (process-wide, on a CPU backend only): its OpenBLAS
     # busy-waits, and beside another busy process a refresh of size=small's roots took 6.8x its
-    # idle time with a thread per core, 1.7x with one (scale_by_shampoo.limit_lapack_threads).
+    # idle time with a thread per core, 1.7x with one (limit_lapack_threads below).
     # null leaves the library's own choice.
     lapack_threads: Optional[int] = 1
     # Parameters whose path matches one of these get the graft direction only (Mega: embeddings).
@@ -76,6 +76,30 @@ class ShampooConfig(OptimConfig):
 def root_dtype(name: str) -> str:
     """optim.root_dtype: auto is float64 unless the backend is a TPU, which has no float64."""
     return ("float32" if jax.default_backend() == "tpu" else "float64") if name == "auto" else name
+
+
+def limit_lapack_threads(threads: int) -> int:
+    """Caps the threads of the BLAS under jaxlib's CPU LAPACK kernels (eigh among them) at
+    `threads`, process-wide; returns how many BLAS libraries were capped.
+
+    jaxlib takes its LAPACK from SciPy (`scipy.linalg.cython_lapack`), whose OpenBLAS starts one
+    thread per core and busy-waits for work. Beside XLA's own intra-op threads, on a machine whose
+    cores something else also uses, those threads wait for cores that are taken: on 2 cores with a
+    second process busy, a refresh of size=small's roots in the train step took 6.8x its idle time
+    (13x run alone) where a plain step took 2.5x; with one BLAS thread 1.7x (2.1x), at a cost of
+    6-23 % idle (benchmarks/shampoo_refresh.py, issue 15). Only SciPy's own BLAS is capped where it
+    ships one (a wheel's `scipy.libs`), NumPy's is left alone; where SciPy ships none (it links a
+    system BLAS), every BLAS loaded is capped."""
+    import scipy
+    import scipy.linalg.cython_lapack  # noqa: F401  loads the BLAS before threadpoolctl looks
+    from threadpoolctl import ThreadpoolController
+
+    blas = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
+    root = Path(scipy.__file__).resolve().parent.parent
+    own = [lib for lib in blas if Path(lib.filepath).resolve().parent in (root / "scipy.libs", root / "scipy")]
+    for lib in own or blas:
+        lib.set_num_threads(threads)
+    return len(own or blas)
 
 
 @OPTIMIZERS.option("shampoo", ShampooConfig)

@@ -304,7 +304,7 @@ def test_building_shampoo_caps_the_blas_under_jaxs_eigh_and_only_it():
     import scipy
     from threadpoolctl import threadpool_info
 
-    from dalle_ablate.optim.scale_by_shampoo import limit_lapack_threads
+    from dalle_ablate.optim.shampoo import limit_lapack_threads
 
     def threads() -> dict[str, int]:
         return {info["filepath"]: info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
