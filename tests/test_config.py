@@ -101,6 +101,7 @@ OUT_OF_RANGE = [
     (["data.num_train=0"], "data.num_train=0 must be in [1, inf)"),
     (["data.max_objects=12"], "data.max_objects=12 must be in [1, 9]"),
     (["data.min_objects=3", "data.max_objects=2"], "data.min_objects=3 exceeds data.max_objects=2"),
+    (["data.mix=uniform"], "data.mix='uniform' is not one of tiers, counts"),
     (["data=parquet", "data.path=x", "data.valid_fraction=1"], "data.valid_fraction=1.0 must be in [0, 1)"),
 ]
 

@@ -108,11 +108,14 @@ def _caption_one(o: Obj, rng: np.random.Generator) -> str:
     return f"{_article(o.size)} {o.size} {o.shape} in {o.color}, {pos}"
 
 
-def _caption_many(objs: list[Obj], rng: np.random.Generator) -> tuple[str, dict | None]:
+def _caption_many(objs: list[Obj], rng: np.random.Generator, relation: bool | None = None) -> tuple[str, dict | None]:
+    """A list of the objects or, for two and `relation` (None: drawn, 60% yes), one relation."""
     # Half the captions of several objects state their sizes: with sizes said only of single
     # objects (a fifth of the data), size was the attribute the quickstart model learned last.
     sized = bool(rng.random() < 0.5)
-    if len(objs) == 2 and rng.random() < 0.6:
+    if relation is None:
+        relation = len(objs) == 2 and bool(rng.random() < 0.6)
+    if len(objs) == 2 and relation:
         a, b = objs
         rel = _relation(a, b, rng)
         for o in objs:
@@ -128,8 +131,21 @@ def _caption_many(objs: list[Obj], rng: np.random.Generator) -> tuple[str, dict 
     return ", ".join(parts[:-1]) + " and " + parts[-1], None
 
 
-def random_scene(rng: np.random.Generator, min_objects: int = 1, max_objects: int = 3) -> Scene:
-    n = int(rng.integers(min_objects, max_objects + 1))
+# Scene mixes (data.mix): how a scene's object count, and for two objects list or relation, is drawn.
+MIXES = ("tiers", "counts")
+
+
+def random_scene(rng: np.random.Generator, min_objects: int = 1, max_objects: int = 3, mix: str = "counts") -> Scene:
+    """`mix="counts"`: the object count uniform in [min, max], two objects in a relation 60% of
+    the time. `mix="tiers"`: each evaluation tier (`TIERS`) the range allows equally often; with
+    1-3 objects that is a quarter each, where "counts" gives a list of two 13% of the scenes."""
+    relation = None
+    if mix == "tiers":
+        allowed = [t for t in TIERS if min_objects <= TIER_OBJECTS[t] <= max_objects]
+        name = allowed[int(rng.integers(len(allowed)))]
+        n, relation = TIER_OBJECTS[name], name == "relation"
+    else:
+        n = int(rng.integers(min_objects, max_objects + 1))
     cells = rng.choice(9, size=n, replace=False)
     objs = [
         Obj(
@@ -143,12 +159,13 @@ def random_scene(rng: np.random.Generator, min_objects: int = 1, max_objects: in
     ]
     if n == 1:
         return Scene(objs, _caption_one(objs[0], rng))
-    caption, relation = _caption_many(objs, rng)
-    return Scene(objs, caption, relation)
+    caption, rel = _caption_many(objs, rng, relation)
+    return Scene(objs, caption, rel)
 
 
-# Difficulty tiers of a caption, as the evaluation reports them.
+# Difficulty tiers of a caption, as the evaluation reports them, and their objects.
 TIERS = ("one", "two", "three", "relation")
+TIER_OBJECTS = {"one": 1, "two": 2, "three": 3, "relation": 2}
 
 
 def tier(spec: dict) -> str:

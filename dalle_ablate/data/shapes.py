@@ -20,7 +20,7 @@ import numpy as np
 from dalle_ablate.data.base import DATASETS, Batch, DataConfig, Dataset, eval_index_batches, host_share, unigram_entropy
 from dalle_ablate.data.dvae import DVAEConfig, groups
 from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS, ImageTokenizer
-from dalle_ablate.data.scenes import DEMO_CAPTIONS, TIERS, Scene, random_scene, render, tier
+from dalle_ablate.data.scenes import DEMO_CAPTIONS, MIXES, TIER_OBJECTS, TIERS, Scene, random_scene, render, tier
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.fileio import atomic_savez, atomic_write
 from dalle_ablate.registry import ConfigError, check
@@ -53,6 +53,10 @@ class ShapesDataConfig(DataConfig):
     num_test: int = 512
     min_objects: int = 1
     max_objects: int = 3
+    # How scenes are drawn (data/scenes.py random_scene): tiers = each evaluation tier (one, two,
+    # three, relation) equally often; counts = the object count uniform, which left lists of two
+    # objects at 13% of the data and the quickstart's two-object tier its weakest (README, "Quickstart").
+    mix: str = "tiers"
     kmeans_patches: int = 1_000_000  # patches (of whole training renders) the codebook is fitted on
     kmeans_iters: int = 20
     text_vocab_size: int = 256
@@ -62,6 +66,7 @@ class ShapesDataConfig(DataConfig):
         check(self.min_objects <= self.max_objects, f"data.min_objects={self.min_objects} exceeds data.max_objects={self.max_objects}")
         check(self.max_objects <= 3,  # the captions and the evaluation's tiers know scenes of 1 to 3 objects
               f"data.min_objects={self.min_objects}, data.max_objects={self.max_objects}: need 1 <= min <= max <= 3")
+        check(self.mix in MIXES, f"data.mix={self.mix!r} is not one of {', '.join(MIXES)}")
         check(self.image_size % self.patch_size == 0, f"data.patch_size={self.patch_size} does not divide data.image_size={self.image_size}")
         IMAGE_TOKENIZERS.get(self.tokenizer)
         if self.tokenizer == "dvae":
@@ -86,7 +91,7 @@ def generate_split(cfg, split: str) -> tuple[list[dict], np.ndarray]:
     """Scene specs (with captions) and renders [N, S, S, 3] uint8 of one split."""
     n = {"train": cfg.num_train, "valid": cfg.num_valid, "test": cfg.num_test}[split]
     rng = np.random.default_rng([cfg.seed, SPLITS.index(split)])
-    scenes = [random_scene(rng, cfg.min_objects, cfg.max_objects) for _ in range(n)]
+    scenes = [random_scene(rng, cfg.min_objects, cfg.max_objects, cfg.mix) for _ in range(n)]
     images = np.stack([render(s, cfg.image_size) for s in scenes]) if n else np.zeros((0, cfg.image_size, cfg.image_size, 3), np.uint8)
     return [s.to_dict() for s in scenes], images
 
@@ -98,7 +103,7 @@ def stratified_prompts(n: int, seed: int) -> list[dict]:
     out = []
     for i, name in enumerate(TIERS):
         want = n // len(TIERS) + (i < n % len(TIERS))
-        objects = {"one": 1, "two": 2, "three": 3, "relation": 2}[name]
+        objects = TIER_OBJECTS[name]
         got = 0
         while got < want:
             spec = random_scene(rng, objects, objects).to_dict()
@@ -111,7 +116,7 @@ def stratified_prompts(n: int, seed: int) -> list[dict]:
 
 def scenes_key(cfg) -> str:
     """The hash of the settings that determine the scenes and their renders."""
-    fields = [_VERSION, cfg.seed, cfg.image_size, cfg.num_train, cfg.num_valid, cfg.num_test, cfg.min_objects, cfg.max_objects]
+    fields = [_VERSION, cfg.seed, cfg.image_size, cfg.num_train, cfg.num_valid, cfg.num_test, cfg.min_objects, cfg.max_objects, cfg.mix]
     return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
 
 

@@ -16,7 +16,7 @@ from conftest import run_config
 from dalle_ablate.data.base import host_share
 from dalle_ablate.data.image_tokenizer import PatchCodebook, kmeans, unique_patches
 from dalle_ablate.data.parquet import ParquetDataset, write_parquet
-from dalle_ablate.data.scenes import PALETTE, SHAPES, position_name, random_scene, render
+from dalle_ablate.data.scenes import MIXES, PALETTE, SHAPES, TIERS, position_name, random_scene, render, tier
 from dalle_ablate.data.shapes import generate_split
 from dalle_ablate.registry import ConfigError
 
@@ -32,10 +32,11 @@ def test_scenes_are_deterministic_and_splits_differ():
     assert other != specs_a
 
 
-def test_captions_state_what_the_scene_holds():
+@pytest.mark.parametrize("mix", MIXES)
+def test_captions_state_what_the_scene_holds(mix):
     rng = np.random.default_rng(0)
     for _ in range(300):
-        scene = random_scene(rng)
+        scene = random_scene(rng, mix=mix)
         cap = scene.caption
         assert 1 <= len(scene.objects) <= 3
         assert len({(o.row, o.col) for o in scene.objects}) == len(scene.objects)
@@ -53,6 +54,24 @@ def test_captions_state_what_the_scene_holds():
             rel = scene.relation["rel"]
             assert {"left of": a.col < b.col, "right of": a.col > b.col, "above": a.row < b.row, "below": a.row > b.row}[rel]
             assert re.search(rel.split()[0], cap)
+
+
+@pytest.mark.parametrize("mix, low, high, expected", [
+    ("tiers", 1, 3, {"one": 1 / 4, "two": 1 / 4, "three": 1 / 4, "relation": 1 / 4}),
+    ("tiers", 2, 3, {"two": 1 / 3, "three": 1 / 3, "relation": 1 / 3}),
+    ("tiers", 2, 2, {"two": 1 / 2, "relation": 1 / 2}),
+    # counts: the object count uniform, two objects in a relation 60% of the time
+    ("counts", 1, 3, {"one": 1 / 3, "two": 0.4 / 3, "three": 1 / 3, "relation": 0.6 / 3}),
+])
+def test_scene_mixes_draw_each_tier_at_its_share(mix, low, high, expected):
+    from scipy.stats import binomtest
+
+    rng = np.random.default_rng(3)
+    n = 4000
+    seen = Counter(tier(random_scene(rng, low, high, mix).to_dict()) for _ in range(n))
+    assert set(seen) == set(expected) and set(expected) <= set(TIERS)
+    for name, share in expected.items():  # a two-sided exact test per tier; a wrong share fails it by far
+        assert binomtest(seen[name], n, share).pvalue > 1e-4, (name, seen[name] / n, share)
 
 
 def test_render_draws_each_object_in_its_colour_and_cell():
