@@ -63,7 +63,7 @@ class SamplesConfig:
 
     captions: Optional[list[str]] = None  # null = the dataset's fixed demo captions
     per_caption: int = 4
-    temperature: float = 1.0
+    temperature: float = 0.5  # as eval=default samples: drawn right more often (README, "Quickstart")
     top_k: Optional[int] = None
 
 
