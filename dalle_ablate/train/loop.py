@@ -240,6 +240,18 @@ def resume_source(cfg: RunConfig, ckpt_dir: Path):
     return checkpoint.find_checkpoints(cfg.resume) if cfg.resume else None
 
 
+def finished_before(cfg: RunConfig, run_dir: Path) -> Optional[dict]:
+    """With `resume=auto`, the summary of this run store if it already finished all of
+    `trainer.steps`: a rerun of a study or multirun then leaves it as it is (nothing retrained,
+    re-evaluated or re-logged). None otherwise, including for a run stopped earlier."""
+    path = run_dir / "summary.json"
+    if cfg.resume != "auto" or not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    done = saved.get("status") == "finished" and int(saved.get("steps", -1)) >= cfg.trainer.steps
+    return saved if done else None
+
+
 def continued_summary(run_dir: Path, log: StepLogger, bounds: Boundaries) -> float:
     """Continuing this run store: the summary starts from what was logged before the
     interruption (its first loss; its last ones if no step is left to run). Returns the wall
@@ -258,6 +270,12 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     t_start = time.perf_counter()
     distributed.initialize(cfg.distributed)  # before anything touches a device
     run_dir, t, pi = Path(job.job_dir) / "run", cfg.trainer, jax.process_index()
+    done = finished_before(cfg, run_dir)
+    if done is not None:
+        if pi == 0:
+            print(f"{run_dir}: finished before at step {done['steps']} of {t.steps}; left as it is (resume=auto)", flush=True)
+        return Result(eval_loss=float(done.get("eval/valid/loss", math.nan)), train_loss=float(done.get("train/loss", math.nan)),
+                      steps=int(done["steps"]), run_dir=run_dir, status="finished", summary=done)
     if cfg.data.name == "shapes" and pi == 0 and not tokenizer_cached(cfg.data):
         # stage 1 (e.g. data.tokenizer=dvae) first, with a run store and tracker run of its own
         res = train_tokenizer(cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,

@@ -96,6 +96,14 @@ def test_resume_auto_continues_step_data_and_rng(tmp_path, small_dataset):
     assert steps == sorted(set(steps)) == list(range(1, 7))
     meta = json.loads((resumed.run_dir / "meta.json").read_text())
     assert meta["resumed_from_step"] == 3
+    # Finished: resume=auto leaves it as it is (a rerun study skips it), unless more steps are asked.
+    files = {p: p.read_bytes() for p in resumed.run_dir.rglob("*") if p.is_file()}
+    again = train(dataclasses.replace(cfg, resume="auto"), JobInfo(tmp_path / "resumed"))
+    assert again.status == "finished" and again.steps == 6 and again.eval_loss == resumed.eval_loss
+    assert {p: p.read_bytes() for p in resumed.run_dir.rglob("*") if p.is_file()} == files
+    longer = train(dataclasses.replace(cfg, resume="auto", trainer=dataclasses.replace(cfg.trainer, steps=7)),
+                   JobInfo(tmp_path / "resumed"))
+    assert longer.steps == 7 and max(losses(longer.run_dir)) == 7
     # And from a path: a new job dir restoring another run's checkpoints.
     other = train(dataclasses.replace(cfg, resume=str(tmp_path / "full" / "run" / "checkpoints" / "3")), JobInfo(tmp_path / "other"))
     assert losses(other.run_dir) == pytest.approx({k: v for k, v in losses(full.run_dir).items() if k > 3}, rel=1e-6)
