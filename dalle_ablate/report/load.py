@@ -63,7 +63,9 @@ def find_stores(source: str) -> list[Path]:
         if (p / "metrics.jsonl").exists():
             stores.append(p)
         elif p.is_dir():
-            stores += sorted((m.parent for m in p.rglob("metrics.jsonl") if "evals" not in m.parent.parts),
+            # not a checkpoint's evaluations (<store>/evals/) nor a job's stage-1 tokenizer (<job>/tokenizer/)
+            stores += sorted((m.parent for m in p.rglob("metrics.jsonl")
+                              if "evals" not in m.parent.parts and m.parent.name != "tokenizer"),
                              key=lambda s: (len(s.parts), str(s)))
     if not stores:
         raise ConfigError(f"report: no run stores (folders with metrics.jsonl) under {source!r}; give a multirun or sweep "
