@@ -266,6 +266,47 @@ def cmd_report(args) -> None:
     print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
 
 
+def cmd_study(args) -> None:
+    """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
+    a stopped one continues from its checkpoint), then its report and its results page."""
+    import json
+    import shlex
+    import subprocess
+    import time
+
+    from dalle_ablate.report import build_report
+    from dalle_ablate.report.findings import load_study, study_path, write_page
+    from dalle_ablate.report.load import find_stores
+    from dalle_ablate.train.meta import git_commit
+
+    study = load_study(Path(args.study) if args.study.endswith((".yaml", ".yml")) else study_path(args.study))
+    folder = Path(args.out) / study.name
+    command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={folder}",
+               *args.overrides]
+    t = time.perf_counter()
+    # The seeds of an arm compile the same programs: JAX's persistent compilation cache
+    # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
+    code = 0 if args.no_run else subprocess.call(command, env=env)
+    elapsed = time.perf_counter() - t
+    if not find_stores(str(folder)):
+        raise RunFailed(f"study {study.name}: no runs under {folder} (the multirun exited with {code})", code or 4)
+    summaries = [json.loads(p.read_text()) for p in folder.glob("*/run/summary.json")]
+    commit = git_commit()
+    typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", args.study, *args.overrides])
+    provenance = [f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
+                  f"Commit: {commit['commit'] or 'unknown (not run from a git checkout)'}"
+                  f"{' + uncommitted changes' if commit['dirty'] else ''}.",
+                  f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
+                  f"time adds up to {sum(float(s.get('wall_time', 0)) for s in summaries) / 60:.1f} min; this invocation "
+                  f"took {elapsed / 60:.1f} min (runs finished before it are skipped, not repeated)."]
+    report = build_report(str(folder), args.report_out, study.name, study.baseline)
+    page = write_page(study, str(folder), Path(args.page_out), provenance)
+    print(f"wrote {report}/index.html and {page}")
+    if code:
+        raise RunFailed(f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -345,9 +386,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     rp.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
     rp.add_argument("--wandb-project")
     rp.set_defaults(func=cmd_report)
-    args = parser.parse_args(argv)
+    st = sub.add_parser("study", help="run a published study's arms with seeds (finished runs are skipped), then its "
+                                      "report and a results page with a verdict per finding")
+    st.add_argument("study", help="a study of dalle_ablate/report/studies/ (mega-variants), or a study file of your own (.yaml)")
+    st.add_argument("--out", default="studies", help="folder of the study's runs (default: studies/<name>)")
+    st.add_argument("--report-out", default="reports", help="folder of the report (default: reports/<name>)")
+    st.add_argument("--page-out", default="docs/results", help="folder of the results page <name>.md and its "
+                                                                "figures/ (default: docs/results)")
+    st.add_argument("--no-run", action="store_true", help="only the report and the page, from the runs there are")
+    st.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
+                                                 "seed=0,1 (a sweep of the preset's own keys replaces it)")
+    st.set_defaults(func=cmd_study)
+    args, extra = parser.parse_known_args(argv)
+    if args.verb == "study":  # its overrides may follow its options: `study mega-variants --out x trainer.steps=500`
+        args.overrides += [e for e in extra if not e.startswith("-")]
+        extra = [e for e in extra if e.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.func(args)
+    except RunFailed as ex:  # e.g. a study whose multirun failed: its page is written, the exit code says so
+        print(f"error: {ex}", file=sys.stderr)
+        sys.exit(ex.exit_code)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex)
         if msg is None:
