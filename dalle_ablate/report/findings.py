@@ -42,7 +42,7 @@ METRICS: dict[str, tuple[str, Callable[[Run], float]]] = {
     "eval_loss": ("eval/valid/loss at the end", lambda r: _last(r, "eval/valid/loss")),
     "train_loss": ("train/loss at the end", lambda r: _last(r, "train/loss")),
     "step_time": ("median seconds per training step (this machine, with its load)", _median_step_time),
-    "loss_spikes": ("loss spikes: steps whose train/loss exceeds 1.5x the median of the 20 before",
+    "loss_spikes": ("steps whose train/loss exceeds 1.5x the median of the 20 before",
                     lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5))),
     "shapes_all": ("shapes all-correct at guidance scale 2, the last evaluation",
                    lambda r: headline_values(r).get("shapes/all@s2", math.nan)),
@@ -184,6 +184,12 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str]) -> tuple
     head.text.append(f"Multiple comparisons: {k} findings are tested, so about {0.05 * k:.1f} would show a 95% interval "
                      f"excluding 0 by chance alone if no claim held. The last column repeats each verdict at the "
                      f"Bonferroni level ({rows[0]['bonferroni_level']:.2%} per finding, 95% for all together).")
+    base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
+    c, m = base[0].config, base[0].meta
+    head.text.append(f"These runs: {c.get('trainer.steps')} steps of {c.get('trainer.batch_size')} at d_model "
+                     f"{c.get('model.d_model')}, {c.get('model.encoder_layers')} + {c.get('model.decoder_layers')} layers "
+                     f"({m.get('params', '?')} parameters in the baseline), "
+                     f"{max(len(rs) for rs in by_arm.values())} seeds per arm at most.")
     if study.scale_note:
         head.text.append(study.scale_note)
     head.tables.append((["finding", "claim", "arm vs", "metric", "arm", "vs", "Δ (arm − vs)", "95% CI", "n", "verdict",
