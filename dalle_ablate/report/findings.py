@@ -218,7 +218,6 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str]) -> tuple
     return [head, arms, figs], rows
 
 
-
 def write_page(study: Study, source: str, page_dir: Path, provenance: list[str]) -> Path:
     """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from the run stores
     under `source` (the study's multirun folder). Written whole or not at all."""
@@ -229,6 +228,8 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str])
     page_dir = Path(page_dir)
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
     sections, _ = page_sections(study, load_runs(source), provenance)
+    for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
+        old.unlink()
     path = page_dir / f"{study.name}.md"
     atomic_write(path, to_markdown(study.title, sections, page_dir))
     return path
