@@ -52,6 +52,8 @@ def test_illegal_combinations_name_both_flags():
         run_config("model=deepnet", "model.final_ln_encoder=true")
     with pytest.raises(ConfigError, match=r"model.final_ln_decoder=false conflicts with model.layout=preln"):
         run_config("model=preln", "model.final_ln_decoder=false")
+    # ... unless asked for, as the Mega study's ablation of that very finding
+    assert not run_config("model=preln", "model.final_ln_decoder=false", "model.require_final_ln_decoder=false").model.final_ln_decoder
     with pytest.raises(ConfigError, match=r"model.d_model=30 is not divisible by model.heads=4"):
         run_config("model.d_model=30", "model.heads=4")
     with pytest.raises(ConfigError, match=r"trainer.batch_size=8 is not divisible by trainer.grad_accum=3"):

@@ -41,6 +41,9 @@ class ModelConfig(OptionConfig):
     head_scale: bool = False  # NormFormer per-head scale
     final_ln_encoder: bool = True
     final_ln_decoder: bool = True
+    # A pre-norm decoder without its final norm is refused (the DALL·E mini study found it unstable)
+    # unless this is false: the Mega study's arm that tests that finding (conf/arm/no_final_ln_decoder).
+    require_final_ln_decoder: bool = True
     swin_ln_every: Optional[int] = None  # swinv2: a norm on the residual stream every k layers
     cosine_attention: bool = False  # Swin v2: cos(q, k) / tau instead of q.k / sqrt(d)
     tau_init: float = 0.05  # cosine attention temperature (fixed, or the init of a learned one)

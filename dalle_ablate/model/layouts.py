@@ -160,10 +160,11 @@ def check_layout(cfg) -> None:
                     f"model.{flag}=true conflicts with model.layout={cfg.layout}: its blocks already end in a "
                     f"norm (set model.{flag}=false)"
                 )
-    if layout.pre and not cfg.final_ln_decoder:
+    if layout.pre and not cfg.final_ln_decoder and cfg.require_final_ln_decoder:
         raise ConfigError(
             f"model.final_ln_decoder=false conflicts with model.layout={cfg.layout}: pre-norm decoders need "
-            "their final norm (the DALL·E mini study found training unstable without it)"
+            "their final norm (the DALL·E mini study found training unstable without it; to test that, also set "
+            "model.require_final_ln_decoder=false)"
         )
     if cfg.swin_ln_every is not None and not layout.swin:
         raise ConfigError(

@@ -20,6 +20,7 @@ from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.findings import load_study, page_sections, study_path
 from dalle_ablate.report.load import find_stores, load_runs
+from dalle_ablate.validate import compose, to_run_config
 
 # Final eval losses per arm and seed.
 ARMS = {
@@ -122,6 +123,9 @@ def test_the_mega_study_names_only_arms_its_preset_runs():
     arms = set(preset["hydra"]["sweeper"]["params"]["+arm"].split(","))
     assert study.baseline in arms and all({f.arm, f.against} <= arms for f in study.findings)
     assert arms == {p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml")}
+    for arm in sorted(arms):  # each arm composes and passes the checks a run makes before it starts
+        cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arm}", "seed=0"]))
+        assert cfg.trainer.steps == preset["trainer"]["steps"] and cfg.resume == "auto"
 
 
 @pytest.mark.slow
