@@ -9,7 +9,7 @@ with, a metric (`METRICS`) and the direction the claim predicts."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -20,16 +20,11 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import diff_ci, diverged, mean_ci, spikes
-from dalle_ablate.report.tables import fmt, headline_values
+from dalle_ablate.report.tables import final_value, fmt, headline_values
 from dalle_ablate.report.writers import Section
 
 STUDIES = Path(__file__).parent / "studies"
 VERDICTS = ("reproduced", "contradicted", "not resolved at this scale")
-
-
-def _last(run: Run, column: str) -> float:
-    _, v = series(run, column)
-    return float(v[-1]) if len(v) else math.nan
 
 
 def _median_step_time(run: Run) -> float:
@@ -39,8 +34,8 @@ def _median_step_time(run: Run) -> float:
 
 # metric name -> (what it is, for the page; its value for one run)
 METRICS: dict[str, tuple[str, Callable[[Run], float]]] = {
-    "eval_loss": ("eval/valid/loss at the end", lambda r: _last(r, "eval/valid/loss")),
-    "train_loss": ("train/loss at the end", lambda r: _last(r, "train/loss")),
+    "eval_loss": ("eval/valid/loss at the end", lambda r: final_value(r, "eval/valid/loss")),
+    "train_loss": ("train/loss at the end", lambda r: final_value(r, "train/loss")),
     "step_time": ("median seconds per training step (this machine, with its load)", _median_step_time),
     "loss_spikes": ("steps whose train/loss exceeds 1.5x the median of the 20 before",
                     lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5))),
@@ -86,14 +81,15 @@ def load_study(path: Path) -> Study:
             raise ConfigError(f"{where}: missing '{key}'")
     findings = []
     for i, f in enumerate(raw["findings"]):
-        missing = [k for k in ("id", "claim", "arm", "against", "metric", "expect") if k not in f]
+        keys = [field.name for field in fields(Finding)]
+        missing = [k for k in keys if k not in f]
         if missing:
             raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
         if f["metric"] not in METRICS:
             raise ConfigError(f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: {', '.join(METRICS)}")
         if f["expect"] not in ("lower", "higher"):
             raise ConfigError(f"{where}: finding {f['id']!r} has expect {f['expect']!r}; valid: lower, higher")
-        findings.append(Finding(**{k: f[k] for k in ("id", "claim", "arm", "against", "metric", "expect")}))
+        findings.append(Finding(**{k: f[k] for k in keys}))
     return Study(raw["name"], raw["title"], raw["source"], raw["experiment"], raw["baseline"], findings,
                  raw.get("scale_note", ""))
 
@@ -147,7 +143,7 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
                f"{len(done)}/{len(runs)}"]
         for m in ("eval_loss", "shapes_all", "step_time"):
             mean, lo, hi = mean_ci([METRICS[m][1](r) for r in done])
-            row += [mean, f"[{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else "–"]
+            row += [mean, _interval(lo, hi)]
         row += [" / ".join(str(int(METRICS["loss_spikes"][1](r))) for r in runs),
                 sum(diverged(series(r, "train/loss")[1], r.status) for r in runs)]
         rows.append(row)
