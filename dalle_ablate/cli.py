@@ -273,6 +273,7 @@ def cmd_study(args) -> None:
     import shlex
     import subprocess
     import time
+    from collections import Counter
 
     from dalle_ablate.report import build_report
     from dalle_ablate.report.findings import load_study, study_path, write_page
@@ -293,13 +294,18 @@ def cmd_study(args) -> None:
         raise RunFailed(f"study {study.name}: no runs under {folder} (the multirun exited with {code})", code or 4)
     summaries = [json.loads(p.read_text()) for p in folder.glob("*/run/summary.json")]
     commit = git_commit()
+    # A study resumed across commits trains its arms at more than one: name each, with its run count.
+    trained = Counter(f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
+                      for m in (json.loads(p.read_text()) for p in folder.glob("*/run/meta.json")) if m.get("git"))
     typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", args.study, *args.overrides])
+    invocation = ("this invocation ran nothing (--no-run)" if args.no_run else
+                  f"this invocation took {elapsed / 60:.1f} min (runs finished before it are skipped, not repeated)")
     provenance = [f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
-                  f"Commit: {commit['commit'] or 'unknown (not run from a git checkout)'}"
-                  f"{' + uncommitted changes' if commit['dirty'] else ''}.",
+                  f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
+                  f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
+                  + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common()) + ".",
                   f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
-                  f"time adds up to {sum(float(s.get('wall_time', 0)) for s in summaries) / 60:.1f} min; this invocation "
-                  f"took {elapsed / 60:.1f} min (runs finished before it are skipped, not repeated)."]
+                  f"time adds up to {sum(float(s.get('wall_time', 0)) for s in summaries) / 60:.1f} min; {invocation}."]
     report = build_report(str(folder), args.report_out, study.name, study.baseline)
     page = write_page(study, str(folder), Path(args.page_out), provenance)
     print(f"wrote {report}/index.html and {page}")

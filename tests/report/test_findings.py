@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,7 +150,8 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     page = (tmp_path / "results" / "mega-variants.md").read_text()
     assert "| baseline (baseline) | 0, 1 | 2/2 |" in page and "| bias | 0, 1 | 2/2 |" in page
     assert "| bias-convergence | dense biases hurt convergence | bias vs baseline |" in page
-    assert "Runs: 4 (4 finished)" in page and "Commit: " in page
+    assert "Runs: 4 (4 finished)" in page and "Commit of this page: " in page
+    assert re.search(r"runs trained at [0-9a-f]{40}( \+ uncommitted changes)? \(4 runs\)\.", page)  # one commit trained all four
     figures = sorted(p.name for p in (tmp_path / "results" / "figures").iterdir())
     assert figures and all(f.startswith("mega-variants_") for f in figures)
     assert (tmp_path / "reports" / "mega-variants" / "index.html").is_file()
