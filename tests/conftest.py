@@ -20,6 +20,11 @@ for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"
     os.environ[var] = str(_TMP / var.lower())
     Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("DALLE_ABLATE_CACHE", str(_TMP / "cache"))
+# The suite's many `run.py` subprocesses compile the same small programs again and again: JAX's
+# persistent compilation cache, fresh for each session, lets every process after the first load
+# them (test_job.py with test_faults.py: 265 s without, 169 s with). Every test still runs.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_TMP / "jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny models compile in < 1 s
 
 # Small data that still exercises every path; built once per session (cached on disk).
 SMALL_DATA = [
