@@ -63,7 +63,8 @@ def imported_distributions() -> dict[str, set[str]]:
 def test_declared_dependencies_are_the_imported_ones():
     imported = imported_distributions()
     required = requirement_names(PYPROJECT["project"]["dependencies"])
-    optional = requirement_names(PYPROJECT["project"]["optional-dependencies"]["ref"])
+    optional = requirement_names([*PYPROJECT["project"]["optional-dependencies"]["ref"],
+                                  *PYPROJECT["project"]["optional-dependencies"]["cluster"]])
     undeclared = {d: sorted(m) for d, m in imported.items() if d not in required | optional}
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
     unused = required - set(imported) - {norm(d) for d in LOADED_BY_OTHERS}
@@ -77,7 +78,7 @@ def test_the_constraints_pin_every_declared_requirement_at_its_version():
             name, version = line.split("==")
             pins[norm(name)] = version.strip()
     extras = PYPROJECT["project"]["optional-dependencies"]
-    for req in [*PYPROJECT["project"]["dependencies"], *extras["dev"], *extras["ref"]]:
+    for req in [*PYPROJECT["project"]["dependencies"], *extras["dev"], *extras["ref"], *extras["cluster"]]:
         name, version = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^ ;]+)", req).groups()
         assert pins.get(norm(name)) == version, f"{req}: constraints.txt pins {pins.get(norm(name))}"
 

@@ -1,11 +1,11 @@
 """The project's Optuna sweeper for Hydra (`hydra/sweeper=optuna`), on optuna 5 through its
 ask-and-tell interface: the search space comes from the overrides (space.py), trials run as
-Hydra jobs through whatever launcher is configured (basic, joblib), and their returns are told
-back. Unlike the official plugin (optuna < 3): trials are counted across resumes and across
-processes sharing the study, a job that raises or returns NaN is a FAILED trial and the sweep
-goes on, jobs can be pruned (trial.py), a trial whose process died is found by its heartbeat and
-replaced (or retried from its checkpoint), and a seeded sampler draws new points in every
-process that joins the study."""
+Hydra jobs through whatever launcher is configured (basic, joblib, or a cluster's: launch/), and
+their returns are told back. Unlike the official plugin (optuna < 3): trials are counted across
+resumes and across processes sharing the study, a job that raises or returns NaN is a FAILED
+trial and the sweep goes on, jobs can be pruned (trial.py), a trial whose process died (found by
+its heartbeat, or lost by a cluster launcher) is replaced (or retried from its checkpoint), and a
+seeded sampler draws new points in every process that joins the study."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
 from dalle_ablate.fileio import atomic_write
+from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import space as spaces
 from dalle_ablate.sweep.study import (PRUNER_ATTR, STARTS_ATTR, default_storage, heartbeats, make_pruner, make_sampler,
@@ -183,6 +184,12 @@ class OptunaSweeper(Sweeper):
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
             for trial, ret in zip(trials, returns):
+                if ret.status == JobStatus.FAILED and isinstance(ret._return_value, WorkerLost):
+                    trial.set_user_attr("why", str(ret._return_value))
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)  # as a trial found dead by its heartbeat
+                    self._died(study, study._storage.get_trial(trial._trial_id), str(ret._return_value),
+                               ret._return_value.job_dir)
+                    continue
                 state, values, why = outcome(ret, len(self.directions))
                 if why:
                     trial.set_user_attr("why", why)
@@ -194,12 +201,18 @@ class OptunaSweeper(Sweeper):
         return study.get_trials()
 
     def _stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        """A trial whose process died: say why, mark its run store, and queue a retry if asked."""
-        why = (f"its process died: no heartbeat for over {self.grace_period} s (hydra.sweeper.grace_period), found by a "
-               f"later sweep start")
+        """A trial whose process died unseen (the sweep's own process with it)."""
+        self._died(study, trial, f"its process died: no heartbeat for over {self.grace_period} s "
+                                 f"(hydra.sweeper.grace_period), found by a later sweep start")
+
+    def _died(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, why: str, job_dir: Optional[str] = None) -> None:
+        """A FAILED trial whose process died (found by its heartbeat, or a launcher's lost worker):
+        say why, mark its run store, and queue a retry if asked; it does not count toward n_trials.
+        A job lost before it recorded its run store on the trial has it in its folder (`run`, as
+        train/loop.py names it)."""
         study.set_user_attr(STALE_ATTR, {**study.user_attrs.get(STALE_ATTR, {}), str(trial.number): why})
         log.warning(f"trial {trial.number} FAIL: {why}")
-        run_dir = trial.user_attrs.get(RUN_DIR_ATTR)
+        run_dir = trial.user_attrs.get(RUN_DIR_ATTR) or (job_dir and str(Path(job_dir) / "run"))
         if run_dir and Path(run_dir).is_dir():
             mark_failed(run_dir, f"killed: {why}")
         if self.retry is not None:
