@@ -201,7 +201,6 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str]) -> tuple
     arms.tables.append(arm_rows(study, by_arm))
 
     figs = Section(study.name, "The figures behind the findings")  # key: the figures' file names
-    palette = figures.colors(list(by_arm))
     for r in rows:
         f = r["finding"]
         pair = {a: by_arm[a] for a in (f.arm, f.against) if a in by_arm}
@@ -210,7 +209,8 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str]) -> tuple
             continue
         columns = ["train/loss", "eval/valid/loss"] if f.metric != "step_time" else ["train/loss", "perf/step_time"]
         figs.images.append((f"{f.id}: {f.claim} — {f.arm} vs {f.against}, {r['verdict']}",
-                            figures.curves_figure(pair, columns, {a: palette[a] for a in pair})))
+                            # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle
+                            figures.curves_figure(pair, columns, figures.colors([f.against, f.arm]))))
     return [head, arms, figs], rows
 
 
