@@ -25,7 +25,7 @@ pytest.importorskip("submitit", reason="the cluster extra: pip install -c constr
 
 pytestmark = pytest.mark.slow  # end-to-end sweeps
 SWEEP = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant", "hydra/sweeper=optuna", "optim.lr=interval(1e-4,1e-2)",
-         "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=4", "mesh.data=2"]
+         "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", "mesh.data=2"]
 
 
 def sweep(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
@@ -65,9 +65,9 @@ def worker_pids(title: str) -> list[int]:
 def ray_cluster():
     from ray.cluster_utils import Cluster
 
-    # Ray's CPUs are a count it schedules by, not cores: four trials of two processes fit at once.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
-    cluster.add_node(num_cpus=4)  # a second raylet: the trials of a batch run on two nodes
+    # Ray's CPUs are a count it schedules by, not cores: two trials of two processes fit at once.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)  # a second raylet: the trials of a batch run on two nodes
     cluster.wait_for_nodes()
     yield cluster
     cluster.shutdown()
@@ -111,7 +111,7 @@ def test_a_ray_sweep_on_postgresql_runs_its_trials_and_a_killed_worker_fails_onl
     assert not worker_pids("ray::run_one")  # no process of the lost trial left waiting for its partner
     complete = [t for t in study.trials if t.state.name == "COMPLETE"]
     assert wandb_groups(complete) == [str(tmp_path / "multirun")] * 4  # a W&B run each, grouped by the sweep
-    assert "Ray cluster: 8 CPUs on 2 nodes" in out
+    assert "Ray cluster: 4 CPUs on 2 nodes" in out
     optuna.delete_study(study_name=name, storage=url)
 
 
