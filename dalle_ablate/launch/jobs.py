@@ -36,8 +36,13 @@ def job_dir(cfg: DictConfig) -> Optional[str]:
         return None
 
 
+def failed(overrides: Sequence[str], error: BaseException) -> JobReturn:
+    """A job that did not return a JobReturn of its own: the sweeper records a FAILED trial."""
+    return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
+
+
 def lost(cfg: DictConfig, overrides: Sequence[str], why: str) -> JobReturn:
-    return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=WorkerLost(why, job_dir(cfg)))
+    return failed(overrides, WorkerLost(why, job_dir(cfg)))
 
 
 def sweep_configs(hydra_context, config: DictConfig, job_overrides: Sequence[Sequence[str]],

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, setup_globals
+from hydra.core.utils import JobReturn, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_ablate.launch.jobs import lost, process_env, run_one, sweep_configs
+from dalle_ablate.launch.jobs import failed, lost, process_env, run_one, sweep_configs
 from dalle_ablate.registry import ConfigError
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class RayLauncher(Launcher):
             except ray.exceptions.TaskCancelledError:
                 continue  # a process of a job already lost
             except ray.exceptions.RayTaskError as e:  # the launcher's own code on the worker failed
-                ret = JobReturn(overrides=list(job_overrides[job]), status=JobStatus.FAILED, _return_value=e.cause or e)
+                ret = failed(job_overrides[job], e.cause or e)
             except ray.exceptions.RayError as e:
                 why = (f"process {rank} of job #{configs[job].hydra.job.num} was lost: {type(e).__name__}: "
                        f"{str(e).strip().splitlines()[0]}")

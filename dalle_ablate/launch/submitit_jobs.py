@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, setup_globals
+from hydra.core.utils import JobReturn, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_ablate.launch.jobs import lost, process_env, run_one, sweep_configs
+from dalle_ablate.launch.jobs import failed, lost, process_env, run_one, sweep_configs
 
 log = logging.getLogger(__name__)
 TARGET = "hydra_plugins.dalle_ablate_launcher.SubmititLauncher"
@@ -97,7 +97,7 @@ class SubmititLauncher(Launcher):
                     log.warning(why)
                     returns.append(lost(cfg, overrides, why))
                 except FailedJobError as e:  # the launcher's own code on the worker failed
-                    returns.append(JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=e))
+                    returns.append(failed(overrides, e))
         finally:
             for job in jobs[len(returns):]:  # Ctrl-C: no job keeps running after the sweep
                 job.cancel(check=False)
