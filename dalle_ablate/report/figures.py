@@ -212,3 +212,61 @@ def side_by_side(panels: list[tuple[str, Path]], border: int = 3, gap: int = 12)
     buf = io.BytesIO()
     canvas.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
+    """A study's findings, one line each: the paired difference in units of its margin Δ, turned
+    so that the side the claim predicts is to the right (metrics of different units share one
+    axis; ±Δ is ±1 for all). Thick: the 95 % interval; thin: the family-wise one; shaded: ±Δ.
+    Intervals beyond ±`clip` Δ end in an arrow at the edge."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9.5, 0.42 * len(rows) + 1.4))
+    ax.axvspan(-1, 1, color="#dde8f3", zorder=0, label="±Δ: no meaningful effect")
+    ax.axvline(0, color="#444", lw=0.8)
+    for i, r in enumerate(rows):
+        side = 1 if r["finding"].expect == "higher" else -1
+        scale = side / r["margin"] if r["margin"] > 0 else np.nan
+        y = len(rows) - 1 - i
+        d = r["diff"] * scale
+        lo, hi = sorted((r["low"] * scale, r["high"] * scale))
+        flo, fhi = sorted((r["fw_low"] * scale, r["fw_high"] * scale))
+        if not np.isfinite(d):
+            ax.text(0, y, "no paired seeds", fontsize=8, va="center", ha="center", color="#888")
+            continue
+        for a, b, lw in ((flo, fhi, 1.0), (lo, hi, 3.5)):
+            if np.isfinite(a) and np.isfinite(b):
+                ax.plot([max(a, -clip), min(b, clip)], [y, y], color="#1f4e79", lw=lw, solid_capstyle="butt")
+                for edge, sign in ((a, -1), (b, 1)):
+                    if abs(edge) > clip and np.sign(edge) == sign:
+                        ax.plot(sign * clip, y, marker=">" if sign > 0 else "<", color="#1f4e79", ms=6)
+        ax.plot(np.clip(d, -clip, clip), y, "o", color="#c00000", ms=5, zorder=3)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{r['finding'].id}: {r['verdict']}" for r in reversed(rows)], fontsize=8)
+    ax.set_xlim(-clip - 0.5, clip + 0.5)
+    ax.set_xlabel("paired difference (arm − vs) in units of the finding's margin Δ; right: the side the claim predicts")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    fig.tight_layout()
+    return png(fig)
+
+
+def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 4) -> bytes:
+    """Small multiples, one per finding: its paired difference at every evaluation with the 95 %
+    interval as a band, 0 and ±Δ as lines, in the metric's units."""
+    plt = _plt()
+    nrows = max(1, -(-len(courses) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(courses):]:
+        ax.axis("off")
+    for ax, (name, margin, (steps, d, lo, hi)) in zip(axes.flat, courses):
+        ax.axhspan(-margin, margin, color="#dde8f3", zorder=0)
+        ax.axhline(0, color="#444", lw=0.8)
+        ax.fill_between(steps, lo, hi, color="#1f4e79", alpha=0.25, lw=0)
+        ax.plot(steps, d, "-o", ms=2, color="#1f4e79", lw=1.2)
+        ax.set_title(name, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step", fontsize=8)
+    fig.tight_layout()
+    return png(fig)

@@ -1,13 +1,16 @@
 """A study's results page (`dalle-ablate study`): each finding of a published study checked
-against the runs of its arms -- the measured difference with its 95% Welch interval across
-seeds, a verdict, the figure behind it -- then every arm's numbers and stability counts.
+against the runs of its arms -- the paired difference over the seeds both arms ran, its interval
+from the noise pooled over the study's arms, one of five verdicts at a family-wise 5 % (Holm),
+the seeds a finding not resolved needs, Welch's interval beside it for comparison, its course
+over training -- then the noise floor, every arm's numbers and the figures (docs/statistics.md).
 
 A study is a YAML file (`report/studies/<name>.yaml`): the multirun preset that runs it, its
 baseline arm, and its findings, each a claim with the arm it is about, the arm it is compared
-with, a metric (`METRICS`) and the direction the claim predicts."""
+with, a metric (`METRICS`), the direction the claim predicts and its margin Δ (`MARGINS`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -15,16 +18,19 @@ from typing import Callable, Optional
 
 import numpy as np
 import yaml
+from scipy import stats as st
 
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report.load import Run, series
+from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.stats import diff_ci, diverged, mean_ci, spikes
 from dalle_ablate.report.tables import final_value, fmt, headline_values
 from dalle_ablate.report.writers import Section
 
 STUDIES = Path(__file__).parent / "studies"
-VERDICTS = ("reproduced", "contradicted", "not resolved at this scale")
+TOPUPS = "topups.json"  # in a study's folder: each top-up's seeds before and after, and what the rule asked
+VERDICTS = V.VERDICTS
 
 
 def _median_step_time(run: Run) -> float:
@@ -44,6 +50,25 @@ METRICS: dict[str, tuple[str, Callable[[Run], float]]] = {
 }
 
 
+# The margin Δ of each metric when a finding does not declare its own (docs/statistics.md says
+# why each): "N%" of the baseline arm's mean over its finished seeds (blind to every other arm), or
+# an absolute value in the metric's units.
+MARGINS: dict[str, str] = {
+    # Kaplan et al. 2020 (L ~ C^-0.050): 2 % of the loss is what ~1.5x the training compute buys
+    # (1.02^20 = 1.49); a variant worth less than half again the compute is no "clearly helps".
+    "eval_loss": "2%",
+    "train_loss": "2%",
+    # a cost under 5 % of a step is within what the machine's own load moves step time by
+    "step_time": "5%",
+    # 5 points of shapes all-correct: about the 95 % Wilson half-width of one evaluation's rate
+    "shapes_all": "0.05",
+    # one loss spike per run
+    "loss_spikes": "1",
+}
+# The metrics whose course over training the page draws: metric -> the logged column.
+SERIES = {"eval_loss": "eval/valid/loss", "train_loss": "train/loss"}
+
+
 @dataclass
 class Finding:
     id: str
@@ -52,6 +77,7 @@ class Finding:
     against: str  # the arm it is compared with
     metric: str  # a key of METRICS
     expect: str  # "lower" | "higher": the arm's value against the other's, if the claim holds
+    margin: Optional[str] = None  # Δ: "N%" of the baseline's mean or an absolute value; None: MARGINS[metric]
 
 
 @dataclass
@@ -82,16 +108,30 @@ def load_study(path: Path) -> Study:
     findings = []
     for i, f in enumerate(raw["findings"]):
         keys = [field.name for field in fields(Finding)]
-        missing = [k for k in keys if k not in f]
+        missing = [k for k in keys if k not in f and k != "margin"]
         if missing:
             raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
         if f["metric"] not in METRICS:
             raise ConfigError(f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: {', '.join(METRICS)}")
         if f["expect"] not in ("lower", "higher"):
             raise ConfigError(f"{where}: finding {f['id']!r} has expect {f['expect']!r}; valid: lower, higher")
-        findings.append(Finding(**{k: f[k] for k in keys}))
+        margin = f.get("margin", MARGINS.get(f["metric"]))
+        if margin is None or parse_margin(margin) is None:
+            raise ConfigError(f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
+                              f"metric's units (0.01) or a percentage of the baseline's mean (2%)")
+        findings.append(Finding(**{k: f[k] for k in keys if k != "margin"}, margin=str(margin)))
     return Study(raw["name"], raw["title"], raw["source"], raw["experiment"], raw["baseline"], findings,
                  raw.get("scale_note", ""))
+
+
+def parse_margin(margin) -> Optional[tuple[float, bool]]:
+    """(value, relative) of a margin "2%" or 0.01; None if it is not a positive number."""
+    text = str(margin).strip()
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        return None
+    return (value, text.endswith("%")) if math.isfinite(value) and value > 0 else None
 
 
 def arm_of(run: Run) -> Optional[str]:
@@ -102,32 +142,114 @@ def arm_of(run: Run) -> Optional[str]:
     return None
 
 
-def verdict(low: float, high: float, expect: str) -> str:
-    """Reproduced when the interval of (arm - other) excludes 0 on the side the claim predicts,
-    contradicted when it excludes 0 on the other side, else not resolved at this scale."""
-    if not (np.isfinite(low) and np.isfinite(high)) or low <= 0 <= high:
-        return VERDICTS[2]
-    higher = low > 0
-    return VERDICTS[0] if higher == (expect == "higher") else VERDICTS[1]
+def claims_tables(study: Study, by_arm: dict[str, list[Run]],
+                  extra: Optional[dict[str, dict[str, dict]]] = None) -> tuple[list[str], list, dict[str, np.ndarray]]:
+    """(arms, seeds, metric -> values[arm, seed]) of the finished runs, NaN where an arm has no
+    finished run of a seed. `extra` (metric -> arm -> seed -> value) adds or replaces tables: the
+    seam for values measured elsewhere, e.g. a stability claim's per-seed learning-rate
+    sensitivity from stress runs."""
+    arms = list(dict.fromkeys([*by_arm, *(a for f in study.findings for a in (f.arm, f.against))]))
+    done = {a: {r.seed: r for r in by_arm.get(a, []) if r.status == "finished"} for a in arms}
+    extra = extra or {}
+    seeds = sorted({s for d in done.values() for s in d} | {s for t in extra.values() for d in t.values() for s in d},
+                   key=str)
+    tables = {}
+    for m in dict.fromkeys(f.metric for f in study.findings):
+        if m in extra:
+            tables[m] = np.array([[float(extra[m].get(a, {}).get(s, math.nan)) for s in seeds] for a in arms])
+        else:
+            tables[m] = np.array([[METRICS[m][1](done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms])
+    return arms, seeds, tables
 
 
-def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> list[dict]:
-    """One row per finding: the arm's and the other arm's mean, the difference with its Welch
-    interval at `level` and at the Bonferroni level over all findings, and both verdicts."""
-    k = len(study.findings)
-    bonferroni = 1 - (1 - level) / k
-    rows = []
+def margin_of(f: Finding, baseline_values: np.ndarray) -> float:
+    """Δ of a finding in its metric's units: a percentage of the baseline's mean, or absolute."""
+    value, relative = parse_margin(f.margin)
+    if not relative:
+        return value
+    base = baseline_values[np.isfinite(baseline_values)]
+    return value * abs(float(base.mean())) if len(base) else math.nan
+
+
+def judge(study: Study, arms: list[str], tables: dict[str, np.ndarray], alpha: float = V.ALPHA) -> tuple[list[V.Claim], dict]:
+    """The claims of `study` on these tables and verdicts.analyse's results, with seeds-needed."""
+    b = arms.index(study.baseline) if study.baseline in arms else None
+    claims = []
     for f in study.findings:
-        value = METRICS[f.metric][1]
-        a = [value(r) for r in by_arm.get(f.arm, []) if r.status == "finished"]
-        b = [value(r) for r in by_arm.get(f.against, []) if r.status == "finished"]
-        d, lo, hi = diff_ci(a, b, level) if a and b else (math.nan,) * 3
-        _, blo, bhi = diff_ci(a, b, bonferroni) if a and b else (math.nan,) * 3
-        rows.append({"finding": f, "n": (len(a), len(b)), "arm_mean": float(np.mean(a)) if a else math.nan,
-                     "against_mean": float(np.mean(b)) if b else math.nan, "diff": d, "low": lo, "high": hi,
-                     "verdict": verdict(lo, hi, f.expect), "bonferroni_level": bonferroni,
-                     "bonferroni_verdict": verdict(blo, bhi, f.expect)})
+        t = tables[f.metric]
+        base = t[b] if b is not None else np.array([math.nan])
+        claims.append(V.Claim(f.metric, arms.index(f.arm), arms.index(f.against), 1 if f.expect == "higher" else -1,
+                              margin_of(f, base)))
+    r = V.analyse(tables, claims, alpha)
+    present = np.array([int(np.isfinite(tables[c.metric]).any(1).sum()) for c in claims])
+    r["needed"] = np.array([int(V.seeds_needed(sd, c.margin, max(a, 2), len(claims), alpha))
+                            for sd, c, a in zip(r["pooled_sd"], claims, present)])
+    return claims, r
+
+
+def verdict_text(code: int, needed: int) -> str:
+    if code != V.UNRESOLVED:
+        return VERDICTS[code]
+    if needed == 0:
+        return "not resolved: no seed spread to test against"
+    more = "more than " if needed > V.MAX_SEEDS else ""
+    return f"not resolved: needs {more}{min(needed, V.MAX_SEEDS)} seeds"
+
+
+def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95,
+            extra: Optional[dict[str, dict[str, dict]]] = None) -> list[dict]:
+    """One row per finding: both arms' means, the paired difference over the seeds both ran with
+    its `level` interval and its family-wise one (Bonferroni over the findings), rho, whether
+    the pooled noise was used, Welch's interval for comparison, the margin, seeds-needed and the
+    verdict (Holm over the findings at 5 %)."""
+    arms, seeds, tables = claims_tables(study, by_arm, extra)
+    claims, r = judge(study, arms, tables)
+    k = len(claims)
+    fw = 1 - V.ALPHA / k
+    rows = []
+    for i, (f, c) in enumerate(zip(study.findings, claims)):
+        t = tables[f.metric]
+        a, b = t[c.arm], t[c.against]
+        a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+        _, wlo, whi = diff_ci(a, b, level) if len(a) and len(b) else (math.nan,) * 3
+        half = st.t.ppf(0.5 + fw / 2, r["df"][i]) * r["se"][i] if r["df"][i] > 0 else math.nan
+        both = np.isfinite(t[c.arm]) & np.isfinite(t[c.against])
+        rows.append({"finding": f, "n": (len(a), len(b)), "seeds": [s for s, ok in zip(seeds, both) if ok],
+                     "arm_mean": float(a.mean()) if len(a) else math.nan,
+                     "against_mean": float(b.mean()) if len(b) else math.nan,
+                     "diff": float(r["d"][i]), "low": float(r["low"][i]), "high": float(r["high"][i]),
+                     "fw_low": float(r["d"][i] - half), "fw_high": float(r["d"][i] + half), "fw_level": fw,
+                     "welch_low": wlo, "welch_high": whi, "rho": float(r["rho"][i]), "pooled": bool(r["pooled"][i]),
+                     "outlier": bool(r["outlier"][i]), "df": float(r["df"][i]), "margin": float(r["margin"][i]),
+                     "p_zero": float(r["p_zero"][i]), "p_tost": float(r["p_tost"][i]), "needed": int(r["needed"][i]),
+                     "code": int(r["verdict"][i]), "verdict": verdict_text(int(r["verdict"][i]), int(r["needed"][i]))})
     return rows
+
+
+def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> dict[str, tuple]:
+    """finding id -> (steps, paired difference, low, high) at every evaluation of its metric's
+    column (SERIES), the same pooled analysis at each step."""
+    arms, _, _ = claims_tables(study, by_arm)
+    out = {}
+    for m, column in SERIES.items():
+        found = [f for f in study.findings if f.metric == m]
+        if not found:
+            continue
+        done = {a: {r.seed: dict(zip(*series(r, column))) for r in by_arm.get(a, []) if r.status == "finished"}
+                for a in arms}
+        seeds = sorted({s for d in done.values() for s in d}, key=str)
+        steps = sorted({x for d in done.values() for c in d.values() for x in c})
+        if not steps or not seeds:
+            continue
+        t = np.array([[[done[a][s].get(x, math.nan) if s in done[a] else math.nan for s in seeds] for a in arms]
+                      for x in steps])
+        # the intervals only: the margin plays no part in them
+        claims = [V.Claim(m, arms.index(f.arm), arms.index(f.against), 1 if f.expect == "higher" else -1, 1.0)
+                  for f in found]
+        r = V.analyse({m: t}, claims, level=level)
+        for j, f in enumerate(found):
+            out[f.id] = (np.array(steps, float), r["d"][:, j], r["low"][:, j], r["high"][:, j])
+    return out
 
 
 def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], list[list]]:
@@ -154,32 +276,78 @@ def _interval(lo: float, hi: float) -> str:
     return f"[{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) and np.isfinite(hi) else "–"
 
 
-def page_sections(study: Study, runs: list[Run], provenance: list[str]) -> tuple[list[Section], list[dict]]:
-    """The results page as report sections, and the comparison rows."""
+TOPUP_RULE = ("Adding seeds (dalle-ablate study NAME --seeds auto): the study is topped up once, to the largest "
+              "seeds-needed over all its findings, resolved or not -- a number computed from the pooled residual noise "
+              "and the declared margins only, never from an effect -- and judged again on all its seeds with the same "
+              "tests. The residual noise of the additive model is independent of the arms' differences, so the choice "
+              "of N carries no information about them (a blinded internal pilot, Wittes & Brittain 1990; Kieser & "
+              "Friede 2003); tests/report/test_verdicts.py simulates the family-wise error of this rule. A top-up to "
+              "any other N (--seeds N) is valid only if N was fixed without looking at the verdicts.")
+
+
+def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:
     by_arm: dict[str, list[Run]] = {}
     for r in runs:
         arm = arm_of(r)
         if arm is not None:
             by_arm.setdefault(arm, []).append(r)
+    return by_arm
+
+
+def topup_target(study: Study, runs: list[Run]) -> tuple[int, int]:
+    """(seeds per arm now, seeds per arm the top-up rule asks for)."""
+    by_arm = _arms_by(runs)
+    arms, seeds, tables = claims_tables(study, by_arm)
+    _, r = judge(study, arms, tables)
+    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
+    return now, V.topup_seeds([int(n) for n in r["needed"] if n > 0], now)
+
+
+def _noise_note(r: dict) -> str:
+    if r["outlier"]:
+        return f"own, df {r['df']:.0f} (an arm's seeds stray from the others')"
+    if not r["pooled"]:
+        return f"own, df {r['df']:.0f} (the pair varies more than the pool)" if r["df"] > 0 else "–"
+    return f"pooled, df {r['df']:.0f}"
+
+
+def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: Optional[list[dict]] = None,
+                  extra: Optional[dict[str, dict[str, dict]]] = None) -> tuple[list[Section], list[dict]]:
+    """The results page as report sections, and the comparison rows. `topups`: the study's
+    top-up log (cmd_study); `extra`: tables of values measured elsewhere (claims_tables)."""
+    by_arm = _arms_by(runs)
     if not by_arm:
         raise ConfigError(f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
                           f"experiment={study.experiment}")
-    rows = compare(study, by_arm)
-    counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
+    rows = compare(study, by_arm, extra=extra)
+    k = len(rows)
+    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(VERDICTS)}  # in VERDICTS' order
+    counts = {v: n for v, n in counts.items() if n}
+    settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.EQUIVALENT, V.CONTRADICTED) for r in rows)
     head = Section("summary", "Summary")
     head.text.append(f"Source: {study.source}.")
     head.text += provenance
-    head.text.append(f"{len(rows)} findings: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ". A verdict reads the "
-                     "95% Welch t interval of the difference of means across seeds (arm minus the arm it is compared "
-                     "with): reproduced when it excludes 0 on the side the claim predicts, contradicted when it excludes "
-                     "0 on the other side, not resolved at this scale when it contains 0.")
+    head.text.append(f"{k} findings, {settled} settled: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".")
+    head.text.append(
+        "How a verdict is read (docs/statistics.md): arms run with the same seed share its data order and initial key, so "
+        "each finding is judged on its per-seed differences (arm minus the arm it is compared with, over the seeds both "
+        "finished), with the noise of a difference pooled over all the study's arms by the additive model value ~ arm + "
+        "seed; a finding whose own differences vary more than the pool allows (the upper 10 % of the F ratio), or that "
+        "names an arm whose seeds stray from the others' (the upper 1 %), is judged on its own variance instead. Each "
+        "finding has a margin Δ declared in the study file before its runs. Three tests per finding -- the difference "
+        "against 0 (two-sided), against Δ on the predicted side, and equivalence within ±Δ (two one-sided tests) -- each "
+        f"decided by Holm's procedure over the {k} findings at a family-wise 5 %. Verdicts: reproduced (beyond 0 and "
+        "beyond Δ on the predicted side); reproduced, possibly smaller than Δ (beyond 0 only); no meaningful effect "
+        "(equivalent within ±Δ, which contradicts a claim of an effect); contradicted (beyond 0 on the other side); not "
+        "resolved, with the seeds per arm at which a true effect of Δ would be told from 0 with 80 % power, from the "
+        "pooled noise and Δ alone.")
+    head.text.append("The table's 95 % interval is the paired one; the family-wise interval is at the Bonferroni level "
+                     f"({1 - V.ALPHA / k:.2%} per finding), which Holm's decisions never need more than; Welch's "
+                     "unpaired interval is beside it to show what pairing bought, with rho, the two arms' correlation "
+                     "across seeds.")
     used = dict.fromkeys(f.metric for f in study.findings)
-    head.text.append("Metrics: " + "; ".join(f"{m}: {METRICS[m][0]}" for m in used) + ". Only finished runs are "
-                     "compared; the arms' table counts the others.")
-    k = len(rows)
-    head.text.append(f"Multiple comparisons: {k} findings are tested, so about {0.05 * k:.1f} would show a 95% interval "
-                     f"excluding 0 by chance alone if no claim held. The last column repeats each verdict at the "
-                     f"Bonferroni level ({rows[0]['bonferroni_level']:.2%} per finding, 95% for all together).")
+    head.text.append("Metrics: " + "; ".join(f"{m}: {METRICS[m][0]}" if m in METRICS else m for m in used) + ". Only "
+                     "finished runs are compared; the arms' table counts the others.")
     base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
     c, m = base[0].config, base[0].meta
     head.text.append(f"These runs: {c.get('trainer.steps')} steps of {c.get('trainer.batch_size')} at d_model "
@@ -188,19 +356,58 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str]) -> tuple
                      f"{max(len(rs) for rs in by_arm.values())} seeds per arm at most.")
     if study.scale_note:
         head.text.append(study.scale_note)
-    head.tables.append((["finding", "claim", "arm vs", "metric", "arm", "vs", "Δ (arm − vs)", "95% CI", "n", "verdict",
-                         "Bonferroni"],
+    head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "paired diff", "95% CI",
+                         "family-wise CI", "rho", "noise", "Welch 95% CI", "seeds", "verdict"],
                         [[r["finding"].id, r["finding"].claim, f"{r['finding'].arm} vs {r['finding'].against}",
-                          f"{r['finding'].metric} ({r['finding'].expect} if the claim holds)", r["arm_mean"],
-                          r["against_mean"], r["diff"], _interval(r["low"], r["high"]), f"{r['n'][0]} vs {r['n'][1]}",
-                          r["verdict"], r["bonferroni_verdict"]] for r in rows]))
+                          f"{r['finding'].metric} ({r['finding'].expect} if the claim holds)",
+                          f"±{fmt(r['margin'])} ({r['finding'].margin})", r["arm_mean"], r["against_mean"], r["diff"],
+                          _interval(r["low"], r["high"]), _interval(r["fw_low"], r["fw_high"]), r["rho"],
+                          _noise_note(r), _interval(r["welch_low"], r["welch_high"]),
+                          ", ".join(str(s) for s in r["seeds"]) or "–", r["verdict"]] for r in rows]))
 
-    arms = Section("arms", "Every arm")
-    arms.text.append("Mean over the finished seeds with a 95% Student-t interval; loss spikes per run in seed order; "
-                     "runs whose loss stopped being finite. Step time measures the machine's load as well as the arm.")
-    arms.tables.append(arm_rows(study, by_arm))
+    noise = Section("noise", "Noise floor")
+    noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the residual noise of the "
+                      "additive model pooled over the arms (what is left of a difference once the shared seed is taken "
+                      "out) and the seed's share of one run's variance (how much of it the arms share: what pairing "
+                      "removes). Where the noise comes from -- data order or initialisation -- a study tells apart only "
+                      "by varying one of the two at a time; these runs vary both together through `seed`.")
+    arms, seeds, tables = claims_tables(study, by_arm, extra)
+    nrows = []
+    for metric, t in tables.items():
+        out = V.outlying_arms(t, V.OUTLIER)
+        s2, df, share = V.blocked_residual(np.where(out[:, None], np.nan, t))
+        b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
+        b = b[np.isfinite(b)]
+        nrows.append([metric, float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), float(np.sqrt(s2)), float(df),
+                      float(share), ", ".join(a for a, o in zip(arms, out) if o) or "none"])
+    noise.tables.append((["metric", "baseline's sd across seeds", "baseline seeds", "pooled residual sd", "its df",
+                          "seed share", "arms left out of the pool"], nrows))
+
+    top = Section("topup", "Adding seeds")
+    top.text.append(TOPUP_RULE)
+    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
+    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0], now)
+    top.text.append(f"Now {now} seeds per arm at most; the rule asks for {target}"
+                    + (f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "") + ".")
+    for t in topups or []:
+        top.text.append(f"Topped up from {t.get('from')} to {t.get('to')} seeds per arm ({t.get('how')}); the rule then "
+                        f"asked for {t.get('rule')}.")
+
+    arms_s = Section("arms", "Every arm")
+    arms_s.text.append("Mean over the finished seeds with a 95% Student-t interval; loss spikes per run in seed order; "
+                       "runs whose loss stopped being finite. Step time measures the machine's load as well as the arm.")
+    arms_s.tables.append(arm_rows(study, by_arm))
 
     figs = Section(study.name, "The figures behind the findings")  # key: the figures' file names
+    figs.images.append(("Every finding's paired difference in units of its margin Δ, the side the claim predicts to "
+                        "the right: thick, the 95 % interval; thin, the family-wise one; shaded, ±Δ",
+                        figures.forest_figure(rows)))
+    courses = course(study, by_arm)
+    if courses:
+        figs.images.append(("The paired difference over training at every evaluation, with its 95 % interval (pooled as "
+                            "at the end) and ±Δ: a verdict at one budget can differ at another",
+                            figures.course_figure([(r["finding"].id, r["margin"], courses[r["finding"].id])
+                                                   for r in rows if r["finding"].id in courses])))
     for r in rows:
         f = r["finding"]
         pair = {a: by_arm[a] for a in (f.arm, f.against) if a in by_arm}
@@ -211,7 +418,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str]) -> tuple
         figs.images.append((f"{f.id}: {f.claim} — {f.arm} vs {f.against}, {r['verdict']}",
                             # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle
                             figures.curves_figure(pair, columns, figures.colors([f.against, f.arm]))))
-    return [head, arms, figs], rows
+    return [head, noise, top, arms_s, figs], rows
 
 
 def write_page(study: Study, source: str, page_dir: Path, provenance: list[str]) -> Path:
@@ -223,7 +430,9 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str])
 
     page_dir = Path(page_dir)
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
-    sections, _ = page_sections(study, load_runs(source), provenance)
+    log = Path(source) / TOPUPS
+    topups = json.loads(log.read_text()) if log.exists() else []
+    sections, _ = page_sections(study, load_runs(source), provenance, topups)
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
         old.unlink()
     path = page_dir / f"{study.name}.md"

@@ -16,28 +16,32 @@ import numpy as np
 import pytest
 import yaml
 from scipy import stats as st
+from statsmodels.formula.api import ols
+import pandas as pd
 
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.findings import load_study, page_sections, study_path
+from dalle_ablate.report import verdicts as V
+from dalle_ablate.report.findings import compare, load_study, page_sections, study_path
 from dalle_ablate.report.load import find_stores, load_runs
 from dalle_ablate.validate import compose, to_run_config
 
 # Final eval losses per arm and seed.
-ARMS = {
+ARMS = {  # each arm the baseline's seeds shifted, plus a little noise of its own
     "base": [1.0, 1.1, 0.9],
-    "worse": [2.0, 2.1, 1.9],  # far above base
-    "better": [0.5, 0.6, 0.4],  # far below base
-    "noisy": [0.8, 1.3, 1.0],  # around base
-    "edge_a": [1.3, 1.4, 1.5],  # 0.3 above edge_b: t = 3.67 on 4 df, between the 95% and Bonferroni quantiles
-    "edge_b": [1.0, 1.1, 1.2],
+    "worse": [2.03, 2.08, 1.89],  # far above base, seed for seed
+    "better": [0.48, 0.63, 0.39],  # far below base
+    "noisy": [0.97, 1.15, 0.88],  # around base
+    "same": [1.02, 1.10, 0.91],  # base + 0.01: within a margin of 0.5
+    "slightly": [1.46, 1.55, 1.34],  # base + 0.45: beyond 0, neither beyond nor within a margin of 0.5
 }
-FINDINGS = [  # (id, arm, against, expect, the verdict at 95%)
-    ("worse-is-worse", "worse", "base", "higher", "reproduced"),
-    ("better-is-worse", "better", "base", "higher", "contradicted"),
-    ("better-is-better", "better", "base", "lower", "reproduced"),
-    ("noisy", "noisy", "base", "higher", "not resolved at this scale"),
-    ("edge", "edge_a", "edge_b", "higher", "reproduced"),
+FINDINGS = [  # (id, arm, against, expect, margin, the verdict)
+    ("worse-is-worse", "worse", "base", "higher", None, "reproduced"),
+    ("better-is-worse", "better", "base", "higher", None, "contradicted (reversed)"),
+    ("better-is-better", "better", "base", "lower", "0.1", "reproduced"),
+    ("noisy", "noisy", "base", "higher", "2%", "not resolved: needs 39 seeds"),
+    ("same", "same", "base", "higher", "0.5", "no meaningful effect (equivalent within ±Δ)"),
+    ("slightly", "slightly", "base", "higher", "0.5", "reproduced, possibly smaller than Δ"),
 ]
 
 
@@ -54,8 +58,8 @@ def write_store(root: Path, arm: str, seed: int, final: float) -> None:
 
 def study_file(tmp_path: Path, **changes) -> Path:
     spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "base",
-            "findings": [{"id": i, "claim": f"claim {i}", "arm": a, "against": b, "metric": "eval_loss", "expect": e}
-                         for i, a, b, e, _ in FINDINGS]}
+            "findings": [{"id": i, "claim": f"claim {i}", "arm": a, "against": b, "metric": "eval_loss", "expect": e,
+                          **({"margin": m} if m else {})} for i, a, b, e, m, _ in FINDINGS]}
     spec.update(changes)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -71,26 +75,56 @@ def welch(a, b, level):
     return a.mean() - b.mean() - half, a.mean() - b.mean() + half
 
 
-def test_each_finding_gets_the_verdict_its_welch_interval_gives(tmp_path):
+def test_each_finding_gets_the_verdict_of_its_paired_pooled_interval(tmp_path):
     for arm, finals in ARMS.items():
         for seed, final in enumerate(finals):
             write_store(tmp_path / "runs", arm, seed, final)
     study = load_study(study_file(tmp_path))
     sections, rows = page_sections(study, load_runs(str(tmp_path / "runs")), ["provenance line"])
-    assert [r["verdict"] for r in rows] == [f[4] for f in FINDINGS]
-    bonferroni = 1 - 0.05 / len(FINDINGS)
-    for r, (_, a, b, _, _) in zip(rows, FINDINGS):
-        lo, hi = welch(ARMS[a], ARMS[b], 0.95)
-        assert (r["low"], r["high"]) == pytest.approx((lo, hi), rel=1e-9)
-        assert r["diff"] == pytest.approx(np.mean(ARMS[a]) - np.mean(ARMS[b]))
-        assert r["n"] == (3, 3) and r["bonferroni_level"] == pytest.approx(bonferroni)
-    # The edge case is beyond the seed spread at 95% but not at the Bonferroni level.
-    lo, hi = welch(ARMS["edge_a"], ARMS["edge_b"], bonferroni)
-    assert lo < 0 < hi and rows[-1]["bonferroni_verdict"] == "not resolved at this scale"
-    assert [r["bonferroni_verdict"] for r in rows[:2]] == ["reproduced", "contradicted"]
+    assert [r["verdict"] for r in rows] == [f[5] for f in FINDINGS]
+    # The oracle: statsmodels' OLS of loss ~ arm + seed over every arm; a finding's interval is
+    # the contrast of its two arms (the noisy arm strays from the seeds less than the 1 % check asks).
+    frame = pd.DataFrame([{"y": v, "arm": a, "seed": s} for a, vs in ARMS.items() for s, v in enumerate(vs)])
+    fit = ols("y ~ C(arm) + C(seed)", frame).fit()
+    k = len(FINDINGS)
+    for r, (_, a, b, _, margin, _) in zip(rows, FINDINGS):
+        d = np.mean(ARMS[a]) - np.mean(ARMS[b])
+        se = math.sqrt(2 * fit.mse_resid / 3)
+        assert r["pooled"] and r["df"] == fit.df_resid == 10 and r["seeds"] == [0, 1, 2]
+        assert r["diff"] == pytest.approx(d)
+        assert (r["low"], r["high"]) == pytest.approx((d - st.t.ppf(0.975, 10) * se, d + st.t.ppf(0.975, 10) * se))
+        half = st.t.ppf(1 - 0.025 / k, 10) * se
+        assert (r["fw_low"], r["fw_high"]) == pytest.approx((d - half, d + half))
+        assert (r["welch_low"], r["welch_high"]) == pytest.approx(welch(ARMS[a], ARMS[b], 0.95), rel=1e-9)
+        assert r["rho"] == pytest.approx(np.corrcoef(ARMS[a], ARMS[b])[0, 1])
+        assert r["margin"] == pytest.approx(0.02 * np.mean(ARMS["base"]) if margin in (None, "2%") else float(margin))
+    # seeds-needed of the unresolved finding: from the pooled noise and its margin alone
+    noisy = rows[3]
+    assert noisy["needed"] == V.seeds_needed(math.sqrt(fit.mse_resid), 0.02, 6, k)
     summary = sections[0]
-    assert "5 findings: 3 reproduced, 1 contradicted, 1 not resolved at this scale." in " ".join(summary.text)
+    assert (f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
+            "(equivalent within ±Δ), 1 contradicted (reversed), 1 not resolved.") in summary.text
     assert "provenance line" in summary.text
+    assert summary.tables[0][0][-1] == "verdict" and [row[-1] for row in summary.tables[0][1]] == [f[5] for f in FINDINGS]
+    topup = next(s for s in sections if s.key == "topup")
+    assert "Now 3 seeds per arm at most; the rule asks for 39." in topup.text
+
+
+def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):
+    """The seam for stability claims judged on stress runs: per-arm, per-seed values of a metric
+    handed in, not read from the run stores."""
+    for arm in ("base", "worse"):
+        for seed, final in enumerate(ARMS[arm]):
+            write_store(tmp_path / "runs", arm, seed, final)
+    study = load_study(study_file(tmp_path, findings=[
+        {"id": "x", "claim": "c", "arm": "worse", "against": "base", "metric": "loss_spikes", "expect": "higher",
+         "margin": "0.5"}]))
+    by_arm = {a: [r for r in load_runs(str(tmp_path / "runs")) if f"+arm={a}" in r.meta["overrides"]]
+              for a in ("base", "worse")}
+    rows = compare(study, by_arm, extra={"loss_spikes": {"base": {0: 1.0, 1: 2.0, 2: 0.0}, "worse": {0: 5.0, 1: 6.5, 2: 4.0}}})
+    d = np.array([5.0, 6.5, 4.0]) - np.array([1.0, 2.0, 0.0])
+    ci = st.ttest_rel([5.0, 6.5, 4.0], [1.0, 2.0, 0.0]).confidence_interval(0.95)  # 2 arms: the pool is the pair
+    assert rows[0]["diff"] == pytest.approx(d.mean()) and (rows[0]["low"], rows[0]["high"]) == pytest.approx((ci.low, ci.high))
 
 
 def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
@@ -104,6 +138,10 @@ def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "fid", "expect": "lower"}]},
      "finding 'x' has metric 'fid'; valid: eval_loss, train_loss, step_time, loss_spikes, shapes_all"),
+    ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "lower",
+                    "margin": "-3%"}]},
+     "finding 'x' has margin '-3%'; valid: a positive number in the metric's units (0.01) or a percentage of the "
+     "baseline's mean (2%)"),
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "worse"}]},
      "finding 'x' has expect 'worse'; valid: lower, higher"),
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "metric": "eval_loss", "expect": "lower"}]},
