@@ -96,6 +96,10 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
     s.text.append("Last logged value per run; mean over seeds with a 95% Student-t interval (the curves' bands use the "
                   "same). Δ is the variant's mean minus the baseline's with Welch's 95% t interval; * marks a difference "
                   f"whose interval excludes 0, i.e. beyond the seed spread. A variant of one seed shows '{ONE_SEED}'.")
+    s.text.append("Where a variant ran seeds the baseline ran too, its paired interval: the per-seed differences over the "
+                  "seeds both ran (the same seed shares data order and initial key), their noise pooled over all the "
+                  "variants by value ~ variant + seed unless the pair varies more than the pool allows "
+                  "(docs/statistics.md); rho is the two runs' correlation across those seeds, what pairing bought.")
     s.tables.append((cols, rows))
 
     s = sections["curves"]

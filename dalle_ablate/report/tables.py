@@ -16,6 +16,7 @@ from dalle_ablate.track import HEADLINES
 
 FINAL_METRICS = ("eval/valid/loss", "train/loss")
 ONE_SEED = "1 seed: no interval"
+NO_SHARED = "fewer than 2 seeds shared with the baseline"
 
 
 def fmt(v) -> str:
@@ -29,15 +30,39 @@ def final_value(run: Run, column: str) -> float:
     return float(v[-1]) if len(v) else math.nan
 
 
+def paired_vs_baseline(by_variant: dict[str, list[Run]], baseline: str, metric: str) -> dict[str, tuple]:
+    """variant -> (low, high, rho, seeds shared, pooled) of its paired difference from the
+    baseline over the seeds both ran, the noise pooled over all the variants by value ~ variant
+    + seed as a study page pools it (report/verdicts.py, docs/statistics.md); 95 %, per comparison."""
+    from dalle_ablate.report.verdicts import Claim, analyse
+
+    variants = list(by_variant)
+    seeds = sorted({r.seed for rs in by_variant.values() for r in rs}, key=str)
+    table = np.full((len(variants), len(seeds)), np.nan)
+    for i, v in enumerate(variants):
+        for r in by_variant[v]:
+            table[i, seeds.index(r.seed)] = final_value(r, metric)
+    b = variants.index(baseline)
+    others = [i for i in range(len(variants)) if i != b]
+    if not others:
+        return {}
+    res = analyse({metric: table}, [Claim(metric, i, b, 1, 1.0) for i in others])  # the margin plays no part here
+    return {variants[i]: (res["low"][j], res["high"][j], res["rho"][j], int(res["n"][j]), bool(res["pooled"][j]))
+            for j, i in enumerate(others)}
+
+
 def final_table(by_variant: dict[str, list[Run]], baseline: str) -> tuple[list[str], list[list], dict]:
     """Per variant and metric: mean [95% t interval] over seeds, and the difference from the
     baseline with its Welch interval; `*` marks a difference whose interval excludes 0. With one
-    seed the interval cells say so instead of showing an empty interval."""
+    seed the interval cells say so instead of showing an empty interval. Where a variant shares
+    seeds with the baseline, its paired interval and rho beside Welch's (paired_vs_baseline)."""
     cols = ["variant", "seeds"]
     for m in FINAL_METRICS:
-        cols += [m, f"{m} 95% CI", f"Δ {m} vs baseline", "Δ 95% CI", "beyond seed spread"]
+        cols += [m, f"{m} 95% CI", f"Δ {m} vs baseline", "Δ 95% CI", "beyond seed spread", f"Δ {m} paired 95% CI",
+                 f"rho {m}"]
     rows, marks = [], {}
     base = {m: [final_value(r, m) for r in by_variant[baseline]] for m in FINAL_METRICS}
+    paired = {m: paired_vs_baseline(by_variant, baseline, m) for m in FINAL_METRICS}
 
     def interval(lo: float, hi: float, n: int) -> str:
         return ONE_SEED if n < 2 else f"[{fmt(lo)}, {fmt(hi)}]"
@@ -49,12 +74,16 @@ def final_table(by_variant: dict[str, list[Run]], baseline: str) -> tuple[list[s
             mean, lo, hi = mean_ci(vals)
             row += [mean, interval(lo, hi, len(runs))]
             if variant == baseline:
-                row += ["", "", ""]
+                row += ["", "", "", "", ""]
                 continue
             d, dlo, dhi = diff_ci(vals, base[m])
             sig = significant(dlo, dhi)
             marks[(variant, m)] = sig
             row += [d, interval(dlo, dhi, min(len(runs), len(base[m]))), "*" if sig else ""]
+            plo, phi, rho, shared, pooled = paired[m].get(variant, (np.nan, np.nan, np.nan, 0, False))
+            ok = shared >= 2 and np.isfinite(plo) and np.isfinite(phi)
+            row += [f"[{fmt(float(plo))}, {fmt(float(phi))}] ({shared} seeds{', pooled' if pooled else ''})" if ok
+                    else NO_SHARED, float(rho) if shared >= 3 else "–"]
         rows.append(row)
     return cols, rows, marks
 

@@ -147,10 +147,46 @@ def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
     assert row["model.layout=deepnet"]["eval/valid/loss"] == pytest.approx(2.0 + 2.0 / 40)  # last eval at step 40
     assert row["model.layout=deepnet"]["Δ eval/valid/loss vs baseline"] == pytest.approx(1.0)
     assert row["model.layout=deepnet"]["beyond seed spread"] == "*" and row["model.layout=sandwich"]["beyond seed spread"] == ""
+    assert "(2 seeds" in row["model.layout=sandwich"]["Δ eval/valid/loss paired 95% CI"]
+    assert row["model.layout=sandwich"]["rho eval/valid/loss"] == "–"  # rho needs 3 shared seeds
     stability = next(s for s in sections if s.key == "stability").tables[0][1]
     assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [("model.layout=preln", 2, 1)]  # the one spike, in its run
     # The largest gradient norm after the 5 warm-up steps, not step 1's 100.
     assert [(r[6], r[7]) for r in stability] == [(pytest.approx(1.4), 40)] * len(stability)
+
+
+def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tmp_path):
+    """Three variants of the same three seeds, each following the seeds with a little noise of its
+    own: the paired interval of a variant's difference, its noise pooled over the variants by
+    value ~ variant + seed -- statsmodels' OLS of the nine final losses is the oracle."""
+    import pandas as pd
+    from statsmodels.formula.api import ols
+
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.load import load_runs
+
+    finals = {"preln": [1.0, 1.1, 0.9], "deepnet": [1.32, 1.38, 1.21], "sandwich": [0.97, 1.12, 0.93]}
+    for layout, values in finals.items():
+        for seed, f in enumerate(values):
+            write_store(tmp_path / "m", layout, seed, f)
+    runs = load_runs(str(tmp_path / "m"))
+    for r in runs:
+        r.variant = r.config["model.layout"]
+    cols, rows = next(s for s in build_sections(runs, "preln")[0] if s.key == "final").tables[0]
+    row = {r[0]: dict(zip(cols, r)) for r in rows}
+    frame = pd.DataFrame([{"y": f + 2.0 / 40, "v": v, "seed": seed} for v, vs in finals.items() for seed, f in enumerate(vs)])
+    fit = ols("y ~ C(v) + C(seed)", frame).fit()
+    for v in ("deepnet", "sandwich"):
+        d = np.mean(finals[v]) - np.mean(finals["preln"])
+        lo, hi = fit.conf_int().loc["C(v)[T.preln]"] if v == "deepnet" else (np.nan, np.nan)
+        half = st.t.ppf(0.975, fit.df_resid) * np.sqrt(2 * fit.mse_resid / 3)
+        cell = row[v]["Δ eval/valid/loss paired 95% CI"]
+        assert cell.endswith("(3 seeds, pooled)")
+        got = tuple(float(x) for x in cell.split(" (")[0].strip("[]").split(", "))
+        assert got == pytest.approx((d - half, d + half), rel=1e-3)  # the table prints 4 significant digits
+        if v == "deepnet":  # the same as OLS's own interval of preln's coefficient against deepnet, turned round
+            assert got == pytest.approx((-hi, -lo), rel=1e-3)
+        assert row[v]["rho eval/valid/loss"] == pytest.approx(np.corrcoef(finals[v], finals["preln"])[0, 1])
 
 
 def test_the_pareto_section_shows_all_correct_per_tier_with_intervals(tmp_path):
