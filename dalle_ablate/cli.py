@@ -282,8 +282,22 @@ def cmd_study(args) -> None:
 
     study = load_study(Path(args.study) if args.study.endswith((".yaml", ".yml")) else study_path(args.study))
     folder = Path(args.out) / study.name
+    overrides = list(args.overrides)
+    if args.seeds is not None:  # a top-up: more seeds for every arm, the finished runs left as they are
+        from dalle_ablate.fileio import atomic_write
+        from dalle_ablate.report.findings import TOPUPS, plan_topup
+
+        if args.no_run:
+            raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
+        seed_override, entry = plan_topup(study, folder, args.seeds, overrides)
+        overrides.append(seed_override)
+        log = folder / TOPUPS
+        atomic_write(log, json.dumps([*(json.loads(log.read_text()) if log.exists() else []),
+                                      {**entry, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}], indent=1))
+        print(f"study {study.name}: topping up from {entry['from']} to {entry['to']} seeds per arm ({seed_override}; the "
+              f"rule asks for {entry['rule']})")
     command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={folder}",
-               *args.overrides]
+               *overrides]
     t = time.perf_counter()
     # The seeds of an arm compile the same programs: JAX's persistent compilation cache
     # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
@@ -297,7 +311,8 @@ def cmd_study(args) -> None:
     # A study resumed across commits trains its arms at more than one: name each, with its run count.
     trained = Counter(f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
                       for m in (json.loads(p.read_text()) for p in folder.glob("*/run/meta.json")) if m.get("git"))
-    typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", args.study, *args.overrides])
+    typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", args.study,
+                                               *(["--seeds", args.seeds] if args.seeds else []), *args.overrides])
     invocation = ("this invocation ran nothing (--no-run)" if args.no_run else
                   f"this invocation took {elapsed / 60:.1f} min (runs finished before it are skipped, not repeated)")
     provenance = [f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
@@ -400,6 +415,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     st.add_argument("--page-out", default="docs/results", help="folder of the results page <name>.md and its "
                                                                 "figures/ (default: docs/results)")
     st.add_argument("--no-run", action="store_true", help="only the report and the page, from the runs there are")
+    st.add_argument("--seeds", help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
+                                    "'auto': to the seeds its page's rule asks for, from the pooled noise and the margins "
+                                    "only (docs/statistics.md)")
     st.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
                                                  "seed=0,1 (a sweep of the preset's own keys replaces it)")
     st.set_defaults(func=cmd_study)

@@ -303,6 +303,37 @@ def topup_target(study: Study, runs: list[Run]) -> tuple[int, int]:
     return now, V.topup_seeds([int(n) for n in r["needed"] if n > 0], now)
 
 
+def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> tuple[str, dict]:
+    """`dalle-ablate study NAME --seeds N|auto`: (the seed override that tops the finished study
+    in `folder` up to that many seeds per arm -- its seeds kept, the smallest unused ones added --
+    and the entry for its top-up log). `auto` is the rule: the largest seeds-needed over all the
+    findings (TOPUP_RULE). One-line errors for what cannot be topped up."""
+    from dalle_ablate.report.load import load_runs
+
+    if any(o.split("=", 1)[0].lstrip("+~") == "seed" for o in overrides):
+        raise ConfigError("--seeds chooses the seeds itself; leave out the seed= override")
+    if seeds != "auto" and not (seeds.isdigit() and int(seeds) >= 2):
+        raise ConfigError(f"--seeds {seeds!r}: give a number of seeds per arm (2 or more) or auto (the top-up rule)")
+    try:
+        runs = load_runs(str(folder))
+    except ConfigError:
+        runs = []
+    by_arm = _arms_by(runs)
+    if not by_arm:
+        raise ConfigError(f"--seeds tops up a study that has run: no runs of study {study.name} under {folder}; run "
+                          f"dalle-ablate study {study.name} first")
+    now, rule = topup_target(study, runs)
+    target = rule if seeds == "auto" else int(seeds)
+    if target < now:
+        raise ConfigError(f"--seeds {seeds}: study {study.name} already has {now} seeds per arm; a top-up only adds")
+    have = sorted({r.seed for rs in by_arm.values() for r in rs if r.seed is not None}, key=str)
+    extra = [s for s in range(target + len(have)) if s not in have][: max(0, target - len(have))]
+    chosen = [*have, *extra][: max(target, len(have))]
+    entry = {"from": now, "to": target, "rule": rule, "seeds": chosen,
+             "how": "--seeds auto (the rule)" if seeds == "auto" else f"--seeds {seeds}"}
+    return "seed=" + ",".join(str(s) for s in chosen), entry
+
+
 def _noise_note(r: dict) -> str:
     if r["outlier"]:
         return f"own, df {r['df']:.0f} (an arm's seeds stray from the others')"
@@ -341,7 +372,9 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         "(equivalent within ±Δ, which contradicts a claim of an effect); contradicted (beyond 0 on the other side); not "
         "resolved, with the seeds per arm at which a true effect of Δ would be told from 0 with 80 % power, from the "
         "pooled noise and Δ alone.")
-    head.text.append("The table's 95 % interval is the paired one; the family-wise interval is at the Bonferroni level "
+    head.text.append("Over training: at how many of the evaluations the paired 95 % interval lay beyond 0 on the "
+                     "predicted side, and on the other (the figures show each course). The table's 95 % interval is "
+                     "the paired one; the family-wise interval is at the Bonferroni level "
                      f"({1 - V.ALPHA / k:.2%} per finding), which Holm's decisions never need more than; Welch's "
                      "unpaired interval is beside it to show what pairing bought, with rho, the two arms' correlation "
                      "across seeds.")
@@ -356,14 +389,28 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
                      f"{max(len(rs) for rs in by_arm.values())} seeds per arm at most.")
     if study.scale_note:
         head.text.append(study.scale_note)
+    courses = course(study, by_arm)
+
+    def over_training(r: dict) -> str:
+        """At how many evaluations the 95 % interval lay beyond 0 on the predicted side, and on the other."""
+        if r["finding"].id not in courses:
+            return "–"
+        _, _, lo, hi = courses[r["finding"].id]
+        side = 1 if r["finding"].expect == "higher" else -1
+        ok = np.isfinite(lo) & np.isfinite(hi)
+        pro = int(np.sum(ok & ((lo > 0) if side > 0 else (hi < 0))))
+        con = int(np.sum(ok & ((hi < 0) if side > 0 else (lo > 0))))
+        return f"{pro} / {con} of {len(lo)}"
+
     head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "paired diff", "95% CI",
-                         "family-wise CI", "rho", "noise", "Welch 95% CI", "seeds", "verdict"],
+                         "family-wise CI", "rho", "noise", "Welch 95% CI", "seeds",
+                         "evaluations beyond 0: predicted / other side", "verdict"],
                         [[r["finding"].id, r["finding"].claim, f"{r['finding'].arm} vs {r['finding'].against}",
                           f"{r['finding'].metric} ({r['finding'].expect} if the claim holds)",
                           f"±{fmt(r['margin'])} ({r['finding'].margin})", r["arm_mean"], r["against_mean"], r["diff"],
                           _interval(r["low"], r["high"]), _interval(r["fw_low"], r["fw_high"]), r["rho"],
                           _noise_note(r), _interval(r["welch_low"], r["welch_high"]),
-                          ", ".join(str(s) for s in r["seeds"]) or "–", r["verdict"]] for r in rows]))
+                          ", ".join(str(s) for s in r["seeds"]) or "–", over_training(r), r["verdict"]] for r in rows]))
 
     noise = Section("noise", "Noise floor")
     noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the residual noise of the "
@@ -402,7 +449,6 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     figs.images.append(("Every finding's paired difference in units of its margin Δ, the side the claim predicts to "
                         "the right: thick, the 95 % interval; thin, the family-wise one; shaded, ±Δ",
                         figures.forest_figure(rows)))
-    courses = course(study, by_arm)
     if courses:
         figs.images.append(("The paired difference over training at every evaluation, with its 95 % interval (pooled as "
                             "at the end) and ±Δ: a verdict at one budget can differ at another",

@@ -106,6 +106,9 @@ def test_each_finding_gets_the_verdict_of_its_paired_pooled_interval(tmp_path):
             "(equivalent within ±Δ), 1 contradicted (reversed), 1 not resolved.") in summary.text
     assert "provenance line" in summary.text
     assert summary.tables[0][0][-1] == "verdict" and [row[-1] for row in summary.tables[0][1]] == [f[5] for f in FINDINGS]
+    # over training: the one evaluation of these stores is the end, judged as the end is
+    assert [row[-2] for row in summary.tables[0][1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1",
+                                                        "1 / 0 of 1"]
     topup = next(s for s in sections if s.key == "topup")
     assert "Now 3 seeds per arm at most; the rule asks for 39." in topup.text
 
@@ -169,20 +172,21 @@ def test_the_mega_study_names_only_arms_its_preset_runs():
 
 @pytest.mark.slow
 def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_path):
-    def study(*seeds: str) -> subprocess.CompletedProcess:
+    def study(*how: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(tmp_path / "studies"),
                "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results"),
-               "+arm=baseline,bias", f"seed={','.join(seeds)}", *SMALL_DATA, *TINY_TRAIN]
+               "+arm=baseline,bias", *how, *SMALL_DATA, *TINY_TRAIN]
         # the study's own compilation cache (in its folder), not the suite's (conftest.py)
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
 
-    first = study("0")  # a study stopped after its seed-0 jobs
+    first = study("seed=0")  # a study stopped after its seed-0 jobs
     assert first.returncode == 0, first.stderr[-2000:]
     folder = tmp_path / "studies" / "mega-variants"
     done = {p: p.read_bytes() for d in ("baseline-seed0", "bias-seed0") for p in (folder / d / "run").rglob("*") if p.is_file()}
-    second = study("0", "1")
+    second = study("--seeds", "2")  # topped up to 2 seeds per arm
     assert second.returncode == 0, second.stderr[-2000:]
+    assert "topping up from 1 to 2 seeds per arm (seed=0,1; the rule asks for" in second.stdout
     assert second.stdout.count("left as it is (resume=auto)") == 2
     assert {p: p.read_bytes() for p in done} == done  # the finished runs untouched
     assert sorted(p.name for p in folder.iterdir() if (p / "run").is_dir()) == ["baseline-seed0", "baseline-seed1", "bias-seed0", "bias-seed1"]
@@ -190,8 +194,41 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     assert "| baseline (baseline) | 0, 1 | 2/2 |" in page and "| bias | 0, 1 | 2/2 |" in page
     assert "| bias-convergence | dense biases hurt convergence | bias vs baseline |" in page
     assert "Runs: 4 (4 finished)" in page and "Commit of this page: " in page
+    assert "Topped up from 1 to 2 seeds per arm (--seeds 2)" in page and "`dalle-ablate study mega-variants --seeds 2 " in page
     assert re.search(r"runs trained at [0-9a-f]{40}( \+ uncommitted changes)? \(4 runs\)\.", page)  # one commit trained all four
     figures = sorted(p.name for p in (tmp_path / "results" / "figures").iterdir())
     assert figures and all(f.startswith("mega-variants_") for f in figures)
     assert (tmp_path / "reports" / "mega-variants" / "index.html").is_file()
     assert any((folder / "jax_cache").iterdir())  # the later seeds of an arm load its compiled programs
+
+
+def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsys):
+    from dalle_ablate.cli import main
+    from dalle_ablate.report.findings import plan_topup
+
+    folder = tmp_path / "studies" / "synthetic"
+    for arm, finals in ARMS.items():
+        for seed, final in enumerate(finals):
+            write_store(folder, arm, seed, final)
+    study = load_study(study_file(tmp_path))
+    override, entry = plan_topup(study, folder, "5", ["trainer.steps=10"])
+    assert override == "seed=0,1,2,3,4" and (entry["from"], entry["to"], entry["how"]) == (3, 5, "--seeds 5")
+    # the rule: the largest seeds-needed over every finding (here the noisy one's 39), not only the unresolved
+    override, entry = plan_topup(study, folder, "auto", [])
+    assert entry["to"] == entry["rule"] == 39 and override == "seed=" + ",".join(map(str, range(39)))
+    sections, _ = page_sections(study, load_runs(str(folder)), [], topups=[{**entry, "at": "t"}])
+    assert "Topped up from 3 to 39 seeds per arm (--seeds auto (the rule)); the rule then asked for 39." in \
+        next(s for s in sections if s.key == "topup").text
+    for seeds, overrides, message in [
+        ("2", [], "--seeds 2: study synthetic already has 3 seeds per arm; a top-up only adds"),
+        ("x", [], "--seeds 'x': give a number of seeds per arm (2 or more) or auto (the top-up rule)"),
+        ("5", ["seed=0,1"], "--seeds chooses the seeds itself; leave out the seed= override"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            plan_topup(study, folder, seeds, overrides)
+        assert str(err.value) == message
+    with pytest.raises(ConfigError, match=r"^--seeds tops up a study that has run: no runs of study synthetic under "):
+        plan_topup(study, tmp_path / "elsewhere", "5", [])
+    with pytest.raises(SystemExit) as ex:
+        main(["study", str(study_file(tmp_path)), "--out", str(tmp_path / "studies"), "--seeds", "5", "--no-run"])
+    assert ex.value.code == 2 and capsys.readouterr().err == "error: --seeds runs the added seeds; it cannot go with --no-run\n"
