@@ -187,11 +187,13 @@ def judge(study: Study, arms: list[str], tables: dict[str, np.ndarray], alpha: f
     return claims, r
 
 
-def verdict_text(code: int, needed: int) -> str:
+def verdict_text(code: int, needed: int, seeds: int = 0) -> str:
     if code != V.UNRESOLVED:
         return VERDICTS[code]
     if needed == 0:
         return "not resolved: no seed spread to test against"
+    if needed <= seeds:  # its seeds would find an effect of Δ 80 % of the time: one between 0 and Δ is likelier
+        return f"not resolved at {seeds} seeds, enough for an effect of Δ: the effect is likely smaller"
     more = "more than " if needed > V.MAX_SEEDS else ""
     return f"not resolved: needs {more}{min(needed, V.MAX_SEEDS)} seeds"
 
@@ -222,7 +224,8 @@ def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95,
                      "welch_low": wlo, "welch_high": whi, "rho": float(r["rho"][i]), "pooled": bool(r["pooled"][i]),
                      "outlier": bool(r["outlier"][i]), "df": float(r["df"][i]), "margin": float(r["margin"][i]),
                      "p_zero": float(r["p_zero"][i]), "p_tost": float(r["p_tost"][i]), "needed": int(r["needed"][i]),
-                     "code": int(r["verdict"][i]), "verdict": verdict_text(int(r["verdict"][i]), int(r["needed"][i]))})
+                     "code": int(r["verdict"][i]),
+                     "verdict": verdict_text(int(r["verdict"][i]), int(r["needed"][i]), int(r["n"][i]))})
     return rows
 
 
@@ -467,7 +470,8 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     return [head, noise, top, arms_s, figs], rows
 
 
-def write_page(study: Study, source: str, page_dir: Path, provenance: list[str]) -> Path:
+def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
+               extra: Optional[dict[str, dict[str, dict]]] = None) -> Path:
     """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from the run stores
     under `source` (the study's multirun folder). Written whole or not at all."""
     from dalle_ablate.fileio import atomic_write
@@ -478,7 +482,7 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str])
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
     log = Path(source) / TOPUPS
     topups = json.loads(log.read_text()) if log.exists() else []
-    sections, _ = page_sections(study, load_runs(source), provenance, topups)
+    sections, _ = page_sections(study, load_runs(source), provenance, topups, extra)
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
         old.unlink()
     path = page_dir / f"{study.name}.md"

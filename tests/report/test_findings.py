@@ -232,3 +232,14 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
     with pytest.raises(SystemExit) as ex:
         main(["study", str(study_file(tmp_path)), "--out", str(tmp_path / "studies"), "--seeds", "5", "--no-run"])
     assert ex.value.code == 2 and capsys.readouterr().err == "error: --seeds runs the added seeds; it cannot go with --no-run\n"
+
+
+def test_an_unresolved_finding_says_what_more_seeds_would_do():
+    from dalle_ablate.report.findings import verdict_text
+
+    assert verdict_text(V.UNRESOLVED, 12, 3) == "not resolved: needs 12 seeds"
+    assert verdict_text(V.UNRESOLVED, V.MAX_SEEDS + 1, 3) == f"not resolved: needs more than {V.MAX_SEEDS} seeds"
+    assert verdict_text(V.UNRESOLVED, 3, 5) == \
+        "not resolved at 5 seeds, enough for an effect of Δ: the effect is likely smaller"
+    assert verdict_text(V.UNRESOLVED, 0, 3) == "not resolved: no seed spread to test against"
+    assert verdict_text(V.CONTRADICTED, 12, 3) == "contradicted (reversed)"
