@@ -17,6 +17,7 @@ import pytest
 import yaml
 from scipy import stats as st
 from statsmodels.formula.api import ols
+from statsmodels.stats.anova import anova_lm
 import pandas as pd
 
 from conftest import SMALL_DATA, TINY_TRAIN
@@ -109,6 +110,12 @@ def test_each_finding_gets_the_verdict_of_its_paired_pooled_interval(tmp_path):
     # over training: the one evaluation of these stores is the end, judged as the end is
     assert [row[-2] for row in summary.tables[0][1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1",
                                                         "1 / 0 of 1"]
+    # the noise floor: the baseline's own spread, the pool's residual sd and the seed's share (ANOVA mean squares)
+    ms_seed = anova_lm(fit).loc["C(seed)", "mean_sq"]
+    seed_var = (ms_seed - fit.mse_resid) / len(ARMS)
+    noise = next(s for s in sections if s.key == "noise").tables[0][1]
+    assert noise == [["eval_loss", pytest.approx(np.std(ARMS["base"], ddof=1)), 3, pytest.approx(math.sqrt(fit.mse_resid)),
+                      10.0, pytest.approx(seed_var / (seed_var + fit.mse_resid)), "none"]]
     topup = next(s for s in sections if s.key == "topup")
     assert "Now 3 seeds per arm at most; the rule asks for 39." in topup.text
 
