@@ -218,11 +218,12 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
     """A study's findings, one line each: the paired difference in units of its margin Δ, turned
     so that the side the claim predicts is to the right (metrics of different units share one
     axis; ±Δ is ±1 for all). Thick: the 95 % interval; thin: the family-wise one; shaded: ±Δ.
-    Intervals beyond ±`clip` Δ end in an arrow at the edge."""
+    Intervals beyond ±`clip` Δ end in an arrow at the edge; the verdict in short at the right."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9.5, 0.42 * len(rows) + 1.4))
+    fig, ax = plt.subplots(figsize=(10.5, 0.36 * len(rows) + 1.3))
     ax.axvspan(-1, 1, color="#dde8f3", zorder=0, label="±Δ: no meaningful effect")
     ax.axvline(0, color="#444", lw=0.8)
+    reach = 1.5
     for i, r in enumerate(rows):
         side = 1 if r["finding"].expect == "higher" else -1
         scale = side / r["margin"] if r["margin"] > 0 else np.nan
@@ -231,8 +232,8 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
         lo, hi = sorted((r["low"] * scale, r["high"] * scale))
         flo, fhi = sorted((r["fw_low"] * scale, r["fw_high"] * scale))
         if not np.isfinite(d):
-            ax.text(0, y, "no paired seeds", fontsize=8, va="center", ha="center", color="#888")
             continue
+        reach = max(reach, *(abs(v) for v in (d, flo, fhi) if np.isfinite(v)))
         for a, b, lw in ((flo, fhi, 1.0), (lo, hi, 3.5)):
             if np.isfinite(a) and np.isfinite(b):
                 ax.plot([max(a, -clip), min(b, clip)], [y, y], color="#1f4e79", lw=lw, solid_capstyle="butt")
@@ -240,14 +241,35 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
                     if abs(edge) > clip and np.sign(edge) == sign:
                         ax.plot(sign * clip, y, marker=">" if sign > 0 else "<", color="#1f4e79", ms=6)
         ax.plot(np.clip(d, -clip, clip), y, "o", color="#c00000", ms=5, zorder=3)
+    reach = min(reach, clip) + 0.5
+    ax.set_xlim(-reach, reach)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"{r['finding'].id}: {r['verdict']}" for r in reversed(rows)], fontsize=8)
-    ax.set_xlim(-clip - 0.5, clip + 0.5)
+    ax.set_yticklabels([r["finding"].id for r in reversed(rows)], fontsize=9)
+    right = ax.twinx()
+    right.set_ylim(ax.get_ylim())
+    right.set_yticks(range(len(rows)))
+    right.set_yticklabels([_short_verdict(r) for r in reversed(rows)], fontsize=9)
     ax.set_xlabel("paired difference (arm − vs) in units of the finding's margin Δ; right: the side the claim predicts")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.4 / max(len(rows), 1)), fontsize=8, frameon=False)
     fig.tight_layout()
     return png(fig)
+
+
+def _short_verdict(r: dict) -> str:
+    """A verdict in a few words, for a figure's margin (the page's table has it in full)."""
+    v = r["verdict"]
+    for long, short in (("reproduced, possibly smaller than Δ", "reproduced, maybe < Δ"),
+                        ("no meaningful effect (equivalent within ±Δ)", "equivalent within ±Δ"),
+                        ("contradicted (reversed)", "contradicted")):
+        if v == long:
+            return short
+    if v.startswith("not resolved: needs "):
+        return v[len("not resolved: "):]
+    if v.startswith("not resolved at "):
+        return "not resolved, likely < Δ"
+    return v
 
 
 def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 4) -> bytes:

@@ -250,3 +250,20 @@ def test_an_unresolved_finding_says_what_more_seeds_would_do():
         "not resolved at 5 seeds, enough for an effect of Δ: the effect is likely smaller"
     assert verdict_text(V.UNRESOLVED, 0, 3) == "not resolved: no seed spread to test against"
     assert verdict_text(V.CONTRADICTED, 12, 3) == "contradicted (reversed)"
+
+
+def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from dalle_ablate.report.figures import _short_verdict, forest_figure
+
+    for arm, finals in ARMS.items():
+        for seed, final in enumerate(finals):
+            write_store(tmp_path / "runs", arm, seed, final)
+    _, rows = page_sections(load_study(study_file(tmp_path)), load_runs(str(tmp_path / "runs")), [])
+    assert [_short_verdict(r) for r in rows] == ["reproduced", "contradicted", "reproduced", "needs 39 seeds",
+                                                 "equivalent within ±Δ", "reproduced, maybe < Δ"]
+    small, large = (Image.open(io.BytesIO(forest_figure(rows[:k]))) for k in (2, 6))
+    assert large.height > small.height  # a line per finding: the figure grows with the study
