@@ -65,8 +65,25 @@ MARGINS: dict[str, str] = {
     # one loss spike per run
     "loss_spikes": "1",
 }
-# The metrics whose course over training the page draws: metric -> the logged column.
-SERIES = {"eval_loss": "eval/valid/loss", "train_loss": "train/loss"}
+def _shapes_all_by_step(run: Run) -> dict[float, float]:
+    """step -> shapes all-correct at guidance scale 2, from every evaluation's eval_pareto table
+    (tables/eval_pareto_<step>.json), not the last only."""
+    out = {}
+    for path in (run.root / "tables").glob("eval_pareto_*.json") if isinstance(run.root, Path) else []:
+        t = json.loads(path.read_text())
+        c = {name: i for i, name in enumerate(t["columns"])}
+        for row in t["rows"] if "shapes/all" in c else []:
+            if row[c["scale"]] == 2:
+                out[float(path.stem.rsplit("_", 1)[1])] = float(row[c["shapes/all"]])
+    return out
+
+
+# The metrics whose course over training the page draws: metric -> a run's values by step.
+SERIES: dict[str, Callable[[Run], dict]] = {
+    "eval_loss": lambda r: dict(zip(*series(r, "eval/valid/loss"))),
+    "train_loss": lambda r: dict(zip(*series(r, "train/loss"))),
+    "shapes_all": _shapes_all_by_step,
+}
 
 
 @dataclass
@@ -230,16 +247,15 @@ def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95,
 
 
 def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> dict[str, tuple]:
-    """finding id -> (steps, paired difference, low, high) at every evaluation of its metric's
-    column (SERIES), the same pooled analysis at each step."""
+    """finding id -> (steps, paired difference, low, high) at every evaluation of its metric
+    (SERIES), the same pooled analysis at each step."""
     arms, _, _ = claims_tables(study, by_arm)
     out = {}
-    for m, column in SERIES.items():
+    for m, by_step in SERIES.items():
         found = [f for f in study.findings if f.metric == m]
         if not found:
             continue
-        done = {a: {r.seed: dict(zip(*series(r, column))) for r in by_arm.get(a, []) if r.status == "finished"}
-                for a in arms}
+        done = {a: {r.seed: by_step(r) for r in by_arm.get(a, []) if r.status == "finished"} for a in arms}
         seeds = sorted({s for d in done.values() for s in d}, key=str)
         steps = sorted({x for d in done.values() for c in d.values() for x in c})
         if not steps or not seeds:

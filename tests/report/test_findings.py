@@ -267,3 +267,26 @@ def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path)
                                                  "equivalent within ±Δ", "reproduced, maybe < Δ"]
     small, large = (Image.open(io.BytesIO(forest_figure(rows[:k]))) for k in (2, 6))
     assert large.height > small.height  # a line per finding: the figure grows with the study
+
+
+def test_a_caption_finding_s_course_reads_every_evaluation_s_pareto_table(tmp_path):
+    from dalle_ablate.report.findings import _arms_by, course
+
+    rates = {"base": {5: [0.1, 0.2, 0.15], 10: [0.5, 0.6, 0.4]}, "worse": {5: [0.05, 0.1, 0.1], 10: [0.2, 0.3, 0.3]}}
+    for arm, by_step in rates.items():
+        for seed in range(3):
+            write_store(tmp_path / "runs", arm, seed, 1.0)
+            tables = tmp_path / "runs" / f"{arm}-seed{seed}" / "run" / "tables"
+            tables.mkdir()
+            for step, values in by_step.items():
+                rows = [["r", step, scale, 32, values[seed] if scale == 2 else 0.0] for scale in (1, 2)]
+                (tables / f"eval_pareto_{step}.json").write_text(json.dumps(
+                    {"columns": ["run", "step", "scale", "n", "shapes/all"], "line": None, "rows": rows}))
+    study = load_study(study_file(tmp_path, findings=[
+        {"id": "cap", "claim": "c", "arm": "worse", "against": "base", "metric": "shapes_all", "expect": "lower"}]))
+    steps, d, lo, hi = course(study, _arms_by(load_runs(str(tmp_path / "runs"))))["cap"]
+    assert list(steps) == [5.0, 10.0]
+    for i, step in enumerate((5, 10)):
+        a, b = np.array(rates["worse"][step]), np.array(rates["base"][step])
+        ci = st.ttest_rel(a, b).confidence_interval(0.95)  # two arms: the pool is the pair's own
+        assert (d[i], lo[i], hi[i]) == pytest.approx(((a - b).mean(), ci.low, ci.high))
