@@ -353,6 +353,28 @@ def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> 
     return "seed=" + ",".join(str(s) for s in chosen), entry
 
 
+def noise_sources(runs: list[Run], value: Callable[[Run], float]) -> list[tuple[str, float, int]]:
+    """Where one arm's seed spread comes from, when its runs vary one source of randomness at a
+    time (Bouthillier et al. 2021): for each seed field of the config other than `seed` itself
+    that takes more than one value among `runs` (a data-order seed, an initialisation seed, ...),
+    the spread of `value` among runs that agree on every other such field -- (field, sd pooled
+    over those groups, its degrees of freedom). Empty when the runs vary only `seed`."""
+    keys = sorted({k for r in runs for k in r.config if k != "seed" and k.rsplit(".", 1)[-1].endswith("seed")})
+    keys = [k for k in keys if len({repr(r.config.get(k)) for r in runs}) > 1]
+    out = []
+    for k in keys:
+        groups: dict[tuple, list[float]] = {}
+        for r in runs:
+            v = value(r)
+            if np.isfinite(v):
+                groups.setdefault(tuple(repr(r.config.get(o)) for o in keys if o != k), []).append(v)
+        ss = sum(float(((np.array(g) - np.mean(g)) ** 2).sum()) for g in groups.values())
+        df = sum(len(g) - 1 for g in groups.values())
+        if df > 0:
+            out.append((k, math.sqrt(ss / df), df))
+    return out
+
+
 def _noise_note(r: dict) -> str:
     if r["outlier"]:
         return f"own, df {r['df']:.0f} (an arm's seeds stray from the others')"
@@ -436,7 +458,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
                       "additive model pooled over the arms (what is left of a difference once the shared seed is taken "
                       "out) and the seed's share of one run's variance (how much of it the arms share: what pairing "
                       "removes). Where the noise comes from -- data order or initialisation -- a study tells apart only "
-                      "by varying one of the two at a time; these runs vary both together through `seed`.")
+                      "by varying one of the two at a time (Bouthillier et al. 2021).")
     arms, seeds, tables = claims_tables(study, by_arm, extra)
     nrows = []
     for metric, t in tables.items():
@@ -448,6 +470,15 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
                       float(share), ", ".join(a for a, o in zip(arms, out) if o) or "none"])
     noise.tables.append((["metric", "baseline's sd across seeds", "baseline seeds", "pooled residual sd", "its df",
                           "seed share", "arms left out of the pool"], nrows))
+    base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
+    sources = [[m, k, sd, df] for m in tables if m in METRICS
+               for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
+    if sources:
+        noise.text.append("The baseline's runs vary these sources one at a time: the spread of each metric among runs "
+                          "that differ only in that field (pooled over the groups that agree on every other).")
+        noise.tables.append((["metric", "source (config field)", "sd", "df"], sources))
+    else:
+        noise.text.append("The baseline's runs vary every source together (through `seed`): the page cannot split them.")
 
     top = Section("topup", "Adding seeds")
     top.text.append(TOPUP_RULE)

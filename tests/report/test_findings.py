@@ -290,3 +290,24 @@ def test_a_caption_finding_s_course_reads_every_evaluation_s_pareto_table(tmp_pa
         a, b = np.array(rates["worse"][step]), np.array(rates["base"][step])
         ci = st.ttest_rel(a, b).confidence_interval(0.95)  # two arms: the pool is the pair's own
         assert (d[i], lo[i], hi[i]) == pytest.approx(((a - b).mean(), ci.low, ci.high))
+
+
+def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_path):
+    """Baseline runs that vary a data-order seed with the initialisation fixed, and the reverse:
+    each source's spread is the sd among runs that differ only in it."""
+    from dalle_ablate.report.findings import _arms_by, noise_sources
+
+    plan = {  # (data_seed, init_seed) -> final loss
+        (0, 0): 1.00, (1, 0): 1.10, (2, 0): 0.96,  # data order alone
+        (0, 1): 1.04, (0, 2): 1.01,  # initialisation alone (with (0, 0))
+    }
+    for i, ((data, init), final) in enumerate(plan.items()):
+        write_store(tmp_path / "runs", "base", i, final)
+        cfg = tmp_path / "runs" / f"base-seed{i}" / "run" / "config.yaml"
+        cfg.write_text(yaml.safe_dump({"seed": 0, "data_seed": data, "model": {"init_seed": init}, "eval": {"seed": 7}}))
+    runs = _arms_by(load_runs(str(tmp_path / "runs")))["base"]
+    got = noise_sources(runs, lambda r: float(r.metrics["eval/valid/loss"].dropna().iloc[-1]))
+    # data_seed varies within init 0 (three runs); init_seed within data 0 (three runs); the others are singletons
+    assert [(k, df) for k, _, df in got] == [("data_seed", 2), ("model.init_seed", 2)]
+    assert got[0][1] == pytest.approx(np.std([1.00, 1.10, 0.96], ddof=1))
+    assert got[1][1] == pytest.approx(np.std([1.00, 1.04, 1.01], ddof=1))
