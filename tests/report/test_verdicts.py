@@ -179,12 +179,12 @@ def test_the_top_up_rule_keeps_the_family_wise_rate():
     """Stage 1 at 3 seeds; seeds-needed from its pooled noise alone; the study topped up to it
     (at most 10 seeds here) and judged on all its seeds: false differences stay at 5 %."""
     rng = np.random.default_rng(40)
-    most, margin = 10, 0.7
+    most, margin = 10, 1.0  # the rule then asks for 4 to 10 seeds, most often 6 to 8
     y = simulate(rng, most, np.zeros(ARMS - 1))
     s2, _, _ = blocked_residual(y[..., :3])
     target = np.minimum(V.seeds_needed(np.sqrt(s2), margin, ARMS, CLAIMS, max_seeds=most), most)
     target = np.maximum(target, 3)
-    assert len(np.unique(target)) >= 4  # the rule does move with the noise
+    assert len(np.unique(target)) >= 6 and (target == most).mean() < 0.2  # the rule moves with the noise
     y[np.arange(most)[None, None, :] >= target[:, None, None] + np.zeros((1, ARMS, 1))] = np.nan
     v = V.analyse({"m": y}, claims(margin, rng.choice([-1, 1], CLAIMS)))["verdict"]
     assert np.isin(v, DIFFERENCE).any(-1).mean() <= mc_bound(0.05)
