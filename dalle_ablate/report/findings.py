@@ -133,7 +133,11 @@ def load_study(path: Path) -> Study:
         if f["expect"] not in ("lower", "higher"):
             raise ConfigError(f"{where}: finding {f['id']!r} has expect {f['expect']!r}; valid: lower, higher")
         margin = f.get("margin", MARGINS.get(f["metric"]))
-        if margin is None or parse_margin(margin) is None:
+        if margin is None:
+            raise ConfigError(f"{where}: finding {f['id']!r} has no margin and metric {f['metric']!r} no default one; "
+                              "give margin: a positive number in the metric's units (0.01) or a percentage of the "
+                              "baseline's mean (2%)")
+        if parse_margin(margin) is None:
             raise ConfigError(f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
                               f"metric's units (0.01) or a percentage of the baseline's mean (2%)")
         findings.append(Finding(**{k: f[k] for k in keys if k != "margin"}, margin=str(margin)))
