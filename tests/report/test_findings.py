@@ -311,3 +311,16 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
     assert [(k, df) for k, _, df in got] == [("data_seed", 2), ("model.init_seed", 2)]
     assert got[0][1] == pytest.approx(np.std([1.00, 1.10, 0.96], ddof=1))
     assert got[1][1] == pytest.approx(np.std([1.00, 1.04, 1.01], ddof=1))
+
+
+def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp_path, monkeypatch):
+    from dalle_ablate.report import findings
+
+    monkeypatch.setitem(findings.METRICS, "lr_sensitivity", ("final loss over the rates, per seed", lambda r: math.nan))
+    spec = {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "lr_sensitivity", "expect": "lower"}
+    path = study_file(tmp_path, findings=[spec])
+    with pytest.raises(ConfigError) as err:
+        load_study(path)
+    assert str(err.value) == (f"{path}: finding 'x' has no margin and metric 'lr_sensitivity' no default one; give margin: "
+                              "a positive number in the metric's units (0.01) or a percentage of the baseline's mean (2%)")
+    assert load_study(study_file(tmp_path, findings=[{**spec, "margin": "0.05"}])).findings[0].margin == "0.05"
