@@ -371,7 +371,8 @@ def noise_sources(runs: list[Run], value: Callable[[Run], float]) -> list[tuple[
         for r in runs:
             v = value(r)
             if np.isfinite(v):
-                groups.setdefault(tuple(repr(r.config.get(o)) for o in keys if o != k), []).append(v)
+                # agreeing on `seed` too: a field that follows it (its default) varies with every source
+                groups.setdefault(tuple(repr(r.config.get(o)) for o in ["seed", *keys] if o != k), []).append(v)
         ss = sum(float(((np.array(g) - np.mean(g)) ** 2).sum()) for g in groups.values())
         df = sum(len(g) - 1 for g in groups.values())
         if df > 0:

@@ -311,6 +311,11 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
     assert [(k, df) for k, _, df in got] == [("data_seed", 2), ("model.init_seed", 2)]
     assert got[0][1] == pytest.approx(np.std([1.00, 1.10, 0.96], ddof=1))
     assert got[1][1] == pytest.approx(np.std([1.00, 1.04, 1.01], ddof=1))
+    # a field that follows `seed` (its default) varies with every source: nothing to split
+    for i, r in enumerate(runs):
+        r.config.update({"seed": i, "data_seed": i})
+        r.config.pop("model.init_seed")
+    assert noise_sources(runs, lambda r: 1.0 + r.config["seed"]) == []
 
 
 def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp_path, monkeypatch):
