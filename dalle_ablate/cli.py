@@ -309,14 +309,17 @@ def cmd_report(args) -> None:
     from dalle_ablate.report import build_report
 
     t = time.perf_counter()
-    folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "")
+    skipped: list[str] = []
+    folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "",
+                          skipped)
     print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
+    for why in skipped:  # each also in the report's first section
+        print(f"warning: left out, unreadable: {why}", file=sys.stderr)
 
 
 def cmd_study(args) -> None:
     """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
     a stopped one continues from its checkpoint), then its report and its results page."""
-    import json
     import shlex
     import subprocess
     import time
@@ -324,7 +327,7 @@ def cmd_study(args) -> None:
 
     from dalle_ablate.report import build_report
     from dalle_ablate.report.findings import load_study, study_path, write_page
-    from dalle_ablate.report.load import find_stores
+    from dalle_ablate.report.load import find_stores, load_runs
     from dalle_ablate.train.meta import git_commit
 
     study = load_study(Path(args.study) if args.study.endswith((".yaml", ".yml")) else study_path(args.study))
@@ -337,13 +340,20 @@ def cmd_study(args) -> None:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
     code = 0 if args.no_run else subprocess.call(command, env=env)
     elapsed = time.perf_counter() - t
-    if not find_stores(str(folder)):
-        raise RunFailed(f"study {study.name}: no runs under {folder} (the multirun exited with {code})", code or 4)
-    summaries = [json.loads(p.read_text()) for p in folder.glob("*/run/summary.json")]
+    try:
+        find_stores(str(folder))
+    except ConfigError:
+        raise RunFailed(f"study {study.name}: no runs under {folder} (the multirun exited with {code})", code or 4) from None
+    runs = load_runs(str(folder))  # a torn or unreadable file of a run store: named in one line
+    for r in runs:  # its overrides say which arm a run is (report/findings.py arm_of)
+        if not (r.root / "meta.json").is_file():
+            raise ConfigError(f"{r.root / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
+                              f"{r.root.parent} and run the study again to train it anew")
+    summaries = [r.summary for r in runs]
     commit = git_commit()
     # A study resumed across commits trains its arms at more than one: name each, with its run count.
     trained = Counter(f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
-                      for m in (json.loads(p.read_text()) for p in folder.glob("*/run/meta.json")) if m.get("git"))
+                      for m in (r.meta for r in runs) if m.get("git"))
     typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", args.study, *args.overrides])
     invocation = ("this invocation ran nothing (--no-run)" if args.no_run else
                   f"this invocation took {elapsed / 60:.1f} min (runs finished before it are skipped, not repeated)")
