@@ -119,10 +119,14 @@ def run_hydra(main: Callable[[], object]) -> None:
         print(f"error: {msg}", file=stderr.stream)
         sys.exit(code)
 
+    from dalle_ablate.launch.jobs import WorkerLost
+
     try:
         main()
     except RunFailed as ex:  # diverged, or failed for a known reason: the run store says so too
         fail(str(ex), ex.exit_code)
+    except WorkerLost as ex:  # a cluster launcher's job killed, timed out or its node lost (a sweep goes on)
+        fail(str(ex), RunFailed.FAILED)
     except KeyboardInterrupt as ex:  # Ctrl-C: a run in its steps saved a checkpoint and says how to resume
         fail(str(ex) or "interrupted", 130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
