@@ -72,12 +72,11 @@ def check_known_keys(node: DictConfig, path: str = "") -> None:
     dataclass of its section) has no field for. A `dict` field (a sampler's kwargs) takes any key."""
     schema = OmegaConf.get_type(node)
     fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
-    for key in node.keys():
+    for key, child in node.items_ex(resolve=False):
         full = f"{path}.{key}" if path else str(key)
         if fields is not None and key not in fields:
             raise ConfigError(f"unknown field {full!r}; valid fields of {path or 'the config'}: {', '.join(sorted(fields))}")
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+        if isinstance(child, DictConfig):
             check_known_keys(child, full)
 
 
