@@ -261,7 +261,8 @@ class OptunaSweeper(Sweeper):
             except optuna.exceptions.UpdateFinishedTrialError:  # another process got there first
                 continue
             self._died(study, study._storage.get_trial(trial._trial_id),
-                       f"its sweep process (pid {owner['pid']} on this host) is gone, found by a later sweep start")
+                       f"its process died: its sweep (pid {owner['pid']}) on this host is gone, found by a later "
+                       "sweep start")
 
     def _stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """A trial whose process died unseen (the sweep's own process with it)."""

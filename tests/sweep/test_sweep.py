@@ -215,7 +215,7 @@ def test_a_trial_whose_sweep_was_killed_on_this_host_is_failed_at_the_next_start
     pid = killed_sweep(tmp_path).user_attrs["dalle_ablate.sweep_process"]["pid"]
     sweep(tmp_path, "x=interval(0, 1)", "hydra.sweeper.n_trials=2")
     assert [t.state for t in trials(url)] == [S.FAIL, S.COMPLETE, S.COMPLETE]
-    why = f"its sweep process (pid {pid} on this host) is gone, found by a later sweep start"
+    why = f"its process died: its sweep (pid {pid}) on this host is gone, found by a later sweep start"
     assert optuna.load_study(study_name="dalle-ablate", storage=url).user_attrs["dalle_ablate.died"] == {"0": why}
 
 
