@@ -62,7 +62,9 @@ def format_error(ex: BaseException) -> Optional[str]:
             key, value = ambiguous[1], ambiguous[2]
             return (f"{key}={value} is ambiguous: for a list write {key}=[{value}]; for a string quote the value: "
                     f"\"{key}='{value}'\"; to sweep over it add --multirun")
-        return "; ".join(lines)  # Hydra's hints follow its first line: keep them
+        # Hydra's hints follow its first line: keep them, one sentence after another.
+        return "".join(line if i == 0 else (" " if lines[i - 1].endswith((".", ":")) else "; ") + line
+                       for i, line in enumerate(lines))
     return None
 
 

@@ -186,3 +186,9 @@ def test_a_failed_multirun_job_is_one_line_naming_its_overrides(tmp_path: Path):
     # Hydra's "Error executing job with overrides: [...]" folded into the project's line.
     line = _one_line_error(run_py("-m", "seed=-1,-2", cwd=tmp_path))
     assert line == "error: seed=-1 must be in [0, inf) (job: seed=-1)"
+
+
+def test_hydras_hints_after_its_first_line_are_kept():
+    assert _composing_error("+trainer=x") == ("Could not append to config. An item is already at 'trainer'. Either remove + "
+                                              "prefix: 'trainer=x'; Or add a second + to add or override 'trainer': "
+                                              "'++trainer=x'")
