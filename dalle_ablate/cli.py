@@ -111,17 +111,21 @@ def run_hydra(main: Callable[[], object]) -> None:
     diverged or failed for a known reason one line and its code (README "When things go wrong")."""
     # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    from dalle_ablate.launch.jobs import WorkerLost
+
     stderr = sys.stderr = _JobErrorLine(sys.stderr)
 
     def fail(msg: str, code: int) -> None:
-        if stderr.overrides and _multirun():  # which job of the multirun failed
+        if stderr.overrides and _multirun():  # which job of the multirun failed: Hydra prints its overrides' list
             import ast
 
-            msg = f"{msg} (job: {' '.join(ast.literal_eval(stderr.overrides))})"
+            try:
+                job = " ".join(ast.literal_eval(stderr.overrides))
+            except (ValueError, SyntaxError, TypeError):
+                job = stderr.overrides
+            msg = f"{msg} (job: {job})"
         print(f"error: {msg}", file=stderr.stream)
         sys.exit(code)
-
-    from dalle_ablate.launch.jobs import WorkerLost
 
     try:
         main()
