@@ -48,11 +48,23 @@ def format_error(ex: BaseException) -> Optional[str]:
         if foreign:  # a preset of one model family composed with another's (size=dalle12b model=preln)
             return f"{foreign[1]} sets model.{foreign[2]}, which the chosen model preset's {foreign[3]} has no field for; " \
                    f"it belongs with {family_presets(foreign[2])}"
-        line = str(ex).splitlines()[0]
-        twice = re.fullmatch(r"Multiple values for (\S+)\. To override a value use 'override \1: (.+)'", line)
+        lines = [line.strip() for line in str(ex).splitlines() if line.strip()]
+        twice = re.fullmatch(r"Multiple values for (\S+)\. To override a value use 'override \1: (.+)'", lines[0])
         if twice:  # `+sweeps=x`: the group is already in the defaults list, and Hydra's hint is for YAML files
             return f"{twice[1]} is already in the defaults list: choose it with {twice[1]}={twice[2]}, without the '+'"
-        return line
+        unknown = re.fullmatch(r"In '(\S+)': ConfigKeyError raised while composing config:\nKey '\w+' not in '(\w+)'\n"
+                               r"\s*full_key: (\S+)\n.*", str(ex), re.S)
+        if unknown:  # a preset setting a field the chosen schema lacks (data=parquet experiment=quick)
+            option = unknown[1].replace("/", "=", 1) if "/" in unknown[1] else unknown[1]
+            return f"{option} sets {unknown[3]}, which {unknown[2]} has no field for"
+        ambiguous = re.fullmatch(r"Ambiguous value for argument '([^=']+)=(.*)'", lines[0])
+        if ambiguous:  # Hydra's hint, with the key and value filled in and quoted for a shell
+            key, value = ambiguous[1], ambiguous[2]
+            return (f"{key}={value} is ambiguous: for a list write {key}=[{value}]; for a string quote the value: "
+                    f"\"{key}='{value}'\"; to sweep over it add --multirun")
+        # Hydra's hints follow its first line: keep them, one sentence after another.
+        return "".join(line if i == 0 else (" " if lines[i - 1].endswith((".", ":")) else "; ") + line
+                       for i, line in enumerate(lines))
     return None
 
 
@@ -68,25 +80,70 @@ def family_presets(field: str) -> str:
     return ", ".join(f"model={p}" for p in presets) or "no model preset"
 
 
+HYDRA_JOB_ERROR = "Error executing job with overrides: "
+
+
+class _JobErrorLine:
+    """sys.stderr while a `@hydra.main` function runs: Hydra writes "Error executing job with
+    overrides: [...]" just before it re-raises a job's exception; the line is held back, so that
+    the error is one line on stderr (with a multirun's job overrides folded in)."""
+
+    def __init__(self, stream):
+        self.stream, self.overrides = stream, None
+
+    def write(self, text: str) -> int:
+        if text.startswith(HYDRA_JOB_ERROR):
+            self.overrides = text[len(HYDRA_JOB_ERROR):].strip()
+            return len(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _multirun() -> bool:
+    """Whether the command line asked for a multirun (Hydra has forgotten by the time a job's error reaches us)."""
+    return any(a in ("-m", "--multirun") or a.replace(" ", "") == "hydra.mode=MULTIRUN" for a in sys.argv[1:])
+
+
 def run_hydra(main: Callable[[], object]) -> None:
     """Call a `@hydra.main` function: a user mistake is one line and exit code 2, a run that
     diverged or failed for a known reason one line and its code (README "When things go wrong")."""
     # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    from dalle_ablate.launch.jobs import WorkerLost
+
+    stderr = sys.stderr = _JobErrorLine(sys.stderr)
+
+    def fail(msg: str, code: int) -> None:
+        if stderr.overrides and _multirun():  # which job of the multirun failed: Hydra prints its overrides' list
+            import ast
+
+            try:
+                job = " ".join(ast.literal_eval(stderr.overrides))
+            except (ValueError, SyntaxError, TypeError):
+                job = stderr.overrides
+            msg = f"{msg} (job: {job})"
+        print(f"error: {msg}", file=stderr.stream)
+        sys.exit(code)
+
     try:
         main()
     except RunFailed as ex:  # diverged, or failed for a known reason: the run store says so too
-        print(f"error: {ex}", file=sys.stderr)
-        sys.exit(ex.exit_code)
+        fail(str(ex), ex.exit_code)
+    except WorkerLost as ex:  # a cluster launcher's job killed, timed out or its node lost (a sweep goes on)
+        fail(str(ex), RunFailed.FAILED)
     except KeyboardInterrupt as ex:  # Ctrl-C: a run in its steps saved a checkpoint and says how to resume
-        print(f"error: {ex}" if str(ex) else "error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        fail(str(ex) or "interrupted", 130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex) or (format_error(ex.__cause__) if ex.__cause__ else None)
         if msg is None:
+            if stderr.overrides:  # a bug: Hydra's line above its traceback, as Hydra prints it
+                stderr.stream.write(f"{HYDRA_JOB_ERROR}{stderr.overrides}{os.linesep}")
             raise
-        print(f"error: {msg}", file=sys.stderr)
-        sys.exit(2)
+        fail(msg, 2)
+    finally:
+        sys.stderr = stderr.stream
 
 
 def cmd_encode_images(args) -> None:
@@ -262,8 +319,12 @@ def cmd_report(args) -> None:
     from dalle_ablate.report import build_report
 
     t = time.perf_counter()
-    folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "")
+    skipped: list[str] = []
+    folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "",
+                          skipped)
     print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
+    for why in skipped:  # each also in the report's first section
+        print(f"warning: left out, unreadable: {why}", file=sys.stderr)
 
 
 def cmd_study(args) -> None:
@@ -277,7 +338,7 @@ def cmd_study(args) -> None:
 
     from dalle_ablate.report import build_report
     from dalle_ablate.report.findings import load_study, study_path, write_page
-    from dalle_ablate.report.load import find_stores
+    from dalle_ablate.report.load import find_stores, load_runs
     from dalle_ablate.train.meta import git_commit
 
     study = load_study(Path(args.study) if args.study.endswith((".yaml", ".yml")) else study_path(args.study))
@@ -304,13 +365,20 @@ def cmd_study(args) -> None:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
     code = 0 if args.no_run else subprocess.call(command, env=env)
     elapsed = time.perf_counter() - t
-    if not find_stores(str(folder)):
-        raise RunFailed(f"study {study.name}: no runs under {folder} (the multirun exited with {code})", code or 4)
-    summaries = [json.loads(p.read_text()) for p in folder.glob("*/run/summary.json")]
+    try:
+        find_stores(str(folder))
+    except ConfigError:
+        raise RunFailed(f"study {study.name}: no runs under {folder} (the multirun exited with {code})", code or 4) from None
+    runs = load_runs(str(folder))  # a torn or unreadable file of a run store: named in one line
+    for r in runs:  # its overrides say which arm a run is (report/findings.py arm_of)
+        if not (r.root / "meta.json").is_file():
+            raise ConfigError(f"{r.root / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
+                              f"{r.root.parent} and run the study again to train it anew")
+    summaries = [r.summary for r in runs]
     commit = git_commit()
     # A study resumed across commits trains its arms at more than one: name each, with its run count.
     trained = Counter(f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
-                      for m in (json.loads(p.read_text()) for p in folder.glob("*/run/meta.json")) if m.get("git"))
+                      for m in (r.meta for r in runs) if m.get("git"))
     typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", args.study,
                                                *(["--seeds", args.seeds] if args.seeds else []), *args.overrides])
     invocation = ("this invocation ran nothing (--no-run)" if args.no_run else

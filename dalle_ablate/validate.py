@@ -7,6 +7,8 @@ would be valid."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig, OmegaConf
 
 # Importing these registers every option's schema in Hydra's ConfigStore before anything composes.
@@ -33,12 +35,13 @@ OPTION_GROUPS = ((FAMILIES, "model"), (OPTIMIZERS, "optim"), (SCHEDULES, "schedu
 
 
 def validate(cfg: RunConfig) -> None:
+    t = cfg.trainer
+    # The trainer's own counts first: the options' checks (a warm-up shorter than the run) read them.
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "save_every"):
+        check(getattr(t, name) > 0, f"trainer.{name}={getattr(t, name)} must be positive")
     for registry, section in OPTION_GROUPS:
         registry.validate(getattr(cfg, section), cfg)
     check_ranges(cfg, RANGES)
-    t = cfg.trainer
-    for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "save_every"):
-        check(getattr(t, name) > 0, f"trainer.{name}={getattr(t, name)} must be positive")
     check(
         t.batch_size % t.grad_accum == 0,
         f"trainer.batch_size={t.batch_size} is not divisible by trainer.grad_accum={t.grad_accum}",
@@ -49,6 +52,32 @@ def validate(cfg: RunConfig) -> None:
     cfg.eval.check_all(cfg, "eval")
     check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
     check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")
+    check_distributed(cfg.distributed)
+
+
+def check_distributed(d) -> None:
+    """Several processes need a coordinator (or a cluster JAX detects): without one each would run
+    alone, and all of them would write one run folder."""
+    if d.coordinator_address or d.auto:
+        return
+    for name in ("num_processes", "process_id"):
+        value = getattr(d, name)
+        check(value is None or (name == "num_processes" and value == 1),
+              f"distributed.{name}={value} needs distributed.coordinator_address (host:port of process 0, or "
+              "JAX_COORDINATOR_ADDRESS), or distributed.auto=true on a cluster JAX detects (Cloud TPU, Slurm, Open MPI)")
+
+
+def check_known_keys(node: DictConfig, path: str = "") -> None:
+    """Hydra's `+key=value` adds a key even to a structured config: refuse one its schema (the
+    dataclass of its section) has no field for. A `dict` field (a sampler's kwargs) takes any key."""
+    schema = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key, child in node.items_ex(resolve=False):
+        full = f"{path}.{key}" if path else str(key)
+        if fields is not None and key not in fields:
+            raise ConfigError(f"unknown field {full!r}; valid fields of {path or 'the config'}: {', '.join(sorted(fields))}")
+        if isinstance(child, DictConfig):
+            check_known_keys(child, full)
 
 
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -59,6 +88,7 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"missing value for {', '.join(missing)} (set it on the command line, e.g. {missing[0]}=...)")
+        check_known_keys(cfg)
         run = OmegaConf.to_object(cfg)
     validate(run)
     return run

@@ -1,4 +1,5 @@
-"""`dalle-ablate encode` writes dalle-mini-format parquet that the trainer reads back end to end."""
+"""`dalle-ablate encode` writes dalle-mini-format parquet that the trainer reads back end to end; `dalle-ablate eval`
+names a checkpoint it cannot restore."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import sys
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
-from conftest import SMALL_DATA, run_config
+from conftest import SMALL_DATA, TINY_TRAIN, run_config, run_py
 from dalle_ablate.cli import main
 from dalle_ablate.train.loop import JobInfo, train
 
@@ -40,3 +42,39 @@ def test_cli_errors_are_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: data.patch_size=7 does not divide data.image_size=48"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A three-step run with one checkpoint (step 3)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    proc = run_py(*SMALL_DATA, *TINY_TRAIN, "trainer.steps=3", "tracker=none", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "outputs" / "run"
+
+
+def _halve(path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torn", ["metadata", "arrays"])
+def test_eval_of_a_truncated_checkpoint_names_it_in_one_line(trained, tmp_path, torn):
+    import shutil
+
+    job = shutil.copytree(trained, tmp_path / "job")
+    step = job / "run" / "checkpoints" / "3"
+    if torn == "metadata":
+        _halve(step / "default" / "_METADATA")
+    else:  # the largest file of the arrays' OCDBT database
+        _halve(max((step / "default").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size))
+    proc = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(job), "tracker=none"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    head = f"error: {step}: the checkpoint of step 3 cannot be restored (truncated or corrupt?): "
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(head), proc.stderr[-3000:]
+    why = proc.stderr[len(head):]
+    if torn == "metadata":
+        assert why.startswith("JSONDecodeError: ")
+    else:
+        assert why.startswith("ValueError: OUT_OF_RANGE: Error reading ") and f'at local file "{step}/default/"' in why

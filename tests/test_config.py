@@ -63,8 +63,8 @@ def test_illegal_combinations_name_both_flags():
 def _one_line_error(proc) -> str:
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
+    # Nothing else: no traceback, and not Hydra's "Error executing job with overrides: [...]" above it.
+    assert proc.stderr.strip() == lines[0], proc.stderr
     return lines[0]
 
 
@@ -124,3 +124,71 @@ def test_a_long_warmup_runs_when_asked():
 def test_seed_out_of_range_is_one_line_and_exit_2(tmp_path: Path):
     line = _one_line_error(run_py("seed=-1", cwd=tmp_path))
     assert line == "error: seed=-1 must be in [0, inf)"
+
+
+def test_a_key_added_with_plus_needs_a_schema_field():
+    with pytest.raises(ConfigError) as err:
+        run_config("+trainer.nosuch=1")
+    assert str(err.value) == ("unknown field 'trainer.nosuch'; valid fields of trainer: batch_size, eval_batches, eval_every, "
+                              "grad_accum, grad_scale_growth_every, grad_scale_init, grad_scaling, keep_checkpoints, "
+                              "log_every, progress, save_every, steps")
+    with pytest.raises(ConfigError, match=r"^unknown field 'model.nosuch'; valid fields of model: .*\bd_model\b"):
+        run_config("+model.nosuch=1")
+
+
+def test_several_processes_need_a_coordinator():
+    hint = ("needs distributed.coordinator_address (host:port of process 0, or JAX_COORDINATOR_ADDRESS), or "
+            "distributed.auto=true on a cluster JAX detects (Cloud TPU, Slurm, Open MPI)")
+    with pytest.raises(ConfigError) as err:
+        run_config("distributed.num_processes=2")
+    assert str(err.value) == f"distributed.num_processes=2 {hint}"
+    with pytest.raises(ConfigError) as err:
+        run_config("distributed.process_id=1")
+    assert str(err.value) == f"distributed.process_id=1 {hint}"
+    assert run_config("distributed.num_processes=1").distributed.num_processes == 1
+    d = run_config("distributed.num_processes=2", "distributed.process_id=1", "distributed.coordinator_address=h:1").distributed
+    assert (d.num_processes, d.process_id) == (2, 1)
+
+
+def test_zero_steps_blames_the_steps_not_the_warmup():
+    with pytest.raises(ConfigError) as err:
+        run_config("trainer.steps=0")
+    assert str(err.value) == "trainer.steps=0 must be positive"
+
+
+def _composing_error(*overrides: str) -> str:
+    from dalle_ablate.cli import format_error
+
+    with pytest.raises(Exception) as err:
+        compose(*overrides)
+    return format_error(err.value)
+
+
+def test_a_preset_setting_a_field_the_schema_lacks_keeps_the_key():
+    assert _composing_error("data=parquet", "experiment=quick") == \
+        "experiment=quick sets data.num_train, which ParquetDataConfig has no field for"
+
+
+def test_an_unquoted_list_keeps_hydras_hint_on_quoting():
+    assert _composing_error("model.attention_pattern=row,nosuch") == (
+        "model.attention_pattern=row,nosuch is ambiguous: for a list write model.attention_pattern=[row,nosuch]; for a "
+        "string quote the value: \"model.attention_pattern='row,nosuch'\"; to sweep over it add --multirun")
+
+
+def test_distributed_auto_off_a_cluster_is_one_line(tmp_path: Path):
+    line = _one_line_error(run_py("distributed.auto=true", cwd=tmp_path))
+    assert line == ("error: distributed.auto=true, but JAX detects no cluster here (Cloud TPU, Slurm, Open MPI; it says: "
+                    "coordinator_address should be defined.); on other machines set distributed.coordinator_address, "
+                    "distributed.num_processes and distributed.process_id instead")
+
+
+def test_a_failed_multirun_job_is_one_line_naming_its_overrides(tmp_path: Path):
+    # Hydra's "Error executing job with overrides: [...]" folded into the project's line.
+    line = _one_line_error(run_py("-m", "seed=-1,-2", cwd=tmp_path))
+    assert line == "error: seed=-1 must be in [0, inf) (job: seed=-1)"
+
+
+def test_hydras_hints_after_its_first_line_are_kept():
+    assert _composing_error("+trainer=x") == ("Could not append to config. An item is already at 'trainer'. Either remove + "
+                                              "prefix: 'trainer=x'; Or add a second + to add or override 'trainer': "
+                                              "'++trainer=x'")

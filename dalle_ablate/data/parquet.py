@@ -275,6 +275,9 @@ class ParquetDataset(Dataset):
             codes.append(c)
             if len(caps) >= self.cfg.valid_max_rows:
                 break
+        if not caps and self.valid_files:
+            raise ConfigError(f"data.valid_path={self.cfg.valid_path}: no rows in {', '.join(map(str, self.valid_files))}; "
+                              "give a split with rows, or drop data.valid_path to hold out data.valid_fraction of data.path")
         if not caps:
             raise ConfigError(
                 f"no validation rows: set data.valid_path or raise data.valid_fraction={self.cfg.valid_fraction}"

@@ -22,7 +22,7 @@ from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, OmegaConf
 
 from dalle_ablate.launch.jobs import failed, lost, process_env, run_one, sweep_configs
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, RunFailed, first_line
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -42,6 +42,30 @@ class RayLauncherConf:
     strategy: str = "PACK"
     env: dict = field(default_factory=dict)  # environment of every process, e.g. {XLA_FLAGS: ...}
     init: dict = field(default_factory=dict)  # more ray.init() arguments, e.g. {num_cpus: 4}
+
+
+CONNECT_TIMEOUT = 10  # seconds: Ray itself retries an address that does not answer for minutes
+
+
+def reachable(address: Optional[str]) -> None:
+    """A Ray address given as host:port (or ray://host:port), from hydra.launcher.address or
+    $RAY_ADDRESS, must accept a connection within CONNECT_TIMEOUT: RunFailed naming it if not."""
+    field = "hydra.launcher.address" if address else "RAY_ADDRESS"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address or address in ("auto", "local"):
+        return
+    # Something that accepts connections there but is no Ray cluster: Ray tries for this many
+    # seconds (one a second; 20 by default), not NUM_REDIS_GET_RETRIES.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(CONNECT_TIMEOUT))
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return  # Ray's own error says what it expects
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as e:
+        why = f"no answer in {CONNECT_TIMEOUT} s" if isinstance(e, socket.timeout) else first_line(e)
+        raise RunFailed(f"{field}={address}: no Ray cluster can be reached there ({why}); start one with `ray start --head`, "
+                        "or leave the address unset to start Ray on this machine", RunFailed.FAILED) from None
 
 
 def _free_address() -> str:
@@ -76,7 +100,11 @@ class RayLauncher(Launcher):
         except ImportError:
             raise ConfigError("hydra/launcher=ray needs Ray: pip install -c constraints.txt -e '.[cluster]'") from None
         if not ray.is_initialized():
-            ray.init(address=self.address, **self.init)
+            reachable(self.address)
+            try:
+                ray.init(address=self.address, **self.init)
+            except ConnectionError as e:  # e.g. address=auto with no cluster started on this machine
+                raise RunFailed(f"hydra/launcher=ray: {first_line(e)}", RunFailed.FAILED) from None
             log.info(f"Ray cluster: {ray.cluster_resources().get('CPU', 0):g} CPUs on "
                      f"{sum(n['Alive'] for n in ray.nodes())} nodes")
         return ray

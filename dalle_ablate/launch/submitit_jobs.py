@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -22,6 +23,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from omegaconf import DictConfig, OmegaConf
 
 from dalle_ablate.launch.jobs import failed, lost, process_env, run_one, sweep_configs
+from dalle_ablate.registry import ConfigError, RunFailed
 
 log = logging.getLogger(__name__)
 TARGET = "hydra_plugins.dalle_ablate_launcher.SubmititLauncher"
@@ -62,6 +64,10 @@ class SubmititLauncher(Launcher):
     def __init__(self, executor: str, **params: Any):
         self.name = executor
         self.params = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in params.items()}
+        timeout = self.params.get("timeout_min")
+        if timeout is not None and not timeout > 0:  # a job stopped as it starts: every trial lost
+            raise ConfigError(f"hydra.launcher.timeout_min={timeout} must be > 0 (the minutes a job may run before "
+                              f"{'SLURM stops' if executor == 'slurm' else 'it is stopped'})")
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
@@ -70,6 +76,9 @@ class SubmititLauncher(Launcher):
         """submitit's executor with the plugin's parameters, named as that plugin names them."""
         import submitit
 
+        if self.name == "slurm" and shutil.which("srun") is None:  # submitit would raise a RuntimeError of its own
+            raise RunFailed("hydra/launcher=slurm needs SLURM, and this machine has no srun on its PATH: start the sweep on "
+                            "a SLURM login node, or run its jobs here with hydra/launcher=slurm_local", RunFailed.FAILED)
         params = dict(self.params)
         init = {"folder": params.pop("submitit_folder")}
         if "max_num_timeout" in params:

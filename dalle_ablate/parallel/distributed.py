@@ -25,4 +25,9 @@ def initialize(dist_cfg) -> None:
             raise ConfigError(f"distributed.process_id={dist_cfg.process_id} must be in [0, {dist_cfg.num_processes})")
         jax.distributed.initialize(dist_cfg.coordinator_address, dist_cfg.num_processes, dist_cfg.process_id)
     elif dist_cfg.auto:
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except ValueError as e:  # no cluster environment JAX knows: it finds no coordinator
+            raise ConfigError(f"distributed.auto=true, but JAX detects no cluster here (Cloud TPU, Slurm, Open MPI; it says: "
+                              f"{e}); on other machines set distributed.coordinator_address, distributed.num_processes and "
+                              "distributed.process_id instead") from None

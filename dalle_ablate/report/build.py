@@ -14,7 +14,7 @@ from typing import Optional
 import pandas as pd
 
 from dalle_ablate.fileio import atomic_write
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.report import figures
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
 from dalle_ablate.report.tables import (ONE_SEED, STABILITY_COLUMNS, final_table, fmt, runs_csv,
@@ -189,9 +189,31 @@ def wandb_panels(runs: list[Run]) -> tuple[list[str], list[str], list[str]]:
     return differing_fields(runs, NOT_A_VARIANT), [k for k in logged if REPORT_METRICS.fullmatch(k)], media
 
 
+def sweep_study(db: Path):
+    """The Optuna study of a sweep's optuna.db (None if it holds none), or a ConfigError naming the file."""
+    import optuna
+    import sqlalchemy
+
+    if db.stat().st_size == 0:  # sqlite would take it for a new database, and optuna write its tables into it
+        raise ConfigError(f"{db}: empty, not an Optuna database")
+    url = f"sqlite:///{db}"
+    try:
+        names = optuna.get_all_study_names(url)
+        study = optuna.load_study(study_name=names[0], storage=url) if names else None
+        if study is not None:
+            study.get_trials(deepcopy=False)  # every page the report reads, read now
+        return study
+    except sqlalchemy.exc.DatabaseError as e:
+        raise ConfigError(f"{db}: not a readable Optuna database, truncated or corrupt ({first_line(e.orig or e)})") from None
+
+
 def build_report(source: str, out_dir: str | Path = "reports", name: Optional[str] = None,
-                 baseline: Optional[str] = None, wandb_entity: str = "", wandb_project: str = "") -> Path:
-    runs = load_runs(source)
+                 baseline: Optional[str] = None, wandb_entity: str = "", wandb_project: str = "",
+                 skipped: Optional[list[str]] = None) -> Path:
+    """The report's folder. A run store or sweep database that cannot be read is left out, named
+    in the report and in `skipped` (one line each)."""
+    skipped = [] if skipped is None else skipped
+    runs = load_runs(source, skipped=skipped)
     if source.startswith("wandb:"):
         src = Path(source[len("wandb:"):])
     else:
@@ -202,12 +224,14 @@ def build_report(source: str, out_dir: str | Path = "reports", name: Optional[st
     study = None
     db = src / "optuna.db" if not source.startswith("wandb:") and src.is_dir() else None
     if db is not None and db.exists():
-        import optuna
-
-        names = optuna.get_all_study_names(f"sqlite:///{db}")
-        study = optuna.load_study(study_name=names[0], storage=f"sqlite:///{db}") if names else None
+        try:
+            study = sweep_study(db)
+        except ConfigError as e:
+            skipped.append(f"{e}; the runs are compared as a multirun's, without the sweep's trials")
     title = f"dalle-ablate report: {source}"
     sections, info = build_sections(runs, baseline, study)
+    if skipped:  # in the summary at the top: what the report could not read
+        sections[0].text.append(f"Left out, unreadable ({len(skipped)}): " + "; ".join(skipped) + ".")
     atomic_write(folder / "index.html", to_html(title, sections))
     atomic_write(folder / "report.md", to_markdown(title, sections, folder))
     runs_csv(runs, info["stability"]).to_csv(folder / "runs.csv", index=False)

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
-import yaml
 from scipy import stats as st
 
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.load import Run, read_yaml, series
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.stats import diff_ci, diverged, mean_ci, spikes
 from dalle_ablate.report.tables import final_value, fmt, headline_values
@@ -117,8 +116,11 @@ def study_path(name: str) -> Path:
 
 
 def load_study(path: Path) -> Study:
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = read_yaml(Path(path)) or {}
     where = str(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: not a study file (a YAML mapping with name, title, source, experiment, baseline, "
+                          f"findings); it holds a {type(raw).__name__}")
     for key in ("name", "title", "source", "experiment", "baseline", "findings"):
         if key not in raw:
             raise ConfigError(f"{where}: missing '{key}'")

@@ -7,13 +7,13 @@ import glob
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
 import yaml
 
-from dalle_ablate.registry import ConfigError
+from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.track.naming import variant_labels
 from dalle_ablate.track.wandb_api import group_runs
 
@@ -85,12 +85,65 @@ def _last_table(store: Path, key: str) -> Optional[dict]:
     return json.loads(tables[-1].read_text()) if tables else None
 
 
+# -- a run store's files, each read or named in one line ------------------------------------------
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({first_line(e)})") from None
+
+
+def read_json(path: Path, kind: type = dict) -> Any:
+    """A JSON file's value (of `kind`), or a ConfigError naming the file: missing, half-written, not JSON."""
+    try:
+        value = json.loads(_text(path))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON, half-written or corrupt ({e.msg}: line {e.lineno} column {e.colno})") \
+            from None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{path}: holds a JSON {type(value).__name__}, not a{'n' if kind is dict else ''} {kind.__name__}")
+    return value
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (metrics.jsonl), or a ConfigError naming the file and line."""
+    rows = []
+    for n, line in enumerate(_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: line {n} is not valid JSON, half-written or corrupt ({e.msg}: column {e.colno})") \
+                from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: line {n} holds a JSON {type(row).__name__}, not an object")
+        rows.append(row)
+    return rows
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's value, or a ConfigError naming the file (and where it stops parsing)."""
+    try:
+        return yaml.safe_load(_text(path))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML ({where}{getattr(e, 'problem', None) or first_line(e)})") from None
+
+
 def load_run(store: Path) -> Run:
-    meta = json.loads((store / "meta.json").read_text()) if (store / "meta.json").exists() else {}
-    summary = json.loads((store / "summary.json").read_text()) if (store / "summary.json").exists() else {}
-    config = flatten(yaml.safe_load((store / "config.yaml").read_text()) or {}) if (store / "config.yaml").exists() else {}
-    rows = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    frame = by_step(rows)
+    """A run store's files; a ConfigError naming the first that cannot be read (meta.json, summary.json
+    and config.yaml may be absent: a run store from before they existed)."""
+    meta = read_json(store / "meta.json") if (store / "meta.json").exists() else {}
+    summary = read_json(store / "summary.json") if (store / "summary.json").exists() else {}
+    raw = read_yaml(store / "config.yaml") if (store / "config.yaml").exists() else {}
+    if not isinstance(raw or {}, dict):
+        raise ConfigError(f"{store / 'config.yaml'}: holds a YAML {type(raw).__name__}, not a mapping")
+    config = flatten(raw or {})
+    frame = by_step(read_jsonl(store / "metrics.jsonl"))
     run = Run(store.parent.name, store, config, meta, summary, frame)  # named in load_runs
     run.pareto = _last_table(store, "eval_pareto")
     prompts: dict[str, list[str]] = {}  # grid key -> its prompts, from the last eval_grids table
@@ -136,10 +189,25 @@ def job_order(run: Run):
     return (0, int(job), "") if job.isdigit() else (1, 0, str(run.root))
 
 
-def load_runs(source: str, api=None) -> list[Run]:
+def load_runs(source: str, api=None, skipped: Optional[list[str]] = None) -> list[Run]:
     """Runs of a multirun/sweep folder, a glob of run stores, or `wandb:ENTITY/PROJECT/GROUP`,
-    in job order."""
-    runs = load_wandb_group(source, api) if source.startswith("wandb:") else [load_run(s) for s in find_stores(source)]
+    in job order. A run store with a file that cannot be read raises a ConfigError naming it; or,
+    given `skipped`, is left out with that line appended there (unless every one is broken)."""
+    if source.startswith("wandb:"):
+        runs = load_wandb_group(source, api)
+    else:
+        runs, broken = [], []
+        for store in find_stores(source):
+            try:
+                runs.append(load_run(store))
+            except ConfigError as e:
+                if skipped is None:
+                    raise
+                broken.append(str(e))
+        if broken and not runs:
+            raise ConfigError(f"report: every run store under {source!r} is unreadable ({len(broken)}); the first: {broken[0]}")
+        if skipped is not None:
+            skipped += broken
     runs.sort(key=job_order)
     assign_variants(runs)
     if not source.startswith("wandb:"):  # a W&B run keeps its own name

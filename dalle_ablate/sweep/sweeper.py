@@ -4,13 +4,16 @@ Hydra jobs through whatever launcher is configured (basic, joblib, or a cluster'
 their returns are told back. Unlike the official plugin (optuna < 3): trials are counted across
 resumes and across processes sharing the study, a job that raises or returns NaN is a FAILED
 trial and the sweep goes on, jobs can be pruned (trial.py), a trial whose process died (found by
-its heartbeat, or lost by a cluster launcher) is replaced (or retried from its checkpoint), and a
-seeded sampler draws new points in every process that joins the study."""
+its pid at once on its own host, by its heartbeat elsewhere, or lost by a cluster launcher) is
+replaced (or retried from its checkpoint), and a seeded sampler draws new points in every process
+that joins the study."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +43,47 @@ warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning
 # The study's record of FAILED trials whose process died, {number: why} (a finished trial takes no
 # more attributes): they do not count toward n_trials.
 STALE_ATTR = "dalle_ablate.died"
+# A trial's sweep process (which sends its heartbeat and launches its job): {host, pid, start}.
+OWNER_ATTR = "dalle_ablate.sweep_process"
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """When a process started (clock ticks since boot, /proc/<pid>/stat field 22): with its pid, it
+    names one process, not a later one given the same pid; None where /proc cannot tell."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _host() -> str:
+    """This machine, and the pid namespace its pids mean something in (containers on one host share
+    a hostname at times, never a pid namespace)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()} {namespace}".strip()
+
+
+def this_process() -> dict:
+    return {"host": _host(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def process_gone(owner: Any) -> bool:
+    """Whether a trial's sweep process, recorded as `this_process()` gave it, is known dead: it ran on
+    this host and its pid is free, or taken by a process started later. Elsewhere: not known (its
+    heartbeat tells)."""
+    if not isinstance(owner, dict) or owner.get("host") != _host() or not isinstance(owner.get("pid"), int):
+        return False
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    start = _start_time(owner["pid"])
+    return owner.get("start") is not None and start is not None and start != owner["start"]
 
 
 @dataclass
@@ -114,6 +158,7 @@ class OptunaSweeper(Sweeper):
                               f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0")
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period or 2 * heartbeat_interval
         self.retry = optuna.storages.RetryFailedTrialCallback(max_retry=retry_failed) if retry_failed else None
+        self.process = this_process()
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -165,11 +210,14 @@ class OptunaSweeper(Sweeper):
                     warned = True
                     log.warning(f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
                                 f"than n_trials={n_trials} trials")
+                self._fail_gone(study)  # trials whose sweep process on this host is gone: at once
                 optuna.storages.fail_stale_trials(study)  # trials of processes that died (self._stale)
                 died = study.user_attrs.get(STALE_ATTR, {})  # read from the storage: other processes add to it
                 asked = study.get_trials(deepcopy=False, states=[s for s in optuna.trial.TrialState if s.name != "WAITING"])
                 done = len(asked) - len(died)  # a WAITING trial (a retry) is yet to be asked
                 trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, n_trials - done))]
+                for trial in trials:
+                    trial.set_user_attr(OWNER_ATTR, self.process)
             if not trials:
                 break
             batch = [space.overrides(t.params) + self._resume(study, t) + [
@@ -199,6 +247,22 @@ class OptunaSweeper(Sweeper):
                 study.tell(trial, values, state=state)
         self._write_results(study)
         return study.get_trials()
+
+    def _fail_gone(self, study: optuna.Study) -> None:
+        """RUNNING trials whose sweep process ran on this host and is gone (killed with its jobs): FAILED
+        now, as their heartbeat would make them after the grace period."""
+        for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.RUNNING]):
+            owner = trial.user_attrs.get(OWNER_ATTR)
+            if not process_gone(owner):
+                continue
+            try:
+                if not study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:  # another process got there first
+                continue
+            self._died(study, study._storage.get_trial(trial._trial_id),
+                       f"its process died: its sweep (pid {owner['pid']}) on this host is gone, found by a later "
+                       "sweep start")
 
     def _stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """A trial whose process died unseen (the sweep's own process with it)."""

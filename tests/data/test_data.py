@@ -301,3 +301,13 @@ def test_scene_specs_are_kept_as_json(small_dataset):
     assert json.loads(json.dumps(spec)) == spec
     assert {"objects", "caption", "relation"} <= set(spec)
     assert all(o["shape"] in SHAPES and o["color"] in PALETTE for o in spec["objects"])
+
+
+def test_an_empty_valid_split_is_named(tmp_path, parquet_dir):
+    empty = tmp_path / "valid.parquet"
+    write_parquet(empty, [], np.zeros((0, 64), np.int64))
+    cfg = parquet_cfg(parquet_dir / "train.parquet", valid_path=str(empty), tokenizer_path=str(parquet_dir / "tokenizer.json"))
+    with pytest.raises(ConfigError) as err:
+        ParquetDataset(cfg, 24, None)
+    assert str(err.value) == (f"data.valid_path={empty}: no rows in {empty}; give a split with rows, or drop data.valid_path "
+                              "to hold out data.valid_fraction of data.path")

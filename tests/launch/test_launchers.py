@@ -130,3 +130,32 @@ def test_a_slurm_local_sweep_on_sqlite_runs_four_trials_each_a_submitit_job_of_t
     for t in study.trials:  # the trial's value is process 0's: its run store's
         assert t.value == json.loads((Path(t.user_attrs["run_dir"]) / "summary.json").read_text())["eval/valid/loss"]
 
+
+
+def launch_error(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, str]:
+    """(exit code, stderr) of a multirun of one job through a launcher that cannot start it."""
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", *SMALL_DATA, *TINY_TRAIN, *args,
+                           f"hydra.sweep.dir={tmp_path / 'multirun'}"], cwd=tmp_path, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=120)  # a launcher that hung would fail here
+    return proc.returncode, proc.stderr
+
+
+def test_ray_at_an_address_nothing_answers_fails_at_once_in_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port of this machine that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    assert launch_error(tmp_path, "hydra/launcher=ray", f"hydra.launcher.address={address}") == (
+        4, f"error: hydra.launcher.address={address}: no Ray cluster can be reached there (ConnectionRefusedError: [Errno "
+           "111] Connection refused); start one with `ray start --head`, or leave the address unset to start Ray on this "
+           "machine\n")
+
+
+def test_slurm_without_slurm_and_a_zero_timeout_are_one_line(tmp_path):
+    no_slurm = {"PATH": str(Path(sys.executable).parent)}  # python, and no srun
+    assert launch_error(tmp_path, "hydra/launcher=slurm", env=no_slurm) == (
+        4, "error: hydra/launcher=slurm needs SLURM, and this machine has no srun on its PATH: start the sweep on a SLURM "
+           "login node, or run its jobs here with hydra/launcher=slurm_local\n")
+    assert launch_error(tmp_path, "hydra/launcher=slurm_local", "hydra.launcher.timeout_min=0") == (
+        2, "error: hydra.launcher.timeout_min=0 must be > 0 (the minutes a job may run before it is stopped)\n")

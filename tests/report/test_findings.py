@@ -329,3 +329,46 @@ def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp
     assert str(err.value) == (f"{path}: finding 'x' has no margin and metric 'lr_sensitivity' no default one; give margin: "
                               "a positive number in the metric's units (0.01) or a percentage of the baseline's mean (2%)")
     assert load_study(study_file(tmp_path, findings=[{**spec, "margin": "0.05"}])).findings[0].margin == "0.05"
+def test_a_missing_or_non_yaml_study_file_is_named_in_one_line(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_study(tmp_path / "nosuch.yaml")
+    assert str(err.value) == f"{tmp_path / 'nosuch.yaml'}: no such file"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [x\n")
+    with pytest.raises(ConfigError) as err:
+        load_study(bad)
+    assert str(err.value) == f"{bad}: not valid YAML (line 2 column 1: expected ',' or ']', but got '<stream end>')"
+    bad.write_text("just some words\n")
+    with pytest.raises(ConfigError) as err:
+        load_study(bad)
+    assert str(err.value) == (f"{bad}: not a study file (a YAML mapping with name, title, source, experiment, baseline, "
+                              "findings); it holds a str")
+
+
+# A study's run store torn or incomplete: `dalle-ablate study` names the file in one line (exit 2).
+BROKEN = [
+    ("summary.json", '{"status": "fin', "not valid JSON, half-written or corrupt (Unterminated string starting at: line 1 "
+                                        "column 12)"),
+    ("metrics.jsonl", '{"step": 1}\n{"step": 2, "train/lo', "line 2 is not valid JSON, half-written or corrupt "
+                                                          "(Unterminated string starting at: column 13)"),
+    ("config.yaml", "seed: [0\n", "not valid YAML (line 2 column 1: expected ',' or ']', but got '<stream end>')"),
+    ("meta.json", None, "no such file, so the study cannot tell which arm the run is; delete {job} and run the study again "
+                        "to train it anew"),
+]
+
+
+@pytest.mark.parametrize("name, text, why", BROKEN, ids=[b[0] for b in BROKEN])
+def test_the_study_command_names_a_broken_run_store_in_one_line(tmp_path, capsys, name, text, why):
+    from dalle_ablate.cli import main
+
+    folder = tmp_path / "studies" / "synthetic"
+    for arm in ("base", "worse"):
+        for seed in range(2):
+            write_store(folder, arm, seed, ARMS[arm][seed])
+    path = folder / "worse-seed1" / "run" / name
+    path.unlink() if text is None else path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", str(study_file(tmp_path)), "--no-run", "--out", str(tmp_path / "studies"),
+              "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: {path}: {why.format(job=path.parents[1])}\n"

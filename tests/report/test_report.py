@@ -362,3 +362,59 @@ def test_grids_put_the_variants_side_by_side_framed_and_titled(synthetic):
         assert (img[title + border: title + border + 8, x + border: x + border + 8] == 40 * seed).all(), variant
         assert (img[title, x: x + 8 + 2 * border] == 0x44).all()
         assert (img[title // 2, x: x + 8 + 2 * border] < 255).any()  # the variant's name above it
+
+
+# A run store's files torn as a kill mid-write leaves them: each named in one line, the run left out.
+TORN = [
+    ("summary.json", lambda text: text[:9], "not valid JSON, half-written or corrupt (Expecting ':' delimiter: line 1 "
+                                            "column 10)"),
+    ("metrics.jsonl", lambda text: text[:-7], "line 45 is not valid JSON, half-written or corrupt (Expecting "),
+    ("config.yaml", lambda text: text + "\n  - [unclosed", "not valid YAML (line "),
+]
+
+
+@pytest.mark.parametrize("name, tear, why", TORN, ids=[t[0] for t in TORN])
+def test_report_skips_a_torn_run_store_and_lists_it(synthetic, tmp_path, capsys, name, tear, why):
+    path = synthetic / "deepnet_1" / "run" / name
+    path.write_text(tear(path.read_text()))
+    main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: left out, unreadable: {path}: {why}"), err
+    out = tmp_path / "reports" / "r"
+    assert len(list(csv.DictReader((out / "runs.csv").open()))) == 8
+    assert f"Left out, unreadable (1): {path}: " in (out / "report.md").read_text()
+
+
+def test_report_with_every_run_store_torn_is_one_line(synthetic, tmp_path, capsys):
+    for summary in synthetic.glob("*/run/summary.json"):
+        summary.write_text('{"status": ')
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(synthetic), "--out", str(tmp_path / "reports")])
+    assert exit_.value.code == 2
+    first = sorted(synthetic.glob("*/run/summary.json"))[0]
+    assert capsys.readouterr().err == (f"error: report: every run store under {str(synthetic)!r} is unreadable (9); the first: "
+                                       f"{first}: not valid JSON, half-written or corrupt (Expecting value: line 1 column "
+                                       f"12)\n")
+
+
+@pytest.mark.parametrize("size", [0, 4096])
+def test_report_on_a_truncated_optuna_db_names_it_and_compares_the_runs(synthetic, tmp_path, capsys, size):
+    import optuna
+
+    db = synthetic / "optuna.db"
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" on stderr
+    try:
+        study = optuna.create_study(storage=f"sqlite:///{db}", study_name="s")
+        for _ in range(3):
+            study.tell(study.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), 1.0)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    db.write_bytes(db.read_bytes()[:size])
+    main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r"])
+    why = "empty, not an Optuna database" if size == 0 else \
+        "not a readable Optuna database, truncated or corrupt (DatabaseError: database disk image is malformed)"
+    assert capsys.readouterr().err == (f"warning: left out, unreadable: {db}: {why}; the runs are compared as a multirun's, "
+                                       "without the sweep's trials\n")
+    assert len(list(csv.DictReader((tmp_path / "reports" / "r" / "runs.csv").open()))) == 9
+    assert db.stat().st_size == size  # read, never written

@@ -171,11 +171,11 @@ def test_two_processes_on_one_sqlite_study_run_exactly_n_trials(tmp_path):
     assert ran == [str(i) for i in range(6)]  # each trial ran once, in one of the two processes
 
 
-def test_a_trial_whose_sweep_was_killed_is_failed_on_the_next_start_and_not_counted(tmp_path):
-    url = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
-    beat = ["hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2"]
+def killed_sweep(tmp_path: Path, *args: str) -> optuna.trial.FrozenTrial:
+    """A sweep killed (its whole process group, as kill -9 of a terminal's job) while trial 0 runs:
+    the trial it leaves RUNNING."""
     proc = subprocess.Popen([sys.executable, str(APP), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "x=interval(0, 1)",
-                             "sleep=120", "hydra.sweeper.n_trials=2", *beat], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             "sleep=120", "hydra.sweeper.n_trials=2", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
@@ -185,8 +185,19 @@ def test_a_trial_whose_sweep_was_killed_is_failed_on_the_next_start_and_not_coun
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    (t,) = trials(url)
+    (t,) = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert t.state == S.RUNNING  # what a killed sweep leaves behind
+    assert t.user_attrs["dalle_ablate.sweep_process"]["pid"] == proc.pid
+    return t
+
+
+def test_a_trial_whose_sweep_was_killed_on_another_host_is_failed_after_its_grace_period(tmp_path):
+    url = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
+    beat = ["hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2"]
+    t = killed_sweep(tmp_path, *beat)
+    # As the sweep of another machine sharing the study records it: its pid means nothing here.
+    optuna.storages.RDBStorage(url).set_trial_user_attr(t._trial_id, "dalle_ablate.sweep_process",
+                                                        {"host": "elsewhere", "pid": 1, "start": "0"})
     time.sleep(2.5)  # past the grace period
     proc = sweep(tmp_path, "x=interval(0, 1)", "hydra.sweeper.n_trials=2", *beat)
     got = trials(url)
@@ -195,6 +206,29 @@ def test_a_trial_whose_sweep_was_killed_is_failed_on_the_next_start_and_not_coun
     assert optuna.load_study(study_name="dalle-ablate", storage=url).user_attrs["dalle_ablate.died"] == {"0": why}
     assert "died:\n  0: 'its process died" in (tmp_path / "sweep" / "optimization_results.yaml").read_text()
     assert "trial 0 FAIL: its process died" in proc.stdout + proc.stderr
+
+
+def test_a_trial_whose_sweep_was_killed_on_this_host_is_failed_at_the_next_start(tmp_path):
+    # The default heartbeat (60 s) and grace period (120 s): the rerun right after the kill knows the
+    # trial dead by its sweep's pid, and runs two trials beside it.
+    url = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
+    pid = killed_sweep(tmp_path).user_attrs["dalle_ablate.sweep_process"]["pid"]
+    sweep(tmp_path, "x=interval(0, 1)", "hydra.sweeper.n_trials=2")
+    assert [t.state for t in trials(url)] == [S.FAIL, S.COMPLETE, S.COMPLETE]
+    why = f"its process died: its sweep (pid {pid}) on this host is gone, found by a later sweep start"
+    assert optuna.load_study(study_name="dalle-ablate", storage=url).user_attrs["dalle_ablate.died"] == {"0": why}
+
+
+def test_a_live_sweep_process_on_this_host_is_not_taken_for_dead():
+    from dalle_ablate.sweep.sweeper import process_gone, this_process
+
+    me = this_process()
+    assert not process_gone(me)
+    assert process_gone({**me, "start": "1"})  # my pid, but a process started at another time: a reused pid
+    assert not process_gone({**me, "host": "elsewhere"})  # another host's pids mean nothing here
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_gone({**me, "pid": child.pid})
 
 
 def test_two_processes_on_one_postgresql_study_run_exactly_n_trials(tmp_path):
