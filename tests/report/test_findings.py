@@ -134,6 +134,7 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     def study(*seeds: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(tmp_path / "studies"),
                "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results"),
+               "--no-stress",  # the study's stress runs: tests/report/test_stress.py
                "+arm=baseline,bias", f"seed={','.join(seeds)}", *SMALL_DATA, *TINY_TRAIN]
         # the study's own compilation cache (in its folder), not the suite's (conftest.py)
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
