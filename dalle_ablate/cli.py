@@ -341,7 +341,8 @@ def cmd_study(args) -> None:
     from dalle_ablate.report.load import find_stores, load_runs
     from dalle_ablate.train.meta import git_commit
 
-    study = load_study(Path(args.study) if args.study.endswith((".yaml", ".yml")) else study_path(args.study))
+    study_file = Path(args.study) if args.study.endswith((".yaml", ".yml")) else study_path(args.study)
+    study = load_study(study_file)
     folder = Path(args.out) / study.name
     overrides = list(args.overrides)
     if args.seeds is not None:  # a top-up: more seeds for every arm, the finished runs left as they are
@@ -364,6 +365,7 @@ def cmd_study(args) -> None:
     # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
     code = 0 if args.no_run else subprocess.call(command, env=env)
+    stress = None if args.no_run or args.no_stress else run_stress(study_file, study.experiment, folder, args.overrides, env)
     elapsed = time.perf_counter() - t
     try:
         find_stores(str(folder))
@@ -389,11 +391,48 @@ def cmd_study(args) -> None:
                   + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common()) + ".",
                   f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
                   f"time adds up to {sum(float(s.get('wall_time', 0)) for s in summaries) / 60:.1f} min; {invocation}."]
+    if stress is not None:
+        provenance.append(stress.line)
     report = build_report(str(folder), args.report_out, study.name, study.baseline)
-    page = write_page(study, str(folder), Path(args.page_out), provenance)
+    page = write_page(study, str(folder), Path(args.page_out), provenance, study_file=study_file)
     print(f"wrote {report}/index.html and {page}")
     if code:
         raise RunFailed(f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code)
+    if stress is not None and stress.failed:
+        raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(stress.failed)}")
+
+
+@dataclasses.dataclass
+class StressOutcome:
+    line: str  # for the page's provenance
+    failed: list[str]  # stress runs that ended otherwise than finished or diverged
+
+
+def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[str], env: dict) -> Optional[StressOutcome]:
+    """The study's stress runs (report/stress.py), if its file declares them: each arm of its
+    stability claims at each rate and seed, one process per run into `<folder>-stress/`; a run that
+    finished or diverged before is not started again, a stopped one continues (resume=auto)."""
+    import subprocess
+    import time
+
+    from dalle_ablate.report.stress import job_command, load_stress, run_name, settled, stress_folder
+
+    plan = load_stress(study_file)
+    if plan is None:
+        return None
+    where = stress_folder(folder)
+    t, ran, failed = time.perf_counter(), 0, []
+    for arm, lr, seed in plan.jobs():
+        if settled(where / run_name(arm, lr, seed) / "run", plan.steps):
+            continue
+        code = subprocess.call(job_command(sys.executable, experiment, where, arm, lr, seed, plan, overrides), env=env)
+        ran += 1
+        if code not in (0, RunFailed.DIVERGED):  # a diverged run is a measurement of its rate
+            failed.append(f"{run_name(arm, lr, seed)} (exit {code})")
+    line = (f"Stress runs: {len(plan.jobs())} in {where} ({len(plan.arms)} arms x {len(plan.rates)} rates x "
+            f"{len(plan.seeds)} seeds, {plan.steps} steps); this invocation started {ran} of them in "
+            f"{(time.perf_counter() - t) / 60:.1f} min (those that finished or diverged before are not rerun).")
+    return StressOutcome(line, failed)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -486,6 +525,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     st.add_argument("--seeds", help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
                                     "'auto': to the seeds its page's rule asks for, from the pooled noise and the margins "
                                     "only (docs/statistics.md)")
+    st.add_argument("--no-stress", action="store_true", help="skip the study's stress runs (its file's `stress:` section: "
+                                                             "the stability claims' arms across learning rates)")
     st.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
                                                  "seed=0,1 (a sweep of the preset's own keys replaces it)")
     st.set_defaults(func=cmd_study)

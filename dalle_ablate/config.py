@@ -98,12 +98,28 @@ class RunConfig:
     eval: Any = MISSING
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # The run's randomness. `seed` sets everything; two of its sources can be set apart, so that a
+    # study can vary one at a time and say how much of its seed-to-seed spread each one causes
+    # (Bouthillier et al. 2021, "Accounting for variance in machine learning benchmarks"). null =
+    # `seed`. The dropout masks and the end-of-run sample grid's noise follow `seed` alone.
     seed: int = 0
+    data_seed: Optional[int] = None  # the order of the training examples and which captions are blanked
+    init_seed: Optional[int] = None  # the initial parameters (each keyed by its path, model/init_keys.py)
     resume: Optional[str] = None  # null | auto | a run dir or checkpoint dir
     # What the job returns to a sweeper: one value, or a list for a multi-objective sweep; names
     # of the run's summary (OBJECTIVES above).
     objectives: list[str] = field(default_factory=lambda: ["eval/valid/loss"])
     optuna: OptunaTrialConfig = field(default_factory=OptunaTrialConfig)
+
+
+def data_seed(cfg: RunConfig) -> int:
+    """The seed of the training data's order (and its blanked captions): `data_seed`, else `seed`."""
+    return cfg.seed if cfg.data_seed is None else cfg.data_seed
+
+
+def init_seed(cfg: RunConfig) -> int:
+    """The seed of the initial parameters: `init_seed`, else `seed`."""
+    return cfg.seed if cfg.init_seed is None else cfg.init_seed
 
 
 def register_configs() -> None:

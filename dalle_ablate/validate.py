@@ -23,6 +23,8 @@ from dalle_ablate.track import TRACKERS
 # Valid ranges of the run's own numeric fields ("or null": the field is optional).
 RANGES = {
     "seed": "[0, inf)",
+    "data_seed": "[0, inf) or null",
+    "init_seed": "[0, inf) or null",
     "trainer.eval_batches": "[1, inf) or null",
     "trainer.keep_checkpoints": "[1, inf)",
     "samples.top_k": "[1, inf) or null",

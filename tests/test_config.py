@@ -89,6 +89,7 @@ OUT_OF_RANGE = [
     (["trainer.eval_batches=0"], "trainer.eval_batches=0 must be in [1, inf) or null"),
     (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be in [1, inf)"),
     (["seed=-1"], "seed=-1 must be in [0, inf)"),
+    (["init_seed=-2"], "init_seed=-2 must be in [0, inf) or null"),
     (["schedule.warmup_steps=100000", "trainer.steps=10"],
      "schedule.warmup_steps=100000 (after schedule.lr_offset=0) is not shorter than trainer.steps=10: the learning rate "
      "would never reach optim.lr; shorten it, or set schedule.allow_long_warmup=true"),

@@ -65,6 +65,9 @@ def test_runs_are_named_by_what_their_multirun_varies_seed_included():
     assert run_naming(trial, {"optim.lr"}, "preln") == ("optim.lr=0.00123", "optim.lr=0.00123")
     # Only the seed varies: the job type is the layout.
     assert run_naming(["seed=2", *shared], {"seed"}, "preln") == ("seed=2", "preln")
+    # The data-order and init seeds are seeds too: replicates of one variant share its job type.
+    assert run_naming(["model=deepnet", "data_seed=1", "init_seed=4"], {"model", "data_seed", "init_seed"}, "deepnet") == (
+        "model=deepnet,data_seed=1,init_seed=4", "model=deepnet")
     # A single run: all its overrides (seed included), or "run".
     assert run_naming(["trainer.steps=5", "seed=3", "resume=auto"], set(), "deepnet") == ("trainer.steps=5,seed=3", "deepnet")
     assert run_naming([], set(), "preln") == ("run", "preln")

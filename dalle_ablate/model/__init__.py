@@ -12,6 +12,7 @@ from flax import nnx
 from dalle_ablate.model import seq2seq, single_stream  # noqa: F401 - registers the families
 from dalle_ablate.model.config import FAMILIES, ModelConfig
 from dalle_ablate.model.grad_scale import BlockScale
+from dalle_ablate.model.init_keys import Draws, keyed_draws
 from dalle_ablate.model.layouts import LAYOUTS
 from dalle_ablate.registry import ConfigError
 
@@ -47,18 +48,27 @@ def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
     return dataclasses.replace(cfg, image_len=image_len, image_vocab=image_vocab, text_vocab=cfg.text_vocab or text_vocab)
 
 
-def build_model(cfg, seed: int) -> nnx.Module:
-    """A model with parameters initialised from the seed (logical axes attached, not yet sharded)."""
+def _family(cfg):
     FAMILIES.validate(cfg, None)  # also for a model config that did not come from a run
     for name in ("image_len", "image_vocab", "text_vocab"):
         if getattr(cfg, name) is None:
             raise ConfigError(f"model.{name} is not set and no data gave it")
-    return FAMILIES.get(cfg.family)(cfg, nnx.Rngs(params=jax.random.key(seed)))
+    return FAMILIES.get(cfg.family)
+
+
+def build_model(cfg, seed: int) -> nnx.Module:
+    """A model with parameters initialised from the seed (the run's init seed; logical axes
+    attached, not yet sharded). Each parameter's key is the seed's folded with its path
+    (model/init_keys.py): models that share a parameter's path and shape start it alike."""
+    family = _family(cfg)
+    construct = lambda rngs: family(cfg, rngs)  # noqa: E731
+    return construct(keyed_draws(construct, jax.random.key(seed)))
 
 
 def abstract_model(cfg) -> nnx.Module:
     """The model's shapes only (nothing allocated): works for size=mega on a laptop."""
-    return nnx.eval_shape(lambda: build_model(cfg, 0))
+    family = _family(cfg)
+    return nnx.eval_shape(lambda: family(cfg, Draws()))
 
 
 def param_count(model: nnx.Module) -> int:

@@ -47,6 +47,12 @@ METRICS: dict[str, tuple[str, Callable[[Run], float]]] = {
     "shapes_all": ("shapes all-correct at guidance scale 2, the last evaluation",
                    lambda r: headline_values(r).get("shapes/all@s2", math.nan)),
 }
+# Metrics measured on runs of their own, not the study's: their per-seed values reach the verdicts
+# through `extra` (write_page reads them), and a study run holds none of them.
+MEASURED_ELSEWHERE = {
+    "lr_sensitivity": "learning-rate sensitivity over the stress runs (report/stress.py, Wortsman et al. 2023 §2.2), "
+                      "nats per token",
+}
 
 
 # The margin Δ of each metric when a finding does not declare its own (docs/statistics.md says
@@ -63,6 +69,11 @@ MARGINS: dict[str, str] = {
     "shapes_all": "0.05",
     # one loss spike per run
     "loss_spikes": "1",
+    # a tenth of the baseline's degradation over the stress rates: a variant that moves how much
+    # the loss degrades across a 100x range of rates by less than that is no stabler in a way
+    # that would change which rate or variant one picks (Wortsman et al. 2023 compare variants
+    # whose sensitivities differ by factors, not percents)
+    "lr_sensitivity": "10%",
 }
 def _shapes_all_by_step(run: Run) -> dict[float, float]:
     """step -> shapes all-correct at guidance scale 2, from every evaluation's eval_pareto table
@@ -130,8 +141,9 @@ def load_study(path: Path) -> Study:
         missing = [k for k in keys if k not in f and k != "margin"]
         if missing:
             raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
-        if f["metric"] not in METRICS:
-            raise ConfigError(f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: {', '.join(METRICS)}")
+        if f["metric"] not in METRICS and f["metric"] not in MEASURED_ELSEWHERE:
+            raise ConfigError(f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: "
+                              f"{', '.join([*METRICS, *MEASURED_ELSEWHERE])}")
         if f["expect"] not in ("lower", "higher"):
             raise ConfigError(f"{where}: finding {f['id']!r} has expect {f['expect']!r}; valid: lower, higher")
         margin = f.get("margin", MARGINS.get(f["metric"]))
@@ -178,8 +190,9 @@ def claims_tables(study: Study, by_arm: dict[str, list[Run]],
                    key=str)
     tables = {}
     for m in dict.fromkeys(f.metric for f in study.findings):
-        if m in extra:
-            tables[m] = np.array([[float(extra[m].get(a, {}).get(s, math.nan)) for s in seeds] for a in arms])
+        if m in extra or m in MEASURED_ELSEWHERE:
+            given = extra.get(m, {})
+            tables[m] = np.array([[float(given.get(a, {}).get(s, math.nan)) for s in seeds] for a in arms])
         else:
             tables[m] = np.array([[METRICS[m][1](done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms])
     return arms, seeds, tables
@@ -524,10 +537,29 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     return [head, noise, top, arms_s, figs], rows
 
 
+def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]]]:
+    """The stress section of a study's page and its stability claims' per-seed values
+    ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`), from the stress runs beside the
+    study's folder (report/stress.py); nothing if its file declares none."""
+    from dalle_ablate.report import stress
+    from dalle_ablate.report.load import load_runs
+
+    plan = stress.load_stress(study_file)
+    where = stress.stress_folder(Path(source))
+    if plan is None or not where.is_dir():
+        return [], {}
+    sections, claims = stress.stress_sections(plan, load_runs(str(where)))
+    values: dict[str, dict] = {}
+    for c in claims:
+        values.setdefault(c["measure"], {}).update(c["values"])
+    return sections, values
+
+
 def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
-               extra: Optional[dict[str, dict[str, dict]]] = None) -> Path:
+               extra: Optional[dict[str, dict[str, dict]]] = None, study_file: Optional[Path] = None) -> Path:
     """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from the run stores
-    under `source` (the study's multirun folder). Written whole or not at all."""
+    under `source` (the study's multirun folder) and, where `study_file` declares stress runs,
+    those beside it (their claims judged on them). Written whole or not at all."""
     from dalle_ablate.fileio import atomic_write
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.report.writers import to_markdown
@@ -536,7 +568,9 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
     log = Path(source) / TOPUPS
     topups = json.loads(log.read_text()) if log.exists() else []
-    sections, _ = page_sections(study, load_runs(source), provenance, topups, extra)
+    stress_part, measured = stress_measures(study_file, source) if study_file is not None else ([], {})
+    sections, _ = page_sections(study, load_runs(source), provenance, topups, {**measured, **(extra or {})})
+    sections[-1:-1] = stress_part  # before the per-finding figures
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
         old.unlink()
     path = page_dir / f"{study.name}.md"

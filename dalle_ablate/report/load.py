@@ -17,10 +17,12 @@ from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.track.naming import variant_labels
 from dalle_ablate.track.wandb_api import group_runs
 
-# Config fields that never make two runs different variants: the seed (runs of one variant
-# differ by it), the sweeper's link, where things are written, how progress is shown.
-NOT_A_VARIANT = ("seed", "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir")
-NOT_A_CHOICE = tuple(e for e in NOT_A_VARIANT if e != "seed")  # the config diff shows seeds
+# Config fields that never make two runs different variants: the seeds (runs of one variant
+# differ by them; data_seed and init_seed split `seed` into its sources), the sweeper's link,
+# where things are written, how progress is shown.
+SEEDS = ("seed", "data_seed", "init_seed")
+NOT_A_VARIANT = (*SEEDS, "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir")
+NOT_A_CHOICE = tuple(e for e in NOT_A_VARIANT if e not in SEEDS)  # the config diff shows seeds
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 # Overrides that never name a run: how it resumes, the sweeper's link to its trial, Hydra's own.
 BOOKKEEPING = ("resume=", "optuna.", "hydra.")
+# The seeds (config.py): runs that differ only in these are replicates of one variant.
+SEEDS = ("seed", "data_seed", "init_seed")
 
 
 def key_of(override: str) -> str:
@@ -31,12 +33,12 @@ def own(overrides: list[str]) -> list[str]:
 
 def run_naming(overrides: list[str], varying: set[str], layout: str) -> tuple[str, str]:
     """(W&B name, job type) of a job: the name is what the job's overrides set among the keys
-    its multirun varies, seed included (all its overrides for a single run); the job type is the
-    same less the seed, so that the seeds of one variant share it (the layout when nothing else
-    varies)."""
+    its multirun varies, seeds included (all its overrides for a single run); the job type is the
+    same less the seeds (SEEDS), so that the seeds of one variant share it (the layout when nothing
+    else varies)."""
     mine = own(overrides)
     named = [short(o) for o in mine if key_of(o) in varying] if varying else [short(o) for o in mine]
-    variant = [o for o in named if key_of(o) != "seed"] if varying else []
+    variant = [o for o in named if key_of(o) not in SEEDS] if varying else []
     return ",".join(named) or "run", ",".join(variant) or layout
 
 

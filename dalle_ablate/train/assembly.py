@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from dalle_ablate.config import RunConfig
+from dalle_ablate.config import RunConfig, init_seed
 from dalle_ablate.data import Dataset, abstract_sizes, build_dataset
 from dalle_ablate.model import abstract_model, build_model, resolve
 from dalle_ablate.optim import build_optimizer
@@ -45,12 +45,12 @@ class Assembly:
         return self.cfg.trainer.batch_size * (self.model_cfg.text_len + self.model_cfg.image_len)
 
     def init_state(self) -> TrainState:
-        """The initial state from the run's seed, created in its shards."""
-        return init_state(lambda: build_model(self.model_cfg, self.cfg.seed), self.optimizer, self.placement, TrainState)
+        """The initial state from the run's init seed, created in its shards."""
+        return init_state(lambda: build_model(self.model_cfg, init_seed(self.cfg)), self.optimizer, self.placement, TrainState)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, nothing allocated: a checkpoint's restore target."""
-        return abstract_state(lambda: build_model(self.model_cfg, self.cfg.seed), self.optimizer, self.placement, TrainState)
+        return abstract_state(lambda: abstract_model(self.model_cfg), self.optimizer, self.placement, TrainState)
 
     def train_step(self):
         """The jitted step (state, global batch) -> (state, metrics)."""

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from dalle_ablate.config import RunConfig
+from dalle_ablate.config import RunConfig, data_seed
 from dalle_ablate.data.base import host_share
 from dalle_ablate.evaluate.runner import evaluation_or_none, headline
 from dalle_ablate.generate import image_grid, make_sampler
@@ -301,7 +301,7 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)
         train_step = run.train_step()
         bounds = Boundaries(cfg, run, tracker, ckpt, job, t_start)
-        batches = run.dataset.train_batches(t.batch_size, cfg.seed, start_step, *run.placement.host_rows(t.batch_size))
+        batches = run.dataset.train_batches(t.batch_size, data_seed(cfg), start_step, *run.placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         log = StepLogger(tracker, bar, t, flops_per_step, run.tokens_per_step, peak * run.mesh.size)
         if source is not None and cfg.resume == "auto" and pi == 0:

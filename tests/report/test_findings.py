@@ -147,7 +147,7 @@ def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "fid", "expect": "lower"}]},
-     "finding 'x' has metric 'fid'; valid: eval_loss, train_loss, step_time, loss_spikes, shapes_all"),
+     "finding 'x' has metric 'fid'; valid: eval_loss, train_loss, step_time, loss_spikes, shapes_all, lr_sensitivity"),
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "lower",
                     "margin": "-3%"}]},
      "finding 'x' has margin '-3%'; valid: a positive number in the metric's units (0.01) or a percentage of the "
@@ -182,6 +182,7 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     def study(*how: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(tmp_path / "studies"),
                "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results"),
+               "--no-stress",  # the study's stress runs: tests/report/test_stress.py
                "+arm=baseline,bias", *how, *SMALL_DATA, *TINY_TRAIN]
         # the study's own compilation cache (in its folder), not the suite's (conftest.py)
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
@@ -321,14 +322,16 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
 def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp_path, monkeypatch):
     from dalle_ablate.report import findings
 
-    monkeypatch.setitem(findings.METRICS, "lr_sensitivity", ("final loss over the rates, per seed", lambda r: math.nan))
-    spec = {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "lr_sensitivity", "expect": "lower"}
+    monkeypatch.setitem(findings.METRICS, "max_trainable_lr", ("final loss over the rates, per seed", lambda r: math.nan))
+    spec = {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "max_trainable_lr", "expect": "lower"}
     path = study_file(tmp_path, findings=[spec])
     with pytest.raises(ConfigError) as err:
         load_study(path)
-    assert str(err.value) == (f"{path}: finding 'x' has no margin and metric 'lr_sensitivity' no default one; give margin: "
+    assert str(err.value) == (f"{path}: finding 'x' has no margin and metric 'max_trainable_lr' no default one; give margin: "
                               "a positive number in the metric's units (0.01) or a percentage of the baseline's mean (2%)")
     assert load_study(study_file(tmp_path, findings=[{**spec, "margin": "0.05"}])).findings[0].margin == "0.05"
+
+
 def test_a_missing_or_non_yaml_study_file_is_named_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_study(tmp_path / "nosuch.yaml")

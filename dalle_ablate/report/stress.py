@@ -1,0 +1,365 @@
+"""Stability under stress: the arms a study's stability claims name, trained across a range of
+learning rates, and what that says about them.
+
+A claim such as "NormFormer is more stable than Sandwich-LN" cannot be judged by counting loss
+spikes at a rate where no arm spikes. Wortsman et al. 2023 ("Small-scale proxies for large-scale
+Transformer training instabilities", arXiv 2309.14322, §2.2) reproduce large-model instabilities in
+small models by raising the learning rate, and compare variants by the final loss against the rate
+and its summary, the *learning-rate sensitivity*:
+
+    LR sensitivity = E_{lr in [a, b]} [ min(loss(lr), L0) - min_{lr in [a, b]} loss(lr) ]
+
+with L0 the loss at initialisation (a run that diverges counts as L0: it learned nothing) and the
+expectation the mean over the swept rates (log-spaced, as theirs). Lower is more stable.
+
+A study file declares its stress runs, before any is run, in a `stress:` section:
+
+    stress:
+      claims: [normformer-vs-sandwich, ...]   # ids of its findings; their arm and against arms run
+      lr: [1e-3, 3e-3, 1e-2, 3e-2]           # the range, every rate for every arm and seed
+      seeds: [0, 1]
+      steps: 400                             # a budget of their own (trainer.steps)
+      overrides: ["eval.metrics=[]"]         # anything else the stress runs set
+      source: where the range comes from
+
+`dalle-ablate study` runs them after the study's own runs, each in `<study folder>-stress/<arm>-
+lr<rate>-seed<n>/` (apart from the study's runs, which compare arms at one rate), with resume=auto;
+a finished run and a diverged one (a result, not a failure) are not started again.
+`stress_sections` gives the page's sections and `claim_values` each claim's per-arm per-seed values
+for a verdict."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import yaml
+
+from dalle_ablate.registry import ConfigError
+from dalle_ablate.report import figures
+from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.stats import mean_ci, spikes
+from dalle_ablate.report.writers import Section
+
+# The metric a stress claim is judged on (report/findings.py): its per-seed values come from the
+# stress runs, not from the study's own runs, which compare arms at one rate where none spikes.
+STABILITY_METRICS = ("lr_sensitivity",)
+# measure -> (what it is, for the page; which way is more stable)
+MEASURES = {
+    "lr_sensitivity": ("mean over the rates of min(final eval loss, L0) minus the best of them (Wortsman et al. 2023, "
+                       "§2.2; nats per token)", "lower"),
+    "log10_max_lr": ("log10 of the largest rate that trains: a final eval loss below the entropy of the image codes' "
+                     "frequencies (a model that learned only those ends there), -inf if none does", "higher"),
+    "divergences": ("rates at which the loss stopped being finite", "lower"),
+}
+# Keys a stress run sets itself: a study command's own overrides of these are not passed on.
+CONTROLLED = ("arm", "optim.lr", "seed", "trainer.steps", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+
+
+@dataclass(frozen=True)
+class StressClaim:
+    id: str
+    claim: str
+    arm: str
+    against: str
+    expect: str  # "lower" | "higher": the arm's instability against the other's, if the claim holds
+
+
+@dataclass
+class StressPlan:
+    claims: list[StressClaim]
+    rates: list[float]
+    seeds: list[int]
+    steps: int
+    overrides: list[str]
+    source: str
+
+    @property
+    def arms(self) -> list[str]:
+        return list(dict.fromkeys(a for c in self.claims for a in (c.arm, c.against)))
+
+    def jobs(self) -> list[tuple[str, float, int]]:
+        """(arm, rate, seed) of every stress run, seed-major so that a stopped study has whole seeds."""
+        return [(arm, lr, seed) for seed in self.seeds for arm in self.arms for lr in self.rates]
+
+
+def load_stress(path: Path) -> Optional[StressPlan]:
+    """The stress plan of a study file, or None if it has no `stress:` section. Bad values raise a
+    one-line ConfigError naming the field and what would be valid."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    s = raw.get("stress")
+    if s is None:
+        return None
+    where = f"{path}: stress"
+    if not isinstance(s, dict):
+        raise ConfigError(f"{where} must be a mapping with claims, lr, seeds, steps (and optionally overrides, source)")
+    for key in ("claims", "lr", "seeds", "steps"):
+        if key not in s:
+            raise ConfigError(f"{where} lacks '{key}'")
+    findings = {f.get("id"): f for f in raw.get("findings") or []}
+    claims = []
+    for cid in s["claims"]:
+        f = findings.get(cid)
+        if f is None:
+            raise ConfigError(f"{where}.claims names {cid!r}, not a finding of the study; valid: {', '.join(map(str, findings))}")
+        if f.get("metric") not in STABILITY_METRICS:
+            raise ConfigError(f"{where}.claims: finding {cid!r} has metric {f.get('metric')!r}; a stress claim's metric "
+                              f"must be {' or '.join(STABILITY_METRICS)} (lower is more stable): it is judged on the "
+                              "stress runs")
+        claims.append(StressClaim(cid, str(f.get("claim", cid)), f["arm"], f["against"], f["expect"]))
+    try:
+        rates = [float(x) for x in s["lr"]]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}.lr={s['lr']!r} must be a list of learning rates") from None
+    if len(set(rates)) < 3 or min(rates) <= 0 or rates != sorted(rates) or len(set(rates)) != len(rates):
+        raise ConfigError(f"{where}.lr={s['lr']} must be at least 3 distinct positive rates in increasing order")
+    seeds = s["seeds"]
+    whole = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seeds or [None])
+    if not seeds or not whole or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{where}.seeds={seeds} must be a non-empty list of distinct integers >= 0")
+    steps = s["steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ConfigError(f"{where}.steps={steps!r} must be an integer >= 1")
+    overrides = [str(o) for o in s.get("overrides") or []]
+    return StressPlan(claims, rates, list(seeds), steps, overrides, str(s.get("source", "")))
+
+
+# -- the runs ----------------------------------------------------------------------------------
+def stress_folder(study_folder: Path) -> Path:
+    """Where a study's stress runs go: beside its own runs, not among them (a reader of the study's
+    folder would take them for more seeds of its arms)."""
+    study_folder = Path(study_folder)
+    return study_folder.with_name(f"{study_folder.name}-stress")
+
+
+def run_name(arm: str, lr: float, seed: int) -> str:
+    return f"{arm}-lr{lr:g}-seed{seed}"
+
+
+def settled(store: Path, steps: int) -> bool:
+    """A stress run that need not start again: finished all its steps, or diverged (a result:
+    the same rate, seed and code diverge again)."""
+    path = Path(store) / "summary.json"
+    if not path.exists():
+        return False
+    s = json.loads(path.read_text())
+    return s.get("status") == "diverged" or (s.get("status") == "finished" and int(s.get("steps", -1)) >= steps)
+
+
+def job_command(python: str, experiment: str, folder: Path, arm: str, lr: float, seed: int, plan: StressPlan,
+                overrides: list[str]) -> list[str]:
+    """One stress run as a single `dalle_ablate.job` process: the study's preset and arm at this
+    rate, seed and budget, the plan's overrides, then the study command's own (less CONTROLLED)."""
+    from dalle_ablate.track.naming import key_of
+
+    own = [o for o in overrides if key_of(o) not in CONTROLLED]
+    return [python, "-m", "dalle_ablate.job", f"experiment={experiment}", f"+arm={arm}", f"optim.lr={lr!r}", f"seed={seed}",
+            f"trainer.steps={plan.steps}", "resume=auto", *plan.overrides, *own,
+            f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed)}"]
+
+
+def _arm(run: Run) -> Optional[str]:
+    for o in run.meta.get("overrides", []):
+        if o.startswith("+arm="):
+            return o.split("=", 1)[1]
+    return None
+
+
+def index(runs: list[Run]) -> dict[tuple[str, float, int], Run]:
+    """(arm, rate, seed) -> run, for the runs that have an arm, a rate and a seed."""
+    out = {}
+    for r in runs:
+        arm, lr, seed = _arm(r), r.config.get("optim.lr"), r.config.get("seed")
+        if arm is not None and lr is not None and seed is not None:
+            out[(arm, float(lr), int(seed))] = r
+    return out
+
+
+def final_loss(run: Optional[Run]) -> float:
+    """The run's last eval loss; inf if it diverged (or ended on a loss that is not finite); NaN if
+    it is missing, did not finish or logged no eval loss (no value)."""
+    if run is None:
+        return math.nan
+    losses = series(run, "train/loss")[1]
+    if run.status == "diverged" or not np.all(np.isfinite(losses)):
+        return math.inf
+    if run.status != "finished":
+        return math.nan
+    v = series(run, "eval/valid/loss")[1]
+    return math.nan if not len(v) else float(v[-1]) if np.isfinite(v[-1]) else math.inf
+
+
+def initial_loss(run: Optional[Run]) -> float:
+    """L0: the loss at initialisation, the train loss of step 1 (computed before the first update)."""
+    if run is None:
+        return math.nan
+    first = run.summary.get("train/first_loss")
+    if first is not None and np.isfinite(first):
+        return float(first)
+    v = series(run, "train/loss")[1]
+    return float(v[0]) if len(v) else math.nan
+
+
+def lr_sensitivity(finals: list[float], l0: float) -> float:
+    """Wortsman et al. 2023 (§2.2): mean over the rates of min(final loss, L0) minus the least of
+    them. NaN if any rate has no value."""
+    f = np.asarray(finals, np.float64)
+    if not len(f) or np.isnan(f).any() or not np.isfinite(l0):
+        return math.nan
+    capped = np.minimum(f, l0)
+    return float(capped.mean() - capped.min())
+
+
+def trains(final: float, floor: float) -> bool:
+    """A run trains when its final loss is below `floor`, the entropy of the image codes'
+    frequencies (`data/code_unigram_entropy`): the loss of a model that learned nothing of the
+    caption or the image so far. Measured for the study file: the baseline at 3e-1 and post-LN at
+    1e-1 and 3e-1 all ended at 1.674 against a floor of 1.635, the baseline at 1e-1 at 1.279."""
+    return bool(np.isfinite(final) and final < floor)
+
+
+def unigram_floor(run: Optional[Run]) -> float:
+    v = None if run is None else run.summary.get("data/code_unigram_entropy")
+    return float(v) if v is not None and np.isfinite(v) else math.nan
+
+
+@dataclass
+class Curve:
+    """One arm at one seed across the plan's rates."""
+    arm: str
+    seed: int
+    finals: list[float]  # per rate: final eval loss, inf diverged, NaN missing
+    l0: float
+    floor: float  # the code unigram entropy (`trains`)
+    spikes: list[int]  # per rate: loss spikes (stats.spikes, 1.5x the median of the 20 steps before)
+
+
+def curves(plan: StressPlan, runs: list[Run]) -> dict[tuple[str, int], Curve]:
+    by = index(runs)
+    out = {}
+    for arm in plan.arms:
+        for seed in plan.seeds:
+            rs = [by.get((arm, lr, seed)) for lr in plan.rates]
+            l0s = [initial_loss(r) for r in rs if r is not None]
+            floors = [unigram_floor(r) for r in rs if r is not None]
+            out[(arm, seed)] = Curve(arm, seed, [final_loss(r) for r in rs],
+                                     float(np.nanmedian(l0s)) if any(np.isfinite(l0s)) else math.nan,
+                                     float(np.nanmedian(floors)) if any(np.isfinite(floors)) else math.nan,
+                                     [spikes(series(r, "train/loss")[1], factor=1.5) if r is not None else 0 for r in rs])
+    return out
+
+
+def measures(plan: StressPlan, runs: list[Run]) -> dict[tuple[str, int], dict[str, float]]:
+    """(arm, seed) -> each of MEASURES."""
+    out = {}
+    for key, c in curves(plan, runs).items():
+        complete = not np.isnan(c.finals).any()
+        ok = [lr for lr, f in zip(plan.rates, c.finals) if trains(f, c.floor)]
+        out[key] = {"lr_sensitivity": lr_sensitivity(c.finals, c.l0),
+                    "log10_max_lr": (math.log10(max(ok)) if ok else -math.inf) if complete and np.isfinite(c.floor) else math.nan,
+                    "divergences": float(sum(np.isinf(c.finals))) if complete else math.nan}
+    return out
+
+
+def claim_values(plan: StressPlan, runs: list[Run], measure: str = "lr_sensitivity") -> list[dict]:
+    """Per stress claim, what a verdict needs: {"id", "claim", "arm", "against", "measure", "expect"
+    (the arm's value against the other's if the claim holds, read for this measure), "values":
+    {arm: {seed: value}, against: {seed: value}}} (NaN where a seed's runs are not all done;
+    seeds pair: the two arms share each seed's data order and, where they share a parameter, its
+    initial value)."""
+    if measure not in MEASURES:
+        raise ConfigError(f"stress measure {measure!r} is not one of: {', '.join(MEASURES)}")
+    m = measures(plan, runs)
+    flip = MEASURES[measure][1] == "higher"
+    out = []
+    for c in plan.claims:
+        expect = c.expect if not flip else {"lower": "higher", "higher": "lower"}[c.expect]
+        out.append({"id": c.id, "claim": c.claim, "arm": c.arm, "against": c.against, "measure": measure, "expect": expect,
+                    "values": {a: {s: m[(a, s)][measure] for s in plan.seeds} for a in (c.arm, c.against)}})
+    return out
+
+
+# -- the page ----------------------------------------------------------------------------------
+def lr_figure(plan: StressPlan, cs: dict[tuple[str, int], Curve], arms: list[str]) -> bytes:
+    """Final eval loss against the learning rate per arm (the figure of Wortsman et al. 2023): the
+    mean over seeds of min(loss, L0), each seed a dot, a diverged run an x at L0; the dashed line is
+    L0 (the mean over the arms' seeds)."""
+    plt = figures._plt()
+    colors = figures.colors(arms)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    l0s = []
+    for arm in arms:
+        rows = [cs[(arm, s)] for s in plan.seeds if (arm, s) in cs]
+        capped = np.array([np.minimum(c.finals, c.l0) for c in rows])
+        l0s += [c.l0 for c in rows if np.isfinite(c.l0)]
+        # the mean where every seed has a value (a NaN breaks the line there)
+        mean = capped.mean(0) if len(rows) else np.full(len(plan.rates), np.nan)
+        ax.plot(plan.rates, mean, "-", color=colors[arm], label=arm, lw=1.8)
+        for c in rows:
+            f = np.asarray(c.finals)
+            ok, div = np.isfinite(f), np.isinf(f)
+            ax.plot(np.asarray(plan.rates)[ok], f[ok], "o", color=colors[arm], ms=4, alpha=0.6)
+            ax.plot(np.asarray(plan.rates)[div], np.full(div.sum(), c.l0), "x", color=colors[arm], ms=8, mew=2)
+    if l0s:
+        ax.axhline(float(np.mean(l0s)), color="0.5", ls="--", lw=1, label="L0 (loss at initialisation)")
+    floors = [cs[(a, s)].floor for a in arms for s in plan.seeds if (a, s) in cs and np.isfinite(cs[(a, s)].floor)]
+    if floors:
+        ax.axhline(float(np.mean(floors)), color="0.3", ls=":", lw=1, label="entropy of the code frequencies")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate (optim.lr)")
+    ax.set_ylabel(f"{figures.label('eval/valid/loss')}, min with L0")
+    seeds = f"seed{'s' if len(plan.seeds) > 1 else ''} {', '.join(map(str, plan.seeds))}"
+    ax.set_title(f"final loss against learning rate, {plan.steps} steps, {seeds}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return figures.png(fig)
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "diverged" if v > 0 else "none"
+    return "–" if isinstance(v, float) and math.isnan(v) else f"{v:.4g}"
+
+
+def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], list[dict]]:
+    """The page's stress section (the plan, the figures, per arm the sensitivity, the largest rate
+    that trains, divergences and spikes, the loss at every rate), and `claim_values` for each claim
+    (LR sensitivity): what a verdict engine judges."""
+    cs, m = curves(plan, runs), measures(plan, runs)
+    by = index(runs)
+    done = sum(by.get(j) is not None and by[j].status in ("finished", "diverged") for j in plan.jobs())
+    s = Section("stress", "Stability under stress")
+    s.text.append(f"The arms of the stability claims ({', '.join(c.id for c in plan.claims)}) trained at learning rates "
+                  f"{', '.join(f'{lr:g}' for lr in plan.rates)} for {plan.steps} steps each, seeds "
+                  f"{', '.join(map(str, plan.seeds))}: {done} of {len(plan.jobs())} runs done (finished or diverged)."
+                  + (f" The range: {plan.source}" if plan.source else ""))
+    s.text.append("Following Wortsman et al. 2023, \"Small-scale proxies for large-scale Transformer training "
+                  "instabilities\" (§2.2), a variant's stability is how its final loss degrades as the rate rises. "
+                  + " ".join(f"{name}: {what}." for name, (what, _) in MEASURES.items())
+                  + " L0 is the loss at initialisation (step 1's train loss); a diverged run counts as L0. The "
+                  "dashed lines: L0 and the code frequencies' entropy (below it a run trains).")
+    cols = ["arm", "seed", *MEASURES, "loss spikes (per rate)", *[f"lr {lr:g}" for lr in plan.rates]]
+    rows = []
+    for arm in plan.arms:
+        for seed in plan.seeds:
+            c = cs[(arm, seed)]
+            rows.append([arm, seed, *[_fmt(m[(arm, seed)][k]) for k in MEASURES], " / ".join(map(str, c.spikes)),
+                         *[_fmt(f) for f in c.finals]])
+    s.tables.append((cols, rows))
+    summary = []
+    for arm in plan.arms:
+        mean, lo, hi = mean_ci([m[(arm, seed)]["lr_sensitivity"] for seed in plan.seeds])
+        diverged = [m[(arm, seed)]["divergences"] for seed in plan.seeds]
+        summary.append([arm, _fmt(mean), "–" if not np.isfinite(lo) else f"[{lo:.4g}, {hi:.4g}]",
+                        sum(int(d) for d in diverged if np.isfinite(d))])
+    s.tables.append((["arm", "LR sensitivity, mean over seeds", "95% t interval", "diverged runs"], summary))
+    s.images.append(("Final loss against learning rate, every stress arm", lr_figure(plan, cs, plan.arms)))
+    values = claim_values(plan, runs)
+    for c, v in zip(plan.claims, values):
+        s.images.append((f"{c.id}: {c.claim} — {c.arm} vs {c.against} across learning rates",
+                         lr_figure(plan, cs, [c.against, c.arm])))
+    return [s], values
