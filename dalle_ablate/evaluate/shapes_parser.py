@@ -17,12 +17,18 @@ Parsing (no learned model, so it cannot drift with training):
 Scoring follows GenEval (Ghosh et al. 2023, arXiv 2310.11513): an image is correct when every
 constraint its caption states holds -- the number of objects, each object's stated colour,
 shape, size and grid position, and the stated relation. Caption objects are matched one to one
-to detected objects (an assignment); per attribute, objects the caption states but the image
-lacks count as wrong, and every extra detected object counts as one more wrong check, so clutter
-never raises a rate. Each attribute is scored under the assignment chosen by the *other*
-attributes, never by itself: with captions that do not belong to their images every attribute
-scores at chance (tests/evaluate/test_evaluate.py), where matching on all attributes at once let the best
-of several objects pass.
+to detected objects once per image (`match`: the fewest wrong stated attributes, the relation
+breaking ties), and every rate is read off that one matching: per attribute, objects the caption
+states but the image lacks count as wrong, and every extra detected object counts as one more
+wrong check, so clutter never raises a rate; DSG's conditional rates (Cho et al. 2024, arXiv
+2310.18235) ask an attribute only of objects that were found, VISOR's (Gokhale et al. 2022,
+arXiv 2212.10015) the relation only where both its objects were. A caption that does not belong
+to its image scores the rule's chance (`chance`, tests/evaluate/test_evaluate.py): for one
+object a uniform guess of each attribute; with several, above it, because the matching a wrong
+caption gets is its best one. No rule can do better and still give a right image 1.0: for "a
+red square and a blue square" the image of a red and a blue square is the same whichever
+object is which, so it must score as well as the wrong image it would be under the other
+matching (docs/architecture.md, "The shapes evaluation", has the values).
 """
 
 from __future__ import annotations
@@ -170,16 +176,21 @@ def _assignments(objects: list[dict], detected: list[Detected]):
             yield tuple(slots[i] if i < len(detected) else None for i in chosen)
 
 
-def _best(objects, detected, relation, attrs, then=()) -> tuple:
-    """(assignment, relation holds): the assignment with the fewest wrong `attrs`, ties broken by
-    the fewest wrong `then`, then by the relation holding. Without a relation, an optimal
-    assignment (scipy's linear_sum_assignment, deterministic); with one (two spec objects),
-    exhaustively, first in order."""
-    def cost_of(o, d):
-        return len(_wrong(o, d, attrs)) * (len(ATTRIBUTES) + 1) * len(objects) + len(_wrong(o, d, then))
+def _cost(obj: dict, det: Optional[Detected]) -> int:
+    """Wrong stated attributes; a missing object costs one more than all of them, so a matching
+    always gives a caption object a detected one while any is left."""
+    return len(_wrong(obj, det)) + (det is None)
 
+
+def match(objects: list[dict], detected: list[Detected], relation: Optional[dict]) -> tuple[tuple, bool]:
+    """(the matching, whether the relation holds under it): the one matching of caption objects
+    to detected objects (None = missing) with the fewest wrong stated attributes, among those the
+    relation's holding breaking ties (so a relation cannot buy a wrong attribute: a wrong caption's
+    relation holds 0.50 of the time, not 0.58 as when it counts like an attribute); every rate of the image is read off it. Without a
+    relation, scipy's linear_sum_assignment (deterministic); with one (two caption objects),
+    exhaustively, the first best in a fixed order."""
     if relation is None:
-        cost = np.array([[cost_of(o, d) for d in [*detected, *[None] * len(objects)]] for o in objects])
+        cost = np.array([[_cost(o, d) for d in [*detected, *[None] * len(objects)]] for o in objects])
         rows, cols = linear_sum_assignment(cost)
         chosen = [None] * len(objects)
         for r, c in zip(rows, cols):
@@ -187,37 +198,77 @@ def _best(objects, detected, relation, attrs, then=()) -> tuple:
         return tuple(chosen), True
     best = None
     for chosen in _assignments(objects, detected):
-        wrong = sum(cost_of(o, d) for o, d in zip(objects, chosen))
         a, b = chosen[relation["subject"]], chosen[relation["object"]]
         rel_ok = a is not None and b is not None and _relation_holds(relation["rel"], a, b)
-        if best is None or (wrong, not rel_ok) < best[0]:
-            best = ((wrong, not rel_ok), chosen, rel_ok)
+        wrong = (sum(_cost(o, d) for o, d in zip(objects, chosen)), not rel_ok)
+        if best is None or wrong < best[0]:
+            best = (wrong, chosen, rel_ok)
     return best[1], best[2]
 
 
 def score(detected: list[Detected], spec: dict) -> dict[str, tuple[int, int]]:
-    """{constraint: (correct, checked)} for one image against its scene spec: each stated
-    attribute (extra detected objects each add one wrong check), `count`, `relation` (when the
-    caption states one) and `all` (every constraint, exact count)."""
+    """{constraint: (correct, checked)} for one image against its scene spec, all read off one
+    matching (`match`):
+    - each stated attribute, unconditionally: a missing object's attributes are wrong and every
+      extra detected object adds one wrong check, so clutter never raises a rate;
+    - `<attribute>_if_found`: the same checks of the caption objects the matching gives a
+      detected object (DSG: an attribute is asked only of an object that is there);
+    - `found`: caption objects given a detected object; `count`: exactly as many objects;
+    - with a relation: `relation`, `relation_coverage` (both of its objects found) and
+      `relation_if_found` (the relation among images where both are: VISOR's conditional);
+    - `all`: every one of these right, exact count (GenEval's image-level verdict)."""
     objects = spec["objects"]
     relation = spec.get("relation")
+    chosen, rel_ok = match(objects, detected, relation)
     extras = max(0, len(detected) - len(objects))
     out: dict[str, tuple[int, int]] = {}
     for attr in ATTRIBUTES:
-        checked = sum(attr in o["said"] for o in objects)
-        if not checked:
+        said = [(o, d) for o, d in zip(objects, chosen) if attr in o["said"]]
+        if not said:
             continue
-        chosen, _ = _best(objects, detected, None, tuple(a for a in ATTRIBUTES if a != attr), (attr,))
-        correct = sum(attr in o["said"] and not _wrong(o, d, (attr,)) for o, d in zip(objects, chosen))
-        out[attr] = (correct, checked + extras)
-    chosen, rel_ok = _best(objects, detected, relation, ATTRIBUTES)
-    all_right = not any(_wrong(o, d) for o, d in zip(objects, chosen))
+        right = [d is not None and not _wrong(o, d, (attr,)) for o, d in said]
+        out[attr] = (sum(right), len(said) + extras)
+        out[f"{attr}_if_found"] = (sum(right), sum(d is not None for _, d in said))
+    out["found"] = (sum(d is not None for d in chosen), len(objects))
     count_ok = len(detected) == len(objects)
     out["count"] = (int(count_ok), 1)
     if relation is not None:
+        both = chosen[relation["subject"]] is not None and chosen[relation["object"]] is not None
         out["relation"] = (int(rel_ok), 1)
+        out["relation_coverage"] = (int(both), 1)
+        out["relation_if_found"] = (int(rel_ok), int(both))
+    all_right = not any(_wrong(o, d) for o, d in zip(objects, chosen))
     out["all"] = (int(count_ok and rel_ok and all_right), 1)
     return out
+
+
+def from_spec(spec: dict) -> list[Detected]:
+    """The objects an exact render of `spec` parses into (tests/evaluate: renders parse exactly),
+    without rendering."""
+    return [Detected(o["color"], o["shape"], o["size"], o["row"], o["col"], 0.0, 0.0, 0, 1.0, SIZES[o["size"]])
+            for o in spec["objects"]]
+
+
+@lru_cache(maxsize=None)
+def chance(name: str, pairs: int = 20000, seed: int = 0) -> dict[str, float]:
+    """The rates a caption earns on an image it does not belong to, tier `name`: the mean over
+    `pairs` independent (image, caption) pairs of evaluation prompts of that tier, the image an
+    exact render of its scene. What "at chance" means for this rule on this tier: one object's
+    attributes are 1/6, 1/3, 1/2 and 1/9 (uniform draws); with several objects the one matching
+    picks the assignment with the fewest wrong constraints, which a wrong caption also profits
+    from (docs/architecture.md, "The shapes evaluation", gives the values). Monte Carlo standard
+    error at most sqrt(0.25 / pairs)."""
+    from dalle_ablate.data.shapes import tier_prompt
+
+    rng = np.random.default_rng([seed, TIERS.index(name)])
+    totals: dict[str, list[int]] = {}
+    for _ in range(pairs):
+        image, caption = tier_prompt(rng, name), tier_prompt(rng, name)
+        for k, (c, n) in score(from_spec(image), caption).items():
+            a = totals.setdefault(k, [0, 0])
+            a[0] += c
+            a[1] += n
+    return {k: c / n for k, (c, n) in totals.items() if n}
 
 
 # -- difficulty tiers ---------------------------------------------------------------------------

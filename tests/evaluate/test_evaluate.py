@@ -48,16 +48,59 @@ def test_parser_reads_the_tokenizers_reconstructions(tmp_path):
         assert acc[k] >= 0.98, (k, acc)
 
 
-def test_shuffled_captions_score_at_most_chance_on_every_attribute():
-    """Captions that do not belong to their images: every attribute at or below the rate of a
-    uniform guess (1/6 colours, 1/3 shapes, 1/2 sizes, 1/9 cells), up to the binomial spread."""
-    images, specs = scenes(400, 1)
-    shuffled = [specs[i] for i in np.random.default_rng(2).permutation(len(specs))]
-    acc = accuracy(images, shuffled)
-    assert acc["all"] < 0.03
-    for attr, chance in (("color", 1 / 6), ("shape", 1 / 3), ("size", 1 / 2), ("position", 1 / 9)):
-        assert acc[f"{attr}_lo"] <= chance, (attr, acc[attr], acc[f"{attr}_lo"])
-    assert acc["clean"] == accuracy(images, specs)["clean"]  # fidelity does not read the caption
+def _tier_renders(per_tier: int, seed: int, size: int = 48):
+    """Exact renders of evaluation prompts, `per_tier` of each tier, with their specs."""
+    from dalle_ablate.data.shapes import stratified_prompts
+
+    specs = stratified_prompts(per_tier * 4, seed)
+    return np.stack([render(Scene.from_dict(s), size) for s in specs]), specs
+
+
+def _deranged_within_tiers(specs: list[dict], seed: int) -> list[dict]:
+    """Each spec replaced by another of its own tier, none left in place."""
+    from dalle_ablate.data.scenes import TIERS, tier
+
+    rng, out = np.random.default_rng(seed), list(specs)
+    for t in TIERS:
+        idx = [i for i, s in enumerate(specs) if tier(s) == t]
+        perm = rng.permutation(len(idx))
+        while np.any(perm == np.arange(len(idx))):
+            perm = rng.permutation(len(idx))
+        for i, j in zip(idx, perm):
+            out[i] = specs[idx[j]]
+    return out
+
+
+def test_wrong_captions_score_at_chance_and_right_ones_perfectly_on_every_tier():
+    """Exact renders of 500 prompts per tier: with their own captions every rate is 1 on every tier;
+    with captions deranged within each tier (other scenes of the same object count, so missing and
+    extra objects cannot pull rates down) every attribute and the relation is at the rule's chance
+    (`chance`: independent prompt pairs scored without rendering) and `all` near 0. The rule that
+    let each attribute break its own ties fails this: three objects read shape 0.44, size 0.58 and
+    position 0.17 against this rule's chances of 0.51, 0.66 and 0.23, 5 standard errors off."""
+    from dalle_ablate.data.scenes import TIERS, tier
+    from dalle_ablate.evaluate.shapes_parser import ATTRIBUTES, chance
+
+    images, specs = _tier_renders(500, 7)
+    right = accuracy(images, specs)
+    wrong = accuracy(images, _deranged_within_tiers(specs, 8))
+    for t in TIERS:
+        keys = [k for k in (*ATTRIBUTES, *(f"{a}_if_found" for a in ATTRIBUTES), "found", "count", "relation",
+                            "relation_if_found", "relation_coverage", "all") if f"{t}/{k}" in right]
+        assert all(right[f"{t}/{k}"] == 1.0 for k in keys), (t, right)
+        expect = chance(t, 5000)
+        mine = [s for s in specs if tier(s) == t]
+        for k in (*ATTRIBUTES, "relation"):
+            if k in expect:
+                checks = len(mine) if k == "relation" else sum(k in o["said"] for s in mine for o in s["objects"])
+                # 4 binomial standard errors of the checks, and the Monte Carlo error of `chance`
+                tol = 4 * np.sqrt(expect[k] * (1 - expect[k]) * (1 / checks + 1 / 5000))
+                assert abs(wrong[f"{t}/{k}"] - expect[k]) < tol, (t, k, wrong[f"{t}/{k}"], expect[k], tol)
+        assert wrong[f"{t}/all"] < 0.02, (t, wrong[f"{t}/all"])
+    # one object: the rule's chance is a uniform guess of each attribute
+    for k, p in (("color", 1 / 6), ("shape", 1 / 3), ("size", 1 / 2), ("position", 1 / 9)):
+        assert abs(chance("one", 5000)[k] - p) < 0.015, (k, chance("one", 5000)[k])
+    assert wrong["clean"] == right["clean"]  # fidelity does not read the caption
 
 
 def test_clutter_never_raises_a_rate():
@@ -148,15 +191,19 @@ def test_score_checks_count_relation_and_binding():
     flipped = Scene([Obj("circle", "red", "large", 1, 2), Obj("square", "blue", "large", 1, 0)], "")
     got = score(parse(render(flipped)), spec)
     assert got["relation"] == (0, 1) and got["color"] == (2, 2) and got["all"] == (0, 1)
-    # attributes swapped between the objects (binding): each attribute is scored under the
-    # matching the other one chooses, so both colours and both shapes are wrong
+    # colours swapped between the objects (binding): under the one matching (the shapes and the
+    # relation hold for the objects where they are) both colours are wrong
     swapped = Scene([Obj("circle", "blue", "large", 1, 0), Obj("square", "red", "large", 1, 2)], "")
     got = score(parse(render(swapped)), spec)
-    assert got["all"] == (0, 1) and got["count"] == (1, 1)
-    assert got["color"] == (0, 2) and got["shape"] == (0, 2)
-    # a missing object fails the count and all its attributes
+    assert got["all"] == (0, 1) and got["count"] == (1, 1) and got["relation"] == (1, 1)
+    assert got["color"] == (0, 2) and got["shape"] == (2, 2)
+    # a missing object fails the count and all its attributes, but not those asked of found objects
     got = score(parse(render(Scene([a], ""))), spec)
-    assert got["count"] == (0, 1) and got["color"] == (1, 2) and got["shape"] == (1, 2)
+    assert got["count"] == (0, 1) and got["color"] == (1, 2) and got["shape"] == (1, 2) and got["found"] == (1, 2)
+    assert got["color_if_found"] == (1, 1) and got["relation"] == (0, 1)
+    assert got["relation_coverage"] == (0, 1) and got["relation_if_found"] == (0, 0)
+    # both found, relation wrong: VISOR's conditional counts it
+    assert score(parse(render(flipped)), spec)["relation_if_found"] == (0, 1)
 
 
 def test_swap_changes_exactly_one_attribute():
