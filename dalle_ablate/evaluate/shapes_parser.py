@@ -355,42 +355,58 @@ def wilson(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float
     return float(ci.low), float(ci.high)
 
 
-def _rates(totals: dict[str, list[int]], prefix: str = "") -> dict[str, float]:
-    out = {}
-    for k, (c, n) in totals.items():
-        if n:
-            out[f"{prefix}{k}"] = c / n
-            out[f"{prefix}{k}_lo"], out[f"{prefix}{k}_hi"] = wilson(c, n)
+BOOTSTRAP = 2000  # resamples of the prompts behind an attribute rate's interval
+
+
+def _rates(per_image: list[dict[str, tuple[int, int]]], prefix: str = "") -> dict[str, float]:
+    """Each constraint's rate over these images with its 95% interval over prompts: Wilson where
+    an image is one check (`all`, `count`, `relation`, ...), else (attributes: one check per
+    object, correlated within an image) a percentile bootstrap that resamples whole images
+    (BOOTSTRAP resamples, a fixed seed: the same images give the same interval)."""
+    out: dict[str, float] = {}
+    keys = list(dict.fromkeys(k for v in per_image for k in v))
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(per_image), (BOOTSTRAP, len(per_image))) if per_image else None
+    for k in keys:
+        c = np.array([v.get(k, (0, 0))[0] for v in per_image])
+        n = np.array([v.get(k, (0, 0))[1] for v in per_image])
+        if not n.sum():
+            continue
+        out[f"{prefix}{k}"] = c.sum() / n.sum()
+        if n.max() <= 1:
+            out[f"{prefix}{k}_lo"], out[f"{prefix}{k}_hi"] = wilson(c.sum(), n.sum())
+        else:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                boot = c[picks].sum(1) / n[picks].sum(1)
+            lo, hi = np.nanpercentile(boot, [2.5, 97.5])
+            out[f"{prefix}{k}_lo"], out[f"{prefix}{k}_hi"] = float(lo), float(hi)
     return out
 
 
-def accuracy(images: np.ndarray, specs: list[dict], parsed: Optional[list[Parsed]] = None) -> dict[str, float]:
-    """Accuracy per constraint with its 95% Wilson interval (`<k>_lo`, `<k>_hi`), over all images
-    and per difficulty tier (`<tier>/<k>`, `<tier>/n`); `clean` (share of drawn pixels in
-    well-formed objects) and `n` (images scored). An image counts once per constraint (`all`,
-    `count`, `relation`); attribute rates count object checks. `parsed`: the images' parses, when
-    they are at hand (scoring other captions on the same images)."""
-    totals: dict[str, list[int]] = {}
-    per_tier: dict[str, dict[str, list[int]]] = {}
-    clean = []
+def accuracy(images: np.ndarray, specs: list[dict], parsed: Optional[list[Parsed]] = None) -> dict:
+    """Accuracy per constraint with its 95% interval over prompts (`<k>_lo`, `<k>_hi`; `_rates`),
+    over all images and per difficulty tier (`<tier>/<k>`, `<tier>/n`); `clean` (share of drawn
+    pixels in well-formed objects), `n` (images scored) and `verdicts` (`<tier>/verdicts`): each
+    image's `all`, "1" or "0", in the images' order, for comparisons prompt by prompt between
+    runs scored on the same prompts. An image counts once per constraint (`all`, `count`,
+    `relation`); attribute rates count object checks. `parsed`: the images' parses, when they are
+    at hand (scoring other captions on the same images)."""
+    scores, tiers, clean = [], [], []
     for i, spec in enumerate(specs):
         parsed_i = parse_image(images[i]) if parsed is None else parsed[i]
         # Fidelity without the caption: the share of drawn (non-background) pixels that belong
         # to a well-formed object. 1 for real renders; junk and broken shapes lower it.
         clean.append(sum(d.area for d in parsed_i.objects) / parsed_i.drawn if parsed_i.drawn else 1.0)
-        t = per_tier.setdefault(tier(spec), {"n": [0, 0]})
-        t["n"][0] += 1
-        for k, (c, n) in score(parsed_i.objects, spec, parsed_i.unparsed).items():
-            for acc in (totals, t):
-                a = acc.setdefault(k, [0, 0])
-                a[0] += c
-                a[1] += n
-    out = _rates(totals)
+        scores.append(score(parsed_i.objects, spec, parsed_i.unparsed))
+        tiers.append(tier(spec))
+    out: dict = _rates(scores)
+    out["verdicts"] = "".join(str(v["all"][0]) for v in scores)
     for name in TIERS:
-        if name in per_tier:
-            counts = per_tier[name]
-            out[f"{name}/n"] = float(counts.pop("n")[0])
-            out.update(_rates(counts, f"{name}/"))
+        mine = [v for v, t in zip(scores, tiers) if t == name]
+        if mine:
+            out[f"{name}/n"] = float(len(mine))
+            out.update(_rates(mine, f"{name}/"))
+            out[f"{name}/verdicts"] = "".join(str(v["all"][0]) for v in mine)
     out["clean"] = float(np.mean(clean)) if clean else float("nan")
     out["n"] = float(len(specs))
     return out

@@ -274,6 +274,16 @@ def test_tiers_and_wilson_intervals():
     assert [acc[f"{t}/all"] for t in TIERS] == [1.0, 0.0, 0.0, 1.0]
     assert all(acc[f"{t}/n"] == 1.0 for t in TIERS) and acc["all"] == 0.5
     assert acc["all_lo"] < 0.5 < acc["all_hi"] and acc["one/all_hi"] == 1.0
+    # each prompt's verdict, in order, for comparisons prompt by prompt
+    assert acc["verdicts"] == "1001" and [acc[f"{t}/verdicts"] for t in TIERS] == ["1", "0", "0", "1"]
+    # an image-level rate's interval is Wilson's over prompts; an attribute's (several checks per
+    # image, which one matching moves together) resamples whole images, not Wilson's over checks
+    images, specs = _tier_renders(30, 3)
+    acc = accuracy(images, _deranged_within_tiers(specs, 4))
+    assert (acc["count_lo"], acc["count_hi"]) == wilson(round(acc["count"] * 120), 120)
+    checks = sum("color" in o["said"] for s in specs if tier(s) == "three" for o in s["objects"])
+    assert acc["three/color_lo"] < acc["three/color"] < acc["three/color_hi"]
+    assert (acc["three/color_lo"], acc["three/color_hi"]) != wilson(round(acc["three/color"] * checks), checks)
 
 
 def test_score_checks_count_relation_and_binding():
