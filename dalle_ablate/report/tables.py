@@ -235,9 +235,10 @@ def paired_bootstrap(diffs: np.ndarray, resamples: int = 2000, seed: int = 0) ->
     return float(lo), float(hi)
 
 
-# Settings that fix the evaluation's prompts and its sampling noise: runs compared prompt by
-# prompt must share them.
-SAME_PROMPTS = ("data.seed", "eval.num_samples", "eval.seed", "eval.batch_size", "eval.temperature")
+# Settings that fix the evaluation's prompts (data.seed, eval.num_samples) and its sampling noise
+# (eval.seed, and eval.batch_size: batch j draws from fold_in(key(eval.seed), j)): runs compared
+# prompt by prompt must share them.
+SAME_PROMPTS = ("data.seed", "eval.num_samples", "eval.seed", "eval.batch_size")
 
 
 def paired_table(by_variant: dict[str, list[Run]], baseline: str) -> Optional[tuple[list[str], list[list]]]:
