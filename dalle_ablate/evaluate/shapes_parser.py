@@ -66,7 +66,7 @@ MIN_AREA = 16  # pixels: a 4x4 block; the smallest object of the data (a small t
 # (MIN_AREA) to 1.15 x the large size, at any sub-pixel position, fits with 0.997 or more at 48
 # and 64 px; a semicircle, an arch, a circle with a 45-degree wedge or a square bite taken out, a
 # bar or an L-shape with at most 0.85, a square with a rounded top with 0.90
-# (tests/evaluate/test_evaluate.py measures both).
+# (measured on renders; tests/evaluate/test_evaluate.py checks both sides of the threshold).
 MIN_IOU = 0.95
 # Ink left over once the objects are taken out is `unparsed` when at least this many pixels of it
 # survive a 2x2 opening (which removes one-pixel slivers along a shape's edge, where a patch
