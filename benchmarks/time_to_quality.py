@@ -63,10 +63,11 @@ def main() -> None:
     from dalle_ablate.train.loop import JobInfo, train
     from dalle_ablate.validate import to_run_config
 
-    rows, times = [], []
+    rows, times, run_dirs = [], [], {}
     for seed in args.seeds:
         cfg = to_run_config(compose([f"seed={seed}", f"eval.every={args.every}", "trainer.progress=false", *args.overrides]))
         res = train(cfg, JobInfo(tmp / f"seed{seed}"))
+        run_dirs[seed] = res.run_dir
         got, train_s, other_s = rows_of(res.run_dir, seed)
         rows += got
         times.append((seed, res.steps, train_s, other_s))
@@ -87,6 +88,8 @@ def main() -> None:
                 print(f"{seed:>4} {step:>5} {t_s:>8.1f} {scale:>5g} " + " ".join(
                     f"{cell[t]['all']:>6.1%} [{cell[t]['lo']:.2f},{cell[t]['hi']:.2f}]" if t in cell else f"{'-':>18}" for t in TIERS))
 
+    resolution(run_dirs)
+
     out = Path(args.out)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["seed", "step", "train_s", "scale", "tier", "all", "lo", "hi", "n"])
@@ -94,6 +97,45 @@ def main() -> None:
         w.writerows(rows)
     plot(rows, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")
+
+
+def power(n: int, psi: float, delta: float = 0.1, z_alpha: float = 1.959964) -> float:
+    """Power of McNemar's test (two-sided, alpha 0.05) to find a difference `delta` in a rate
+    between two runs over n paired prompts whose verdicts differ on a share `psi` of them
+    (Connor 1987, normal approximation)."""
+    from scipy.stats import norm
+
+    if psi <= delta**2:
+        return 1.0
+    return float(norm.cdf((delta * n**0.5 - z_alpha * psi**0.5) / (psi - delta**2) ** 0.5))
+
+
+def resolution(run_dirs: dict) -> None:
+    """The evaluation's resolution, measured: for each pair of seeds, at each scale of the last
+    evaluation, the share of prompts whose all-correct verdicts differ (psi) and the power of
+    McNemar's test for a 0.1 difference at this N; psi = 0.5 (verdicts independent, rates near
+    one half) is the worst case."""
+    import itertools
+    import json
+
+    last = {}
+    for seed, d in run_dirs.items():
+        tables = sorted((Path(d) / "tables").glob("eval_pareto_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+        if tables:
+            t = json.loads(tables[-1].read_text())
+            c = t["columns"]
+            if "shapes/verdicts" in c:
+                last[seed] = {r[c.index("scale")]: r[c.index("shapes/verdicts")] for r in t["rows"]}
+    if len(last) < 2:
+        return
+    print("\nresolution of the last evaluation: prompts whose all-correct differs between two seeds (psi), and "
+          "McNemar's power for a 0.1 difference at this N (psi = 0.5 is the worst case)")
+    for a, b in itertools.combinations(sorted(last), 2):
+        for scale in sorted(set(last[a]) & set(last[b])):
+            x, y = last[a][scale], last[b][scale]
+            psi = sum(p != q for p, q in zip(x, y)) / len(x)
+            print(f"seeds {a}-{b} s{scale:g}: N {len(x)}, rates {x.count('1') / len(x):.3f} / {y.count('1') / len(y):.3f}, "
+                  f"psi {psi:.3f}, power {power(len(x), psi):.2f} (worst case {power(len(x), 0.5):.2f})")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -211,10 +211,16 @@ def shape_mask(shape: str, size_name: str, cx: float, cy: float, image_size: int
 
 def shape_mask_r(shape: str, r: float, cx: float, cy: float, image_size: int) -> np.ndarray:
     """As `shape_mask`, for any half-extent r in pixels (the parser fits sizes between the data's)."""
+    return shape_coverage(shape, r, cx, cy, image_size) >= 128
+
+
+def shape_coverage(shape: str, r: float, cx: float, cy: float, image_size: int) -> np.ndarray:
+    """[image_size, image_size] uint8: how much of each pixel (0-255) one shape of half-extent r
+    (pixels) centred at (cx, cy) covers when rendered as `render` does."""
     big = image_size * SUPERSAMPLE
     img = Image.new("L", (big, big), 0)
     draw_shape(ImageDraw.Draw(img), shape, cx * SUPERSAMPLE, cy * SUPERSAMPLE, r * SUPERSAMPLE, 255)
-    return np.asarray(img.resize((image_size, image_size), Image.Resampling.BOX)) >= 128
+    return np.asarray(img.resize((image_size, image_size), Image.Resampling.BOX))
 
 
 DEMO_CAPTIONS = (

@@ -102,16 +102,19 @@ def stratified_prompts(n: int, seed: int) -> list[dict]:
     rng = np.random.default_rng([seed, len(SPLITS)])  # a stream no split uses
     out = []
     for i, name in enumerate(TIERS):
-        want = n // len(TIERS) + (i < n % len(TIERS))
-        objects = TIER_OBJECTS[name]
-        got = 0
-        while got < want:
-            spec = random_scene(rng, objects, objects).to_dict()
-            # one object: only captions that state all four of its attributes
-            if tier(spec) == name and (name != "one" or len(spec["objects"][0]["said"]) == 4):
-                out.append(spec)
-                got += 1
+        out += [tier_prompt(rng, name) for _ in range(n // len(TIERS) + (i < n % len(TIERS)))]
     return out
+
+
+def tier_prompt(rng: np.random.Generator, name: str) -> dict:
+    """One evaluation prompt's scene spec of tier `name`: a random scene of its object count,
+    drawn again until it is of that tier (for one object, until its caption states all four
+    attributes)."""
+    objects = TIER_OBJECTS[name]
+    while True:
+        spec = random_scene(rng, objects, objects).to_dict()
+        if tier(spec) == name and (name != "one" or len(spec["objects"][0]["said"]) == 4):
+            return spec
 
 
 def scenes_key(cfg) -> str:

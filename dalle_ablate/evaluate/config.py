@@ -33,7 +33,11 @@ class EvalConfig(OptionConfig):
     every: int = 0  # steps between evaluations during training; 0 = only at the end of the run
     guidance_scales: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 5.0, 8.0])
     metrics: list[str] = field(default_factory=lambda: ["shapes", "shapes_fd", "caption_sensitivity"])
-    num_samples: int = 128  # stratified prompts (an equal share per difficulty tier), one sample each, the same at every scale
+    # Stratified prompts (an equal share per difficulty tier), one sample each, the same at every scale
+    # and in every run. 400 (100 per tier): McNemar's test then finds a 0.1 difference in all-correct
+    # between two runs with power 0.8 even where their verdicts are independent (Connor 1987;
+    # benchmarks/time_to_quality.py measures how far below that worst case two runs are).
+    num_samples: int = 400
     batch_size: int = 32  # prompts sampled at once
     temperature: float = 1.0
     top_k: Optional[int] = None

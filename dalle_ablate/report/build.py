@@ -17,21 +17,22 @@ from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.report import figures
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
-from dalle_ablate.report.tables import (ONE_SEED, STABILITY_COLUMNS, final_table, fmt, runs_csv,
-                                        stability_rows, tier_table)
+from dalle_ablate.report.tables import (ONE_SEED, SAME_PROMPTS, STABILITY_COLUMNS, final_table, fmt, paired_table,
+                                        runs_csv, shapes_noise_table, shapes_tier_table, stability_rows, tier_table)
 from dalle_ablate.report.writers import Section, to_html, to_markdown
 from dalle_ablate.track import HEADLINES
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
 TITLES = {"overview": "Runs and variants", "final": "Final metrics", "optuna": "Optuna study",
           "curves": "Loss and gradient norm across seeds", "stability": "Stability", "compute": "Equal-compute views",
-          "pareto": "Guidance-scale Pareto curves", "grids": "Prompt grids", "config": "Config diff"}
-FOLDED = ("stability", "grids", "config")  # long: closed until clicked
+          "pareto": "Guidance-scale Pareto curves", "shapes": "Shapes evaluation by tier", "grids": "Prompt grids",
+          "config": "Config diff"}
+FOLDED = ("stability", "shapes", "grids", "config")  # long: closed until clicked
 
 
 def section_keys(sweep: bool) -> list[str]:
     """The summary first; a sweep's study right after it, where its answer is."""
-    rest = ["curves", "stability", "compute", "pareto", "grids", "config"]
+    rest = ["curves", "stability", "compute", "pareto", "shapes", "grids", "config"]
     return ["overview", "optuna", "final", *rest] if sweep else ["overview", "final", *rest]
 
 
@@ -135,6 +136,31 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
         s.text.append("Shapes all-correct by difficulty tier at each guidance scale of the last evaluation: the rate, its "
                       "95% Wilson interval and N (prompts of that tier).")
         s.tables.append(tiers)
+
+    s = sections["shapes"]
+    tiers = shapes_tier_table(by_variant)
+    if tiers is None:
+        s.text.append("No run has the shapes evaluation (eval.metrics=[shapes]).")
+    else:
+        s.text.append("The last evaluation, per guidance scale and tier, means over a variant's seeds: all-correct; the "
+                      "share of caption objects found (drawn at all); each attribute asked only of found objects (DSG) / "
+                      "over all checks (a missing object's attributes wrong, every extra object one more wrong check); "
+                      "the relation where both its objects were found (VISOR) / over all images, with that coverage; "
+                      "images with ink that is no object (unparsed). Chance for captions that do not belong to their "
+                      "images: docs/architecture.md, \"The shapes evaluation\".")
+        s.tables.append(tiers)
+        s.text.append("The evaluation's own noise apart from the seeds': all-correct's standard deviation over seeds "
+                      "beside the binomial standard deviation over the prompts of one run (what re-drawing the prompts "
+                      "alone would move it by). A seed spread near the prompt noise is mostly the evaluation's.")
+        s.tables.append(shapes_noise_table(by_variant))
+        paired = paired_table(by_variant, baseline)
+        if paired is not None:
+            s.text.append("Each variant against the baseline prompt by prompt: runs of the same seed, the same prompts and "
+                          "the same sampling noise (" + ", ".join(SAME_PROMPTS) + " equal), compared on each prompt's "
+                          "all-correct verdict. Δ with a 95% paired bootstrap interval over prompts; McNemar's exact p "
+                          "over the prompts right in one run only, pooled over the seed pairs. This is the evaluation's "
+                          "resolution at these seeds, not the seed spread (Final metrics compares over seeds).")
+            s.tables.append(paired)
 
     s = sections["grids"]
     # Every grid of the last evaluation (list / category / scale), the variants side by side: each

@@ -165,3 +165,140 @@ def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
         row.update({f: r.config.get(f) for f in fields})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# -- the shapes evaluation by tier: conditional rates, the evaluation's own noise, paired arms ----
+SHAPES_GROUPS = ("all tiers", *TIERS)  # "all tiers": the columns without a tier prefix
+
+
+def _shapes_prefix(group: str) -> str:
+    return "shapes/" if group == "all tiers" else f"shapes/{group}/"
+
+
+def _last_rows(run: Run) -> dict[float, dict]:
+    """The last evaluation's Pareto rows by guidance scale, as {column: value}."""
+    if not run.pareto:
+        return {}
+    cols = run.pareto["columns"]
+    return {float(row[cols.index("scale")]): dict(zip(cols, row)) for row in run.pareto["rows"]}
+
+
+def _mean(values) -> float:
+    v = [float(x) for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(np.mean(v)) if v else math.nan
+
+
+def _pct(v: float) -> str:
+    return "–" if math.isnan(v) else f"{v:.0%}"
+
+
+def shapes_tier_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[str], list[list]]]:
+    """Per variant, guidance scale and tier, means over seeds: all-correct; objects found; each
+    attribute asked only of found objects (DSG) / over all checks; the relation where both its
+    objects were found (VISOR) / over all images, with the share where they were; unparsed."""
+    cols = ["variant", "scale", "tier", "seeds", "all", "found", "color if found / all", "shape if found / all",
+            "size if found / all", "position if found / all", "relation if found / all (coverage)", "unparsed"]
+    rows = []
+    for variant, runs in by_variant.items():
+        per_run = [_last_rows(r) for r in runs]
+        for scale in sorted({s for rows_ in per_run for s in rows_}):
+            have = [rows_[scale] for rows_ in per_run if scale in rows_]
+            for group in SHAPES_GROUPS:
+                p = _shapes_prefix(group)
+                if not any(f"{p}all" in row for row in have):
+                    continue
+
+                def m(key: str) -> float:
+                    return _mean(row.get(p + key) for row in have)
+
+                pair = [f"{_pct(m(a + '_if_found'))} / {_pct(m(a))}" if not math.isnan(m(a)) else "–"
+                        for a in ("color", "shape", "size", "position")]
+                rel = (f"{_pct(m('relation_if_found'))} / {_pct(m('relation'))} ({_pct(m('relation_coverage'))})"
+                       if not math.isnan(m("relation")) else "–")
+                rows.append([variant, f"{scale:g}", group, len(have), _pct(m("all")), _pct(m("found")), *pair, rel,
+                             _pct(m("unparsed"))])
+    return (cols, rows) if rows else None
+
+
+def shapes_noise_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[str], list[list]]]:
+    """Per variant, scale and tier: all-correct, mean over seeds; its spread over seeds (standard
+    deviation, which holds the evaluation's noise too); and the evaluation's own noise, the
+    binomial standard deviation over the N prompts of one run, sqrt(p (1 - p) / N), averaged over
+    the seeds. A seed spread near the prompt noise is mostly the evaluation's."""
+    cols = ["variant", "scale", "tier", "seeds", "all-correct", "seed SD", "prompt SD (one run)", "prompts per run"]
+    rows = []
+    for variant, runs in by_variant.items():
+        per_run = [_last_rows(r) for r in runs]
+        for scale in sorted({s for rows_ in per_run for s in rows_}):
+            have = [rows_[scale] for rows_ in per_run if scale in rows_]
+            for group in SHAPES_GROUPS:
+                p = _shapes_prefix(group)
+                n_key = f"{p}n"  # prompts scored: shapes/n over all tiers, shapes/<tier>/n per tier
+                vals = [(float(row[f"{p}all"]), float(row[n_key])) for row in have if f"{p}all" in row and n_key in row]
+                if not vals:
+                    continue
+                rates = np.array([v for v, _ in vals])
+                noise = _mean(math.sqrt(v * (1 - v) / n) for v, n in vals if n > 0)
+                seed_sd = float(rates.std(ddof=1)) if len(rates) > 1 else math.nan
+                rows.append([variant, f"{scale:g}", group, len(vals), float(rates.mean()),
+                             ONE_SEED if len(rates) < 2 else seed_sd, noise, int(vals[0][1])])
+    return (cols, rows) if rows else None
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """McNemar's exact test (two-sided) on the discordant pairs: b prompts right only in one run,
+    c only in the other; the binomial test of b in b + c at one half (statsmodels' `mcnemar(...,
+    exact=True)` computes the same). 1 when no pair is discordant."""
+    from scipy.stats import binomtest
+
+    return float(binomtest(int(b), int(b + c), 0.5).pvalue) if b + c else 1.0
+
+
+def paired_bootstrap(diffs: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean of [pairs, prompts] differences, resampling prompts
+    (columns) with every pair of runs kept for each: the prompts are what the evaluation draws."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, diffs.shape[1], (resamples, diffs.shape[1]))
+    means = diffs[:, idx].mean(axis=(0, 2))
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+# Settings that fix the evaluation's prompts (data.seed, eval.num_samples) and its sampling noise
+# (eval.seed, and eval.batch_size: batch j draws from fold_in(key(eval.seed), j)): runs compared
+# prompt by prompt must share them.
+SAME_PROMPTS = ("data.seed", "eval.num_samples", "eval.seed", "eval.batch_size")
+
+
+def paired_table(by_variant: dict[str, list[Run]], baseline: str) -> Optional[tuple[list[str], list[list]]]:
+    """Each variant against the baseline on the same prompts and sampling noise, prompt by prompt
+    (`shapes/<tier>/verdicts`): runs paired by seed, their prompt-level all-correct verdicts
+    compared per scale and tier. Δ with a paired bootstrap interval over prompts and McNemar's
+    exact p over the discordant prompts (pooled over the seed pairs)."""
+    cols = ["variant", "scale", "tier", "seed pairs", "prompts", "baseline", "variant rate", "Δ", "Δ 95% CI (prompts)",
+            "right only in variant / only in baseline", "McNemar p"]
+    rows = []
+    base_runs = {r.seed: r for r in by_variant.get(baseline, [])}
+    for variant, runs in by_variant.items():
+        if variant == baseline:
+            continue
+        pairs = [(base_runs[r.seed], r) for r in runs if r.seed in base_runs
+                 and all(base_runs[r.seed].config.get(k) == r.config.get(k) for k in SAME_PROMPTS)]
+        if not pairs:
+            continue
+        scales = sorted(set.intersection(*[set(_last_rows(a)) & set(_last_rows(b)) for a, b in pairs]))
+        for scale in scales:
+            for group in SHAPES_GROUPS:
+                key = "shapes/verdicts" if group == "all tiers" else f"shapes/{group}/verdicts"
+                got = [(_last_rows(a)[scale].get(key), _last_rows(b)[scale].get(key)) for a, b in pairs]
+                got = [(x, y) for x, y in got if isinstance(x, str) and isinstance(y, str) and len(x) == len(y) and x]
+                if not got or len({len(x) for x, _ in got}) != 1:
+                    continue
+                base = np.array([[ch == "1" for ch in x] for x, _ in got])
+                var = np.array([[ch == "1" for ch in y] for _, y in got])
+                diffs = var.astype(float) - base
+                b, c = int((var & ~base).sum()), int((base & ~var).sum())
+                lo, hi = paired_bootstrap(diffs)
+                rows.append([variant, f"{scale:g}", group, len(got), base.shape[1], float(base.mean()), float(var.mean()),
+                             float(diffs.mean()), f"[{fmt(lo)}, {fmt(hi)}]", f"{b} / {c}", mcnemar_p(b, c)])
+    return (cols, rows) if rows else None

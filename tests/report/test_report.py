@@ -102,7 +102,7 @@ def test_report_on_known_runs(synthetic, tmp_path):
     html = (out / "index.html").read_text()
     for key in section_keys(sweep=False):
         assert f'<section id="{key}"><details' in html and f"<summary><h2>{TITLES[key]}</h2></summary>" in html
-    assert html.count("<details open>") == 5 and html.count("<details>") == 3  # stability, grids, config folded
+    assert html.count("<details open>") == 5 and html.count("<details>") == 4  # stability, shapes, grids, config folded
     assert "<script>" not in html and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html  # the prompt, escaped
     assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html  # self-contained
     md = (out / "report.md").read_text()
@@ -257,7 +257,7 @@ def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
                                                                                  for k in section_keys(sweep=False))
     for label in ("model=deepnet (baseline)", "model=preln", "model=sandwich optim.lr=0.002"):
         assert f"<td>{label}</td>" in dom, label
-    assert dom.count("<details open") == 5 and dom.count("<details>") == 3
+    assert dom.count("<details open") == 5 and dom.count("<details>") == 4
     assert dom.count("<img ") >= 5 and "<script>alert" not in dom
 
 
@@ -418,3 +418,52 @@ def test_report_on_a_truncated_optuna_db_names_it_and_compares_the_runs(syntheti
                                        "without the sweep's trials\n")
     assert len(list(csv.DictReader((tmp_path / "reports" / "r" / "runs.csv").open()))) == 9
     assert db.stat().st_size == size  # read, never written
+
+
+def test_shapes_section_shows_conditional_rates_evaluation_noise_and_a_paired_comparison(tmp_path):
+    """Two variants of two seeds with hand-made per-prompt verdicts: the tier table's DSG / VISOR
+    cells, the seed spread beside the binomial noise of one run's prompts, and the paired
+    comparison's counts, Δ and McNemar p against the exact binomial sum."""
+    from math import comb
+
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.load import load_runs
+
+    rng = np.random.default_rng(0)
+    verdicts = {}
+    for layout in ("preln", "deepnet"):
+        for seed in (0, 1):
+            store = write_store(tmp_path / "m", layout, seed, 1.0)
+            p = 0.4 if layout == "preln" else 0.7
+            v = "".join("1" if x else "0" for x in rng.random(40) < p)
+            verdicts[layout, seed] = v
+            rate = v.count("1") / 40
+            cols = ["run", "step", "scale", "n", "shapes/all", "shapes/n", "shapes/verdicts", "shapes/one/all", "shapes/one/n",
+                    "shapes/one/verdicts", "shapes/one/found", "shapes/one/color", "shapes/one/color_if_found",
+                    "shapes/relation/all", "shapes/relation/n", "shapes/relation/relation", "shapes/relation/relation_if_found",
+                    "shapes/relation/relation_coverage", "shapes/one/unparsed", "shapes/one/all_lo", "shapes/one/all_hi",
+                    "shapes/relation/all_lo", "shapes/relation/all_hi"]
+            row = ["r", 40, 2.0, 40, rate, 40, v, rate, 40, v, 0.8, 0.6, 0.75, 0.5, 20, 0.3, 0.6, 0.5, 0.1, 0.0, 1.0, 0.0, 1.0]
+            (store / "tables" / "eval_pareto_40.json").write_text(json.dumps({"columns": cols, "line": None, "rows": [row]}))
+    sections, _ = build_sections(load_runs(str(tmp_path / "m")), "preln")
+    s = next(s for s in sections if s.key == "shapes")
+    assert s.folded
+    (tcols, trows), (ncols, nrows), (pcols, prows) = s.tables
+    one = next(r for r in trows if r[0] == "model=preln" and r[2] == "one")
+    assert one[tcols.index("found")] == "80%" and one[tcols.index("color if found / all")] == "75% / 60%"
+    rel = next(r for r in trows if r[0] == "model=preln" and r[2] == "relation")
+    assert rel[tcols.index("relation if found / all (coverage)")] == "60% / 30% (50%)"
+    noise = next(r for r in nrows if r[0] == "model=deepnet" and r[2] == "one")
+    rates = np.array([verdicts["deepnet", s_].count("1") / 40 for s_ in (0, 1)])
+    assert noise[ncols.index("seed SD")] == pytest.approx(rates.std(ddof=1))
+    assert noise[ncols.index("prompt SD (one run)")] == pytest.approx(np.mean(np.sqrt(rates * (1 - rates) / 40)))
+    paired = next(r for r in prows if r[0] == "model=deepnet" and r[2] == "one")
+    a = np.array([[c == "1" for c in verdicts["preln", s_]] for s_ in (0, 1)])
+    b = np.array([[c == "1" for c in verdicts["deepnet", s_]] for s_ in (0, 1)])
+    only_v, only_b = int((b & ~a).sum()), int((a & ~b).sum())
+    assert paired[pcols.index("right only in variant / only in baseline")] == f"{only_v} / {only_b}"
+    assert paired[pcols.index("Δ")] == pytest.approx(b.mean() - a.mean())
+    n, k = only_v + only_b, min(only_v, only_b)
+    assert paired[pcols.index("McNemar p")] == pytest.approx(min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2**n))
+    lo, hi = (float(x) for x in paired[pcols.index("Δ 95% CI (prompts)")].strip("[]").split(", "))
+    assert lo < paired[pcols.index("Δ")] < hi
