@@ -1,7 +1,8 @@
 """`python run.py ...` that kills itself with SIGKILL (or `KILL_SIGNAL`, e.g. SIGINT for a Ctrl-C)
 at a chosen point, so a test can cut a run off exactly there: `KILL_AT=step:N` before train step N
-(the checkpoint before it written), or `KILL_AT=save:N` right after the save of step N was handed
-to orbax (the write in flight)."""
+(the checkpoint before it written), `KILL_AT=save:N` right after the save of step N was handed
+to orbax (the write in flight), or `KILL_AT=fetch:N` in the blocking fetch of step N's metrics
+(step N+1 already trained and queued)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dalle_ablate.train import checkpoint
+from dalle_ablate.train import checkpoint, loop
 
 ROOT = Path(__file__).resolve().parent.parent
 where, at = os.environ["KILL_AT"].split(":")
@@ -45,6 +46,17 @@ def killing_check(self):
     check(self)
 
 
+fetch = loop.StepLogger.fetch
+
+
+def killing_fetch(self, step, metrics):
+    if where == "fetch" and step == at and not steps.get("fetch_killed"):  # once: the run's last flush fetches it again
+        steps["fetch_killed"] = True
+        signal.raise_signal(sig)
+    return fetch(self, step, metrics)
+
+
 checkpoint.Checkpointer.save, checkpoint.Checkpointer.check = killing_save, killing_check
+loop.StepLogger.fetch = killing_fetch
 sys.argv = [str(ROOT / "run.py"), *sys.argv[1:]]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -3,9 +3,12 @@ samples, tracking. Returns the final validation loss (the metric a sweep optimis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -93,36 +96,72 @@ def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_s
     return image_grid(dataset.decode_images(codes), captions, cfg.samples.per_caption), captions
 
 
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C inside the block is taken when it ends (in the main thread, where Python handles
+    SIGINT with its default handler; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt
+
+
 class StepLogger:
     """Each step's metrics, logged one step late: the next step is already queued when this one's
     values are fetched, so the device never waits on the host. Keeps the first, last and last
-    finite loss, and times steps between boundaries (eval and save time is not step time)."""
+    finite loss, and times steps between boundaries (eval and save time is not step time).
+
+    A step leaves the queue only once it is logged: Ctrl-C during the blocking fetch leaves it
+    (and the step after it) queued, and the interrupted run's last `flush()` logs both."""
 
     def __init__(self, tracker, bar, t, flops_per_step: float, tokens_per_step: int, peak_all: float):
         self.tracker, self.bar, self.t = tracker, bar, t
         self.flops_per_step, self.tokens_per_step, self.peak_all = flops_per_step, tokens_per_step, peak_all
-        self.pending: Optional[tuple[int, dict]] = None
+        self.queue: list[tuple[int, dict]] = []  # steps trained and not yet logged, oldest first
+        self.newest = 0  # the last step queued
         self.clock, self.compiled = time.perf_counter(), False
         self.first_loss = self.last_loss = math.nan
         self.last_finite: Optional[tuple[int, float]] = None  # (step, loss): what a diverged run reports
         self.reason = ""
 
     def push(self, step: int, metrics: dict) -> bool:
-        """Log the step in flight and hold this one; False (holding nothing) once a loss is not
+        """Queue this step and log the one before it; False (holding nothing) once a loss is not
         finite: the run stops there, and the step after it is never logged."""
-        ok = self.flush()
-        if ok:
-            self.pending = (step, metrics)
-        return ok
+        if step > self.newest:
+            self.queue.append((step, metrics))
+            self.newest = step
+        return self._drain(keep=1)
 
     def flush(self) -> bool:
-        """Fetch and log the step in flight (if any); False if its loss is not finite."""
-        if self.pending is None:
-            return True
-        (step, metrics), self.pending = self.pending, None
+        """Fetch and log every queued step; False if a loss is not finite."""
+        return self._drain(keep=0)
+
+    def fetch(self, step: int, metrics: dict) -> dict:
+        """The step's values on the host (blocks until the device has computed them)."""
+        per_layer = step % self.t.log_every == 0 or step == self.t.steps
+        return jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
+
+    def _drain(self, keep: int) -> bool:
+        while len(self.queue) > keep:
+            step, metrics = self.queue[0]
+            values = self.fetch(step, metrics)  # Ctrl-C here: the step stays queued
+            with interrupts_deferred():  # logged and dequeued together: never lost, never twice
+                self.queue.pop(0)
+                ok = self._log(step, values)
+            if not ok:
+                self.queue.clear()
+                return False
+        return True
+
+    def _log(self, step: int, values: dict) -> bool:
         t = self.t
-        per_layer = step % t.log_every == 0 or step == t.steps
-        values = jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
         now = time.perf_counter()
         dt, self.clock = now - self.clock, now
         row = {k: float(v) for k, v in values.items()}
@@ -199,6 +238,7 @@ def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bo
     Stops early when the loss is not finite (diverged), when the caller's hooks say so (pruned)
     or on Ctrl-C (interrupted; in a run of one process only: others would not stop with it)."""
     batch_size = bounds.cfg.trainer.batch_size
+    metrics = None
     try:
         for step in steps:
             ckpt.check()  # a checkpoint that failed in the background stops the run here
@@ -218,7 +258,13 @@ def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bo
     except KeyboardInterrupt:
         if jax.process_count() > 1:
             raise
-        return "interrupted", state  # the last state assigned: a whole step, wherever the interrupt came
+        # The last state assigned: a whole step, wherever the interrupt came. If it came between
+        # the step and its push, its metrics (assigned with it) are queued here.
+        done = int(jax.device_get(state.step))
+        if metrics is not None and done > log.newest:
+            log.queue.append((done, metrics))
+            log.newest = done
+        return "interrupted", state
 
 
 def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_dir: Path) -> str:

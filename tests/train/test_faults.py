@@ -139,7 +139,7 @@ def test_a_read_only_checkpoint_folder_fails_before_the_first_step(tmp_path):
 def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL") -> subprocess.CompletedProcess:
     """Run the tiny job until it sends itself `sig` at `at` (tests/kill_worker.py)."""
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
-    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -195,6 +195,39 @@ def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 4
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
+
+
+def new_wandb_runs(before: set) -> list[Path]:
+    """The offline W&B run folders made since `before`, oldest first."""
+    return sorted(set(Path(os.environ["WANDB_DIR"]).glob("wandb/offline-run-*")) - before)
+
+
+def wandb_steps(runs: list[Path], key: str = "train/loss") -> list[int]:
+    """The steps that logged `key`, over the offline runs in order, each run's rows as W&B's
+    server keeps them on a sync: a resumed run's rows below the step it reached are dropped."""
+    out: list[int] = []
+    for folder in runs:
+        for row in history(next(folder.glob("run-*.wandb"))):
+            if key in row and (not out or row["_step"] > out[-1]):
+                out.append(row["_step"])
+    return out
+
+
+def test_ctrl_c_in_the_fetch_of_a_step_loses_neither_it_nor_the_step_after_it(tmp_path, reference):
+    """SIGINT while step 4's metrics are fetched (step 5 trained and queued behind it): both
+    reach metrics.jsonl and the W&B run once each, and step 5 is the checkpoint saved."""
+    before = set(new_wandb_runs(set()))
+    run = job_dir(tmp_path) / "run"
+    proc = killed(tmp_path, "fetch:4", sig="SIGINT")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert error_line(proc).startswith("error: interrupted at step 5 of 6; checkpoint saved; resume with: ")
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == [1, 2, 3, 4, 5]
+    assert losses(run) == pytest.approx({s: v for s, v in losses(reference).items() if s <= 5}, rel=1e-6)
+    assert summary(run)["train/loss"] == pytest.approx(losses(reference)[5], rel=1e-6)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 5]
+    runs = new_wandb_runs(before)
+    assert len(runs) == 1
+    assert [row["_step"] for row in history(next(runs[0].glob("run-*.wandb"))) if "train/loss" in row] == [1, 2, 3, 4, 5]
 
 
 def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
@@ -283,7 +316,7 @@ def test_a_sweep_killed_mid_trial_retries_it_from_its_checkpoint(tmp_path, refer
             "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2", "hydra.sweeper.retry_failed=1",
             f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args]
-    env = {**os.environ, "KILL_AT": "step:5", "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "KILL_AT": "step:5", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     assert subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode == -signal.SIGKILL
     dead = tmp_path / "multirun" / "0" / "run"
     assert summary(dead)["status"] == "running"  # what a kill leaves
