@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +23,7 @@ import yaml
 from PIL import Image
 
 from dalle_ablate.fileio import atomic_write
+from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import Tracker
 
 
@@ -48,12 +50,14 @@ class RunStore(Tracker):
                 if key in old:
                     self.meta.setdefault(key, old[key])
         self.write_meta()
+        self.resume_step = resume_step
         metrics = self.root / "metrics.jsonl"
+        self.resumed_rows: list[dict] = []  # the rows kept from the interrupted run (steps <= resume_step)
         if resume_step is not None and metrics.exists():
             # Resuming from a checkpoint at resume_step: lines logged after it (by the run that
             # was interrupted) are dropped so that every step appears once.
-            kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            atomic_write(metrics, "".join(line + "\n" for line in kept))
+            self.resumed_rows = [r for r in _rows(metrics) if r["step"] <= resume_step]
+            atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in self.resumed_rows))
         elif metrics.exists():
             metrics.unlink()
         self._metrics = open(metrics, "a")
@@ -101,6 +105,29 @@ class RunStore(Tracker):
         if not self._metrics.closed:
             self.log_summary({"status": status})
             self._metrics.close()
+
+
+def _rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl that a resume continues: a last line cut off mid-write (the
+    process was killed while writing it) is dropped, saying so; a bad line before it is an error
+    naming the file and the line."""
+    text = path.read_text()
+    lines = text.split("\n")
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a row with a step")
+        except ValueError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                print(f"{path}: its last line (line {i}) was cut off mid-write; dropped it and resuming", file=sys.stderr, flush=True)
+                break
+            raise RunFailed(f"{path}: line {i} is not a metrics row ({e}); remove that line (or the run folder) and resume again") from e
+        rows.append(row)
+    return rows
 
 
 def mark_failed(run_dir: str | Path, reason: str) -> None:

@@ -145,32 +145,40 @@ def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL") -> su
 
 def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference):
     """Killed before step 5 (checkpoint 3 written), resumed and killed again while checkpoint 6
-    is being written, resumed to the end: the same losses as the uninterrupted run, each step
-    once in the run store, one W&B run with every step logged once."""
-    wandb_dir = Path(os.environ["WANDB_DIR"])
-    before = set(wandb_dir.glob("wandb/offline-run-*"))
+    is being written (and in the middle of a metrics line), resumed to the end: the same losses
+    as the uninterrupted run, each step once in the run store, one W&B run with every step
+    logged once over its processes' run files -- the steps a killed process had not flushed to
+    W&B included, sent again from metrics.jsonl."""
+    before = set(new_wandb_runs(set()))
     run = job_dir(tmp_path) / "run"
     assert killed(tmp_path, "step:5").returncode == -signal.SIGKILL
     first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
     assert (run / "checkpoints" / "3").is_dir() and max(losses(run)) < 5
     assert killed(tmp_path, "save:6", "resume=auto").returncode == -signal.SIGKILL
     assert max(losses(run)) == 6
+    with open(run / "metrics.jsonl", "a") as f:  # what a kill in the middle of a write leaves
+        f.write('{"step": 7, "train/lo')
+    torn = (run / "metrics.jsonl").read_text().count("\n") + 1
     proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"{run / 'metrics.jsonl'}: its last line (line {torn}) was cut off mid-write; dropped it and resuming" in proc.stderr
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
     for key in ("train/first_loss", "train/loss", "eval/valid/loss"):
         assert summary(run)[key] == pytest.approx(summary(reference)[key], rel=1e-6), key
     assert json.loads((run / "meta.json").read_text())["wandb_id"] == first_id
-    # W&B: all three processes logged to the same run (offline folders end in the run id; what a
-    # killed process had not flushed, W&B lost). The last one sent each step after its restore
-    # point once.
-    runs = sorted(set(wandb_dir.glob("wandb/offline-run-*")) - before)
+    # W&B: all three processes logged to the same run (offline folders end in the run id).
+    runs = new_wandb_runs(before)
     assert len(runs) == 3 and {d.name.rsplit("-", 1)[1] for d in runs} == {first_id}
-    last = next(runs[-1].glob("run-*.wandb"))
-    assert run_info(last)["id"] == first_id
-    start = json.loads((run / "meta.json").read_text())["resumed_from_step"]
-    assert [row["_step"] for row in history(last) if "train/loss" in row] == list(range(start + 1, 7))
+    assert run_info(next(runs[-1].glob("run-*.wandb")))["id"] == first_id
+    files = [next(d.glob("run-*.wandb")) for d in runs]
+    sent = [row["_step"] for f in files for row in history(f) if "train/loss" in row]
+    assert sent == list(range(1, 7))  # each step once, in order, whatever each killed process had flushed
+    rows = {row["_step"]: row["train/loss"] for f in files for row in history(f) if "train/loss" in row}
+    assert rows == pytest.approx(losses(reference), rel=1e-6)
+    evals = [row["_step"] for f in files for row in history(f) if "eval/valid/loss" in row]
+    assert evals == [3, 6]
 
 
 def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130(tmp_path, reference):
