@@ -286,6 +286,13 @@ def resume_source(cfg: RunConfig, ckpt_dir: Path):
     return checkpoint.find_checkpoints(cfg.resume) if cfg.resume else None
 
 
+def continues_store(cfg: RunConfig, run_dir: Path) -> bool:
+    """With `resume=auto`, whether this run store was started by an earlier process that was
+    stopped before its first checkpoint was complete (e.g. killed during it): the run starts
+    again from step 0, in the same store and the same W&B run."""
+    return cfg.resume == "auto" and (run_dir / "meta.json").exists()
+
+
 def finished_before(cfg: RunConfig, run_dir: Path) -> Optional[dict]:
     """With `resume=auto`, the summary of this run store if it already finished all of
     `trainer.steps`: a rerun of a study or multirun then leaves it as it is (nothing retrained,
@@ -341,7 +348,8 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
     tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
                             group=job.group, job_type=job.job_type or cfg.model.layout,
-                            resume_step=start_step if source is not None else None, is_main_process=pi == 0)
+                            resume_step=start_step if source is not None or continues_store(cfg, run_dir) else None,
+                            is_main_process=pi == 0)
     with ends_on_error(tracker):
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
         ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)

@@ -181,6 +181,25 @@ def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_
     assert evals == [3, 6]
 
 
+def test_kill_9_during_the_first_save_then_resume_starts_again_in_the_same_wandb_run(tmp_path, reference):
+    """Killed while the first checkpoint (step 3) is being written: no complete checkpoint, so
+    resume=auto starts again from step 0 -- in the same run store and W&B run, each step once."""
+    before = set(new_wandb_runs(set()))
+    run = job_dir(tmp_path) / "run"
+    assert killed(tmp_path, "save:3").returncode == -signal.SIGKILL
+    assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]  # the first save was cut off
+    first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
+    proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["wandb_id"] == first_id and meta["resumed_from_step"] == 0
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
+    assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
+    runs = new_wandb_runs(before)
+    assert len(runs) == 2 and {d.name.rsplit("-", 1)[1] for d in runs} == {first_id}
+    assert [row["_step"] for d in runs for row in history(next(d.glob("run-*.wandb"))) if "train/loss" in row] == list(range(1, 7))
+
+
 def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130(tmp_path, reference):
     """SIGINT before step 5 (the last checkpoint was step 3): step 4 is saved, the summary is
     whole, and the command the line gives continues to the uninterrupted run's losses."""
