@@ -1,8 +1,9 @@
 """`python run.py ...` that kills itself with SIGKILL (or `KILL_SIGNAL`, e.g. SIGINT for a Ctrl-C)
 at a chosen point, so a test can cut a run off exactly there: `KILL_AT=step:N` before train step N
 (the checkpoint before it written), `KILL_AT=save:N` right after the save of step N was handed
-to orbax (the write in flight), or `KILL_AT=fetch:N` in the blocking fetch of step N's metrics
-(step N+1 already trained and queued)."""
+to orbax (the write in flight), `KILL_AT=fetch:N` in the blocking fetch of step N's metrics
+(step N+1 already trained and queued), or `KILL_AT=plot:N` while the sampling evaluation of step N
+draws its Pareto plot."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from dalle_ablate.evaluate import runner
 from dalle_ablate.train import checkpoint, loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +58,23 @@ def killing_fetch(self, step, metrics):
     return fetch(self, step, metrics)
 
 
+log_pareto, figure_array = runner.Evaluation._log_pareto, runner.figure_array
+
+
+def killing_log_pareto(self, rows, step, run_name):
+    steps["plotting"] = where == "plot" and step == at and not steps.get("plot_killed")
+    return log_pareto(self, rows, step, run_name)
+
+
+def killing_figure_array(fig):
+    if steps.get("plotting"):  # once, half way through drawing the figure
+        steps["plotting"], steps["plot_killed"] = False, True
+        fig.tight_layout()
+        signal.raise_signal(sig)
+    return figure_array(fig)
+
+
+runner.Evaluation._log_pareto, runner.figure_array = killing_log_pareto, killing_figure_array
 checkpoint.Checkpointer.save, checkpoint.Checkpointer.check = killing_save, killing_check
 loop.StepLogger.fetch = killing_fetch
 sys.argv = [str(ROOT / "run.py"), *sys.argv[1:]]

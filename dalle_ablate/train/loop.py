@@ -226,6 +226,7 @@ class Boundaries:
             self.tracker.log_summary({"wall_time": time.perf_counter() - self.t_start, "steps": step})
         if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
             self.last_eval = self.evaluation.run(state.params, step, self.job.name or Path(self.job.job_dir).name)
+            self.tracker.log_summary({"evaluated_step": step})  # complete: a resume at this step need not redo it
         stop = (evaluate_now and jax.process_index() == 0 and step < t.steps
                 and self.job.hooks.should_stop(self.eval_loss, step))
         if stop and not save_now:
@@ -233,13 +234,29 @@ class Boundaries:
         return stop
 
 
-def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bounds: Boundaries, ckpt):
+    def left_at(self, step: int, run_dir: Path) -> tuple[bool, bool, bool]:
+        """What was due at `step` (the checkpoint this run store continues from) and not done by
+        the process that saved it, e.g. the final evaluation a Ctrl-C cut off: (validation loss,
+        save: never, sampling evaluation)."""
+        evaluate_now, _, sample_now = self.due(step)
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        logged = any(r["step"] == step and "eval/valid/loss" in r for r in rows)
+        saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        return evaluate_now and not logged, False, sample_now and saved.get("evaluated_step") != step
+
+
+def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bounds: Boundaries, ckpt,
+              left: tuple[bool, bool, bool] = (False, False, False)):
     """The steps, with what is due between them: (status, the state after the last whole step).
-    Stops early when the loss is not finite (diverged), when the caller's hooks say so (pruned)
-    or on Ctrl-C (interrupted; in a run of one process only: others would not stop with it)."""
+    First what was `left` at the step before them (a resumed run's evaluations). Stops early when
+    the loss is not finite (diverged), when the caller's hooks say so (pruned) or on Ctrl-C
+    (interrupted; in a run of one process only: others would not stop with it)."""
     batch_size = bounds.cfg.trainer.batch_size
     metrics = None
     try:
+        if any(left):
+            bounds.run_at(steps.start - 1, state, left)
+            log.restart_clock()
         for step in steps:
             ckpt.check()  # a checkpoint that failed in the background stops the run here
             state, metrics = train_step(state, run.placement.global_batch(next(batches), batch_size))
@@ -358,11 +375,14 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         batches = run.dataset.train_batches(t.batch_size, cfg.seed, start_step, *run.placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         log = StepLogger(tracker, bar, t, flops_per_step, run.tokens_per_step, peak * run.mesh.size)
-        if source is not None and cfg.resume == "auto" and pi == 0:
-            bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
+        left = (False, False, False)
+        if source is not None and cfg.resume == "auto":
+            left = bounds.left_at(start_step, run_dir)  # every process: the evaluations run on all of them
+            if pi == 0:
+                bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
-        status, state = run_steps(state, range(start_step + 1, t.steps + 1), train_step, batches, run, log, bounds, ckpt)
+        status, state = run_steps(state, range(start_step + 1, t.steps + 1), train_step, batches, run, log, bounds, ckpt, left)
         flushed = log.flush()  # the step in flight
         if status == "interrupted" and not flushed:
             status = "diverged"

@@ -257,6 +257,28 @@ def test_ctrl_c_in_the_fetch_of_a_step_loses_neither_it_nor_the_step_after_it(tm
     assert [row["_step"] for row in history(next(runs[0].glob("run-*.wandb"))) if "train/loss" in row] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
+def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
+    """SIGINT while the last step's sampling evaluation draws its Pareto plot: exit 130 with the
+    resume line (no traceback from the plot); the resume runs that evaluation before it says
+    finished (its table, and its headline in the closing lines)."""
+    run = job_dir(tmp_path) / "run"
+    proc = killed(tmp_path, "plot:6", "tracker=none", "eval.metrics=[shapes]", sig="SIGINT")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert error_line(proc).startswith("error: interrupted at step 6 of 6; checkpoint saved; resume with: python run.py ")
+    assert summary(run)["status"] == "interrupted" and "evaluated_step" not in summary(run)
+    assert not (run / "media" / "eval_pareto_plot_6.png").exists()  # cut off while drawn
+    again = shlex.split(error_line(proc).split("resume with: python run.py ", 1)[1])
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "tables" / "eval_pareto_6.json").exists() and (run / "media" / "eval_pareto_plot_6.png").exists()
+    assert summary(run)["status"] == "finished" and summary(run)["evaluated_step"] == 6
+    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6"):].splitlines()
+    assert closing[1].startswith("  shapes/all (n=8 per scale): s1 ")
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
+
+
 def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
     proc = run_py(*TINY, "tracker=none", "optim.lr=1e9", "optim.clip_grad_norm=null", "schedule.warmup_steps=0", "trainer.steps=20", cwd=tmp_path)
     assert proc.returncode == RunFailed.DIVERGED
