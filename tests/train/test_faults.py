@@ -279,6 +279,32 @@ def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
 
 
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_group(tmp_path):
+    """`dalle-ablate eval` on a W&B-tracked run: a new W&B run (job type eval) in the training
+    run's group; the training run's id, meta.json and W&B files are left alone."""
+    before = set(new_wandb_runs(set()))
+    proc = run_py(*TINY, "tracker.wandb.group=g42", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = job_dir(tmp_path) / "run"
+    meta = (run / "meta.json").read_text()
+    trained_id = json.loads(meta)["wandb_id"]
+    (trained,) = [d for d in new_wandb_runs(before) if d.name.endswith(trained_id)]
+    before = set(new_wandb_runs(set()))
+    trained_bytes = next(trained.glob("run-*.wandb")).read_bytes()
+    out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(job_dir(tmp_path)), "eval.metrics=[caption_sensitivity]"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (ev,) = new_wandb_runs(before)
+    info = run_info(next(ev.glob("run-*.wandb")))
+    assert info["id"] != trained_id and (info["group"], info["job_type"]) == ("g42", "eval")
+    assert info["config"]["meta"]["trained_wandb_id"] == trained_id
+    assert json.loads((run / "evals" / "default_step6" / "meta.json").read_text())["wandb_id"] == info["id"]
+    assert (run / "meta.json").read_text() == meta
+    assert next(trained.glob("run-*.wandb")).read_bytes() == trained_bytes
+
+
 def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
     proc = run_py(*TINY, "tracker=none", "optim.lr=1e9", "optim.clip_grad_norm=null", "schedule.warmup_steps=0", "trainer.steps=20", cwd=tmp_path)
     assert proc.returncode == RunFailed.DIVERGED
