@@ -127,6 +127,20 @@ def _os_error_code(e: BaseException) -> Optional[int]:
     return None
 
 
+def set_aside(folder: Path) -> None:
+    """Rename a checkpoint that cannot be restored to `<step>.unrestorable` (kept for a look; no
+    longer a step): the resumed run writes that step again."""
+    folder.rename(folder.with_name(f"{folder.name}.unrestorable"))
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first line of the innermost error behind `e` (tensorstore's names the file and what
+    is wrong with it; orbax's wrapper names an array index)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:
     """A checkpoints folder and step from what a user may pass as `resume=`: a job dir, a run
     store, a checkpoints folder, or one step's folder inside it."""
@@ -141,14 +155,35 @@ def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:
     raise ConfigError(f"resume={path}: no orbax checkpoint found there")
 
 
-def restore(directory: Path, step: Optional[int], target):
-    """The state saved at `step` (latest if None), shaped and sharded like `target`."""
-    mngr = ocp.CheckpointManager(Path(directory).absolute(), options=ocp.CheckpointManagerOptions(read_only=True))
+def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Callable[[Path], None]] = None):
+    """The state saved at `step`, shaped and sharded like `target`. With `step` None, the latest
+    that can be restored: a newer one that cannot (truncated, corrupt) is named on stderr and the
+    one before it tried, and `on_broken(folder)` hears of each that could not be restored once an
+    earlier one was. A checkpoint that cannot be restored, and no earlier one, is one line."""
+    directory = Path(directory).absolute()
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
-        step = mngr.latest_step() if step is None else step
-        if step is None:
+        steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
+        if not steps:
             raise ConfigError(f"{directory}: holds no finished checkpoint")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        return step, mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+        broken = []
+        for s in steps:
+            try:
+                state = mngr.restore(s, args=ocp.args.StandardRestore(abstract))
+            except Exception as e:  # noqa: BLE001 - orbax and tensorstore report a bad file in several types
+                broken.append((s, _root_cause(e)))
+                continue
+            if broken:
+                print(f"warning: checkpoint {directory / str(broken[0][0])} cannot be restored ({broken[0][1]}); "
+                      f"resuming from step {s}, the newest intact one", file=sys.stderr, flush=True)
+                for b, _ in broken:
+                    if on_broken is not None:
+                        on_broken(directory / str(b))
+            return s, state
+        newest, cause = broken[0]
+        earlier = "no earlier checkpoint" if len(steps) == 1 else f"nor can any earlier one ({', '.join(str(b[0]) for b in broken[1:])})"
+        raise RunFailed(f"checkpoint {directory / str(newest)} cannot be restored ({cause}); {earlier}: "
+                        f"remove the run folder to start over, or resume= another checkpoint")
     finally:
         mngr.close()

@@ -356,7 +356,9 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     source = resume_source(cfg, run_dir / "checkpoints")
     start_step = 0
     if source is not None:
-        start_step, state = checkpoint.restore(*source, target=state)
+        # resume=auto continues this store: a newest checkpoint it cannot restore is set aside
+        start_step, state = checkpoint.restore(*source, target=state,
+                                               on_broken=checkpoint.set_aside if cfg.resume == "auto" and pi == 0 else None)
     flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
     peak, peak_source = device_peak_flops(cache_dir=cfg.data.cache_dir)  # of one device; the step runs on every device
     meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),

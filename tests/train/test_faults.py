@@ -136,6 +136,44 @@ def test_a_read_only_checkpoint_folder_fails_before_the_first_step(tmp_path):
         assert elapsed < 120  # never the 5-minute stall of orbax waiting on a folder it cannot write
 
 
+def truncate_largest_file(folder: Path) -> Path:
+    """Cut a checkpoint's largest file to a third (a copy or a disk that lost its end)."""
+    biggest = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    os.truncate(biggest, biggest.stat().st_size // 3)
+    return biggest
+
+
+def test_a_checkpoint_that_cannot_be_restored_is_named_and_resume_falls_back_to_the_one_before(tmp_path, reference):
+    """Both checkpoints truncated: one line naming the newest, exit 4, nothing changed. Only the
+    newest truncated: resume=auto says so, sets it aside, continues from the one before (the
+    uninterrupted run's losses) and writes that step again."""
+    shutil.copytree(reference.parent, job_dir(tmp_path))
+    run = job_dir(tmp_path) / "run"
+    ckpt = run / "checkpoints"
+    intact = tmp_path / "intact3"
+    shutil.copytree(ckpt / "3", intact)
+    truncate_largest_file(ckpt / "6")
+    truncate_largest_file(ckpt / "3")
+    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+    assert proc.returncode == RunFailed.FAILED
+    line = error_line(proc)
+    assert line.startswith(f"error: checkpoint {ckpt / '6'} cannot be restored (") and line.endswith(
+        "); nor can any earlier one (3): remove the run folder to start over, or resume= another checkpoint")
+    assert "Requested byte range" in line  # tensorstore's own words on what is wrong with the file
+    assert sorted(p.name for p in ckpt.iterdir()) == ["3", "6"]
+    shutil.rmtree(ckpt / "3")
+    shutil.copytree(intact, ckpt / "3")
+    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warning) == 1 and warning[0].startswith(f"warning: checkpoint {ckpt / '6'} cannot be restored (")
+    assert warning[0].endswith("); resuming from step 3, the newest intact one")
+    assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 3
+    assert {s: v for s, v in losses(run).items() if s <= 6} == pytest.approx(losses(reference), rel=1e-6)
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 10))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["6", "6.unrestorable", "9"]
+
+
 def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL") -> subprocess.CompletedProcess:
     """Run the tiny job until it sends itself `sig` at `at` (tests/kill_worker.py)."""
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
