@@ -288,7 +288,20 @@ def cmd_study(args) -> None:
     # The seeds of an arm compile the same programs: JAX's persistent compilation cache
     # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
-    code = 0 if args.no_run else subprocess.call(command, env=env)
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        """In the multirun's process, before it starts: the kernel kills it when this process
+        dies, however (kill -9 included), so it never goes on writing the study's run stores
+        beside the next `dalle-ablate study` (Linux's PR_SET_PDEATHSIG)."""
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # this process died before the line above took effect
+            os._exit(1)
+
+    code = 0 if args.no_run else subprocess.call(command, env=env, preexec_fn=die_with_parent if sys.platform == "linux" else None)
     elapsed = time.perf_counter() - t
     if not find_stores(str(folder)):
         raise RunFailed(f"study {study.name}: no runs under {folder} (the multirun exited with {code})", code or 4)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -105,6 +106,46 @@ class RunStore(Tracker):
         if not self._metrics.closed:
             self.log_summary({"status": status})
             self._metrics.close()
+
+
+LOCK = ".writer.lock"
+
+
+class StoreLock:
+    """One writer per run store: an exclusive `flock` on `<run store>/.writer.lock`, held while
+    the run writes. The kernel drops it with its process (however it ends, kill -9 included), so
+    a stale lock never blocks a resume. The file names the holder, for the refusal's line."""
+
+    def __init__(self, root: Path):
+        import fcntl
+        import socket
+
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK
+        self._file = open(path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "a process that has not said who it is yet"
+            self._file.close()
+            raise RunFailed(f"run store {self.root} is being written by another process ({holder}); wait for it to end or "
+                            f"stop it, then run again (one writer per run store)") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}"[:500])
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()  # closing the file drops the lock
+
+    def __enter__(self) -> "StoreLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _rows(path: Path) -> list[dict]:

@@ -28,7 +28,7 @@ from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.parallel import Placement, distributed
 from dalle_ablate.track import build_tracker
 from dalle_ablate.track.base import ends_on_error
-from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.track.runstore import StoreLock, read_metrics
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
 from dalle_ablate.train.perf import device_peak_flops
@@ -346,6 +346,13 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             print(f"{run_dir}: finished before at step {done['steps']} of {t.steps}; left as it is (resume=auto)", flush=True)
         return Result(eval_loss=float(done.get("eval/valid/loss", math.nan)), train_loss=float(done.get("train/loss", math.nan)),
                       steps=int(done["steps"]), run_dir=run_dir, status="finished", summary=done)
+    # One writer per run store: a second process on it is refused in one line naming the holder.
+    with StoreLock(run_dir) if pi == 0 else contextlib.nullcontext():
+        return _train(cfg, job, run_dir, t_start)
+
+
+def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Result:
+    t, pi = cfg.trainer, jax.process_index()
     if cfg.data.name == "shapes" and pi == 0 and not tokenizer_cached(cfg.data):
         # stage 1 (e.g. data.tokenizer=dvae) first, with a run store and tracker run of its own
         res = train_tokenizer(cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,

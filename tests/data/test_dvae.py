@@ -151,7 +151,7 @@ def test_a_diverging_stage_1_stops_like_stage_2_and_caches_nothing(tmp_path):
     summary = json.loads((job / "tokenizer" / "summary.json").read_text())
     assert (summary["status"], summary["reason"]) == ("diverged", f"RunFailed: {reason}")
     assert not (tmp_path / "cache" / "dvae").exists() or not list((tmp_path / "cache" / "dvae").iterdir())
-    assert not (job / "run").exists()
+    assert not (job / "run" / "metrics.jsonl").exists()  # stage 2 never started
 
 
 def test_a_cache_entry_is_written_whole_or_not_at_all(tmp_path, monkeypatch):

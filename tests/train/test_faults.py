@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -172,6 +173,78 @@ def test_a_checkpoint_that_cannot_be_restored_is_named_and_resume_falls_back_to_
     assert {s: v for s, v in losses(run).items() if s <= 6} == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 10))
     assert sorted(p.name for p in ckpt.iterdir()) == ["6", "6.unrestorable", "9"]
+
+
+HOLD = """
+import sys
+from dalle_ablate.track.runstore import StoreLock
+lock = StoreLock(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it (or kills this process)
+"""
+
+
+def test_a_second_writer_on_a_run_store_is_refused_in_one_line_naming_the_holder(tmp_path, reference):
+    """While another process writes the store (here one that holds its lock and waits), a run on
+    it is refused with exit 4 and nothing of the store touched; once the holder is gone -- killed
+    with -9, so the lock dies with its process -- the same command runs."""
+    shutil.copytree(reference.parent, job_dir(tmp_path))
+    run = job_dir(tmp_path) / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".writer.lock"}
+        proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+        assert proc.returncode == RunFailed.FAILED
+        assert error_line(proc) == (f"error: run store {run} is being written by another process (pid {holder.pid} on "
+                                    f"{socket.gethostname()}: -c {run}); wait for it to end or stop it, then run again "
+                                    f"(one writer per run store)")
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".writer.lock"} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary(run)["steps"] == 9 and summary(run)["status"] == "finished"
+
+
+def lock_free(run: Path) -> bool:
+    from dalle_ablate.track.runstore import StoreLock
+
+    try:
+        StoreLock(run).release()
+        return True
+    except RunFailed:
+        return False
+
+
+def test_kill_9_of_the_study_process_ends_its_multirun_too(tmp_path):
+    """`dalle-ablate study` killed with -9 while its multirun trains: the multirun's process dies
+    with it (its run store's lock is free for the next writer), not training on beside a rerun."""
+    cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(tmp_path / "studies"),
+           "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results"), "+arm=baseline", "seed=0",
+           *SMALL_DATA, *TINY_TRAIN, "trainer.steps=100000", "tracker=none"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = tmp_path / "studies" / "mega-variants" / "baseline-seed0" / "run"
+    with open(tmp_path / "study.log", "w") as log:
+        study = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(600):  # until its multirun trains (a run store with metrics)
+                if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text():
+                    break
+                assert study.poll() is None, (tmp_path / "study.log").read_text()[-3000:]
+                time.sleep(0.5)
+            assert not lock_free(run)  # the multirun holds it
+            study.kill()
+            study.wait()
+        finally:
+            study.kill()
+    for _ in range(120):  # the kernel kills the child at once; give it time to be reaped
+        if lock_free(run):
+            break
+        time.sleep(0.5)
+    assert lock_free(run), "the multirun outlived the study process"
 
 
 def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL") -> subprocess.CompletedProcess:
