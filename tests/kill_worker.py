@@ -3,7 +3,9 @@ at a chosen point, so a test can cut a run off exactly there: `KILL_AT=step:N` b
 (the checkpoint before it written), `KILL_AT=save:N` right after the save of step N was handed
 to orbax (the write in flight), `KILL_AT=fetch:N` in the blocking fetch of step N's metrics
 (step N+1 already trained and queued), or `KILL_AT=plot:N` while the sampling evaluation of step N
-draws its Pareto plot."""
+draws its Pareto plot. `KILL_AT=settle:N` sends nothing: after the save of step N is handed to
+orbax it waits until orbax has ended that save's background write (failed or not), so that the
+next step meets its outcome."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 from dalle_ablate.evaluate import runner
@@ -34,6 +37,9 @@ def killing_save(self, step, state):
     steps["saving"] = False
     if where == "save" and step == at:
         signal.raise_signal(sig)
+    if where == "settle" and step == at:
+        while self.manager.is_saving_in_progress():
+            time.sleep(0.01)
     if where == "step":
         self.manager.wait_until_finished()  # the checkpoints before the kill are complete
 

@@ -61,11 +61,17 @@ class Checkpointer:
             raise self._failed(e) from e
 
     def check(self) -> None:
-        """Raise RunFailed if a save in the background has failed (cheap: no waiting)."""
+        """Raise RunFailed if a save in the background has failed (cheap: no waiting). Called
+        before every step: a save that failed stops the run at the next step, not at the next
+        save (orbax hands the failure of a save that has ended to its manager's
+        wait_until_finished, which returns at once then)."""
         if self.saving is None:
             return
         try:
             self.manager.check_for_errors()
+            if not self.manager.is_saving_in_progress():
+                self.manager.wait_until_finished()  # ended: returns at once, or raises its failure
+                self._saved()
         except Exception as e:  # noqa: BLE001
             raise self._failed(e) from e
 

@@ -121,6 +121,25 @@ def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues
     assert summary(run)["status"] == "finished" and summary(run)["train/first_loss"] == summary(reference)["train/first_loss"]
 
 
+def test_a_failed_background_save_stops_the_run_at_the_next_step(tmp_path):
+    """The checkpoint of step 6 fails in orbax's background write (a full disk) and the write has
+    ended before step 7: the run stops there -- not at the next save -- with one line and exit 4,
+    checkpoint 3 intact and the summary saying why."""
+    ckpt = job_dir(tmp_path) / "run" / "checkpoints"
+    with filesystem(ckpt, "1200k") as mounted:  # room for one checkpoint, not two
+        if not mounted:
+            pytest.skip("needs root to mount a small tmpfs (CI runs as root)")
+        proc = killed(tmp_path, "settle:6", "tracker=none", "trainer.steps=30")
+        assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
+        expected = (f"checkpoint of step 6 could not be written to {ckpt} (ENOSPC: No space left on device); "
+                    f"checkpoints [3] are intact, resume=auto continues from step 3")
+        assert error_line(proc) == f"error: {expected}"
+        run = job_dir(tmp_path) / "run"
+        assert max(losses(run)) == 6  # no step after the failure was known
+        assert (summary(run)["status"], summary(run)["reason"]) == ("failed", f"RunFailed: {expected}")
+        assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["3"]
+
+
 def test_a_read_only_checkpoint_folder_fails_before_the_first_step(tmp_path):
     ckpt = job_dir(tmp_path) / "run" / "checkpoints"
     with filesystem(ckpt, "1m", readonly=True) as mounted:
