@@ -5,13 +5,15 @@ to orbax (the write in flight), `KILL_AT=fetch:N` in the blocking fetch of step 
 (step N+1 already trained and queued), or `KILL_AT=plot:N` while the sampling evaluation of step N
 draws its Pareto plot. `KILL_AT=settle:N` sends nothing: after the save of step N is handed to
 orbax it waits until orbax has ended that save's background write (failed or not), so that the
-next step meets its outcome."""
+next step meets its outcome; `KILL_AT=shell:N` runs the shell command `AFTER_SAVE` once the save of
+step N is complete on disk (e.g. to make a folder read-only under the run)."""
 
 from __future__ import annotations
 
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,9 @@ def killing_save(self, step, state):
     if where == "settle" and step == at:
         while self.manager.is_saving_in_progress():
             time.sleep(0.01)
+    if where == "shell" and step == at:
+        self.manager.wait_until_finished()
+        subprocess.run(os.environ["AFTER_SAVE"], shell=True, check=True)
     if where == "step":
         self.manager.wait_until_finished()  # the checkpoints before the kill are complete
 

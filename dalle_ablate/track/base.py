@@ -49,8 +49,14 @@ def ends_on_error(tracker: "Tracker"):
         tracker.finish("interrupted")
         raise
     except BaseException as e:
-        tracker.log_summary({"reason": first_line(e)})
-        tracker.finish("diverged" if isinstance(e, RunFailed) and e.exit_code == RunFailed.DIVERGED else "failed")
+        try:  # best effort: a run store that cannot be written fails here too, and `e` says why
+            tracker.log_summary({"reason": first_line(e)})
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            tracker.finish("diverged" if isinstance(e, RunFailed) and e.exit_code == RunFailed.DIVERGED else "failed")
+        except Exception:  # noqa: BLE001
+            pass
         raise
 
 

@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +39,28 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def unwritable(root: Path, e: OSError) -> RunFailed:
+    """The one line for a run store that cannot be written (a full disk, a read-only folder)."""
+    what = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}" if e.errno else str(e)
+    where = f" ({re.sub(r'[.][0-9]+[.]tmp$', '', Path(e.filename).name)})" if e.filename else ""  # atomic_write's temporary name
+    return RunFailed(f"run store {root} cannot be written{where}: {what}; free space or fix the folder, then resume=auto")
+
+
+def _writes(method):
+    """A RunStore method that writes: an OSError from it is the one-line RunFailed above."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            raise unwritable(self.root, e) from e
+
+    return wrapped
+
+
 class RunStore(Tracker):
+    @_writes
     def __init__(self, root: Path, config: dict, meta: dict, resume_step: Optional[int] = None):
         self.root = Path(root)
         self.media = self.root / "media"
@@ -67,19 +91,23 @@ class RunStore(Tracker):
         self.summary.pop("reason", None)
         self.log_summary({"status": "running"})  # until finish(); a killed run keeps saying so
 
+    @_writes
     def write_meta(self) -> None:
         atomic_write(self.root / "meta.json", json.dumps(self.meta, indent=2, default=str))
 
+    @_writes
     def log(self, metrics, step):
         row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
 
+    @_writes
     def log_image(self, key, image, step, caption=""):
         path = self.media / f"{key.replace('/', '_')}_{int(step)}.png"
         Image.fromarray(np.asarray(image, np.uint8)).save(path)
         self.log({f"{key}/path": str(path.relative_to(self.root)), f"{key}/caption": caption}, step)
 
+    @_writes
     def log_table(self, key, columns, rows, step, line=None):
         name = f"{key.replace('/', '_')}_{int(step)}"
         tables = self.root / "tables"
@@ -98,10 +126,12 @@ class RunStore(Tracker):
         atomic_write(tables / f"{name}.json", json.dumps({"columns": list(columns), "rows": out, "line": line}))
         self.log({f"{key}/table": f"tables/{name}.json"}, step)
 
+    @_writes
     def log_summary(self, values):
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
         atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
 
+    @_writes
     def finish(self, status="finished"):
         if not self._metrics.closed:
             self.log_summary({"status": status})
@@ -121,9 +151,12 @@ class StoreLock:
         import socket
 
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / LOCK
-        self._file = open(path, "a+")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a+")
+        except OSError as e:
+            raise unwritable(self.root, e) from e
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

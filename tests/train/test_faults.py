@@ -266,11 +266,42 @@ def test_kill_9_of_the_study_process_ends_its_multirun_too(tmp_path):
     assert lock_free(run), "the multirun outlived the study process"
 
 
-def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL") -> subprocess.CompletedProcess:
+def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL", env: dict = {}) -> subprocess.CompletedProcess:  # noqa: B006
     """Run the tiny job until it sends itself `sig` at `at` (tests/kill_worker.py)."""
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
-    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **env}
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("folder", ["run/checkpoints", "run"])
+def test_a_folder_made_unwritable_mid_run_stops_it_at_once_in_one_line(tmp_path, folder):
+    """After checkpoint 3, the checkpoints folder (or the run store itself) becomes unwritable:
+    immutable (`chattr +i`) as root, mode 555 otherwise. The run stops at its next write with
+    one line and exit 4 -- no traceback, no "coroutine was never awaited", and no wait for
+    orbax's threads (they once held the exit for 330 s; the 300 s limit of the run fails that)."""
+    run = job_dir(tmp_path) / "run"
+    target = job_dir(tmp_path) / folder
+    lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
+    try:
+        proc = killed(tmp_path, "shell:3", "tracker=none", "trainer.steps=30",
+                      env={"AFTER_SAVE": shlex.join([*lock, str(target)])})
+    finally:
+        subprocess.run([*unlock, str(target)], check=True)
+    assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
+    why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
+    ckpt = run / "checkpoints"
+    if folder == "run/checkpoints":
+        expected = (f"checkpoint of step 6 could not be written to {ckpt} ({why}); "
+                    f"checkpoints [3] are intact, resume=auto continues from step 3")
+        assert (summary(run)["status"], summary(run)["reason"]) == ("failed", f"RunFailed: {expected}")
+    else:
+        expected = f"run store {run} cannot be written (summary.json): {why}; free space or fix the folder, then resume=auto"
+        assert summary(run)["status"] == "running"  # what it said before the folder became unwritable
+    assert error_line(proc) == f"error: {expected}"
+    assert "was never awaited" not in proc.stderr
+    # the next write: checkpoint 6, or the summary written right after checkpoint 3
+    assert max(losses(run)) == (6 if folder == "run/checkpoints" else 3)
+    assert "3" in [p.name for p in ckpt.iterdir()]
 
 
 def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference):
