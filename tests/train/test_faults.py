@@ -266,6 +266,24 @@ def test_kill_9_of_the_study_process_ends_its_multirun_too(tmp_path):
     assert lock_free(run), "the multirun outlived the study process"
 
 
+def test_a_run_store_unwritable_from_the_start_is_one_line(tmp_path):
+    """The run store's folder is immutable (root) or mode 555 before the run: refused at once
+    in one line naming it, exit 4, no traceback."""
+    run = job_dir(tmp_path) / "run"
+    run.mkdir(parents=True)
+    lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
+    subprocess.run([*lock, str(run)], check=True)
+    try:
+        proc = run_py(*TINY, "tracker=none", cwd=tmp_path)
+    finally:
+        subprocess.run([*unlock, str(run)], check=True)
+    assert proc.returncode == RunFailed.FAILED
+    why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
+    assert error_line(proc) == (f"error: run store {run} cannot be written (.writer.lock): {why}; free space or fix the folder, "
+                                "then resume=auto")
+    assert list(run.iterdir()) == []
+
+
 def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL", env: dict = {}) -> subprocess.CompletedProcess:  # noqa: B006
     """Run the tiny job until it sends itself `sig` at `at` (tests/kill_worker.py)."""
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
