@@ -386,9 +386,13 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         log = StepLogger(tracker, bar, t, flops_per_step, run.tokens_per_step, peak * run.mesh.size)
         left = (False, False, False)
         if source is not None and cfg.resume == "auto":
-            left = bounds.left_at(start_step, run_dir)  # every process: the evaluations run on all of them
             if pi == 0:
+                left = bounds.left_at(start_step, run_dir)
                 bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
+            if jax.process_count() > 1:  # process 0's reading of its run store: the evaluations run on every process
+                from jax.experimental import multihost_utils
+
+                left = tuple(bool(x) for x in multihost_utils.broadcast_one_to_all(np.array(left, np.int32)))
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
         status, state = run_steps(state, range(start_step + 1, t.steps + 1), train_step, batches, run, log, bounds, ckpt, left)
