@@ -44,6 +44,7 @@ def best_of(key: str) -> str | None:
         return "max"
     return next((v for k, v in HEADLINES.items() if key.endswith("/" + k)), None)
 
+
 def _number(v) -> float | int | None:
     """A metrics.jsonl value as W&B takes it: numbers (non-finite ones are stored as strings);
     None for the rest (media and table paths)."""
@@ -56,8 +57,8 @@ def _number(v) -> float | int | None:
 
 def last_step_written(run_dirs: list, run_id: str) -> int:
     """The last history step in the local run files of W&B run `run_id` (every process's, beside
-    each of `run_dirs`: files folders of its processes); 0 if none. A file a killed process left is read
-    up to its last whole record. The format: a 7-byte header, then 32 KiB blocks of chunks
+    each of `run_dirs`: files folders of its processes); 0 if none. A file a killed process left
+    is read up to its last whole record. The format: a 7-byte header, then 32 KiB blocks of chunks
     `crc32 (4) | length (2) | type (1) | data` (types 1 whole, 2/3/4 first/middle/last piece of a
     record), each record a `wandb_internal_pb2.Record`."""
     from wandb.proto import wandb_internal_pb2
@@ -188,7 +189,7 @@ class WandbTracker(Tracker):
         sent = 0
         if run_id:
             sent = self.run.step - 1 if mode == "online" else last_step_written([store.meta.get("wandb_dir"), self.run.dir], run_id)
-        self.first_new_step = sent + 1
+        self.first_new_step = sent + 1 if run_id else 0  # a new run logs from step 0 (a cached tokenizer's metrics)
         replay = [r for r in store.resumed_rows if r["step"] >= self.first_new_step]
         store.meta["wandb_id"] = self.run.id
         store.meta["wandb_group"] = self.run.group  # tracker.wandb.group if set: `dalle-ablate eval` files its jobs there
