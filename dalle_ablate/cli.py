@@ -364,8 +364,10 @@ def cmd_study(args) -> None:
     # The seeds of an arm compile the same programs: JAX's persistent compilation cache
     # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
-    code = 0 if args.no_run else subprocess.call(command, env=env)
-    stress = None if args.no_run or args.no_stress else run_stress(study_file, study.experiment, folder, args.overrides, env)
+    preexec = dies_with_this_process()
+    code = 0 if args.no_run else subprocess.call(command, env=env, preexec_fn=preexec)
+    stress = None if args.no_run or args.no_stress else run_stress(study_file, study.experiment, folder, args.overrides, env,
+                                                                   preexec)
     elapsed = time.perf_counter() - t
     try:
         find_stores(str(folder))
@@ -408,7 +410,28 @@ class StressOutcome:
     failed: list[str]  # stress runs that ended otherwise than finished or diverged
 
 
-def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[str], env: dict) -> Optional[StressOutcome]:
+def dies_with_this_process() -> Optional[Callable[[], None]]:
+    """A preexec_fn for a child that must not outlive this process: the kernel kills the child when
+    this process dies, however (kill -9 included), so a study's multirun or stress run never goes
+    on writing the study's run stores beside the next `dalle-ablate study` (Linux's
+    PR_SET_PDEATHSIG; None elsewhere)."""
+    if sys.platform != "linux":
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # this process died before the line above took effect
+            os._exit(1)
+
+    return preexec
+
+
+def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[str], env: dict,
+               preexec: Optional[Callable[[], None]] = None) -> Optional[StressOutcome]:
     """The study's stress runs (report/stress.py), if its file declares them: each arm of its
     stability claims at each rate and seed, one process per run into `<folder>-stress/`; a run that
     finished or diverged before is not started again, a stopped one continues (resume=auto)."""
@@ -425,7 +448,8 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
     for arm, lr, seed in plan.jobs():
         if settled(where / run_name(arm, lr, seed) / "run", plan.steps):
             continue
-        code = subprocess.call(job_command(sys.executable, experiment, where, arm, lr, seed, plan, overrides), env=env)
+        code = subprocess.call(job_command(sys.executable, experiment, where, arm, lr, seed, plan, overrides), env=env,
+                               preexec_fn=preexec)
         ran += 1
         if code not in (0, RunFailed.DIVERGED):  # a diverged run is a measurement of its rate
             failed.append(f"{run_name(arm, lr, seed)} (exit {code})")

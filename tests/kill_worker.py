@@ -1,17 +1,25 @@
 """`python run.py ...` that kills itself with SIGKILL (or `KILL_SIGNAL`, e.g. SIGINT for a Ctrl-C)
 at a chosen point, so a test can cut a run off exactly there: `KILL_AT=step:N` before train step N
-(the checkpoint before it written), or `KILL_AT=save:N` right after the save of step N was handed
-to orbax (the write in flight)."""
+(the checkpoint before it written), `KILL_AT=save:N` right after the save of step N was handed
+to orbax (the write in flight), `KILL_AT=fetch:N` in the blocking fetch of step N's metrics
+(step N+1 already trained and queued), or `KILL_AT=plot:N` while the sampling evaluation of step N
+draws its Pareto plot. `KILL_AT=settle:N` sends nothing: after the save of step N is handed to
+orbax it waits until orbax has ended that save's background write (failed or not), so that the
+next step meets its outcome; `KILL_AT=shell:N` runs the shell command `AFTER_SAVE` once the save of
+step N is complete on disk (e.g. to make a folder read-only under the run)."""
 
 from __future__ import annotations
 
 import os
 import runpy
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-from dalle_ablate.train import checkpoint
+from dalle_ablate.evaluate import runner
+from dalle_ablate.train import checkpoint, loop
 
 ROOT = Path(__file__).resolve().parent.parent
 where, at = os.environ["KILL_AT"].split(":")
@@ -31,6 +39,12 @@ def killing_save(self, step, state):
     steps["saving"] = False
     if where == "save" and step == at:
         signal.raise_signal(sig)
+    if where == "settle" and step == at:
+        while self.manager.is_saving_in_progress():
+            time.sleep(0.01)
+    if where == "shell" and step == at:
+        self.manager.wait_until_finished()
+        subprocess.run(os.environ["AFTER_SAVE"], shell=True, check=True)
     if where == "step":
         self.manager.wait_until_finished()  # the checkpoints before the kill are complete
 
@@ -45,6 +59,34 @@ def killing_check(self):
     check(self)
 
 
+fetch = loop.StepLogger.fetch
+
+
+def killing_fetch(self, step, metrics):
+    if where == "fetch" and step == at and not steps.get("fetch_killed"):  # once: the run's last flush fetches it again
+        steps["fetch_killed"] = True
+        signal.raise_signal(sig)
+    return fetch(self, step, metrics)
+
+
+log_pareto, figure_array = runner.Evaluation._log_pareto, runner.figure_array
+
+
+def killing_log_pareto(self, rows, step, run_name):
+    steps["plotting"] = where == "plot" and step == at and not steps.get("plot_killed")
+    return log_pareto(self, rows, step, run_name)
+
+
+def killing_figure_array(fig):
+    if steps.get("plotting"):  # once, half way through drawing the figure
+        steps["plotting"], steps["plot_killed"] = False, True
+        fig.tight_layout()
+        signal.raise_signal(sig)
+    return figure_array(fig)
+
+
+runner.Evaluation._log_pareto, runner.figure_array = killing_log_pareto, killing_figure_array
 checkpoint.Checkpointer.save, checkpoint.Checkpointer.check = killing_save, killing_check
+loop.StepLogger.fetch = killing_fetch
 sys.argv = [str(ROOT / "run.py"), *sys.argv[1:]]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -41,7 +41,7 @@ from flax import nnx
 
 from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS, TokenizerOption
 from dalle_ablate.fileio import atomic_savez
-from dalle_ablate.registry import ConfigError, OptionConfig
+from dalle_ablate.registry import ConfigError, OptionConfig, RunFailed
 from dalle_ablate.vqgan.codes import decode_codes, encode_images
 
 TAU_END = 1 / 16  # the paper's final temperature
@@ -254,15 +254,29 @@ def fit(images: np.ndarray, vocab: int, patch_size: int, settings: DVAEConfig,
     key = jax.random.key(settings.seed)
     ema = params
     batch = min(settings.batch, len(images))
+    last_finite = None
     for step in range(settings.steps):
         x = jnp.asarray(images[rng.choice(len(images), batch, replace=False)])
         params, ema, opt_state, aux = step_fn(params, ema, opt_state, x, jax.random.fold_in(key, step), step)
-        if log is not None and ((step + 1) % log_every == 0 or step + 1 == settings.steps):
+        if (step + 1) % log_every == 0 or step + 1 == settings.steps:
             aux = jax.device_get(aux)
             row = {k: float(v) for k, v in aux.items() if k != "codes"}
             row["tokenizer/perplexity"] = perplexity(aux["codes"], vocab)
-            log(step + 1, row)
+            if log is not None:
+                log(step + 1, row)
+            loss = row["tokenizer/loss"]
+            if not math.isfinite(loss):  # as stage 2 stops: never a cached tokenizer of broken weights
+                raise diverged(step + 1, f"tokenizer/loss={loss}", last_finite)
+            last_finite = (step + 1, loss)
+    if not all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(ema)):
+        raise diverged(settings.steps, "non-finite weights", last_finite)
     return nnx.merge(graphdef, ema)
+
+
+def diverged(step: int, what: str, last_finite: Optional[tuple[int, float]]) -> RunFailed:
+    before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "no finite loss before it"
+    return RunFailed(f"data.tokenizer=dvae diverged at step {step}: {what}; {before}; nothing cached; "
+                     f"lower data.dvae.lr", RunFailed.DIVERGED)
 
 
 class DVAETokenizer:

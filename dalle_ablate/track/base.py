@@ -12,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 from omegaconf import MISSING
 
-from dalle_ablate.registry import OptionConfig, Registry, first_line
+from dalle_ablate.registry import OptionConfig, Registry, RunFailed, first_line
 
 # The headline metrics of a sampling evaluation, as logged under eval/pareto/s<scale>/, and which
 # way is better: what a run's closing lines, W&B summaries and panels and the report lead with.
@@ -41,15 +41,22 @@ def no_tracker(cfg: NoTrackerConfig, store, config: dict, meta: dict, **naming) 
 @contextlib.contextmanager
 def ends_on_error(tracker: "Tracker"):
     """Around a tracked run's work: Ctrl-C finishes the run `interrupted`, any other exception
-    `failed` with its first line as the summary's `reason`; either is re-raised."""
+    `failed` (`diverged` for a RunFailed that says so) with its first line as the summary's
+    `reason`; either is re-raised."""
     try:
         yield tracker
     except KeyboardInterrupt:
         tracker.finish("interrupted")
         raise
     except BaseException as e:
-        tracker.log_summary({"reason": first_line(e)})
-        tracker.finish("failed")
+        try:  # best effort: a run store that cannot be written fails here too, and `e` says why
+            tracker.log_summary({"reason": first_line(e)})
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            tracker.finish("diverged" if isinstance(e, RunFailed) and e.exit_code == RunFailed.DIVERGED else "failed")
+        except Exception:  # noqa: BLE001
+            pass
         raise
 
 

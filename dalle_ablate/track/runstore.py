@@ -12,8 +12,13 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import math
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +27,7 @@ import yaml
 from PIL import Image
 
 from dalle_ablate.fileio import atomic_write
+from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import Tracker
 
 
@@ -33,7 +39,28 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def unwritable(root: Path, e: OSError) -> RunFailed:
+    """The one line for a run store that cannot be written (a full disk, a read-only folder)."""
+    what = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}" if e.errno else str(e)
+    where = f" ({re.sub(r'[.][0-9]+[.]tmp$', '', Path(e.filename).name)})" if e.filename else ""  # atomic_write's temporary name
+    return RunFailed(f"run store {root} cannot be written{where}: {what}; free space or fix the folder, then resume=auto")
+
+
+def _writes(method):
+    """A RunStore method that writes: an OSError from it is the one-line RunFailed above."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            raise unwritable(self.root, e) from e
+
+    return wrapped
+
+
 class RunStore(Tracker):
+    @_writes
     def __init__(self, root: Path, config: dict, meta: dict, resume_step: Optional[int] = None):
         self.root = Path(root)
         self.media = self.root / "media"
@@ -48,12 +75,14 @@ class RunStore(Tracker):
                 if key in old:
                     self.meta.setdefault(key, old[key])
         self.write_meta()
+        self.resume_step = resume_step
         metrics = self.root / "metrics.jsonl"
+        self.resumed_rows: list[dict] = []  # the rows kept from the interrupted run (steps <= resume_step)
         if resume_step is not None and metrics.exists():
             # Resuming from a checkpoint at resume_step: lines logged after it (by the run that
             # was interrupted) are dropped so that every step appears once.
-            kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            atomic_write(metrics, "".join(line + "\n" for line in kept))
+            self.resumed_rows = [r for r in _rows(metrics) if r["step"] <= resume_step]
+            atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in self.resumed_rows))
         elif metrics.exists():
             metrics.unlink()
         self._metrics = open(metrics, "a")
@@ -62,19 +91,23 @@ class RunStore(Tracker):
         self.summary.pop("reason", None)
         self.log_summary({"status": "running"})  # until finish(); a killed run keeps saying so
 
+    @_writes
     def write_meta(self) -> None:
         atomic_write(self.root / "meta.json", json.dumps(self.meta, indent=2, default=str))
 
+    @_writes
     def log(self, metrics, step):
         row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
 
+    @_writes
     def log_image(self, key, image, step, caption=""):
         path = self.media / f"{key.replace('/', '_')}_{int(step)}.png"
         Image.fromarray(np.asarray(image, np.uint8)).save(path)
         self.log({f"{key}/path": str(path.relative_to(self.root)), f"{key}/caption": caption}, step)
 
+    @_writes
     def log_table(self, key, columns, rows, step, line=None):
         name = f"{key.replace('/', '_')}_{int(step)}"
         tables = self.root / "tables"
@@ -93,14 +126,82 @@ class RunStore(Tracker):
         atomic_write(tables / f"{name}.json", json.dumps({"columns": list(columns), "rows": out, "line": line}))
         self.log({f"{key}/table": f"tables/{name}.json"}, step)
 
+    @_writes
     def log_summary(self, values):
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
         atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
 
+    @_writes
     def finish(self, status="finished"):
         if not self._metrics.closed:
             self.log_summary({"status": status})
             self._metrics.close()
+
+
+LOCK = ".writer.lock"
+
+
+class StoreLock:
+    """One writer per run store: an exclusive `flock` on `<run store>/.writer.lock`, held while
+    the run writes. The kernel drops it with its process (however it ends, kill -9 included), so
+    a stale lock never blocks a resume. The file names the holder, for the refusal's line."""
+
+    def __init__(self, root: Path):
+        import fcntl
+        import socket
+
+        self.root = Path(root)
+        path = self.root / LOCK
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a+")
+        except OSError as e:
+            raise unwritable(self.root, e) from e
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "a process that has not said who it is yet"
+            self._file.close()
+            raise RunFailed(f"run store {self.root} is being written by another process ({holder}); wait for it to end or "
+                            f"stop it, then run again (one writer per run store)") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}"[:500])
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()  # closing the file drops the lock
+
+    def __enter__(self) -> "StoreLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl that a resume continues: a last line cut off mid-write (the
+    process was killed while writing it) is dropped, saying so; a bad line before it is an error
+    naming the file and the line."""
+    text = path.read_text()
+    lines = text.split("\n")
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a row with a step")
+        except ValueError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                print(f"{path}: its last line (line {i}) was cut off mid-write; dropped it and resuming", file=sys.stderr, flush=True)
+                break
+            raise RunFailed(f"{path}: line {i} is not a metrics row ({e}); remove that line (or the run folder) and resume again") from e
+        rows.append(row)
+    return rows
 
 
 def mark_failed(run_dir: str | Path, reason: str) -> None:

@@ -12,7 +12,9 @@ import logging
 import os
 import re
 import socket
+import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
@@ -41,6 +43,52 @@ def best_of(key: str) -> str | None:
     if key.startswith("eval/caption_sensitivity/"):
         return "max"
     return next((v for k, v in HEADLINES.items() if key.endswith("/" + k)), None)
+
+
+def _number(v) -> float | int | None:
+    """A metrics.jsonl value as W&B takes it: numbers (non-finite ones are stored as strings);
+    None for the rest (media and table paths)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    if v in ("nan", "inf", "-inf"):
+        return float(v)
+    return None
+
+
+def last_step_written(run_dirs: list, run_id: str) -> int:
+    """The last history step in the local run files of W&B run `run_id` (every process's, beside
+    each of `run_dirs`: files folders of its processes); 0 if none. A file a killed process left
+    is read up to its last whole record. The format: a 7-byte header, then 32 KiB blocks of chunks
+    `crc32 (4) | length (2) | type (1) | data` (types 1 whole, 2/3/4 first/middle/last piece of a
+    record), each record a `wandb_internal_pb2.Record`."""
+    from wandb.proto import wandb_internal_pb2
+
+    last = 0
+    roots = {Path(d).absolute().parent.parent for d in run_dirs if d}
+    for path in sorted({p for root in roots for p in root.glob(f"*-{run_id}/run-{run_id}.wandb")}):
+        data, pos, pending = path.read_bytes(), 7, b""
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            if left < 7:
+                pos += left
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if pos + 7 + length > len(data):
+                break  # cut off by a kill
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+            if kind == 0:
+                continue
+            pending = chunk if kind in (1, 2) else pending + chunk
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                try:
+                    record.ParseFromString(pending)
+                except Exception:  # noqa: BLE001 - a torn record ends what can be read
+                    break
+                if record.WhichOneof("record_type") == "history" and record.history.HasField("step"):
+                    last = max(last, int(record.history.step.num))
+    return last
+
 
 CONNECT_TIMEOUT = 10  # seconds for the server to accept a connection
 VERIFY_TIMEOUT = 15  # seconds for it to answer who the API key belongs to
@@ -133,10 +181,16 @@ class WandbTracker(Tracker):
             reinit="finish_previous",  # a multirun's jobs never share a run
             settings=wandb.Settings(init_timeout=30),
         )
-        # A resumed W&B run starts at the step after the last one its server holds (0 offline,
-        # where `wandb sync` drops repeats); steps below it were sent before the interruption,
-        # and the resumed run recomputes them exactly, so they are not sent twice.
-        self.first_new_step = self.run.step if run_id else 0
+        # A resumed W&B run continues after the last step the earlier processes sent (online: the
+        # step its server holds; offline: the last step in their run files). Steps up to it are
+        # not sent again (the resumed run recomputes them exactly); the steps after it up to the
+        # checkpoint (logged by a killed process, not yet flushed to W&B) are sent now from the
+        # run store's metrics.jsonl: the W&B history holds each step once.
+        sent = 0
+        if run_id:
+            sent = self.run.step - 1 if mode == "online" else last_step_written([store.meta.get("wandb_dir"), self.run.dir], run_id)
+        self.first_new_step = sent + 1 if run_id else 0  # a new run logs from step 0 (a cached tokenizer's metrics)
+        replay = [r for r in store.resumed_rows if r["step"] >= self.first_new_step]
         store.meta["wandb_id"] = self.run.id
         store.meta["wandb_group"] = self.run.group  # tracker.wandb.group if set: `dalle-ablate eval` files its jobs there
         store.meta["wandb_dir"] = self.run.dir
@@ -148,6 +202,10 @@ class WandbTracker(Tracker):
             self.run.define_metric(pattern, step_metric=X_AXIS)
         self._declared: set[str] = set()
         self._best: set[str] = set()  # keys whose summary W&B aggregates (log_summary leaves them)
+        for row in replay:
+            values = {k: _number(v) for k, v in row.items() if k != "step" and _number(v) is not None}
+            self._declare(values)
+            self.run.log(values, step=int(row["step"]))
 
     def _declare(self, keys) -> None:
         """define_metric for keys seen for the first time: counts hidden, headlines with their best."""

@@ -12,6 +12,8 @@ import os
 import re
 import sys
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -61,11 +63,17 @@ class Checkpointer:
             raise self._failed(e) from e
 
     def check(self) -> None:
-        """Raise RunFailed if a save in the background has failed (cheap: no waiting)."""
+        """Raise RunFailed if a save in the background has failed (cheap: no waiting). Called
+        before every step: a save that failed stops the run at the next step, not at the next
+        save (orbax hands the failure of a save that has ended to its manager's
+        wait_until_finished, which returns at once then)."""
         if self.saving is None:
             return
         try:
             self.manager.check_for_errors()
+            if not self.manager.is_saving_in_progress():
+                self.manager.wait_until_finished()  # ended: returns at once, or raises its failure
+                self._saved()
         except Exception as e:  # noqa: BLE001
             raise self._failed(e) from e
 
@@ -91,11 +99,40 @@ class Checkpointer:
             self.manager.close()
 
     def _failed(self, e: BaseException) -> RunFailed:
+        self._abandon()
         code = _os_error_code(e)
         cause = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}" if code else first_line(e)
         done = [s for s in self.manager.all_steps() if s != self.saving]
         kept = f"checkpoints {done} are intact, resume=auto continues from step {max(done)}" if done else "no earlier checkpoint"
         return RunFailed(f"checkpoint of step {self.saving} could not be written to {self.directory} ({cause}); {kept}")
+
+
+    def _abandon(self) -> None:
+        """After a failed save: cancel the writes orbax still waits on. Its commit threads would
+        otherwise each wait out orbax's 300 s timeout for a folder that was never made, and the
+        interpreter waits for them before it exits (seen: 330 s after the one-line error)."""
+        checkpointer = getattr(self.manager, "_checkpointer", None)
+        try:
+            if hasattr(checkpointer, "cancel"):
+                checkpointer.cancel()  # the background save thread, if one was started
+            # The failed save's commit threads, also those of a save that failed before orbax
+            # handed them to its background thread (no earlier save is in flight: each save
+            # waits for the one before it).
+            # Each waits for signals (e.g. "the step's folder was made") that will never come:
+            # cancelled, then given them, it returns without writing anything.
+            from orbax.checkpoint._src.futures import future, signaling_client
+
+            client = signaling_client.get_signaling_client()
+            for t in threading.enumerate():
+                if isinstance(t, future._SignalingThread):
+                    t.cancel()
+                    for signal in getattr(t, "_receive_signals", None) or []:
+                        key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, t._operation_id)
+                        client.key_value_set(key, "abandoned", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - best effort: the failure itself is what gets reported
+            pass
+        # ... and their coroutines, never run, would each print "coroutine ... was never awaited" at exit
+        warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def _quiet_abandoned_writes() -> None:
@@ -127,6 +164,20 @@ def _os_error_code(e: BaseException) -> Optional[int]:
     return None
 
 
+def set_aside(folder: Path) -> None:
+    """Rename a checkpoint that cannot be restored to `<step>.unrestorable` (kept for a look; no
+    longer a step): the resumed run writes that step again."""
+    folder.rename(folder.with_name(f"{folder.name}.unrestorable"))
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first line of the innermost error behind `e` (tensorstore's names the file and what
+    is wrong with it; orbax's wrapper names an array index)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:
     """A checkpoints folder and step from what a user may pass as `resume=`: a job dir, a run
     store, a checkpoints folder, or one step's folder inside it."""
@@ -141,14 +192,35 @@ def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:
     raise ConfigError(f"resume={path}: no orbax checkpoint found there")
 
 
-def restore(directory: Path, step: Optional[int], target):
-    """The state saved at `step` (latest if None), shaped and sharded like `target`."""
-    mngr = ocp.CheckpointManager(Path(directory).absolute(), options=ocp.CheckpointManagerOptions(read_only=True))
+def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Callable[[Path], None]] = None):
+    """The state saved at `step`, shaped and sharded like `target`. With `step` None, the latest
+    that can be restored: a newer one that cannot (truncated, corrupt) is named on stderr and the
+    one before it tried, and `on_broken(folder)` hears of each that could not be restored once an
+    earlier one was. A checkpoint that cannot be restored, and no earlier one, is one line."""
+    directory = Path(directory).absolute()
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
-        step = mngr.latest_step() if step is None else step
-        if step is None:
+        steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
+        if not steps:
             raise ConfigError(f"{directory}: holds no finished checkpoint")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        return step, mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+        broken = []
+        for s in steps:
+            try:
+                state = mngr.restore(s, args=ocp.args.StandardRestore(abstract))
+            except Exception as e:  # noqa: BLE001 - orbax and tensorstore report a bad file in several types
+                broken.append((s, _root_cause(e)))
+                continue
+            if broken:
+                print(f"warning: checkpoint {directory / str(broken[0][0])} cannot be restored ({broken[0][1]}); "
+                      f"resuming from step {s}, the newest intact one", file=sys.stderr, flush=True)
+                for b, _ in broken:
+                    if on_broken is not None:
+                        on_broken(directory / str(b))
+            return s, state
+        newest, cause = broken[0]
+        earlier = "no earlier checkpoint" if len(steps) == 1 else f"nor can any earlier one ({', '.join(str(b[0]) for b in broken[1:])})"
+        raise RunFailed(f"checkpoint {directory / str(newest)} cannot be restored ({cause}); {earlier}: "
+                        f"remove the run folder to start over, or resume= another checkpoint")
     finally:
         mngr.close()

@@ -59,7 +59,11 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     step, state = restore(ckpt_dir, step, run.abstract_state())
     out = store / "evals" / f"{cfg.eval.name}_step{step}"
     run_name = store.parent.name
-    tracker = build_tracker(cfg.tracker, out, dataclasses.asdict(cfg), {**meta, "evaluated_step": step, "checkpoint": str(ckpt_dir)},
+    # A W&B run of its own in the training run's group: never the training run's id (logging
+    # under it would rename that run and overwrite its summary on a sync).
+    own = {k: v for k, v in meta.items() if k not in ("wandb_id", "wandb_dir", "wandb_fallback")}
+    own["trained_wandb_id"] = meta.get("wandb_id")
+    tracker = build_tracker(cfg.tracker, out, dataclasses.asdict(cfg), {**own, "evaluated_step": step, "checkpoint": str(ckpt_dir)},
                             name=f"eval {cfg.eval.name} {run_name} step {step}", group=meta.get("wandb_group"), job_type="eval",
                             is_main_process=jax.process_index() == 0)
     status = "failed"

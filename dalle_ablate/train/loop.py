@@ -3,9 +3,12 @@ samples, tracking. Returns the final validation loss (the metric a sweep optimis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +28,7 @@ from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.parallel import Placement, distributed
 from dalle_ablate.track import build_tracker
 from dalle_ablate.track.base import ends_on_error
-from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.track.runstore import StoreLock, read_metrics
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
 from dalle_ablate.train.perf import device_peak_flops
@@ -93,36 +96,72 @@ def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_s
     return image_grid(dataset.decode_images(codes), captions, cfg.samples.per_caption), captions
 
 
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C inside the block is taken when it ends (in the main thread, where Python handles
+    SIGINT with its default handler; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt
+
+
 class StepLogger:
     """Each step's metrics, logged one step late: the next step is already queued when this one's
     values are fetched, so the device never waits on the host. Keeps the first, last and last
-    finite loss, and times steps between boundaries (eval and save time is not step time)."""
+    finite loss, and times steps between boundaries (eval and save time is not step time).
+
+    A step leaves the queue only once it is logged: Ctrl-C during the blocking fetch leaves it
+    (and the step after it) queued, and the interrupted run's last `flush()` logs both."""
 
     def __init__(self, tracker, bar, t, flops_per_step: float, tokens_per_step: int, peak_all: float):
         self.tracker, self.bar, self.t = tracker, bar, t
         self.flops_per_step, self.tokens_per_step, self.peak_all = flops_per_step, tokens_per_step, peak_all
-        self.pending: Optional[tuple[int, dict]] = None
+        self.queue: list[tuple[int, dict]] = []  # steps trained and not yet logged, oldest first
+        self.newest = 0  # the last step queued
         self.clock, self.compiled = time.perf_counter(), False
         self.first_loss = self.last_loss = math.nan
         self.last_finite: Optional[tuple[int, float]] = None  # (step, loss): what a diverged run reports
         self.reason = ""
 
     def push(self, step: int, metrics: dict) -> bool:
-        """Log the step in flight and hold this one; False (holding nothing) once a loss is not
+        """Queue this step and log the one before it; False (holding nothing) once a loss is not
         finite: the run stops there, and the step after it is never logged."""
-        ok = self.flush()
-        if ok:
-            self.pending = (step, metrics)
-        return ok
+        if step > self.newest:
+            self.queue.append((step, metrics))
+            self.newest = step
+        return self._drain(keep=1)
 
     def flush(self) -> bool:
-        """Fetch and log the step in flight (if any); False if its loss is not finite."""
-        if self.pending is None:
-            return True
-        (step, metrics), self.pending = self.pending, None
+        """Fetch and log every queued step; False if a loss is not finite."""
+        return self._drain(keep=0)
+
+    def fetch(self, step: int, metrics: dict) -> dict:
+        """The step's values on the host (blocks until the device has computed them)."""
+        per_layer = step % self.t.log_every == 0 or step == self.t.steps
+        return jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
+
+    def _drain(self, keep: int) -> bool:
+        while len(self.queue) > keep:
+            step, metrics = self.queue[0]
+            values = self.fetch(step, metrics)  # Ctrl-C here: the step stays queued
+            with interrupts_deferred():  # logged and dequeued together: never lost, never twice
+                self.queue.pop(0)
+                ok = self._log(step, values)
+            if not ok:
+                self.queue.clear()
+                return False
+        return True
+
+    def _log(self, step: int, values: dict) -> bool:
         t = self.t
-        per_layer = step % t.log_every == 0 or step == t.steps
-        values = jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
         now = time.perf_counter()
         dt, self.clock = now - self.clock, now
         row = {k: float(v) for k, v in values.items()}
@@ -187,6 +226,7 @@ class Boundaries:
             self.tracker.log_summary({"wall_time": time.perf_counter() - self.t_start, "steps": step})
         if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
             self.last_eval = self.evaluation.run(state.params, step, self.job.name or Path(self.job.job_dir).name)
+            self.tracker.log_summary({"evaluated_step": step})  # complete: a resume at this step need not redo it
         stop = (evaluate_now and jax.process_index() == 0 and step < t.steps
                 and self.job.hooks.should_stop(self.eval_loss, step))
         if stop and not save_now:
@@ -194,12 +234,29 @@ class Boundaries:
         return stop
 
 
-def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bounds: Boundaries, ckpt):
+    def left_at(self, step: int, run_dir: Path) -> tuple[bool, bool, bool]:
+        """What was due at `step` (the checkpoint this run store continues from) and not done by
+        the process that saved it, e.g. the final evaluation a Ctrl-C cut off: (validation loss,
+        save: never, sampling evaluation)."""
+        evaluate_now, _, sample_now = self.due(step)
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        logged = any(r["step"] == step and "eval/valid/loss" in r for r in rows)
+        saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        return evaluate_now and not logged, False, sample_now and saved.get("evaluated_step") != step
+
+
+def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bounds: Boundaries, ckpt,
+              left: tuple[bool, bool, bool] = (False, False, False)):
     """The steps, with what is due between them: (status, the state after the last whole step).
-    Stops early when the loss is not finite (diverged), when the caller's hooks say so (pruned)
-    or on Ctrl-C (interrupted; in a run of one process only: others would not stop with it)."""
+    First what was `left` at the step before them (a resumed run's evaluations). Stops early when
+    the loss is not finite (diverged), when the caller's hooks say so (pruned) or on Ctrl-C
+    (interrupted; in a run of one process only: others would not stop with it)."""
     batch_size = bounds.cfg.trainer.batch_size
+    metrics = None
     try:
+        if any(left):
+            bounds.run_at(steps.start - 1, state, left)
+            log.restart_clock()
         for step in steps:
             ckpt.check()  # a checkpoint that failed in the background stops the run here
             state, metrics = train_step(state, run.placement.global_batch(next(batches), batch_size))
@@ -218,7 +275,13 @@ def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bo
     except KeyboardInterrupt:
         if jax.process_count() > 1:
             raise
-        return "interrupted", state  # the last state assigned: a whole step, wherever the interrupt came
+        # The last state assigned: a whole step, wherever the interrupt came. If it came between
+        # the step and its push, its metrics (assigned with it) are queued here.
+        done = int(jax.device_get(state.step))
+        if metrics is not None and done > log.newest:
+            log.queue.append((done, metrics))
+            log.newest = done
+        return "interrupted", state
 
 
 def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_dir: Path) -> str:
@@ -238,6 +301,13 @@ def resume_source(cfg: RunConfig, ckpt_dir: Path):
     if cfg.resume == "auto":
         return (ckpt_dir, None) if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()) else None
     return checkpoint.find_checkpoints(cfg.resume) if cfg.resume else None
+
+
+def continues_store(cfg: RunConfig, run_dir: Path) -> bool:
+    """With `resume=auto`, whether this run store was started by an earlier process that was
+    stopped before its first checkpoint was complete (e.g. killed during it): the run starts
+    again from step 0, in the same store and the same W&B run."""
+    return cfg.resume == "auto" and (run_dir / "meta.json").exists()
 
 
 def finished_before(cfg: RunConfig, run_dir: Path) -> Optional[dict]:
@@ -276,6 +346,13 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
             print(f"{run_dir}: finished before at step {done['steps']} of {t.steps}; left as it is (resume=auto)", flush=True)
         return Result(eval_loss=float(done.get("eval/valid/loss", math.nan)), train_loss=float(done.get("train/loss", math.nan)),
                       steps=int(done["steps"]), run_dir=run_dir, status="finished", summary=done)
+    # One writer per run store: a second process on it is refused in one line naming the holder.
+    with StoreLock(run_dir) if pi == 0 else contextlib.nullcontext():
+        return _train(cfg, job, run_dir, t_start)
+
+
+def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Result:
+    t, pi = cfg.trainer, jax.process_index()
     if cfg.data.name == "shapes" and pi == 0 and not tokenizer_cached(cfg.data):
         # stage 1 (e.g. data.tokenizer=dvae) first, with a run store and tracker run of its own
         res = train_tokenizer(cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,
@@ -286,7 +363,9 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     source = resume_source(cfg, run_dir / "checkpoints")
     start_step = 0
     if source is not None:
-        start_step, state = checkpoint.restore(*source, target=state)
+        # resume=auto continues this store: a newest checkpoint it cannot restore is set aside
+        start_step, state = checkpoint.restore(*source, target=state,
+                                               on_broken=checkpoint.set_aside if cfg.resume == "auto" and pi == 0 else None)
     flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
     peak, peak_source = device_peak_flops(cache_dir=cfg.data.cache_dir)  # of one device; the step runs on every device
     meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
@@ -295,7 +374,8 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
     tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
                             group=job.group, job_type=job.job_type or cfg.model.layout,
-                            resume_step=start_step if source is not None else None, is_main_process=pi == 0)
+                            resume_step=start_step if source is not None or continues_store(cfg, run_dir) else None,
+                            is_main_process=pi == 0)
     with ends_on_error(tracker):
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
         ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)
@@ -304,11 +384,18 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         batches = run.dataset.train_batches(t.batch_size, data_seed(cfg), start_step, *run.placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         log = StepLogger(tracker, bar, t, flops_per_step, run.tokens_per_step, peak * run.mesh.size)
-        if source is not None and cfg.resume == "auto" and pi == 0:
-            bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
+        left = (False, False, False)
+        if source is not None and cfg.resume == "auto":
+            if pi == 0:
+                left = bounds.left_at(start_step, run_dir)
+                bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
+            if jax.process_count() > 1:  # process 0's reading of its run store: the evaluations run on every process
+                from jax.experimental import multihost_utils
+
+                left = tuple(bool(x) for x in multihost_utils.broadcast_one_to_all(np.array(left, np.int32)))
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
-        status, state = run_steps(state, range(start_step + 1, t.steps + 1), train_step, batches, run, log, bounds, ckpt)
+        status, state = run_steps(state, range(start_step + 1, t.steps + 1), train_step, batches, run, log, bounds, ckpt, left)
         flushed = log.flush()  # the step in flight
         if status == "interrupted" and not flushed:
             status = "diverged"

@@ -131,6 +131,51 @@ def test_stage_1_runs_in_a_store_of_its_own_once_per_settings_then_loads_from_th
     assert len(keys) == 5
 
 
+@pytest.mark.slow
+def test_a_diverging_stage_1_stops_like_stage_2_and_caches_nothing(tmp_path):
+    """data.dvae.lr=1e4: the dVAE's loss is NaN from step 2; the run stops at the check of step 4
+    (its last) with exit 3 and one line, the tokenizer's run store says diverged, stage 2 never
+    starts, nothing is cached."""
+    from conftest import TINY_TRAIN, run_py
+    from dalle_ablate.registry import RunFailed
+
+    proc = run_py(*TINY_DVAE, f"data.cache_dir={tmp_path / 'cache'}", *TINY_TRAIN, "data.dvae.lr=1e4", "data.dvae.steps=4",
+                  cwd=tmp_path)
+    assert proc.returncode == RunFailed.DIVERGED, proc.stderr[-3000:]
+    job = tmp_path / "outputs" / "run"
+    rows = [json.loads(x) for x in (job / "tokenizer" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4] and rows[0]["tokenizer/loss"] == "nan"
+    reason = "data.tokenizer=dvae diverged at step 4: tokenizer/loss=nan; no finite loss before it; nothing cached; lower data.dvae.lr"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {reason}"] and "Traceback" not in proc.stderr
+    summary = json.loads((job / "tokenizer" / "summary.json").read_text())
+    assert (summary["status"], summary["reason"]) == ("diverged", f"RunFailed: {reason}")
+    assert not (tmp_path / "cache" / "dvae").exists() or not list((tmp_path / "cache" / "dvae").iterdir())
+    assert not (job / "run" / "metrics.jsonl").exists()  # stage 2 never started
+
+
+def test_a_cache_entry_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that fails half way (disk full) leaves no entry and no temporary file."""
+    import errno
+    import os
+
+    model = dvae.create(7, 4, dvae.DVAEConfig(width=4))
+    real = np.savez
+
+    def half(file, **arrays):
+        real(file, **dict(list(arrays.items())[:1]))  # part of the weights on disk, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np, "savez", half)
+    path = tmp_path / "dvae" / "key.npz"
+    with pytest.raises(OSError, match="No space left on device"):
+        dvae.save(model, path)
+    assert list(path.parent.iterdir()) == []
+    monkeypatch.undo()
+    dvae.save(model, path)
+    assert [p.name for p in path.parent.iterdir()] == ["key.npz"]
+
+
 def test_a_null_codebook_size_is_the_tokenizers_own_default():
     from dalle_ablate.data import abstract_sizes
 

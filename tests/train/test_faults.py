@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,6 +121,25 @@ def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues
     assert summary(run)["status"] == "finished" and summary(run)["train/first_loss"] == summary(reference)["train/first_loss"]
 
 
+def test_a_failed_background_save_stops_the_run_at_the_next_step(tmp_path):
+    """The checkpoint of step 6 fails in orbax's background write (a full disk) and the write has
+    ended before step 7: the run stops there -- not at the next save -- with one line and exit 4,
+    checkpoint 3 intact and the summary saying why."""
+    ckpt = job_dir(tmp_path) / "run" / "checkpoints"
+    with filesystem(ckpt, "1200k") as mounted:  # room for one checkpoint, not two
+        if not mounted:
+            pytest.skip("needs root to mount a small tmpfs (CI runs as root)")
+        proc = killed(tmp_path, "settle:6", "tracker=none", "trainer.steps=30")
+        assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
+        expected = (f"checkpoint of step 6 could not be written to {ckpt} (ENOSPC: No space left on device); "
+                    f"checkpoints [3] are intact, resume=auto continues from step 3")
+        assert error_line(proc) == f"error: {expected}"
+        run = job_dir(tmp_path) / "run"
+        assert max(losses(run)) == 6  # no step after the failure was known
+        assert (summary(run)["status"], summary(run)["reason"]) == ("failed", f"RunFailed: {expected}")
+        assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["3"]
+
+
 def test_a_read_only_checkpoint_folder_fails_before_the_first_step(tmp_path):
     ckpt = job_dir(tmp_path) / "run" / "checkpoints"
     with filesystem(ckpt, "1m", readonly=True) as mounted:
@@ -136,41 +156,227 @@ def test_a_read_only_checkpoint_folder_fails_before_the_first_step(tmp_path):
         assert elapsed < 120  # never the 5-minute stall of orbax waiting on a folder it cannot write
 
 
-def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL") -> subprocess.CompletedProcess:
+def truncate_largest_file(folder: Path) -> Path:
+    """Cut a checkpoint's largest file to a third (a copy or a disk that lost its end)."""
+    biggest = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    os.truncate(biggest, biggest.stat().st_size // 3)
+    return biggest
+
+
+def test_a_checkpoint_that_cannot_be_restored_is_named_and_resume_falls_back_to_the_one_before(tmp_path, reference):
+    """Both checkpoints truncated: one line naming the newest, exit 4, nothing changed. Only the
+    newest truncated: resume=auto says so, sets it aside, continues from the one before (the
+    uninterrupted run's losses) and writes that step again."""
+    shutil.copytree(reference.parent, job_dir(tmp_path))
+    run = job_dir(tmp_path) / "run"
+    ckpt = run / "checkpoints"
+    intact = tmp_path / "intact3"
+    shutil.copytree(ckpt / "3", intact)
+    truncate_largest_file(ckpt / "6")
+    truncate_largest_file(ckpt / "3")
+    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+    assert proc.returncode == RunFailed.FAILED
+    line = error_line(proc)
+    assert line.startswith(f"error: checkpoint {ckpt / '6'} cannot be restored (") and line.endswith(
+        "); nor can any earlier one (3): remove the run folder to start over, or resume= another checkpoint")
+    assert "Requested byte range" in line  # tensorstore's own words on what is wrong with the file
+    assert sorted(p.name for p in ckpt.iterdir()) == ["3", "6"]
+    shutil.rmtree(ckpt / "3")
+    shutil.copytree(intact, ckpt / "3")
+    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warning) == 1 and warning[0].startswith(f"warning: checkpoint {ckpt / '6'} cannot be restored (")
+    assert warning[0].endswith("); resuming from step 3, the newest intact one")
+    assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 3
+    assert {s: v for s, v in losses(run).items() if s <= 6} == pytest.approx(losses(reference), rel=1e-6)
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 10))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["6", "6.unrestorable", "9"]
+
+
+HOLD = """
+import sys
+from dalle_ablate.track.runstore import StoreLock
+lock = StoreLock(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it (or kills this process)
+"""
+
+
+def test_a_second_writer_on_a_run_store_is_refused_in_one_line_naming_the_holder(tmp_path, reference):
+    """While another process writes the store (here one that holds its lock and waits), a run on
+    it is refused with exit 4 and nothing of the store touched; once the holder is gone -- killed
+    with -9, so the lock dies with its process -- the same command runs."""
+    shutil.copytree(reference.parent, job_dir(tmp_path))
+    run = job_dir(tmp_path) / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".writer.lock"}
+        proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+        assert proc.returncode == RunFailed.FAILED
+        assert error_line(proc) == (f"error: run store {run} is being written by another process (pid {holder.pid} on "
+                                    f"{socket.gethostname()}: -c {run}); wait for it to end or stop it, then run again "
+                                    f"(one writer per run store)")
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".writer.lock"} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary(run)["steps"] == 9 and summary(run)["status"] == "finished"
+
+
+def lock_free(run: Path) -> bool:
+    from dalle_ablate.track.runstore import StoreLock
+
+    try:
+        StoreLock(run).release()
+        return True
+    except RunFailed:
+        return False
+
+
+def test_kill_9_of_the_study_process_ends_its_multirun_too(tmp_path):
+    """`dalle-ablate study` killed with -9 while its multirun trains: the multirun's process dies
+    with it (its run store's lock is free for the next writer), not training on beside a rerun."""
+    cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(tmp_path / "studies"),
+           "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results"), "+arm=baseline", "seed=0",
+           *SMALL_DATA, *TINY_TRAIN, "trainer.steps=100000", "tracker=none"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = tmp_path / "studies" / "mega-variants" / "baseline-seed0" / "run"
+    with open(tmp_path / "study.log", "w") as log:
+        study = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(600):  # until its multirun trains (a run store with metrics)
+                if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text():
+                    break
+                assert study.poll() is None, (tmp_path / "study.log").read_text()[-3000:]
+                time.sleep(0.5)
+            assert not lock_free(run)  # the multirun holds it
+            study.kill()
+            study.wait()
+        finally:
+            study.kill()
+    for _ in range(120):  # the kernel kills the child at once; give it time to be reaped
+        if lock_free(run):
+            break
+        time.sleep(0.5)
+    assert lock_free(run), "the multirun outlived the study process"
+
+
+def test_a_run_store_unwritable_from_the_start_is_one_line(tmp_path):
+    """The run store's folder is immutable (root) or mode 555 before the run: refused at once
+    in one line naming it, exit 4, no traceback."""
+    run = job_dir(tmp_path) / "run"
+    run.mkdir(parents=True)
+    lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
+    subprocess.run([*lock, str(run)], check=True)
+    try:
+        proc = run_py(*TINY, "tracker=none", cwd=tmp_path)
+    finally:
+        subprocess.run([*unlock, str(run)], check=True)
+    assert proc.returncode == RunFailed.FAILED
+    why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
+    assert error_line(proc) == (f"error: run store {run} cannot be written (.writer.lock): {why}; free space or fix the folder, "
+                                "then resume=auto")
+    assert list(run.iterdir()) == []
+
+
+def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL", env: dict = {}) -> subprocess.CompletedProcess:  # noqa: B006
     """Run the tiny job until it sends itself `sig` at `at` (tests/kill_worker.py)."""
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
-    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **env}
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("folder", ["run/checkpoints", "run"])
+def test_a_folder_made_unwritable_mid_run_stops_it_at_once_in_one_line(tmp_path, folder):
+    """After checkpoint 3, the checkpoints folder (or the run store itself) becomes unwritable:
+    immutable (`chattr +i`) as root, mode 555 otherwise. The run stops at its next write with
+    one line and exit 4 -- no traceback, no "coroutine was never awaited", and no wait for
+    orbax's threads (they once held the exit for 330 s; the 300 s limit of the run fails that)."""
+    run = job_dir(tmp_path) / "run"
+    target = job_dir(tmp_path) / folder
+    lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
+    try:
+        proc = killed(tmp_path, "shell:3", "tracker=none", "trainer.steps=30",
+                      env={"AFTER_SAVE": shlex.join([*lock, str(target)])})
+    finally:
+        subprocess.run([*unlock, str(target)], check=True)
+    assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
+    why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
+    ckpt = run / "checkpoints"
+    if folder == "run/checkpoints":
+        expected = (f"checkpoint of step 6 could not be written to {ckpt} ({why}); "
+                    f"checkpoints [3] are intact, resume=auto continues from step 3")
+        assert (summary(run)["status"], summary(run)["reason"]) == ("failed", f"RunFailed: {expected}")
+    else:
+        expected = f"run store {run} cannot be written (summary.json): {why}; free space or fix the folder, then resume=auto"
+        assert summary(run)["status"] == "running"  # what it said before the folder became unwritable
+    assert error_line(proc) == f"error: {expected}"
+    assert "was never awaited" not in proc.stderr
+    # the next write: checkpoint 6, or the summary written right after checkpoint 3
+    assert max(losses(run)) == (6 if folder == "run/checkpoints" else 3)
+    assert "3" in [p.name for p in ckpt.iterdir()]
 
 
 def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference):
     """Killed before step 5 (checkpoint 3 written), resumed and killed again while checkpoint 6
-    is being written, resumed to the end: the same losses as the uninterrupted run, each step
-    once in the run store, one W&B run with every step logged once."""
-    wandb_dir = Path(os.environ["WANDB_DIR"])
-    before = set(wandb_dir.glob("wandb/offline-run-*"))
+    is being written (and in the middle of a metrics line), resumed to the end: the same losses
+    as the uninterrupted run, each step once in the run store, one W&B run with every step
+    logged once over its processes' run files -- the steps a killed process had not flushed to
+    W&B included, sent again from metrics.jsonl."""
+    before = set(new_wandb_runs(set()))
     run = job_dir(tmp_path) / "run"
     assert killed(tmp_path, "step:5").returncode == -signal.SIGKILL
     first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
     assert (run / "checkpoints" / "3").is_dir() and max(losses(run)) < 5
     assert killed(tmp_path, "save:6", "resume=auto").returncode == -signal.SIGKILL
     assert max(losses(run)) == 6
+    with open(run / "metrics.jsonl", "a") as f:  # what a kill in the middle of a write leaves
+        f.write('{"step": 7, "train/lo')
+    torn = (run / "metrics.jsonl").read_text().count("\n") + 1
     proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"{run / 'metrics.jsonl'}: its last line (line {torn}) was cut off mid-write; dropped it and resuming" in proc.stderr
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
     for key in ("train/first_loss", "train/loss", "eval/valid/loss"):
         assert summary(run)[key] == pytest.approx(summary(reference)[key], rel=1e-6), key
     assert json.loads((run / "meta.json").read_text())["wandb_id"] == first_id
-    # W&B: all three processes logged to the same run (offline folders end in the run id; what a
-    # killed process had not flushed, W&B lost). The last one sent each step after its restore
-    # point once.
-    runs = sorted(set(wandb_dir.glob("wandb/offline-run-*")) - before)
+    # W&B: all three processes logged to the same run (offline folders end in the run id).
+    runs = new_wandb_runs(before)
     assert len(runs) == 3 and {d.name.rsplit("-", 1)[1] for d in runs} == {first_id}
-    last = next(runs[-1].glob("run-*.wandb"))
-    assert run_info(last)["id"] == first_id
-    start = json.loads((run / "meta.json").read_text())["resumed_from_step"]
-    assert [row["_step"] for row in history(last) if "train/loss" in row] == list(range(start + 1, 7))
+    assert run_info(next(runs[-1].glob("run-*.wandb")))["id"] == first_id
+    files = [next(d.glob("run-*.wandb")) for d in runs]
+    sent = [row["_step"] for f in files for row in history(f) if "train/loss" in row]
+    assert sent == list(range(1, 7))  # each step once, in order, whatever each killed process had flushed
+    rows = {row["_step"]: row["train/loss"] for f in files for row in history(f) if "train/loss" in row}
+    assert rows == pytest.approx(losses(reference), rel=1e-6)
+    evals = [row["_step"] for f in files for row in history(f) if "eval/valid/loss" in row]
+    assert evals == [3, 6]
+
+
+def test_kill_9_during_the_first_save_then_resume_starts_again_in_the_same_wandb_run(tmp_path, reference):
+    """Killed while the first checkpoint (step 3) is being written: no complete checkpoint, so
+    resume=auto starts again from step 0 -- in the same run store and W&B run, each step once."""
+    before = set(new_wandb_runs(set()))
+    run = job_dir(tmp_path) / "run"
+    assert killed(tmp_path, "save:3").returncode == -signal.SIGKILL
+    assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]  # the first save was cut off
+    first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
+    proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["wandb_id"] == first_id and meta["resumed_from_step"] == 0
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
+    assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
+    runs = new_wandb_runs(before)
+    assert len(runs) == 2 and {d.name.rsplit("-", 1)[1] for d in runs} == {first_id}
+    assert [row["_step"] for d in runs for row in history(next(d.glob("run-*.wandb"))) if "train/loss" in row] == list(range(1, 7))
 
 
 def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130(tmp_path, reference):
@@ -195,6 +401,87 @@ def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 4
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
+
+
+def new_wandb_runs(before: set) -> list[Path]:
+    """The offline W&B run folders made since `before`, oldest first."""
+    return sorted(set(Path(os.environ["WANDB_DIR"]).glob("wandb/offline-run-*")) - before)
+
+
+def wandb_steps(runs: list[Path], key: str = "train/loss") -> list[int]:
+    """The steps that logged `key`, over the offline runs in order, each run's rows as W&B's
+    server keeps them on a sync: a resumed run's rows below the step it reached are dropped."""
+    out: list[int] = []
+    for folder in runs:
+        for row in history(next(folder.glob("run-*.wandb"))):
+            if key in row and (not out or row["_step"] > out[-1]):
+                out.append(row["_step"])
+    return out
+
+
+def test_ctrl_c_in_the_fetch_of_a_step_loses_neither_it_nor_the_step_after_it(tmp_path, reference):
+    """SIGINT while step 4's metrics are fetched (step 5 trained and queued behind it): both
+    reach metrics.jsonl and the W&B run once each, and step 5 is the checkpoint saved."""
+    before = set(new_wandb_runs(set()))
+    run = job_dir(tmp_path) / "run"
+    proc = killed(tmp_path, "fetch:4", sig="SIGINT")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert error_line(proc).startswith("error: interrupted at step 5 of 6; checkpoint saved; resume with: ")
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == [1, 2, 3, 4, 5]
+    assert losses(run) == pytest.approx({s: v for s, v in losses(reference).items() if s <= 5}, rel=1e-6)
+    assert summary(run)["train/loss"] == pytest.approx(losses(reference)[5], rel=1e-6)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 5]
+    runs = new_wandb_runs(before)
+    assert len(runs) == 1
+    assert [row["_step"] for row in history(next(runs[0].glob("run-*.wandb"))) if "train/loss" in row] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
+    """SIGINT while the last step's sampling evaluation draws its Pareto plot: exit 130 with the
+    resume line (no traceback from the plot); the resume runs that evaluation before it says
+    finished (its table, and its headline in the closing lines)."""
+    run = job_dir(tmp_path) / "run"
+    proc = killed(tmp_path, "plot:6", "tracker=none", "eval.metrics=[shapes]", sig="SIGINT")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert error_line(proc).startswith("error: interrupted at step 6 of 6; checkpoint saved; resume with: python run.py ")
+    assert summary(run)["status"] == "interrupted" and "evaluated_step" not in summary(run)
+    assert not (run / "media" / "eval_pareto_plot_6.png").exists()  # cut off while drawn
+    again = shlex.split(error_line(proc).split("resume with: python run.py ", 1)[1])
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "tables" / "eval_pareto_6.json").exists() and (run / "media" / "eval_pareto_plot_6.png").exists()
+    assert summary(run)["status"] == "finished" and summary(run)["evaluated_step"] == 6
+    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6"):].splitlines()
+    assert closing[1].startswith("  shapes/all (n=8 per scale): s1 ")
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_group(tmp_path):
+    """`dalle-ablate eval` on a W&B-tracked run: a new W&B run (job type eval) in the training
+    run's group; the training run's id, meta.json and W&B files are left alone."""
+    before = set(new_wandb_runs(set()))
+    proc = run_py(*TINY, "tracker.wandb.group=g42", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = job_dir(tmp_path) / "run"
+    meta = (run / "meta.json").read_text()
+    trained_id = json.loads(meta)["wandb_id"]
+    (trained,) = [d for d in new_wandb_runs(before) if d.name.endswith(trained_id)]
+    before = set(new_wandb_runs(set()))
+    trained_bytes = next(trained.glob("run-*.wandb")).read_bytes()
+    out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(job_dir(tmp_path)), "eval.metrics=[caption_sensitivity]"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (ev,) = new_wandb_runs(before)
+    info = run_info(next(ev.glob("run-*.wandb")))
+    assert info["id"] != trained_id and (info["group"], info["job_type"]) == ("g42", "eval")
+    assert info["config"]["meta"]["trained_wandb_id"] == trained_id
+    assert json.loads((run / "evals" / "default_step6" / "meta.json").read_text())["wandb_id"] == info["id"]
+    assert (run / "meta.json").read_text() == meta
+    assert next(trained.glob("run-*.wandb")).read_bytes() == trained_bytes
 
 
 def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
@@ -283,7 +570,7 @@ def test_a_sweep_killed_mid_trial_retries_it_from_its_checkpoint(tmp_path, refer
             "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2", "hydra.sweeper.retry_failed=1",
             f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args]
-    env = {**os.environ, "KILL_AT": "step:5", "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "KILL_AT": "step:5", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     assert subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode == -signal.SIGKILL
     dead = tmp_path / "multirun" / "0" / "run"
     assert summary(dead)["status"] == "running"  # what a kill leaves
