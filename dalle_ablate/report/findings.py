@@ -24,7 +24,7 @@ from dalle_ablate.report import figures
 from dalle_ablate.report.load import Run, read_yaml, series
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.stats import diff_ci, diverged, mean_ci, spikes
-from dalle_ablate.report.tables import final_value, fmt, headline_values
+from dalle_ablate.report.tables import final_value, fmt, headline_values, shapes_noise_table
 from dalle_ablate.report.writers import Section
 
 STUDIES = Path(__file__).parent / "studies"
@@ -499,6 +499,14 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         noise.tables.append((["metric", "source (config field)", "sd", "df"], sources))
     else:
         noise.text.append("The baseline's runs vary every source together (through `seed`): the page cannot split them.")
+    evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
+    if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
+        noise.text.append("The shapes evaluation's own noise, apart from the seeds': the baseline's all-correct per "
+                          "guidance scale and tier, its sd across seeds, and the binomial sd over one run's prompts, "
+                          "sqrt(p (1 - p) / N). A seed spread near the prompt sd is mostly the evaluation's; every arm "
+                          "is scored on the same prompts with the same sampling noise, so a paired difference "
+                          "cancels what the prompts share.")
+        noise.tables.append(evaluation)
 
     top = Section("topup", "Adding seeds")
     top.text.append(TOPUP_RULE)

@@ -293,6 +293,30 @@ def test_a_caption_finding_s_course_reads_every_evaluation_s_pareto_table(tmp_pa
         assert (d[i], lo[i], hi[i]) == pytest.approx(((a - b).mean(), ci.low, ci.high))
 
 
+def test_the_noise_floor_shows_the_shapes_evaluations_own_noise_apart_from_the_seeds(tmp_path):
+    """A caption finding's page gives the baseline's seed sd beside one run's binomial noise over its
+    N prompts, sqrt(p (1 - p) / N) averaged over the seeds (issue 37: the evaluator's noise apart)."""
+    finals = {"base": [0.5, 0.6, 0.4], "worse": [0.2, 0.3, 0.3]}
+    for arm, values in finals.items():
+        for seed in range(3):
+            write_store(tmp_path / "runs", arm, seed, 1.0)
+            tables = tmp_path / "runs" / f"{arm}-seed{seed}" / "run" / "tables"
+            tables.mkdir()
+            rows = [["r", 10, 2, 100, 400, values[seed]]]
+            (tables / "eval_pareto_10.json").write_text(json.dumps(
+                {"columns": ["run", "step", "scale", "shapes/n", "n", "shapes/all"], "line": None, "rows": rows}))
+    study = load_study(study_file(tmp_path, findings=[
+        {"id": "cap", "claim": "c", "arm": "worse", "against": "base", "metric": "shapes_all", "expect": "lower"}]))
+    sections, _ = page_sections(study, load_runs(str(tmp_path / "runs")), [])
+    cols, rows = next(s for s in sections if s.key == "noise").tables[-1]
+    (row,) = [r for r in rows if r[2] == "all tiers"]
+    got = dict(zip(cols, row))
+    p = np.array(finals["base"])
+    assert got["variant"] == "base" and got["seeds"] == 3 and got["prompts per run"] == 100
+    assert got["seed SD"] == pytest.approx(np.std(p, ddof=1))
+    assert got["prompt SD (one run)"] == pytest.approx(np.mean(np.sqrt(p * (1 - p) / 100)))
+
+
 def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_path):
     """Baseline runs that vary a data-order seed with the initialisation fixed, and the reverse:
     each source's spread is the sd among runs that differ only in it."""
