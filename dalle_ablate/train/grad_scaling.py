@@ -5,7 +5,10 @@
 - `per_block`: DALL·E's per-resblock scales (arXiv 2102.12092, sec. 2.4, figure 4): each residual
   branch has its own scale, applied at the branch's edges (model/grad_scale.py); the residual
   stream stays float32. The gradients of a block's parameters come out multiplied by its scale
-  and are divided by it here.
+  and are divided by it here. Everything else is never multiplied and never divided: the norms
+  on the stream (post-LN's and DeepNet's, Swin v2's, the final norms) run in float32 on it, and
+  the embeddings and heads are computed in float32 (the paper's appendix D), so no 16-bit cast
+  can flush their gradients whatever the loss's magnitude.
 
 Either way a step whose gradients hold an Inf or NaN anywhere is skipped (parameters and
 optimizer state kept) and counted; a scale halves on overflow -- per block, only the blocks that
