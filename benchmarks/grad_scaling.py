@@ -4,6 +4,13 @@ and prints the loss along the way, skipped steps, the final scales and the eval 
 curves to grad_scaling.csv.
 
     python benchmarks/grad_scaling.py [--steps 300] [--layers 12] [overrides...]
+    python benchmarks/grad_scaling.py --accuracy [--layers 12] [overrides...]
+
+`--accuracy` trains nothing: on one batch of the same model at its initialisation it lets each
+mode's dynamic rule settle (from 2^15, doubling after every clean step, halving on overflow) and
+prints every parameter group's gradient error against float32's, the worst block and each group
+outside the blocks, at the loss gradient of the batch and of batches 2^7 and 2^14 times larger
+(the loss is a mean over tokens).
 
 One run, this machine; nothing here is asserted by the tests.
 """
@@ -27,9 +34,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--layers", type=int, default=12, help="encoder and decoder layers each (scanned)")
     ap.add_argument("--out", default="grad_scaling.csv")
+    ap.add_argument("--accuracy", action="store_true", help="gradient errors per parameter group instead of training")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     offline_workdir("grad-scaling-bench-")
+    if args.accuracy:
+        accuracy(args)
+        return
 
     import jax
     import numpy as np
@@ -74,6 +85,96 @@ def main() -> None:
         w.writerow(["step", *curves])
         for i, vals in enumerate(zip(*curves.values())):
             w.writerow([10 * (i + 1), *vals])
+
+
+def model_overrides(args, dtype: str, mode: str) -> list[str]:
+    return [f"model.dtype={dtype}", f"trainer.grad_scaling={mode}", f"model.encoder_layers={args.layers}",
+            f"model.decoder_layers={args.layers}", "model.d_model=64", "model.heads=4", "model.ffn_dim=128",
+            "model.scan_layers=true", *args.overrides]
+
+
+def accuracy(args, steps: int = 16) -> None:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from dalle_ablate.optim import path_str
+    from dalle_ablate.train.assembly import assemble
+    from dalle_ablate.train.grad_scaling import advance, block_names, block_scales, param_block, probes, scaler_init, unscale
+    from dalle_ablate.train.step import layer_group, objective
+    from dalle_ablate.validate import compose, to_run_config
+
+    runs, dataset = {}, None
+    for dtype, mode in (("float32", "none"), ("float16", "global"), ("float16", "per_block")):
+        run = assemble(to_run_config(compose(model_overrides(args, dtype, mode))), dataset=dataset)
+        dataset, runs[mode] = run.dataset, run
+    b = runs["none"].cfg.trainer.batch_size
+    batch = runs["none"].placement.global_batch(next(dataset.train_batches(b, 0)), b)
+    params = runs["none"].init_state().params  # one set of float32 weights for every mode
+    model = nnx.merge(runs["per_block"].graphdef, params)
+
+    def grad_fn(mode):
+        graphdef = runs[mode].graphdef
+
+        def f(p, pr, state, magnitude):
+            scales = block_scales(state, pr) if mode == "per_block" else None
+            loss = objective(nnx.merge(graphdef, p), batch, None, scales)[0] / batch["weights"].sum() * magnitude
+            return loss * (state.scale if mode == "global" else 1.0)
+
+        @jax.jit
+        def grads(state, magnitude):
+            pr = probes(state) if mode == "per_block" else None
+            g, counts = jax.grad(f, argnums=(0, 1))(params, pr, state, magnitude)
+            return (unscale(mode, g, state, model) if mode != "none" else g), counts
+
+        return grads
+
+    def group(path) -> tuple[str, object]:
+        """("blocks", the block) or (the group outside every block, None)."""
+        where = param_block(path, model)
+        if where is not None:
+            return "blocks", where
+        name = layer_group(path)
+        return (name.split("/")[0] + "/res_norm" if "res_norm" in path_str(path) else name), None
+
+    def errors(g, ref) -> dict[str, float]:
+        """Relative error of each group's gradient; for "blocks", the worst block's."""
+        d2, n2 = {}, {}
+        for (path, a), r in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(ref)):
+            a, r, key = np.asarray(a, np.float64), np.asarray(r, np.float64), group(path)
+            d2[key], n2[key] = d2.get(key, 0.0) + float(np.sum((a - r) ** 2)), n2.get(key, 0.0) + float(np.sum(r**2))
+        worst = {}
+        for key in d2:
+            worst[key[0]] = max(worst.get(key[0], 0.0), (d2[key] / max(n2[key], 1e-300)) ** 0.5)
+        return worst
+
+    fns = {mode: grad_fn(mode) for mode in runs}
+    blocks = block_names(model)
+    table = []
+    for magnitude in (1.0, 2.0**-7, 2.0**-14):
+        ref = fns["none"](None, magnitude)[0]
+        for mode in ("global", "per_block"):
+            state, err, scale = scaler_init(mode, blocks, 2.0**15), None, None
+            for _ in range(steps):
+                g, counts = fns[mode](state, magnitude)
+                used = state.scale
+                state, skip, _ = advance(mode, state, g, counts, model, growth_every=1)
+                if not bool(skip):
+                    err, scale = errors(g, ref), [float(np.min(s)) for s in jax.tree.leaves(used)] + \
+                        [float(np.max(s)) for s in jax.tree.leaves(used)]
+            table.append((magnitude, mode, err, scale))
+    groups = ["blocks"] + sorted({k for _, _, e, _ in table if e for k in e} - {"blocks"})
+    print(f"{args.layers}+{args.layers} layers, d_model 64, one batch of {b}, float16 vs float32 gradients (relative error; "
+          "blocks: the worst block)")
+    print("| loss × | mode | settled scales | " + " | ".join(groups) + " |")
+    print("|---|---|---|" + "---|" * len(groups))
+    for magnitude, mode, err, scale in table:
+        m = "1" if magnitude == 1 else f"2^{int(np.log2(magnitude))}"
+        if err is None:
+            print(f"| {m} | {mode} | every step skipped |" + " |" * len(groups))
+            continue
+        sc = f"2^{int(np.log2(min(scale)))}" + ("" if min(scale) == max(scale) else f" … 2^{int(np.log2(max(scale)))}")
+        print(f"| {m} | {mode} | {sc} | " + " | ".join(f"{err.get(k, float('nan')):.2g}" for k in groups) + " |")
 
 
 if __name__ == "__main__":

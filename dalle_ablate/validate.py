@@ -49,6 +49,11 @@ def validate(cfg: RunConfig) -> None:
         f"trainer.batch_size={t.batch_size} is not divisible by trainer.grad_accum={t.grad_accum}",
     )
     check(t.grad_scaling in GRAD_SCALING, f"trainer.grad_scaling={t.grad_scaling!r} is not valid; valid: {', '.join(GRAD_SCALING)}")
+    # Scaling keeps float16's narrow exponent range from flushing gradients to 0; float32 and
+    # bfloat16 have float32's range and need none (a scale would only cost skipped steps).
+    check(t.grad_scaling == "none" or cfg.model.dtype == "float16",
+          f"trainer.grad_scaling={t.grad_scaling} conflicts with model.dtype={cfg.model.dtype}: gradient scaling is for "
+          "float16 (set model.dtype=float16, or trainer.grad_scaling=none)")
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]
     check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
     cfg.eval.check_all(cfg, "eval")

@@ -116,6 +116,17 @@ def test_values_out_of_range_name_the_field_and_the_range(overrides, message):
     assert str(err.value).startswith(message)
 
 
+@pytest.mark.parametrize("mode", ["global", "per_block"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradient_scaling_without_float16_is_refused(mode, dtype):
+    # issue #42: it trained silently (scaling is for float16's range; these dtypes have float32's)
+    with pytest.raises(ConfigError) as err:
+        run_config(f"trainer.grad_scaling={mode}", f"model.dtype={dtype}")
+    assert str(err.value) == (f"trainer.grad_scaling={mode} conflicts with model.dtype={dtype}: gradient scaling is for "
+                              "float16 (set model.dtype=float16, or trainer.grad_scaling=none)")
+    assert run_config(f"trainer.grad_scaling={mode}", "model.dtype=float16").trainer.grad_scaling == mode
+
+
 def test_a_long_warmup_runs_when_asked():
     cfg = run_config("schedule.warmup_steps=100", "schedule.allow_long_warmup=true")
     assert cfg.schedule.warmup_steps == 100 > cfg.trainer.steps

@@ -52,6 +52,18 @@ def dense(
     )
 
 
+def in_float32(layer: nnx.Embed | nnx.Linear, x: jax.Array) -> jax.Array:
+    """`layer(x)` computed in float32 whatever the model's compute dtype: an embedding lookup of
+    ids x, or a Linear layer on x. Per-resblock gradient scaling runs the parameters outside every
+    block this way, following DALL·E's guidelines for 16-bit training (arXiv 2102.12092,
+    appendix D: embeddings and unembeddings with 32-bit gradients, logits computed in 32-bit):
+    their gradients meet no 16-bit cast, so they need no scale of their own."""
+    if isinstance(layer, nnx.Embed):
+        return jnp.take(layer.embedding[...], x, axis=0)
+    y = jnp.dot(x.astype(jnp.float32), layer.kernel[...], precision=layer.precision)
+    return y if layer.bias is None else y + layer.bias[...]
+
+
 class Norm(nnx.Module):
     """LayerNorm (eps 1e-5, keeps its bias) or RMSNorm (no bias), computed in float32 whatever the
     compute dtype, output cast back to the input dtype."""

@@ -107,6 +107,12 @@ class Sublayer(nnx.Module):
     """A residual sublayer under a layout. `kind` is "attn" or "ffn"; the wrapped function is
     called on the (possibly normed) input; residual dropout sits on the branch output."""
 
+    # Submodules on the residual stream, not in the branch: with per-resblock gradient scaling
+    # they run on the float32 stream outside the branch's two edges (DALL·E, arXiv 2102.12092,
+    # figure 4: the identity path's activations and gradients are 32-bit), so their gradients
+    # are never multiplied by the block's scale (train/grad_scaling.py does not divide them).
+    STREAM = ("res_norm",)
+
     def __init__(self, layout: Layout, kind: str, cfg, alpha: float, rngs: nnx.Rngs):
         d = cfg.d_model
         # Norm scale rule (DALL·E Mega): a norm feeding a Dense layer has no learned scale unless
@@ -131,7 +137,7 @@ class Sublayer(nnx.Module):
         y = dropout(self.rate, rngs)(y)
         if scale is not None:
             y = branch_output(y, scale.scale, scale.probe_out)
-        if self.res_norm is not None:
+        if self.res_norm is not None:  # on the stream (STREAM): float32 in, float32 out when scaled
             return self.res_norm(self.alpha * x + y)
         return x + y
 

@@ -18,7 +18,7 @@ from flax import nnx
 from dalle_ablate.model.attention import Attention
 from dalle_ablate.model.config import FAMILIES, ModelConfig
 from dalle_ablate.model.grad_scale import BlockScale, branch_input
-from dalle_ablate.model.layers import FeedForward, Norm, dense, dropout
+from dalle_ablate.model.layers import FeedForward, Norm, dense, dropout, in_float32
 from dalle_ablate.model.layouts import LAYOUTS, Sublayer, mid_norm, stack_gains, stream_norms
 
 NEG_INF = -1e9  # masked logits; finite so that bf16 and softmax stay NaN-free
@@ -26,6 +26,12 @@ NEG_INF = -1e9  # masked logits; finite so that bf16 and softmax stay NaN-free
 
 def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def outside(layer, x, float32: bool) -> jax.Array:
+    """layer(x), or computed in float32 (`in_float32`): per-resblock gradient scaling runs the
+    embeddings and heads, outside every block, that way."""
+    return in_float32(layer, x) if float32 else layer(x)
 
 
 def embed(num: int, dim: int, axes: tuple[str, str], cfg, rngs: nnx.Rngs) -> nnx.Embed:
@@ -223,9 +229,10 @@ class Seq2Seq(nnx.Module):
 
     def encode(self, text: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None,
                scales: Optional[BlockScale] = None) -> jax.Array:
-        x = self.text_embed(text) * self.embed_scale + self.text_pos(jnp.arange(text.shape[1]))[None]
+        # per-resblock scaling: embeddings in float32 (appendix D), the residual stream float32
+        f32 = scales is not None
+        x = outside(self.text_embed, text, f32) * self.embed_scale + outside(self.text_pos, jnp.arange(text.shape[1]), f32)[None]
         x = dropout(self.rate, rngs)(x)
-        x = x if scales is None else x.astype(jnp.float32)  # per-resblock scaling: the residual stream in float32
         mask = (text_mask[:, None, :] & text_mask[:, :, None])[:, None]  # [B, 1, T, T]
         # Padding queries would attend to nothing; let them see themselves so rows stay finite.
         mask = mask | jnp.eye(text.shape[1], dtype=bool)[None, None]
@@ -241,16 +248,16 @@ class Seq2Seq(nnx.Module):
                scales: Optional[BlockScale] = None) -> jax.Array:
         """Logits [B, I, logit_rows] (float32, invalid rows masked) for decoder input ids."""
         t = inputs.shape[1]
-        x = self.image_embed(inputs) * self.embed_scale + self.image_pos(jnp.arange(t))[None]
+        f32 = scales is not None  # per-resblock scaling: embeddings, stream and head in float32
+        x = outside(self.image_embed, inputs, f32) * self.embed_scale + outside(self.image_pos, jnp.arange(t), f32)[None]
         x = dropout(self.rate, rngs)(x)
-        x = x if scales is None else x.astype(jnp.float32)
         self_mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
         cross_mask = text_mask[:, None, None, :]
         x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, enc, self_mask, cross_mask, remat=self.cfg.remat,
                       scan=self.cfg.scan_layers, scales=scales)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        logits = self.lm_head(x).astype(jnp.float32)
+        logits = outside(self.lm_head, x, f32).astype(jnp.float32)
         # BOS and padding rows are never a target nor sampled.
         valid = jnp.arange(self.logit_rows) < self.image_vocab
         return jnp.where(valid, logits, NEG_INF)

@@ -33,7 +33,7 @@ from dalle_ablate.model.layers import Norm, dense, dropout
 from dalle_ablate.model.layouts import stream_norms
 from dalle_ablate.model.masks import grid_side, image_pairs, layer_patterns, stream_mask
 from dalle_ablate.model.grad_scale import BlockScale
-from dalle_ablate.model.seq2seq import NEG_INF, EncoderLayer, embed, padded, run_stack, step_stack
+from dalle_ablate.model.seq2seq import NEG_INF, EncoderLayer, embed, outside, padded, run_stack, step_stack
 from dalle_ablate.registry import ConfigError
 
 
@@ -113,29 +113,31 @@ class SingleStream(nnx.Module):
         """The text stream: real tokens where the mask says so, `pad_i` in every empty slot i."""
         return jnp.where(text_mask, text, self.cfg.text_vocab + jnp.arange(text.shape[1]))
 
-    def encode(self, text: jax.Array, text_mask: jax.Array) -> jax.Array:
-        """The embedded text stream [B, T, d]."""
-        x = self.text_embed(self.text_ids(text, text_mask)) * self.embed_scale
-        return x + self.text_pos(jnp.arange(text.shape[1]))[None]
+    def encode(self, text: jax.Array, text_mask: jax.Array, f32: bool = False) -> jax.Array:
+        """The embedded text stream [B, T, d] (computed in float32 if `f32`)."""
+        x = outside(self.text_embed, self.text_ids(text, text_mask), f32) * self.embed_scale
+        return x + outside(self.text_pos, jnp.arange(text.shape[1]), f32)[None]
 
-    def embed_codes(self, codes: jax.Array, first: jax.Array) -> jax.Array:
+    def embed_codes(self, codes: jax.Array, first: jax.Array, f32: bool = False) -> jax.Array:
         """Codes [B, n] at image positions first .. first + n - 1, embedded with their row and column."""
         pos = first + jnp.arange(codes.shape[1])
-        return self.image_embed(codes) * self.embed_scale + (self.image_row(pos // self.grid) + self.image_col(pos % self.grid))[None]
+        where = outside(self.image_row, pos // self.grid, f32) + outside(self.image_col, pos % self.grid, f32)
+        return outside(self.image_embed, codes, f32) * self.embed_scale + where[None]
 
     def hidden(self, text, text_mask, codes, rngs: Optional[nnx.Rngs], scales: Optional[BlockScale] = None) -> jax.Array:
         """Final states [B, T + I - 1, d] of the teacher-forced stream."""
-        x = jnp.concatenate([self.encode(text, text_mask), self.embed_codes(codes[:, :-1], 0)], axis=1)
+        # per-resblock scaling: embeddings in float32 (appendix D), the residual stream float32
+        f32 = scales is not None
+        x = jnp.concatenate([self.encode(text, text_mask, f32), self.embed_codes(codes[:, :-1], 0, f32)], axis=1)
         x = dropout(self.cfg.dropout, rngs)(x)
-        x = x if scales is None else x.astype(jnp.float32)  # per-resblock scaling: the residual stream in float32
         n = x.shape[1]
         masks = np.stack([m[:n, :n] for m in self.masks()])[:, None, None]  # [layers, 1, 1, L, L]
         x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, remat=self.cfg.remat, scan=self.cfg.scan_layers,
                       per_layer=masks, scales=scales)
         return self.decoder_norm(x) if self.decoder_norm is not None else x
 
-    def image_logits(self, h: jax.Array) -> jax.Array:
-        logits = self.lm_head(h).astype(jnp.float32)
+    def image_logits(self, h: jax.Array, f32: bool = False) -> jax.Array:
+        logits = outside(self.lm_head, h, f32).astype(jnp.float32)
         return jnp.where(jnp.arange(self.logit_rows) < self.image_vocab, logits, NEG_INF)
 
     STACKS = {"decoder": EncoderLayer}  # stacks of residual blocks (per-resblock gradient scaling)
@@ -151,11 +153,13 @@ class SingleStream(nnx.Module):
         `grad_scales` ({"decoder": BlockScale [layers, branches]}) scales each block's gradients."""
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
         t = text.shape[1]
-        h = self.hidden(text, text_mask, codes, rngs, (grad_scales or {}).get("decoder"))
-        text_logits = self.text_head(h[:, : t - 1]).astype(jnp.float32)
+        scales = (grad_scales or {}).get("decoder")
+        f32 = scales is not None  # per-resblock scaling: the heads in float32 (appendix D)
+        h = self.hidden(text, text_mask, codes, rngs, scales)
+        text_logits = outside(self.text_head, h[:, : t - 1], f32).astype(jnp.float32)
         text_logits = jnp.where(jnp.arange(text_logits.shape[-1]) < self.text_rows, text_logits, NEG_INF)
         ce = optax.softmax_cross_entropy_with_integer_labels
-        return {"text": ce(text_logits, self.text_ids(text, text_mask)[:, 1:]), "image": ce(self.image_logits(h[:, t - 1:]), codes)}
+        return {"text": ce(text_logits, self.text_ids(text, text_mask)[:, 1:]), "image": ce(self.image_logits(h[:, t - 1:], f32), codes)}
 
     def start_decoding(self, x_text: jax.Array) -> StreamCache:
         """Run the text prefix (all but its last position) once and keep its keys and values."""

@@ -5,7 +5,10 @@
 - `per_block`: DALL·E's per-resblock scales (arXiv 2102.12092, sec. 2.4, figure 4): each residual
   branch has its own scale, applied at the branch's edges (model/grad_scale.py); the residual
   stream stays float32. The gradients of a block's parameters come out multiplied by its scale
-  and are divided by it here.
+  and are divided by it here. Everything else is never multiplied and never divided: the norms
+  on the stream (post-LN's and DeepNet's, Swin v2's, the final norms) run in float32 on it, and
+  the embeddings and heads are computed in float32 (the paper's appendix D), so no 16-bit cast
+  can flush their gradients whatever the loss's magnitude.
 
 Either way a step whose gradients hold an Inf or NaN anywhere is skipped (parameters and
 optimizer state kept) and counted; a scale halves on overflow -- per block, only the blocks that
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from dalle_ablate.model import BlockScale
+from dalle_ablate.model.layouts import Sublayer
 from dalle_ablate.optim import path_str
 
 MIN_SCALE, MAX_SCALE = 2.0**-24, 2.0**24
@@ -40,10 +44,12 @@ def block_names(model) -> dict[str, tuple[int, tuple[str, ...]]]:
 
 
 def param_block(path, model) -> Optional[tuple[str, int, int]]:
-    """(stack, layer, branch) of the block a parameter belongs to, or None (embeddings, head,
-    final norms: outside every block)."""
+    """(stack, layer, branch) of the block a parameter belongs to, or None: outside every block
+    (embeddings, heads, final norms, Swin v2's stream norms) or on the residual stream inside a
+    layer (the post-residual norms of post-LN and DeepNet, `Sublayer.STREAM`), where the gradient
+    is float32 and never multiplied by a block's scale."""
     parts = path_str(path).split("/")
-    if len(parts) < 3 or parts[0] not in model.STACKS:
+    if len(parts) < 3 or parts[0] not in model.STACKS or any(p in Sublayer.STREAM for p in parts[3:4]):
         return None
     for b, modules in enumerate(model.STACKS[parts[0]].BRANCHES.values()):
         if parts[2] in modules:

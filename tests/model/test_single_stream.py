@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import cached_vs_full, compose, run_config
+from conftest import ROOT, cached_vs_full, compose, run_config
 from dalle_ablate.model import abstract_model, build_model, param_count, resolve
 from dalle_ablate.model.masks import image_pairs, layer_patterns, stream_mask
 from dalle_ablate.registry import ConfigError
@@ -131,6 +131,8 @@ def test_dalle12b_has_the_papers_shapes_and_about_12_billion_parameters():
     heads = (text_vocab + t) * d + codes * d  # text and image logits
     assert n == layers * per_layer + embeddings + heads + d  # + the final norm's bias
     assert 12.2e9 < n < 12.4e9
+    # docs/variants.md states the untied heads' share (issue #43: it said 131 M)
+    assert f"untied from the embeddings ({heads / 1e6:.1f} M of the total" in (ROOT / "docs" / "variants.md").read_text()
 
 
 def test_config_errors_name_the_flag():
