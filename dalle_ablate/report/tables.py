@@ -192,6 +192,17 @@ def _pct(v: float) -> str:
     return "–" if math.isnan(v) else f"{v:.0%}"
 
 
+def _by_scale_and_tier(by_variant: dict[str, list[Run]]):
+    """(variant, guidance scale, tier group, its column prefix, the last evaluation's row of each
+    seed at that scale) for every variant, scale and tier group: what the shapes tables walk."""
+    for variant, runs in by_variant.items():
+        per_run = [_last_rows(r) for r in runs]
+        for scale in sorted({s for rows_ in per_run for s in rows_}):
+            have = [rows_[scale] for rows_ in per_run if scale in rows_]
+            for group in SHAPES_GROUPS:
+                yield variant, scale, group, _shapes_prefix(group), have
+
+
 def shapes_tier_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[str], list[list]]]:
     """Per variant, guidance scale and tier, means over seeds: all-correct; objects found; each
     attribute asked only of found objects (DSG) / over all checks; the relation where both its
@@ -199,24 +210,19 @@ def shapes_tier_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[s
     cols = ["variant", "scale", "tier", "seeds", "all", "found", "color if found / all", "shape if found / all",
             "size if found / all", "position if found / all", "relation if found / all (coverage)", "unparsed"]
     rows = []
-    for variant, runs in by_variant.items():
-        per_run = [_last_rows(r) for r in runs]
-        for scale in sorted({s for rows_ in per_run for s in rows_}):
-            have = [rows_[scale] for rows_ in per_run if scale in rows_]
-            for group in SHAPES_GROUPS:
-                p = _shapes_prefix(group)
-                if not any(f"{p}all" in row for row in have):
-                    continue
+    for variant, scale, group, p, have in _by_scale_and_tier(by_variant):
+        if not any(f"{p}all" in row for row in have):
+            continue
 
-                def m(key: str) -> float:
-                    return _mean(row.get(p + key) for row in have)
+        def m(key: str) -> float:
+            return _mean(row.get(p + key) for row in have)
 
-                pair = [f"{_pct(m(a + '_if_found'))} / {_pct(m(a))}" if not math.isnan(m(a)) else "–"
-                        for a in ("color", "shape", "size", "position")]
-                rel = (f"{_pct(m('relation_if_found'))} / {_pct(m('relation'))} ({_pct(m('relation_coverage'))})"
-                       if not math.isnan(m("relation")) else "–")
-                rows.append([variant, f"{scale:g}", group, len(have), _pct(m("all")), _pct(m("found")), *pair, rel,
-                             _pct(m("unparsed"))])
+        pair = [f"{_pct(m(a + '_if_found'))} / {_pct(m(a))}" if not math.isnan(m(a)) else "–"
+                for a in ("color", "shape", "size", "position")]
+        rel = (f"{_pct(m('relation_if_found'))} / {_pct(m('relation'))} ({_pct(m('relation_coverage'))})"
+               if not math.isnan(m("relation")) else "–")
+        rows.append([variant, f"{scale:g}", group, len(have), _pct(m("all")), _pct(m("found")), *pair, rel,
+                     _pct(m("unparsed"))])
     return (cols, rows) if rows else None
 
 
@@ -227,21 +233,16 @@ def shapes_noise_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[
     the seeds. A seed spread near the prompt noise is mostly the evaluation's."""
     cols = ["variant", "scale", "tier", "seeds", "all-correct", "seed SD", "prompt SD (one run)", "prompts per run"]
     rows = []
-    for variant, runs in by_variant.items():
-        per_run = [_last_rows(r) for r in runs]
-        for scale in sorted({s for rows_ in per_run for s in rows_}):
-            have = [rows_[scale] for rows_ in per_run if scale in rows_]
-            for group in SHAPES_GROUPS:
-                p = _shapes_prefix(group)
-                n_key = f"{p}n"  # prompts scored: shapes/n over all tiers, shapes/<tier>/n per tier
-                vals = [(float(row[f"{p}all"]), float(row[n_key])) for row in have if f"{p}all" in row and n_key in row]
-                if not vals:
-                    continue
-                rates = np.array([v for v, _ in vals])
-                noise = _mean(math.sqrt(v * (1 - v) / n) for v, n in vals if n > 0)
-                seed_sd = float(rates.std(ddof=1)) if len(rates) > 1 else math.nan
-                rows.append([variant, f"{scale:g}", group, len(vals), float(rates.mean()),
-                             ONE_SEED if len(rates) < 2 else seed_sd, noise, int(vals[0][1])])
+    for variant, scale, group, p, have in _by_scale_and_tier(by_variant):
+        n_key = f"{p}n"  # prompts scored: shapes/n over all tiers, shapes/<tier>/n per tier
+        vals = [(float(row[f"{p}all"]), float(row[n_key])) for row in have if f"{p}all" in row and n_key in row]
+        if not vals:
+            continue
+        rates = np.array([v for v, _ in vals])
+        noise = _mean(math.sqrt(v * (1 - v) / n) for v, n in vals if n > 0)
+        seed_sd = float(rates.std(ddof=1)) if len(rates) > 1 else math.nan
+        rows.append([variant, f"{scale:g}", group, len(vals), float(rates.mean()),
+                     ONE_SEED if len(rates) < 2 else seed_sd, noise, int(vals[0][1])])
     return (cols, rows) if rows else None
 
 
