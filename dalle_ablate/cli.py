@@ -332,7 +332,6 @@ def cmd_study(args) -> None:
     a stopped one continues from its checkpoint), then its report and its results page."""
     import json
     import shlex
-    import subprocess
     import time
     from collections import Counter
 
@@ -351,13 +350,10 @@ def cmd_study(args) -> None:
 
         if args.no_run:
             raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
-        seed_override, entry = plan_topup(study, folder, args.seeds, overrides)
+        seed_override, topup = plan_topup(study, folder, args.seeds, overrides)
         overrides.append(seed_override)
-        log = folder / TOPUPS
-        atomic_write(log, json.dumps([*(json.loads(log.read_text()) if log.exists() else []),
-                                      {**entry, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}], indent=1))
-        print(f"study {study.name}: topping up from {entry['from']} to {entry['to']} seeds per arm ({seed_override}; the "
-              f"rule asks for {entry['rule']})")
+        print(f"study {study.name}: topping up from {topup['from']} to {topup['to']} seeds per arm ({seed_override}; the "
+              f"rule asks for {topup['rule']})")
     command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={folder}",
                *overrides]
     t = time.perf_counter()
@@ -365,7 +361,11 @@ def cmd_study(args) -> None:
     # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
     preexec = dies_with_this_process()
-    code = 0 if args.no_run else subprocess.call(command, env=env, preexec_fn=preexec)
+    code = 0 if args.no_run else call_child(command, env, preexec)
+    if args.seeds is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
+        log = folder / TOPUPS
+        atomic_write(log, json.dumps([*(json.loads(log.read_text()) if log.exists() else []),
+                                      {**topup, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}], indent=1))
     stress = None if args.no_run or args.no_stress else run_stress(study_file, study.experiment, folder, args.overrides, env,
                                                                    preexec)
     elapsed = time.perf_counter() - t
@@ -417,17 +417,39 @@ def dies_with_this_process() -> Optional[Callable[[], None]]:
     PR_SET_PDEATHSIG; None elsewhere)."""
     if sys.platform != "linux":
         return None
-    parent = os.getpid()
+    import ctypes
+    import signal
+
+    # Resolved here, not in the forked child: importing there could wait on a lock another
+    # thread of this process held at the fork.
+    prctl, kill, parent = ctypes.CDLL(None, use_errno=True).prctl, int(signal.SIGKILL), os.getpid()
 
     def preexec() -> None:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        prctl(1, kill)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != parent:  # this process died before the line above took effect
             os._exit(1)
 
     return preexec
+
+
+def call_child(command: list[str], env: dict, preexec: Optional[Callable[[], None]] = None,
+               grace: float = 120.0) -> int:
+    """subprocess.call, but a Ctrl-C lets the child finish what it does on one: Ctrl-C reaches the
+    whole foreground process group, and a run saves its last whole step before it exits (exit
+    130). subprocess.call would SIGKILL it 0.25 s after the interrupt. A second Ctrl-C, or
+    `grace` seconds, kills it; either way the interrupt is re-raised once the child is gone."""
+    import subprocess
+
+    child = subprocess.Popen(command, env=env, preexec_fn=preexec)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        try:
+            child.wait(timeout=grace)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            child.kill()
+            child.wait()
+        raise
 
 
 def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[str], env: dict,
@@ -435,7 +457,6 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
     """The study's stress runs (report/stress.py), if its file declares them: each arm of its
     stability claims at each rate and seed, one process per run into `<folder>-stress/`; a run that
     finished or diverged before is not started again, a stopped one continues (resume=auto)."""
-    import subprocess
     import time
 
     from dalle_ablate.report.stress import job_command, load_stress, run_name, settled, stress_folder
@@ -448,8 +469,7 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
     for arm, lr, seed in plan.jobs():
         if settled(where / run_name(arm, lr, seed) / "run", plan.steps):
             continue
-        code = subprocess.call(job_command(sys.executable, experiment, where, arm, lr, seed, plan, overrides), env=env,
-                               preexec_fn=preexec)
+        code = call_child(job_command(sys.executable, experiment, where, arm, lr, seed, plan, overrides), env, preexec)
         ran += 1
         if code not in (0, RunFailed.DIVERGED):  # a diverged run is a measurement of its rate
             failed.append(f"{run_name(arm, lr, seed)} (exit {code})")

@@ -4,6 +4,7 @@ names a checkpoint it cannot restore."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -78,3 +79,20 @@ def test_eval_of_a_truncated_checkpoint_names_it_in_one_line(trained, tmp_path, 
         assert why.startswith("JSONDecodeError: ")
     else:
         assert why.startswith("ValueError: OUT_OF_RANGE: Error reading ") and f'at local file "{step}/default/"' in why
+
+
+def test_a_ctrl_c_lets_a_study_s_child_finish_what_it_does_on_one(tmp_path):
+    """call_child (the study's multirun and stress runs): on Ctrl-C the child, which gets the same
+    interrupt from the terminal, may save and exit; subprocess.call would SIGKILL it after 0.25 s.
+    The interrupt still reaches the caller once the child is gone."""
+    import signal
+    import threading
+
+    from dalle_ablate.cli import call_child
+
+    done = tmp_path / "saved"
+    child = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(done)!r}).write_text('x')"
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        call_child([sys.executable, "-c", child], dict(os.environ))
+    assert done.read_text() == "x"

@@ -149,10 +149,12 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
                       "images with ink that is no object (unparsed). Chance for captions that do not belong to their "
                       "images: docs/architecture.md, \"The shapes evaluation\".")
         s.tables.append(tiers)
-        s.text.append("The evaluation's own noise apart from the seeds': all-correct's standard deviation over seeds "
-                      "beside the binomial standard deviation over the prompts of one run (what re-drawing the prompts "
-                      "alone would move it by). A seed spread near the prompt noise is mostly the evaluation's.")
-        s.tables.append(shapes_noise_table(by_variant))
+        noise = shapes_noise_table(by_variant)
+        if noise is not None:  # runs that logged how many prompts they scored
+            s.text.append("The evaluation's own noise apart from the seeds': all-correct's standard deviation over seeds "
+                          "beside the binomial standard deviation over the prompts of one run (what re-drawing the "
+                          "prompts alone would move it by). A seed spread near the prompt noise is mostly the evaluation's.")
+            s.tables.append(noise)
         paired = paired_table(by_variant, baseline)
         if paired is not None:
             s.text.append("Each variant against the baseline prompt by prompt: runs of the same seed, the same prompts and "

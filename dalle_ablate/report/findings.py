@@ -155,6 +155,13 @@ def load_study(path: Path) -> Study:
             raise ConfigError(f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
                               f"metric's units (0.01) or a percentage of the baseline's mean (2%)")
         findings.append(Finding(**{k: f[k] for k in keys if k != "margin"}, margin=str(margin)))
+    stressed = {a for f in raw["findings"] if f["id"] in ((raw.get("stress") or {}).get("claims") or [])
+                for a in (f["arm"], f["against"])}
+    for f in findings:  # a percentage of the baseline's mean needs the baseline measured on that metric
+        if f.metric in MEASURED_ELSEWHERE and parse_margin(f.margin)[1] and raw["baseline"] not in stressed:
+            raise ConfigError(f"{where}: finding {f.id!r} has margin {f.margin} of the baseline's {f.metric}, but the "
+                              f"baseline {raw['baseline']!r} is in no stress claim, so it has none; give an absolute "
+                              "margin (0.05) or a stress claim with the baseline")
     return Study(raw["name"], raw["title"], raw["source"], raw["experiment"], raw["baseline"], findings,
                  raw.get("scale_note", ""))
 
@@ -338,7 +345,8 @@ def topup_target(study: Study, runs: list[Run]) -> tuple[int, int]:
     arms, seeds, tables = claims_tables(study, by_arm)
     _, r = judge(study, arms, tables)
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
-    return now, V.topup_seeds([int(n) for n in r["needed"] if n > 0], now)
+    own = [int(n) for n, f in zip(r["needed"], study.findings) if n > 0 and f.metric not in MEASURED_ELSEWHERE]
+    return now, V.topup_seeds(own, now)
 
 
 def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> tuple[str, dict]:
@@ -352,6 +360,11 @@ def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> 
         raise ConfigError("--seeds chooses the seeds itself; leave out the seed= override")
     if seeds != "auto" and not (seeds.isdigit() and int(seeds) >= 2):
         raise ConfigError(f"--seeds {seeds!r}: give a number of seeds per arm (2 or more) or auto (the top-up rule)")
+    log = Path(folder) / TOPUPS
+    done = json.loads(log.read_text()) if seeds == "auto" and log.exists() else []
+    if any(t.get("how", "").startswith("--seeds auto") for t in done):  # its error rate is simulated for one look
+        raise ConfigError(f"--seeds auto: study {study.name} was topped up by the rule already; the rule tops up once "
+                          "(a second look at the same data would spend its error rate again)")
     try:
         runs = load_runs(str(folder))
     except ConfigError:
@@ -511,7 +524,9 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     top = Section("topup", "Adding seeds")
     top.text.append(TOPUP_RULE)
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
-    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0], now)
+    # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
+    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and r["finding"].metric not in MEASURED_ELSEWHERE],
+                           now)
     top.text.append(f"Now {now} seeds per arm at most; the rule asks for {target}"
                     + (f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "") + ".")
     for t in topups or []:
@@ -554,8 +569,8 @@ def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[
 
     plan = stress.load_stress(study_file)
     where = stress.stress_folder(Path(source))
-    if plan is None or not where.is_dir():
-        return [], {}
+    if plan is None or not where.is_dir() or not any(where.rglob("metrics.jsonl")):
+        return [], {}  # none run yet (or none got as far as its run store)
     sections, claims = stress.stress_sections(plan, load_runs(str(where)))
     values: dict[str, dict] = {}
     for c in claims:

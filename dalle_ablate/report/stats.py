@@ -161,7 +161,10 @@ def outlying_arms(values, level: float = 0.01) -> np.ndarray:
             warnings.simplefilter("ignore", RuntimeWarning)  # a seed no arm has: NaN, not a value
             dev = y[..., a, :] - np.nanmean(others, axis=-2)
             n = np.isfinite(dev).sum(-1)
-            ratio = np.nanvar(dev, axis=-1, ddof=1) / (s2 * arms / (arms - 1))
+            # Var(y_a - mean of the m others) = s2 (1 + 1/m) under the additive model, m the arms
+            # with values (a metric measured on some arms only has fewer than `arms`).
+            m = np.isfinite(others).any(-1).sum(-1)
+            ratio = np.nanvar(dev, axis=-1, ddof=1) / (s2 * (m + 1) / np.maximum(m, 1))
             out[..., a] = (n >= 2) & (df > 0) & (ratio > st.f.ppf(1 - level, n - 1, df))
     return out
 

@@ -81,8 +81,10 @@ def analyse(tables: dict[str, np.ndarray], claims: list[Claim], alpha: float = A
     zero, beyond, tost = holm(p["zero"], alpha), holm(p["beyond"], alpha), holm(p["tost"], alpha)
     predicted = np.sign(a["d"]) == a["side"]
     verdict = np.full(a["d"].shape, UNRESOLVED)
+    # Inside ±Δ (TOST) is "no meaningful effect" whichever side a detected difference is on: a
+    # difference smaller than Δ is no effect in either direction.
     verdict[tost] = EQUIVALENT
-    verdict[zero & ~predicted] = CONTRADICTED
+    verdict[zero & ~predicted & ~tost] = CONTRADICTED
     verdict[zero & predicted & ~tost] = SMALLER
     verdict[zero & predicted & beyond] = REPRODUCED
     return {"d": a["d"], "se": se, "df": df, "low": a["d"] - half, "high": a["d"] + half, "n": a["n"], "rho": a["rho"],

@@ -70,11 +70,19 @@ def this_process() -> dict:
     return {"host": _host(), "pid": os.getpid(), "start": _start_time(os.getpid())}
 
 
+# Launchers whose jobs run inside the sweep's process or in workers that end with it: a trial of
+# theirs is dead once its sweep process is. A cluster launcher's jobs (Ray, SLURM) outlive the
+# sweep process, so theirs are known dead only by their heartbeat.
+LOCAL_LAUNCHERS = ("BasicLauncher", "JoblibLauncher")
+
+
 def process_gone(owner: Any) -> bool:
-    """Whether a trial's sweep process, recorded as `this_process()` gave it, is known dead: it ran on
-    this host and its pid is free, or taken by a process started later. Elsewhere: not known (its
-    heartbeat tells)."""
+    """Whether a trial's sweep process, recorded as `this_process()` gave it, is known dead with its
+    jobs: it ran on this host, launched its jobs locally, and its pid is free, or taken by a
+    process started later. Otherwise: not known (its heartbeat tells)."""
     if not isinstance(owner, dict) or owner.get("host") != _host() or not isinstance(owner.get("pid"), int):
+        return False
+    if not owner.get("local", True):  # a cluster launcher's job may still be running
         return False
     try:
         os.kill(owner["pid"], 0)
@@ -167,6 +175,7 @@ class OptunaSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function,
                                                                 config=config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.process["local"] = type(self.launcher).__name__ in LOCAL_LAUNCHERS
         self.objectives = [str(o) for o in config.get("objectives", [])]  # what the jobs return (RunConfig.objectives)
 
     def study(self, space) -> tuple[optuna.Study, str]:
@@ -249,8 +258,8 @@ class OptunaSweeper(Sweeper):
         return study.get_trials()
 
     def _fail_gone(self, study: optuna.Study) -> None:
-        """RUNNING trials whose sweep process ran on this host and is gone (killed with its jobs): FAILED
-        now, as their heartbeat would make them after the grace period."""
+        """RUNNING trials whose sweep process ran on this host, launched its jobs locally and is gone
+        (its jobs with it): FAILED now, as their heartbeat would make them after the grace period."""
         for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.RUNNING]):
             owner = trial.user_attrs.get(OWNER_ATTR)
             if not process_gone(owner):

@@ -259,7 +259,10 @@ def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bo
             log.restart_clock()
         for step in steps:
             ckpt.check()  # a checkpoint that failed in the background stops the run here
-            state, metrics = train_step(state, run.placement.global_batch(next(batches), batch_size))
+            # The step donates `state`: a Ctrl-C between its return and the assignment would
+            # leave `state` naming deleted buffers, so the two happen together.
+            with interrupts_deferred():
+                state, metrics = train_step(state, run.placement.global_batch(next(batches), batch_size))
             if not log.push(step, metrics):
                 return "diverged", state  # NaN guard: stop, and never checkpoint a broken state
             due = bounds.due(step)

@@ -237,6 +237,12 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
         assert str(err.value) == message
     with pytest.raises(ConfigError, match=r"^--seeds tops up a study that has run: no runs of study synthetic under "):
         plan_topup(study, tmp_path / "elsewhere", "5", [])
+    (folder / "topups.json").write_text(json.dumps([{**entry, "at": "t"}]))  # the rule has topped it up once
+    with pytest.raises(ConfigError) as err:
+        plan_topup(study, folder, "auto", [])
+    assert str(err.value) == ("--seeds auto: study synthetic was topped up by the rule already; the rule tops up once (a "
+                              "second look at the same data would spend its error rate again)")
+    assert plan_topup(study, folder, "40", [])[1]["to"] == 40  # a number fixed beforehand is the user's to give
     with pytest.raises(SystemExit) as ex:
         main(["study", str(study_file(tmp_path)), "--out", str(tmp_path / "studies"), "--seeds", "5", "--no-run"])
     assert ex.value.code == 2 and capsys.readouterr().err == "error: --seeds runs the added seeds; it cannot go with --no-run\n"
@@ -399,3 +405,17 @@ def test_the_study_command_names_a_broken_run_store_in_one_line(tmp_path, capsys
               "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results")])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"error: {path}: {why.format(job=path.parents[1])}\n"
+
+
+def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stress_arms(tmp_path):
+    spec = {"id": "st", "claim": "worse is stabler", "arm": "worse", "against": "better", "metric": "lr_sensitivity",
+            "expect": "lower"}
+    stress = {"claims": ["st"], "lr": [1e-3, 1e-2, 1e-1], "seeds": [0], "steps": 10}
+    path = study_file(tmp_path, findings=[spec], stress=stress)
+    with pytest.raises(ConfigError) as err:
+        load_study(path)
+    assert str(err.value) == (f"{path}: finding 'st' has margin 10% of the baseline's lr_sensitivity, but the baseline "
+                              "'base' is in no stress claim, so it has none; give an absolute margin (0.05) or a stress "
+                              "claim with the baseline")
+    assert load_study(study_file(tmp_path, findings=[{**spec, "margin": 0.05}], stress=stress)).findings[0].margin == "0.05"
+    assert load_study(study_file(tmp_path, findings=[{**spec, "against": "base"}], stress=stress)).findings[0].margin == "10%"

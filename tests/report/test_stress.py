@@ -222,3 +222,5 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
     assert row["diff"] == pytest.approx(np.mean([by_hand["fragile"][s] - by_hand["steady"][s] for s in (0, 1)]))
     assert row["margin"] == pytest.approx(0.1 * np.mean(list(by_hand["steady"].values())))
     assert stress_measures(path, str(tmp_path / "elsewhere")) == ([], {})  # no stress runs there yet
+    (stress_folder(tmp_path / "begun") / run_name("steady", RATES[0], 0)).mkdir(parents=True)  # a job that died early
+    assert stress_measures(path, str(tmp_path / "begun")) == ([], {})

@@ -200,3 +200,29 @@ def test_an_arm_whose_seeds_are_not_shared_is_judged_on_its_own_variance():
     r = V.analyse({"m": y}, claims(0.5))
     assert (~r["pooled"][:, 4]).mean() > 0.6 and (~r["pooled"][:, [0, 1, 2, 3, 5, 6]]).mean() < 0.2
     assert outlying_arms(y)[:, 5].mean() > 5 * outlying_arms(y)[:, 1].mean()
+
+
+def test_the_outlier_check_holds_its_level_when_only_some_arms_have_values():
+    """A metric measured on a few arms only (the stress runs' LR sensitivity): under the null, each
+    arm is flagged at the check's level, its deviation from the mean of the arms that have values
+    scaled by those arms' count, not the study's."""
+    rng = np.random.default_rng(3)
+    sims, arms, seeds, present = 4000, 12, 3, 3
+    y = rng.normal(size=(sims, 1, seeds)) + rng.normal(size=(sims, arms, seeds))
+    y[:, present:, :] = np.nan
+    flagged = outlying_arms(y, 0.01)[:, :present].mean()
+    assert flagged <= 0.01 + 3 * np.sqrt(0.01 * 0.99 / (sims * present)), flagged
+
+
+@pytest.mark.parametrize("side", [1, -1])
+def test_a_detected_difference_inside_the_margin_is_no_meaningful_effect_on_either_side(side):
+    """TOST passes and the difference is told from 0: "equivalent" whether it lies on the predicted
+    side or the other (a difference smaller than Δ is no effect in either direction)."""
+    rng = np.random.default_rng(0)
+    seeds = 12
+    base = rng.normal(0, 1, seeds)  # the seeds' shared part, far larger than the arms' own noise
+    t = np.stack([base + rng.normal(0, 1e-3, seeds), base + 0.01 * side + rng.normal(0, 1e-3, seeds),
+                  base + rng.normal(0, 1e-3, seeds)])
+    r = V.analyse({"m": t}, [V.Claim("m", 1, 0, 1, 0.1)])
+    assert r["p_zero"][0] < 1e-6 and r["p_tost"][0] < 1e-6
+    assert r["verdict"][0] == V.EQUIVALENT

@@ -229,6 +229,8 @@ def test_a_live_sweep_process_on_this_host_is_not_taken_for_dead():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert process_gone({**me, "pid": child.pid})
+    # a cluster launcher's jobs (Ray, SLURM) outlive the sweep process: only their heartbeat tells
+    assert not process_gone({**me, "pid": child.pid, "local": False})
 
 
 def test_two_processes_on_one_postgresql_study_run_exactly_n_trials(tmp_path):
