@@ -209,22 +209,22 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
             try:
                 state = mngr.restore(s, args=ocp.args.StandardRestore(abstract))
             except Exception as e:  # noqa: BLE001 - orbax and tensorstore report a bad file in several types
-                broken.append((s, _root_cause(e)))
+                broken.append((s, _root_cause(e), e))
                 if jax.process_count() > 1:  # each process reads its own shards: falling back alone, one
                     break  # could resume from another step than the others; stop, naming it, instead
                 continue
             if broken:
                 print(f"warning: checkpoint {directory / str(broken[0][0])} cannot be restored ({broken[0][1]}); "
                       f"resuming from step {s}, the newest intact one", file=sys.stderr, flush=True)
-                for b, _ in broken:
+                for b, _, _ in broken:
                     if on_broken is not None:
                         on_broken(directory / str(b))
             return s, state
-        newest, cause = broken[0]
+        newest, cause, error = broken[0]
         earlier = ("no earlier checkpoint" if len(steps) == 1 else
                    "a run of several processes does not fall back to an earlier one" if len(broken) < len(steps) else
                    f"nor can any earlier one ({', '.join(str(b[0]) for b in broken[1:])})")
         raise RunFailed(f"checkpoint {directory / str(newest)} cannot be restored ({cause}); {earlier}: "
-                        f"remove the run folder to start over, or resume= another checkpoint")
+                        f"remove the run folder to start over, or resume= another checkpoint") from error
     finally:
         mngr.close()
