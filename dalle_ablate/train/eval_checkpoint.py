@@ -51,6 +51,7 @@ def restore(ckpt_dir: Path, step: Optional[int], target):
 THIS_MACHINE = ("mesh", "distributed")
 # ... and the mesh eval forces before the user's own overrides (which may still set it).
 EVAL_MESH = ["mesh.data=-1", "mesh.fsdp=1", "mesh.model=1"]
+_ABSENT = object()  # a key one config has and the other lacks: equal to no value
 
 
 def changed_keys(base: DictConfig, want: DictConfig) -> list[str]:
@@ -62,7 +63,7 @@ def changed_keys(base: DictConfig, want: DictConfig) -> list[str]:
     def walk(b: dict, w: dict, bnode: DictConfig, wnode: DictConfig, path: str) -> None:
         for key, wv in w.items():
             full = f"{path}.{key}" if path else str(key)
-            bv = b.get(key, changed_keys)  # (a sentinel no value equals)
+            bv = b.get(key, _ABSENT)
             if (isinstance(wv, dict) and isinstance(bv, dict) and wv.keys() == bv.keys()
                     and OmegaConf.get_type(bnode, key) is OmegaConf.get_type(wnode, key)):
                 walk(bv, wv, bnode[key], wnode[key], full)
