@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import SMALL_DATA, TINY_TRAIN, run_config, run_py
+from conftest import SMALL_DATA, TINY_TRAIN, compose, run_config, run_py
 from dalle_ablate.cli import main
 from dalle_ablate.train.loop import JobInfo, train
 
@@ -96,3 +96,86 @@ def test_a_ctrl_c_lets_a_study_s_child_finish_what_it_does_on_one(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         call_child([sys.executable, "-c", child], dict(os.environ))
     assert done.read_text() == "x"
+
+
+@pytest.mark.slow
+def test_eval_builds_on_the_runs_saved_config_not_on_defaults_changed_since(trained, tmp_path, monkeypatch):
+    """A default that changes after a run (here the sampling noise's seed, `EvalConfig.seed`)
+    leaves how `dalle-ablate eval` evaluates the run's checkpoint alone: the same config and the
+    same numbers; what the command line asks for still applies."""
+    import shutil
+
+    import yaml
+    from hydra.core.config_store import ConfigStore
+
+    from dalle_ablate.evaluate import EvalConfig
+    from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
+
+    job = shutil.copytree(trained, tmp_path / "job")
+    asked = ["tracker=none", "eval.metrics=[shapes]", "eval.guidance_scales=[3]"]
+    out = evaluate_checkpoint(str(job), asked)
+    before = yaml.safe_load((out / "config.yaml").read_text())
+    table = json.loads((out / "tables" / "eval_pareto_3.json").read_text())
+    assert before["eval"]["seed"] == 0 and before["eval"]["guidance_scales"] == [3.0]
+    # The release after the run draws its evaluation noise from seed 5 (the schema as a new
+    # process would store it); put back after the test.
+    store = ConfigStore.instance().repo["schema"]
+    monkeypatch.setitem(store, "eval.yaml", store["eval.yaml"])
+    ConfigStore.instance().store(group="schema", name="eval", node=EvalConfig(seed=5))
+    assert compose("tracker=none").eval.seed == 5
+    out = evaluate_checkpoint(str(job), [*asked[:-1], "eval.guidance_scales=[3,5]"])
+    after = yaml.safe_load((out / "config.yaml").read_text())
+    assert after["eval"]["guidance_scales"] == [3.0, 5.0]
+    after["eval"]["guidance_scales"] = [3.0]
+    assert after == before
+    again = json.loads((out / "tables" / "eval_pareto_3.json").read_text())
+    assert again["columns"] == table["columns"] and [r[again["columns"].index("scale")] for r in again["rows"]] == [3.0, 5.0]
+    assert again["rows"][0] == table["rows"][0]
+
+
+def _saved_run(tmp_path, edit) -> tuple:
+    """A run store's saved config, as a run with these overrides wrote it, edited by `edit`."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    recorded = ["tracker=none", "eval.num_samples=8"]
+    saved = OmegaConf.to_container(compose(*recorded), resolve=True)
+    edit(saved)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    return tmp_path, recorded
+
+
+def test_eval_config_takes_todays_default_for_a_field_new_since_the_run_and_names_it(tmp_path, capsys):
+    from dalle_ablate.train.eval_checkpoint import run_config_for_eval
+
+    def older(saved):
+        saved["eval"]["num_samples"] = 16  # a value the recorded overrides do not give
+        del saved["eval"]["top_p"]  # a field added after the run
+
+    store, recorded = _saved_run(tmp_path, older)
+    cfg = run_config_for_eval(store, recorded, ["eval.batch_size=4"])
+    assert (cfg.eval.num_samples, cfg.eval.top_p, cfg.eval.batch_size) == (16, None, 4)
+    assert capsys.readouterr().err == f"note: {store / 'config.yaml'} predates eval.top_p: evaluated with today's default\n"
+
+
+@pytest.mark.parametrize("case", ["missing", "not yaml", "removed field", "wrong type"])
+def test_eval_of_a_run_whose_saved_config_cannot_be_used_is_one_line(tmp_path, case):
+    from dalle_ablate.registry import ConfigError
+    from dalle_ablate.train.eval_checkpoint import run_config_for_eval
+
+    edits = {"missing": lambda s: None, "not yaml": lambda s: None,
+             "removed field": lambda s: s["eval"].update(old_knob=1), "wrong type": lambda s: s["eval"].update(seed="abc")}
+    store, recorded = _saved_run(tmp_path, edits[case])
+    file = store / "config.yaml"
+    if case == "missing":
+        file.unlink()
+    elif case == "not yaml":
+        file.write_text("eval: [unclosed\n")
+    with pytest.raises(ConfigError) as e:
+        run_config_for_eval(store, recorded, [])
+    assert str(e.value) == {
+        "missing": f"{file}: missing; eval builds a run's config from the config.yaml its run store saved",
+        "not yaml": f"{file}: cannot be read (ParserError: while parsing a flow sequence)",
+        "removed field": f"{file}: eval.old_knob is not a field of today's config (removed or renamed since the run)",
+        "wrong type": f"{file}: eval.seed: Value 'abc' of type 'str' could not be converted to Integer",
+    }[case]
