@@ -15,7 +15,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_generated_output_is_ignored_by_git():
     paths = ["outputs/x/run/metrics.jsonl", "multirun/x/0/run/config.yaml", "wandb/offline-run-x/run.wandb",
-             "reports/some-report/index.html", ".venv/bin/python"]
+             "reports/some-report/index.html", ".venv/bin/python", "site/index.html"]
     proc = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True)
     assert proc.stdout.split() == paths
 

@@ -1,0 +1,118 @@
+"""The documentation cannot rot: the generated references are current, every relative link and
+anchor in README.md and docs/ resolves, and every `python run.py ...` command shown composes."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_generated_references_are_current():
+    proc = subprocess.run([sys.executable, "-m", "dalle_ablate.docs", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs (Python-Markdown's toc) gives a heading."""
+    text = re.sub(r"`|\*|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    text = re.sub(r"[^\w\s-]", "", text)
+    return re.sub(r"[-\s]+", "-", text).strip("-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.M):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}_{n}")
+    return out
+
+
+def _links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page):
+    broken = []
+    for link in _links(page):
+        if re.match(r"[a-z]+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(link)
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            broken.append(link)
+    assert broken == [], f"{page.relative_to(ROOT)}: {broken}"
+
+
+def _run_py_commands() -> list[tuple[str, str]]:
+    """(page, command) for every `python run.py ...` shown, in code blocks and inline code."""
+    out = []
+    for page in PAGES:
+        text = re.sub(r"\\\n\s*", " ", page.read_text())  # a command continued over lines
+        for m in re.finditer(r"python run\.py[^`\n|]*", text):
+            cmd = re.split(r"&&| # | \(|  ", m.group(0))[0].strip()
+            out.append((str(page.relative_to(ROOT)), cmd))
+    return sorted(set(out))
+
+
+def _placeholder(cmd: str) -> bool:
+    """A command with a placeholder (`<folder>`, `[sweeps]`, `NAME`, `field=value`) is a pattern, not a command."""
+    return bool(re.search(r"<|…|\.\.\.|\[[\w.=]+\]|[A-Z]{3,}|\bfield=value|\ba=x", cmd))
+
+
+# Commands the docs show failing on purpose (what a mistake prints): they must fail as a user's mistake.
+MISTAKES = ("model=nosuch", "optim=lion")
+
+
+COMMANDS = [c for c in _run_py_commands() if not _placeholder(c[1])]
+
+
+def test_the_docs_show_run_py_commands():
+    assert len(COMMANDS) >= 10
+
+
+@pytest.mark.parametrize("page,cmd", COMMANDS, ids=[f"{p}:{c[14:60]}" for p, c in COMMANDS])
+def test_every_run_py_command_shown_composes(page, cmd):
+    """Composed in-process as `python run.py` would; a multirun's comma lists by their first value
+    (Hydra's sweep syntax is the sweeper's); hydra.* settings are the launcher's, not the run's."""
+    from dalle_ablate.validate import compose, to_run_config
+
+    try:
+        tokens = shlex.split(cmd)[2:]
+    except ValueError as e:
+        pytest.fail(f"{page}: {cmd}: {e}")
+    overrides = []
+    for tok in tokens:
+        if tok.startswith("-") or tok.startswith("hydra") or tok.startswith("+hydra"):
+            continue
+        key, sep, value = tok.partition("=")
+        if sep and not value.startswith(("[", "'[", "{")) and "," in value and not value.startswith(("glob(", "range(", "choice(", "interval(")):
+            value = value.split(",")[0]
+        if "(" in value:  # a sweep function (choice, interval, tag, range, glob): the sweeper's
+            continue
+        overrides.append(f"{key}{sep}{value}")
+    if any(m in cmd for m in MISTAKES):
+        from dalle_ablate.cli import format_error
+
+        with pytest.raises(Exception) as e:
+            to_run_config(compose(overrides))
+        assert format_error(e.value) is not None, e.value  # a one-line user error, not a bug
+        return
+    to_run_config(compose(overrides))
