@@ -108,7 +108,7 @@ def _multirun() -> bool:
 
 def run_hydra(main: Callable[[], object]) -> None:
     """Call a `@hydra.main` function: a user mistake is one line and exit code 2, a run that
-    diverged or failed for a known reason one line and its code (README "When things go wrong")."""
+    diverged or failed for a known reason one line and its code (docs/guides/troubleshooting.md)."""
     # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from dalle_ablate.launch.jobs import WorkerLost

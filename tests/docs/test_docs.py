@@ -116,3 +116,22 @@ def test_every_run_py_command_shown_composes(page, cmd):
         assert format_error(e.value) is not None, e.value  # a one-line user error, not a bug
         return
     to_run_config(compose(overrides))
+
+
+def test_every_reference_from_code_to_a_page_or_heading_resolves():
+    """`docs/x.md` in a comment or docstring names a page that exists, and `docs/x.md, "Heading"`
+    (or `docs/x.md "Heading"`, `docs/x.md ("Heading"`) a heading that page has (or one it starts)."""
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.yaml", "*.toml", "*.md", ".ci/*"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.split()
+    broken = []
+    for f in tracked:
+        if f == "tests/docs/test_docs.py":  # its own examples
+            continue
+        text = re.sub(r"\s*\n\s*#?\s*", " ", (ROOT / f).read_text())  # a reference wrapped over comment lines
+        for m in re.finditer(r"\b(docs/[\w/.-]+\.md)(?:,? \(?\"([^\"]+)\")?", text):
+            page, heading = (ROOT / m.group(1)), m.group(2)
+            if not page.is_file():
+                broken.append(f"{f}: {m.group(1)}")
+            elif heading and not any(h.startswith(_slug(heading)) for h in _anchors(page)):  # a heading's start
+                broken.append(f"{f}: {m.group(1)}, \"{heading}\"")
+    assert broken == [], broken
