@@ -135,3 +135,26 @@ def test_every_reference_from_code_to_a_page_or_heading_resolves():
             elif heading and not any(h.startswith(_slug(heading)) for h in _anchors(page)):  # a heading's start
                 broken.append(f"{f}: {m.group(1)}, \"{heading}\"")
     assert broken == [], broken
+
+
+def _describe_plan_lines() -> list[tuple[str, str]]:
+    """(page, line) for every `dalle-ablate describe|plan ...` shown with real arguments."""
+    out = set()
+    for page in PAGES:
+        for m in re.finditer(r"dalle-ablate (?:describe|plan)\b[^`|\n]*", page.read_text()):
+            line = m.group(0).split(" # ")[0].split("  ")[0].strip().rstrip(",.;:)")
+            if not re.search(r"\[|<|…|\.\.\.|[A-Z]{3,}", line):
+                out.add((str(page.relative_to(ROOT)), line))
+    return sorted(out)
+
+
+DESCRIBE_PLAN = _describe_plan_lines()
+
+
+@pytest.mark.parametrize("page,line", DESCRIBE_PLAN, ids=[f"{p}:{c[13:70]}" for p, c in DESCRIBE_PLAN])
+def test_every_describe_and_plan_line_shown_runs(page, line, capsys):
+    """Abstract shapes only: nothing is allocated, so even size=dalle12b runs in seconds."""
+    from dalle_ablate.cli import main
+
+    main(shlex.split(line)[1:])
+    assert capsys.readouterr().out.strip(), f"{page}: {line} printed nothing"
