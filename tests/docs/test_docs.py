@@ -158,3 +158,16 @@ def test_every_describe_and_plan_line_shown_runs(page, line, capsys):
 
     main(shlex.split(line)[1:])
     assert capsys.readouterr().out.strip(), f"{page}: {line} printed nothing"
+
+
+def test_the_study_file_the_guide_shows_loads(tmp_path):
+    """docs/guides/studies.md's example study file is one `dalle-ablate study` accepts."""
+    from dalle_ablate.report.findings import load_study
+
+    text = (ROOT / "docs" / "guides" / "studies.md").read_text()
+    example = text.split("## Writing your own study file", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my-norms.yaml").write_text(example)
+    study = load_study(tmp_path / "my-norms.yaml")
+    arms = {p.stem for p in (ROOT / "dalle_ablate" / "conf" / "arm").glob("*.yaml")}
+    assert {study.baseline, *(f.arm for f in study.findings), *(f.against for f in study.findings)} <= arms
+    assert (ROOT / "dalle_ablate" / "conf" / "experiment" / f"{study.experiment}.yaml").is_file()
