@@ -30,3 +30,12 @@ def test_docs_live_in_the_repository():
     assert outside == [], outside
     for link in re.findall(r"\]\((docs/[^)]+)\)", (ROOT / "README.md").read_text()):
         assert (ROOT / link.partition("#")[0]).is_file(), link
+
+
+def test_ci_builds_the_docs_site_strict():
+    """`mkdocs build --strict -q` passes with broken anchors: -q hides the warnings strict counts."""
+    import re
+
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    build = re.search(r"mkdocs build[^&]*", ci)
+    assert build and "--strict" in build.group(0) and not re.search(r"\s-q\b|--quiet", build.group(0)), ci
