@@ -108,7 +108,7 @@ def _multirun() -> bool:
 
 def run_hydra(main: Callable[[], object]) -> None:
     """Call a `@hydra.main` function: a user mistake is one line and exit code 2, a run that
-    diverged or failed for a known reason one line and its code (README "When things go wrong")."""
+    diverged or failed for a known reason one line and its code (docs/guides/troubleshooting.md)."""
     # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from dalle_ablate.launch.jobs import WorkerLost
@@ -479,7 +479,8 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
     return StressOutcome(line, failed)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The `dalle-ablate` parser and its verbs (docs/reference/cli.md is generated from it)."""
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     enc = sub.add_parser("encode", help="write parquet for data=parquet: the built-in shapes data, or a folder of images "
@@ -574,6 +575,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     st.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
                                                  "seed=0,1 (a sweep of the preset's own keys replaces it)")
     st.set_defaults(func=cmd_study)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.verb == "study":  # its overrides may follow its options: `study mega-variants --out x trainer.steps=500`
         args.overrides += [e for e in extra if not e.startswith("-")]

@@ -55,7 +55,7 @@ class ShapesDataConfig(DataConfig):
     max_objects: int = 3
     # How scenes are drawn (data/scenes.py random_scene): tiers = each evaluation tier (one, two,
     # three, relation) equally often; counts = the object count uniform, which left lists of two
-    # objects at 13% of the data and the quickstart's two-object tier its weakest (README, "Quickstart").
+    # objects at 13% of the data and the quickstart's two-object tier its weakest (docs/quickstart.md).
     mix: str = "tiers"
     kmeans_patches: int = 1_000_000  # patches (of whole training renders) the codebook is fitted on
     kmeans_iters: int = 20

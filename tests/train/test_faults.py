@@ -1,6 +1,6 @@
 """Fault injection: a full disk, a read-only checkpoint folder, kill -9 mid-run and mid-checkpoint,
 a diverged run, W&B online without a network. Each ends in one `error:` line and its exit code
-(README "When things go wrong"), the run store says how the run ended, and nothing written
+(docs/guides/troubleshooting.md), the run store says how the run ended, and nothing written
 before the fault is lost: `resume=auto` continues and reproduces the uninterrupted run."""
 
 from __future__ import annotations
