@@ -26,7 +26,7 @@ CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;
 table{border-collapse:collapse;margin:.6em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.4em 0}section{margin-bottom:1.6em}
 figcaption{font-size:12px;color:#555}.sig{color:#b00;font-weight:bold}
-details>summary{cursor:pointer}details>summary h2{display:inline}"""
+details>summary{cursor:pointer}details>summary h2{display:inline}.scroll{overflow-x:auto;max-width:100%}"""
 
 
 def _cell(v) -> str:
@@ -45,9 +45,10 @@ def to_html(title: str, sections: list[Section]) -> str:
                    "</summary>")
         out += [f"<p>{html.escape(t)}</p>" for t in s.text]
         for cols, rows in s.tables:
-            out.append("<table><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr>")
+            # a table wider than the page (many columns) scrolls in its own box, not the page
+            out.append('<div class="scroll"><table><tr>' + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr>")
             out += ["<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows]
-            out.append("</table>")
+            out.append("</table></div>")
         for caption, img in s.images:
             data = base64.b64encode(img).decode()
             out.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'

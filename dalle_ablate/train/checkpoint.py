@@ -170,6 +170,32 @@ def set_aside(folder: Path) -> None:
     folder.rename(folder.with_name(f"{folder.name}.unrestorable"))
 
 
+def _closed_loop_callback(kind, value, tb) -> bool:
+    """Whether an error is asyncio's "Event loop is closed" raised by a call into a loop that is gone."""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (kind is RuntimeError and str(value) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_name == "_check_closed")
+
+
+def _quiet_stray_reads() -> None:
+    """After a restore that failed part-way: orbax closes its event loop on the first array that
+    cannot be read, while TensorStore still reads the others on its own threads; each read that
+    ends later calls back into the closed loop, and TensorStore prints that RuntimeError through
+    sys.excepthook (PyErr_Print), a traceback under the one error line. Those callbacks, and only
+    those, are dropped from then on; every other uncaught error reaches the hook as before."""
+    previous = sys.excepthook
+    if getattr(previous, "quiet_stray_reads", False):
+        return
+
+    def hook(kind, value, tb):
+        if not _closed_loop_callback(kind, value, tb):
+            previous(kind, value, tb)
+
+    hook.quiet_stray_reads = True
+    sys.excepthook = hook
+
+
 def _root_cause(e: BaseException) -> str:
     """The first line of the innermost error behind `e` (tensorstore's names the file and what
     is wrong with it; orbax's wrapper names an array index)."""
@@ -209,6 +235,7 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
             try:
                 state = mngr.restore(s, args=ocp.args.StandardRestore(abstract))
             except Exception as e:  # noqa: BLE001 - orbax and tensorstore report a bad file in several types
+                _quiet_stray_reads()
                 broken.append((s, _root_cause(e), e))
                 if jax.process_count() > 1:  # each process reads its own shards: falling back alone, one
                     break  # could resume from another step than the others; stop, naming it, instead

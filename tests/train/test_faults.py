@@ -586,3 +586,29 @@ def test_a_sweep_killed_mid_trial_retries_it_from_its_checkpoint(tmp_path, refer
     assert json.loads((retry / "meta.json").read_text())["resumed_from_step"] == 3
     assert losses(retry) == pytest.approx({s: v for s, v in losses(reference).items() if s > 3}, rel=1e-6)
     assert study.trials[1].value == pytest.approx(summary(reference)["eval/valid/loss"], rel=1e-6)
+
+
+def test_after_a_failed_restore_only_the_stray_reads_closed_loop_callbacks_are_dropped(monkeypatch):
+    """TensorStore reads still in flight when orbax's restore fails call back into its closed
+    event loop and print that RuntimeError through sys.excepthook, under the one error line; the
+    hook installed on a failed restore drops exactly those, and passes every other error on."""
+    import asyncio
+
+    from dalle_ablate.train import checkpoint
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *info: seen.append(info[1]))
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(lambda: None)  # what a late read's callback does
+    except RuntimeError as e:
+        stray = e
+    checkpoint._quiet_stray_reads()
+    checkpoint._quiet_stray_reads()  # once is enough: not wrapped twice
+    sys.excepthook(RuntimeError, stray, stray.__traceback__)
+    other = RuntimeError("Event loop is closed")  # the same words raised elsewhere: a real error
+    sys.excepthook(RuntimeError, other, None)
+    bug = ValueError("a bug")
+    sys.excepthook(ValueError, bug, None)
+    assert seen == [other, bug]
