@@ -178,22 +178,35 @@ def _closed_loop_callback(kind, value, tb) -> bool:
             and tb.tb_frame.f_code.co_name == "_check_closed")
 
 
+def _stray_read(args) -> bool:
+    """Whether an unraisable error (sys.unraisablehook's argument) is a stray read's of a failed
+    restore: its callback into the closed loop, or orbax's read coroutine dropped with its error."""
+    return (_closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback)
+            or getattr(args.object, "__name__", None) == "_read_array_index_and_device_put")
+
+
 def _quiet_stray_reads() -> None:
     """After a restore that failed part-way: orbax closes its event loop on the first array that
     cannot be read, while TensorStore still reads the others on its own threads; each read that
-    ends later calls back into the closed loop, and TensorStore prints that RuntimeError through
-    sys.excepthook (PyErr_Print), a traceback under the one error line. Those callbacks, and only
-    those, are dropped from then on; every other uncaught error reaches the hook as before."""
-    previous = sys.excepthook
-    if getattr(previous, "quiet_stray_reads", False):
+    ends later calls back into the closed loop, and that RuntimeError (or the dropped read
+    coroutine's own error) is printed as an unraisable error -- tracebacks under the one error
+    line, more of them the busier the machine. Those, and only those, are dropped from then on
+    (sys.unraisablehook, and sys.excepthook should TensorStore print through it); every other
+    error reaches the hooks as before."""
+    if getattr(sys.unraisablehook, "quiet_stray_reads", False):
         return
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
 
-    def hook(kind, value, tb):
+    def on_unraisable(args):
+        if not _stray_read(args):
+            unraisable(args)
+
+    def on_uncaught(kind, value, tb):
         if not _closed_loop_callback(kind, value, tb):
-            previous(kind, value, tb)
+            excepthook(kind, value, tb)
 
-    hook.quiet_stray_reads = True
-    sys.excepthook = hook
+    on_unraisable.quiet_stray_reads = on_uncaught.quiet_stray_reads = True
+    sys.unraisablehook, sys.excepthook = on_unraisable, on_uncaught
 
 
 def _root_cause(e: BaseException) -> str:
