@@ -88,7 +88,7 @@ def test_a_ctrl_c_lets_a_study_s_child_finish_what_it_does_on_one(tmp_path):
     import signal
     import threading
 
-    from dalle_ablate.cli import call_child
+    from dalle_ablate.report.study_runs import call_child
 
     done = tmp_path / "saved"
     child = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(done)!r}).write_text('x')"

@@ -168,7 +168,7 @@ def test_every_stress_run_of_the_mega_study_composes():
 
 @pytest.mark.slow
 def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverged(tmp_path):
-    from dalle_ablate.cli import run_stress
+    from dalle_ablate.report.study_runs import run_stress
 
     # Adam's first steps move every weight by about the rate: at 1e30 the attention logits pass
     # float32's 3.4e38 and the loss stops being finite.
