@@ -101,7 +101,8 @@ def accuracy(args, steps: int = 16) -> None:
     from dalle_ablate.optim import path_str
     from dalle_ablate.train.assembly import assemble
     from dalle_ablate.train.grad_scaling import advance, block_names, block_scales, param_block, probes, scaler_init, unscale
-    from dalle_ablate.train.step import layer_group, objective
+    from dalle_ablate.train.gradients import objective
+    from dalle_ablate.train.step import layer_group
     from dalle_ablate.validate import compose, to_run_config
 
     runs, dataset = {}, None

@@ -247,7 +247,8 @@ def cmd_encode(args) -> None:
 
 
 def abstract_setup(overrides: list[str]):
-    """(run config, model config with the data's sizes, optimizer) without reading any data."""
+    """(run config, model config with the data's sizes, params -> its train state) without reading
+    any data."""
     from dalle_ablate.train.assembly import abstract_run
     from dalle_ablate.validate import to_run_config
 
@@ -259,8 +260,8 @@ def cmd_describe(args) -> None:
     """Parameters per module, FLOPs per image token and memory, from abstract shapes."""
     from dalle_ablate.model.describe import describe
 
-    cfg, model_cfg, optimizer = abstract_setup(args.overrides)
-    print(describe(model_cfg, optimizer))
+    cfg, model_cfg, new_state = abstract_setup(args.overrides)
+    print(describe(model_cfg, new_state))
     print(f"(optimizer: {cfg.optim.name})")
 
 

@@ -26,12 +26,14 @@ def module_counts(params) -> dict[str, int]:
     return dict(counts)
 
 
-def describe(model_cfg, optimizer) -> str:
+def describe(model_cfg, new_state) -> str:
+    """The table `dalle-ablate describe` prints; `new_state`: params -> the run's train state,
+    whose floating-point arrays besides the parameters count as optimizer state."""
     model = abstract_model(model_cfg)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    opt_state = jax.eval_shape(optimizer.init, params)
-    opt_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(opt_state) if np.issubdtype(x.dtype, np.floating))
+    state = jax.eval_shape(new_state, params)
+    opt_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)) - total
     fwd = forward_flops_per_example(model_cfg)
     c = model_cfg
     family = FAMILIES.get(c.family)

@@ -9,7 +9,7 @@ Only ≥ 2-D parameters not matched by `exclude` are compressed (DALL·E exclude
 head, gains and biases, reduced in float32); the rest is all-reduced whole. A parameter of more
 than two dimensions (layers stacked by scan) is a batch of matrices over its last two axes.
 
-`powersgd_mean` runs under `shard_map` over the data axis (train/step.py): its `psum`s are the
+`powersgd_mean` runs under `shard_map` over the data axis (train/gradients.py): its `psum`s are the
 run's only gradient communication, so what crosses the wire really is the factors.
 """
 
@@ -22,7 +22,6 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from dalle_ablate.registry import ConfigError, OptionConfig, check
 
@@ -153,19 +152,3 @@ def powersgd_mean(grads, state: PowerSGDState, exclude: list[str], axis_name: st
     mean = jax.tree_util.tree_map_with_path(
         lambda path, g: approx_of[_keys(path)].astype(g.dtype) if _keys(path) in approx_of else psum(g), grads)
     return mean, PowerSGDState(q=_nest(new_q), error=_nest(new_err)), {"rel_error": rel}
-
-
-def with_powersgd(inner: optax.GradientTransformation, cfg: PowerSGDConfig, workers: int) -> optax.GradientTransformation:
-    """`inner` with PowerSGD's state beside its own: opt_state = (PowerSGDState, inner state), so
-    that Q and the residuals are placed, checkpointed and resumed with the optimizer. The train
-    step compresses (powersgd_mean) and stores the new PowerSGDState before calling `update`,
-    which passes the (already averaged) gradients to `inner`."""
-
-    def init(params):
-        return powersgd_init(params, cfg.rank, cfg.exclude, workers), inner.init(params)
-
-    def update(updates, state, params=None):
-        out, inner_state = inner.update(updates, state[1], params)
-        return out, (state[0], inner_state)
-
-    return optax.GradientTransformation(init, update)

@@ -5,10 +5,9 @@ here moves data by hand."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -20,7 +19,7 @@ from dalle_ablate.parallel.rules import LOGICAL_RULES, layout_specs, param_specs
 
 @dataclass(frozen=True)
 class Placement:
-    """Shardings of one run: `state` is a TrainState-shaped tree of NamedShardings."""
+    """Shardings of one run: `state` is a tree of NamedShardings shaped like the train state."""
 
     mesh: Mesh
     params: Any
@@ -51,17 +50,15 @@ class Placement:
                 for k, v in local.items()}
 
 
-def make_placement(mesh: Mesh, abstract_model: nnx.Module, optimizer, state_cls) -> Placement:
-    """Shardings for parameters (by the rules), the optimizer state (like its parameters) and
-    the train state, from abstract shapes only."""
-    _, pspecs, _, ospecs = layout_specs(abstract_model, optimizer, dict(mesh.shape))
+def make_placement(mesh: Mesh, abstract_model: nnx.Module, new_state: Callable) -> Placement:
+    """Shardings for parameters (by the rules) and the train state `new_state(params)` (each
+    leaf like its parameter where it has one's shape, `state_specs`), from abstract shapes only."""
+    _, pspecs, _, sspecs = layout_specs(abstract_model, new_state, dict(mesh.shape))
 
     def named(tree):
         return jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P))
 
-    params = named(pspecs)
-    state = state_cls(step=NamedSharding(mesh, P()), params=params, opt_state=named(ospecs))
-    return Placement(mesh, params, state, NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P()))
+    return Placement(mesh, named(pspecs), named(sspecs), NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P()))
 
 
 def over_data(fn, mesh: Mesh, in_split, out_split):
@@ -78,23 +75,22 @@ def over_data(fn, mesh: Mesh, in_split, out_split):
     return jax.shard_map(fn, mesh=mesh, in_specs=specs(in_split), out_specs=specs(out_split))
 
 
-def _initialiser(graph_fn, optimizer, state_cls):
+def _initialiser(graph_fn, new_state):
     def init():
-        params = nnx.to_pure_dict(nnx.split(graph_fn(), nnx.Param)[1])
-        return state_cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+        return new_state(nnx.to_pure_dict(nnx.split(graph_fn(), nnx.Param)[1]))
 
     return init
 
 
-def init_state(graph_fn, optimizer, placement: Placement, state_cls):
-    """The initial TrainState, created directly in its shards (never whole on one device):
-    `graph_fn()` builds the model from its seed inside the jitted initialiser."""
-    return jax.jit(_initialiser(graph_fn, optimizer, state_cls), out_shardings=placement.state)()
+def init_state(graph_fn, new_state, placement: Placement):
+    """The initial train state `new_state(params)`, created directly in its shards (never whole on
+    one device): `graph_fn()` builds the model from its seed inside the jitted initialiser."""
+    return jax.jit(_initialiser(graph_fn, new_state), out_shardings=placement.state)()
 
 
-def abstract_state(graph_fn, optimizer, placement: Placement, state_cls):
-    """The TrainState's shapes, dtypes and shardings, nothing allocated: a restore target."""
-    shapes = jax.eval_shape(_initialiser(graph_fn, optimizer, state_cls))
+def abstract_state(graph_fn, new_state, placement: Placement):
+    """The train state's shapes, dtypes and shardings, nothing allocated: a restore target."""
+    shapes = jax.eval_shape(_initialiser(graph_fn, new_state))
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, placement.state)
 
 

@@ -86,9 +86,10 @@ def communication_bytes(cfg, model_cfg, params, pspecs, param_bytes: int, sizes:
     }
 
 
-def memory_plan(cfg, model_cfg, optimizer) -> dict:
+def memory_plan(cfg, model_cfg, new_state) -> dict:
     """Per-device bytes of parameters, gradients (float32, like the master weights), optimizer
-    state and activations by remat policy, for `cfg.mesh` (-1 counts as 1), and FLOPs."""
+    state and activations by remat policy, for `cfg.mesh` (-1 counts as 1), and FLOPs.
+    `new_state`: params -> the run's train state (train/state.py), for its shapes."""
     raw = [int(getattr(cfg.mesh, a)) for a in AXES]
     sizes = dict(zip(AXES, [max(s, 1) for s in raw]))
     t = cfg.trainer
@@ -96,7 +97,7 @@ def memory_plan(cfg, model_cfg, optimizer) -> dict:
     dp = sizes["data"] * sizes["fsdp"]
     micro = t.batch_size // t.grad_accum
     model_cfg = pad_vocab_for_mesh(model_cfg, sizes["model"])
-    params, pspecs, opt_state, ospecs = layout_specs(abstract_model(model_cfg), optimizer, sizes)
+    params, pspecs, state, sspecs = layout_specs(abstract_model(model_cfg), new_state, sizes)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
     family = FAMILIES.get(model_cfg.family)
     logits = family.logit_elements(model_cfg) / sizes["model"] * (act_bytes + 4)  # compute dtype and a float32 copy
@@ -110,10 +111,12 @@ def memory_plan(cfg, model_cfg, optimizer) -> dict:
         "per_device_examples": b,
         "params": sum(x.size for x in jax.tree.leaves(params)),
         "param_bytes": param_bytes,
-        "optimizer_bytes": per_device_bytes(opt_state, ospecs, sizes),
+        # everything the train state holds besides the parameters: the optimizer's moments and
+        # counters, and the gradient scaler's and PowerSGD's state when on
+        "optimizer_bytes": per_device_bytes(state, sspecs, sizes) - param_bytes,
         "activation_bytes": {k: b * (v * act_bytes + logits) for k, v in per_example.items()},
         "flops_per_update": train_flops_per_example(model_cfg) * t.batch_size,
-        "checkpoint_bytes": full_bytes(params) + full_bytes(opt_state),  # all shards together, as orbax writes them
+        "checkpoint_bytes": full_bytes(state),  # all shards together, as orbax writes them
         "communication_bytes": communication_bytes(cfg, model_cfg, params, pspecs, param_bytes, sizes, b),
     }
 
@@ -125,13 +128,13 @@ def fit_line(total: float, memory: int) -> str:
     return f"does not fit ({_gb(total - memory)} over {_gb(memory)})"
 
 
-def plan(cfg, model_cfg, optimizer, device: str | None = None, mfu: float = 0.4) -> str:
+def plan(cfg, model_cfg, new_state, device: str | None = None, mfu: float = 0.4) -> str:
     """The table that `dalle-ablate plan` prints; with `device` (a name of DEVICES), whether each
     remat policy fits its memory and the step time at `mfu` of its peak."""
     spec = device_spec(device) if device is not None else None
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
-    m = memory_plan(cfg, model_cfg, optimizer)
+    m = memory_plan(cfg, model_cfg, new_state)
     sizes, t = m["sizes"], cfg.trainer
     fixed = m["param_bytes"] * 2 + m["optimizer_bytes"]
     lines = [

@@ -97,11 +97,12 @@ def stack_sharding(mesh: Optional[Mesh]) -> Optional[Callable[[tuple[int, ...]],
     return lambda shape: NamedSharding(mesh, stack_spec(int(shape[0]), len(shape), dict(mesh.shape)))
 
 
-def state_specs(opt_state, params, specs, mesh_sizes: dict[str, int]):
-    """PartitionSpecs for an optax state: a leaf that sits under a copy of the parameter tree
-    (Adam's moments, Shampoo's graft and momentum) and has its parameter's shape gets the
-    parameter's spec; Shampoo's stacked statistics follow `stack_spec`; everything else (counts,
-    Adafactor's factored rows and columns, scalars) is replicated."""
+def state_specs(state, params, specs, mesh_sizes: dict[str, int]):
+    """PartitionSpecs for a train or optax state: a leaf that sits under a copy of the parameter
+    tree (the parameters themselves, Adam's moments, Shampoo's graft and momentum) and has its
+    parameter's shape gets the parameter's spec; Shampoo's stacked statistics follow
+    `stack_spec`; PowerSGD's residuals are split over `data`, one per worker; everything else
+    (counts, Adafactor's factored rows and columns, the gradient scaler, scalars) is replicated."""
     by_path: dict[tuple, tuple[tuple[int, ...], P]] = {}
     flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
     for (path, p), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_specs):
@@ -121,15 +122,16 @@ def state_specs(opt_state, params, specs, mesh_sizes: dict[str, int]):
                 return hit[1]
         return P()
 
-    return jax.tree_util.tree_map_with_path(leaf_spec, opt_state, is_leaf=lambda x: isinstance(x, (StackState, PowerSGDState)))
+    return jax.tree_util.tree_map_with_path(leaf_spec, state, is_leaf=lambda x: isinstance(x, (StackState, PowerSGDState)))
 
 
 
-def layout_specs(abstract_model, optimizer, mesh_sizes: dict[str, int]):
-    """(parameter shapes, their specs, optimizer-state shapes, their specs) for a mesh of these
-    sizes, from abstract shapes only: what training places and what `plan` counts."""
+def layout_specs(abstract_model, new_state, mesh_sizes: dict[str, int]):
+    """(parameter shapes, their specs, the train state's shapes, their specs) for a mesh of these
+    sizes, from abstract shapes only: what training places and what `plan` counts. `new_state`:
+    params -> the train state (the parameters in it get their own specs, by path)."""
     state = nnx.state(abstract_model, nnx.Param)
     shapes = nnx.to_pure_dict(state)
     pspecs = param_specs(nnx.to_pure_dict(nnx.get_partition_spec(state)), shapes, mesh_sizes)
-    opt_shapes = jax.eval_shape(optimizer.init, shapes)
-    return shapes, pspecs, opt_shapes, state_specs(opt_shapes, shapes, pspecs, mesh_sizes)
+    state_shapes = jax.eval_shape(new_state, shapes)
+    return shapes, pspecs, state_shapes, state_specs(state_shapes, shapes, pspecs, mesh_sizes)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import optax
 from flax import nnx
@@ -20,8 +20,9 @@ from dalle_ablate.model import abstract_model, build_model, resolve
 from dalle_ablate.optim import build_optimizer
 from dalle_ablate.parallel import Placement, abstract_state, build_mesh, check_batch, init_state, make_placement, pad_vocab_for_mesh
 from dalle_ablate.parallel import stack_sharding
-from dalle_ablate.train.grad_scaling import block_names, scaler_init, with_scaler
-from dalle_ablate.train.step import TrainState, make_train_step
+from dalle_ablate.train.grad_scaling import block_names, scaler_init
+from dalle_ablate.train.state import TrainState, state_maker
+from dalle_ablate.train.step import make_train_step
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Assembly:
     model_cfg: Any  # the ModelConfig with the data's sizes, vocabulary rows padded for the mesh
     abstract: nnx.Module  # the model's shapes, nothing allocated
     optimizer: optax.GradientTransformation
+    new_state: Callable[[Any], TrainState]  # params -> the state at step 0 (train/state.py)
     schedule: optax.Schedule
     placement: Placement
 
@@ -46,11 +48,11 @@ class Assembly:
 
     def init_state(self) -> TrainState:
         """The initial state from the run's init seed, created in its shards."""
-        return init_state(lambda: build_model(self.model_cfg, init_seed(self.cfg)), self.optimizer, self.placement, TrainState)
+        return init_state(lambda: build_model(self.model_cfg, init_seed(self.cfg)), self.new_state, self.placement)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, nothing allocated: a checkpoint's restore target."""
-        return abstract_state(lambda: abstract_model(self.model_cfg), self.optimizer, self.placement, TrainState)
+        return abstract_state(lambda: abstract_model(self.model_cfg), self.new_state, self.placement)
 
     def train_step(self):
         """The jitted step (state, global batch) -> (state, metrics)."""
@@ -76,16 +78,24 @@ def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Option
     if dtype is not None:
         model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
     abstract = abstract_model(model_cfg)
-    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, stack_sharding(mesh), mesh.shape["data"])
-    if cfg.trainer.grad_scaling != "none":  # the scaler's state beside the optimizer's
-        optimizer = with_scaler(optimizer, scaler_init(cfg.trainer.grad_scaling, block_names(abstract), cfg.trainer.grad_scale_init))
-    placement = make_placement(mesh, abstract, optimizer, TrainState)
-    return Assembly(cfg, mesh, dataset, model_cfg, abstract, optimizer, schedule, placement)
+    optimizer, schedule = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, stack_sharding(mesh))
+    new_state = _state_maker(cfg, optimizer, abstract, mesh.shape["data"])
+    placement = make_placement(mesh, abstract, new_state)
+    return Assembly(cfg, mesh, dataset, model_cfg, abstract, optimizer, new_state, schedule, placement)
 
 
-def abstract_run(cfg: RunConfig) -> tuple[Any, optax.GradientTransformation]:
-    """(model config, optimizer) of `cfg` from the config alone: the sizes its data implies,
-    nothing read, and no mesh built, so that a run of any size on any mesh can be counted here."""
+def _state_maker(cfg: RunConfig, optimizer, abstract, workers: int) -> Callable[[Any], TrainState]:
+    """params -> the run's state at step 0: the optimizer's, and the gradient scaler's and
+    PowerSGD's when the config turns them on."""
+    t, psgd = cfg.trainer, cfg.optim.powersgd
+    scaler = None if t.grad_scaling == "none" else scaler_init(t.grad_scaling, block_names(abstract), t.grad_scale_init)
+    return state_maker(optimizer, scaler, psgd if psgd.rank is not None else None, workers)
+
+
+def abstract_run(cfg: RunConfig) -> tuple[Any, Callable[[Any], TrainState]]:
+    """(model config, params -> its train state) of `cfg` from the config alone: the sizes its
+    data implies, nothing read, and no mesh built, so that a run of any size on any mesh can be
+    counted here."""
     model_cfg = resolve(cfg.model, **abstract_sizes(cfg.data, cfg.model))
-    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps, data_parallel=max(cfg.mesh.data, 1))
-    return model_cfg, optimizer
+    optimizer, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
+    return model_cfg, _state_maker(cfg, optimizer, abstract_model(model_cfg), max(cfg.mesh.data, 1))

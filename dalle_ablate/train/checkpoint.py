@@ -7,6 +7,7 @@ functions of (seed, step), so the step is all a resume needs besides the state i
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import re
@@ -209,6 +210,30 @@ def _quiet_stray_reads() -> None:
     sys.unraisablehook, sys.excepthook = on_unraisable, on_uncaught
 
 
+def _as_written(mngr, step: int, folder: Path, abstract):
+    """(what to restore, restored -> the state) for the checkpoint of `step`: the state's fields as
+    that checkpoint holds them. One written before a field existed lacks it: where this run leaves
+    the field None it is restored without it; where this run needs it, the checkpoint is of
+    dalle-ablate 0.1.0, which kept the gradient scaler's and PowerSGD's state inside `opt_state` by
+    position (`opt_state.0.scale`), and is refused in one line rather than read as something else."""
+    try:
+        tree = getattr(mngr.item_metadata(step), "tree", None)
+    except Exception:  # noqa: BLE001 - unreadable metadata: the restore names what is wrong with it
+        tree = None
+    if not (isinstance(tree, dict) and dataclasses.is_dataclass(abstract)):
+        return abstract, lambda restored: restored
+    fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
+    missing = [k for k, v in fields.items() if k not in tree and v is not None]
+    if missing and isinstance(tree.get("opt_state"), (list, tuple)):
+        raise RunFailed(f"checkpoint {folder} was written by dalle-ablate 0.1.0, whose train state kept the "
+                        f"{' and '.join(missing)} state inside opt_state by position; this release names them and cannot "
+                        f"restore it: resume it with 0.1.0, or remove the run folder to start over")
+    if all(k in tree for k in fields):
+        return abstract, lambda restored: restored
+    present = {k: v for k, v in fields.items() if k in tree or v is not None}
+    return present, lambda restored: type(abstract)(**{**dict.fromkeys(fields), **restored})
+
+
 def _root_cause(e: BaseException) -> str:
     """The first line of the innermost error behind `e` (tensorstore's names the file and what
     is wrong with it; orbax's wrapper names an array index)."""
@@ -237,7 +262,9 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
     one before it tried, and `on_broken(folder)` hears of each that could not be restored once an
     earlier one was. A checkpoint that cannot be restored, and no earlier one, is one line."""
     directory = Path(directory).absolute()
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    # the handler named, so that item_metadata reads a step's tree before anything is restored
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
+                                 item_handlers=ocp.StandardCheckpointHandler())
     try:
         steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
         if not steps:
@@ -245,8 +272,9 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         broken = []
         for s in steps:
+            item, as_state = _as_written(mngr, s, directory / str(s), abstract)
             try:
-                state = mngr.restore(s, args=ocp.args.StandardRestore(abstract))
+                state = as_state(mngr.restore(s, args=ocp.args.StandardRestore(item)))
             except Exception as e:  # noqa: BLE001 - orbax and tensorstore report a bad file in several types
                 _quiet_stray_reads()
                 broken.append((s, _root_cause(e), e))

@@ -13,8 +13,7 @@
 Either way a step whose gradients hold an Inf or NaN anywhere is skipped (parameters and
 optimizer state kept) and counted; a scale halves on overflow -- per block, only the blocks that
 overflowed -- and doubles after `trainer.grad_scale_growth_every` steps without one. The state
-sits beside the optimizer's, opt_state = (ScalerState, the optimizer's state), so it is placed,
-checkpointed and resumed with it.
+is the train state's `scaler` (state.py), placed, checkpointed and resumed with the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from dalle_ablate.model import BlockScale
 from dalle_ablate.model.layouts import Sublayer
@@ -63,20 +61,6 @@ def scaler_init(mode: str, blocks: dict[str, tuple[int, tuple[str, ...]]], init_
     else:
         scale = {k: jnp.full((n, len(branches)), init_scale, jnp.float32) for k, (n, branches) in blocks.items()}
     return ScalerState(scale, jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.int32), scale), jnp.zeros((), jnp.int32))
-
-
-def with_scaler(inner: optax.GradientTransformation, state: ScalerState) -> optax.GradientTransformation:
-    """`inner` with the scaler's state beside its own; the train step updates that state (and
-    skips steps) around `inner.update`, which sees only the unscaled gradients."""
-
-    def init(params):
-        return state, inner.init(params)
-
-    def update(updates, opt_state, params=None):
-        out, inner_state = inner.update(updates, opt_state[1], params)
-        return out, (opt_state[0], inner_state)
-
-    return optax.GradientTransformation(init, update)
 
 
 def probes(state: ScalerState):

@@ -17,7 +17,7 @@ from conftest import ROOT, cached_vs_full, compose, run_config
 from dalle_ablate.model import abstract_model, build_model, param_count, resolve
 from dalle_ablate.model.masks import image_pairs, layer_patterns, stream_mask
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.train.step import objective
+from dalle_ablate.train.gradients import objective
 from dalle_ablate.validate import to_run_config
 
 TEXT_VOCAB, IMAGE_VOCAB = 40, 30

@@ -173,9 +173,8 @@ def test_train_step_with_per_block_scaling_matches_float32_and_a_skipped_step_ch
     assert np.linalg.norm(moved16 - moved32) < 0.05 * np.linalg.norm(moved32)
     # per_block scales of 2^24 overflow float16 at once: skipped, parameters unchanged, scales halved
     state = r.init_state()
-    scaler, rest = state.opt_state
-    scaler = scaler._replace(scale=jax.tree.map(lambda s: jnp.full_like(s, 2.0**24), scaler.scale))
-    p0, p1, m = one_step(r, step, batch, state.replace(opt_state=(scaler, rest)))
+    scaler = state.scaler._replace(scale=jax.tree.map(lambda s: jnp.full_like(s, 2.0**24), state.scaler.scale))
+    p0, p1, m = one_step(r, step, batch, state.replace(scaler=scaler))
     assert m["train/skipped"] == 1.0 and m["train/skipped_steps"] == 1.0 and m["train/grad_filtered"] > 0
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))
     assert m["train/grad_scale"] == 2.0**23 and m["train/grad_scale/decoder/1/ffn"] == 2.0**23
@@ -215,7 +214,7 @@ def grad_fn(mode: str, model, batch):
     the probes' counts) of the training objective times `magnitude` (the loss gradient of a larger
     batch: the loss is a mean over tokens)."""
     from dalle_ablate.train.grad_scaling import block_scales
-    from dalle_ablate.train.step import objective
+    from dalle_ablate.train.gradients import objective
 
     graphdef = nnx.split(model, nnx.Param)[0]
 

@@ -76,7 +76,7 @@ def test_a_bfloat16_run_is_evaluated_in_float32(tmp_path, small_dataset):
     from dalle_ablate.model import abstract_model, resolve
     from dalle_ablate.optim import build_optimizer
     from dalle_ablate.train import checkpoint
-    from dalle_ablate.train.step import TrainState
+    from dalle_ablate.train.state import TrainState
     from dalle_ablate.train.loop import JobInfo, train
 
     cfg = run_config("model.dtype=bfloat16", "tracker=none", "trainer.steps=2", "trainer.eval_every=2",

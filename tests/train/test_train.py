@@ -18,7 +18,8 @@ from dalle_ablate.model import build_model, resolve
 from dalle_ablate.optim import build_optimizer
 from dalle_ablate.track.runstore import read_metrics
 from dalle_ablate.train.loop import JobInfo, train
-from dalle_ablate.train.step import TrainState, make_train_step
+from dalle_ablate.train.state import TrainState
+from dalle_ablate.train.step import make_train_step
 
 
 def setup(small_dataset, *overrides, batch_size=8):
