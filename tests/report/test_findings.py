@@ -23,7 +23,8 @@ import pandas as pd
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import compare, load_study, page_sections, study_path
+from dalle_ablate.report.findings import compare, load_study, study_path
+from dalle_ablate.report.page import page_sections
 from dalle_ablate.report.load import find_stores, load_runs
 from dalle_ablate.validate import compose, to_run_config
 

@@ -196,10 +196,11 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
 
 
 def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
-    """The study page's verdicts read a stress claim's per-seed LR sensitivity (findings.stress_measures
+    """The study page's verdicts read a stress claim's per-seed LR sensitivity (page.stress_measures
     into findings.compare): the paired difference is the mean over seeds of the two arms' sensitivities,
     computed here from the curves by hand, and Δ is 10 % of the baseline arm's mean sensitivity."""
-    from dalle_ablate.report.findings import compare, load_study, stress_measures
+    from dalle_ablate.report.findings import compare, load_study
+    from dalle_ablate.report.page import stress_measures
 
     for arm, seeds in CURVES.items():
         for seed, finals in seeds.items():
