@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 from scipy import stats as st
@@ -35,22 +35,35 @@ def _median_step_time(run: Run) -> float:
     return float(np.median(v)) if len(v) else math.nan
 
 
-# metric name -> (what it is, for the page; its value for one run)
-METRICS: dict[str, tuple[str, Callable[[Run], float]]] = {
-    "eval_loss": ("eval/valid/loss at the end", lambda r: final_value(r, "eval/valid/loss")),
-    "train_loss": ("train/loss at the end", lambda r: final_value(r, "train/loss")),
-    "step_time": ("median seconds per training step (this machine, with its load)", _median_step_time),
-    "loss_spikes": ("steps whose train/loss exceeds 1.5x the median of the 20 before",
-                    lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5))),
-    "shapes_all": ("shapes all-correct at guidance scale 2, the last evaluation",
-                   lambda r: headline_values(r).get("shapes/all@s2", math.nan)),
+class Metric(NamedTuple):
+    what: str  # what it is, for the page
+    value: Callable[[Run], float]  # its value for one run
+    unit: str  # what its numbers count, printed after each on the page
+
+
+# The losses are the cross-entropy of the image codes (natural log), averaged over the image tokens.
+METRICS: dict[str, Metric] = {
+    "eval_loss": Metric("eval/valid/loss at the end", lambda r: final_value(r, "eval/valid/loss"), "nats/image token"),
+    "train_loss": Metric("train/loss at the end", lambda r: final_value(r, "train/loss"), "nats/image token"),
+    "step_time": Metric("median seconds per training step (this machine, with its load)", _median_step_time, "s"),
+    "loss_spikes": Metric("steps whose train/loss exceeds 1.5x the median of the 20 before",
+                          lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5)), "spikes/run"),
+    "shapes_all": Metric("shapes all-correct at guidance scale 2, the last evaluation",
+                         lambda r: headline_values(r).get("shapes/all@s2", math.nan), "fraction of prompts"),
 }
 # Metrics measured on runs of their own, not the study's: their per-seed values reach the verdicts
-# through `extra` (write_page reads them), and a study run holds none of them.
-MEASURED_ELSEWHERE = {
-    "lr_sensitivity": "learning-rate sensitivity over the stress runs (report/stress.py, Wortsman et al. 2023 §2.2), "
-                      "nats per token",
+# through `extra` (page.write_page reads them), and a study run holds none of them. metric -> (what, unit)
+MEASURED_ELSEWHERE: dict[str, tuple[str, str]] = {
+    "lr_sensitivity": ("learning-rate sensitivity over the stress runs (report/stress.py, Wortsman et al. 2023 §2.2)",
+                       "nats/image token"),
 }
+
+
+def unit_of(metric: str) -> str:
+    """The unit of a metric's numbers (METRICS, MEASURED_ELSEWHERE); "" for one neither knows."""
+    if metric in METRICS:
+        return METRICS[metric].unit
+    return MEASURED_ELSEWHERE[metric][1] if metric in MEASURED_ELSEWHERE else ""
 
 
 # The margin Δ of each metric when a finding does not declare its own (docs/statistics.md says
@@ -103,6 +116,7 @@ class Finding:
     metric: str  # a key of METRICS
     expect: str  # "lower" | "higher": the arm's value against the other's, if the claim holds
     margin: Optional[str] = None  # Δ: "N%" of the baseline's mean or an absolute value; None: MARGINS[metric]
+    note: Optional[str] = None  # what a reader needs to know to read its verdict (how this study tests the claim)
 
 
 @dataclass
@@ -136,7 +150,7 @@ def load_study(path: Path) -> Study:
     findings = []
     for i, f in enumerate(raw["findings"]):
         keys = [field.name for field in fields(Finding)]
-        missing = [k for k in keys if k not in f and k != "margin"]
+        missing = [k for k in keys if k not in f and k not in ("margin", "note")]
         if missing:
             raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
         if f["metric"] not in METRICS and f["metric"] not in MEASURED_ELSEWHERE:
@@ -152,7 +166,10 @@ def load_study(path: Path) -> Study:
         if parse_margin(margin) is None:
             raise ConfigError(f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
                               f"metric's units (0.01) or a percentage of the baseline's mean (2%)")
-        findings.append(Finding(**{k: f[k] for k in keys if k != "margin"}, margin=str(margin)))
+        if not isinstance(f.get("note", ""), str):
+            raise ConfigError(f"{where}: finding {f['id']!r} has note {f['note']!r}; give a sentence of text")
+        findings.append(Finding(**{k: f[k] for k in keys if k not in ("margin", "note")}, margin=str(margin),
+                                note=f.get("note")))
     stressed = {a for f in raw["findings"] if f["id"] in ((raw.get("stress") or {}).get("claims") or [])
                 for a in (f["arm"], f["against"])}
     for f in findings:  # a percentage of the baseline's mean needs the baseline measured on that metric

@@ -1,32 +1,101 @@
-"""A study's results page (`dalle-ablate study`, docs/results/<study>.md): the summary with each
-finding's verdict (report/findings.py judges them), the noise floor, the top-up rule, every arm's
-numbers, the stress runs' section and the figures, written as Markdown with its figures beside it."""
+"""A study's results page (`dalle-ablate study`, docs/results/<study>.md), written to be read on
+its own: the summary with each finding's verdict (report/findings.py judges them) and its note,
+what each arm is (its conf/arm/ file's comment and overrides), the noise floor, the top-up rule,
+every arm's numbers, the stress runs' section and the figures, each with its caption; every number
+with its unit, to three significant digits (tables.fmt3). Markdown, its figures beside it."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+from importlib import resources
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import yaml
 
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.findings import (MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, VERDICTS, Study, _arms_by,
-                                          claims_tables, compare, course, noise_sources)
+                                          claims_tables, compare, course, noise_sources, parse_margin, unit_of)
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import diverged, mean_ci
-from dalle_ablate.report.tables import fmt, shapes_noise_table
+from dalle_ablate.report.tables import fmt3, shapes_noise_table
 from dalle_ablate.report.writers import Section
+
+
+CONF = resources.files("dalle_ablate.conf")  # the package's config groups: the arms' and experiments' files
+STATISTICS = Path(__file__).resolve().parents[2] / "docs" / "statistics.md"  # in a source checkout
+
+
+def arm_definition(arm: str) -> Optional[tuple[str, list[str]]]:
+    """(what the arm is: the comment at the top of its conf/arm/<arm>.yaml; its overrides, as
+    `key=value` the way the command line gives them, a config group's choice as `group=option`),
+    read from the package's conf; None if the package has no such arm."""
+    path = CONF / "arm" / f"{arm}.yaml"
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    comment = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            comment.append(line.lstrip("#").strip())
+    raw = yaml.safe_load(text) or {}
+    overrides = []
+    for d in raw.pop("defaults", None) or []:
+        if isinstance(d, dict):
+            overrides += [f"{k.removeprefix('override').strip().lstrip('/')}={v}" for k, v in d.items()]
+
+    def flat(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                flat(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            value = node if isinstance(node, str) else yaml.safe_dump(node, default_flow_style=True).strip()
+            overrides.append(f"{prefix}={value.removesuffix(chr(10) + '...')}")
+
+    flat("", raw)
+    return " ".join(comment), overrides
+
+
+def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
+    """The study's arms: the baseline, those its experiment preset runs (its sweeper's `+arm`),
+    then any other that has runs or a finding names."""
+    preset = CONF / "experiment" / f"{study.experiment}.yaml"
+    raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
+    swept = str((((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params", {}).get("+arm") or "")
+    return list(dict.fromkeys([study.baseline, *(a.strip() for a in swept.split(",") if a.strip()), *by_arm,
+                               *(a for f in study.findings for a in (f.arm, f.against))]))
+
+
+def arms_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
+    """What each arm is: its name, the comment of its conf/arm/ file and its overrides."""
+    s = Section("definitions", "The arms")
+    s.text.append(f"Every arm is the baseline's configuration (conf/config.yaml with the experiment preset "
+                  f"conf/experiment/{study.experiment}.yaml, which sets what all arms share: steps, evaluation, seeds) "
+                  "with the overrides of its file conf/arm/<arm>.yaml, chosen by `+arm=<arm>`. What each is, from the "
+                  "comment of its file:")
+    rows = []
+    for arm in study_arms(study, by_arm):
+        found = arm_definition(arm)
+        what, overrides = found if found is not None else (f"(no conf/arm/{arm}.yaml in this package)", [])
+        none = "none: the defaults as they are" if arm == study.baseline else "none"
+        rows.append([arm + (" (baseline)" if arm == study.baseline else ""), what,
+                     ", ".join(f"`{o}`" for o in overrides) or none])
+    s.tables.append((["arm", "what it is", "overrides"], rows))
+    return s
 
 
 def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], list[list]]:
     """Per arm: seeds, status, each metric's mean [95% t interval], spikes and divergences."""
     cols = ["arm", "seeds", "finished"]
     for m in ("eval_loss", "shapes_all", "step_time"):
-        cols += [m, f"{m} 95% CI"]
+        cols += [f"{m} ({unit_of(m)})", f"{m} 95% CI ({unit_of(m)})"]
     cols += ["loss spikes (per run)", "diverged"]
     rows = []
     for arm, runs in by_arm.items():
@@ -42,8 +111,20 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
     return cols, rows
 
 
-def _interval(lo: float, hi: float) -> str:
-    return f"[{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) and np.isfinite(hi) else "–"
+def _interval(lo: float, hi: float, unit: str = "") -> str:
+    return f"[{fmt3(lo)}, {fmt3(hi)}]" + (f" {unit}" if unit else "") if np.isfinite(lo) and np.isfinite(hi) else "–"
+
+
+def claim_row(r: dict, over_training: str) -> list:
+    """A finding's row of the claims table: every number in its metric's unit, to 3 digits."""
+    f, u = r["finding"], unit_of(r["finding"].metric)
+    value, relative = parse_margin(f.margin)
+    return [f.id, f.claim, f"{f.arm} vs {f.against}", f"{f.metric} ({f.expect} if the claim holds)",
+            f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
+            fmt3(r["arm_mean"], u), fmt3(r["against_mean"], u), fmt3(r["diff"], u), _interval(r["low"], r["high"], u),
+            _interval(r["fw_low"], r["fw_high"], u), fmt3(r["rho"]), _noise_note(r),
+            _interval(r["welch_low"], r["welch_high"], u), ", ".join(str(s) for s in r["seeds"]) or "–", over_training,
+            r["verdict"]]
 
 
 def _noise_note(r: dict) -> str:
@@ -55,9 +136,11 @@ def _noise_note(r: dict) -> str:
 
 
 def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: Optional[list[dict]] = None,
-                  extra: Optional[dict[str, dict[str, dict]]] = None) -> tuple[list[Section], list[dict]]:
+                  extra: Optional[dict[str, dict[str, dict]]] = None,
+                  statistics: str = "../statistics.md") -> tuple[list[Section], list[dict]]:
     """The results page as report sections, and the comparison rows. `topups`: the study's
-    top-up log (cmd_study); `extra`: tables of values measured elsewhere (claims_tables)."""
+    top-up log (cmd_study); `extra`: tables of values measured elsewhere (claims_tables);
+    `statistics`: the link to docs/statistics.md from the page's folder."""
     by_arm = _arms_by(runs)
     if not by_arm:
         raise ConfigError(f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
@@ -72,7 +155,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     head.text += provenance
     head.text.append(f"{k} findings, {settled} settled: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".")
     head.text.append(
-        "How a verdict is read (docs/statistics.md): arms run with the same seed share its data order and initial key, so "
+        f"How a verdict is read ([docs/statistics.md]({statistics}) says why each step): arms run with the same seed share its data order and initial key, so "
         "each finding is judged on its per-seed differences (arm minus the arm it is compared with, over the seeds both "
         "finished), with the noise of a difference pooled over all the study's arms by the additive model value ~ arm + "
         "seed; a finding whose own differences vary more than the pool allows (the upper 10 % of the F ratio), or that "
@@ -87,11 +170,12 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     head.text.append("Over training: at how many of the evaluations the paired 95 % interval lay beyond 0 on the "
                      "predicted side, and on the other (the figures show each course). The table's 95 % interval is "
                      "the paired one; the family-wise interval is at the Bonferroni level "
-                     f"({1 - V.ALPHA / k:.2%} per finding), which Holm's decisions never need more than; Welch's "
+                     f"({fmt3(100 * (1 - V.ALPHA / k))} % per finding), which Holm's decisions never need more than; Welch's "
                      "unpaired interval is beside it to show what pairing bought, with rho, the two arms' correlation "
-                     "across seeds.")
+                     "across seeds. Every number is in its metric's unit, given after it.")
     used = dict.fromkeys(f.metric for f in study.findings)
-    head.text.append("Metrics: " + "; ".join(f"{m}: {METRICS[m][0]}" if m in METRICS else m for m in used) + ". Only "
+    head.text.append("Metrics: " + "; ".join(f"{m}: {(METRICS.get(m) or MEASURED_ELSEWHERE[m])[0]}, in {unit_of(m)}"
+                                             for m in used) + ". Only "
                      "finished runs are compared; the arms' table counts the others.")
     base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
     c, m = base[0].config, base[0].meta
@@ -117,12 +201,11 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "paired diff", "95% CI",
                          "family-wise CI", "rho", "noise", "Welch 95% CI", "seeds",
                          "evaluations beyond 0: predicted / other side", "verdict"],
-                        [[r["finding"].id, r["finding"].claim, f"{r['finding'].arm} vs {r['finding'].against}",
-                          f"{r['finding'].metric} ({r['finding'].expect} if the claim holds)",
-                          f"±{fmt(r['margin'])} ({r['finding'].margin})", r["arm_mean"], r["against_mean"], r["diff"],
-                          _interval(r["low"], r["high"]), _interval(r["fw_low"], r["fw_high"]), r["rho"],
-                          _noise_note(r), _interval(r["welch_low"], r["welch_high"]),
-                          ", ".join(str(s) for s in r["seeds"]) or "–", over_training(r), r["verdict"]] for r in rows]))
+                        [claim_row(r, over_training(r)) for r in rows]))
+    notes = Section("notes", "Notes on the findings")
+    notes.text += [f"{f.id}: {f.note}" for f in study.findings if f.note]
+    if not notes.text:
+        notes.text.append("The study file gives no notes on its findings.")
 
     noise = Section("noise", "Noise floor")
     noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the residual noise of the "
@@ -137,23 +220,23 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         s2, df, share = V.blocked_residual(np.where(out[:, None], np.nan, t))
         b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
         b = b[np.isfinite(b)]
-        nrows.append([metric, float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), float(np.sqrt(s2)), float(df),
-                      float(share), ", ".join(a for a, o in zip(arms, out) if o) or "none"])
-    noise.tables.append((["metric", "baseline's sd across seeds", "baseline seeds", "pooled residual sd", "its df",
-                          "seed share", "arms left out of the pool"], nrows))
+        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b),
+                      float(np.sqrt(s2)), int(df), float(share), ", ".join(a for a, o in zip(arms, out) if o) or "none"])
+    noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "pooled residual sd",
+                          "its df", "seed share (fraction of one run's variance)", "arms left out of the pool"], nrows))
     base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
-    sources = [[m, k, sd, df] for m in tables if m in METRICS
+    sources = [[m, unit_of(m), k, sd, df] for m in tables if m in METRICS
                for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
     if sources:
         noise.text.append("The baseline's runs vary these sources one at a time: the spread of each metric among runs "
                           "that differ only in that field (pooled over the groups that agree on every other).")
-        noise.tables.append((["metric", "source (config field)", "sd", "df"], sources))
+        noise.tables.append((["metric", "unit", "source (config field)", "sd", "df"], sources))
     else:
         noise.text.append("The baseline's runs vary every source together (through `seed`): the page cannot split them.")
     evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
     if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
         noise.text.append("The shapes evaluation's own noise, apart from the seeds': the baseline's all-correct per "
-                          "guidance scale and tier, its sd across seeds, and the binomial sd over one run's prompts, "
+                          "guidance scale and tier (a fraction of the prompts, as both sds are), its sd across seeds, and the binomial sd over one run's prompts, "
                           "sqrt(p (1 - p) / N). A seed spread near the prompt sd is mostly the evaluation's; every arm "
                           "is scored on the same prompts with the same sampling noise, so a paired difference "
                           "cancels what the prompts share.")
@@ -177,12 +260,14 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     arms_s.tables.append(arm_rows(study, by_arm))
 
     figs = Section(study.name, "The figures behind the findings")  # key: the figures' file names
-    figs.images.append(("Every finding's paired difference in units of its margin Δ, the side the claim predicts to "
-                        "the right: thick, the 95 % interval; thin, the family-wise one; shaded, ±Δ",
+    figs.images.append(("Every finding's paired difference (arm minus the arm it is compared with), one line each, in "
+                        "units of its margin Δ, the side the claim predicts to the right: thick, the 95 % interval; thin, "
+                        "the family-wise one; shaded, ±Δ; the verdict in short at the right",
                         figures.forest_figure(rows)))
     if courses:
-        figs.images.append(("The paired difference over training at every evaluation, with its 95 % interval (pooled as "
-                            "at the end) and ±Δ: a verdict at one budget can differ at another",
+        figs.images.append(("Each finding's paired difference over training, one panel per finding in its metric's "
+                            "unit: at every evaluation, with its 95 % interval (pooled as at the end) as a band, 0 and ±Δ "
+                            "as lines; a verdict at one budget can differ at another",
                             figures.course_figure([(r["finding"].id, r["margin"], courses[r["finding"].id])
                                                    for r in rows if r["finding"].id in courses])))
     for r in rows:
@@ -192,10 +277,15 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
             figs.text.append(f"{f.id}: no runs of {', '.join(a for a in (f.arm, f.against) if a not in by_arm)}.")
             continue
         columns = ["train/loss", "eval/valid/loss"] if f.metric != "step_time" else ["train/loss", "perf/step_time"]
-        figs.images.append((f"{f.id}: {f.claim} — {f.arm} vs {f.against}, {r['verdict']}",
+        units = {"train/loss": unit_of("train_loss"), "eval/valid/loss": unit_of("eval_loss"),
+                 "perf/step_time": unit_of("step_time")}
+        figs.images.append((f"{f.id} ({f.claim}; {r['verdict']}): "
+                            + " and ".join(f"{c} ({units[c]})" for c in columns)
+                            + f" against the training step, {f.arm} against {f.against}, the mean over each arm's seeds "
+                            "with its 95 % t interval as a band",
                             # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle
                             figures.curves_figure(pair, columns, figures.colors([f.against, f.arm]))))
-    return [head, noise, top, arms_s, figs], rows
+    return [head, notes, arms_section(study, by_arm), noise, top, arms_s, figs], rows
 
 
 def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]]]:
@@ -230,12 +320,14 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
     log = Path(source) / TOPUPS
     topups = json.loads(log.read_text()) if log.exists() else []
     stress_part, measured = stress_measures(study_file, source) if study_file is not None else ([], {})
-    sections, _ = page_sections(study, load_runs(source), provenance, topups, {**measured, **(extra or {})})
+    statistics = os.path.relpath(STATISTICS, page_dir.resolve()) if STATISTICS.is_file() else "../statistics.md"
+    sections, _ = page_sections(study, load_runs(source), provenance, topups, {**measured, **(extra or {})},
+                                statistics=Path(statistics).as_posix())
     sections[-1:-1] = stress_part  # before the per-finding figures
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
         old.unlink()
     path = page_dir / f"{study.name}.md"
-    atomic_write(path, to_markdown(study.title, sections, page_dir))
+    atomic_write(path, to_markdown(study.title, sections, page_dir, number=fmt3))
     return path
 
 
@@ -259,11 +351,11 @@ def provenance(study_arg: str, seeds: Optional[str], overrides: list[str], comma
     typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", study_arg, *(["--seeds", seeds] if seeds else []),
                                                *overrides])
     invocation = ("this invocation ran nothing (--no-run)" if not ran else
-                  f"this invocation took {elapsed / 60:.1f} min (runs finished before it are skipped, not repeated)")
+                  f"this invocation took {fmt3(elapsed / 60, 'min')} (runs finished before it are skipped, not repeated)")
     lines = [f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
              f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
              f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
              + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common()) + ".",
              f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
-             f"time adds up to {sum(float(s.get('wall_time', 0)) for s in summaries) / 60:.1f} min; {invocation}."]
+             f"time adds up to {fmt3(sum(float(s.get('wall_time', 0)) for s in summaries) / 60, 'min')}; {invocation}."]
     return lines + ([stress_line] if stress_line is not None else [])

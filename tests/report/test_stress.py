@@ -114,7 +114,7 @@ def test_the_page_section_has_the_figures_and_every_arm_and_seed(tmp_path):
     assert len(section.images) == 2 and all(png[:8] == b"\x89PNG\r\n\x1a\n" for _, png in section.images)
     per_seed, per_arm = section.tables
     assert [row[:2] for row in per_seed[1]] == [["fragile", 0], ["fragile", 1], ["steady", 0], ["steady", 1]]
-    assert per_seed[1][0][-1] == "diverged" and per_seed[1][0][-4:-1] == ["1", "0.8", "1.9"]
+    assert per_seed[1][0][-1] == "diverged" and per_seed[1][0][-4:-1] == ["1.00", "0.800", "1.90"]
     assert per_seed[1][0][5] == "0 / 0 / 0 / 1"  # the diverged run's spike
     assert [row[0] for row in per_arm[1]] == ["fragile", "steady"] and per_arm[1][0][3] == 2
     assert "16 of 16 runs done" in section.text[0] and "Wortsman et al. 2023" in section.text[1]
