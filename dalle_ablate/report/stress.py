@@ -360,9 +360,11 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
                         sum(int(d) for d in diverged if np.isfinite(d))])
     s.tables.append((["arm", "LR sensitivity, mean over seeds (nats/image token)", "95% t interval (nats/image token)",
                       "diverged runs"], summary))
-    s.images.append(("Final loss against learning rate, every stress arm", lr_figure(plan, cs, plan.arms)))
+    how = ("the final eval loss (nats/image token, at most L0) against the learning rate: per arm the mean over its "
+           "seeds as a line, each seed a dot, a diverged run an x at L0")
+    s.images.append((f"Every stress arm: {how}", lr_figure(plan, cs, plan.arms)))
     values = claim_values(plan, runs)
     for c, v in zip(plan.claims, values):
-        s.images.append((f"{c.id}: {c.claim} — {c.arm} vs {c.against} across learning rates",
+        s.images.append((f"{c.id} ({c.claim}), {c.arm} against {c.against}: {how}",
                          lr_figure(plan, cs, [c.against, c.arm])))
     return [s], values
