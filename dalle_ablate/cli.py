@@ -332,15 +332,13 @@ def cmd_study(args) -> None:
     """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
     a stopped one continues from its checkpoint), then its report and its results page."""
     import json
-    import shlex
     import time
-    from collections import Counter
 
     from dalle_ablate.report import build_report
-    from dalle_ablate.report.findings import load_study, study_path, write_page
+    from dalle_ablate.report.findings import load_study, study_path
+    from dalle_ablate.report.page import provenance as page_provenance, write_page
     from dalle_ablate.report.study_runs import call_child, dies_with_this_process, run_stress
     from dalle_ablate.report.load import find_stores, load_runs
-    from dalle_ablate.train.meta import git_commit
 
     study_file = Path(args.study) if args.study.endswith((".yaml", ".yml")) else study_path(args.study)
     study = load_study(study_file)
@@ -380,23 +378,8 @@ def cmd_study(args) -> None:
         if not (r.root / "meta.json").is_file():
             raise ConfigError(f"{r.root / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
                               f"{r.root.parent} and run the study again to train it anew")
-    summaries = [r.summary for r in runs]
-    commit = git_commit()
-    # A study resumed across commits trains its arms at more than one: name each, with its run count.
-    trained = Counter(f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
-                      for m in (r.meta for r in runs) if m.get("git"))
-    typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", args.study,
-                                               *(["--seeds", args.seeds] if args.seeds else []), *args.overrides])
-    invocation = ("this invocation ran nothing (--no-run)" if args.no_run else
-                  f"this invocation took {elapsed / 60:.1f} min (runs finished before it are skipped, not repeated)")
-    provenance = [f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
-                  f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
-                  f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
-                  + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common()) + ".",
-                  f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
-                  f"time adds up to {sum(float(s.get('wall_time', 0)) for s in summaries) / 60:.1f} min; {invocation}."]
-    if stress is not None:
-        provenance.append(stress.line)
+    provenance = page_provenance(args.study, args.seeds, args.overrides, command, runs, elapsed, not args.no_run,
+                                 stress.line if stress is not None else None)
     report = build_report(str(folder), args.report_out, study.name, study.baseline)
     page = write_page(study, str(folder), Path(args.page_out), provenance, study_file=study_file)
     print(f"wrote {report}/index.html and {page}")

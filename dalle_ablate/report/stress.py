@@ -43,6 +43,7 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import mean_ci, spikes
+from dalle_ablate.report.tables import fmt3
 from dalle_ablate.report.writers import Section
 
 # The metric a stress claim is judged on (report/findings.py): its per-seed values come from the
@@ -51,7 +52,7 @@ STABILITY_METRICS = ("lr_sensitivity",)
 # measure -> (what it is, for the page; which way is more stable)
 MEASURES = {
     "lr_sensitivity": ("mean over the rates of min(final eval loss, L0) minus the best of them (Wortsman et al. 2023, "
-                       "§2.2; nats per token)", "lower"),
+                       "§2.2; nats per image token)", "lower"),
     "log10_max_lr": ("log10 of the largest rate that trains: a final eval loss below the entropy of the image codes' "
                      "frequencies (a model that learned only those ends there), -inf if none does", "higher"),
     "divergences": ("rates at which the loss stopped being finite", "lower"),
@@ -322,7 +323,7 @@ def lr_figure(plan: StressPlan, cs: dict[tuple[str, int], Curve], arms: list[str
 def _fmt(v: float) -> str:
     if isinstance(v, float) and math.isinf(v):
         return "diverged" if v > 0 else "none"
-    return "–" if isinstance(v, float) and math.isnan(v) else f"{v:.4g}"
+    return fmt3(v)  # the study page's numbers, three digits
 
 
 def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], list[dict]]:
@@ -342,7 +343,8 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
                   + " ".join(f"{name}: {what}." for name, (what, _) in MEASURES.items())
                   + " L0 is the loss at initialisation (step 1's train loss); a diverged run counts as L0. The "
                   "dashed lines: L0 and the code frequencies' entropy (below it a run trains).")
-    cols = ["arm", "seed", *MEASURES, "loss spikes (per rate)", *[f"lr {lr:g}" for lr in plan.rates]]
+    cols = ["arm", "seed", *MEASURES, "loss spikes (per rate)",
+            *[f"final eval loss at lr {lr:g} (nats/image token)" for lr in plan.rates]]
     rows = []
     for arm in plan.arms:
         for seed in plan.seeds:
@@ -354,12 +356,15 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
     for arm in plan.arms:
         mean, lo, hi = mean_ci([m[(arm, seed)]["lr_sensitivity"] for seed in plan.seeds])
         diverged = [m[(arm, seed)]["divergences"] for seed in plan.seeds]
-        summary.append([arm, _fmt(mean), "–" if not np.isfinite(lo) else f"[{lo:.4g}, {hi:.4g}]",
+        summary.append([arm, _fmt(mean), "–" if not np.isfinite(lo) else f"[{fmt3(lo)}, {fmt3(hi)}]",
                         sum(int(d) for d in diverged if np.isfinite(d))])
-    s.tables.append((["arm", "LR sensitivity, mean over seeds", "95% t interval", "diverged runs"], summary))
-    s.images.append(("Final loss against learning rate, every stress arm", lr_figure(plan, cs, plan.arms)))
+    s.tables.append((["arm", "LR sensitivity, mean over seeds (nats/image token)", "95% t interval (nats/image token)",
+                      "diverged runs"], summary))
+    how = ("the final eval loss (nats/image token, at most L0) against the learning rate: per arm the mean over its "
+           "seeds as a line, each seed a dot, a diverged run an x at L0")
+    s.images.append((f"Every stress arm: {how}", lr_figure(plan, cs, plan.arms)))
     values = claim_values(plan, runs)
     for c, v in zip(plan.claims, values):
-        s.images.append((f"{c.id}: {c.claim} — {c.arm} vs {c.against} across learning rates",
+        s.images.append((f"{c.id} ({c.claim}), {c.arm} against {c.against}: {how}",
                          lr_figure(plan, cs, [c.against, c.arm])))
     return [s], values

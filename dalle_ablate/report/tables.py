@@ -25,6 +25,24 @@ def fmt(v) -> str:
     return str(v)
 
 
+def fmt3(v, unit: str = "") -> str:
+    """A number as a study page prints it: three significant digits, trailing zeros kept (0.500,
+    12.0, 0.00312; 1230 from 1000 on, 1.23e+05 from 10^5 and 3.12e-04 below 10^-3), then its
+    `unit`; "–" for NaN. Integers and text are printed as they are (a count is exact)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (float, np.floating)):
+        return str(v) if not unit else f"{v} {unit}"
+    v = float(v)
+    if math.isnan(v):
+        return "–"
+    if math.isinf(v) or v == 0:
+        text = "0" if v == 0 else ("∞" if v > 0 else "−∞")
+    else:
+        r = float(f"{v:.3g}")  # rounded first: 9.996 is 10.0, not 10.00
+        e = math.floor(math.log10(abs(r)))
+        text = f"{r:.{max(0, 2 - e)}f}" if -3 <= e < 5 else f"{r:.2e}"
+    return f"{text} {unit}" if unit else text
+
+
 def final_value(run: Run, column: str) -> float:
     _, v = series(run, column)
     return float(v[-1]) if len(v) else math.nan

@@ -8,6 +8,7 @@ import base64
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dalle_ablate.report.tables import fmt
 
@@ -58,22 +59,24 @@ def to_html(title: str, sections: list[Section]) -> str:
     return "\n".join(out)
 
 
-def _md_cell(v) -> str:
-    return fmt(v).replace("|", "\\|").replace("\n", " ")
+def _md_cell(v, number: Callable = fmt) -> str:
+    return number(v).replace("|", "\\|").replace("\n", " ")
 
 
-def to_markdown(title: str, sections: list[Section], folder: Path) -> str:
+def to_markdown(title: str, sections: list[Section], folder: Path, number: Callable = fmt) -> str:
+    """Markdown with each section's figures written to `folder`/figures/, each image followed by
+    its caption as a line of its own (italic); `number` prints the table cells."""
     out = [f"# {title}", ""]
     for s in sections:
         out += [f"## {s.title}", ""]
         out += [t + "\n" for t in s.text]
         for cols, rows in s.tables:
-            out.append("| " + " | ".join(_md_cell(c) for c in cols) + " |")
+            out.append("| " + " | ".join(_md_cell(c, number) for c in cols) + " |")
             out.append("|" + "---|" * len(cols))
-            out += ["| " + " | ".join(_md_cell(v) for v in row) + " |" for row in rows]
+            out += ["| " + " | ".join(_md_cell(v, number) for v in row) + " |" for row in rows]
             out.append("")
         for i, (caption, img) in enumerate(s.images):
             name = f"figures/{s.key}_{i}.png"
             (folder / name).write_bytes(img)
-            out += [f"![{caption}]({name})", ""]
+            out += [f"![{caption}]({name})", "", "*" + caption.replace("*", "\\*") + "*", ""]
     return "\n".join(out)

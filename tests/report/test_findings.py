@@ -23,7 +23,8 @@ import pandas as pd
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import compare, load_study, page_sections, study_path
+from dalle_ablate.report.findings import compare, load_study, study_path
+from dalle_ablate.report.page import page_sections
 from dalle_ablate.report.load import find_stores, load_runs
 from dalle_ablate.validate import compose, to_run_config
 
@@ -114,7 +115,7 @@ def test_each_finding_gets_the_verdict_of_its_paired_pooled_interval(tmp_path):
     ms_seed = anova_lm(fit).loc["C(seed)", "mean_sq"]
     seed_var = (ms_seed - fit.mse_resid) / len(ARMS)
     noise = next(s for s in sections if s.key == "noise").tables[0][1]
-    assert noise == [["eval_loss", pytest.approx(np.std(ARMS["base"], ddof=1)), 3, pytest.approx(math.sqrt(fit.mse_resid)),
+    assert noise == [["eval_loss", "nats/image token", pytest.approx(np.std(ARMS["base"], ddof=1)), 3, pytest.approx(math.sqrt(fit.mse_resid)),
                       10.0, pytest.approx(seed_var / (seed_var + fit.mse_resid)), "none"]]
     topup = next(s for s in sections if s.key == "topup")
     assert "Now 3 seeds per arm at most; the rule asks for 39." in topup.text
@@ -352,7 +353,8 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
 def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp_path, monkeypatch):
     from dalle_ablate.report import findings
 
-    monkeypatch.setitem(findings.METRICS, "max_trainable_lr", ("final loss over the rates, per seed", lambda r: math.nan))
+    monkeypatch.setitem(findings.METRICS, "max_trainable_lr",
+                        findings.Metric("final loss over the rates, per seed", lambda r: math.nan, "log10 lr"))
     spec = {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "max_trainable_lr", "expect": "lower"}
     path = study_file(tmp_path, findings=[spec])
     with pytest.raises(ConfigError) as err:

@@ -114,7 +114,7 @@ def test_the_page_section_has_the_figures_and_every_arm_and_seed(tmp_path):
     assert len(section.images) == 2 and all(png[:8] == b"\x89PNG\r\n\x1a\n" for _, png in section.images)
     per_seed, per_arm = section.tables
     assert [row[:2] for row in per_seed[1]] == [["fragile", 0], ["fragile", 1], ["steady", 0], ["steady", 1]]
-    assert per_seed[1][0][-1] == "diverged" and per_seed[1][0][-4:-1] == ["1", "0.8", "1.9"]
+    assert per_seed[1][0][-1] == "diverged" and per_seed[1][0][-4:-1] == ["1.00", "0.800", "1.90"]
     assert per_seed[1][0][5] == "0 / 0 / 0 / 1"  # the diverged run's spike
     assert [row[0] for row in per_arm[1]] == ["fragile", "steady"] and per_arm[1][0][3] == 2
     assert "16 of 16 runs done" in section.text[0] and "Wortsman et al. 2023" in section.text[1]
@@ -196,10 +196,11 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
 
 
 def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
-    """The study page's verdicts read a stress claim's per-seed LR sensitivity (findings.stress_measures
+    """The study page's verdicts read a stress claim's per-seed LR sensitivity (page.stress_measures
     into findings.compare): the paired difference is the mean over seeds of the two arms' sensitivities,
     computed here from the curves by hand, and Δ is 10 % of the baseline arm's mean sensitivity."""
-    from dalle_ablate.report.findings import compare, load_study, stress_measures
+    from dalle_ablate.report.findings import compare, load_study
+    from dalle_ablate.report.page import stress_measures
 
     for arm, seeds in CURVES.items():
         for seed, finals in seeds.items():

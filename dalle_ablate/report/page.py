@@ -1,0 +1,361 @@
+"""A study's results page (`dalle-ablate study`, docs/results/<study>.md), written to be read on
+its own: the summary with each finding's verdict (report/findings.py judges them) and its note,
+what each arm is (its conf/arm/ file's comment and overrides), the noise floor, the top-up rule,
+every arm's numbers, the stress runs' section and the figures, each with its caption; every number
+with its unit, to three significant digits (tables.fmt3). Markdown, its figures beside it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import yaml
+
+from dalle_ablate.registry import ConfigError
+from dalle_ablate.report import figures
+from dalle_ablate.report import verdicts as V
+from dalle_ablate.report.findings import (MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, VERDICTS, Study, _arms_by,
+                                          claims_tables, compare, course, noise_sources, parse_margin, unit_of)
+from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.stats import diverged, mean_ci
+from dalle_ablate.report.tables import fmt3, shapes_noise_table
+from dalle_ablate.report.writers import Section
+
+
+CONF = resources.files("dalle_ablate.conf")  # the package's config groups: the arms' and experiments' files
+STATISTICS = Path(__file__).resolve().parents[2] / "docs" / "statistics.md"  # in a source checkout
+
+
+def arm_definition(arm: str) -> Optional[tuple[str, list[str]]]:
+    """(what the arm is: the comment at the top of its conf/arm/<arm>.yaml; its overrides, as
+    `key=value` the way the command line gives them, a config group's choice as `group=option`),
+    read from the package's conf; None if the package has no such arm."""
+    path = CONF / "arm" / f"{arm}.yaml"
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    comment = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            comment.append(line.lstrip("#").strip())
+    raw = yaml.safe_load(text) or {}
+    overrides = []
+    for d in raw.pop("defaults", None) or []:
+        if isinstance(d, dict):
+            overrides += [f"{k.removeprefix('override').strip().lstrip('/')}={v}" for k, v in d.items()]
+
+    def flat(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                flat(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            value = node if isinstance(node, str) else yaml.safe_dump(node, default_flow_style=True).strip()
+            overrides.append(f"{prefix}={value.removesuffix(chr(10) + '...')}")
+
+    flat("", raw)
+    return " ".join(comment), overrides
+
+
+def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
+    """The study's arms: the baseline, those its experiment preset runs (its sweeper's `+arm`),
+    then any other that has runs or a finding names."""
+    preset = CONF / "experiment" / f"{study.experiment}.yaml"
+    raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
+    swept = str((((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params", {}).get("+arm") or "")
+    return list(dict.fromkeys([study.baseline, *(a.strip() for a in swept.split(",") if a.strip()), *by_arm,
+                               *(a for f in study.findings for a in (f.arm, f.against))]))
+
+
+def arms_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
+    """What each arm is: its name, the comment of its conf/arm/ file and its overrides."""
+    s = Section("definitions", "The arms")
+    s.text.append(f"Every arm is the baseline's configuration (conf/config.yaml with the experiment preset "
+                  f"conf/experiment/{study.experiment}.yaml, which sets what all arms share: steps, evaluation, seeds) "
+                  "with the overrides of its file conf/arm/<arm>.yaml, chosen by `+arm=<arm>`. What each is, from the "
+                  "comment of its file:")
+    rows = []
+    for arm in study_arms(study, by_arm):
+        found = arm_definition(arm)
+        what, overrides = found if found is not None else (f"(no conf/arm/{arm}.yaml in this package)", [])
+        none = "none: the defaults as they are" if arm == study.baseline else "none"
+        rows.append([arm + (" (baseline)" if arm == study.baseline else ""), what,
+                     ", ".join(f"`{o}`" for o in overrides) or none])
+    s.tables.append((["arm", "what it is", "overrides"], rows))
+    return s
+
+
+def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], list[list]]:
+    """Per arm: seeds, status, each metric's mean [95% t interval], spikes and divergences."""
+    cols = ["arm", "seeds", "finished"]
+    for m in ("eval_loss", "shapes_all", "step_time"):
+        cols += [f"{m} ({unit_of(m)})", f"{m} 95% CI ({unit_of(m)})"]
+    cols += ["loss spikes (per run)", "diverged"]
+    rows = []
+    for arm, runs in by_arm.items():
+        done = [r for r in runs if r.status == "finished"]
+        row = [arm + (" (baseline)" if arm == study.baseline else ""), ", ".join(str(r.seed) for r in runs),
+               f"{len(done)}/{len(runs)}"]
+        for m in ("eval_loss", "shapes_all", "step_time"):
+            mean, lo, hi = mean_ci([METRICS[m][1](r) for r in done])
+            row += [mean, _interval(lo, hi)]
+        row += [" / ".join(str(int(METRICS["loss_spikes"][1](r))) for r in runs),
+                sum(diverged(series(r, "train/loss")[1], r.status) for r in runs)]
+        rows.append(row)
+    return cols, rows
+
+
+def _interval(lo: float, hi: float, unit: str = "") -> str:
+    return f"[{fmt3(lo)}, {fmt3(hi)}]" + (f" {unit}" if unit else "") if np.isfinite(lo) and np.isfinite(hi) else "–"
+
+
+def claim_row(r: dict, over_training: str) -> list:
+    """A finding's row of the claims table: every number in its metric's unit, to 3 digits."""
+    f, u = r["finding"], unit_of(r["finding"].metric)
+    value, relative = parse_margin(f.margin)
+    return [f.id, f.claim, f"{f.arm} vs {f.against}", f"{f.metric} ({f.expect} if the claim holds)",
+            f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
+            fmt3(r["arm_mean"], u), fmt3(r["against_mean"], u), fmt3(r["diff"], u), _interval(r["low"], r["high"], u),
+            _interval(r["fw_low"], r["fw_high"], u), fmt3(r["rho"]), _noise_note(r),
+            _interval(r["welch_low"], r["welch_high"], u), ", ".join(str(s) for s in r["seeds"]) or "–", over_training,
+            r["verdict"]]
+
+
+def _noise_note(r: dict) -> str:
+    if r["outlier"]:
+        return f"own, df {r['df']:.0f} (an arm's seeds stray from the others')"
+    if not r["pooled"]:
+        return f"own, df {r['df']:.0f} (the pair varies more than the pool)" if r["df"] > 0 else "–"
+    return f"pooled, df {r['df']:.0f}"
+
+
+def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: Optional[list[dict]] = None,
+                  extra: Optional[dict[str, dict[str, dict]]] = None,
+                  statistics: str = "../statistics.md") -> tuple[list[Section], list[dict]]:
+    """The results page as report sections, and the comparison rows. `topups`: the study's
+    top-up log (cmd_study); `extra`: tables of values measured elsewhere (claims_tables);
+    `statistics`: the link to docs/statistics.md from the page's folder."""
+    by_arm = _arms_by(runs)
+    if not by_arm:
+        raise ConfigError(f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
+                          f"experiment={study.experiment}")
+    rows = compare(study, by_arm, extra=extra)
+    k = len(rows)
+    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(VERDICTS)}  # in VERDICTS' order
+    counts = {v: n for v, n in counts.items() if n}
+    settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.EQUIVALENT, V.CONTRADICTED) for r in rows)
+    head = Section("summary", "Summary")
+    head.text.append(f"Source: {study.source}.")
+    head.text += provenance
+    head.text.append(f"{k} findings, {settled} settled: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".")
+    head.text.append(
+        f"How a verdict is read ([docs/statistics.md]({statistics}) says why each step): arms run with the same seed share its data order and initial key, so "
+        "each finding is judged on its per-seed differences (arm minus the arm it is compared with, over the seeds both "
+        "finished), with the noise of a difference pooled over all the study's arms by the additive model value ~ arm + "
+        "seed; a finding whose own differences vary more than the pool allows (the upper 10 % of the F ratio), or that "
+        "names an arm whose seeds stray from the others' (the upper 1 %), is judged on its own variance instead. Each "
+        "finding has a margin Δ declared in the study file before its runs. Three tests per finding -- the difference "
+        "against 0 (two-sided), against Δ on the predicted side, and equivalence within ±Δ (two one-sided tests) -- each "
+        f"decided by Holm's procedure over the {k} findings at a family-wise 5 %. Verdicts: reproduced (beyond 0 and "
+        "beyond Δ on the predicted side); reproduced, possibly smaller than Δ (beyond 0 only); no meaningful effect "
+        "(equivalent within ±Δ, which contradicts a claim of an effect); contradicted (beyond 0 on the other side); not "
+        "resolved, with the seeds per arm at which a true effect of Δ would be told from 0 with 80 % power, from the "
+        "pooled noise and Δ alone.")
+    head.text.append("Over training: at how many of the evaluations the paired 95 % interval lay beyond 0 on the "
+                     "predicted side, and on the other (the figures show each course). The table's 95 % interval is "
+                     "the paired one; the family-wise interval is at the Bonferroni level "
+                     f"({fmt3(100 * (1 - V.ALPHA / k))} % per finding), which Holm's decisions never need more than; Welch's "
+                     "unpaired interval is beside it to show what pairing bought, with rho, the two arms' correlation "
+                     "across seeds. Every number is in its metric's unit, given after it.")
+    used = dict.fromkeys(f.metric for f in study.findings)
+    head.text.append("Metrics: " + "; ".join(f"{m}: {(METRICS.get(m) or MEASURED_ELSEWHERE[m])[0]}, in {unit_of(m)}"
+                                             for m in used) + ". Only "
+                     "finished runs are compared; the arms' table counts the others.")
+    base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
+    c, m = base[0].config, base[0].meta
+    head.text.append(f"These runs: {c.get('trainer.steps')} steps of {c.get('trainer.batch_size')} at d_model "
+                     f"{c.get('model.d_model')}, {c.get('model.encoder_layers')} + {c.get('model.decoder_layers')} layers "
+                     f"({m.get('params', '?')} parameters in the baseline), "
+                     f"{max(len(rs) for rs in by_arm.values())} seeds per arm at most.")
+    if study.scale_note:
+        head.text.append(study.scale_note)
+    courses = course(study, by_arm)
+
+    def over_training(r: dict) -> str:
+        """At how many evaluations the 95 % interval lay beyond 0 on the predicted side, and on the other."""
+        if r["finding"].id not in courses:
+            return "–"
+        _, _, lo, hi = courses[r["finding"].id]
+        side = 1 if r["finding"].expect == "higher" else -1
+        ok = np.isfinite(lo) & np.isfinite(hi)
+        pro = int(np.sum(ok & ((lo > 0) if side > 0 else (hi < 0))))
+        con = int(np.sum(ok & ((hi < 0) if side > 0 else (lo > 0))))
+        return f"{pro} / {con} of {len(lo)}"
+
+    head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "paired diff", "95% CI",
+                         "family-wise CI", "rho", "noise", "Welch 95% CI", "seeds",
+                         "evaluations beyond 0: predicted / other side", "verdict"],
+                        [claim_row(r, over_training(r)) for r in rows]))
+    notes = Section("notes", "Notes on the findings")
+    notes.text += [f"{f.id}: {f.note}" for f in study.findings if f.note]
+    if not notes.text:
+        notes.text.append("The study file gives no notes on its findings.")
+
+    noise = Section("noise", "Noise floor")
+    noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the residual noise of the "
+                      "additive model pooled over the arms (what is left of a difference once the shared seed is taken "
+                      "out) and the seed's share of one run's variance (how much of it the arms share: what pairing "
+                      "removes). Where the noise comes from -- data order or initialisation -- a study tells apart only "
+                      "by varying one of the two at a time (Bouthillier et al. 2021).")
+    arms, seeds, tables = claims_tables(study, by_arm, extra)
+    nrows = []
+    for metric, t in tables.items():
+        out = V.outlying_arms(t, V.OUTLIER)
+        s2, df, share = V.blocked_residual(np.where(out[:, None], np.nan, t))
+        b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
+        b = b[np.isfinite(b)]
+        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b),
+                      float(np.sqrt(s2)), int(df), float(share), ", ".join(a for a, o in zip(arms, out) if o) or "none"])
+    noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "pooled residual sd",
+                          "its df", "seed share (fraction of one run's variance)", "arms left out of the pool"], nrows))
+    base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
+    sources = [[m, unit_of(m), k, sd, df] for m in tables if m in METRICS
+               for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
+    if sources:
+        noise.text.append("The baseline's runs vary these sources one at a time: the spread of each metric among runs "
+                          "that differ only in that field (pooled over the groups that agree on every other).")
+        noise.tables.append((["metric", "unit", "source (config field)", "sd", "df"], sources))
+    else:
+        noise.text.append("The baseline's runs vary every source together (through `seed`): the page cannot split them.")
+    evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
+    if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
+        noise.text.append("The shapes evaluation's own noise, apart from the seeds': the baseline's all-correct per "
+                          "guidance scale and tier (a fraction of the prompts, as both sds are), its sd across seeds, and the binomial sd over one run's prompts, "
+                          "sqrt(p (1 - p) / N). A seed spread near the prompt sd is mostly the evaluation's; every arm "
+                          "is scored on the same prompts with the same sampling noise, so a paired difference "
+                          "cancels what the prompts share.")
+        noise.tables.append(evaluation)
+
+    top = Section("topup", "Adding seeds")
+    top.text.append(TOPUP_RULE)
+    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
+    # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
+    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and r["finding"].metric not in MEASURED_ELSEWHERE],
+                           now)
+    top.text.append(f"Now {now} seeds per arm at most; the rule asks for {target}"
+                    + (f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "") + ".")
+    for t in topups or []:
+        top.text.append(f"Topped up from {t.get('from')} to {t.get('to')} seeds per arm ({t.get('how')}); the rule then "
+                        f"asked for {t.get('rule')}.")
+
+    arms_s = Section("arms", "Every arm")
+    arms_s.text.append("Mean over the finished seeds with a 95% Student-t interval; loss spikes per run in seed order; "
+                       "runs whose loss stopped being finite. Step time measures the machine's load as well as the arm.")
+    arms_s.tables.append(arm_rows(study, by_arm))
+
+    figs = Section(study.name, "The figures behind the findings")  # key: the figures' file names
+    figs.images.append(("Every finding's paired difference (arm minus the arm it is compared with), one line each, in "
+                        "units of its margin Δ, the side the claim predicts to the right: thick, the 95 % interval; thin, "
+                        "the family-wise one; shaded, ±Δ; the verdict in short at the right",
+                        figures.forest_figure(rows)))
+    if courses:
+        figs.images.append(("Each finding's paired difference over training, one panel per finding in its metric's "
+                            "unit: at every evaluation, with its 95 % interval (pooled as at the end) as a band, 0 and ±Δ "
+                            "as lines; a verdict at one budget can differ at another",
+                            figures.course_figure([(r["finding"].id, r["margin"], courses[r["finding"].id])
+                                                   for r in rows if r["finding"].id in courses])))
+    for r in rows:
+        f = r["finding"]
+        pair = {a: by_arm[a] for a in (f.arm, f.against) if a in by_arm}
+        if len(pair) < 2:
+            figs.text.append(f"{f.id}: no runs of {', '.join(a for a in (f.arm, f.against) if a not in by_arm)}.")
+            continue
+        columns = ["train/loss", "eval/valid/loss"] if f.metric != "step_time" else ["train/loss", "perf/step_time"]
+        units = {"train/loss": unit_of("train_loss"), "eval/valid/loss": unit_of("eval_loss"),
+                 "perf/step_time": unit_of("step_time")}
+        figs.images.append((f"{f.id} ({f.claim}; {r['verdict']}): "
+                            + " and ".join(f"{c} ({units[c]})" for c in columns)
+                            + f" against the training step, {f.arm} against {f.against}, the mean over each arm's seeds "
+                            "with its 95 % t interval as a band",
+                            # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle
+                            figures.curves_figure(pair, columns, figures.colors([f.against, f.arm]))))
+    return [head, notes, arms_section(study, by_arm), noise, top, arms_s, figs], rows
+
+
+def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]]]:
+    """The stress section of a study's page and its stability claims' per-seed values
+    ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`), from the stress runs beside the
+    study's folder (report/stress.py); nothing if its file declares none."""
+    from dalle_ablate.report import stress
+    from dalle_ablate.report.load import load_runs
+
+    plan = stress.load_stress(study_file)
+    where = stress.stress_folder(Path(source))
+    if plan is None or not where.is_dir() or not any(where.rglob("metrics.jsonl")):
+        return [], {}  # none run yet (or none got as far as its run store)
+    sections, claims = stress.stress_sections(plan, load_runs(str(where)))
+    values: dict[str, dict] = {}
+    for c in claims:
+        values.setdefault(c["measure"], {}).update(c["values"])
+    return sections, values
+
+
+def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
+               extra: Optional[dict[str, dict[str, dict]]] = None, study_file: Optional[Path] = None) -> Path:
+    """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from the run stores
+    under `source` (the study's multirun folder) and, where `study_file` declares stress runs,
+    those beside it (their claims judged on them). Written whole or not at all."""
+    from dalle_ablate.fileio import atomic_write
+    from dalle_ablate.report.load import load_runs
+    from dalle_ablate.report.writers import to_markdown
+
+    page_dir = Path(page_dir)
+    (page_dir / "figures").mkdir(parents=True, exist_ok=True)
+    log = Path(source) / TOPUPS
+    topups = json.loads(log.read_text()) if log.exists() else []
+    stress_part, measured = stress_measures(study_file, source) if study_file is not None else ([], {})
+    statistics = os.path.relpath(STATISTICS, page_dir.resolve()) if STATISTICS.is_file() else "../statistics.md"
+    sections, _ = page_sections(study, load_runs(source), provenance, topups, {**measured, **(extra or {})},
+                                statistics=Path(statistics).as_posix())
+    sections[-1:-1] = stress_part  # before the per-finding figures
+    for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
+        old.unlink()
+    path = page_dir / f"{study.name}.md"
+    atomic_write(path, to_markdown(study.title, sections, page_dir, number=fmt3))
+    return path
+
+
+def provenance(study_arg: str, seeds: Optional[str], overrides: list[str], command: list[str], runs: list[Run],
+               elapsed: float, ran: bool, stress_line: Optional[str] = None) -> list[str]:
+    """The page's provenance lines (`dalle-ablate study`): the command as typed (`study_arg`, the
+    `--seeds` given, the `overrides`) and the multirun `command` it ran; the commit of this page
+    and those the runs were trained at, each with its run count (a study resumed across commits
+    names them all); the runs, how many finished and their wall time added up; what this
+    invocation took (`elapsed` seconds; `ran` False: --no-run, nothing ran); and the stress
+    runs' line, if any."""
+    import shlex
+    from collections import Counter
+
+    from dalle_ablate.train.meta import git_commit
+
+    summaries = [r.summary for r in runs]
+    commit = git_commit()
+    trained = Counter(f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
+                      for m in (r.meta for r in runs) if m.get("git"))
+    typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", study_arg, *(["--seeds", seeds] if seeds else []),
+                                               *overrides])
+    invocation = ("this invocation ran nothing (--no-run)" if not ran else
+                  f"this invocation took {fmt3(elapsed / 60, 'min')} (runs finished before it are skipped, not repeated)")
+    lines = [f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
+             f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
+             f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
+             + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common()) + ".",
+             f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
+             f"time adds up to {fmt3(sum(float(s.get('wall_time', 0)) for s in summaries) / 60, 'min')}; {invocation}."]
+    return lines + ([stress_line] if stress_line is not None else [])
