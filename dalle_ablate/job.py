@@ -10,15 +10,18 @@ import shlex
 from pathlib import Path
 
 import hydra
+import jax
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dalle_ablate.cli import run_hydra
+from dalle_ablate.parallel import distributed
 from dalle_ablate.registry import Interrupted, RunFailed
 from dalle_ablate.track.naming import run_naming
-from dalle_ablate.train.loop import JobInfo, RunHooks, train
+from dalle_ablate.train.loop import JobInfo, RunHooks, finished_before, train
+from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
 from dalle_ablate.validate import to_run_config
 
 
@@ -72,6 +75,19 @@ class TrialHooks(RunHooks):
         return self.pruning is not None and self.pruning.report(eval_loss, step)
 
 
+def tokenizer_first(run_cfg, job: JobInfo) -> None:
+    """Stage 1: the built-in data's image tokenizer (e.g. data.tokenizer=dvae) fitted before the
+    run, on process 0, in a run store and tracker run of its own (`<job>/tokenizer`) -- unless it
+    is cached, or the run finished before (resume=auto leaves it as it is)."""
+    distributed.initialize(run_cfg.distributed)  # process 0 alone fits it
+    if (run_cfg.data.name != "shapes" or jax.process_index() != 0 or tokenizer_cached(run_cfg.data)
+            or finished_before(run_cfg, Path(job.job_dir) / "run") is not None):
+        return
+    res = train_tokenizer(run_cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,
+                          group=job.group, overrides=job.overrides)
+    print(tokenizer_lines(run_cfg, res), flush=True)
+
+
 def run(cfg: DictConfig) -> float | list[float]:
     # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found would bury the progress
     # bar. orbax logs through absl: its per-save chatter, and a failed save once per thread with a
@@ -82,6 +98,7 @@ def run(cfg: DictConfig) -> float | list[float]:
     job = job_info(cfg)
     if run_cfg.optuna.trial is not None:
         job.hooks = TrialHooks(run_cfg.optuna)
+    tokenizer_first(run_cfg, job)
     result = train(run_cfg, job)
     if result.status == "diverged":
         # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.

@@ -1,5 +1,7 @@
-"""One training run, top to bottom: data, model, optimizer, resume, loop, eval, checkpoints,
-samples, tracking. Returns the final validation loss (the metric a sweep optimises)."""
+"""One training run, top to bottom: the run assembled, where it starts (`ResumePoint`), the loop
+with its periodic hooks (hooks.py: validation loss, checkpoints, the sampling evaluation), the
+sample grid and the summary. Stage 1 (the image tokenizer) runs before, in the job (job.py).
+Returns the final validation loss (the metric a sweep optimises)."""
 
 from __future__ import annotations
 
@@ -12,20 +14,18 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from dalle_ablate.config import RunConfig, data_seed
-from dalle_ablate.data.base import host_share
-from dalle_ablate.evaluate.runner import evaluation_or_none, headline
+from dalle_ablate.evaluate.runner import headline
 from dalle_ablate.generate import image_grid, make_sampler
-from dalle_ablate.model import abstract_model, param_count
+from dalle_ablate.model import param_count
 from dalle_ablate.model.flops import train_flops_per_example
-from dalle_ablate.parallel import Placement, distributed
+from dalle_ablate.parallel import distributed
 from dalle_ablate.track import build_tracker
 from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.track.runstore import StoreLock, read_metrics
@@ -33,8 +33,7 @@ from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
 from dalle_ablate.train.perf import device_peak_flops
 from dalle_ablate.train.assembly import assemble
-from dalle_ablate.train.step import make_eval_step
-from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
+from dalle_ablate.train.hooks import Hooks, left_at, periodic_hooks
 
 SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
 
@@ -72,17 +71,6 @@ class Result:
     status: str
     summary: dict = field(default_factory=dict)
     reason: str = ""  # why a run that did not finish stopped, in one line
-
-
-def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement) -> float:
-    """Weighted mean NLL over the valid split; every host reads the same eval batches and feeds
-    its own rows of each."""
-    total, weight = 0.0, 0.0
-    rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
-    for batch in dataset.eval_batches(batch_size, max_batches):
-        s, w = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
-        total, weight = total + float(s), weight + float(w)
-    return total / max(weight, 1.0)
 
 
 def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_sharding=None) -> Optional[tuple[np.ndarray, list[str]]]:
@@ -189,73 +177,16 @@ class StepLogger:
         self.clock = time.perf_counter()
 
 
-class Boundaries:
-    """What happens between steps: the validation loss every `eval_every`, a checkpoint every
-    `save_every`, the sampling evaluation every `eval.every` (each also at the last step), and
-    the caller's `should_stop` after each validation loss."""
-
-    def __init__(self, cfg: RunConfig, run, tracker, ckpt, job: JobInfo, t_start: float):
-        self.cfg, self.run, self.tracker, self.ckpt, self.job, self.t_start = cfg, run, tracker, ckpt, job, t_start
-        model_cfg = run.model_cfg
-        # Evaluation in float32 whatever the training compute dtype: the same parameters merged
-        # into the float32 variant of the model (the dtype lives in the graph, not the weights).
-        eval_graphdef = run.graphdef if model_cfg.dtype == "float32" else nnx.split(
-            abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
-        self.eval_step = make_eval_step(eval_graphdef, run.placement)
-        self.evaluation = evaluation_or_none(cfg, run.dataset, model_cfg, eval_graphdef, tracker, run.placement.replicated)
-        self.eval_loss = math.nan
-        self.last_eval: dict = {}  # the last sampling evaluation's result, for the closing lines
-
-    def due(self, step: int) -> tuple[bool, bool, bool]:
-        t, last = self.cfg.trainer, step == self.cfg.trainer.steps
-        every = self.cfg.eval.every
-        return (step % t.eval_every == 0 or last, step % t.save_every == 0 or last,
-                self.evaluation is not None and (bool(every and step % every == 0) or last))
-
-    def run_at(self, step: int, state, due: tuple[bool, bool, bool]) -> bool:
-        """Evaluate, save and sample as `due(step)` says; True when the run is to stop here."""
-        t = self.cfg.trainer
-        evaluate_now, save_now, sample_now = due
-        if evaluate_now:
-            self.eval_loss = evaluate(self.eval_step, state.params, self.run.dataset, t.batch_size, t.eval_batches,
-                                      self.run.placement)
-            self.tracker.log({"eval/valid/loss": self.eval_loss, "samples": step * t.batch_size,
-                              "tokens": step * self.run.tokens_per_step}, step)
-        if save_now:  # before the sampling evaluation: a failure there never costs a checkpoint
-            self.ckpt.save(step, state)
-            self.tracker.log_summary({"wall_time": time.perf_counter() - self.t_start, "steps": step})
-        if sample_now:  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
-            self.last_eval = self.evaluation.run(state.params, step, self.job.name or Path(self.job.job_dir).name)
-            self.tracker.log_summary({"evaluated_step": step})  # complete: a resume at this step need not redo it
-        stop = (evaluate_now and jax.process_index() == 0 and step < t.steps
-                and self.job.hooks.should_stop(self.eval_loss, step))
-        if stop and not save_now:
-            self.ckpt.save(step, state)  # a stopped run can be resumed
-        return stop
-
-
-    def left_at(self, step: int, run_dir: Path) -> tuple[bool, bool, bool]:
-        """What was due at `step` (the checkpoint this run store continues from) and not done by
-        the process that saved it, e.g. the final evaluation a Ctrl-C cut off: (validation loss,
-        save: never, sampling evaluation)."""
-        evaluate_now, _, sample_now = self.due(step)
-        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-        logged = any(r["step"] == step and "eval/valid/loss" in r for r in rows)
-        saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-        return evaluate_now and not logged, False, sample_now and saved.get("evaluated_step") != step
-
-
-def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bounds: Boundaries, ckpt,
-              left: tuple[bool, bool, bool] = (False, False, False)):
-    """The steps, with what is due between them: (status, the state after the last whole step).
-    First what was `left` at the step before them (a resumed run's evaluations). Stops early when
-    the loss is not finite (diverged), when the caller's hooks say so (pruned) or on Ctrl-C
+def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, hooks: Hooks, ckpt, left: tuple[str, ...] = ()):
+    """The steps, with the hooks due after each: (status, the state after the last whole step).
+    First the hooks `left` undone at the step before them (a resumed run's evaluations). Stops
+    early when the loss is not finite (diverged), when a hook says so (pruned) or on Ctrl-C
     (interrupted; in a run of one process only: others would not stop with it)."""
-    batch_size = bounds.cfg.trainer.batch_size
+    batch_size = run.cfg.trainer.batch_size
     metrics = None
     try:
-        if any(left):
-            bounds.run_at(steps.start - 1, state, left)
+        if left:
+            hooks.run(steps.start - 1, state, left)
             log.restart_clock()
         for step in steps:
             ckpt.check()  # a checkpoint that failed in the background stops the run here
@@ -265,14 +196,14 @@ def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, bo
                 state, metrics = train_step(state, run.placement.global_batch(next(batches), batch_size))
             if not log.push(step, metrics):
                 return "diverged", state  # NaN guard: stop, and never checkpoint a broken state
-            due = bounds.due(step)
-            if any(due):
-                if not log.flush():
+            due = hooks.due(step)
+            if due:
+                if not log.flush():  # every step before a hook's work is logged first
                     return "diverged", state
-                stop = bounds.run_at(step, state, due)
-                log.restart_clock()
+                stop = hooks.run(step, state, due)
+                log.restart_clock()  # hook time is not step time
                 if stop:  # e.g. the sweep's pruner stopped this trial (job.py)
-                    log.reason = f"pruned at step {step} of {steps.stop - 1} (eval loss {bounds.eval_loss:.4f})"
+                    log.reason = f"pruned at step {step} of {steps.stop - 1} ({stop})"
                     return "pruned", state
         return "finished", state
     except KeyboardInterrupt:
@@ -325,18 +256,62 @@ def finished_before(cfg: RunConfig, run_dir: Path) -> Optional[dict]:
     return saved if done else None
 
 
-def continued_summary(run_dir: Path, log: StepLogger, bounds: Boundaries) -> float:
-    """Continuing this run store: the summary starts from what was logged before the
-    interruption (its first loss; its last ones if no step is left to run). Returns the wall
-    time of the earlier processes up to their last checkpoint (recorded at each save)."""
+@dataclass
+class ResumePoint:
+    """What a run starts from, in one place: a fresh start (step 0), or a checkpoint and, when the
+    run continues its own store (`resume=auto`), what its earlier processes logged and left."""
+
+    step: int = 0  # the restored checkpoint's step
+    state: Any = None  # the restored train state; None: the initial one
+    continues_store: bool = False  # the same run store and W&B run go on (resume=auto)
+    wall_time: float = 0.0  # the earlier processes' wall time up to `step` (recorded at each save)
+    first_loss: float = math.nan  # the run's first train/loss, and its last and last eval loss logged
+    last_loss: float = math.nan
+    eval_loss: float = math.nan
+    left: tuple[str, ...] = ()  # the hooks due at `step` that the process which saved it did not finish
+
+    @property
+    def tracker_step(self) -> Optional[int]:
+        """The step the tracker's run continues from, or None for a new tracker run."""
+        return self.step if self.state is not None or self.continues_store else None
+
+
+def resume_point(cfg: RunConfig, run_dir: Path, target) -> ResumePoint:
+    """Where this run starts: `resume=auto` continues this run store (a newest checkpoint it cannot
+    restore is set aside), a path restores from there, else step 0 -- in the same store and W&B
+    run if an earlier process was stopped before its first checkpoint was complete."""
+    source = resume_source(cfg, run_dir / "checkpoints")
+    if source is None:
+        return ResumePoint(continues_store=continues_store(cfg, run_dir))
+    on_broken = checkpoint.set_aside if cfg.resume == "auto" and jax.process_index() == 0 else None
+    step, state = checkpoint.restore(*source, target=target, on_broken=on_broken)
+    return ResumePoint(step, state, continues_store=cfg.resume == "auto" and jax.process_index() == 0)
+
+
+def with_logged(point: ResumePoint, run_dir: Path) -> ResumePoint:
+    """`point` with what the earlier processes of its run store logged up to it (process 0, which
+    writes the store). Read after the tracker is built: it repairs a torn last line first."""
+    if not (point.continues_store and point.state is not None):
+        return point
     rows = read_metrics(run_dir)
     train_losses = [float(r["train/loss"]) for r in rows if "train/loss" in r]
     eval_losses = [float(r["eval/valid/loss"]) for r in rows if "eval/valid/loss" in r]
-    if train_losses:
-        log.first_loss, log.last_loss = train_losses[0], train_losses[-1]
-    bounds.eval_loss = eval_losses[-1] if eval_losses else math.nan
     saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    return float(saved.get("wall_time", 0.0))
+    first, last = (train_losses[0], train_losses[-1]) if train_losses else (math.nan, math.nan)
+    return dataclasses.replace(point, wall_time=float(saved.get("wall_time", 0.0)), first_loss=first, last_loss=last,
+                               eval_loss=eval_losses[-1] if eval_losses else math.nan)
+
+
+def undone_at_resume(point: ResumePoint, hooks: Hooks, run_dir: Path) -> tuple[str, ...]:
+    """The hooks due at the resumed step that were not finished (process 0 reads its run store;
+    the evaluations run on every process, so it tells the others)."""
+    left = left_at(hooks, point.step, run_dir) if point.continues_store and point.state is not None and jax.process_index() == 0 else ()
+    if jax.process_count() == 1:
+        return left
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.broadcast_one_to_all(np.array([h.name in left for h in hooks.hooks], np.int32))
+    return tuple(h.name for h, f in zip(hooks.hooks, flags) if f)
 
 
 def train(cfg: RunConfig, job: JobInfo) -> Result:
@@ -356,49 +331,34 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
 
 def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Result:
     t, pi = cfg.trainer, jax.process_index()
-    if cfg.data.name == "shapes" and pi == 0 and not tokenizer_cached(cfg.data):
-        # stage 1 (e.g. data.tokenizer=dvae) first, with a run store and tracker run of its own
-        res = train_tokenizer(cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,
-                              group=job.group, overrides=job.overrides)
-        print(tokenizer_lines(cfg, res), flush=True)
     run = assemble(cfg)  # the mesh and batch are checked before any data is read or anything compiles
-    state = run.init_state()
-    source = resume_source(cfg, run_dir / "checkpoints")
-    start_step = 0
-    if source is not None:
-        # resume=auto continues this store: a newest checkpoint it cannot restore is set aside
-        start_step, state = checkpoint.restore(*source, target=state,
-                                               on_broken=checkpoint.set_aside if cfg.resume == "auto" and pi == 0 else None)
+    point = resume_point(cfg, run_dir, target=run.abstract_state())
+    state = point.state if point.state is not None else run.init_state()
     flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
     peak, peak_source = device_peak_flops(cache_dir=cfg.data.cache_dir)  # of one device; the step runs on every device
     meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
-                    run.dataset.info, resumed_from=start_step)
+                    run.dataset.info, resumed_from=point.step)
     meta["mesh"] = dict(run.mesh.shape)
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
     tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
-                            group=job.group, job_type=job.job_type or cfg.model.layout,
-                            resume_step=start_step if source is not None or continues_store(cfg, run_dir) else None,
+                            group=job.group, job_type=job.job_type or cfg.model.layout, resume_step=point.tracker_step,
                             is_main_process=pi == 0)
+    point = with_logged(point, run_dir)
+    t_start -= point.wall_time  # the run's wall time counts its earlier processes'
     with ends_on_error(tracker):
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
         ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)
         train_step = run.train_step()
-        bounds = Boundaries(cfg, run, tracker, ckpt, job, t_start)
-        batches = run.dataset.train_batches(t.batch_size, data_seed(cfg), start_step, *run.placement.host_rows(t.batch_size))
-        bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
+        hooks, seen = periodic_hooks(cfg, run, tracker, ckpt, job, lambda: t_start)
+        seen.eval_loss = point.eval_loss
+        batches = run.dataset.train_batches(t.batch_size, data_seed(cfg), point.step, *run.placement.host_rows(t.batch_size))
+        bar = tqdm(total=t.steps, initial=point.step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         log = StepLogger(tracker, bar, t, flops_per_step, run.tokens_per_step, peak * run.mesh.size)
-        left = (False, False, False)
-        if source is not None and cfg.resume == "auto":
-            if pi == 0:
-                left = bounds.left_at(start_step, run_dir)
-                bounds.t_start = t_start = t_start - continued_summary(run_dir, log, bounds)
-            if jax.process_count() > 1:  # process 0's reading of its run store: the evaluations run on every process
-                from jax.experimental import multihost_utils
-
-                left = tuple(bool(x) for x in multihost_utils.broadcast_one_to_all(np.array(left, np.int32)))
+        log.first_loss, log.last_loss = point.first_loss, point.last_loss
+        left = undone_at_resume(point, hooks, run_dir)
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
-        status, state = run_steps(state, range(start_step + 1, t.steps + 1), train_step, batches, run, log, bounds, ckpt, left)
+        status, state = run_steps(state, range(point.step + 1, t.steps + 1), train_step, batches, run, log, hooks, ckpt, left)
         flushed = log.flush()  # the step in flight
         if status == "interrupted" and not flushed:
             status = "diverged"
@@ -406,14 +366,14 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         final_step = int(jax.device_get(state.step))
         if status == "interrupted":
             log.reason = f"interrupted at step {final_step} of {t.steps}"
-            if final_step > start_step:
+            if final_step > point.step:
                 ckpt.save(final_step, state)  # resume=auto continues from here (none if this step is saved)
         if status == "finished":
             grid = sample_grid(run.graphdef, state.params, run.dataset, run.model_cfg, cfg,
                                jax.random.fold_in(jax.random.key(cfg.seed), 1), run.placement.replicated)
             if grid is not None:
                 tracker.log_image("samples/grid", grid[0], final_step, caption=" | ".join(grid[1]))
-        summary = {"train/loss": log.last_loss, "train/first_loss": log.first_loss, "eval/valid/loss": bounds.eval_loss,
+        summary = {"train/loss": log.last_loss, "train/first_loss": log.first_loss, "eval/valid/loss": seen.eval_loss,
                    "data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
                    "wall_time": time.perf_counter() - t_start}
         if log.reason:
@@ -422,6 +382,6 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         ckpt.close()
         tracker.finish(status)
         if pi == 0:
-            print(closing_lines(status, summary, t.steps, bounds.last_eval, run_dir), flush=True)
-    return Result(eval_loss=bounds.eval_loss, train_loss=log.last_loss, steps=final_step, run_dir=run_dir, status=status,
+            print(closing_lines(status, summary, t.steps, seen.last_eval, run_dir), flush=True)
+    return Result(eval_loss=seen.eval_loss, train_loss=log.last_loss, steps=final_step, run_dir=run_dir, status=status,
                   summary=summary, reason=log.reason)

@@ -1,0 +1,127 @@
+"""Periodic work between train steps, as hooks: `hooks.add(name, fn, every=N)` runs `fn(step,
+state)` after every N-th step and after the last (N = 0: the last only), in the order added; a
+hook that returns a reason (a string) stops the run there. The run's own hooks (`periodic_hooks`): the validation
+loss, the checkpoint, the sampling evaluation and the caller's `should_stop`. A new periodic
+action is one `add`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dalle_ablate.data.base import host_share
+from dalle_ablate.evaluate.runner import evaluation_or_none
+from dalle_ablate.model import abstract_model
+from dalle_ablate.parallel import Placement
+from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.train.step import make_eval_step
+
+
+@dataclass
+class Hook:
+    name: str
+    fn: Callable[[int, Any], Optional[str]]  # (step, state) -> None, or why the run stops here
+    every: int  # 0: only at the last step
+
+
+class Hooks:
+    def __init__(self, last_step: int):
+        self.last_step, self.hooks = last_step, []
+
+    def add(self, name: str, fn: Callable[[int, Any], Optional[str]], every: int) -> None:
+        if any(h.name == name for h in self.hooks):
+            raise ValueError(f"a hook named {name!r} is already registered")
+        self.hooks.append(Hook(name, fn, every))
+
+    def due(self, step: int) -> tuple[str, ...]:
+        """The names of the hooks due after `step`, in the order they run."""
+        return tuple(h.name for h in self.hooks if step == self.last_step or (h.every and step % h.every == 0))
+
+    def run(self, step: int, state, names: tuple[str, ...]) -> Optional[str]:
+        """Run the named hooks at `step`; why the run stops here if one of them says so."""
+        stop = None
+        for h in self.hooks:
+            if h.name in names:
+                stop = h.fn(step, state) or stop
+        return stop
+
+
+def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement) -> float:
+    """Weighted mean NLL over the valid split; every host reads the same eval batches and feeds
+    its own rows of each."""
+    total, weight = 0.0, 0.0
+    rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
+    for batch in dataset.eval_batches(batch_size, max_batches):
+        s, w = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
+        total, weight = total + float(s), weight + float(w)
+    return total / max(weight, 1.0)
+
+
+@dataclass
+class Evaluations:
+    """What the run's hooks measured last, for its summary and closing lines."""
+
+    eval_loss: float = math.nan
+    last_eval: dict = dataclasses.field(default_factory=dict)  # the last sampling evaluation's result
+
+
+def periodic_hooks(cfg, run, tracker, ckpt, job, wall_start: Callable[[], float]) -> tuple[Hooks, Evaluations]:
+    """The run's periodic work: the validation loss every `trainer.eval_every`, a checkpoint every
+    `trainer.save_every`, the sampling evaluation every `eval.every` (0: the last step only; none
+    without evaluation metrics), then the caller's `should_stop` after each validation loss.
+    `wall_start()`: when the run started (moved back by a resumed run's earlier processes)."""
+    t = cfg.trainer
+    hooks, seen = Hooks(t.steps), Evaluations()
+    # Evaluation in float32 whatever the training compute dtype: the same parameters merged into
+    # the float32 variant of the model (the dtype lives in the graph, not the weights).
+    model_cfg = run.model_cfg
+    eval_graphdef = run.graphdef if model_cfg.dtype == "float32" else nnx.split(
+        abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
+    eval_step = make_eval_step(eval_graphdef, run.placement)
+    evaluation = evaluation_or_none(cfg, run.dataset, model_cfg, eval_graphdef, tracker, run.placement.replicated)
+
+    def validation(step, state):
+        seen.eval_loss = evaluate(eval_step, state.params, run.dataset, t.batch_size, t.eval_batches, run.placement)
+        tracker.log({"eval/valid/loss": seen.eval_loss, "samples": step * t.batch_size, "tokens": step * run.tokens_per_step},
+                    step)
+
+    def save(step, state):  # before the sampling evaluation: a failure there never costs a checkpoint
+        ckpt.save(step, state)
+        tracker.log_summary({"wall_time": time.perf_counter() - wall_start(), "steps": step})
+
+    def sample(step, state):  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
+        seen.last_eval = evaluation.run(state.params, step, job.name or Path(job.job_dir).name)
+        tracker.log_summary({"evaluated_step": step})  # complete: a resume at this step need not redo it
+
+    def should_stop(step, state):
+        if step == t.steps or jax.process_index() != 0 or not job.hooks.should_stop(seen.eval_loss, step):
+            return None
+        ckpt.save(step, state)  # a stopped run can be resumed (nothing is written if this step is saved)
+        return f"eval loss {seen.eval_loss:.4f}"
+
+    hooks.add("validation", validation, t.eval_every)
+    hooks.add("checkpoint", save, t.save_every)
+    if evaluation is not None:
+        hooks.add("evaluation", sample, cfg.eval.every or 0)
+    hooks.add("should_stop", should_stop, t.eval_every)
+    return hooks, seen
+
+
+def left_at(hooks: Hooks, step: int, run_dir: Path) -> tuple[str, ...]:
+    """The evaluations due at `step` (the checkpoint this run store continues from) that the
+    process that saved it did not finish, e.g. the final evaluation a Ctrl-C cut off."""
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    summary = run_dir / "summary.json"
+    saved = json.loads(summary.read_text()) if summary.exists() else {}
+    undone = {"validation": not any(r["step"] == step and "eval/valid/loss" in r for r in rows),
+              "evaluation": saved.get("evaluated_step") != step}
+    return tuple(name for name in hooks.due(step) if undone.get(name, False))

@@ -1,0 +1,34 @@
+"""The loop's periodic hooks (train/hooks.py): when each is due, their order, a stop."""
+
+from __future__ import annotations
+
+import pytest
+
+from dalle_ablate.train.hooks import Hooks
+
+
+def test_each_hook_runs_every_n_steps_and_at_the_last_in_the_order_added():
+    hooks, calls = Hooks(last_step=10), []
+    hooks.add("a", lambda step, state: calls.append(("a", step)), every=4)
+    hooks.add("b", lambda step, state: calls.append(("b", step)), every=0)  # the last step only
+    hooks.add("c", lambda step, state: calls.append(("c", step)), every=5)
+    for step in range(1, 11):
+        due = hooks.due(step)
+        if due:
+            assert hooks.run(step, None, due) is None
+    assert calls == [("a", 4), ("c", 5), ("a", 8), ("a", 10), ("b", 10), ("c", 10)]
+
+
+def test_a_hook_stops_the_run_with_its_reason_after_the_others_due_ran():
+    hooks, ran = Hooks(last_step=100), []
+    hooks.add("stop", lambda step, state: f"stopped at {step}", every=3)
+    hooks.add("after", lambda step, state: ran.append(step), every=3)
+    assert hooks.run(6, None, hooks.due(6)) == "stopped at 6" and ran == [6]
+    assert hooks.run(6, None, ("after",)) is None  # only the named ones run
+
+
+def test_a_name_is_registered_once():
+    hooks = Hooks(last_step=5)
+    hooks.add("checkpoint", lambda step, state: None, every=2)
+    with pytest.raises(ValueError, match=r"^a hook named 'checkpoint' is already registered$"):
+        hooks.add("checkpoint", lambda step, state: None, every=3)
