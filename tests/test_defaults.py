@@ -116,3 +116,15 @@ def test_a_repeated_default_is_found():
     assert repeats_in(arm, shampoo, "arm", "x.yaml") == {"optim.lr": 1e-3}
     adafactor = compose("optim=adafactor", "optim.lr=1e-3", "trainer.steps=100")  # its default is 1e-2
     assert repeats_in(arm, adafactor, "arm", "x.yaml") == {}
+
+
+def test_the_reference_says_what_a_preset_sets_the_options_it_chooses_included():
+    from dalle_ablate.docs import config_reference
+
+    rows = [line for line in config_reference().splitlines() if line.startswith("| `")]
+    sets = {}  # option -> the "what it sets" cells of its rows (arm/deepnet and model/deepnet: two)
+    for row in rows:
+        sets.setdefault(row.split(" | ")[0].strip("|` "), []).append(row.rsplit(" | ", 1)[-1].removesuffix(" |"))
+    assert sets["linear"] == ["nothing: the defaults"]  # a preset that only starts from its schema
+    assert "`model=deepnet`" in sets["deepnet"]  # the arm: the option it chooses
+    assert sets["lr_adafactor"][0].startswith("`optim=adafactor`, `schedule=constant`, `hydra/sweeper=optuna`, `trainer.steps=300`")
