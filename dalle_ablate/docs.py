@@ -178,7 +178,10 @@ def config_reference() -> str:
         parts.append("| option | what it is | what it sets |\n|---|---|---|\n")
         for path in sorted((CONF / group).glob("*.yaml")):
             data = yaml.safe_load(path.read_text()) or {}
-            sets = ", ".join(_flatten(data)) if isinstance(data, dict) else ""
+            data = data if isinstance(data, dict) else {}
+            chosen = [f"`{k.removeprefix('override').strip().lstrip('/')}={v}`" for d in data.get("defaults") or []
+                      if isinstance(d, dict) for k, v in d.items() if k.startswith("override")]
+            sets = ", ".join(chosen + _flatten(data)) or "nothing: the defaults"
             parts.append(f"| `{path.stem}` | {_cell(_yaml_header(path))} | {sets} |\n")
         if group in REGISTRIES:
             reg = REGISTRIES[group]

@@ -16,8 +16,9 @@ FAMILIES: Registry = Registry("model family", "model", key="family")
 
 @dataclass
 class ModelConfig(OptionConfig):
-    """Architecture. `conf/model/<layout>.yaml` sets the layout flags; `conf/size/` the shape. A
-    family (`family`, registered by `FAMILIES.option`) subclasses it with its own default."""
+    """Architecture. `conf/model/<layout>.yaml` sets the layout flags; `conf/size/` the shape (the
+    defaults here are size=tiny's). A family (`family`, registered by `FAMILIES.option`) subclasses
+    it with its own default."""
 
     family: str = "seq2seq"  # encoder-decoder (DALL·E mini / Mega)
     layout: str = "preln"  # where the norms sit: see docs/variants.md "Layouts"

@@ -22,7 +22,7 @@ class OptimConfig(OptionConfig):
     RANGES = {"weight_decay": "[0, inf)", "clip_grad_norm": "(0, inf) or null", "lr": "(0, inf)"}
 
     name: str = MISSING
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak rate; an optimizer's config sets its own where it differs (adam, adafactor)
     weight_decay: float = 0.0
     # Parameters whose path matches one of these regexes get no weight decay.
     wd_exclude: list[str] = field(default_factory=lambda: ["norm", "bias", "embed"])
