@@ -39,7 +39,13 @@ SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # f
 
 
 class RunHooks:
-    """What a caller above the trainer hears from it, on process 0 only (job.py's Optuna trial)."""
+    """What a caller above the trainer hears from it (job.py's Optuna trial), and periodic work of
+    its own. `started` and `should_stop` are called on process 0 only; `add_hooks` on every
+    process (a hook runs on all of them, as the run's evaluations do)."""
+
+    def add_hooks(self, hooks: Hooks) -> None:
+        """Register periodic work between steps (`hooks.add(name, fn, every)`, train/hooks.py);
+        called once, after the run's own hooks are registered, so these run after them."""
 
     def started(self, run_dir: Path, processes: int) -> None:
         """The run store exists and nothing has been trained yet."""
@@ -350,6 +356,7 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", t.keep_checkpoints, on_saved=tracker.log_checkpoint)
         train_step = run.train_step()
         hooks, seen = periodic_hooks(cfg, run, tracker, ckpt, job, lambda: t_start)
+        job.hooks.add_hooks(hooks)
         seen.eval_loss = point.eval_loss
         batches = run.dataset.train_batches(t.batch_size, data_seed(cfg), point.step, *run.placement.host_rows(t.batch_size))
         bar = tqdm(total=t.steps, initial=point.step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)

@@ -32,3 +32,26 @@ def test_a_name_is_registered_once():
     hooks.add("checkpoint", lambda step, state: None, every=2)
     with pytest.raises(ValueError, match=r"^a hook named 'checkpoint' is already registered$"):
         hooks.add("checkpoint", lambda step, state: None, every=3)
+
+
+def test_a_callers_periodic_action_is_one_registration_from_outside_the_package(tmp_path):
+    """The recipe of docs/architecture.md ("Adding a periodic action"), from this file alone: a
+    RunHooks whose add_hooks registers one hook; it runs after the steps it asks for and the last,
+    and sees the state of that step."""
+    import jax
+
+    from conftest import run_config
+    from dalle_ablate.track.runstore import read_metrics
+    from dalle_ablate.train.loop import JobInfo, RunHooks, train
+
+    seen = []
+
+    class Probe(RunHooks):
+        def add_hooks(self, hooks):
+            hooks.add("probe", lambda step, state: seen.append((step, int(jax.device_get(state.step)))), every=4)
+
+    cfg = run_config("tracker=none", "trainer.steps=6", "trainer.eval_every=3")
+    res = train(cfg, JobInfo(tmp_path / "job", hooks=Probe()))
+    assert res.status == "finished" and seen == [(4, 4), (6, 6)]
+    evals = [r["step"] for r in read_metrics(res.run_dir) if "eval/valid/loss" in r]
+    assert evals == [3, 6]  # the run's own hooks, unchanged by the caller's
