@@ -1,10 +1,19 @@
-"""Shared by the benchmark scripts: a fresh train step for a config, timing it, and a competing
-process for timings under load."""
+"""Shared by the benchmark scripts: a fresh train step for a config, timing it, a competing
+process for timings under load, and the results page each benchmark writes (`writes_page`)."""
 
 from __future__ import annotations
 
+import functools
+import io
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "benchmarks"
+# The folder a benchmark writes its page into (default: the repository's docs/results/benchmarks/); "-" writes none.
+PAGE_ENV = "DALLE_ABLATE_RESULTS"
 
 # A second process that keeps every core busy, as a second run or a test suite would on a shared
 # machine: `subprocess.Popen([sys.executable, "-c", COMPETING_LOAD])`.
@@ -73,3 +82,72 @@ def refresh_split(times: list[float], period: int) -> tuple[float, float]:
     refresh = statistics.median(times[i] for i in range(period - 1, len(times), period))
     plain = statistics.median(t for i, t in enumerate(times) if i % period != period - 1)
     return plain, refresh - plain
+
+
+class _Tee(io.TextIOBase):
+    """What the benchmark prints: to the terminal as before, and kept for its page."""
+
+    def __init__(self, out):
+        self.out, self.kept = out, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def machine() -> str:
+    """The machine in one line: CPU model, cores, memory, and the JAX that ran."""
+    import jax
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else None
+    devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
+    return (f"{cpu or 'unknown CPU'}, {os.cpu_count()} cores, {mem:.0f} GiB memory; JAX {jax.__version__} on "
+            f"{jax.default_backend()} ({jax.device_count()} x {devices})")
+
+
+def writes_page(title: str):
+    """A benchmark's main() whose printed tables also become its results page,
+    `docs/results/benchmarks/<script>.md` (or under $DALLE_ABLATE_RESULTS; "-" writes none): the command, the
+    commit, the machine, its load before and after, the date and the time taken above what it
+    printed. A benchmark that fails writes nothing, so an earlier page stays as it was."""
+
+    def wrap(main):
+        @functools.wraps(main)
+        def run(*args, **kwargs):
+            from dalle_ablate.fileio import atomic_write
+            from dalle_ablate.train.meta import git_commit
+
+            folder = os.environ.get(PAGE_ENV, str(RESULTS))
+            commit, load, start, t = git_commit(), os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
+            tee = _Tee(sys.stdout)
+            sys.stdout = tee
+            try:
+                result = main(*args, **kwargs)
+            finally:
+                sys.stdout = tee.out
+            if folder == "-":
+                return result
+            script = Path(sys.argv[0]).name
+            name = Path(script).stem.replace("_", "-")
+            command = " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+            end = os.getloadavg()
+            lines = [f"# {title}", "",
+                     f"Written by `{command}` ({time.perf_counter() - t:.0f} s), on {start}.", "",
+                     f"Commit: {commit['commit'] or 'unknown (not a git checkout)'}"
+                     f"{' + uncommitted changes' if commit['dirty'] else ''}.", "",
+                     f"Machine: {machine()}; load average {load[0]:.1f} before, {end[0]:.1f} after (other jobs on the "
+                     f"machine slow every timing here; compare ratios measured in one run).", "",
+                     "What it printed:", "", "```text", tee.kept.getvalue().rstrip("\n"), "```", ""]
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            atomic_write(Path(folder) / f"{name}.md", "\n".join(lines))
+            print(f"wrote {Path(folder) / f'{name}.md'}")
+            return result
+
+        return run
+
+    return wrap

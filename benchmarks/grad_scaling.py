@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import offline_workdir  # noqa: E402
+from common import offline_workdir, writes_page  # noqa: E402
 
 ARMS = [("float32", "none"), ("float16", "none"), ("float16", "global"), ("float16", "per_block")]
 
 
+@writes_page('Float16 gradient scaling: global vs per-resblock')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)

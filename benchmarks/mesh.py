@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import random_batch  # noqa: E402
+from common import random_batch, writes_page  # noqa: E402
 
 MESHES = [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)]
 
@@ -60,6 +60,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     return {"compile": compile_s, "step": statistics.median(times), "memory": per_device}
 
 
+@writes_page('The train step on meshes of 8 CPU devices')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import offline_workdir  # noqa: E402
+from common import offline_workdir, writes_page  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ("adam", "shampoo")
@@ -42,6 +42,7 @@ def run_summary(run_dir: Path) -> dict:
             "failed": rates[-1] if rates else None}
 
 
+@writes_page("The mission command's runs")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="multirun/mission_command")

@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from common import writes_page  # noqa: E402
+
 GRIDS = {"adam": (3e-4, 1e-3, 3e-3), "adafactor": (3e-3, 1e-2, 3e-2), "shampoo": (3e-4, 1e-3, 3e-3)}
 
 
@@ -69,6 +72,7 @@ def best_lr(runs) -> float | None:
     return min(finite, key=lambda r: r[2])[0] if finite else None
 
 
+@writes_page('Optimizers trained over a learning-rate grid')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="multirun/optimizer_training")

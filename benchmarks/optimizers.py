@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import COMPETING_LOAD, fresh_train_step, random_batch, refresh_split, timed_steps  # noqa: E402
+from common import COMPETING_LOAD, fresh_train_step, random_batch, refresh_split, timed_steps, writes_page  # noqa: E402
 
 
+@writes_page('Optimizers: compile time, step time, state memory')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--periods", type=int, default=3)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import offline_workdir  # noqa: E402
+from common import offline_workdir, writes_page  # noqa: E402
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s64": 8}
 
@@ -69,6 +69,7 @@ def all_reduce_bytes(hlo: str) -> tuple[int, int]:
     return every, conditional
 
 
+@writes_page('PowerSGD: compression, error and step time')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="null,1,4,16")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import writes_page  # noqa: E402
 
 
 def timed(fn, repeats: int = 5) -> float:
@@ -50,6 +51,7 @@ def uncached_sampler(graphdef, image_len: int):
     return jax.jit(sample)
 
 
+@writes_page('Sampling and evaluator throughput')
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import COMPETING_LOAD, fresh_train_step, random_batch, refresh_split, timed_steps  # noqa: E402
+from common import COMPETING_LOAD, fresh_train_step, random_batch, refresh_split, timed_steps, writes_page  # noqa: E402
 
 COLUMNS = ("plain step", "in step", "separate jit", "per stack")
 
@@ -76,6 +76,7 @@ def measure(periods: int, overrides: list[str]) -> dict:
             "statistics": {str(k): v for k, v in sorted(sizes.items())}}
 
 
+@writes_page("Shampoo's root refresh, idle and loaded")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--periods", type=int, default=2)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import offline_workdir  # noqa: E402
+from common import offline_workdir, writes_page  # noqa: E402
 
 TIERS = ("one", "two", "three", "relation")
 
@@ -49,6 +49,7 @@ def rows_of(run_dir: Path, seed: int) -> tuple[list[dict], float, float]:
     return rows, train_s, wall - train_s
 
 
+@writes_page('Caption-following against training time')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import fresh_train_step, offline_workdir, timed_steps  # noqa: E402
+from common import fresh_train_step, offline_workdir, timed_steps, writes_page  # noqa: E402
 
 
 def bare_step_times(cfg, dataset, steps: int) -> list[float]:
@@ -28,6 +28,7 @@ def bare_step_times(cfg, dataset, steps: int) -> list[float]:
     return timed_steps(step, state, batch, steps)[1]
 
 
+@writes_page('Training speed per size')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["tiny", "small"])

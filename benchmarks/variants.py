@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import fresh_train_step, timed_steps  # noqa: E402
+from common import fresh_train_step, timed_steps, writes_page  # noqa: E402
 
 
 def measure(cfg, steps: int) -> dict:
@@ -56,6 +56,7 @@ def measure(cfg, steps: int) -> dict:
     return {"params": n_params, "compile": compile_s, "step": step_s, "peak": peak, "loss": loss, "mfu": mfu}
 
 
+@writes_page('Layouts and attention patterns: step time, compile time, memory, MFU')
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
