@@ -146,6 +146,20 @@ def run_hydra(main: Callable[[], object]) -> None:
         sys.stderr = stderr.stream
 
 
+VERBS: dict[str, tuple[Callable, Callable, dict]] = {}  # name -> (command, its arguments, add_parser's keywords)
+
+
+def verb(name: str, arguments: Callable[[argparse.ArgumentParser], None], **parser_kwargs):
+    """`cmd_*` as the verb `dalle-ablate <name>`: its arguments are added by `arguments(parser)`,
+    the function just above it; `parser_kwargs` (help, description, epilog) go to add_parser."""
+
+    def register(cmd):
+        VERBS[name] = (cmd, arguments, parser_kwargs)
+        return cmd
+
+    return register
+
+
 def cmd_encode_images(args) -> None:
     """A folder of images with captions -> dalle-mini's parquet, through a VQGAN."""
     from dalle_ablate.vqgan import load_vqgan
@@ -160,6 +174,14 @@ def cmd_encode_images(args) -> None:
     print(f"train on it: python run.py data=parquet data.path={path} data.image_vocab={n} data.vqgan_path={args.vqgan}")
 
 
+def _convert_vqgan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--config", help="its taming-transformers yaml (default: vqgan_imagenet_f16_16384's shape)")
+
+
+@verb("convert-vqgan", _convert_vqgan_arguments,
+      help="a taming-transformers VQGAN checkpoint (.ckpt, or .npz of its state dict) -> .npz")
 def cmd_convert_vqgan(args) -> None:
     """A taming-transformers VQGAN checkpoint -> this project's .npz weights."""
     from dalle_ablate.vqgan import VQGANConfig, convert_state_dict, save_vqgan
@@ -172,6 +194,14 @@ def cmd_convert_vqgan(args) -> None:
     print(f"wrote {args.out} ({cfg.n_embed} codes, f{cfg.factor}, {cfg.resolution} px)")
 
 
+def _convert_inception_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+
+
+@verb("convert-inception", _convert_inception_arguments,
+      help="FID Inception weights (torch-fidelity's weights-inception-2015-12-05-"
+      "6726825d.pth, or an .npz of that state dict) -> .npz for eval.fid.weights")
 def cmd_convert_inception(args) -> None:
     """torch-fidelity's / pytorch-fid's FID Inception weights -> this project's .npz."""
     from dalle_ablate.evaluate.inception import convert_state_dict, save_inception
@@ -181,6 +211,18 @@ def cmd_convert_inception(args) -> None:
     print(f"wrote {args.out} (FID Inception, pool3 2048-d; weights hash {file_hash(args.out)})")
 
 
+def _convert_clip_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--bpe", required=True, help="bpe_simple_vocab_16e6.txt.gz (ships with the CLIP and open_clip packages)")
+    p.add_argument("--act", choices=["quick_gelu", "gelu"], default="quick_gelu",
+                   help="MLP activation: quick_gelu for OpenAI's weights (default), gelu for open_clip's own ViT-* models")
+    p.add_argument("--head-width", type=int, default=64, help="attention head width (64 in every OpenAI model)")
+
+
+@verb("convert-clip", _convert_clip_arguments,
+      help="a CLIP ViT checkpoint (OpenAI .pt, open_clip .pt/.bin/.safetensors, or .npz of "
+      "its state dict) and CLIP's BPE merges -> .npz for eval.clip.weights")
 def cmd_convert_clip(args) -> None:
     """An OpenAI or open_clip CLIP ViT checkpoint + CLIP's BPE merges -> one .npz."""
     from dalle_ablate.evaluate.clip import config_from_state_dict, convert_state_dict, read_bpe, save_clip
@@ -193,6 +235,16 @@ def cmd_convert_clip(args) -> None:
           f"{cfg.vision_layers}, text {cfg.text_width}x{cfg.text_layers}, embed {cfg.embed_dim}, {cfg.act})")
 
 
+def _fid_reference_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", required=True, help="FID Inception weights (.npz from convert-inception)")
+    p.add_argument("--out", required=True, help="output .npz")
+    p.add_argument("--images", help="a folder of images (any sizes; searched recursively)")
+    p.add_argument("--num", type=int, help="at most this many images (default: all of the folder; 10000 of a data split)")
+    p.add_argument("overrides", nargs="*", help="data config overrides, e.g. data=parquet data.path=... data.vqgan_path=...")
+
+
+@verb("fid-reference", _fid_reference_arguments, help="FID reference statistics (.npz for eval.reference) of a folder of images "
+      "(--images) or of a data config's valid split")
 def cmd_fid_reference(args) -> None:
     """FID reference statistics of a folder of images, or of a run's data (its valid split)."""
     from dalle_ablate.evaluate.fid import read_image_folder, reference_from_images
@@ -218,6 +270,16 @@ def cmd_fid_reference(args) -> None:
     print(f"wrote {args.out}: {ref.n} images ({ref.source}), Inception weights {ref.weights}, {ref.resize}")
 
 
+def _encode_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--images", help="a folder of images, each with its caption in a .txt of the same name")
+    p.add_argument("--vqgan", help="VQGAN weights (.npz) for --images")
+    p.add_argument("--batch", type=int, default=16, help="images encoded at once (--images)")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.num_train=1000 data.patch_size=4")
+
+
+@verb("encode", _encode_arguments, help="write parquet for data=parquet: the built-in shapes data, or a folder of images "
+      "with captions through a VQGAN (--images, --vqgan)")
 def cmd_encode(args) -> None:
     """Write the shapes data in dalle-mini's parquet format, with the codebook and tokenizer."""
     if args.images:
@@ -256,6 +318,11 @@ def abstract_setup(overrides: list[str]):
     return (cfg, *abstract_run(cfg))
 
 
+def _describe_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. model=normformer size=mega")
+
+
+@verb("describe", _describe_arguments, help="parameters per module, FLOPs per image token, memory (no allocation)")
 def cmd_describe(args) -> None:
     """Parameters per module, FLOPs per image token and memory, from abstract shapes."""
     from dalle_ablate.model.describe import describe
@@ -265,6 +332,20 @@ def cmd_describe(args) -> None:
     print(f"(optimizer: {cfg.optim.name})")
 
 
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py (see below)")
+    p.add_argument("--device", help=f"an accelerator to check against: {', '.join(DEVICES)}")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (default 0.4)")
+
+
+@verb("plan", _plan_arguments, help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)",
+      description="Per-device memory (parameters, gradients, optimizer state, activations by remat policy), "
+      "communication per mesh axis, checkpoint size and FLOPs of a run, from abstract shapes: any size, "
+      "any mesh, on this machine. With --device: whether it fits, and its step time at --mfu.",
+      epilog="overrides it reads: size=, model=, model.dtype=, model.glu=, model.* (the shapes), optim= (its state), "
+      "mesh.data=, mesh.fsdp=, mesh.model= (-1 counts as 1), trainer.batch_size=, trainer.grad_accum=, and data= "
+      "(image and vocabulary sizes, from the config alone). Example: dalle-ablate plan size=mega "
+      "model=normformer optim=adam mesh.data=32 mesh.model=8 trainer.batch_size=4224 --device tpu-v3")
 def cmd_plan(args) -> None:
     """Per-device memory and FLOPs of a config on its mesh, from abstract shapes."""
     from dalle_ablate.parallel.plan import plan
@@ -272,6 +353,12 @@ def cmd_plan(args) -> None:
     print(plan(*abstract_setup(args.overrides), device=args.device, mfu=args.mfu))
 
 
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder")
+    p.add_argument("overrides", nargs="*", help="e.g. eval=drawbench eval.guidance_scales=[1,3,5] eval.num_samples=128")
+
+
+@verb("eval", _eval_arguments, help="evaluate a checkpoint: metrics per guidance scale, caption sensitivity, prompt grids")
 def cmd_eval(args) -> None:
     """Guidance-scale Pareto, caption sensitivity and prompt grids of a saved checkpoint."""
     from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
@@ -279,6 +366,12 @@ def cmd_eval(args) -> None:
     evaluate_checkpoint(args.path, args.overrides)
 
 
+def _train_scorer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="e.g. eval.scorer.seed=1 eval.scorer.steps=3000 data.cache_dir=...")
+
+
+@verb("train-scorer", _train_scorer_arguments, help="train (or load from data.cache_dir) the contrastive shapes scorer that "
+      "eval.rerank uses; prints its held-out retrieval accuracy")
 def cmd_train_scorer(args) -> None:
     """Train (or load from the cache) the contrastive shapes scorer of `eval.scorer` and print its
     held-out retrieval accuracy."""
@@ -299,6 +392,14 @@ def cmd_train_scorer(args) -> None:
           f"with two colours (chance 50%)")
 
 
+def _train_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="e.g. data.tokenizer=dvae data.dvae.steps=3000 data.codebook_size=512")
+    p.add_argument("--out", default="outputs/tokenizers", help="folder of the run stores (default: outputs/tokenizers)")
+
+
+@verb("train-tokenizer", _train_tokenizer_arguments, help="fit (or load from data.cache_dir) the built-in data's image tokenizer "
+      "(data.tokenizer=kmeans|dvae|vqgan) with its own run store and tracker run; "
+      "prints the shapes parser's score on its held-out reconstructions")
 def cmd_train_tokenizer(args) -> None:
     """Fit (or load from data.cache_dir) the built-in data's image tokenizer, with its own run
     store and tracker run, and print its held-out reconstruction scores."""
@@ -313,6 +414,19 @@ def cmd_train_tokenizer(args) -> None:
     print(closing_lines(cfg, result))
 
 
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), or "
+                                  "wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)")
+    p.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
+    p.add_argument("--name", help="the report's folder name (default: from the source path)")
+    p.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
+                                      "e.g. model=preln (default: the first value listed; a sweep: the best completed trial)")
+    p.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
+    p.add_argument("--wandb-project")
+
+
+@verb("report", _report_arguments, help="an ablation report of a multirun/sweep folder or a glob of run stores: "
+      "reports/<name>/index.html, report.md, runs.csv, wandb_report.json")
 def cmd_report(args) -> None:
     """An ablation report of a multirun or sweep folder (or a glob of run stores)."""
     import time
@@ -328,6 +442,24 @@ def cmd_report(args) -> None:
         print(f"warning: left out, unreadable: {why}", file=sys.stderr)
 
 
+def _study_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("study", help="a study of dalle_ablate/report/studies/ (mega-variants), or a study file of your own (.yaml)")
+    p.add_argument("--out", default="studies", help="folder of the study's runs (default: studies/<name>)")
+    p.add_argument("--report-out", default="reports", help="folder of the report (default: reports/<name>)")
+    p.add_argument("--page-out", default="docs/results", help="folder of the results page <name>.md and its "
+                                                               "figures/ (default: docs/results)")
+    p.add_argument("--no-run", action="store_true", help="only the report and the page, from the runs there are")
+    p.add_argument("--seeds", help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
+                                   "'auto': to the seeds its page's rule asks for, from the pooled noise and the margins "
+                                   "only (docs/statistics.md)")
+    p.add_argument("--no-stress", action="store_true", help="skip the study's stress runs (its file's `stress:` section: "
+                                                            "the stability claims' arms across learning rates)")
+    p.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
+                                                "seed=0,1 (a sweep of the preset's own keys replaces it)")
+
+
+@verb("study", _study_arguments, help="run a published study's arms with seeds (finished runs are skipped), then its "
+      "report and a results page with a verdict per finding")
 def cmd_study(args) -> None:
     """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
     a stopped one continues from its checkpoint), then its report and its results page."""
@@ -390,101 +522,13 @@ def cmd_study(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `dalle-ablate` parser and its verbs (docs/reference/cli.md is generated from it)."""
+    """The `dalle-ablate` parser and its verbs, in the order they are defined here (docs/reference/cli.md is
+    generated from it)."""
     parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
-    enc = sub.add_parser("encode", help="write parquet for data=parquet: the built-in shapes data, or a folder of images "
-                                        "with captions through a VQGAN (--images, --vqgan)")
-    enc.add_argument("--out", required=True, help="output folder")
-    enc.add_argument("--images", help="a folder of images, each with its caption in a .txt of the same name")
-    enc.add_argument("--vqgan", help="VQGAN weights (.npz) for --images")
-    enc.add_argument("--batch", type=int, default=16, help="images encoded at once (--images)")
-    enc.add_argument("overrides", nargs="*", help="config overrides, e.g. data.num_train=1000 data.patch_size=4")
-    cv = sub.add_parser("convert-vqgan", help="a taming-transformers VQGAN checkpoint (.ckpt, or .npz of its state dict) -> .npz")
-    cv.add_argument("checkpoint")
-    cv.add_argument("out")
-    cv.add_argument("--config", help="its taming-transformers yaml (default: vqgan_imagenet_f16_16384's shape)")
-    cv.set_defaults(func=cmd_convert_vqgan)
-    enc.set_defaults(func=cmd_encode)
-    ci = sub.add_parser("convert-inception", help="FID Inception weights (torch-fidelity's weights-inception-2015-12-05-"
-                                                  "6726825d.pth, or an .npz of that state dict) -> .npz for eval.fid.weights")
-    ci.add_argument("checkpoint")
-    ci.add_argument("out")
-    ci.set_defaults(func=cmd_convert_inception)
-    cc = sub.add_parser("convert-clip", help="a CLIP ViT checkpoint (OpenAI .pt, open_clip .pt/.bin/.safetensors, or .npz of "
-                                             "its state dict) and CLIP's BPE merges -> .npz for eval.clip.weights")
-    cc.add_argument("checkpoint")
-    cc.add_argument("out")
-    cc.add_argument("--bpe", required=True, help="bpe_simple_vocab_16e6.txt.gz (ships with the CLIP and open_clip packages)")
-    cc.add_argument("--act", choices=["quick_gelu", "gelu"], default="quick_gelu",
-                    help="MLP activation: quick_gelu for OpenAI's weights (default), gelu for open_clip's own ViT-* models")
-    cc.add_argument("--head-width", type=int, default=64, help="attention head width (64 in every OpenAI model)")
-    cc.set_defaults(func=cmd_convert_clip)
-    fr = sub.add_parser("fid-reference", help="FID reference statistics (.npz for eval.reference) of a folder of images "
-                                              "(--images) or of a data config's valid split")
-    fr.add_argument("--weights", required=True, help="FID Inception weights (.npz from convert-inception)")
-    fr.add_argument("--out", required=True, help="output .npz")
-    fr.add_argument("--images", help="a folder of images (any sizes; searched recursively)")
-    fr.add_argument("--num", type=int, help="at most this many images (default: all of the folder; 10000 of a data split)")
-    fr.add_argument("overrides", nargs="*", help="data config overrides, e.g. data=parquet data.path=... data.vqgan_path=...")
-    fr.set_defaults(func=cmd_fid_reference)
-    desc = sub.add_parser("describe", help="parameters per module, FLOPs per image token, memory (no allocation)")
-    desc.add_argument("overrides", nargs="*", help="config overrides, e.g. model=normformer size=mega")
-    desc.set_defaults(func=cmd_describe)
-    pl = sub.add_parser(
-        "plan", help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)",
-        description="Per-device memory (parameters, gradients, optimizer state, activations by remat policy), "
-                    "communication per mesh axis, checkpoint size and FLOPs of a run, from abstract shapes: any size, "
-                    "any mesh, on this machine. With --device: whether it fits, and its step time at --mfu.",
-        epilog="overrides it reads: size=, model=, model.dtype=, model.glu=, model.* (the shapes), optim= (its state), "
-               "mesh.data=, mesh.fsdp=, mesh.model= (-1 counts as 1), trainer.batch_size=, trainer.grad_accum=, and data= "
-               "(image and vocabulary sizes, from the config alone). Example: dalle-ablate plan size=mega "
-               "model=normformer optim=adam mesh.data=32 mesh.model=8 trainer.batch_size=4224 --device tpu-v3")
-    pl.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py (see below)")
-    pl.add_argument("--device", help=f"an accelerator to check against: {', '.join(DEVICES)}")
-    pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (default 0.4)")
-    pl.set_defaults(func=cmd_plan)
-    ev = sub.add_parser("eval", help="evaluate a checkpoint: metrics per guidance scale, caption sensitivity, prompt grids")
-    ev.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder")
-    ev.add_argument("overrides", nargs="*", help="e.g. eval=drawbench eval.guidance_scales=[1,3,5] eval.num_samples=128")
-    ev.set_defaults(func=cmd_eval)
-    ts = sub.add_parser("train-scorer", help="train (or load from data.cache_dir) the contrastive shapes scorer that "
-                                              "eval.rerank uses; prints its held-out retrieval accuracy")
-    ts.add_argument("overrides", nargs="*", help="e.g. eval.scorer.seed=1 eval.scorer.steps=3000 data.cache_dir=...")
-    ts.set_defaults(func=cmd_train_scorer)
-    tt = sub.add_parser("train-tokenizer", help="fit (or load from data.cache_dir) the built-in data's image tokenizer "
-                                                 "(data.tokenizer=kmeans|dvae|vqgan) with its own run store and tracker run; "
-                                                 "prints the shapes parser's score on its held-out reconstructions")
-    tt.add_argument("overrides", nargs="*", help="e.g. data.tokenizer=dvae data.dvae.steps=3000 data.codebook_size=512")
-    tt.add_argument("--out", default="outputs/tokenizers", help="folder of the run stores (default: outputs/tokenizers)")
-    tt.set_defaults(func=cmd_train_tokenizer)
-    rp = sub.add_parser("report", help="an ablation report of a multirun/sweep folder or a glob of run stores: "
-                                       "reports/<name>/index.html, report.md, runs.csv, wandb_report.json")
-    rp.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), or "
-                                   "wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)")
-    rp.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
-    rp.add_argument("--name", help="the report's folder name (default: from the source path)")
-    rp.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
-                                       "e.g. model=preln (default: the first value listed; a sweep: the best completed trial)")
-    rp.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
-    rp.add_argument("--wandb-project")
-    rp.set_defaults(func=cmd_report)
-    st = sub.add_parser("study", help="run a published study's arms with seeds (finished runs are skipped), then its "
-                                      "report and a results page with a verdict per finding")
-    st.add_argument("study", help="a study of dalle_ablate/report/studies/ (mega-variants), or a study file of your own (.yaml)")
-    st.add_argument("--out", default="studies", help="folder of the study's runs (default: studies/<name>)")
-    st.add_argument("--report-out", default="reports", help="folder of the report (default: reports/<name>)")
-    st.add_argument("--page-out", default="docs/results", help="folder of the results page <name>.md and its "
-                                                                "figures/ (default: docs/results)")
-    st.add_argument("--no-run", action="store_true", help="only the report and the page, from the runs there are")
-    st.add_argument("--seeds", help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
-                                    "'auto': to the seeds its page's rule asks for, from the pooled noise and the margins "
-                                    "only (docs/statistics.md)")
-    st.add_argument("--no-stress", action="store_true", help="skip the study's stress runs (its file's `stress:` section: "
-                                                             "the stability claims' arms across learning rates)")
-    st.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
-                                                 "seed=0,1 (a sweep of the preset's own keys replaces it)")
-    st.set_defaults(func=cmd_study)
+    for name, (cmd, arguments, kwargs) in VERBS.items():
+        arguments(sub.add_parser(name, **kwargs))
+        sub.choices[name].set_defaults(func=cmd)
     return parser
 
 
