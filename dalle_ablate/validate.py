@@ -3,11 +3,15 @@ checked before anything is built. The run-level checks are here (numeric ranges 
 fields that span sections); each option of a group checks itself (its class's RANGES and
 `validate`, through its registry), and so does the `eval` section (`EvalConfig`, with the
 settings of each evaluator chosen). Every failure is a ConfigError naming the field and what
-would be valid."""
+would be valid; `format_error` turns Hydra's and OmegaConf's composition errors (an unknown option
+or field, a bad value, an override it cannot parse) into such one line too."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -109,3 +113,61 @@ def compose(overrides: list[str]) -> DictConfig:
 
     with initialize_config_module(config_module="dalle_ablate.conf", version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
+
+
+def format_error(ex: BaseException) -> Optional[str]:
+    """One line for a user mistake, or None for an unexpected error."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    if isinstance(ex, ConfigError):
+        return str(ex)
+    if isinstance(ex, MissingConfigException):
+        group = os.path.dirname(ex.missing_cfg_file or "") or "config"
+        name = os.path.basename(ex.missing_cfg_file or "")
+        options = ", ".join(sorted(ex.options or []))
+        return f"{group}={name} is not a known option of '{group}'; valid: {options}"
+    if isinstance(ex, OverrideParseException):
+        return f"cannot parse override: {str(ex).splitlines()[0]}"
+    cause = ex.__cause__ if isinstance(ex, ConfigCompositionException) else ex
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
+        key = cause.full_key
+        obj = getattr(cause, "object_type", None)
+        fields = sorted(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else []
+        parent = key.rsplit(".", 1)[0] if "." in key else "the config"
+        return f"unknown field {key!r}; valid fields of {parent}: {', '.join(fields)}"
+    if isinstance(cause, ValidationError):
+        return f"bad value for {cause.full_key!r}: {str(cause).splitlines()[0]}"
+    if isinstance(ex, ConfigCompositionException):
+        foreign = re.search(r"In '(\S+)': ConfigKeyError.*\nKey '(\w+)' not in '(\w+)'\n\s*full_key: model\.", str(ex))
+        if foreign:  # a preset of one model family composed with another's (size=dalle12b model=preln)
+            return f"{foreign[1]} sets model.{foreign[2]}, which the chosen model preset's {foreign[3]} has no field for; " \
+                   f"it belongs with {family_presets(foreign[2])}"
+        lines = [line.strip() for line in str(ex).splitlines() if line.strip()]
+        twice = re.fullmatch(r"Multiple values for (\S+)\. To override a value use 'override \1: (.+)'", lines[0])
+        if twice:  # `+sweeps=x`: the group is already in the defaults list, and Hydra's hint is for YAML files
+            return f"{twice[1]} is already in the defaults list: choose it with {twice[1]}={twice[2]}, without the '+'"
+        unknown = re.fullmatch(r"In '(\S+)': ConfigKeyError raised while composing config:\nKey '\w+' not in '(\w+)'\n"
+                               r"\s*full_key: (\S+)\n.*", str(ex), re.S)
+        if unknown:  # a preset setting a field the chosen schema lacks (data=parquet experiment=quick)
+            option = unknown[1].replace("/", "=", 1) if "/" in unknown[1] else unknown[1]
+            return f"{option} sets {unknown[3]}, which {unknown[2]} has no field for"
+        ambiguous = re.fullmatch(r"Ambiguous value for argument '([^=']+)=(.*)'", lines[0])
+        if ambiguous:  # Hydra's hint, with the key and value filled in and quoted for a shell
+            key, value = ambiguous[1], ambiguous[2]
+            return (f"{key}={value} is ambiguous: for a list write {key}=[{value}]; for a string quote the value: "
+                    f"\"{key}='{value}'\"; to sweep over it add --multirun")
+        # Hydra's hints follow its first line: keep them, one sentence after another.
+        return "".join(line if i == 0 else (" " if lines[i - 1].endswith((".", ":")) else "; ") + line
+                       for i, line in enumerate(lines))
+    return None
+
+
+def family_presets(field: str) -> str:
+    """The model presets (conf/model/*.yaml) whose family's config has `field`, as `model=a, model=b`."""
+    from importlib.resources import files
+
+    families = [n for n in FAMILIES.names() if field in {f.name for f in dataclasses.fields(FAMILIES.schema(n))}]
+    presets = sorted(p.name.removesuffix(".yaml") for p in files("dalle_ablate.conf").joinpath("model").iterdir()
+                     if p.name.endswith(".yaml") and any(f"/schema/model_{f}@" in p.read_text() for f in families))
+    return ", ".join(f"model={p}" for p in presets) or "no model preset"
