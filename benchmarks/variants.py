@@ -105,10 +105,10 @@ def attention_flops(cfg):
     from dalle_ablate.data import abstract_sizes
     from dalle_ablate.model import FAMILIES, resolve
 
-    family = FAMILIES.get(cfg.model.family)
-    if not hasattr(family, "attention_pairs"):
+    costs = FAMILIES.get(cfg.model.family).COSTS
+    if not hasattr(costs, "attention_pairs"):
         return None
-    pairs = family.attention_pairs(resolve(cfg.model, **abstract_sizes(cfg.data, cfg.model)))
+    pairs = costs.attention_pairs(resolve(cfg.model, **abstract_sizes(cfg.data, cfg.model)))
     return 4 * cfg.model.d_model * pairs["square"], 4 * cfg.model.d_model * pairs["pattern"]
 
 

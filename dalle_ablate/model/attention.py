@@ -8,7 +8,7 @@ Logits, bias, mask and softmax are float32 whatever the compute dtype.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,25 @@ class PositionBias(nnx.Module):
         return jnp.transpose(values[jnp.asarray(index)], (2, 0, 1))
 
 
+class KVCache(NamedTuple):
+    """One attention's decoding state. `k`, `v` [B, L, H, D]: keys and values of the positions
+    cached so far. `pos`: where the next call's tokens go, or None for a fixed cache (cross-
+    attention: the encoder's keys and values, computed once, never written); an int when known
+    while tracing (a prefill: the queries attend to the filled positions only). `bias`: Swin v2's
+    [H, L, L] position-bias table, computed once, or None."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: Union[int, jax.Array, None] = None
+    bias: Optional[jax.Array] = None
+
+
+def at_position(caches: dict[str, KVCache], pos) -> dict[str, KVCache]:
+    """A layer's caches ({attention name: KVCache}) with the next tokens placed at `pos` (the
+    fixed caches unchanged)."""
+    return {name: c if c.pos is None else c._replace(pos=pos) for name, c in caches.items()}
+
+
 class Attention(nnx.Module):
     """`gain` scales the init of the value and output projections (DeepNet's beta, Magneto's
     gamma); q and k keep the plain init."""
@@ -103,12 +122,48 @@ class Attention(nnx.Module):
     def split(self, y: jax.Array) -> jax.Array:
         return y.reshape(y.shape[0], y.shape[1], self.heads, y.shape[2] // self.heads)
 
-    def keys_values(self, kv: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """[B, T, H, D] keys and values of `kv`: what a decoding cache keeps."""
-        return self.split(self.k(kv)), self.split(self.v(kv))
+    def empty_cache(self, batch: int, length: int, dtype, prefill: bool = False) -> KVCache:
+        """A self-attention cache of `length` positions, none filled yet, with this attention's
+        position-bias table. Its pos is 0: an int if the first call prefills a prefix, else an
+        int32 array (what each decoding step gives back)."""
+        empty = jnp.zeros((batch, length, self.heads, self.k.out_features // self.heads), dtype)
+        bias = self.position_bias(length) if self.position_bias is not None else None
+        return KVCache(empty, empty, 0 if prefill else jnp.zeros((), jnp.int32), bias)
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[jax.Array], bias: Optional[jax.Array],
-               rngs: Optional[nnx.Rngs] = None) -> jax.Array:
+    def fixed_cache(self, kv: jax.Array) -> KVCache:
+        """A cross-attention cache: the keys and values of `kv` (the encoder output), computed once."""
+        return KVCache(self.split(self.k(kv)), self.split(self.v(kv)))
+
+    def __call__(self, x: jax.Array, kv: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+                 rngs: Optional[nnx.Rngs] = None, cache: Optional[KVCache] = None):
+        """Queries of x [B, Tq, d] against the keys and values of `kv` (None: x itself) -> [B, Tq, d]:
+        training and teacher-forced evaluation (dropout with `rngs`).
+
+        With a `cache` (decoding, no dropout; `kv` unused) -> (output, updated cache). A fixed cache (pos None)
+        is attended as it is. Otherwise x's keys and values are written at positions pos .. pos +
+        Tq - 1 first; with pos an int (a prefill) the queries see the positions filled so far,
+        with a traced pos every cached position under `mask` (None: causal). The position bias,
+        if any, is the cache's table at the queries' rows."""
+        q = self.split(self.q(x))
+        if cache is None:
+            kv = x if kv is None else kv
+            bias = self.position_bias(x.shape[1]) if self.position_bias is not None else None
+            return self._attend(q, self.split(self.k(kv)), self.split(self.v(kv)), mask, bias, rngs)
+        if cache.pos is None:
+            return self._attend(q, cache.k, cache.v, mask, None, None), cache
+        pos, t = cache.pos, x.shape[1]
+        k, v = self.split(self.k(x)), self.split(self.v(x))
+        keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), pos, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), pos, axis=1)
+        end = pos + t if isinstance(pos, int) else keys.shape[1]
+        if mask is None:
+            mask = (jnp.arange(end)[None, :] <= pos + jnp.arange(t)[:, None])[None, None]
+        row = None if cache.bias is None else jax.lax.dynamic_slice_in_dim(cache.bias, pos, t, axis=1)[..., :end]
+        out = self._attend(q, keys[:, :end], values[:, :end], mask, row, None)
+        return out, cache._replace(k=keys, v=values, pos=jnp.asarray(pos + t, jnp.int32))
+
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[jax.Array], bias: Optional[jax.Array],
+                rngs: Optional[nnx.Rngs]) -> jax.Array:
         """Heads [B, Tq, H, D] against keys and values [B, Tk, H, D] -> [B, Tq, d]. `bias`
         [H, Tq, Tk] or None."""
         b, t = q.shape[:2]
@@ -125,22 +180,3 @@ class Attention(nnx.Module):
         if self.sub_norm is not None:
             out = self.sub_norm(out)
         return self.o(out)
-
-    def __call__(self, x: jax.Array, kv: jax.Array, mask: Optional[jax.Array], rngs: Optional[nnx.Rngs] = None) -> jax.Array:
-        k, v = self.keys_values(kv)
-        bias = self.position_bias(x.shape[1]) if self.position_bias is not None else None
-        return self.attend(self.split(self.q(x)), k, v, mask, bias, rngs)
-
-    def cached_step(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array,
-                    bias: Optional[jax.Array], visible: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Causal self-attention of one new token x [B, 1, d] at position `pos` against the cache
-        [B, L, H, D] (positions < pos filled): (output, cache with this token's keys and values).
-        `bias` is the full [H, L, L] position bias or None; its row `pos` is used. `visible` [L]
-        bool: the positions this one sees (a sparse mask's row); default all up to `pos`."""
-        k, v = self.keys_values(x)
-        cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), pos, axis=1)
-        cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), pos, axis=1)
-        mask = (jnp.arange(cache_k.shape[1]) <= pos) if visible is None else visible
-        mask = mask[None, None, None, :]
-        row = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, pos, 1, axis=1)
-        return self.attend(self.split(self.q(x)), cache_k, cache_v, mask, row), cache_k, cache_v

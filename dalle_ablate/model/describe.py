@@ -36,7 +36,7 @@ def describe(model_cfg, new_state) -> str:
     opt_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)) - total
     fwd = forward_flops_per_example(model_cfg)
     c = model_cfg
-    family = FAMILIES.get(c.family)
+    costs = FAMILIES.get(c.family).COSTS
     layers = c.depth if hasattr(c, "depth") else f"{c.encoder_layers}+{c.decoder_layers}"
     lines = [
         f"{c.family} layout={c.layout} d_model={c.d_model} heads={c.heads} layers={layers} "
@@ -52,8 +52,8 @@ def describe(model_cfg, new_state) -> str:
         "",
         f"FLOPs per image token: forward {fwd / c.image_len:,.0f}, training step {3 * fwd / c.image_len:,.0f}",
     ]
-    if hasattr(family, "attention_pairs"):  # sparse masks: what a kernel that skipped masked pairs would save
-        pairs = family.attention_pairs(c)
+    if hasattr(costs, "attention_pairs"):  # sparse masks: what a kernel that skipped masked pairs would save
+        pairs = costs.attention_pairs(c)
         per_pair = 4 * c.d_model  # scores and weighted values, 2 FLOPs per multiply-add each
         lines.append(f"attention FLOPs per example (forward): {per_pair * pairs['square']:,} as computed (full square), "
                      f"{per_pair * pairs['causal']:,} causal, {per_pair * pairs['pattern']:,} with "

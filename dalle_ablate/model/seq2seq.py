@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dalle_ablate.model.attention import Attention
+from dalle_ablate.model.attention import Attention, KVCache, at_position
 from dalle_ablate.model.config import FAMILIES, ModelConfig
+from dalle_ablate.model.family import family
 from dalle_ablate.model.grad_scale import BlockScale, branch_input
 from dalle_ablate.model.layers import FeedForward, Norm, dense, dropout, in_float32
 from dalle_ablate.model.layouts import LAYOUTS, Sublayer, mid_norm, stack_gains, stream_norms
@@ -45,6 +46,16 @@ def embed(num: int, dim: int, axes: tuple[str, str], cfg, rngs: nnx.Rngs) -> nnx
     )
 
 
+def attention(layer, name: str, h: jax.Array, kv, mask, rngs, cache: Optional[dict], updated: dict) -> jax.Array:
+    """The layer's attention `name` on h: the full forward without a cache; with one (the layer's
+    {attention name: KVCache}), decoding against cache[name], its update put in `updated`."""
+    attn = getattr(layer, name)
+    if cache is None:
+        return attn(h, kv, mask, rngs)
+    y, updated[name] = attn(h, kv, mask, cache=cache[name])
+    return y
+
+
 class EncoderLayer(nnx.Module):
     """Self-attention and FFN under a layout: the encoder's layer, and (stack `decoder_only`, with
     its gains) every layer of the single-stream family."""
@@ -56,40 +67,25 @@ class EncoderLayer(nnx.Module):
         self.attn = Attention(cfg, rngs, gain=g.attn, sub_norm=layout.attn_sub)
         self.ffn_block = Sublayer(layout, "ffn", cfg, g.alpha, rngs)
         self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=g.ffn)
+        self.dtype = jnp.dtype(cfg.dtype)
 
     # The residual branches in order (row i of this layer's BlockScale is branch i's) and the
     # submodules whose parameters each one holds.
     BRANCHES = {"attn": ("attn", "attn_block"), "ffn": ("ffn", "ffn_block")}
 
-    def __call__(self, x: jax.Array, mask: jax.Array, rngs: Optional[nnx.Rngs] = None,
-                 scales: Optional[BlockScale] = None) -> jax.Array:
+    def empty_cache(self, batch: int, length: int, prefill: bool = False) -> dict[str, KVCache]:
+        """The layer's decoding cache over `length` positions (see Attention.empty_cache)."""
+        return {"attn": self.attn.empty_cache(batch, length, self.dtype, prefill)}
+
+    def __call__(self, x: jax.Array, mask: Optional[jax.Array], rngs: Optional[nnx.Rngs] = None,
+                 scales: Optional[BlockScale] = None, cache: Optional[dict[str, KVCache]] = None):
+        """The layer on x [B, T, d] (dropout with `rngs`, per-resblock gradient `scales`). With a
+        `cache` (decoding: a prefix prefilled or one new token; no dropout) -> (x, updated cache)."""
         s = (lambda i: None) if scales is None else scales.row
-        x = self.attn_block(x, lambda h: self.attn(h, h, mask, rngs), rngs, s(0))
-        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs, s(1))
-
-    def prefill(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The layer on a whole prefix [B, P, d] (no dropout), and the keys and values [B, P, H, D]
-        a decoding cache keeps of it: (x, k, v)."""
         new = {}
-
-        def self_attention(h):
-            new["k"], new["v"] = self.attn.keys_values(h)
-            return self.attn.attend(self.attn.split(self.attn.q(h)), new["k"], new["v"], mask, None)
-
-        x = self.attn_block(x, self_attention)
-        return self.ffn_block(x, self.ffn), new["k"], new["v"]
-
-    def cached_step(self, x, k, v, pos, visible):
-        """One new token x [B, 1, d] at position `pos` against the layer's cache, seeing the
-        positions where `visible` [L] is True: (x, k, v)."""
-        new = {}
-
-        def self_attention(h):
-            y, new["k"], new["v"] = self.attn.cached_step(h, k, v, pos, None, visible)
-            return y
-
-        x = self.attn_block(x, self_attention)
-        return self.ffn_block(x, self.ffn), new["k"], new["v"]
+        x = self.attn_block(x, lambda h: attention(self, "attn", h, None, mask, rngs, cache, new), rngs, s(0))
+        x = self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs, s(1))
+        return x if cache is None else (x, new)
 
 
 class DecoderLayer(nnx.Module):
@@ -106,40 +102,34 @@ class DecoderLayer(nnx.Module):
 
     BRANCHES = {"self_attn": ("self_attn", "self_block"), "cross_attn": ("cross_attn", "cross_block"), "ffn": ("ffn", "ffn_block")}
 
+    def empty_cache(self, enc: jax.Array, length: int) -> dict[str, KVCache]:
+        """The layer's decoding cache: self-attention over `length` image positions, none filled,
+        and cross-attention to the encoder output `enc` [B, T, d]."""
+        return {"self_attn": self.self_attn.empty_cache(enc.shape[0], length, self.dtype),
+                "cross_attn": self.cross_attn.fixed_cache(enc)}
+
     def __call__(self, x, enc, self_mask, cross_mask, rngs: Optional[nnx.Rngs] = None,
-                 scales: Optional[BlockScale] = None) -> jax.Array:
+                 scales: Optional[BlockScale] = None, cache: Optional[dict[str, KVCache]] = None):
+        """The layer on x [B, I, d] after the encoder output `enc`. With a `cache` (decoding; `enc`
+        and `self_mask` unused: the cache holds the encoder's keys and values, and the self-attention
+        is causal) -> (x, updated cache)."""
         s = (lambda i: None) if scales is None else scales.row
-        x = self.self_block(x, lambda h: self.self_attn(h, h, self_mask, rngs), rngs, s(0))
+        new = {}
+        x = self.self_block(x, lambda h: attention(self, "self_attn", h, None, self_mask, rngs, cache, new), rngs, s(0))
         if scales is not None:  # the encoder's output enters this branch too: its gradient leaves it unscaled
             enc = branch_input(enc, scales.scale[1], scales.probe_in[1], self.dtype)
-        x = self.cross_block(x, lambda h: self.cross_attn(h, enc, cross_mask, rngs), rngs, s(1))
-        return self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs, s(2))
-
-    def cached_step(self, x, k, v, pos, bias, cross_k, cross_v, cross_mask):
-        """One new token x [B, 1, d] through the layer against its cache: (x, k, v)."""
-        new = {}
-
-        def self_attention(h):
-            y, new["k"], new["v"] = self.self_attn.cached_step(h, k, v, pos, bias)
-            return y
-
-        x = self.self_block(x, self_attention)
-        x = self.cross_block(x, lambda h: self.cross_attn.attend(self.cross_attn.split(self.cross_attn.q(h)), cross_k, cross_v,
-                                                                 cross_mask, None))
-        return self.ffn_block(x, self.ffn), new["k"], new["v"]
+        x = self.cross_block(x, lambda h: attention(self, "cross_attn", h, enc, cross_mask, rngs, cache, new), rngs, s(1))
+        x = self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs, s(2))
+        return x if cache is None else (x, new)
 
 
 class DecodeCache(NamedTuple):
-    """What autoregressive decoding keeps between positions, one entry per decoder layer: the
-    self-attention keys and values of the positions so far ([B, L, H, D], filled up to the
-    current one), the cross-attention keys and values of the encoder output ([B, T, H, D],
-    computed once) and Swin v2's position bias table ([H, L, L], computed once; None without)."""
+    """What autoregressive decoding keeps between positions: per decoder layer its caches
+    ({"self_attn", "cross_attn"}: KVCache), the self-attention's filled up to the current
+    position and holding Swin v2's position-bias table, the cross-attention's the encoder
+    output's keys and values, computed once."""
 
-    k: tuple
-    v: tuple
-    cross_k: tuple
-    cross_v: tuple
-    bias: tuple
+    layers: tuple
 
 
 # Rematerialisation per layer (gradient checkpointing, Chen et al. 2016, arXiv 1604.06174; DALL·E
@@ -160,13 +150,23 @@ def _layer_rngs(key, i):
 
 
 def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = False, per_layer=None,
-              scales: Optional[BlockScale] = None) -> jax.Array:
-    """The layers in order on x, each called as layer(x, *args[, its per_layer array]); `per_layer`
-    has one leading row per layer (the single-stream family's mask of each layer), and so do
-    `scales` ([layers, branches]: per-resblock gradient scaling, model/grad_scale.py)."""
+              scales: Optional[BlockScale] = None, caches: Optional[tuple] = None):
+    """The layers in order on x, each called as layer(x, *args[, its per_layer array]), then its
+    stream norm if it has one; `per_layer` has one leading row per layer (the single-stream
+    family's mask of each layer), and so do `scales` ([layers, branches]: per-resblock gradient
+    scaling, model/grad_scale.py). With `caches` (one per layer: decoding, unrolled, no dropout)
+    -> (x, the updated caches)."""
+    own = (lambda i: ()) if per_layer is None else (lambda i: (per_layer[i],))
+    if caches is not None:
+        updated = []
+        for i, (layer, norm) in enumerate(zip(layers, norms)):
+            x, cache = layer(x, *args, *own(i), cache=caches[i])
+            updated.append(cache)
+            if norm is not None:
+                x = norm(x)
+        return x, tuple(updated)
     call = _call_layer if remat == "none" else nnx.remat(_call_layer, policy=REMAT_POLICIES[remat])
     key = rngs.dropout() if rngs is not None else None
-    own = (lambda i: ()) if per_layer is None else (lambda i: (per_layer[i],))
     scale_of = (lambda i: None) if scales is None else scales.row
     if scan and len(layers) > 1:
         # One compiled layer scanned over the stack: the per-layer parameters are stacked on the
@@ -189,21 +189,66 @@ def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = F
     return x
 
 
-def step_stack(layers, norms, x, step) -> tuple[jax.Array, tuple, tuple]:
-    """One decoding step through a stack: `step(i, layer, x) -> (x, k, v)` per layer, then the
-    layer's stream norm if it has one; (x, every layer's k, every layer's v)."""
-    ks, vs = [], []
-    for i, (layer, norm) in enumerate(zip(layers, norms)):
-        x, k, v = step(i, layer, x)
-        ks.append(k)
-        vs.append(v)
-        if norm is not None:
-            x = norm(x)
-    return x, tuple(ks), tuple(vs)
+# -- cost accounting -----------------------------------------------------------------------------
+# Every formula the cost accounting (model/flops.py, parallel/plan.py) reads of this family, from its
+# config alone: a sublayer added to a layer adds its terms here and nowhere else.
+
+
+class Seq2SeqCosts:
+    @staticmethod
+    def forward_flops(cfg) -> int:
+        """Matmul FLOPs of one example's forward pass (conventions in model/flops.py)."""
+        d, f, t, i = cfg.d_model, cfg.ffn_dim, cfg.text_len, cfg.image_len
+        ffn_mats = 3 if cfg.glu else 2
+        enc = cfg.encoder_layers * (4 * t * d * d + 2 * t * t * d + ffn_mats * t * d * f)
+        dec_self = 4 * i * d * d + 2 * i * i * d
+        dec_cross = 2 * i * d * d + 2 * t * d * d + 2 * i * t * d
+        dec = cfg.decoder_layers * (dec_self + dec_cross + ffn_mats * i * d * f)
+        head = i * d * padded(cfg.image_vocab + 1, cfg.vocab_pad_multiple)
+        return 2 * (enc + dec + head)
+
+    @staticmethod
+    def activation_elements(cfg, t: int) -> dict[str, float]:
+        """Elements of activations kept per example for the backward pass, by remat policy, with
+        the model axis of size t splitting the heads and FFN."""
+        d, h, f, T, I = cfg.d_model, cfg.heads, cfg.ffn_dim, cfg.text_len, cfg.image_len
+        ffn = (4 if cfg.glu else 2) * f
+        ffn_dots = (2 if cfg.glu else 1) * f
+        enc = T * (6 * d + (4 * d + 2 * h * T + ffn) / t)
+        dec = I * (9 * d + (6 * d + 2 * h * I + 2 * h * T + ffn) / t) + 2 * d * T / t
+        enc_dots = T * (3 * d + (4 * d + h * T + ffn_dots) / t)
+        dec_dots = I * (4 * d + (6 * d + h * I + h * T + ffn_dots) / t) + 2 * d * T / t
+        le, ld = cfg.encoder_layers, cfg.decoder_layers
+        inputs = le * T * d + ld * I * d + T * d  # every layer's input, and the encoder output for cross-attention
+        return {
+            "none": le * enc + ld * dec,
+            "dots_saveable": le * enc_dots + ld * dec_dots,
+            "full": inputs + max(enc, dec),
+        }
+
+    @staticmethod
+    def logit_elements(cfg) -> int:
+        """Logits of one example: a row over the padded image vocabulary per image token."""
+        return cfg.image_len * padded(cfg.image_vocab + 1, cfg.vocab_pad_multiple)
+
+    @staticmethod
+    def model_axis_reductions(cfg) -> int:
+        """Activation elements all-reduced over the model axis per example, forward and backward:
+        one per row-parallel projection (attention output, FFN output) and the embeddings."""
+        d, T, I = cfg.d_model, cfg.text_len, cfg.image_len
+        return 2 * (cfg.encoder_layers * 2 * T * d + cfg.decoder_layers * 3 * I * d + (T + I) * d)
+
+
+# -- the family ----------------------------------------------------------------------------------
 
 
 @FAMILIES.option("seq2seq", ModelConfig)
+@family
 class Seq2Seq(nnx.Module):
+    bos_id: int  # what the sampler reads (model/family.py: Family)
+    image_vocab: int
+    logit_rows: int
+
     def __init__(self, cfg, rngs: nnx.Rngs):
         """cfg: ModelConfig with text_vocab, image_vocab and image_len resolved."""
         self.cfg = cfg
@@ -264,14 +309,7 @@ class Seq2Seq(nnx.Module):
 
     def start_decoding(self, enc: jax.Array) -> DecodeCache:
         """An empty cache for decoding image tokens after the text encoded as `enc` [B, T, d]."""
-        b, length = enc.shape[0], self.cfg.image_len
-        heads = self.cfg.heads
-        empty = jnp.zeros((b, length, heads, self.cfg.d_model // heads), jnp.dtype(self.cfg.dtype))
-        cross = [layer.cross_attn.keys_values(enc) for layer in self.decoder]
-        bias = [layer.self_attn.position_bias(length) if layer.self_attn.position_bias is not None else None
-                for layer in self.decoder]
-        n = len(self.decoder)
-        return DecodeCache((empty,) * n, (empty,) * n, tuple(k for k, _ in cross), tuple(v for _, v in cross), tuple(bias))
+        return DecodeCache(tuple(layer.empty_cache(enc, self.cfg.image_len) for layer in self.decoder))
 
     def decode_step(self, token: jax.Array, pos: jax.Array, cache: DecodeCache, text_mask: jax.Array) -> tuple[jax.Array, DecodeCache]:
         """Logits [B, logit_rows] (float32, invalid rows masked) for the image token after decoder
@@ -279,16 +317,17 @@ class Seq2Seq(nnx.Module):
         token this equals `decode` on the whole prefix (tests/generate/test_sampling.py)."""
         x = self.image_embed(token[:, None]) * self.embed_scale + self.image_pos(pos[None])[None]
         cross_mask = text_mask[:, None, None, :]
-        x, ks, vs = step_stack(self.decoder, self.decoder_stream_norms, x, lambda i, layer, h: layer.cached_step(
-            h, cache.k[i], cache.v[i], pos, cache.bias[i], cache.cross_k[i], cache.cross_v[i], cross_mask))
+        x, layers = run_stack(self.decoder, self.decoder_stream_norms, x, None, None, None, cross_mask,
+                              caches=tuple(at_position(c, pos) for c in cache.layers))
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         logits = self.lm_head(x[:, 0]).astype(jnp.float32)
         valid = jnp.arange(self.logit_rows) < self.image_vocab
-        return jnp.where(valid, logits, NEG_INF), cache._replace(k=ks, v=vs)
+        return jnp.where(valid, logits, NEG_INF), DecodeCache(layers)
 
     # stacks of residual blocks and their layer class (per-resblock gradient scaling)
     STACKS = {"encoder": EncoderLayer, "decoder": DecoderLayer}
+    COSTS = Seq2SeqCosts
 
     def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None,
                  grad_scales: Optional[dict[str, BlockScale]] = None) -> jax.Array:
@@ -304,47 +343,3 @@ class Seq2Seq(nnx.Module):
         """Per-token NLL of each stream the family predicts: here only the image codes [B, I]."""
         logits = self(text, text_mask, codes, dropout_key, grad_scales)
         return {"image": optax.softmax_cross_entropy_with_integer_labels(logits, codes)}
-
-    # What the cost accounting (model/flops.py, parallel/plan.py) needs of a family, from its config.
-    @staticmethod
-    def forward_flops(cfg) -> int:
-        """Matmul FLOPs of one example's forward pass (conventions in model/flops.py)."""
-        d, f, t, i = cfg.d_model, cfg.ffn_dim, cfg.text_len, cfg.image_len
-        ffn_mats = 3 if cfg.glu else 2
-        enc = cfg.encoder_layers * (4 * t * d * d + 2 * t * t * d + ffn_mats * t * d * f)
-        dec_self = 4 * i * d * d + 2 * i * i * d
-        dec_cross = 2 * i * d * d + 2 * t * d * d + 2 * i * t * d
-        dec = cfg.decoder_layers * (dec_self + dec_cross + ffn_mats * i * d * f)
-        head = i * d * padded(cfg.image_vocab + 1, cfg.vocab_pad_multiple)
-        return 2 * (enc + dec + head)
-
-    @staticmethod
-    def activation_elements(cfg, t: int) -> dict[str, float]:
-        """Elements of activations kept per example for the backward pass, by remat policy, with
-        the model axis of size t splitting the heads and FFN."""
-        d, h, f, T, I = cfg.d_model, cfg.heads, cfg.ffn_dim, cfg.text_len, cfg.image_len
-        ffn = (4 if cfg.glu else 2) * f
-        ffn_dots = (2 if cfg.glu else 1) * f
-        enc = T * (6 * d + (4 * d + 2 * h * T + ffn) / t)
-        dec = I * (9 * d + (6 * d + 2 * h * I + 2 * h * T + ffn) / t) + 2 * d * T / t
-        enc_dots = T * (3 * d + (4 * d + h * T + ffn_dots) / t)
-        dec_dots = I * (4 * d + (6 * d + h * I + h * T + ffn_dots) / t) + 2 * d * T / t
-        le, ld = cfg.encoder_layers, cfg.decoder_layers
-        inputs = le * T * d + ld * I * d + T * d  # every layer's input, and the encoder output for cross-attention
-        return {
-            "none": le * enc + ld * dec,
-            "dots_saveable": le * enc_dots + ld * dec_dots,
-            "full": inputs + max(enc, dec),
-        }
-
-    @staticmethod
-    def logit_elements(cfg) -> int:
-        """Logits of one example: a row over the padded image vocabulary per image token."""
-        return cfg.image_len * padded(cfg.image_vocab + 1, cfg.vocab_pad_multiple)
-
-    @staticmethod
-    def model_axis_reductions(cfg) -> int:
-        """Activation elements all-reduced over the model axis per example, forward and backward:
-        one per row-parallel projection (attention output, FFN output) and the embeddings."""
-        d, T, I = cfg.d_model, cfg.text_len, cfg.image_len
-        return 2 * (cfg.encoder_layers * 2 * T * d + cfg.decoder_layers * 3 * I * d + (T + I) * d)

@@ -28,12 +28,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dalle_ablate.model.attention import at_position
 from dalle_ablate.model.config import FAMILIES, ModelConfig
+from dalle_ablate.model.family import family
 from dalle_ablate.model.layers import Norm, dense, dropout
 from dalle_ablate.model.layouts import stream_norms
 from dalle_ablate.model.masks import grid_side, image_pairs, layer_patterns, stream_mask
 from dalle_ablate.model.grad_scale import BlockScale
-from dalle_ablate.model.seq2seq import NEG_INF, EncoderLayer, embed, outside, padded, run_stack, step_stack
+from dalle_ablate.model.seq2seq import NEG_INF, EncoderLayer, embed, outside, padded, run_stack
 from dalle_ablate.registry import ConfigError
 
 
@@ -74,16 +76,64 @@ class SingleStreamConfig(ModelConfig):
 
 
 class StreamCache(NamedTuple):
-    """Decoding state: per layer the keys and values [B, L, H, D] of the stream so far, and the
-    embedded last text position [B, 1, d], the input that predicts the first code."""
+    """Decoding state: per layer its cache ({"attn": KVCache}: the keys and values [B, L, H, D]
+    of the stream so far), and the embedded last text position [B, 1, d], the input that
+    predicts the first code."""
 
-    k: tuple
-    v: tuple
+    layers: tuple
     first: jax.Array
 
 
+# -- cost accounting -----------------------------------------------------------------------------
+# Every formula the cost accounting reads of this family, from its config alone (see Seq2SeqCosts):
+# one stack of self-attention layers over L = T + I - 1 positions, the attention counted over the
+# full square as computed.
+
+
+class SingleStreamCosts:
+    @staticmethod
+    def forward_flops(cfg) -> int:
+        d, f, n = cfg.d_model, cfg.ffn_dim, cfg.text_len + cfg.image_len - 1
+        layer = 4 * n * d * d + 2 * n * n * d + (3 if cfg.glu else 2) * n * d * f
+        return 2 * (cfg.depth * layer + SingleStreamCosts.logit_elements(cfg) * d)
+
+    @staticmethod
+    def logit_elements(cfg) -> int:
+        m = cfg.vocab_pad_multiple
+        return cfg.image_len * padded(cfg.image_vocab, m) + (cfg.text_len - 1) * padded(cfg.text_vocab + cfg.text_len, m)
+
+    @staticmethod
+    def activation_elements(cfg, t: int) -> dict[str, float]:
+        d, h, f, n = cfg.d_model, cfg.heads, cfg.ffn_dim, cfg.text_len + cfg.image_len - 1
+        layer = n * (6 * d + (4 * d + 2 * h * n + (4 if cfg.glu else 2) * f) / t)
+        dots = n * (3 * d + (4 * d + h * n + (2 if cfg.glu else 1) * f) / t)
+        return {"none": cfg.depth * layer, "dots_saveable": cfg.depth * dots, "full": cfg.depth * n * d + layer}
+
+    @staticmethod
+    def model_axis_reductions(cfg) -> int:
+        n = cfg.text_len + cfg.image_len - 1
+        return 2 * (cfg.depth * 2 * n * cfg.d_model + n * cfg.d_model)
+
+    @staticmethod
+    def attention_pairs(cfg) -> dict[str, int]:
+        """(query, key) pairs one example's attention covers, summed over layers: the full square
+        (what a dense kernel computes), the causal triangle, and the pattern's masks."""
+        n, g = cfg.text_len + cfg.image_len - 1, grid_side(cfg.image_len)
+        pattern = sum(int(stream_mask(p, cfg.text_len, g, cfg.conv_kernel)[:n, :n].sum())
+                      for p in layer_patterns(cfg.attention_pattern, cfg.depth))
+        return {"square": cfg.depth * n * n, "causal": cfg.depth * n * (n + 1) // 2, "pattern": pattern}
+
+
+# -- the family ----------------------------------------------------------------------------------
+
+
 @FAMILIES.option("single_stream", SingleStreamConfig)
+@family
 class SingleStream(nnx.Module):
+    bos_id: int  # what the sampler reads (model/family.py: Family)
+    image_vocab: int
+    logit_rows: int
+
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
         d, m = cfg.d_model, cfg.vocab_pad_multiple
@@ -141,6 +191,7 @@ class SingleStream(nnx.Module):
         return jnp.where(jnp.arange(self.logit_rows) < self.image_vocab, logits, NEG_INF)
 
     STACKS = {"decoder": EncoderLayer}  # stacks of residual blocks (per-resblock gradient scaling)
+    COSTS = SingleStreamCosts
 
     def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
         """Teacher-forced image logits [B, I, logit_rows] (what caption scores and the eval loss read)."""
@@ -164,18 +215,11 @@ class SingleStream(nnx.Module):
     def start_decoding(self, x_text: jax.Array) -> StreamCache:
         """Run the text prefix (all but its last position) once and keep its keys and values."""
         b, t = x_text.shape[:2]
-        length = t + self.cfg.image_len - 1
-        heads = self.cfg.heads
-        empty = jnp.zeros((b, length, heads, self.cfg.d_model // heads), jnp.dtype(self.cfg.dtype))
+        empty = tuple(layer.empty_cache(b, t + self.cfg.image_len - 1, prefill=True) for layer in self.decoder)
         x = x_text[:, : t - 1].astype(jnp.dtype(self.cfg.dtype))
-        ks, vs = [], []
-        for layer, norm, mask in zip(self.decoder, self.decoder_stream_norms, self.masks()):
-            x, k, v = layer.prefill(x, jnp.asarray(mask[: t - 1, : t - 1])[None, None])
-            ks.append(jax.lax.dynamic_update_slice_in_dim(empty, k.astype(empty.dtype), 0, axis=1))
-            vs.append(jax.lax.dynamic_update_slice_in_dim(empty, v.astype(empty.dtype), 0, axis=1))
-            if norm is not None:
-                x = norm(x)
-        return StreamCache(tuple(ks), tuple(vs), x_text[:, t - 1:])
+        masks = [jnp.asarray(m[: t - 1, : t - 1])[None, None] for m in self.masks()]
+        _, layers = run_stack(self.decoder, self.decoder_stream_norms, x, None, per_layer=masks, caches=empty)
+        return StreamCache(layers, x_text[:, t - 1:])
 
     def decode_step(self, token: jax.Array, pos: jax.Array, cache: StreamCache, text_mask: jax.Array):
         """Logits [B, logit_rows] of code `pos` given code pos - 1 in `token` (ignored at pos 0,
@@ -185,50 +229,13 @@ class SingleStream(nnx.Module):
         p = t - 1 + pos  # stream position of this step's input
         code = self.embed_codes(token[:, None], jnp.maximum(pos - 1, 0))
         x = jnp.where(pos == 0, cache.first.astype(code.dtype), code)
-        masks = self.masks()
-
-        def step(i, layer, h):
-            visible = jax.lax.dynamic_index_in_dim(jnp.asarray(masks[i][:-1, :-1]), p, keepdims=False)
-            return layer.cached_step(h, cache.k[i], cache.v[i], p, visible)
-
-        x, ks, vs = step_stack(self.decoder, self.decoder_stream_norms, x, step)
+        # each layer's mask row at p: the positions this input sees
+        visible = [jax.lax.dynamic_index_in_dim(jnp.asarray(m[:-1, :-1]), p, keepdims=False)[None, None, None] for m in self.masks()]
+        x, layers = run_stack(self.decoder, self.decoder_stream_norms, x, None, per_layer=visible,
+                              caches=tuple(at_position(c, p) for c in cache.layers))
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        return self.image_logits(x[:, 0]), cache._replace(k=ks, v=vs)
-
-    # The cost accounting's view of the family (see Seq2Seq): one stack of self-attention layers
-    # over L = T + I - 1 positions, the attention counted over the full square as computed.
-    @staticmethod
-    def forward_flops(cfg) -> int:
-        d, f, n = cfg.d_model, cfg.ffn_dim, cfg.text_len + cfg.image_len - 1
-        layer = 4 * n * d * d + 2 * n * n * d + (3 if cfg.glu else 2) * n * d * f
-        return 2 * (cfg.depth * layer + SingleStream.logit_elements(cfg) * d)
-
-    @staticmethod
-    def logit_elements(cfg) -> int:
-        m = cfg.vocab_pad_multiple
-        return cfg.image_len * padded(cfg.image_vocab, m) + (cfg.text_len - 1) * padded(cfg.text_vocab + cfg.text_len, m)
-
-    @staticmethod
-    def activation_elements(cfg, t: int) -> dict[str, float]:
-        d, h, f, n = cfg.d_model, cfg.heads, cfg.ffn_dim, cfg.text_len + cfg.image_len - 1
-        layer = n * (6 * d + (4 * d + 2 * h * n + (4 if cfg.glu else 2) * f) / t)
-        dots = n * (3 * d + (4 * d + h * n + (2 if cfg.glu else 1) * f) / t)
-        return {"none": cfg.depth * layer, "dots_saveable": cfg.depth * dots, "full": cfg.depth * n * d + layer}
-
-    @staticmethod
-    def model_axis_reductions(cfg) -> int:
-        n = cfg.text_len + cfg.image_len - 1
-        return 2 * (cfg.depth * 2 * n * cfg.d_model + n * cfg.d_model)
-
-    @staticmethod
-    def attention_pairs(cfg) -> dict[str, int]:
-        """(query, key) pairs one example's attention covers, summed over layers: the full square
-        (what a dense kernel computes), the causal triangle, and the pattern's masks."""
-        n, g = cfg.text_len + cfg.image_len - 1, grid_side(cfg.image_len)
-        pattern = sum(int(stream_mask(p, cfg.text_len, g, cfg.conv_kernel)[:n, :n].sum())
-                      for p in layer_patterns(cfg.attention_pattern, cfg.depth))
-        return {"square": cfg.depth * n * n, "causal": cfg.depth * n * (n + 1) // 2, "pattern": pattern}
+        return self.image_logits(x[:, 0]), cache._replace(layers=layers)
 
 
-__all__ = ["SingleStream", "SingleStreamConfig", "StreamCache", "image_pairs"]
+__all__ = ["SingleStream", "SingleStreamConfig", "SingleStreamCosts", "StreamCache", "image_pairs"]

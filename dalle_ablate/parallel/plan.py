@@ -5,7 +5,7 @@ on a laptop).
 Parameters, gradients and optimizer state are exact: every leaf's bytes divided by the mesh
 axes its PartitionSpec (the same rules the trainer uses) splits it over. Activations are an
 estimate, counted from the layers' code by each model family (`activation_elements`,
-`logit_elements`, `model_axis_reductions` on its class): the tensors each layer keeps for its
+`logit_elements`, `model_axis_reductions` on its `COSTS` class): the tensors each layer keeps for its
 backward pass per example, the tensor-parallel ones divided by `mesh.model` (the accounting of
 Korthikanti et al. 2022, arXiv 2205.05198, adapted to this encoder-decoder with GLU and
 cross-attention; the single-stream family is one stack of encoder-like layers over T + I - 1):
@@ -76,7 +76,7 @@ def communication_bytes(cfg, model_cfg, params, pspecs, param_bytes: int, sizes:
     flat_specs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
     gathered = sum(math.ceil(x.size / shard_factor(s, sizes)) * np.dtype(x.dtype).itemsize * n_f
                    for x, s in zip(jax.tree.leaves(params), flat_specs) if "fsdp" in spec_axes(s))
-    reduced = FAMILIES.get(model_cfg.family).model_axis_reductions(model_cfg)
+    reduced = FAMILIES.get(model_cfg.family).COSTS.model_axis_reductions(model_cfg)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
     floats = traffic(params, cfg.optim.powersgd.rank, cfg.optim.powersgd.exclude)
     return {
@@ -99,10 +99,10 @@ def memory_plan(cfg, model_cfg, new_state) -> dict:
     model_cfg = pad_vocab_for_mesh(model_cfg, sizes["model"])
     params, pspecs, state, sspecs = layout_specs(abstract_model(model_cfg), new_state, sizes)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
-    family = FAMILIES.get(model_cfg.family)
-    logits = family.logit_elements(model_cfg) / sizes["model"] * (act_bytes + 4)  # compute dtype and a float32 copy
+    costs = FAMILIES.get(model_cfg.family).COSTS
+    logits = costs.logit_elements(model_cfg) / sizes["model"] * (act_bytes + 4)  # compute dtype and a float32 copy
     b = micro // dp
-    per_example = family.activation_elements(model_cfg, sizes["model"])
+    per_example = costs.activation_elements(model_cfg, sizes["model"])
     param_bytes = per_device_bytes(params, pspecs, sizes)
     return {
         "sizes": sizes,
