@@ -483,6 +483,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     except RunFailed as ex:  # e.g. a study whose multirun failed: its page is written, the exit code says so
         print(f"error: {ex}", file=sys.stderr)
         sys.exit(ex.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C: what finished is kept (a study's runs, a report's files), no traceback
+        again = " (run the same command again: finished runs are skipped, a stopped one continues)" if args.verb == "study" else ""
+        print(f"error: dalle-ablate {args.verb} interrupted{again}", file=sys.stderr)
+        sys.exit(130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex)
         if msg is None:

@@ -179,3 +179,20 @@ def test_eval_of_a_run_whose_saved_config_cannot_be_used_is_one_line(tmp_path, c
         "removed field": f"{file}: eval.old_knob is not a field of today's config (removed or renamed since the run)",
         "wrong type": f"{file}: eval.seed: Value 'abc' of type 'str' could not be converted to Integer",
     }[case]
+
+
+def test_ctrl_c_in_a_verb_is_one_line_and_exit_130(monkeypatch, capsys):
+    """A study stopped with Ctrl-C: one line saying how to continue, not the traceback of the
+    wait for its child."""
+    from dalle_ablate import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    _, arguments, kwargs = cli.VERBS["study"]
+    monkeypatch.setitem(cli.VERBS, "study", (interrupted, arguments, kwargs))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["study", "mega-variants", "--no-run"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err == ("error: dalle-ablate study interrupted (run the same command again: finished runs are "
+                                       "skipped, a stopped one continues)\n")
