@@ -265,7 +265,8 @@ def finished_before(cfg: RunConfig, run_dir: Path) -> Optional[dict]:
 @dataclass
 class ResumePoint:
     """What a run starts from, in one place: a fresh start (step 0), or a checkpoint and, when the
-    run continues its own store (`resume=auto`), what its earlier processes logged and left."""
+    run continues its own store (`resume=auto`), what its earlier processes logged (the hooks they
+    left undone: `undone_at_resume`)."""
 
     step: int = 0  # the restored checkpoint's step
     state: Any = None  # the restored train state; None: the initial one
@@ -274,7 +275,6 @@ class ResumePoint:
     first_loss: float = math.nan  # the run's first train/loss, and its last and last eval loss logged
     last_loss: float = math.nan
     eval_loss: float = math.nan
-    left: tuple[str, ...] = ()  # the hooks due at `step` that the process which saved it did not finish
 
     @property
     def tracker_step(self) -> Optional[int]:
