@@ -35,7 +35,8 @@ def measure(periods: int, overrides: list[str]) -> dict:
     """Seconds per setting (COLUMNS), medians over `periods`, in this process."""
     import jax
 
-    from dalle_ablate.optim.scale_by_shampoo import ShampooState, batched_inverse_roots
+    from dalle_ablate.optim.inverse_roots import batched_inverse_roots
+    from dalle_ablate.optim.scale_by_shampoo import ShampooState
     from dalle_ablate.optim.shampoo import root_dtype
     from dalle_ablate.validate import compose, to_run_config
 

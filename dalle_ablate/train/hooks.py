@@ -7,7 +7,6 @@ action is one `add`."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from dalle_ablate.data.base import host_share
 from dalle_ablate.evaluate.runner import evaluation_or_none
 from dalle_ablate.model import abstract_model
 from dalle_ablate.parallel import Placement
-from dalle_ablate.track.runstore import read_metrics
 from dalle_ablate.train.step import make_eval_step
 
 
@@ -116,12 +114,8 @@ def periodic_hooks(cfg, run, tracker, ckpt, job, wall_start: Callable[[], float]
     return hooks, seen
 
 
-def left_at(hooks: Hooks, step: int, run_dir: Path) -> tuple[str, ...]:
-    """The evaluations due at `step` (the checkpoint this run store continues from) that the
-    process that saved it did not finish, e.g. the final evaluation a Ctrl-C cut off."""
-    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    summary = run_dir / "summary.json"
-    saved = json.loads(summary.read_text()) if summary.exists() else {}
-    undone = {"validation": not any(r["step"] == step and "eval/valid/loss" in r for r in rows),
-              "evaluation": saved.get("evaluated_step") != step}
-    return tuple(name for name in hooks.due(step) if undone.get(name, False))
+def left_at(hooks: Hooks, step: int, done: dict[str, bool]) -> tuple[str, ...]:
+    """The hooks due at `step` (the checkpoint a run store continues from) that the process which
+    saved it did not finish, e.g. the final evaluation a Ctrl-C cut off; `done`: whether each
+    evaluation was (hooks it does not name need no redoing: a checkpoint is never redone)."""
+    return tuple(name for name in hooks.due(step) if not done.get(name, True))

@@ -275,6 +275,7 @@ class ResumePoint:
     first_loss: float = math.nan  # the run's first train/loss, and its last and last eval loss logged
     last_loss: float = math.nan
     eval_loss: float = math.nan
+    done_at_step: dict = field(default_factory=dict)  # hook name -> whether it finished at `step` (left_at)
 
     @property
     def tracker_step(self) -> Optional[int]:
@@ -304,14 +305,16 @@ def with_logged(point: ResumePoint, run_dir: Path) -> ResumePoint:
     eval_losses = [float(r["eval/valid/loss"]) for r in rows if "eval/valid/loss" in r]
     saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     first, last = (train_losses[0], train_losses[-1]) if train_losses else (math.nan, math.nan)
+    done = {"validation": any(r["step"] == point.step and "eval/valid/loss" in r for r in rows),
+            "evaluation": saved.get("evaluated_step") == point.step}
     return dataclasses.replace(point, wall_time=float(saved.get("wall_time", 0.0)), first_loss=first, last_loss=last,
-                               eval_loss=eval_losses[-1] if eval_losses else math.nan)
+                               eval_loss=eval_losses[-1] if eval_losses else math.nan, done_at_step=done)
 
 
-def undone_at_resume(point: ResumePoint, hooks: Hooks, run_dir: Path) -> tuple[str, ...]:
-    """The hooks due at the resumed step that were not finished (process 0 reads its run store;
+def undone_at_resume(point: ResumePoint, hooks: Hooks) -> tuple[str, ...]:
+    """The hooks due at the resumed step that were not finished (process 0 read its run store;
     the evaluations run on every process, so it tells the others)."""
-    left = left_at(hooks, point.step, run_dir) if point.continues_store and point.state is not None and jax.process_index() == 0 else ()
+    left = left_at(hooks, point.step, point.done_at_step) if point.done_at_step else ()
     if jax.process_count() == 1:
         return left
     from jax.experimental import multihost_utils
@@ -362,7 +365,7 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         bar = tqdm(total=t.steps, initial=point.step, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
         log = StepLogger(tracker, bar, t, flops_per_step, run.tokens_per_step, peak * run.mesh.size)
         log.first_loss, log.last_loss = point.first_loss, point.last_loss
-        left = undone_at_resume(point, hooks, run_dir)
+        left = undone_at_resume(point, hooks)
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
         status, state = run_steps(state, range(point.step + 1, t.steps + 1), train_step, batches, run, log, hooks, ckpt, left)

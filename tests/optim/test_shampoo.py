@@ -12,8 +12,8 @@ import pytest
 
 from conftest import run_config
 from dalle_ablate.optim import build_optimizer, build_schedule, decay_mask
-from dalle_ablate.optim.scale_by_shampoo import (
-    batched_inverse_roots, gather, inverse_root, make_plan, merged_shape, scale_by_shampoo, scatter, shampoo_stats)
+from dalle_ablate.optim.inverse_roots import batched_inverse_roots, inverse_root
+from dalle_ablate.optim.scale_by_shampoo import gather, make_plan, merged_shape, scale_by_shampoo, scatter, shampoo_stats
 
 
 def np_root(a: np.ndarray, p: int, eps: float) -> np.ndarray:
@@ -71,7 +71,7 @@ def test_inverse_root_error_does_not_grow_with_the_condition_number(cond, dtype)
 
 
 def test_a_broken_eigendecomposition_is_rejected():
-    from dalle_ablate.optim.scale_by_shampoo import _root_from_eigh
+    from dalle_ablate.optim.inverse_roots import _root_from_eigh
 
     rng = np.random.default_rng(2)
     g = rng.normal(size=(16, 32))
