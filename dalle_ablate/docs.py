@@ -200,7 +200,7 @@ def config_reference() -> str:
 
 def cli_reference() -> str:
     parser = build_parser()
-    parts = [HEADER.format(src="the argument parser of dalle_ablate/cli.py"), "# Command-line reference\n\n",
+    parts = [HEADER.format(src="the argument parser of dalle_ablate/cli/"), "# Command-line reference\n\n",
              "`python run.py [overrides]` trains one run, or a sweep with `-m` (Hydra's command line; the overrides "
              "are in the [configuration reference](config.md)). `dalle-ablate VERB` does everything else:\n\n"]
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -1,5 +1,6 @@
-"""How `dalle-ablate study` runs its children: the multirun and the stress runs, each a child
-process that dies with the study process and, on Ctrl-C, gets time to save (cli.py cmd_study)."""
+"""`dalle-ablate study`: the study's runs (the multirun and the stress runs, each a child process
+that dies with the study process and, on Ctrl-C, gets time to save), then its report and its
+results page with the provenance of the runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from dalle_ablate.registry import RunFailed
+from dalle_ablate.registry import ConfigError, RunFailed
 
 
 @dataclasses.dataclass
@@ -85,3 +86,83 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
             f"{len(plan.seeds)} seeds, {plan.steps} steps); this invocation started {ran} of them in "
             f"{(time.perf_counter() - t) / 60:.1f} min (those that finished or diverged before are not rerun).")
     return StressOutcome(line, failed)
+
+
+def run_study(study_arg: str, out: str, report_out: str, page_out: str, overrides: list[str], seeds: Optional[str] = None,
+              no_run: bool = False, no_stress: bool = False) -> None:
+    """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
+    a stopped one continues from its checkpoint) and its stress runs, then write its report and
+    its results page. `study_arg` is a study's name or its file; `seeds` tops it up (N or 'auto')."""
+    import time
+
+    from dalle_ablate.report import build_report
+    from dalle_ablate.report.findings import load_study, study_path
+    from dalle_ablate.report.page import provenance, write_page
+
+    study_file = Path(study_arg) if study_arg.endswith((".yaml", ".yml")) else study_path(study_arg)
+    study = load_study(study_file)
+    folder = Path(out) / study.name
+    if seeds is not None and no_run:
+        raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
+    seed_override, topup = _plan_topup(study, folder, seeds, overrides) if seeds is not None else (None, None)
+    command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={folder}",
+               *overrides, *([seed_override] if seed_override else [])]
+    t = time.perf_counter()
+    # The seeds of an arm compile the same programs: JAX's persistent compilation cache
+    # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
+    preexec = dies_with_this_process()
+    code = 0 if no_run else call_child(command, env, preexec)
+    if topup is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
+        _log_topup(folder, topup)
+    stress = None if no_run or no_stress else run_stress(study_file, study.experiment, folder, overrides, env, preexec)
+    elapsed = time.perf_counter() - t
+    runs = _study_runs(study.name, folder, code)
+    lines = provenance(study_arg, seeds, overrides, command, runs, elapsed, not no_run,
+                       stress.line if stress is not None else None)
+    report = build_report(str(folder), report_out, study.name, study.baseline)
+    page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
+    print(f"wrote {report}/index.html and {page}")
+    if code:
+        raise RunFailed(f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code)
+    if stress is not None and stress.failed:
+        raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(stress.failed)}")
+
+
+def _plan_topup(study, folder: Path, seeds: str, overrides: list[str]) -> tuple[str, dict]:
+    """(the seed override that tops every arm up, the top-up's record), printed."""
+    from dalle_ablate.report.findings import plan_topup
+
+    seed_override, topup = plan_topup(study, folder, seeds, overrides)
+    print(f"study {study.name}: topping up from {topup['from']} to {topup['to']} seeds per arm ({seed_override}; the "
+          f"rule asks for {topup['rule']})")
+    return seed_override, topup
+
+
+def _log_topup(folder: Path, topup: dict) -> None:
+    """Add a finished top-up to the study's log of them (the page prints the rule it followed)."""
+    import json
+    import time
+
+    from dalle_ablate.fileio import atomic_write
+    from dalle_ablate.report.findings import TOPUPS
+
+    log = folder / TOPUPS
+    atomic_write(log, json.dumps([*(json.loads(log.read_text()) if log.exists() else []),
+                                  {**topup, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}], indent=1))
+
+
+def _study_runs(name: str, folder: Path, code: int) -> list:
+    """The study's run stores, each readable and saying which arm it is (its meta.json)."""
+    from dalle_ablate.report.load import find_stores, load_runs
+
+    try:
+        find_stores(str(folder))
+    except ConfigError:
+        raise RunFailed(f"study {name}: no runs under {folder} (the multirun exited with {code})", code or 4) from None
+    runs = load_runs(str(folder))  # a torn or unreadable file of a run store: named in one line
+    for r in runs:  # its overrides say which arm a run is (report/findings.py arm_of)
+        if not (r.root / "meta.json").is_file():
+            raise ConfigError(f"{r.root / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
+                              f"{r.root.parent} and run the study again to train it anew")
+    return runs

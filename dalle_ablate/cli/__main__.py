@@ -1,0 +1,5 @@
+"""`python -m dalle_ablate.cli VERB ...` is the `dalle-ablate` command."""
+
+from dalle_ablate.cli import main
+
+main()

@@ -1,0 +1,78 @@
+"""The error handling around `run.py` (and `python -m dalle_ablate.job`): a user mistake is one
+line on stderr and exit code 2, a run that failed for a known reason one line and its code, a bug
+its full traceback (docs/guides/troubleshooting.md lists the codes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from dalle_ablate.registry import RunFailed
+from dalle_ablate.validate import format_error
+
+
+HYDRA_JOB_ERROR = "Error executing job with overrides: "
+
+
+class _JobErrorLine:
+    """sys.stderr while a `@hydra.main` function runs: Hydra writes "Error executing job with
+    overrides: [...]" just before it re-raises a job's exception; the line is held back, so that
+    the error is one line on stderr (with a multirun's job overrides folded in)."""
+
+    def __init__(self, stream):
+        self.stream, self.overrides = stream, None
+
+    def write(self, text: str) -> int:
+        if text.startswith(HYDRA_JOB_ERROR):
+            self.overrides = text[len(HYDRA_JOB_ERROR):].strip()
+            return len(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _multirun() -> bool:
+    """Whether the command line asked for a multirun (Hydra has forgotten by the time a job's error reaches us)."""
+    return any(a in ("-m", "--multirun") or a.replace(" ", "") == "hydra.mode=MULTIRUN" for a in sys.argv[1:])
+
+
+def run_hydra(main: Callable[[], object]) -> None:
+    """Call a `@hydra.main` function: a user mistake is one line and exit code 2, a run that
+    diverged or failed for a known reason one line and its code (docs/guides/troubleshooting.md)."""
+    # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    from dalle_ablate.launch.jobs import WorkerLost
+
+    stderr = sys.stderr = _JobErrorLine(sys.stderr)
+
+    def fail(msg: str, code: int) -> None:
+        if stderr.overrides and _multirun():  # which job of the multirun failed: Hydra prints its overrides' list
+            import ast
+
+            try:
+                job = " ".join(ast.literal_eval(stderr.overrides))
+            except (ValueError, SyntaxError, TypeError):
+                job = stderr.overrides
+            msg = f"{msg} (job: {job})"
+        print(f"error: {msg}", file=stderr.stream)
+        sys.exit(code)
+
+    try:
+        main()
+    except RunFailed as ex:  # diverged, or failed for a known reason: the run store says so too
+        fail(str(ex), ex.exit_code)
+    except WorkerLost as ex:  # a cluster launcher's job killed, timed out or its node lost (a sweep goes on)
+        fail(str(ex), RunFailed.FAILED)
+    except KeyboardInterrupt as ex:  # Ctrl-C: a run in its steps saved a checkpoint and says how to resume
+        fail(str(ex) or "interrupted", 130)
+    except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
+        msg = format_error(ex) or (format_error(ex.__cause__) if ex.__cause__ else None)
+        if msg is None:
+            if stderr.overrides:  # a bug: Hydra's line above its traceback, as Hydra prints it
+                stderr.stream.write(f"{HYDRA_JOB_ERROR}{stderr.overrides}{os.linesep}")
+            raise
+        fail(msg, 2)
+    finally:
+        sys.stderr = stderr.stream

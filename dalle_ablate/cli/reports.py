@@ -1,0 +1,62 @@
+"""Verbs over many runs: an ablation report, and a published study (its runs, report and page)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dalle_ablate.cli.verbs import verb
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), or "
+                                  "wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)")
+    p.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
+    p.add_argument("--name", help="the report's folder name (default: from the source path)")
+    p.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
+                                      "e.g. model=preln (default: the first value listed; a sweep: the best completed trial)")
+    p.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
+    p.add_argument("--wandb-project")
+
+
+@verb("report", _report_arguments, help="an ablation report of a multirun/sweep folder or a glob of run stores: "
+      "reports/<name>/index.html, report.md, runs.csv, wandb_report.json")
+def cmd_report(args) -> None:
+    """An ablation report of a multirun or sweep folder (or a glob of run stores)."""
+    import time
+
+    from dalle_ablate.report import build_report
+
+    t = time.perf_counter()
+    skipped: list[str] = []
+    folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "",
+                          skipped)
+    print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
+    for why in skipped:  # each also in the report's first section
+        print(f"warning: left out, unreadable: {why}", file=sys.stderr)
+
+
+def _study_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("study", help="a study of dalle_ablate/report/studies/ (mega-variants), or a study file of your own (.yaml)")
+    p.add_argument("--out", default="studies", help="folder of the study's runs (default: studies/<name>)")
+    p.add_argument("--report-out", default="reports", help="folder of the report (default: reports/<name>)")
+    p.add_argument("--page-out", default="docs/results", help="folder of the results page <name>.md and its "
+                                                               "figures/ (default: docs/results)")
+    p.add_argument("--no-run", action="store_true", help="only the report and the page, from the runs there are")
+    p.add_argument("--seeds", help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
+                                   "'auto': to the seeds its page's rule asks for, from the pooled noise and the margins "
+                                   "only (docs/statistics.md)")
+    p.add_argument("--no-stress", action="store_true", help="skip the study's stress runs (its file's `stress:` section: "
+                                                            "the stability claims' arms across learning rates)")
+    p.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
+                                                "seed=0,1 (a sweep of the preset's own keys replaces it)")
+
+
+@verb("study", _study_arguments, help="run a published study's arms with seeds (finished runs are skipped), then its "
+      "report and a results page with a verdict per finding")
+def cmd_study(args) -> None:
+    """Run a study's arms and seeds, then its report and its results page (report/study_runs.py)."""
+    from dalle_ablate.report.study_runs import run_study
+
+    run_study(args.study, args.out, args.report_out, args.page_out, list(args.overrides), seeds=args.seeds,
+              no_run=args.no_run, no_stress=args.no_stress)
