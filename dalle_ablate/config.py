@@ -63,7 +63,7 @@ class SamplesConfig:
 
     captions: Optional[list[str]] = None  # null = the dataset's fixed demo captions
     per_caption: int = 4
-    temperature: float = 0.5  # as eval=default samples: drawn right more often (docs/quickstart.md)
+    temperature: float = 0.5  # as eval=default samples: drawn right more often (docs/results/default-job.md)
     top_k: Optional[int] = None
 
 

@@ -45,7 +45,7 @@ class ShapesDataConfig(DataConfig):
     # 145 distinct patches (white, and 4 for each of 6 colours x 3 shapes x 2 sizes): 145 codes make
     # the k-means tokenizer lossless, so whatever a sample gets wrong, the model got wrong. At 64 px
     # (cells of 21.3 px, 64 tokens, 1024 codes) the default model drew 34% of single objects right
-    # after 3000 steps, at 48 px 70% (docs/quickstart.md).
+    # after 3000 steps, at 48 px 70% (docs/results/default-job.md).
     image_size: int = 48
     patch_size: int = 8  # pixels per token side: 8 on 48 px = 36 image tokens; on 64 px 64 tokens, 4 on 64 px = 256 (DALL·E Mega's count)
     # Codes of the image tokenizer (the model's image vocabulary); null = the tokenizer's own default
@@ -62,7 +62,7 @@ class ShapesDataConfig(DataConfig):
     max_objects: int = 3
     # How scenes are drawn (data/scenes.py random_scene): tiers = each evaluation tier (one, two,
     # three, relation) equally often; counts = the object count uniform, which left lists of two
-    # objects at 13% of the data and the quickstart's two-object tier its weakest (docs/quickstart.md).
+    # objects at 13% of the data and the quickstart's two-object tier its weakest (docs/results/default-job.md).
     mix: str = "tiers"
     kmeans_patches: int = 1_000_000  # patches (of whole training renders) the codebook is fitted on
     kmeans_iters: int = 20

@@ -15,7 +15,7 @@ class AdamConfig(OptimConfig):
     RANGES = {"b1": "[0, 1)", "b2": "[0, 1)", "eps": "[0, inf)", "eps_root": "[0, inf)"}
 
     name: str = "adam"
-    lr: float = 5e-4  # the quickstart: 1e-3 learned the captions later, 2e-3 and 3e-3 not at all (docs/quickstart.md)
+    lr: float = 5e-4  # the quickstart: 1e-3 learned the captions later, 2e-3 and 3e-3 not at all (docs/results/default-job.md)
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
