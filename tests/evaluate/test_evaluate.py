@@ -409,6 +409,15 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     assert closing[2].startswith("  shapes_fd/fd (n=8 per scale): s1 ")
     assert closing[3].startswith("  caption sensitivity, nats per image: color ")
     assert closing[-1] == f"  run store {store}"
+    # The README shows a default run's closing lines: the same lines, each led by the same words.
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("    finished at step "):].split("\n\n")[0].splitlines()
+
+    def lead(line: str) -> str:
+        return re.match(r"\s*[a-z_/ ,:]*", line.strip("\n")).group()
+
+    assert [lead(x[4:]) for x in shown[:-1]] == [lead(x) for x in closing[:len(shown) - 1]]
+    assert len(shown) == len(closing) and shown[-1].startswith("      run store ")
     # Standalone on the last checkpoint, more scales, and FID / CLIP score with weights files made
     # here: a store of its own, the same metrics at the scales both evaluated (same prompts,
     # same noise).
