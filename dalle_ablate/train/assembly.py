@@ -21,6 +21,7 @@ from dalle_ablate.optim import build_optimizer
 from dalle_ablate.parallel import Placement, abstract_state, build_mesh, check_batch, init_state, make_placement, pad_vocab_for_mesh
 from dalle_ablate.parallel import stack_sharding
 from dalle_ablate.train.grad_scaling import block_names, scaler_init
+from dalle_ablate.train.gradients import GradientOptions
 from dalle_ablate.train.state import TrainState, state_maker
 from dalle_ablate.train.step import make_train_step
 
@@ -56,9 +57,8 @@ class Assembly:
 
     def train_step(self):
         """The jitted step (state, global batch) -> (state, metrics)."""
-        return make_train_step(self.graphdef, self.optimizer, self.schedule, self.cfg.trainer.grad_accum, self.cfg.seed,
-                               self.placement, self.cfg.optim.powersgd if self.cfg.optim.powersgd.rank is not None else None,
-                               self.cfg.trainer.log_every, self.cfg.trainer.grad_scaling, self.cfg.trainer.grad_scale_growth_every)
+        return make_train_step(self.graphdef, self.optimizer, self.schedule, GradientOptions.of(self.cfg), self.cfg.seed,
+                               self.placement)
 
 
 def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Optional[dict] = None, devices=None,

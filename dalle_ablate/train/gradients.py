@@ -8,12 +8,15 @@
    `optim.powersgd.rank`, computed per data-parallel worker and averaged through PowerSGD's low-rank
    factors (optim/powersgd.py).
 
-`gradient_path` composes the stages a run's config turns on; the train step (step.py) sees only
-its result. A new stage is one function here and one line in `gradient_path`.
+`gradient_path` composes the stages a run's config turns on (`GradientOptions.of(cfg)`: what the
+config says about them); the train step (step.py) sees only its result. A new stage is one
+function here, its option's field in `GradientOptions` (read in `of`) and one line in
+`gradient_path`; nothing else passes it along.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -24,6 +27,24 @@ from dalle_ablate.model import stream_nll
 from dalle_ablate.optim import PowerSGDState, powersgd_mean, traffic
 from dalle_ablate.parallel import over_data
 from dalle_ablate.train.grad_scaling import block_scales, probes, unscale
+
+
+@dataclass(frozen=True)
+class GradientOptions:
+    """What a run's config says about its gradient path: `GradientOptions.of(cfg)`, its defaults
+    being the config's own."""
+
+    grad_accum: int  # trainer.grad_accum micro-batches
+    scaling: str  # trainer.grad_scaling: none | global | per_block
+    growth_every: int  # trainer.grad_scale_growth_every
+    powersgd: Any  # optim.powersgd when its rank is set, else None
+    log_every: int  # trainer.log_every: PowerSGD measures its error on logged steps only
+
+    @classmethod
+    def of(cls, cfg) -> "GradientOptions":
+        t, powersgd = cfg.trainer, cfg.optim.powersgd
+        return cls(t.grad_accum, t.grad_scaling, t.grad_scale_growth_every, powersgd if powersgd.rank is not None else None,
+                   t.log_every)
 
 
 class Gradients(NamedTuple):
@@ -144,16 +165,15 @@ def compressed(graphdef, batch_grads: Callable, scaling: str, powersgd, placemen
     return path
 
 
-def gradient_path(graphdef, grad_accum: int, scaling: str = "none", powersgd=None, placement=None,
-                  log_every: int = 1) -> Callable:
-    """path(state, batch, key) -> Gradients: the stages this run's config turns on. `powersgd`:
-    an optim.powersgd config whose rank is set, or None."""
-    one = differentiate(graphdef, scaling)
-    if powersgd is None:
+def gradient_path(graphdef, o: GradientOptions, placement=None) -> Callable:
+    """path(state, batch, key) -> Gradients: the stages the options turn on."""
+    one = differentiate(graphdef, o.scaling)
+    if o.powersgd is None:
         micro = None if placement is None else placement.micro_batch
-        path = whole(graphdef, accumulate(one, grad_accum, micro), scaling)
+        path = whole(graphdef, accumulate(one, o.grad_accum, micro), o.scaling)
     else:
-        path = compressed(graphdef, accumulate(one, grad_accum, varying="data"), scaling, powersgd, placement, log_every)
+        path = compressed(graphdef, accumulate(one, o.grad_accum, varying="data"), o.scaling, o.powersgd, placement,
+                          o.log_every)
 
     def gradients(state, batch, key) -> Gradients:
         return path(state, batch, jnp.maximum(jnp.sum(batch["weights"]), 1.0), key)

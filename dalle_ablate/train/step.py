@@ -15,7 +15,7 @@ from flax import nnx
 from dalle_ablate.model import token_nll
 from dalle_ablate.optim import path_str, shampoo_stats
 from dalle_ablate.train.grad_scaling import advance
-from dalle_ablate.train.gradients import Gradients, gradient_path
+from dalle_ablate.train.gradients import GradientOptions, Gradients, gradient_path
 from dalle_ablate.train.state import TrainState
 
 
@@ -43,18 +43,15 @@ def group_norms(tree) -> dict[str, jax.Array]:
     return {g: jnp.sqrt(v) for g, v in sq.items()}
 
 
-def make_train_step(
-    graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int, seed: int = 0,
-    placement=None, powersgd=None, log_every: int = 1, grad_scaling: str = "none", growth_every: int = 500,
-) -> Callable:
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, options: GradientOptions,
+                    seed: int = 0, placement=None) -> Callable:
     """step(state, batch) -> (state, metrics): the batch's gradient along the run's gradient path
-    (gradients.py: micro-batch accumulation, PowerSGD when `powersgd` is an optim.powersgd config
-    whose rank is set, float16 scaling under `grad_scaling`), then the optax update. Dropout keys
-    are derived from (seed, step, micro-batch): a resumed run draws the same masks. With a
-    `dalle_ablate.parallel.Placement` the step is compiled for its mesh: state in and out with
-    the placement's shardings, the batch split over data x fsdp."""
+    (gradients.py: micro-batch accumulation, PowerSGD, float16 scaling, as `options` say), then
+    the optax update. Dropout keys are derived from (seed, step, micro-batch): a resumed run draws
+    the same masks. With a `dalle_ablate.parallel.Placement` the step is compiled for its mesh:
+    state in and out with the placement's shardings, the batch split over data x fsdp."""
     base_key = jax.random.fold_in(jax.random.key(seed), 2)
-    gradients = gradient_path(graphdef, grad_accum, grad_scaling, powersgd, placement, log_every)
+    gradients = gradient_path(graphdef, options, placement)
 
     def step(state: TrainState, batch: dict):
         g = gradients(state, batch, jax.random.fold_in(base_key, state.step))
@@ -62,9 +59,9 @@ def make_train_step(
         new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state,
                             compression=g.compression)
         extra = g.metrics
-        if grad_scaling != "none":
-            scaler, skip, scale_metrics = advance(grad_scaling, state.scaler, g.grads, g.counts,
-                                                  nnx.merge(graphdef, state.params), growth_every)
+        if options.scaling != "none":
+            scaler, skip, scale_metrics = advance(options.scaling, state.scaler, g.grads, g.counts,
+                                                  nnx.merge(graphdef, state.params), options.growth_every)
             # a step that overflowed changes nothing but the scales and the step count
             kept = jax.tree.map(lambda n, o: jnp.where(skip, o, n), (new.params, new.opt_state, new.compression),
                                 (state.params, state.opt_state, state.compression))

@@ -17,6 +17,7 @@ from dalle_ablate.config import data_seed
 from dalle_ablate.model import build_model, resolve
 from dalle_ablate.optim import build_optimizer
 from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.train.gradients import GradientOptions
 from dalle_ablate.train.loop import JobInfo, train
 from dalle_ablate.train.state import TrainState
 from dalle_ablate.train.step import make_train_step
@@ -41,7 +42,7 @@ def fresh_state(cfg, params):
 def test_a_few_steps_on_a_fixed_batch_lower_the_loss(small_dataset, optim):
     cfg, graphdef, params, batch = setup(small_dataset, f"optim={optim}", "optim.lr=3e-3", "schedule=constant", "schedule.warmup_steps=0")
     opt, sched, state = fresh_state(cfg, params)
-    step = make_train_step(graphdef, opt, sched, 1)
+    step = make_train_step(graphdef, opt, sched, GradientOptions.of(cfg))
     losses = []
     for _ in range(30):
         state, m = step(state, batch)
@@ -55,7 +56,8 @@ def test_grad_accumulation_equals_the_full_batch(small_dataset):
     results = []
     for accum in (1, 4):
         opt, sched, state = fresh_state(cfg, params)
-        state, m = make_train_step(graphdef, opt, sched, accum)(state, batch)
+        options = dataclasses.replace(GradientOptions.of(cfg), grad_accum=accum)
+        state, m = make_train_step(graphdef, opt, sched, options)(state, batch)
         results.append((float(m["train/loss"]), float(m["train/grad_norm"]), state.params))
     (l1, g1, p1), (l4, g4, p4) = results
     assert l4 == pytest.approx(l1, rel=1e-5) and g4 == pytest.approx(g1, rel=1e-4)
@@ -65,7 +67,7 @@ def test_grad_accumulation_equals_the_full_batch(small_dataset):
 def test_per_layer_norms_compose_to_the_global_norm(small_dataset):
     cfg, graphdef, params, batch = setup(small_dataset)
     opt, sched, state = fresh_state(cfg, params)
-    _, m = make_train_step(graphdef, opt, sched, 1)(state, batch)
+    _, m = make_train_step(graphdef, opt, sched, GradientOptions.of(cfg))(state, batch)
     layers = {k: float(v) for k, v in m.items() if k.startswith("train/grad_norm/")}
     assert {"train/grad_norm/encoder/0", "train/grad_norm/decoder/1", "train/grad_norm/lm_head"} <= set(layers)
     assert np.sqrt(sum(v**2 for v in layers.values())) == pytest.approx(float(m["train/grad_norm"]), rel=1e-5)
