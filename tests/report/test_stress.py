@@ -49,7 +49,8 @@ def write_store(root: Path, arm: str, lr: float, seed: int, final: float) -> Non
     (store / "meta.json").write_text(json.dumps({"overrides": [f"+arm={arm}", f"optim.lr={lr}", f"seed={seed}"]}))
     status = "finished" if np.isfinite(final) else "diverged"
     (store / "summary.json").write_text(json.dumps({"status": status, "steps": 30 if status == "finished" else 25,
-                                                    "train/first_loss": L0, "data/code_unigram_entropy": FLOOR}))
+                                                    "train/first_loss": L0, "data/code_unigram_entropy": FLOOR,
+                                                    "wall_time": 15.0 * (1 + seed)}))
 
 
 def study_file(tmp_path: Path, **stress) -> Path:
@@ -118,6 +119,7 @@ def test_the_page_section_has_the_figures_and_every_arm_and_seed(tmp_path):
     assert per_seed[1][0][5] == "0 / 0 / 0 / 1"  # the diverged run's spike
     assert [row[0] for row in per_arm[1]] == ["fragile", "steady"] and per_arm[1][0][3] == 2
     assert "16 of 16 runs done" in section.text[0] and "Wortsman et al. 2023" in section.text[1]
+    assert "their wall time adds up to 6 min" in section.text[0]  # 8 runs of 15 s (seed 0) and 8 of 30 s (seed 1)
     assert values == claim_values(plan, runs)
 
 
