@@ -11,7 +11,8 @@
 `gradient_path` composes the stages a run's config turns on (`GradientOptions.of(cfg)`: what the
 config says about them); the train step (step.py) sees only its result. A new stage is one
 function here, its option's field in `GradientOptions` (read in `of`) and one line in
-`gradient_path`; nothing else passes it along.
+`gradient_path`; nothing else passes it along. A stage from outside the package (a study's own
+measurement, a test) registers itself with `@gradient_stage` and runs after these.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flax import nnx
 from dalle_ablate.model import stream_nll
 from dalle_ablate.optim import PowerSGDState, powersgd_mean, traffic
 from dalle_ablate.parallel import over_data
+from dalle_ablate.registry import Registry
 from dalle_ablate.train.grad_scaling import block_scales, probes, unscale
 
 
@@ -39,12 +41,31 @@ class GradientOptions:
     growth_every: int  # trainer.grad_scale_growth_every
     powersgd: Any  # optim.powersgd when its rank is set, else None
     log_every: int  # trainer.log_every: PowerSGD measures its error on logged steps only
+    added: tuple = ()  # ((name, setting), ...): the registered stages (`gradient_stage`) the config turns on
 
     @classmethod
     def of(cls, cfg) -> "GradientOptions":
         t, powersgd = cfg.trainer, cfg.optim.powersgd
+        added = tuple((name, on) for name in STAGES.names() if (on := STAGES.get(name)[0](cfg)) is not None)
         return cls(t.grad_accum, t.grad_scaling, t.grad_scale_growth_every, powersgd if powersgd.rank is not None else None,
-                   t.log_every)
+                   t.log_every, added)
+
+
+# Stages registered from outside this module: name -> (setting(cfg) -> the stage's setting for a
+# run, or None where its config leaves the stage off; stage(path, setting) -> path).
+STAGES: Registry = Registry("gradient stage", "gradient path")
+
+
+def gradient_stage(name: str, setting: Callable[[Any], Any]) -> Callable:
+    """Decorator: `stage(path, setting) -> path`, with path(state, batch, total_weight, key) ->
+    Gradients, as the gradient stage `name`: on in a run whose config gives a `setting(cfg)`
+    other than None, after the built-in stages, in the order of their names."""
+
+    def register(stage: Callable) -> Callable:
+        STAGES.register(name, (setting, stage))
+        return stage
+
+    return register
 
 
 class Gradients(NamedTuple):
@@ -174,6 +195,8 @@ def gradient_path(graphdef, o: GradientOptions, placement=None) -> Callable:
     else:
         path = compressed(graphdef, accumulate(one, o.grad_accum, varying="data"), o.scaling, o.powersgd, placement,
                           o.log_every)
+    for name, on in o.added:
+        path = STAGES.get(name)[1](path, on)
 
     def gradients(state, batch, key) -> Gradients:
         return path(state, batch, jnp.maximum(jnp.sum(batch["weights"]), 1.0), key)

@@ -64,6 +64,39 @@ def test_grad_accumulation_equals_the_full_batch(small_dataset):
     assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)))
 
 
+def test_a_gradient_stage_registered_from_a_test_file_joins_the_path(small_dataset, monkeypatch):
+    """docs/architecture.md's recipe for a stage from outside the package: registered here, on
+    where the run's config says (seed 7, here), its gradient is what the optimizer applies and its
+    metric is logged; elsewhere the path is as before."""
+    from dalle_ablate.registry import Registry
+    from dalle_ablate.train import gradients
+
+    monkeypatch.setattr(gradients, "STAGES", Registry("gradient stage", "gradient path"))
+
+    @gradients.gradient_stage("scaled", lambda cfg: 0.0 if cfg.seed == 7 else None)
+    def scaled(path, factor):
+        def stage(state, batch, total_weight, key):
+            g = path(state, batch, total_weight, key)
+            return g._replace(grads=jax.tree.map(lambda x: factor * x, g.grads),
+                              metrics={**g.metrics, "train/toy_factor": jnp.float32(factor)})
+
+        return stage
+
+    for seed, on in ((7, True), (0, False)):
+        cfg, graphdef, params, batch = setup(small_dataset, f"seed={seed}", "optim.weight_decay=0", "schedule=constant",
+                                             "schedule.warmup_steps=0")
+        options = GradientOptions.of(cfg)
+        assert options.added == ((("scaled", 0.0),) if on else ())
+        opt, sched, state = fresh_state(cfg, params)
+        state, m = make_train_step(graphdef, opt, sched, options)(state, batch)
+        same = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params))]
+        assert float(m["train/loss"]) > 0
+        if on:  # a zero gradient: Adam moves nothing
+            assert all(same) and float(m["train/grad_norm"]) == 0 and float(m["train/toy_factor"]) == 0
+        else:
+            assert not all(same) and float(m["train/grad_norm"]) > 0 and "train/toy_factor" not in m
+
+
 def test_per_layer_norms_compose_to_the_global_norm(small_dataset):
     cfg, graphdef, params, batch = setup(small_dataset)
     opt, sched, state = fresh_state(cfg, params)
