@@ -338,8 +338,8 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
     s.text.append(f"The arms of the stability claims ({', '.join(c.id for c in plan.claims)}) trained at learning rates "
                   f"{', '.join(f'{lr:g}' for lr in plan.rates)} for {plan.steps} steps each, seeds "
                   f"{', '.join(map(str, plan.seeds))}: {len(done)} of {len(plan.jobs())} runs done (finished or diverged); "
-                  f"their wall time adds up to {wall:.3g} min (each run's from its trainer's start, as the study's runs above: its process's "
-                  f"imports and config composition not counted)."
+                  f"their wall time adds up to {wall:.3g} min (each run's from its trainer's start, as the study's runs "
+                  f"above: its process's imports and config composition not counted)."
                   + (f" The range: {plan.source}" if plan.source else ""))
     s.text.append("Following Wortsman et al. 2023, \"Small-scale proxies for large-scale Transformer training "
                   "instabilities\" (§2.2), a variant's stability is how its final loss degrades as the rate rises. "
