@@ -92,9 +92,14 @@ def test_a_ctrl_c_lets_a_study_s_child_finish_what_it_does_on_one(tmp_path):
 
     done = tmp_path / "saved"
     child = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(done)!r}).write_text('x')"
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        call_child([sys.executable, "-c", child], dict(os.environ))
+    # Python's own Ctrl-C handler, also where the suite runs as a background job (SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            call_child([sys.executable, "-c", child], dict(os.environ))
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert done.read_text() == "x"
 
 
