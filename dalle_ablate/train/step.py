@@ -43,17 +43,16 @@ def group_norms(tree) -> dict[str, jax.Array]:
     return {g: jnp.sqrt(v) for g, v in sq.items()}
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, options: GradientOptions,
-                    seed: int = 0, placement=None) -> Callable:
-    """step(state, batch) -> (state, metrics): the batch's gradient along the run's gradient path
-    (gradients.py: micro-batch accumulation, PowerSGD, float16 scaling, as `options` say), then
-    the optax update. Dropout keys are derived from (seed, step, micro-batch): a resumed run draws
-    the same masks. With a `dalle_ablate.parallel.Placement` the step is compiled for its mesh:
-    state in and out with the placement's shardings, the batch split over data x fsdp."""
-    base_key = jax.random.fold_in(jax.random.key(seed), 2)
+def train_step_core(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, options: GradientOptions,
+                    placement=None) -> Callable:
+    """core(state, batch, base_key) -> (state, metrics), not compiled: the batch's gradient along
+    the run's gradient path (gradients.py: micro-batch accumulation, PowerSGD, float16 scaling, as
+    `options` say), then the optax update. A step's dropout keys are derived from (`base_key`, step,
+    micro-batch): a resumed run draws the same masks. `make_train_step` closes it over its run's
+    key; benchmarks/members.py maps it over a member axis of states, batches and keys (issue 40)."""
     gradients = gradient_path(graphdef, options, placement)
 
-    def step(state: TrainState, batch: dict):
+    def core(state: TrainState, batch: dict, base_key: jax.Array):
         g = gradients(state, batch, jax.random.fold_in(base_key, state.step))
         updates, opt_state = optimizer.update(g.grads, state.opt_state, state.params)
         new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state,
@@ -68,6 +67,20 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
             new = new.replace(params=kept[0], opt_state=kept[1], compression=kept[2], scaler=scaler)
             extra = {**extra, **scale_metrics}
         return new, train_metrics(g, new, schedule(state.step), extra)
+
+    return core
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, options: GradientOptions,
+                    seed: int = 0, placement=None) -> Callable:
+    """step(state, batch) -> (state, metrics): `train_step_core` with the run's dropout key, from
+    its `seed`, compiled. With a `dalle_ablate.parallel.Placement` the step is compiled for its
+    mesh: state in and out with the placement's shardings, the batch split over data x fsdp."""
+    core = train_step_core(graphdef, optimizer, schedule, options, placement)
+    base_key = jax.random.fold_in(jax.random.key(seed), 2)
+
+    def step(state: TrainState, batch: dict):
+        return core(state, batch, base_key)
 
     if placement is None:
         return jax.jit(step, donate_argnums=0)

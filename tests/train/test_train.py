@@ -97,6 +97,32 @@ def test_a_gradient_stage_registered_from_a_test_file_joins_the_path(small_datas
             assert not all(same) and float(m["train/grad_norm"]) > 0 and "train/toy_factor" not in m
 
 
+def test_the_step_core_over_a_member_axis_equals_each_seeds_own_step(small_dataset):
+    """Issue 40's ground: two seeds' states, batches and dropout keys stacked on a member axis;
+    `lax.map` of the step core gives each member exactly its own step (the unbatched program),
+    `vmap` the same within float32 reassociation."""
+    from dalle_ablate.train.step import train_step_core
+
+    members = []
+    for seed in (0, 1):
+        cfg, graphdef, params, _ = setup(small_dataset, f"seed={seed}", "model.dropout=0.1")
+        opt, sched, state = fresh_state(cfg, params)
+        batch = small_dataset.split_batch("train", np.arange(8 * seed, 8 * seed + 8))
+        members.append((state, batch, jax.random.fold_in(jax.random.key(seed), 2)))
+    core = train_step_core(graphdef, opt, sched, GradientOptions.of(cfg))
+    own = [jax.jit(core)(*m) for m in members]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+    mapped = jax.jit(lambda s, b, k: jax.lax.map(lambda a: core(*a), (s, b, k)))(*stacked)
+    batched = jax.jit(jax.vmap(core))(*stacked)
+    assert own[0][1]["train/loss"] != own[1][1]["train/loss"]  # two members, not one twice
+    for i, (state, metrics) in enumerate(own):
+        for key in ("train/loss", "train/grad_norm"):
+            assert float(mapped[1][key][i]) == float(metrics[key])
+            assert float(batched[1][key][i]) == pytest.approx(float(metrics[key]), rel=1e-5)
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(mapped[0].params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b[i]))
+
+
 def test_per_layer_norms_compose_to_the_global_norm(small_dataset):
     cfg, graphdef, params, batch = setup(small_dataset)
     opt, sched, state = fresh_state(cfg, params)
