@@ -138,6 +138,36 @@ def test_eval_builds_on_the_runs_saved_config_not_on_defaults_changed_since(trai
     assert again["rows"][0] == table["rows"][0]
 
 
+@pytest.mark.slow
+def test_an_evaluator_registered_from_a_test_file_scores_every_scale(trained, tmp_path, monkeypatch):
+    """docs/architecture.md's recipe for an evaluator, from this file alone: registered with
+    `@evaluator`, chosen by `eval.metrics`, it is handed each guidance scale's decoded images and
+    what it returns is that scale's row of the Pareto table."""
+    import shutil
+
+    from dalle_ablate.evaluate import EVALUATORS, evaluator
+    from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
+
+    monkeypatch.setattr(EVALUATORS, "_items", dict(EVALUATORS._items))  # the registration ends with the test
+    seen = []
+
+    @evaluator("toy_brightness", "samples")
+    def toy_brightness(images, ctx):
+        seen.append(np.asarray(images))
+        return {"mean": float(np.mean(images)), "n_images": float(len(images))}
+
+    job = shutil.copytree(trained, tmp_path / "job")
+    out = evaluate_checkpoint(str(job), ["tracker=none", "eval.metrics=[toy_brightness]", "eval.num_samples=8",
+                                         "eval.guidance_scales=[1,3]"])
+    table = json.loads((out / "tables" / "eval_pareto_3.json").read_text())
+    col = {c: table["columns"].index(c) for c in table["columns"]}
+    assert [r[col["scale"]] for r in table["rows"]] == [1.0, 3.0] and len(seen) == 2
+    assert all(x.ndim == 4 and x.shape[0] == 8 and x.shape[-1] == 3 for x in seen)  # 8 RGB images per scale
+    for row, images in zip(table["rows"], seen):
+        assert row[col["toy_brightness/n_images"]] == 8.0
+        assert row[col["toy_brightness/mean"]] == pytest.approx(float(images.mean()))
+
+
 def _saved_run(tmp_path, edit) -> tuple:
     """A run store's saved config, as a run with these overrides wrote it, edited by `edit`."""
     import yaml
