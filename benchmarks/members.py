@@ -1,7 +1,7 @@
 """Seeds as members of one program (issue 40), the train step: what N seeds' steps cost as N
 separate compiled steps in turn, against one compiled step over a member axis.
 
-    python benchmarks/members.py [--members 3] [--rounds 30] [overrides...]
+    python benchmarks/members.py [--rounds 30] [--members 3 [8 ...]] [-- overrides...]
 
 The step is the study's (`experiment=study_mega +arm=baseline`, the overrides after it), its
 core (`train/step.py: train_step_core`) taken three ways on one device: compiled once and called

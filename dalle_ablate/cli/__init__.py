@@ -55,7 +55,3 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

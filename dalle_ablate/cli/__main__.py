@@ -2,4 +2,5 @@
 
 from dalle_ablate.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

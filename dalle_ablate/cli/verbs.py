@@ -7,6 +7,8 @@ import argparse
 from typing import Callable
 
 VERBS: dict[str, tuple[Callable, Callable, dict]] = {}  # name -> (command, its arguments, add_parser's keywords)
+
+
 def verb(name: str, arguments: Callable[[argparse.ArgumentParser], None], **parser_kwargs):
     """`cmd_*` as the verb `dalle-ablate <name>`: its arguments are added by `arguments(parser)`,
     the function just above it; `parser_kwargs` (help, description, epilog) go to add_parser."""

@@ -139,7 +139,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
                   extra: Optional[dict[str, dict[str, dict]]] = None,
                   statistics: str = "../statistics.md") -> tuple[list[Section], list[dict]]:
     """The results page as report sections, and the comparison rows. `topups`: the study's
-    top-up log (cmd_study); `extra`: tables of values measured elsewhere (claims_tables);
+    top-up log (study_runs.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
     `statistics`: the link to docs/statistics.md from the page's folder."""
     by_arm = _arms_by(runs)
     if not by_arm:

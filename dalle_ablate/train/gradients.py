@@ -33,8 +33,8 @@ from dalle_ablate.train.grad_scaling import block_scales, probes, unscale
 
 @dataclass(frozen=True)
 class GradientOptions:
-    """What a run's config says about its gradient path: `GradientOptions.of(cfg)`, its defaults
-    being the config's own."""
+    """What a run's config says about its gradient path, built from it by `of(cfg)`: no defaults
+    of its own."""
 
     grad_accum: int  # trainer.grad_accum micro-batches
     scaling: str  # trainer.grad_scaling: none | global | per_block

@@ -1,7 +1,7 @@
 """The study's results page reads on its own (issue 41): every arm spelled out from its conf/arm/
 file, every number with its unit to three significant digits, a caption under each figure, a
 note per claim where the study gives one, a link to the statistics page that resolves; and its
-provenance lines (page.provenance, from cmd_study: issue 39)."""
+provenance lines (page.provenance, from study_runs.run_study: issue 39)."""
 
 from __future__ import annotations
 

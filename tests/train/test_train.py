@@ -99,8 +99,9 @@ def test_a_gradient_stage_registered_from_a_test_file_joins_the_path(small_datas
 
 def test_the_step_core_over_a_member_axis_equals_each_seeds_own_step(small_dataset):
     """Issue 40's ground: two seeds' states, batches and dropout keys stacked on a member axis;
-    `lax.map` of the step core gives each member exactly its own step (the unbatched program),
-    `vmap` the same within float32 reassociation."""
+    `lax.map` of the step core gives each member its own step (the unbatched program: exactly, on
+    the CPU; XLA does not promise it for two programs elsewhere), `vmap` the same within float32
+    reassociation."""
     from dalle_ablate.train.step import train_step_core
 
     members = []
@@ -114,13 +115,14 @@ def test_the_step_core_over_a_member_axis_equals_each_seeds_own_step(small_datas
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
     mapped = jax.jit(lambda s, b, k: jax.lax.map(lambda a: core(*a), (s, b, k)))(*stacked)
     batched = jax.jit(jax.vmap(core))(*stacked)
+    exact = 0.0 if jax.default_backend() == "cpu" else 1e-6
     assert own[0][1]["train/loss"] != own[1][1]["train/loss"]  # two members, not one twice
     for i, (state, metrics) in enumerate(own):
         for key in ("train/loss", "train/grad_norm"):
-            assert float(mapped[1][key][i]) == float(metrics[key])
+            assert float(mapped[1][key][i]) == pytest.approx(float(metrics[key]), rel=exact, abs=0)
             assert float(batched[1][key][i]) == pytest.approx(float(metrics[key]), rel=1e-5)
         for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(mapped[0].params)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b[i]))
+            np.testing.assert_allclose(np.asarray(b[i]), np.asarray(a), rtol=exact, atol=0)
 
 
 def test_per_layer_norms_compose_to_the_global_norm(small_dataset):
