@@ -64,10 +64,10 @@ def test_grad_accumulation_equals_the_full_batch(small_dataset):
     assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)))
 
 
-def test_a_gradient_stage_registered_from_a_test_file_joins_the_path(small_dataset, monkeypatch):
+def test_a_gradient_stage_registered_from_a_test_file_joins_the_path(small_dataset, monkeypatch, tmp_path):
     """docs/architecture.md's recipe for a stage from outside the package: registered here, on
-    where the run's config says (seed 7, here), its gradient is what the optimizer applies and its
-    metric is logged; elsewhere the path is as before."""
+    where the run's config says (seed 7, here), its gradient is what the optimizer applies, its
+    metric is logged and the run's meta.json names it; elsewhere the path is as before."""
     from dalle_ablate.registry import Registry
     from dalle_ablate.train import gradients
 
@@ -95,6 +95,9 @@ def test_a_gradient_stage_registered_from_a_test_file_joins_the_path(small_datas
             assert all(same) and float(m["train/grad_norm"]) == 0 and float(m["train/toy_factor"]) == 0
         else:
             assert not all(same) and float(m["train/grad_norm"]) > 0 and "train/toy_factor" not in m
+    on, off = (train(run_config("tracker=none", f"seed={seed}"), JobInfo(tmp_path / str(seed))) for seed in (7, 0))
+    assert json.loads((on.run_dir / "meta.json").read_text())["gradient_stages"] == ["scaled"]
+    assert "gradient_stages" not in json.loads((off.run_dir / "meta.json").read_text())
 
 
 def test_the_step_core_over_a_member_axis_equals_each_seeds_own_step(small_dataset):
