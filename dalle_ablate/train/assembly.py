@@ -42,6 +42,11 @@ class Assembly:
     def graphdef(self):
         return nnx.split(self.abstract, nnx.Param)[0]
 
+    @functools.cached_property
+    def gradient_options(self) -> GradientOptions:
+        """What the config says about the gradient path (its stages, a caller's own among them)."""
+        return GradientOptions.of(self.cfg)
+
     @property
     def tokens_per_step(self) -> int:
         """Text and image tokens in one global batch."""
@@ -57,7 +62,7 @@ class Assembly:
 
     def train_step(self):
         """The jitted step (state, global batch) -> (state, metrics)."""
-        return make_train_step(self.graphdef, self.optimizer, self.schedule, GradientOptions.of(self.cfg), self.cfg.seed,
+        return make_train_step(self.graphdef, self.optimizer, self.schedule, self.gradient_options, self.cfg.seed,
                                self.placement)
 
 

@@ -33,7 +33,6 @@ from dalle_ablate.train import checkpoint
 from dalle_ablate.train.meta import run_meta
 from dalle_ablate.train.perf import device_peak_flops
 from dalle_ablate.train.assembly import assemble
-from dalle_ablate.train.gradients import GradientOptions
 from dalle_ablate.train.hooks import Hooks, left_at, periodic_hooks
 
 SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
@@ -349,7 +348,7 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
     meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
                     run.dataset.info, resumed_from=point.step)
     meta["mesh"] = dict(run.mesh.shape)
-    stages = [name for name, _ in GradientOptions.of(cfg).added]
+    stages = [name for name, _ in run.gradient_options.added]
     if stages:  # a caller's own gradient stages (train/gradients.py gradient_stage) changed what trained
         meta["gradient_stages"] = stages
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
