@@ -43,6 +43,9 @@ class MeshConfig:
     data: int = -1  # batch split, parameters replicated
     fsdp: int = 1  # batch split, parameters and optimizer state sharded on their embed axis
     model: int = 1  # tensor parallel: heads, MLP and vocabulary split
+    # Members of one job (`seeds=[...]`) spread over this many device groups; each member's own
+    # run uses the data x fsdp x model mesh inside its group (train/members.py). 1 without `seeds`.
+    member: int = 1
 
 
 @dataclass
@@ -66,6 +69,19 @@ class SamplesConfig:
     temperature: float = 0.5  # as eval=default samples: drawn right more often (docs/results/default-job.md)
     top_k: Optional[int] = None
 
+
+@dataclass
+class MembersConfig:
+    """How the seeds of `seeds=[...]` run as members of one compiled job (train/members.py,
+    docs/guides/members.md)."""
+
+    # vmap: one batched program (the members' matmuls fused; equal to separate runs within float32
+    # rounding). map: `lax.map` over the members, each member's own unbatched program in one
+    # compiled loop (bit-for-bit the separate runs on a CPU; no faster than them on an accelerator).
+    impl: str = "vmap"
+
+
+MEMBER_IMPLS = ("vmap", "map")
 
 GRAD_SCALING = ("none", "global", "per_block")  # trainer.grad_scaling (train/grad_scaling.py)
 
@@ -105,6 +121,12 @@ class RunConfig:
     seed: int = 0
     data_seed: Optional[int] = None  # the order of the training examples and which captions are blanked
     init_seed: Optional[int] = None  # the initial parameters (each keyed by its path, model/init_keys.py)
+    # Train these seeds as members of one job, each exactly the run `seed=k` would be (its own
+    # initial key, data order, run store, W&B run, checkpoints): one program and one start-up for
+    # all of them (train/members.py). A list is one value, not a sweep: `-m +arm=a,b seeds=[0,1,2]`
+    # is 2 jobs of 3 members each; `seed=0,1,2` stays 3 separate jobs.
+    seeds: Optional[list[int]] = None
+    members: MembersConfig = field(default_factory=MembersConfig)
     resume: Optional[str] = None  # null | auto | a run dir or checkpoint dir
     # What the job returns to a sweeper: one value, or a list for a multi-objective sweep; names
     # of the run's summary (OBJECTIVES above).

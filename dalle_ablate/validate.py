@@ -16,7 +16,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 # Importing these registers every option's schema in Hydra's ConfigStore before anything composes.
-from dalle_ablate.config import GRAD_SCALING, OBJECTIVES, RunConfig
+from dalle_ablate.config import GRAD_SCALING, MEMBER_IMPLS, OBJECTIVES, RunConfig
 from dalle_ablate.data import DATASETS
 from dalle_ablate.evaluate import EvalConfig  # noqa: F401 (the eval schema)
 from dalle_ablate.model import FAMILIES
@@ -64,6 +64,29 @@ def validate(cfg: RunConfig) -> None:
     check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
     check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")
     check_distributed(cfg.distributed)
+    check_members(cfg)
+
+
+def check_members(cfg: RunConfig) -> None:
+    """Seeds as members of one job (train/members.py): what v1 of it runs, each refusal naming the
+    field. Members share one program, so whatever makes a run's program depend on its process or on
+    an outside caller (several processes, an Optuna trial, PowerSGD's per-worker shard_map) is out."""
+    seeds, m = cfg.seeds, cfg.mesh.member
+    if seeds is None:
+        check(m == 1, f"mesh.member={m} spreads the members of seeds=[...] over devices; without seeds it must be 1")
+        return
+    check(len(seeds) > 0, "seeds=[] lists no seed; give at least one (seeds=[0,1,2]), or leave seeds unset for one run")
+    check(len(set(seeds)) == len(seeds), f"seeds={list(seeds)} repeats a seed; each member must be a different run")
+    check(all(s >= 0 for s in seeds), f"seeds={list(seeds)}: every seed must be >= 0")
+    check(cfg.members.impl in MEMBER_IMPLS, f"members.impl={cfg.members.impl!r} is not valid; valid: {', '.join(MEMBER_IMPLS)}")
+    check(m >= 1 and len(seeds) % m == 0,
+          f"mesh.member={m} must be a positive divisor of the {len(seeds)} members of seeds={list(seeds)}")
+    check(cfg.optuna.trial is None, "seeds=[...] with an Optuna trial: a trial is one run; sweep seed=... instead")
+    check(cfg.optim.powersgd.rank is None,
+          "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression does not run as members; "
+          "run its seeds as separate runs (seed=0,1,2)")
+    check(not (cfg.distributed.coordinator_address or cfg.distributed.auto or (cfg.distributed.num_processes or 1) > 1),
+          "seeds=[...] runs in one process; a run of several processes (distributed.*) trains its seeds as separate runs")
 
 
 def check_distributed(d) -> None:

@@ -204,3 +204,31 @@ def test_hydras_hints_after_its_first_line_are_kept():
     assert _composing_error("+trainer=x") == ("Could not append to config. An item is already at 'trainer'. Either remove + "
                                               "prefix: 'trainer=x'; Or add a second + to add or override 'trainer': "
                                               "'++trainer=x'")
+
+
+MEMBER_REFUSALS = [
+    (["seeds=[0,0]"], "seeds=[0, 0] repeats a seed; each member must be a different run"),
+    (["seeds=[]"], "seeds=[] lists no seed; give at least one (seeds=[0,1,2]), or leave seeds unset for one run"),
+    (["seeds=[0,-1]"], "seeds=[0, -1]: every seed must be >= 0"),
+    (["seeds=[0,1]", "members.impl=pmap"], "members.impl='pmap' is not valid; valid: vmap, map"),
+    (["mesh.member=2"], "mesh.member=2 spreads the members of seeds=[...] over devices; without seeds it must be 1"),
+    (["seeds=[0,1,2]", "mesh.member=2"], "mesh.member=2 must be a positive divisor of the 3 members of seeds=[0, 1, 2]"),
+    (["seeds=[0,1]", "optuna.trial=3"], "seeds=[...] with an Optuna trial: a trial is one run; sweep seed=... instead"),
+    (["seeds=[0,1]", "optim.powersgd.rank=2"], "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression "
+                                               "does not run as members; run its seeds as separate runs (seed=0,1,2)"),
+    (["seeds=[0,1]", "distributed.num_processes=2", "distributed.coordinator_address=h:1", "distributed.process_id=0"],
+     "seeds=[...] runs in one process; a run of several processes (distributed.*) trains its seeds as separate runs"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", MEMBER_REFUSALS)
+def test_members_refusals_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        run_config(*overrides)
+    assert str(err.value) == message
+
+
+def test_seeds_is_one_value_and_members_default_to_vmap():
+    cfg = run_config("seeds=[3,1,4]")
+    assert (cfg.seeds, cfg.members.impl, cfg.mesh.member) == ([3, 1, 4], "vmap", 1)
+    assert run_config("seeds=[0,1]", "mesh.member=2", "members.impl=map").mesh.member == 2
