@@ -5,7 +5,10 @@ Optuna: it calls `RunHooks` and reports "pruned", which this module turns into t
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
+import os
 import shlex
 from pathlib import Path
 
@@ -14,12 +17,13 @@ import jax
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dalle_ablate.cli import run_hydra
+from dalle_ablate.config import MembersConfig, MeshConfig
 from dalle_ablate.parallel import distributed
-from dalle_ablate.registry import Interrupted, RunFailed
-from dalle_ablate.track.naming import run_naming
+from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
+from dalle_ablate.track.naming import key_of, run_naming
 from dalle_ablate.train.loop import JobInfo, RunHooks, finished_before, train
 from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
 from dalle_ablate.validate import to_run_config
@@ -53,6 +57,101 @@ def job_info(cfg: DictConfig) -> JobInfo:
         overrides=overrides,
         config=OmegaConf.to_container(cfg, resolve=True),
     )
+
+
+def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo]:
+    """One JobInfo per member seed k of `seeds=[...]`: what the job `python run.py <the same
+    overrides> seed=k` would get -- its folder, overrides, W&B name and job type, group and resolved
+    config -- so that a member's run store, meta.json and W&B run cannot be told from that separate
+    run's (train/members.py trains them). `job` is this job's own `job_info(cfg)`; called inside the
+    Hydra task (HydraConfig)."""
+    hc = HydraConfig.get()
+    seeds = list(seeds)
+    multirun = hc.mode == RunMode.MULTIRUN
+    dirs = recorded_member_dirs(Path(job.job_dir), seeds) or template_member_dirs(cfg, job, seeds)
+    # A separate run of the same multirun is named by what it varies, its seed among them; a single
+    # run (`python run.py seed=k`) by all its overrides.
+    varying = (varying_keys(Path(hc.sweep.dir)) - {"seeds"}) | {"seed"} if multirun else set()
+    jobs = []
+    for seed, job_dir in zip(seeds, dirs):
+        overrides = member_overrides(list(hc.overrides.task), seed)
+        config = member_config(cfg, seed)
+        name, job_type = run_naming(overrides, varying, config.model.layout)
+        jobs.append(JobInfo(job_dir=job_dir, name=name, group=job.group, job_type=job_type, overrides=overrides,
+                            config=OmegaConf.to_container(config, resolve=True), hooks=job.hooks))
+    return jobs
+
+
+def recorded_member_dirs(job_dir: Path, seeds: list[int]) -> list[Path] | None:
+    """The member folders a members job recorded in `<job dir>/members.json` (train/members.py)
+    for these same seeds: a resumed job wins them back from it, since the resume hint names its
+    folder literally (`hydra.run.dir=<job dir>`) and the template that placed them is gone."""
+    path = job_dir / "members.json"
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("seeds") != seeds:
+        return None
+    recorded = {m["seed"]: Path(m["job_dir"]) for m in record["members"]}
+    return [recorded[k] for k in seeds]
+
+
+def template_member_dirs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[Path]:
+    """Each member's folder: where Hydra would put the run `seed=k` -- the job's own folder
+    template (`hydra.sweep.subdir` in a multirun, `hydra.run.dir` in a single run) resolved again
+    with seed=k, as run_job resolves it (study_mega's `<arm>-seed<seed>` gives each member the
+    separate run's folder). A template the seed does not change (`${hydra.job.num}`, the default
+    timestamp) would give every member the job's own folder: they go under it, `<job dir>/seed<k>`."""
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    key = "hydra.sweep.subdir" if multirun else "hydra.run.dir"
+
+    def folder(seed: int) -> Path:
+        # The task's config with Hydra's node put back (its interpolations, e.g. runtime.choices,
+        # point into it) and the seed changed; the copy keeps the resolver cache (`now` as it was).
+        probe = copy.deepcopy(cfg)
+        with read_write(probe), open_dict(probe):
+            probe.hydra = hc
+            probe.seed = seed
+        path = str(OmegaConf.select(probe, key))
+        return Path(os.path.abspath(os.path.join(str(hc.sweep.dir), path) if multirun else path))
+
+    if folder(seeds[0]) == folder(seeds[0] + 1):
+        return [Path(job.job_dir) / f"seed{k}" for k in seeds]
+    if cfg.seed not in seeds:
+        raise ConfigError(f"seeds={seeds} leaves out seed={cfg.seed}, and {key} names this job's folder "
+                          f"{job.job_dir} by its seed: it would hold a run that is not a member; "
+                          f"pass seed={seeds[0]} (the first of seeds)")
+    return [folder(k) for k in seeds]
+
+
+def member_overrides(overrides: list[str], seed: int) -> list[str]:
+    """The override list Hydra records for the separate run: the job's own less `seeds=`,
+    `members.*`, `mesh.member=` (a run of its own leaves them unset) and `seed=`, with
+    `seed=<seed>` in the place of the job's `seed=` if it has one (where Hydra's sweeper keeps a
+    command-line value of a param it sweeps, e.g. study_mega's `seed`), else of its `seeds=` (the
+    command with `seeds=[...]` written as `seed=k`), else last."""
+    keys = [key_of(o) for o in overrides]
+    at = keys.index("seed") if "seed" in keys else keys.index("seeds") if "seeds" in keys else len(keys)
+    out = []
+    for i, (o, key) in enumerate(zip(overrides, keys)):
+        if i == at:
+            out.append(f"seed={seed}")
+        if key not in ("seed", "seeds", "members", "mesh.member") and not key.startswith("members."):
+            out.append(o)
+    return out if at < len(keys) else [*out, f"seed={seed}"]
+
+
+def member_config(cfg: DictConfig, seed: int) -> DictConfig:
+    """The separate run's config: seed=<seed>, no `seeds`, and the members' own settings at their
+    defaults (a separate run's `members.*` and `mesh.member` are never set)."""
+    config = copy.deepcopy(cfg)
+    with read_write(config), open_dict(config):
+        config.seed = seed
+        config.seeds = None
+        config.members = MembersConfig()
+        config.mesh.member = MeshConfig.member
+    return config
 
 
 class TrialHooks(RunHooks):

@@ -1,8 +1,11 @@
 """`python run.py -m ...` end to end: one run store and one offline W&B run per job, in one group,
-with the logged metrics read back from W&B's own files."""
+with the logged metrics read back from W&B's own files. And the members of a `seeds=[...]` job
+(`member_jobs`), each what Hydra gives the separate run `seed=k`."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -10,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_DATA, TINY_TRAIN, run_py
+from dalle_ablate.job import job_info, member_jobs
+from dalle_ablate.registry import ConfigError
 from dalle_ablate.track.naming import run_naming
 from dalle_ablate.track.runstore import read_metrics
 from wandb_records import artifacts, history, metric_definitions, run_info, summary
@@ -108,3 +113,110 @@ def test_wandb_names_can_be_set_metrics_are_declared_and_checkpoints_kept(tmp_pa
     on_disk = sorted(str(p.relative_to(store / "checkpoints" / "6")) for p in (store / "checkpoints" / "6").rglob("*")
                      if p.is_file())
     assert logged[-1]["files"] == on_disk
+
+
+# -- seeds as members of one job (issue 40) -----------------------------------------------------
+
+
+def hydra_jobs(*overrides: str, task, multirun: bool = True) -> list:
+    """`task(cfg)` of each job of `python run.py [-m] <overrides> tracker=none`, run by Hydra itself
+    in this process (its sweeper, its folders, the overrides it records) with `task` in place of
+    training."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.singleton import Singleton
+
+    state = copy.deepcopy(Singleton.get_state())
+    results = []
+    try:
+        hydra_ = Hydra.create_main_hydra_file_or_module(calling_file=None, calling_module="dalle_ablate.job",
+                                                         config_path="conf", job_name="run")
+        launch = hydra_.multirun if multirun else hydra_.run
+        mode = "hydra.mode=MULTIRUN" if multirun else "hydra.mode=RUN"  # as the command line's -m sets it
+        # A job that raises raises here (Hydra reads each job's return value), as it fails `python run.py`.
+        launch(config_name="config", task_function=lambda cfg: results.append(task(cfg)),
+               overrides=[*overrides, "tracker=none", mode], with_log_configuration=False)
+    finally:
+        GlobalHydra.instance().clear()
+        Singleton.set_state(state)
+    return results
+
+
+def members_of(cfg):
+    job = job_info(cfg)
+    return job, member_jobs(cfg, job, list(cfg.seeds))
+
+
+def described(job) -> dict:
+    """A JobInfo's fields but its hooks (an object each)."""
+    return {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name != "hooks"}
+
+
+def test_members_of_a_study_mega_job_are_its_separate_runs(tmp_path):
+    sweep = tmp_path / "mega"
+    [(job, members)] = hydra_jobs("experiment=study_mega", "+arm=baseline", "seeds=[0,1,2]", "seed=0",
+                                  f"hydra.sweep.dir={sweep}", task=members_of)
+    separate = hydra_jobs("experiment=study_mega", "+arm=baseline", f"hydra.sweep.dir={sweep}", task=job_info)
+    assert [m.job_dir for m in members] == [sweep / f"baseline-seed{k}" for k in (0, 1, 2)] == [s.job_dir for s in separate]
+    # The sweeper's params come first (+arm, seed), then the command line: seed=k where Hydra records it.
+    assert [m.overrides for m in members] == [["+arm=baseline", f"seed={k}", "experiment=study_mega", "tracker=none"]
+                                              for k in (0, 1, 2)]
+    assert [(m.name, m.job_type) for m in members] == [(f"+arm=baseline,seed={k}", "+arm=baseline") for k in (0, 1, 2)]
+    assert [described(m) for m in members] == [described(s) for s in separate]
+    assert [m.config["seed"] for m in members] == [0, 1, 2] and {m.config["seeds"] for m in members} == {None}
+    assert all(m.hooks is job.hooks for m in members) and members[0].group == str(sweep)
+
+
+def test_members_of_a_default_multirun_go_under_its_job_folder(tmp_path):
+    jobs = hydra_jobs("seeds=[0,1,2]", "model=postln,deepnet", "trainer.steps=5", "members.impl=map", "mesh.member=3",
+                      f"hydra.sweep.dir={tmp_path / 'members'}", task=members_of)
+    separate = hydra_jobs("seed=0,1,2", "model=postln,deepnet", "trainer.steps=5", f"hydra.sweep.dir={tmp_path / 'runs'}",
+                          task=job_info)
+    for (job, members), num in zip(jobs, (0, 1)):
+        assert job.job_dir == tmp_path / "members" / str(num)  # ${hydra.job.num}: the seed does not name it
+        assert [m.job_dir for m in members] == [job.job_dir / f"seed{k}" for k in (0, 1, 2)]
+    # `seeds=[...]` written as `seed=k`: in its place, as `-m seed=0,1,2 model=...` records it.
+    assert jobs[1][1][2].overrides == ["seed=2", "model=deepnet", "trainer.steps=5", "tracker=none"]
+    assert jobs[1][1][2].name == "seed=2,model=deepnet" and jobs[1][1][2].job_type == "model=deepnet"
+    by_run = {(s.config["model"]["layout"], s.config["seed"]): s for s in separate}
+    for _, members in jobs:
+        for m in members:
+            s = by_run[m.config["model"]["layout"], m.config["seed"]]
+            assert (m.overrides, m.name, m.job_type, m.config) == (s.overrides, s.name, s.job_type, s.config)
+            assert m.config["members"] == {"impl": "vmap"} and m.config["mesh"]["member"] == 1
+
+
+def test_members_of_a_single_run_whose_folder_names_the_seed(tmp_path):
+    run_dir = f"hydra.run.dir={tmp_path}/r/s${{seed}}"
+    [(job, members)] = hydra_jobs("seeds=[1,2]", "seed=1", "trainer.steps=5", run_dir, task=members_of, multirun=False)
+    separate = [hydra_jobs(f"seed={k}", "trainer.steps=5", run_dir, task=job_info, multirun=False)[0] for k in (1, 2)]
+    assert [m.job_dir for m in members] == [tmp_path / "r" / "s1", tmp_path / "r" / "s2"]
+    assert members[1].overrides == ["seed=2", "trainer.steps=5", "tracker=none"]
+    assert (members[1].name, members[1].job_type, members[1].group) == ("seed=2,trainer.steps=5,tracker=none", "preln", None)
+    assert [described(m) for m in members] == [described(s) for s in separate]
+
+
+def test_a_members_job_refuses_a_folder_named_by_a_seed_not_among_its_seeds(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        hydra_jobs("experiment=study_mega", "+arm=baseline", "seeds=[1,2]", "seed=0", f"hydra.sweep.dir={tmp_path}",
+                   task=members_of)
+    assert str(err.value) == (f"seeds=[1, 2] leaves out seed=0, and hydra.sweep.subdir names this job's folder "
+                              f"{tmp_path}/baseline-seed0 by its seed: it would hold a run that is not a member; "
+                              f"pass seed=1 (the first of seeds)")
+
+
+def test_a_resumed_members_job_finds_its_members_where_it_recorded_them(tmp_path):
+    # The resume hint names the job's folder literally: only its members.json knows where the members went.
+    job_dir = tmp_path / "mega" / "baseline-seed0"
+    recorded = [str(tmp_path / "mega" / f"baseline-seed{k}") for k in (0, 1, 2)]
+    job_dir.mkdir(parents=True)
+    (job_dir / "members.json").write_text(json.dumps(
+        {"seeds": [0, 1, 2], "members": [{"seed": k, "job_dir": d} for k, d in zip((0, 1, 2), recorded)]}))
+    again = ("experiment=study_mega", "+arm=baseline", "seeds=[0,1,2]", "seed=0", "resume=auto", f"hydra.run.dir={job_dir}")
+    [(_, members)] = hydra_jobs(*again, task=members_of, multirun=False)
+    assert [str(m.job_dir) for m in members] == recorded
+    # A record of other seeds is not this job's: its members go under its folder.
+    (job_dir / "members.json").write_text(json.dumps({"seeds": [0, 1], "members": [{"seed": k, "job_dir": d}
+                                                                                  for k, d in zip((0, 1), recorded)]}))
+    [(_, members)] = hydra_jobs(*again, task=members_of, multirun=False)
+    assert [m.job_dir for m in members] == [job_dir / f"seed{k}" for k in (0, 1, 2)]
