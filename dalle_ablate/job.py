@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 
 import hydra
+import numpy as np
 import jax
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
@@ -25,6 +26,7 @@ from dalle_ablate.parallel import distributed
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
 from dalle_ablate.train.loop import JobInfo, RunHooks, finished_before, train
+from dalle_ablate.train.members import train_members
 from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
 from dalle_ablate.validate import to_run_config
 
@@ -198,6 +200,8 @@ def run(cfg: DictConfig) -> float | list[float]:
     if run_cfg.optuna.trial is not None:
         job.hooks = TrialHooks(run_cfg.optuna)
     tokenizer_first(run_cfg, job)
+    if run_cfg.seeds:
+        return members_outcome(run_cfg, job, train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds)))
     result = train(run_cfg, job)
     if result.status == "diverged":
         # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
@@ -212,6 +216,25 @@ def run(cfg: DictConfig) -> float | list[float]:
         raise optuna.TrialPruned(result.reason)
     values = [float(result.summary[k]) for k in run_cfg.objectives]
     return values[0] if len(values) == 1 else values
+
+
+def members_outcome(run_cfg, job: JobInfo, results: list) -> float | list[float]:
+    """What a members job (`seeds=[...]`, train/members.py) ends with: Ctrl-C's resume command, or
+    one line naming each member that diverged (exit 3; its run store says where), or the mean of
+    the objectives over its members (each member's own value is in its run store)."""
+    by_seed = dict(zip(run_cfg.seeds, results))
+    if any(r.status == "interrupted" for r in results):
+        kept = [o for o in job.overrides if not o.startswith("resume=")]
+        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={job.job_dir}"])
+        raise Interrupted(f"members {', '.join(f'seed={s}' for s, r in by_seed.items() if r.status == 'interrupted')} "
+                          f"interrupted at step {max(r.steps for r in results)}; checkpoints saved; resume with: python run.py {again}")
+    failed = {s: r for s, r in by_seed.items() if r.status != "finished"}
+    if failed:
+        ok = [str(s) for s in by_seed if s not in failed]
+        raise RunFailed("; ".join(f"member seed={s} {r.reason} (run store {r.run_dir})" for s, r in failed.items())
+                        + (f"; seeds {', '.join(ok)} finished" if ok else ""), RunFailed.DIVERGED)
+    values = np.array([[float(r.summary[k]) for k in run_cfg.objectives] for r in results]).mean(axis=0)
+    return float(values[0]) if len(values) == 1 else [float(v) for v in values]
 
 
 class ReportHint(Callback):

@@ -6,8 +6,9 @@ and a table of them."""
 
 from __future__ import annotations
 
+import copy
 import io
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,8 @@ class Evaluation:
         self._nll = jax.jit(lambda params, *batch: token_nll(nnx.merge(graphdef, params), *batch).sum(-1),
                             out_shardings=out_sharding)
         self.params = None
+        self.members: Optional[MemberEvaluations] = None  # set on a member's view: its draws are made for all members
+        self.member = 0
         # The prompt grids, fixed for the Evaluation's life: (list, category, prompts).
         self.grid_prompts = [(name, category, [p.text for p in prompts]) for name in self.e.grids
                              for category, prompts in by_category(PROMPT_LISTS.get(name)(), self.e.grid_prompts).items()]
@@ -168,14 +171,22 @@ class Evaluation:
 
     def sample(self, prompts: list[str], scale: float, repeats: int = 1) -> np.ndarray:
         """Codes [len(prompts) * repeats, image_len], prompt-major. Batch j always draws from
-        fold_in(key(eval.seed), j): the same noise at every scale, step and checkpoint."""
+        fold_in(key(eval.seed), j): the same noise at every scale, step and checkpoint. A member's
+        view (`MemberEvaluations`) reads its row of the draw made for all members at once."""
+        if self.members is not None:
+            return self.members.sample(prompts, scale, repeats)[self.member]
+        return self.draw(self.sampler, self.params, prompts, scale, repeats)
+
+    def draw(self, sampler, params, prompts: list[str], scale: float, repeats: int, lead: tuple[int, ...] = ()) -> np.ndarray:
+        """`sample` with this sampler and parameters; `lead`: the sampler's leading output axes
+        (the members of a job), codes [*lead, len(prompts) * repeats, image_len]."""
         ids, mask = self.dataset.text.encode([p for p in prompts for _ in range(repeats)])
-        out = np.zeros((len(ids), self.model_cfg.image_len), np.int32)
+        out = np.zeros((*lead, len(ids), self.model_cfg.image_len), np.int32)
         key = jax.random.key(self.e.seed)
         for j, idx, k in self._batches(len(ids)):
-            codes = self.sampler(self.params, jnp.asarray(ids[idx]), jnp.asarray(mask[idx]), jax.random.fold_in(key, j),
-                                 jnp.asarray(self.blank[0]), jnp.asarray(self.blank[1]), jnp.asarray(scale, jnp.float32))
-            out[idx[:k]] = np.asarray(codes)[:k]
+            codes = sampler(params, jnp.asarray(ids[idx]), jnp.asarray(mask[idx]), jax.random.fold_in(key, j),
+                            jnp.asarray(self.blank[0]), jnp.asarray(self.blank[1]), jnp.asarray(scale, jnp.float32))
+            out[..., idx[:k], :] = np.asarray(codes)[..., :k, :]
             self.progress.update(1)
         return out
 
@@ -252,6 +263,39 @@ class Evaluation:
                         table.append([list_name, category, t, float(scale), k, images[i * self.e.grid_samples + k]])
         if table:
             self.tracker.log_table("eval/grids", ["list", "category", "prompt", "scale", "sample", "image"], table, step)
+
+
+class MemberEvaluations:
+    """The sampling evaluation of the members of one job (train/members.py): a view of one
+    Evaluation per member, each logging to its member's tracker and computing its own metrics,
+    while every draw (each guidance scale, grid and rerank) is made once for all members by
+    `batched` -- the sampler mapped over the members' stacked parameters with the key, prompts and
+    scale shared, so that each member draws the noise its separate run would."""
+
+    def __init__(self, evaluation: Evaluation, trackers: list, batched: Callable):
+        self.base, self.batched = evaluation, batched
+        self.views = []
+        for i, tracker in enumerate(trackers):
+            view = copy.copy(evaluation)  # shares the compiled sampler, prompts and evaluators' setup
+            view.tracker, view.members, view.member = tracker, self, i
+            self.views.append(view)
+        self.params, self.drawn = None, {}
+
+    def sample(self, prompts: list[str], scale: float, repeats: int) -> np.ndarray:
+        """Codes [members, len(prompts) * repeats, image_len], drawn on the first member's request."""
+        key = (tuple(prompts), float(scale), repeats)
+        if key not in self.drawn:
+            self.drawn[key] = self.base.draw(self.batched, self.params, prompts, scale, repeats, lead=(len(self.views),))
+        return self.drawn[key]
+
+    def run(self, stacked_params, step: int, members: dict[int, tuple[Any, str]]) -> dict[int, dict]:
+        """Evaluate the members named in `members` (index -> (its parameters, its run name)) at
+        `step`; each member's result as `Evaluation.run` returns it."""
+        self.params, self.drawn = stacked_params, {}
+        try:
+            return {i: self.views[i].run(params, step, name) for i, (params, name) in members.items()}
+        finally:
+            self.params, self.drawn = None, {}
 
 
 def evaluation_or_none(cfg, dataset, model_cfg, graphdef, tracker, out_sharding=None) -> Optional[Evaluation]:

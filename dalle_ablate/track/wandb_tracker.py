@@ -178,7 +178,9 @@ class WandbTracker(Tracker):
             dir=None if os.environ.get("WANDB_DIR") else str(store.root),
             id=run_id,
             resume="allow" if run_id else None,
-            reinit="finish_previous",  # a multirun's jobs never share a run
+            # A multirun's jobs never share a run; the members of one job (train/members.py) are
+            # live runs side by side, each finished by its own member.
+            reinit="create_new" if meta.get("members") else "finish_previous",
             settings=wandb.Settings(init_timeout=30),
         )
         # A resumed W&B run continues after the last step the earlier processes sent (online: the

@@ -53,15 +53,26 @@ class Hooks:
         return stop
 
 
-def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement) -> float:
-    """Weighted mean NLL over the valid split; every host reads the same eval batches and feeds
-    its own rows of each."""
-    total, weight = 0.0, 0.0
+def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement):
+    """Weighted mean NLL over the valid split, summed in float64; every host reads the same eval
+    batches and feeds its own rows of each. An eval step over the members of a job (members.py)
+    returns one sum per member, and so does this."""
+    total, weight = np.float64(0.0), np.float64(0.0)
     rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
     for batch in dataset.eval_batches(batch_size, max_batches):
         s, w = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
-        total, weight = total + float(s), weight + float(w)
-    return total / max(weight, 1.0)
+        total, weight = total + np.asarray(s, np.float64), weight + np.asarray(w, np.float64)
+    return total / np.maximum(weight, 1.0)
+
+
+def eval_graph(run):
+    """The graph evaluation runs: float32 whatever the training compute dtype -- the same
+    parameters merged into the float32 variant of the model (the dtype lives in the graph, not
+    the weights)."""
+    model_cfg = run.model_cfg
+    if model_cfg.dtype == "float32":
+        return run.graphdef
+    return nnx.split(abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
 
 
 @dataclass
@@ -79,16 +90,12 @@ def periodic_hooks(cfg, run, tracker, ckpt, job, wall_start: Callable[[], float]
     `wall_start()`: when the run started (moved back by a resumed run's earlier processes)."""
     t = cfg.trainer
     hooks, seen = Hooks(t.steps), Evaluations()
-    # Evaluation in float32 whatever the training compute dtype: the same parameters merged into
-    # the float32 variant of the model (the dtype lives in the graph, not the weights).
-    model_cfg = run.model_cfg
-    eval_graphdef = run.graphdef if model_cfg.dtype == "float32" else nnx.split(
-        abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
+    eval_graphdef = eval_graph(run)
     eval_step = make_eval_step(eval_graphdef, run.placement)
-    evaluation = evaluation_or_none(cfg, run.dataset, model_cfg, eval_graphdef, tracker, run.placement.replicated)
+    evaluation = evaluation_or_none(cfg, run.dataset, run.model_cfg, eval_graphdef, tracker, run.placement.replicated)
 
     def validation(step, state):
-        seen.eval_loss = evaluate(eval_step, state.params, run.dataset, t.batch_size, t.eval_batches, run.placement)
+        seen.eval_loss = float(evaluate(eval_step, state.params, run.dataset, t.batch_size, t.eval_batches, run.placement))
         tracker.log({"eval/valid/loss": seen.eval_loss, "samples": step * t.batch_size, "tokens": step * run.tokens_per_step},
                     step)
 

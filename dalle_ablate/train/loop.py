@@ -79,15 +79,34 @@ class Result:
     reason: str = ""  # why a run that did not finish stopped, in one line
 
 
-def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_sharding=None) -> Optional[tuple[np.ndarray, list[str]]]:
+def grid_captions(dataset, cfg: RunConfig) -> Optional[tuple[list[str], Any, Any]]:
+    """(captions, ids, mask) of the end-of-run sample grid, each caption `per_caption` times; None
+    when the data cannot draw (e.g. parquet data without data.codebook_path)."""
     captions = list(cfg.samples.captions or dataset.demo_captions())
     if not captions or not dataset.has_image_decoder():
-        return None  # e.g. parquet data without data.codebook_path
+        return None
     ids, mask = dataset.text.encode([c for c in captions for _ in range(cfg.samples.per_caption)])
-    sampler = make_sampler(graphdef, model_cfg.image_len, temperature=cfg.samples.temperature, top_k=cfg.samples.top_k,
-                           out_sharding=out_sharding)
-    codes = np.asarray(sampler(params, ids, mask, key))
+    return captions, ids, mask
+
+
+def grid_sampler(graphdef, model_cfg, cfg: RunConfig, out_sharding=None):
+    """sample(params, ids, mask, key) -> codes, as the sample grid draws them."""
+    return make_sampler(graphdef, model_cfg.image_len, temperature=cfg.samples.temperature, top_k=cfg.samples.top_k,
+                        out_sharding=out_sharding)
+
+
+def sample_grid(graphdef, params, dataset, model_cfg, cfg: RunConfig, key, out_sharding=None) -> Optional[tuple[np.ndarray, list[str]]]:
+    inputs = grid_captions(dataset, cfg)
+    if inputs is None:
+        return None
+    captions, ids, mask = inputs
+    codes = np.asarray(grid_sampler(graphdef, model_cfg, cfg, out_sharding)(params, ids, mask, key))
     return image_grid(dataset.decode_images(codes), captions, cfg.samples.per_caption), captions
+
+
+def grid_key(seed: int):
+    """The end-of-run sample grid's noise, from the run's seed."""
+    return jax.random.fold_in(jax.random.key(seed), 1)
 
 
 @contextlib.contextmanager
@@ -115,9 +134,13 @@ class StepLogger:
     A step leaves the queue only once it is logged: Ctrl-C during the blocking fetch leaves it
     (and the step after it) queued, and the interrupted run's last `flush()` logs both."""
 
-    def __init__(self, tracker, bar, t, flops_per_step: float, tokens_per_step: int, peak_all: float):
+    def __init__(self, tracker, bar, t, flops_per_step: float, tokens_per_step: int, peak_all: float, share: int = 1):
+        """`share`: the runs one step of the program trains (the members of a job, train/members.py):
+        each is charged its share of the step's time, so its step time and throughput read as a
+        separate run's would on the same machine."""
         self.tracker, self.bar, self.t = tracker, bar, t
         self.flops_per_step, self.tokens_per_step, self.peak_all = flops_per_step, tokens_per_step, peak_all
+        self.share = share
         self.queue: list[tuple[int, dict]] = []  # steps trained and not yet logged, oldest first
         self.newest = 0  # the last step queued
         self.clock, self.compiled = time.perf_counter(), False
@@ -161,6 +184,9 @@ class StepLogger:
         row = {k: float(v) for k, v in values.items()}
         row.update({"samples": step * t.batch_size, "tokens": step * self.tokens_per_step})
         if self.compiled:
+            if self.share > 1:
+                row["perf/job_step_time"] = dt  # the whole program's step, all its members
+                dt /= self.share
             row.update({"perf/step_time": dt, "perf/tokens_per_s": self.tokens_per_step / dt,
                         "perf/mfu": self.flops_per_step / (dt * self.peak_all)})
             self.bar.set_postfix(loss=f"{row['train/loss']:.3f}", tok_s=f"{self.tokens_per_step / dt:,.0f}", refresh=False)
@@ -382,8 +408,8 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
             if final_step > point.step:
                 ckpt.save(final_step, state)  # resume=auto continues from here (none if this step is saved)
         if status == "finished":
-            grid = sample_grid(run.graphdef, state.params, run.dataset, run.model_cfg, cfg,
-                               jax.random.fold_in(jax.random.key(cfg.seed), 1), run.placement.replicated)
+            grid = sample_grid(run.graphdef, state.params, run.dataset, run.model_cfg, cfg, grid_key(cfg.seed),
+                               run.placement.replicated)
             if grid is not None:
                 tracker.log_image("samples/grid", grid[0], final_step, caption=" | ".join(grid[1]))
         summary = {"train/loss": log.last_loss, "train/first_loss": log.first_loss, "eval/valid/loss": seen.eval_loss,

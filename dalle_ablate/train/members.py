@@ -1,0 +1,448 @@
+"""Seeds as members of one job (`seeds=[0,1,2]`, issue 40): the runs `seed=k` of one configuration
+trained by one compiled program over a leading member axis, with one start-up, one compilation, one
+pass over the validation batches and one batched sampler for all of them.
+
+Each member is the separate run `seed=k` would be, on the device and on disk: its own initial
+parameters, data order and dropout keys (derived from its seed as `loop.train` derives them), its
+own run store, W&B run, checkpoints (the separate run's format, so `resume`, `eval`, `report` and
+`study` read a member as a run), summary, sample grid and evaluation. The program is `jax.vmap` of
+the run's step core (`members.impl=vmap`: equal to the separate runs within float32 rounding, XLA's
+batched matmuls summing in another order) or `jax.lax.map` over it (`map`: each member's own
+unbatched program in one loop, bit-for-bit on a CPU). A member whose loss is not finite is frozen
+there (its updates masked on the device) and ended `diverged` as its separate run would end; the
+others go on (docs/guides/members.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from dalle_ablate.config import MembersConfig, RunConfig, data_seed, init_seed
+from dalle_ablate.evaluate.runner import MemberEvaluations, evaluation_or_none
+from dalle_ablate.fileio import atomic_write
+from dalle_ablate.generate import image_grid
+from dalle_ablate.model import build_model, param_count
+from dalle_ablate.model.flops import train_flops_per_example
+from dalle_ablate.parallel import BATCH_AXES, Placement, init_state
+from dalle_ablate.track import build_tracker
+from dalle_ablate.track.base import ends_on_error
+from dalle_ablate.track.runstore import StoreLock
+from dalle_ablate.train import checkpoint
+from dalle_ablate.train.assembly import Assembly, assemble
+from dalle_ablate.train.hooks import Evaluations, Hooks, eval_graph, evaluate
+from dalle_ablate.train.loop import (JobInfo, ResumePoint, Result, StepLogger, closing_lines, finished_before, grid_captions,
+                                     grid_key, grid_sampler, resume_point, run_steps, undone_at_resume, with_logged)
+from dalle_ablate.train.meta import run_meta
+from dalle_ablate.train.perf import device_peak_flops
+from dalle_ablate.train.state import TrainState
+from dalle_ablate.train.step import image_loss, train_step_core
+
+MEMBERS_FILE = "members.json"  # in the job's own folder: its members' folders and how each ended
+
+
+def member_config(cfg: RunConfig, seed: int) -> RunConfig:
+    """The config of member `seed`: the separate run `seed=k` (seeds, members and mesh.member unset)."""
+    return dataclasses.replace(cfg, seed=seed, seeds=None, members=MembersConfig(),
+                               mesh=dataclasses.replace(cfg.mesh, member=1))
+
+
+def over_members(fn: Callable, impl: str, in_axes: tuple) -> Callable:
+    """`fn` mapped over a leading member axis of the arguments whose `in_axes` is 0 (the others
+    shared): `jax.vmap` (one batched program), or `jax.lax.map` (`fn`'s own program per member)."""
+    if impl == "vmap":
+        return jax.vmap(fn, in_axes=in_axes)
+
+    def mapped(*args):
+        over = tuple(a for a, ax in zip(args, in_axes) if ax == 0)
+
+        def one(xs):
+            it = iter(xs)
+            return fn(*(next(it) if ax == 0 else a for a, ax in zip(args, in_axes)))
+
+        return jax.lax.map(one, over)
+
+    return mapped
+
+
+@struct.dataclass
+class MembersState:
+    """The members' train states stacked on a leading axis, and which are still training."""
+
+    state: TrainState
+    alive: jax.Array  # bool [members]: False once a member's loss was not finite (its state frozen there)
+
+    @property
+    def step(self) -> jax.Array:
+        """The job's step: its live members' (a frozen member stopped earlier)."""
+        return jnp.max(self.state.step)
+
+
+@dataclass(frozen=True)
+class MemberPlacement:
+    """Where the stacked state lives: a mesh ("member", data, fsdp, model) whose member axis splits
+    the members over `mesh.member` groups of devices, each group the member's own run's mesh."""
+
+    mesh: Mesh
+    state: Any  # the run's state shardings with the member axis in front
+    vector: NamedSharding  # [members]: keys, alive
+    replicated: NamedSharding
+    shared: Placement  # a batch all members read (validation), split over data x fsdp in every group
+
+    @property
+    def batch(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P("member", BATCH_AXES))
+
+    @property
+    def params(self):
+        return self.state.params
+
+    def global_batch(self, local: dict, batch_size: int) -> dict:
+        """The members' batches [members, batch, ...] (one process) -> arrays on the mesh."""
+        return jax.device_put({k: np.asarray(v) for k, v in local.items()}, self.batch)
+
+
+def member_placement(run: Assembly, devices: list, groups: int) -> MemberPlacement:
+    inner = run.mesh
+    mesh = Mesh(np.asarray(devices).reshape(groups, *inner.devices.shape), ("member", *inner.axis_names))
+    state = jax.tree.map(lambda s: NamedSharding(mesh, P("member", *s.spec)), run.placement.state)
+    replicated = NamedSharding(mesh, P())
+    shared = Placement(mesh, None, None, NamedSharding(mesh, P(BATCH_AXES)), replicated)
+    return MemberPlacement(mesh, state, NamedSharding(mesh, P("member")), replicated, shared)
+
+
+@dataclass
+class Member:
+    """One member's host side: what `loop._train` keeps for its one run."""
+
+    index: int
+    cfg: RunConfig
+    job: JobInfo
+    run_dir: Path
+    point: ResumePoint = field(default_factory=ResumePoint)
+    tracker: Any = None
+    ckpt: Any = None
+    log: Optional[StepLogger] = None
+    seen: Evaluations = field(default_factory=Evaluations)
+    t_start: float = 0.0
+    status: str = "running"  # running | finished | diverged | interrupted | failed
+    result: Optional[Result] = None
+
+    @property
+    def seed(self) -> int:
+        return self.cfg.seed
+
+    @property
+    def name(self) -> str:
+        return self.job.name or Path(self.job.job_dir).name
+
+    def done_at(self, step: int, hook: str) -> bool:
+        """Whether the earlier process of this member's store finished `hook` at `step` (a resume)."""
+        return step == self.point.step and self.point.done_at_step.get(hook, False)
+
+
+class MembersLogger(StepLogger):
+    """The job's steps, fetched once for all members and logged by each running member's own
+    StepLogger (its tracker, losses and divergence); the progress bar counts the job's steps."""
+
+    def __init__(self, members: list[Member], bar, t, on_diverged: Callable[[Member, int], None]):
+        super().__init__(None, bar, t, 0.0, 0, 1.0)
+        self.members, self.on_diverged = members, on_diverged
+
+    def _log(self, step: int, values: dict) -> bool:
+        for m in self.members:
+            if m.status == "running" and not m.log._log(step, {k: v[m.index] for k, v in values.items()}):
+                self.on_diverged(m, self.newest)  # the step its separate run would have reached
+        self.bar.update(1)
+        return any(m.status == "running" for m in self.members)
+
+    def restart_clock(self) -> None:
+        for m in self.members:
+            m.log.restart_clock()
+
+
+class MembersCheckpoints:
+    """`check()` of every running member's Checkpointer, before each step (run_steps)."""
+
+    def __init__(self, members: list[Member]):
+        self.members = members
+
+    def check(self) -> None:
+        for m in self.members:
+            if m.status == "running":
+                m.ckpt.check()
+
+
+def member_slice(tree, i: int):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def members_step(run: Assembly, members: list[Member], impl: str, mp: MemberPlacement) -> Callable:
+    """step(MembersState, batches) -> (MembersState, metrics [members]): the run's step core over
+    the members, each with its own dropout key; a member whose loss is not finite keeps its state."""
+    core = train_step_core(run.graphdef, run.optimizer, run.schedule, run.gradient_options)
+    over = over_members(core, impl, (0, 0, 0))
+    # as make_train_step derives each run's key from its seed
+    keys = jnp.stack([jax.random.fold_in(jax.random.key(m.seed), 2) for m in members])
+
+    def step(ms: MembersState, batch: dict, keys):
+        new, metrics = over(ms.state, batch, keys)
+        ok = ms.alive & jnp.isfinite(metrics["train/loss"])
+        kept = jax.tree.map(lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - 1)), n, o), new, ms.state)
+        return MembersState(kept, ok), metrics
+
+    shardings = MembersState(mp.state, mp.vector)
+    jitted = jax.jit(step, in_shardings=(shardings, mp.batch, mp.vector), out_shardings=(shardings, mp.replicated),
+                     donate_argnums=0)
+    return lambda ms, batch: jitted(ms, batch, keys)
+
+
+def members_eval_step(graphdef, impl: str, mp: MemberPlacement) -> Callable:
+    """eval(stacked params, batch) -> (weighted NLL sums, weight sums) [members], the batch shared."""
+    over = over_members(lambda params, batch: image_loss(nnx.merge(graphdef, params), batch), impl, (0, None))
+    return jax.jit(over, in_shardings=(mp.params, mp.shared.batch), out_shardings=mp.replicated)
+
+
+class MemberBatches:
+    """The members' training batches, each from its own seed's data order, stacked: [members, batch, ...]."""
+
+    def __init__(self, run: Assembly, members: list[Member], start: int):
+        bs = run.cfg.trainer.batch_size
+        self.iters = [run.dataset.train_batches(bs, data_seed(m.cfg), start, 0, 1) for m in members]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batches = [next(it) for it in self.iters]
+        return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+def write_members_file(job_dir: Path, members: list[Member], impl: str) -> None:
+    """`<job>/members.json`: the members' seeds, folders and how each stands (rewritten at each change)."""
+    Path(job_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(job_dir) / MEMBERS_FILE, json.dumps({
+        "seeds": [m.seed for m in members], "impl": impl,
+        "members": [{"seed": m.seed, "job_dir": str(m.job.job_dir), "status": m.status,
+                     "reason": m.log.reason if m.log is not None else ""} for m in members]}, indent=2))
+
+
+def restore_common_step(members: list[Member], target) -> None:
+    """Resumed members must start at one step: where their newest checkpoints differ (a kill
+    between the members' saves of one step), each newer one restarts from the newest step every
+    member has; its own newer checkpoint is written again, with the same values, on the way."""
+    steps = {m.point.step for m in members}
+    if len(steps) == 1:
+        return
+    common = min(steps)
+    moved = [m for m in members if m.point.step > common]
+    for m in moved:
+        if common == 0:
+            m.point = ResumePoint(continues_store=True)
+            continue
+        step, state = checkpoint.restore(m.run_dir / "checkpoints", common, target)
+        m.point = ResumePoint(step, state, continues_store=True)
+    print(f"members {', '.join(f'seed={m.seed}' for m in moved)} resume from step {common}, the newest step every member "
+          "has a checkpoint of", file=sys.stderr, flush=True)
+
+
+def stacked(states: list, mp: MemberPlacement):
+    """Per-member states -> one state with a leading member axis, in the members' shards."""
+    return jax.device_put(jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states), mp.state)
+
+
+def train_members(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]:
+    """Train `cfg.seeds` as members of one job; `jobs`: each member's folder and names (job.py
+    `member_jobs`). Returns each member's Result, in the order of the seeds."""
+    t_start = time.perf_counter()
+    members = [Member(i, member_config(cfg, s), j, Path(j.job_dir) / "run") for i, (s, j) in enumerate(zip(cfg.seeds, jobs))]
+    results: dict[int, Result] = {}
+    for m in members:
+        done = finished_before(m.cfg, m.run_dir)
+        if done is not None:
+            m.status = "finished"
+            print(f"{m.run_dir}: finished before at step {done['steps']} of {cfg.trainer.steps}; left as it is (resume=auto)",
+                  flush=True)
+            results[m.seed] = Result(eval_loss=float(done.get("eval/valid/loss", np.nan)),
+                                     train_loss=float(done.get("train/loss", np.nan)), steps=int(done["steps"]),
+                                     run_dir=m.run_dir, status="finished", summary=done)
+    live = [m for m in members if m.seed not in results]
+    if live:
+        for i, m in enumerate(live):
+            m.index = i
+        with contextlib.ExitStack() as locks:  # one writer per run store, each member's taken before anything is built
+            for m in live:
+                locks.enter_context(StoreLock(m.run_dir))
+            for m in _train_members(cfg, job, live, members, t_start):
+                results[m.seed] = m.result
+    return [results[s] for s in cfg.seeds]
+
+
+def _train_members(cfg: RunConfig, job: JobInfo, members: list[Member], everyone: list[Member], t_start: float) -> list[Member]:
+    """Train the `members` not finished before (`everyone`: all of the job's, for members.json)."""
+    t, impl = cfg.trainer, cfg.members.impl
+    devices = jax.devices()
+    groups = cfg.mesh.member
+    run = assemble(members[0].cfg, devices=devices[:len(devices) // groups])
+    mp = member_placement(run, devices, groups)
+    target = run.abstract_state()
+    for m in members:
+        m.point = resume_point(m.cfg, m.run_dir, target)
+    restore_common_step(members, target)
+    flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
+    peak, peak_source = device_peak_flops(cache_dir=cfg.data.cache_dir)
+    for m in members:
+        meta = run_meta(m.job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
+                        run.dataset.info, resumed_from=m.point.step)
+        meta["mesh"] = dict(run.mesh.shape)
+        stages = [name for name, _ in run.gradient_options.added]
+        if stages:
+            meta["gradient_stages"] = stages
+        meta["wandb_group"] = m.job.group
+        meta["members"] = {"seeds": [x.seed for x in members], "index": m.index, "job_dir": str(job.job_dir), "impl": impl}
+        m.tracker = build_tracker(m.cfg.tracker, m.run_dir, m.job.config if m.job.config is not None else asdict(m.cfg), meta,
+                                  name=m.job.name, group=m.job.group, job_type=m.job.job_type or cfg.model.layout,
+                                  resume_step=m.point.tracker_step)
+        m.point = with_logged(m.point, m.run_dir)
+        m.t_start = t_start - m.point.wall_time
+    write_members_file(job.job_dir, everyone, impl)
+    with _ends_on_error(members):
+        return _run_members(cfg, job, run, mp, members, everyone, flops_per_step, peak * run.mesh.size * groups)
+
+
+@contextlib.contextmanager
+def _ends_on_error(members: list[Member]):
+    """Each member still running ends as `loop.train` ends a run on an error (ends_on_error)."""
+    try:
+        yield
+    except BaseException as e:
+        for m in members:
+            if m.status == "running" and m.tracker is not None:
+                m.status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+                with contextlib.suppress(BaseException), ends_on_error(m.tracker):
+                    raise e
+        raise
+
+
+def _run_members(cfg, job, run: Assembly, mp: MemberPlacement, members: list[Member], everyone: list[Member], flops_per_step,
+                 peak_all) -> list[Member]:
+    t, impl = cfg.trainer, cfg.members.impl
+    start = members[0].point.step
+    states = [m.point.state if m.point.state is not None else
+              init_state(lambda s=init_seed(m.cfg): build_model(run.model_cfg, s), run.new_state, run.placement) for m in members]
+    state = MembersState(stacked(states, mp), jax.device_put(np.ones(len(members), bool), mp.vector))
+    del states
+    for m in members:
+        m.ckpt = checkpoint.Checkpointer(m.run_dir / "checkpoints", t.keep_checkpoints, on_saved=m.tracker.log_checkpoint)
+        m.log = StepLogger(m.tracker, tqdm(disable=True), t, flops_per_step, run.tokens_per_step, peak_all, share=len(members))
+        m.log.first_loss, m.log.last_loss = m.point.first_loss, m.point.last_loss
+        m.seen.eval_loss = m.point.eval_loss
+
+    def ended(m: Member, status: str, final_step: int) -> None:
+        m.status = status
+        summary = {"train/loss": m.log.last_loss, "train/first_loss": m.log.first_loss, "eval/valid/loss": m.seen.eval_loss,
+                   "data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
+                   "wall_time": time.perf_counter() - m.t_start}
+        if m.log.reason:
+            summary["reason"] = m.log.reason
+        m.tracker.log_summary(summary)
+        m.ckpt.close()
+        m.tracker.finish(status)
+        print(closing_lines(status, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
+        m.result = Result(eval_loss=m.seen.eval_loss, train_loss=m.log.last_loss, steps=final_step, run_dir=m.run_dir,
+                          status=status, summary=summary, reason=m.log.reason)
+        write_members_file(job.job_dir, everyone, impl)
+
+    hooks = member_hooks(cfg, run, mp, members)
+    bar = tqdm(total=t.steps, initial=start, disable=not t.progress, unit="step", dynamic_ncols=True)
+    log = MembersLogger(members, bar, t, lambda m, step: ended(m, "diverged", step))
+    left = tuple(sorted({name for m in members for name in undone_at_resume(m.point, hooks)},
+                        key=[h.name for h in hooks.hooks].index))
+    batches = MemberBatches(run, members, start)
+    train_step = members_step(run, members, impl, mp)
+    status, state = run_steps(state, range(start + 1, t.steps + 1), train_step, batches, SimpleNamespace(cfg=cfg, placement=mp),
+                              log, hooks, MembersCheckpoints(members), left)
+    log.flush()  # the step in flight (a member that diverged in it is ended there)
+    bar.close()
+    final_step = int(jax.device_get(state.step))
+    running = [m for m in members if m.status == "running"]
+    if status == "interrupted":
+        for m in running:
+            m.log.reason = f"interrupted at step {final_step} of {t.steps}"
+            if final_step > m.point.step:
+                m.ckpt.save(final_step, member_slice(state.state, m.index))
+    if status == "finished" and running:
+        member_grids(cfg, run, mp, members, running, state.state.params, final_step)
+    for m in running:
+        ended(m, status, final_step)
+    return members
+
+
+def member_hooks(cfg, run: Assembly, mp: MemberPlacement, members: list[Member]) -> Hooks:
+    """The run's periodic work (hooks.periodic_hooks) for every running member: one validation pass
+    and one sampling evaluation for all of them, each member's checkpoint in its own store."""
+    t = cfg.trainer
+    hooks = Hooks(t.steps)
+    graph = eval_graph(run)
+    eval_step = members_eval_step(graph, cfg.members.impl, mp)
+    base = evaluation_or_none(members[0].cfg, run.dataset, run.model_cfg, graph, None, mp.replicated)
+    sampler = over_members(base.sampler, cfg.members.impl, (0, *(None,) * 6)) if base is not None else None
+    evaluations = MemberEvaluations(base, [m.tracker for m in members], jax.jit(sampler)) if base is not None else None
+
+    def due(step: int, name: str) -> list[Member]:
+        return [m for m in members if m.status == "running" and not m.done_at(step, name)]
+
+    def validation(step, ms):
+        losses = evaluate(eval_step, ms.state.params, run.dataset, t.batch_size, t.eval_batches, mp.shared)
+        for m in due(step, "validation"):
+            m.seen.eval_loss = float(losses[m.index])
+            m.tracker.log({"eval/valid/loss": m.seen.eval_loss, "samples": step * t.batch_size,
+                           "tokens": step * run.tokens_per_step}, step)
+
+    def save(step, ms):  # before the sampling evaluation, as a separate run saves
+        for m in due(step, "checkpoint"):
+            m.ckpt.save(step, member_slice(ms.state, m.index))
+            m.tracker.log_summary({"wall_time": time.perf_counter() - m.t_start, "steps": step})
+
+    def sample(step, ms):
+        todo = due(step, "evaluation")
+        params = ms.state.params
+        out = evaluations.run(params, step, {m.index: (member_slice(params, m.index), m.name) for m in todo})
+        for m in todo:
+            m.seen.last_eval = out[m.index]
+            m.tracker.log_summary({"evaluated_step": step})
+
+    hooks.add("validation", validation, t.eval_every)
+    hooks.add("checkpoint", save, t.save_every)
+    if evaluations is not None:
+        hooks.add("evaluation", sample, cfg.eval.every or 0)
+    return hooks
+
+
+def member_grids(cfg, run: Assembly, mp: MemberPlacement, members: list[Member], running: list[Member], params, step: int) -> None:
+    """The end-of-run sample grid of each finished member, drawn for all members at once with each
+    member's own grid key."""
+    inputs = grid_captions(run.dataset, cfg)
+    if inputs is None:
+        return
+    captions, ids, mask = inputs
+    sampler = jax.jit(over_members(grid_sampler(run.graphdef, run.model_cfg, cfg), cfg.members.impl, (0, None, None, 0)),
+                      out_shardings=mp.replicated)
+    codes = np.asarray(sampler(params, ids, mask, jnp.stack([grid_key(m.seed) for m in members])))
+    for m in running:
+        grid = image_grid(run.dataset.decode_images(codes[m.index]), captions, cfg.samples.per_caption)
+        m.tracker.log_image("samples/grid", grid, step, caption=" | ".join(captions))
