@@ -1,0 +1,189 @@
+"""Seeds as members of one job (train/members.py, issue 40): each member is its separate run --
+exactly under `members.impl=map`, within float32 rounding under `vmap` -- in a run store, W&B run
+and checkpoints of its own; a member that diverges is frozen and ended while the others go on;
+Ctrl-C saves every member and `resume=auto` continues each, from the newest step all of them have.
+
+One module fixture trains the tiny job three ways (3 members under map, under vmap, and the 3
+separate runs) with the sampling evaluation and W&B (offline) on; the tests read those stores."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import yaml
+from conftest import EVAL_ON, run_config
+
+from dalle_ablate.job import members_outcome
+from dalle_ablate.registry import Interrupted, RunFailed
+from dalle_ablate.report.load import load_runs
+from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.train import members as members_mod
+from dalle_ablate.train.loop import JobInfo, train
+from dalle_ablate.train.members import train_members
+
+SEEDS = [0, 1, 2]
+CFG = ["tracker=wandb", *EVAL_ON]  # W&B offline: the members' runs live side by side in one process
+
+
+def members_job(root: Path, impl: str, *extra: str) -> list:
+    cfg = run_config(*CFG, f"seeds={SEEDS}".replace(" ", ""), f"members.impl={impl}", *extra)
+    jobs = [JobInfo(root / f"seed{s}", name=f"seed={s}", overrides=[f"seed={s}"]) for s in SEEDS]
+    return train_members(cfg, JobInfo(root), jobs)
+
+
+def rows(store: Path) -> dict[tuple[int, str], object]:
+    """(step, key) -> value of a run store's metrics, timing left out (it never reproduces)."""
+    return {(r["step"], k): v for r in read_metrics(store) for k, v in r.items() if k != "step" and not k.startswith("perf/")}
+
+
+def params_at(store: Path, step: int) -> dict:
+    """The parameters of a checkpoint as saved, flattened to path -> numpy array."""
+    restored = ocp.StandardCheckpointer().restore((store / "checkpoints" / str(step) / "default").absolute())
+    import jax
+
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(restored["params"])[0]}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("members")
+    results = {impl: members_job(root / impl, impl) for impl in ("map", "vmap")}
+    for s in SEEDS:
+        train(run_config(*CFG, f"seed={s}"), JobInfo(root / "separate" / f"seed{s}", name=f"seed={s}", overrides=[f"seed={s}"]))
+    return root, results
+
+
+def test_members_under_map_are_their_separate_runs_bit_for_bit(trained):
+    root, results = trained
+    assert [r.status for r in results["map"]] == ["finished"] * 3
+    for s in SEEDS:
+        member, alone = root / "map" / f"seed{s}" / "run", root / "separate" / f"seed{s}" / "run"
+        got, want = rows(member), rows(alone)
+        assert got.keys() == want.keys()
+        # every logged value: losses, norms, the validation loss, every sampling-evaluation metric
+        assert {k: v for k, v in got.items() if v != want[k]} == {}
+        assert any(k[1].startswith("eval/pareto/") for k in want) and any(k[1] == "eval/valid/loss" for k in want)
+        a, b = params_at(member, 6), params_at(alone, 6)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+        grid = "media/samples_grid_6.png"
+        assert (member / grid).read_bytes() == (alone / grid).read_bytes()
+        tables = sorted(p.relative_to(alone) for p in (alone / "tables").rglob("*") if p.is_file())
+        assert tables  # the Pareto table, the prompt grids' table and its images
+        assert all((member / p).read_bytes() == (alone / p).read_bytes() for p in tables)
+
+
+def test_members_under_vmap_match_their_separate_runs_within_float32_rounding(trained):
+    root, results = trained
+    assert [r.status for r in results["vmap"]] == ["finished"] * 3
+    for s in SEEDS:
+        got, want = rows(root / "vmap" / f"seed{s}" / "run"), rows(root / "separate" / f"seed{s}" / "run")
+        assert got.keys() == want.keys()
+        for (step, key), v in want.items():
+            if key in ("train/loss", "train/grad_norm", "train/param_norm", "eval/valid/loss"):
+                assert got[step, key] == pytest.approx(v, rel=1e-5), (step, key)
+            elif key.startswith("eval/caption_sensitivity/"):  # a difference of two NLLs: absolute
+                assert got[step, key] == pytest.approx(v, abs=1e-4), (step, key)
+
+
+def test_a_members_run_store_is_the_separate_runs_store(trained):
+    root, _ = trained
+    wandb_ids = set()
+    for s in SEEDS:
+        member, alone = root / "map" / f"seed{s}" / "run", root / "separate" / f"seed{s}" / "run"
+        # the resolved config of `seed=k` itself: seeds unset, members and mesh.member at their defaults
+        assert yaml.safe_load((member / "config.yaml").read_text()) == yaml.safe_load((alone / "config.yaml").read_text())
+        m_meta, a_meta = (json.loads((p / "meta.json").read_text()) for p in (member, alone))
+        assert m_meta["overrides"] == a_meta["overrides"] == [f"seed={s}"]
+        assert m_meta["members"] == {"seeds": SEEDS, "index": s, "job_dir": str(root / "map"), "impl": "map"}
+        assert "members" not in a_meta
+        wandb_ids.add(m_meta["wandb_id"])
+        m_sum, a_sum = (json.loads((p / "summary.json").read_text()) for p in (member, alone))
+        assert m_sum.keys() == a_sum.keys() and m_sum["status"] == "finished" and m_sum["steps"] == 6
+        # each member is charged a third of the job's step: its share, and the job's own step time beside it
+        perf = [r for r in read_metrics(member) if "perf/step_time" in r]
+        assert perf and all(r["perf/step_time"] == pytest.approx(r["perf/job_step_time"] / 3) for r in perf)
+    assert len(wandb_ids) == 3  # a W&B run of its own each
+    record = json.loads((root / "map" / "members.json").read_text())
+    assert [(m["seed"], m["job_dir"], m["status"]) for m in record["members"]] == [
+        (s, str(root / "map" / f"seed{s}"), "finished") for s in SEEDS]
+    # the report reads members as runs: one variant, its three seeds
+    runs = load_runs(str(root / "map"))
+    assert sorted(r.seed for r in runs) == SEEDS and len({r.variant for r in runs}) == 1
+
+
+def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trained, tmp_path, monkeypatch):
+    root, _ = trained
+    batches = members_mod.MemberBatches.__next__
+    drawn = []
+
+    def poisoned(self):  # member 1's batch of step 4 has an infinite weight: its loss is not finite
+        batch = batches(self)
+        drawn.append(1)
+        if len(drawn) == 4:
+            batch["weights"] = batch["weights"].astype(np.float32)
+            batch["weights"][1] = np.inf
+        return batch
+
+    monkeypatch.setattr(members_mod.MemberBatches, "__next__", poisoned)
+    results = members_job(tmp_path, "map")
+    assert [r.status for r in results] == ["finished", "diverged", "finished"]
+    assert results[1].reason.startswith("diverged at step 4: train/loss=")
+    assert results[1].reason.endswith(f"last finite loss {rows(tmp_path / 'seed1' / 'run')[3, 'train/loss']:.4f} at step 3")
+    diverged = tmp_path / "seed1" / "run"
+    assert sorted(int(p.name) for p in (diverged / "checkpoints").iterdir() if p.name.isdigit()) == [3]
+    logged = rows(diverged)
+    assert max(step for step, _ in logged) == 4 and not math.isfinite(float(logged[4, "train/loss"]))
+    assert json.loads((diverged / "summary.json").read_text())["status"] == "diverged"
+    for s in (0, 2):  # the others: their separate runs still, bit for bit
+        assert rows(tmp_path / f"seed{s}" / "run") == rows(root / "map" / f"seed{s}" / "run")
+    record = json.loads((tmp_path / "members.json").read_text())
+    assert [m["status"] for m in record["members"]] == ["finished", "diverged", "finished"]
+    cfg = run_config("seeds=[0,1,2]")
+    with pytest.raises(RunFailed) as err:
+        members_outcome(cfg, JobInfo(tmp_path), results)
+    assert err.value.exit_code == RunFailed.DIVERGED
+    assert str(err.value) == f"member seed=1 {results[1].reason} (run store {diverged}); seeds 0, 2 finished"
+
+
+def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_step(trained, tmp_path, monkeypatch, capsys):
+    root, _ = trained
+    batches = members_mod.MemberBatches.__next__
+    drawn = []
+
+    def interrupted(self):  # Ctrl-C while the batches of step 5 are read: every member has done 4
+        drawn.append(1)
+        if len(drawn) == 5:
+            raise KeyboardInterrupt
+        return batches(self)
+
+    monkeypatch.setattr(members_mod.MemberBatches, "__next__", interrupted)
+    results = members_job(tmp_path, "map")
+    assert [(r.status, r.steps) for r in results] == [("interrupted", 4)] * 3
+    for s in SEEDS:
+        saved = tmp_path / f"seed{s}" / "run" / "checkpoints"
+        assert sorted(int(p.name) for p in saved.iterdir() if p.name.isdigit()) == [3, 4]
+    cfg = run_config("seeds=[0,1,2]")
+    job = JobInfo(tmp_path, overrides=["seeds=[0,1,2]", "trainer.steps=6"])
+    with pytest.raises(Interrupted) as err:
+        members_outcome(cfg, job, results)
+    assert str(err.value) == (f"members seed=0, seed=1, seed=2 interrupted at step 4; checkpoints saved; resume with: "
+                              f"python run.py 'seeds=[0,1,2]' trainer.steps=6 resume=auto hydra.run.dir={tmp_path}")
+    ids = [json.loads((tmp_path / f"seed{s}" / "run" / "meta.json").read_text())["wandb_id"] for s in SEEDS]
+    # a kill -9 between the members' saves of step 4: member 0's never made it to disk
+    shutil.rmtree(tmp_path / "seed0" / "run" / "checkpoints" / "4")
+    monkeypatch.setattr(members_mod.MemberBatches, "__next__", batches)
+    capsys.readouterr()
+    results = members_job(tmp_path, "map", "resume=auto")
+    assert [r.status for r in results] == ["finished"] * 3
+    assert "members seed=1, seed=2 resume from step 3, the newest step every member has a checkpoint of" in capsys.readouterr().err
+    for s, wandb_id in zip(SEEDS, ids):
+        store = tmp_path / f"seed{s}" / "run"
+        assert rows(store) == rows(root / "map" / f"seed{s}" / "run")  # each step once, as if never stopped
+        assert [r["step"] for r in read_metrics(store) if "train/loss" in r] == list(range(1, 7))
+        assert json.loads((store / "meta.json").read_text())["wandb_id"] == wandb_id  # the same W&B run goes on
