@@ -232,3 +232,12 @@ def test_seeds_is_one_value_and_members_default_to_vmap():
     cfg = run_config("seeds=[3,1,4]")
     assert (cfg.seeds, cfg.members.impl, cfg.mesh.member) == ([3, 1, 4], "vmap", 1)
     assert run_config("seeds=[0,1]", "mesh.member=2", "members.impl=map").mesh.member == 2
+
+
+def test_shampoo_runs_as_members_under_map_only():
+    with pytest.raises(ConfigError) as err:
+        run_config("optim=shampoo", "seeds=[0,1]")
+    assert str(err.value) == ("optim=shampoo with seeds=[...] runs only with members.impl=map: under vmap its root refresh "
+                              "would run at every step as two batched eighs (the CPU deadlock of optim/inverse_roots.py), "
+                              "and float64 roots do not compile")
+    assert run_config("optim=shampoo", "seeds=[0,1]", "members.impl=map").members.impl == "map"

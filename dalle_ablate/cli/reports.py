@@ -48,6 +48,8 @@ def _study_arguments(p: argparse.ArgumentParser) -> None:
                                    "only (docs/statistics.md)")
     p.add_argument("--no-stress", action="store_true", help="skip the study's stress runs (its file's `stress:` section: "
                                                             "the stability claims' arms across learning rates)")
+    p.add_argument("--no-members", action="store_true", help="train each seed of an arm as a job of its own, not the "
+                                                              "arm's seeds as members of one job (docs/guides/members.md)")
     p.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
                                                 "seed=0,1 (a sweep of the preset's own keys replaces it)")
 
@@ -59,4 +61,4 @@ def cmd_study(args) -> None:
     from dalle_ablate.report.study_runs import run_study
 
     run_study(args.study, args.out, args.report_out, args.page_out, list(args.overrides), seeds=args.seeds,
-              no_run=args.no_run, no_stress=args.no_stress)
+              no_run=args.no_run, no_stress=args.no_stress, members=not args.no_members)

@@ -14,6 +14,7 @@ import optax
 
 from dalle_ablate.optim.base import OPTIMIZERS, OptimConfig, decay_mask
 from dalle_ablate.optim.scale_by_shampoo import ShampooOptions, scale_by_shampoo
+from dalle_ablate.registry import check
 
 
 def with_options(options: type) -> Callable[[type], type]:
@@ -59,6 +60,14 @@ class ShampooConfig(OptimConfig):
         super().validate(run)
         self.options()
         decay_mask(self.no_precondition, "optim.no_precondition")
+        # Measured (docs/results/benchmarks/members.md): under vmap the refresh's lax.cond becomes a
+        # select -- the roots recomputed at every step, by two batched eighs, the pattern that can
+        # deadlock jaxlib's CPU eigh (inverse_roots.py) -- and the float64 roots do not compile (the
+        # select's re-trace runs outside their enable_x64). lax.map keeps each member's own program.
+        check(not (run.seeds and run.members.impl == "vmap"),
+              "optim=shampoo with seeds=[...] runs only with members.impl=map: under vmap its root refresh would run "
+              "at every step as two batched eighs (the CPU deadlock of optim/inverse_roots.py), and float64 roots do "
+              "not compile")
 
 
 def root_dtype(name: str) -> str:

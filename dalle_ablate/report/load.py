@@ -21,7 +21,10 @@ from dalle_ablate.track.wandb_api import group_runs
 # differ by them; data_seed and init_seed split `seed` into its sources), the sweeper's link,
 # where things are written, how progress is shown.
 SEEDS = ("seed", "data_seed", "init_seed")
-NOT_A_VARIANT = (*SEEDS, "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir")
+# How runs were made is not what they compare: seeds trained as members of one job
+# (train/members.py) are their separate runs.
+NOT_A_VARIANT = (*SEEDS, "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir", "seeds",
+                 "members.", "mesh.member")
 NOT_A_CHOICE = tuple(e for e in NOT_A_VARIANT if e not in SEEDS)  # the config diff shows seeds
 
 

@@ -88,11 +88,49 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
     return StressOutcome(line, failed)
 
 
+def swept_seeds(experiment: str, overrides: list[str]) -> Optional[list[int]]:
+    """The seeds a study's multirun sweeps: its last `seed=` override's values, else its preset's
+    `hydra.sweeper.params.seed`; None if it sweeps no seed (one run per arm)."""
+    from importlib.resources import files
+
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [o for o in overrides if o.split("=", 1)[0] == "seed"]
+    if not given:
+        preset = files("dalle_ablate.conf").joinpath("experiment", f"{experiment}.yaml")
+        params = (((yaml.safe_load(preset.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+        if "seed" not in params:
+            return None
+        given = [f"seed={params['seed']}"]
+    override = OverridesParser.create().parse_overrides(given[-1:])[0]
+    values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+    return [int(v) for v in values]
+
+
+def as_members(experiment: str, overrides: list[str]) -> list[str]:
+    """The study's multirun overrides with each arm's seeds trained as members of one job
+    (train/members.py): `seeds=[...]` in place of the seed sweep, and `seed=` the first of them,
+    which names the job's own folder (`<arm>-seed<first>`, its first member's). The run folders,
+    names and overrides each member records are its separate run's (job.py member_jobs).
+    `members.impl=map` unless the overrides choose: each member's own program, so the runs are
+    their separate runs bit for bit on a CPU (the page cannot tell how they were made), Shampoo's
+    arm runs (vmap refuses it), and on 2 CPU cores it is the faster of the two
+    (docs/results/benchmarks/members.md)."""
+    seeds = swept_seeds(experiment, overrides)
+    if seeds is None or len(seeds) < 2:
+        return overrides
+    kept = [o for o in overrides if o.split("=", 1)[0] != "seed"]
+    impl = [] if any(o.startswith("members.impl=") for o in overrides) else ["members.impl=map"]
+    return [*kept, f"seed={seeds[0]}", f"seeds=[{','.join(map(str, seeds))}]", *impl]
+
+
 def run_study(study_arg: str, out: str, report_out: str, page_out: str, overrides: list[str], seeds: Optional[str] = None,
-              no_run: bool = False, no_stress: bool = False) -> None:
+              no_run: bool = False, no_stress: bool = False, members: bool = True) -> None:
     """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
     a stopped one continues from its checkpoint) and its stress runs, then write its report and
-    its results page. `study_arg` is a study's name or its file; `seeds` tops it up (N or 'auto')."""
+    its results page. `study_arg` is a study's name or its file; `seeds` tops it up (N or 'auto');
+    `members`: each arm's seeds trained as members of one job (False: one job per seed)."""
     import time
 
     from dalle_ablate.report import build_report
@@ -105,8 +143,9 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
     if seeds is not None and no_run:
         raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
     seed_override, topup = _plan_topup(study, folder, seeds, overrides) if seeds is not None else (None, None)
+    swept = [*overrides, *([seed_override] if seed_override else [])]
     command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={folder}",
-               *overrides, *([seed_override] if seed_override else [])]
+               *(as_members(study.experiment, swept) if members else swept)]
     t = time.perf_counter()
     # The seeds of an arm compile the same programs: JAX's persistent compilation cache
     # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
@@ -120,6 +159,10 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
     runs = _study_runs(study.name, folder, code)
     lines = provenance(study_arg, seeds, overrides, command, runs, elapsed, not no_run,
                        stress.line if stress is not None else None)
+    if any(r.meta.get("members") for r in runs):
+        lines.append(f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job per "
+                     "arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its overrides and "
+                     "its numbers; their step time is their share of the job's.")
     report = build_report(str(folder), report_out, study.name, study.baseline)
     page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
     print(f"wrote {report}/index.html and {page}")

@@ -180,9 +180,11 @@ def test_the_mega_study_names_only_arms_its_preset_runs():
 
 @pytest.mark.slow
 def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_path):
-    def study(*how: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(tmp_path / "studies"),
-               "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results"),
+    """Each arm's seeds run as members of one job (the default, under members.impl=map): bit for bit
+    the separate runs, so the page of `--no-members` is this page but for how its runs were made."""
+    def study(*how: str, where: Path = tmp_path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(where / "studies"),
+               "--report-out", str(where / "reports"), "--page-out", str(where / "results"),
                "--no-stress",  # the study's stress runs: tests/report/test_stress.py
                "+arm=baseline,bias", *how, *SMALL_DATA, *TINY_TRAIN]
         # the study's own compilation cache (in its folder), not the suite's (conftest.py)
@@ -193,7 +195,7 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     assert first.returncode == 0, first.stderr[-2000:]
     folder = tmp_path / "studies" / "mega-variants"
     done = {p: p.read_bytes() for d in ("baseline-seed0", "bias-seed0") for p in (folder / d / "run").rglob("*") if p.is_file()}
-    second = study("--seeds", "2")  # topped up to 2 seeds per arm
+    second = study("--seeds", "2")  # topped up to 2 seeds per arm: members 0 (settled) and 1
     assert second.returncode == 0, second.stderr[-2000:]
     assert "topping up from 1 to 2 seeds per arm (seed=0,1; the rule asks for" in second.stdout
     assert second.stdout.count("left as it is (resume=auto)") == 2
@@ -209,6 +211,41 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     assert figures and all(f.startswith("mega-variants_") for f in figures)
     assert (tmp_path / "reports" / "mega-variants" / "index.html").is_file()
     assert any((folder / "jax_cache").iterdir())  # the later seeds of an arm load its compiled programs
+    assert "runs were trained as members of one job per arm" in page
+    members_json = json.loads((folder / "baseline-seed0" / "members.json").read_text())
+    assert [(m["seed"], Path(m["job_dir"]).name, m["status"]) for m in members_json["members"]] == [
+        (0, "baseline-seed0", "finished"), (1, "baseline-seed1", "finished")]
+
+    separate = study("--no-members", "seed=0,1", where=tmp_path / "separate")
+    assert separate.returncode == 0, separate.stderr[-2000:]
+    alone = tmp_path / "separate" / "studies" / "mega-variants"
+    assert sorted(p.name for p in alone.iterdir() if (p / "run").is_dir()) == sorted(
+        p.name for p in folder.iterdir() if (p / "run").is_dir())
+    for store in alone.glob("*/run"):
+        assert (json.loads((store / "meta.json").read_text())["overrides"]
+                == json.loads((folder / store.parent.name / "run" / "meta.json").read_text())["overrides"])
+    # the page, but for its provenance and the runs' timing (and the top-up this study had)
+    assert untimed(page) == untimed((tmp_path / "separate" / "results" / "mega-variants.md").read_text())
+
+
+def untimed(page: str) -> list[str]:
+    """A results page's lines without what says how and when its runs were made: the provenance,
+    the top-up note and the seeds its rule asks for, the link whose depth is the page's folder's,
+    every step_time row, the step_time columns of a table (the arms' table), and blank lines."""
+    # ("Now N seeds per arm": the rule's N is the largest seeds-needed of all findings, step time's among them)
+    skip = re.compile(r"^(Command:|Commit of this page|Runs: |\d+ of the runs were trained as members|Topped up|How a verdict|"
+                      r"Now \d+ seeds per arm at most)")
+    out, timed = [], []
+    for line in page.splitlines():
+        cells = line.split("|")
+        if line.startswith("| arm |"):
+            timed = [i for i, c in enumerate(cells) if "step_time" in c]
+        elif not line.startswith("|"):
+            timed = []
+        if skip.match(line) or ("| step_time" in line and not timed) or not line.strip():
+            continue
+        out.append("|".join(c for i, c in enumerate(cells) if i not in timed))
+    return out
 
 
 def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsys):
