@@ -193,9 +193,9 @@ def member_slice(tree, i: int):
     its run's share of the member. Not `x[i]`: on a mesh, that is a whole, unsplit copy of the
     member on every device (P()), a member too big for one device failing at its first save.
 
-    One program for the whole tree, finished before it returns: on fake CPU devices, many small
-    independent programs with collectives in flight at once (one per leaf, as `x[i]` dispatches
-    them) were seen to deadlock, one device's thread never joining an all-gather."""
+    One program for the whole tree, finished before it returns: on 8 fake CPU devices under load,
+    one small program per leaf, each with a collective and all in flight at once, was seen to
+    deadlock (one device's thread never joining an all-gather; XLA aborts after 40 s)."""
     leaves, treedef = jax.tree.flatten(tree)
     inner = tuple(NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
                   if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.spec and x.sharding.spec[0] == "member"
