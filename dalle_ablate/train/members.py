@@ -188,7 +188,24 @@ class MembersCheckpoints:
 
 
 def member_slice(tree, i: int):
-    return jax.tree.map(lambda x: x[i], tree)
+    """Member `i` of a stacked tree (what its checkpoint saves, what its evaluation reads), each
+    leaf laid out as its run lays it out: the run's spec on the members' mesh, each device holding
+    its run's share of the member. Not `x[i]`: on a mesh, that is a whole, unsplit copy of the
+    member on every device (P()), a member too big for one device failing at its first save.
+
+    One program for the whole tree, finished before it returns: on 8 fake CPU devices under load,
+    one small program per leaf, each with a collective and all in flight at once, was seen to
+    deadlock (one device's thread never joining an all-gather; XLA aborts after 40 s)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    inner = tuple(NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
+                  if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.spec and x.sharding.spec[0] == "member"
+                  else None for x in leaves)
+    if not leaves or None in inner:  # not a members' stack (host arrays, one device): plain indexing
+        return jax.tree.map(lambda x: x[i], tree)
+    programs = member_slice.__dict__.setdefault("programs", {})  # one compiled slicer per tree layout
+    if inner not in programs:
+        programs[inner] = jax.jit(lambda xs, j: [jax.lax.dynamic_index_in_dim(x, j, 0, False) for x in xs], out_shardings=list(inner))
+    return jax.tree.unflatten(treedef, jax.block_until_ready(programs[inner](leaves, i)))
 
 
 def members_step(run: Assembly, members: list[Member], impl: str, mp: MemberPlacement) -> Callable:
