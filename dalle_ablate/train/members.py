@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -200,12 +201,15 @@ def member_slice(tree, i: int):
     inner = tuple(NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
                   if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.spec and x.sharding.spec[0] == "member"
                   else None for x in leaves)
-    if not leaves or None in inner:  # not a members' stack (host arrays, one device): plain indexing
+    if not leaves or None in inner:  # not a members' stack (host arrays): plain indexing
         return jax.tree.map(lambda x: x[i], tree)
-    programs = member_slice.__dict__.setdefault("programs", {})  # one compiled slicer per tree layout
-    if inner not in programs:
-        programs[inner] = jax.jit(lambda xs, j: [jax.lax.dynamic_index_in_dim(x, j, 0, False) for x in xs], out_shardings=list(inner))
-    return jax.tree.unflatten(treedef, jax.block_until_ready(programs[inner](leaves, i)))
+    return jax.tree.unflatten(treedef, jax.block_until_ready(_slicer(inner)(leaves, i)))
+
+
+@functools.lru_cache(maxsize=None)
+def _slicer(inner: tuple) -> Callable:
+    """The compiled slice of one member out of stacked leaves laid out as `inner` (one per layout)."""
+    return jax.jit(lambda xs, j: [jax.lax.dynamic_index_in_dim(x, j, 0, False) for x in xs], out_shardings=list(inner))
 
 
 def members_step(run: Assembly, members: list[Member], impl: str, mp: MemberPlacement) -> Callable:
