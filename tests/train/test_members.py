@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import yaml
-from conftest import EVAL_ON, run_config
+from conftest import EVAL_ON, SMALL_DATA, TINY_TRAIN, run_config
 
 from dalle_ablate.job import members_outcome
 from dalle_ablate.registry import Interrupted, RunFailed
@@ -204,3 +208,34 @@ def test_shampoo_members_under_map_match_their_separate_runs_within_float32_roun
         assert any(k.startswith("optim/shampoo/") for _, k in want) and got.keys() == want.keys()
         for k, v in want.items():  # abs: root errors of ~1e-15; "nan"/"inf" are logged as text
             assert got[k] == (v if isinstance(v, str) else pytest.approx(v, rel=1e-5, abs=1e-9)), k
+
+
+def test_kill_9_between_the_members_saves_then_resume_continues_every_member(trained, tmp_path):
+    """`python run.py seeds=[0,1,2]` killed (SIGKILL) right after member 0's save of step 6 was
+    handed to orbax: none has checkpoint 6, and a member's checkpoint 3 may be unfinished too.
+    `resume=auto` continues all three from the step all of them have, each in its own store and
+    W&B run, to the same numbers as the uninterrupted members (the fixture's)."""
+    root, _ = trained
+    tests = Path(__file__).resolve().parents[1]
+    job = tmp_path / "job"
+    args = [*SMALL_DATA, *TINY_TRAIN, *CFG, "seeds=[0,1,2]", "members.impl=map", f"hydra.run.dir={job}"]
+    # not the W&B service this test process started (wandb.init exports WANDB_SERVICE): a child
+    # killed while attached to it would leave its runs open there, "in use" to the resumed child
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env.update(KILL_AT="save:6", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    proc = subprocess.run([sys.executable, str(tests / "kill_worker.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    stores = [job / f"seed{s}" / "run" for s in SEEDS]
+    ids = [json.loads((store / "meta.json").read_text())["wandb_id"] for store in stores]
+    # member 0's step-6 write in flight; the others' step-3 writes complete or still in flight too
+    # (each member's save is waited for at its next one): their newest complete steps differ or are none
+    saved = [{int(p.name) for p in (store / "checkpoints").iterdir() if p.name.isdigit()} for store in stores]
+    assert all(s <= {3} for s in saved[1:]) and 6 not in saved[0], saved
+    proc = subprocess.run([sys.executable, str(tests.parent / "run.py"), *args, "resume=auto"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for s, store, wandb_id in zip(SEEDS, stores, ids):
+        assert rows(store) == rows(root / "map" / f"seed{s}" / "run"), s  # each step once, the uninterrupted values
+        assert json.loads((store / "meta.json").read_text())["wandb_id"] == wandb_id
+        assert json.loads((store / "summary.json").read_text())["status"] == "finished"
