@@ -267,30 +267,29 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
     one_batch = {k: jnp.asarray(v) for k, v in random_batch(run.model_cfg, batch_size, seed=0).items()}
     one, c_one = compiled(jax.jit(core), state, one_batch, key)
 
-    def median_time(fn, *args) -> float:
-        loss_of(fn, *args)  # warm-up
-        times = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            loss_of(fn, *args)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+    def timed(fn, *args) -> float:
+        t = time.perf_counter()
+        loss_of(fn, *args)
+        return time.perf_counter() - t
 
-    t_one = median_time(one, state, one_batch, key)
-    base = tokens / t_one
-    print(f"| 1 run | jit(core) | {1e3 * t_one:.1f} | {base:,.0f} | 1.00 | {flops / (t_one * peak):.2%} | {c_one:.1f} |")
+    rows, ones = [], []
     for m in members_list:
         stack = lambda x: jax.tree.map(lambda a: jnp.stack([a] * m), x)  # noqa: E731  same start: the cost is alike
         batches = {k: jnp.asarray(v) for k, v in random_batch(run.model_cfg, batch_size * m, seed=m).items()}
         batches = jax.tree.map(lambda a: a.reshape(m, batch_size, *a.shape[1:]), batches)
         args = (stack(state), batches, jax.random.split(key, m))
         vmapped, c = compiled(jax.jit(jax.vmap(core)), *args)
-        dt = median_time(vmapped, *args)
-        print(f"| {m} | vmap(core) | {1e3 * dt:.1f} | {m * tokens / dt:,.0f} | {m * tokens / dt / base:.2f} | "
-              f"{m * flops / (dt * peak):.2%} | {c:.1f} |")
+        pairs = [(timed(one, state, one_batch, key), timed(vmapped, *args)) for _ in range(rounds + 1)][1:]  # interleaved
+        t1, dt = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+        ones += [p[0] for p in pairs]
+        rows.append(f"| {m} | vmap(core) | {1e3 * dt:.1f} | {m * tokens / dt:,.0f} | {m * tokens / dt / (tokens / t1):.2f} | "
+                    f"{m * flops / (dt * peak):.2%} | {c:.1f} |")
         del args, batches, vmapped
-    print(f"\nMedian of {rounds} steps after a warm-up, each waited for; `vs one run` is tokens/s against the one "
-          "run's step on the same device. Every member starts from the same state on its own random batch (the "
+    t_one = statistics.median(ones)
+    print(f"| 1 run | jit(core) | {1e3 * t_one:.1f} | {tokens / t_one:,.0f} | 1.00 | {flops / (t_one * peak):.2%} | {c_one:.1f} |")
+    print("\n".join(rows))
+    print(f"\nMedian of {rounds} steps after a warm-up, each waited for, the one run's step and the members' "
+          "interleaved; `vs one run` is tokens/s against the one run's steps interleaved with that row's. Every member starts from the same state on its own random batch (the "
           "cost does not depend on the values).")
     if jax.default_backend() == "cpu":
         print("Measured on the CPU: no GPU was lent to this task, so the accelerator numbers (1, 4, 16, 64 "
