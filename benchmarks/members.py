@@ -129,7 +129,7 @@ JOB = [sys.executable, "-m", "dalle_ablate.job", "experiment=study_mega", "+arm=
 
 
 def run_job(args: list[str], folder: Path, cache: Path) -> float:
-    """Run one job process (its output to <folder>/job.log); its wall seconds, start to exit."""
+    """Run one job process (its output appended to <folder>/job.log); its wall seconds, start to exit."""
     import os
     import subprocess
 
@@ -137,7 +137,7 @@ def run_job(args: list[str], folder: Path, cache: Path) -> float:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
     command = [*JOB, *args, "tracker=none", "resume=null", f"hydra.run.dir={folder}/baseline-seed${{seed}}",
                f"hydra.sweep.dir={folder}/multirun"]
-    with open(folder / "job.log", "w") as log:
+    with open(folder / "job.log", "a") as log:  # the separate runs of an arm share the folder
         t = time.perf_counter()
         code = subprocess.call(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         dt = time.perf_counter() - t
