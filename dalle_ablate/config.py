@@ -82,6 +82,14 @@ class MembersConfig:
 
 
 MEMBER_IMPLS = ("vmap", "map")
+# The settings of a members job that its members' own runs never have (each is the run `seed=k`):
+# how runs were made, never what they compare (keys, or prefixes ending in '.').
+MEMBER_ONLY = ("seeds", "members.", "mesh.member")
+
+
+def member_only(key: str) -> bool:
+    """Whether an override's key sets one of MEMBER_ONLY (`members` alone sets them all)."""
+    return any(key == e.rstrip(".") or (e.endswith(".") and key.startswith(e)) for e in MEMBER_ONLY)
 
 GRAD_SCALING = ("none", "global", "per_block")  # trainer.grad_scaling (train/grad_scaling.py)
 

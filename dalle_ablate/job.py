@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dalle_ablate.cli import run_hydra
-from dalle_ablate.config import MembersConfig, MeshConfig
+from dalle_ablate.config import MembersConfig, MeshConfig, member_only
 from dalle_ablate.parallel import distributed
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
@@ -139,7 +139,7 @@ def member_overrides(overrides: list[str], seed: int) -> list[str]:
     for i, (o, key) in enumerate(zip(overrides, keys)):
         if i == at:
             out.append(f"seed={seed}")
-        if key not in ("seed", "seeds", "members", "mesh.member") and not key.startswith("members."):
+        if key != "seed" and not member_only(key):
             out.append(o)
     return out if at < len(keys) else [*out, f"seed={seed}"]
 
@@ -152,7 +152,7 @@ def member_config(cfg: DictConfig, seed: int) -> DictConfig:
         config.seed = seed
         config.seeds = None
         config.members = MembersConfig()
-        config.mesh.member = MeshConfig.member
+        config.mesh.member = MeshConfig().member
     return config
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from dalle_ablate.config import MEMBER_ONLY
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.track.naming import variant_labels
 from dalle_ablate.track.wandb_api import group_runs
@@ -23,8 +24,7 @@ from dalle_ablate.track.wandb_api import group_runs
 SEEDS = ("seed", "data_seed", "init_seed")
 # How runs were made is not what they compare: seeds trained as members of one job
 # (train/members.py) are their separate runs.
-NOT_A_VARIANT = (*SEEDS, "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir", "seeds",
-                 "members.", "mesh.member")
+NOT_A_VARIANT = (*SEEDS, "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir", *MEMBER_ONLY)
 NOT_A_CHOICE = tuple(e for e in NOT_A_VARIANT if e not in SEEDS)  # the config diff shows seeds
 
 

@@ -209,12 +209,12 @@ class StepLogger:
         self.clock = time.perf_counter()
 
 
-def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, hooks: Hooks, ckpt, left: tuple[str, ...] = ()):
+def run_steps(state, steps: range, train_step, batches, placement, batch_size: int, log: StepLogger, hooks: Hooks, ckpt,
+              left: tuple[str, ...] = ()):
     """The steps, with the hooks due after each: (status, the state after the last whole step).
     First the hooks `left` undone at the step before them (a resumed run's evaluations). Stops
     early when the loss is not finite (diverged), when a hook says so (pruned) or on Ctrl-C
     (interrupted; in a run of one process only: others would not stop with it)."""
-    batch_size = run.cfg.trainer.batch_size
     metrics = None
     try:
         if left:
@@ -225,7 +225,7 @@ def run_steps(state, steps: range, train_step, batches, run, log: StepLogger, ho
             # The step donates `state`: a Ctrl-C between its return and the assignment would
             # leave `state` naming deleted buffers, so the two happen together.
             with interrupts_deferred():
-                state, metrics = train_step(state, run.placement.global_batch(next(batches), batch_size))
+                state, metrics = train_step(state, placement.global_batch(next(batches), batch_size))
             if not log.push(step, metrics):
                 return "diverged", state  # NaN guard: stop, and never checkpoint a broken state
             due = hooks.due(step)
@@ -332,7 +332,9 @@ def with_logged(point: ResumePoint, run_dir: Path) -> ResumePoint:
     saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     first, last = (train_losses[0], train_losses[-1]) if train_losses else (math.nan, math.nan)
     done = {"validation": any(r["step"] == point.step and "eval/valid/loss" in r for r in rows),
-            "evaluation": saved.get("evaluated_step") == point.step}
+            # evaluated at this step, or later: a process got past this step's hooks (a resume from
+            # an earlier checkpoint than the newest, e.g. the members' common step, members.py)
+            "evaluation": int(saved.get("evaluated_step", -1)) >= point.step}
     return dataclasses.replace(point, wall_time=float(saved.get("wall_time", 0.0)), first_loss=first, last_loss=last,
                                eval_loss=eval_losses[-1] if eval_losses else math.nan, done_at_step=done)
 
@@ -364,6 +366,33 @@ def train(cfg: RunConfig, job: JobInfo) -> Result:
         return _train(cfg, job, run_dir, t_start)
 
 
+def run_tracker(cfg: RunConfig, job: JobInfo, run, run_dir: Path, point: ResumePoint, flops_per_step: float, peak: tuple,
+                extra: Optional[dict] = None):
+    """The run's store and tracker run, with what the run records about itself (meta.json; `extra`
+    added to it, e.g. a member's place in its job); `peak`: (FLOP/s of one device, its source)."""
+    meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, *peak, asdict(run.model_cfg), run.dataset.info,
+                    resumed_from=point.step)
+    meta["mesh"] = dict(run.mesh.shape)
+    stages = [name for name, _ in run.gradient_options.added]
+    if stages:  # a caller's own gradient stages (train/gradients.py gradient_stage) changed what trained
+        meta["gradient_stages"] = stages
+    meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
+    meta.update(extra or {})
+    return build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
+                         group=job.group, job_type=job.job_type or cfg.model.layout, resume_step=point.tracker_step,
+                         is_main_process=jax.process_index() == 0)
+
+
+def run_summary(log: StepLogger, seen, run, final_step: int, t_start: float) -> dict:
+    """What a run's summary says when it ends (its losses, steps, wall time and why it stopped)."""
+    summary = {"train/loss": log.last_loss, "train/first_loss": log.first_loss, "eval/valid/loss": seen.eval_loss,
+               "data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
+               "wall_time": time.perf_counter() - t_start}
+    if log.reason:
+        summary["reason"] = log.reason
+    return summary
+
+
 def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Result:
     t, pi = cfg.trainer, jax.process_index()
     run = assemble(cfg)  # the mesh and batch are checked before any data is read or anything compiles
@@ -371,16 +400,7 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
     state = point.state if point.state is not None else run.init_state()
     flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
     peak, peak_source = device_peak_flops(cache_dir=cfg.data.cache_dir)  # of one device; the step runs on every device
-    meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
-                    run.dataset.info, resumed_from=point.step)
-    meta["mesh"] = dict(run.mesh.shape)
-    stages = [name for name, _ in run.gradient_options.added]
-    if stages:  # a caller's own gradient stages (train/gradients.py gradient_stage) changed what trained
-        meta["gradient_stages"] = stages
-    meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
-    tracker = build_tracker(cfg.tracker, run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
-                            group=job.group, job_type=job.job_type or cfg.model.layout, resume_step=point.tracker_step,
-                            is_main_process=pi == 0)
+    tracker = run_tracker(cfg, job, run, run_dir, point, flops_per_step, (peak, peak_source))
     point = with_logged(point, run_dir)
     t_start -= point.wall_time  # the run's wall time counts its earlier processes'
     with ends_on_error(tracker):
@@ -397,7 +417,8 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         left = undone_at_resume(point, hooks)
         if pi == 0:
             job.hooks.started(run_dir, jax.process_count())
-        status, state = run_steps(state, range(point.step + 1, t.steps + 1), train_step, batches, run, log, hooks, ckpt, left)
+        status, state = run_steps(state, range(point.step + 1, t.steps + 1), train_step, batches, run.placement, t.batch_size,
+                                  log, hooks, ckpt, left)
         flushed = log.flush()  # the step in flight
         if status == "interrupted" and not flushed:
             status = "diverged"
@@ -412,11 +433,7 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
                                run.placement.replicated)
             if grid is not None:
                 tracker.log_image("samples/grid", grid[0], final_step, caption=" | ".join(grid[1]))
-        summary = {"train/loss": log.last_loss, "train/first_loss": log.first_loss, "eval/valid/loss": seen.eval_loss,
-                   "data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
-                   "wall_time": time.perf_counter() - t_start}
-        if log.reason:
-            summary["reason"] = log.reason
+        summary = run_summary(log, seen, run, final_step, t_start)
         tracker.log_summary(summary)
         ckpt.close()
         tracker.finish(status)

@@ -18,11 +18,11 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import jax
@@ -37,21 +37,21 @@ from dalle_ablate.config import MembersConfig, RunConfig, data_seed, init_seed
 from dalle_ablate.evaluate.runner import MemberEvaluations, evaluation_or_none
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.generate import image_grid
-from dalle_ablate.model import build_model, param_count
+from dalle_ablate.model import build_model
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.parallel import BATCH_AXES, Placement, init_state
-from dalle_ablate.track import build_tracker
+from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.track.runstore import StoreLock
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.assembly import Assembly, assemble
 from dalle_ablate.train.hooks import Evaluations, Hooks, eval_graph, evaluate
 from dalle_ablate.train.loop import (JobInfo, ResumePoint, Result, StepLogger, closing_lines, finished_before, grid_captions,
-                                     grid_key, grid_sampler, resume_point, run_steps, undone_at_resume, with_logged)
-from dalle_ablate.train.meta import run_meta
+                                     grid_key, grid_sampler, resume_point, run_steps, run_summary, run_tracker,
+                                     undone_at_resume, with_logged)
 from dalle_ablate.train.perf import device_peak_flops
 from dalle_ablate.train.state import TrainState
-from dalle_ablate.train.step import image_loss, train_step_core
+from dalle_ablate.train.step import dropout_key, image_loss, train_step_core
 
 MEMBERS_FILE = "members.json"  # in the job's own folder: its members' folders and how each ended
 
@@ -217,8 +217,7 @@ def members_step(run: Assembly, members: list[Member], impl: str, mp: MemberPlac
     the members, each with its own dropout key; a member whose loss is not finite keeps its state."""
     core = train_step_core(run.graphdef, run.optimizer, run.schedule, run.gradient_options)
     over = over_members(core, impl, (0, 0, 0))
-    # as make_train_step derives each run's key from its seed
-    keys = jnp.stack([jax.random.fold_in(jax.random.key(m.seed), 2) for m in members])
+    keys = jnp.stack([dropout_key(m.seed) for m in members])  # each run's, as make_train_step derives it
 
     def step(ms: MembersState, batch: dict, keys):
         new, metrics = over(ms.state, batch, keys)
@@ -262,6 +261,19 @@ def write_members_file(job_dir: Path, members: list[Member], impl: str) -> None:
                      "reason": m.log.reason if m.log is not None else ""} for m in members]}, indent=2))
 
 
+def settled_before(cfg: RunConfig, run_dir: Path) -> Optional[dict]:
+    """With `resume=auto`, the summary of a member's store that finished (loop.finished_before) or
+    diverged before: left as it is. (A separate run that diverged retrains from its last
+    checkpoint and diverges there again, the same run; a member is spared that, and the others are
+    not sent back to its checkpoint.)"""
+    done = finished_before(cfg, run_dir)
+    path = run_dir / "summary.json"
+    if done is None and cfg.resume == "auto" and path.exists():
+        saved = json.loads(path.read_text())
+        done = saved if saved.get("status") == "diverged" else None
+    return done
+
+
 def restore_common_step(members: list[Member], target) -> None:
     """Resumed members must start at one step: where their newest checkpoints differ (a kill
     between the members' saves of one step), each newer one restarts from the newest step every
@@ -275,6 +287,9 @@ def restore_common_step(members: list[Member], target) -> None:
         if common == 0:
             m.point = ResumePoint(continues_store=True)
             continue
+        if not (m.run_dir / "checkpoints" / str(common)).is_dir():  # kept no longer (trainer.keep_checkpoints)
+            raise RunFailed(f"members resume from step {common}, the newest every member has, but {m.run_dir} no longer "
+                            f"keeps it; resume seed={m.seed} as a run of its own, or raise trainer.keep_checkpoints")
         step, state = checkpoint.restore(m.run_dir / "checkpoints", common, target)
         m.point = ResumePoint(step, state, continues_store=True)
     print(f"members {', '.join(f'seed={m.seed}' for m in moved)} resume from step {common}, the newest step every member "
@@ -293,14 +308,14 @@ def train_members(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Res
     members = [Member(i, member_config(cfg, s), j, Path(j.job_dir) / "run") for i, (s, j) in enumerate(zip(cfg.seeds, jobs))]
     results: dict[int, Result] = {}
     for m in members:
-        done = finished_before(m.cfg, m.run_dir)
+        done = settled_before(m.cfg, m.run_dir)
         if done is not None:
-            m.status = "finished"
-            print(f"{m.run_dir}: finished before at step {done['steps']} of {cfg.trainer.steps}; left as it is (resume=auto)",
-                  flush=True)
+            m.status = done["status"]
+            print(f"{m.run_dir}: {done['status']} before at step {done['steps']} of {cfg.trainer.steps}; left as it is "
+                  "(resume=auto)", flush=True)
             results[m.seed] = Result(eval_loss=float(done.get("eval/valid/loss", np.nan)),
                                      train_loss=float(done.get("train/loss", np.nan)), steps=int(done["steps"]),
-                                     run_dir=m.run_dir, status="finished", summary=done)
+                                     run_dir=m.run_dir, status=done["status"], summary=done, reason=done.get("reason", ""))
     live = [m for m in members if m.seed not in results]
     if live:
         for i, m in enumerate(live):
@@ -317,7 +332,8 @@ def _train_members(cfg: RunConfig, job: JobInfo, members: list[Member], everyone
     """Train the `members` not finished before (`everyone`: all of the job's, for members.json)."""
     t, impl = cfg.trainer, cfg.members.impl
     devices = jax.devices()
-    groups = cfg.mesh.member
+    # mesh.member divides the job's members; those left to train (a resume, a top-up) it may not
+    groups = math.gcd(cfg.mesh.member, len(members))
     run = assemble(members[0].cfg, devices=devices[:len(devices) // groups])
     mp = member_placement(run, devices, groups)
     target = run.abstract_state()
@@ -326,28 +342,21 @@ def _train_members(cfg: RunConfig, job: JobInfo, members: list[Member], everyone
     restore_common_step(members, target)
     flops_per_step = train_flops_per_example(run.model_cfg) * t.batch_size
     peak, peak_source = device_peak_flops(cache_dir=cfg.data.cache_dir)
-    for m in members:
-        meta = run_meta(m.job.overrides, param_count(run.abstract), flops_per_step, peak, peak_source, asdict(run.model_cfg),
-                        run.dataset.info, resumed_from=m.point.step)
-        meta["mesh"] = dict(run.mesh.shape)
-        stages = [name for name, _ in run.gradient_options.added]
-        if stages:
-            meta["gradient_stages"] = stages
-        meta["wandb_group"] = m.job.group
-        meta["members"] = {"seeds": [x.seed for x in members], "index": m.index, "job_dir": str(job.job_dir), "impl": impl}
-        m.tracker = build_tracker(m.cfg.tracker, m.run_dir, m.job.config if m.job.config is not None else asdict(m.cfg), meta,
-                                  name=m.job.name, group=m.job.group, job_type=m.job.job_type or cfg.model.layout,
-                                  resume_step=m.point.tracker_step)
-        m.point = with_logged(m.point, m.run_dir)
-        m.t_start = t_start - m.point.wall_time
-    write_members_file(job.job_dir, everyone, impl)
-    with _ends_on_error(members):
+    with _ends_on_error(members, job.job_dir, everyone, impl):
+        for m in members:
+            place = {"members": {"seeds": cfg.seeds, "index": cfg.seeds.index(m.seed), "job_dir": str(job.job_dir),
+                                 "impl": impl}}
+            m.tracker = run_tracker(m.cfg, m.job, run, m.run_dir, m.point, flops_per_step, (peak, peak_source), place)
+            m.point = with_logged(m.point, m.run_dir)
+            m.t_start = t_start - m.point.wall_time
+        write_members_file(job.job_dir, everyone, impl)
         return _run_members(cfg, job, run, mp, members, everyone, flops_per_step, peak * run.mesh.size * groups)
 
 
 @contextlib.contextmanager
-def _ends_on_error(members: list[Member]):
-    """Each member still running ends as `loop.train` ends a run on an error (ends_on_error)."""
+def _ends_on_error(members: list[Member], job_dir: Path, everyone: list[Member], impl: str):
+    """Each member still running (its tracker made) ends as `loop.train` ends a run on an error
+    (track/base.py ends_on_error), and members.json says so."""
     try:
         yield
     except BaseException as e:
@@ -356,6 +365,8 @@ def _ends_on_error(members: list[Member]):
                 m.status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
                 with contextlib.suppress(BaseException), ends_on_error(m.tracker):
                     raise e
+        with contextlib.suppress(OSError):
+            write_members_file(job_dir, everyone, impl)
         raise
 
 
@@ -374,15 +385,11 @@ def _run_members(cfg, job, run: Assembly, mp: MemberPlacement, members: list[Mem
         m.seen.eval_loss = m.point.eval_loss
 
     def ended(m: Member, status: str, final_step: int) -> None:
-        m.status = status
-        summary = {"train/loss": m.log.last_loss, "train/first_loss": m.log.first_loss, "eval/valid/loss": m.seen.eval_loss,
-                   "data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
-                   "wall_time": time.perf_counter() - m.t_start}
-        if m.log.reason:
-            summary["reason"] = m.log.reason
+        summary = run_summary(m.log, m.seen, run, final_step, m.t_start)
         m.tracker.log_summary(summary)
-        m.ckpt.close()
+        m.ckpt.close()  # a save that failed raises here: the member is still running, and fails (_ends_on_error)
         m.tracker.finish(status)
+        m.status = status
         print(closing_lines(status, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
         m.result = Result(eval_loss=m.seen.eval_loss, train_loss=m.log.last_loss, steps=final_step, run_dir=m.run_dir,
                           status=status, summary=summary, reason=m.log.reason)
@@ -395,8 +402,8 @@ def _run_members(cfg, job, run: Assembly, mp: MemberPlacement, members: list[Mem
                         key=[h.name for h in hooks.hooks].index))
     batches = MemberBatches(run, members, start)
     train_step = members_step(run, members, impl, mp)
-    status, state = run_steps(state, range(start + 1, t.steps + 1), train_step, batches, SimpleNamespace(cfg=cfg, placement=mp),
-                              log, hooks, MembersCheckpoints(members), left)
+    status, state = run_steps(state, range(start + 1, t.steps + 1), train_step, batches, mp, t.batch_size, log, hooks,
+                              MembersCheckpoints(members), left)
     log.flush()  # the step in flight (a member that diverged in it is ended there)
     bar.close()
     final_step = int(jax.device_get(state.step))
@@ -408,8 +415,14 @@ def _run_members(cfg, job, run: Assembly, mp: MemberPlacement, members: list[Mem
                 m.ckpt.save(final_step, member_slice(state.state, m.index))
     if status == "finished" and running:
         member_grids(cfg, run, mp, members, running, state.state.params, final_step)
-    for m in running:
-        ended(m, status, final_step)
+    failed = []
+    for m in running:  # each ends even if one before it cannot (its last save failed); the first failure is raised
+        try:
+            ended(m, status, final_step)
+        except Exception as e:  # noqa: BLE001 - re-raised below, once the others have ended
+            failed.append(e)
+    if failed:
+        raise failed[0]
     return members
 
 

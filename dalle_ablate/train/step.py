@@ -71,13 +71,18 @@ def train_step_core(graphdef, optimizer: optax.GradientTransformation, schedule:
     return core
 
 
+def dropout_key(seed: int) -> jax.Array:
+    """The base of a run's dropout keys, from its seed (a step's keys fold in the step and micro-batch)."""
+    return jax.random.fold_in(jax.random.key(seed), 2)
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, options: GradientOptions,
                     seed: int = 0, placement=None) -> Callable:
     """step(state, batch) -> (state, metrics): `train_step_core` with the run's dropout key, from
     its `seed`, compiled. With a `dalle_ablate.parallel.Placement` the step is compiled for its
     mesh: state in and out with the placement's shardings, the batch split over data x fsdp."""
     core = train_step_core(graphdef, optimizer, schedule, options, placement)
-    base_key = jax.random.fold_in(jax.random.key(seed), 2)
+    base_key = dropout_key(seed)
 
     def step(state: TrainState, batch: dict):
         return core(state, batch, base_key)

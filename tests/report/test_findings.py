@@ -458,3 +458,19 @@ def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stre
                               "claim with the baseline")
     assert load_study(study_file(tmp_path, findings=[{**spec, "margin": 0.05}], stress=stress)).findings[0].margin == "0.05"
     assert load_study(study_file(tmp_path, findings=[{**spec, "against": "base"}], stress=stress)).findings[0].margin == "10%"
+
+
+def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
+    from dalle_ablate.report.study_runs import as_members
+
+    # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 0,1,2), or those a seed= override sweeps
+    assert as_members("study_mega", ["+arm=baseline"]) == ["+arm=baseline", "seed=0", "seeds=[0,1,2]", "members.impl=map"]
+    assert as_members("study_mega", ["seed=3,1,4", "trainer.steps=5"]) == [
+        "trainer.steps=5", "seed=3", "seeds=[3,1,4]", "members.impl=map"]
+    assert as_members("study_mega", ["seed=range(0,2)", "members.impl=vmap"]) == [
+        "members.impl=vmap", "seed=0", "seeds=[0,1]"]
+    assert as_members("study_mega", ["seed=5"]) == ["seed=5"]  # one seed: a job of its own
+    assert as_members("quick", ["x=1"]) == ["x=1"]  # a preset that sweeps no seed
+    for arms in ("baseline", "shampoo"):  # what the study launches composes and passes the checks, Shampoo's arm too
+        cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arms}", *as_members("study_mega", [])]))
+        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (0, [0, 1, 2], "map")

@@ -103,9 +103,8 @@ def test_a_members_run_store_is_the_separate_runs_store(trained):
         # the resolved config of `seed=k` itself: seeds unset, members and mesh.member at their defaults
         assert yaml.safe_load((member / "config.yaml").read_text()) == yaml.safe_load((alone / "config.yaml").read_text())
         m_meta, a_meta = (json.loads((p / "meta.json").read_text()) for p in (member, alone))
-        assert m_meta["overrides"] == a_meta["overrides"] == [f"seed={s}"]
         assert m_meta["members"] == {"seeds": SEEDS, "index": s, "job_dir": str(root / "map"), "impl": "map"}
-        assert "members" not in a_meta
+        assert m_meta.keys() - {"members"} == a_meta.keys() and m_meta["mesh"] == a_meta["mesh"]
         wandb_ids.add(m_meta["wandb_id"])
         m_sum, a_sum = (json.loads((p / "summary.json").read_text()) for p in (member, alone))
         assert m_sum.keys() == a_sum.keys() and m_sum["status"] == "finished" and m_sum["steps"] == 6
@@ -138,6 +137,8 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
     results = members_job(tmp_path, "map")
     assert [r.status for r in results] == ["finished", "diverged", "finished"]
     assert results[1].reason.startswith("diverged at step 4: train/loss=")
+    # the step its separate run would stop at: the loss of step 4 is fetched once step 5 is queued
+    assert results[1].steps == json.loads((tmp_path / "seed1" / "run" / "summary.json").read_text())["steps"] == 5
     assert results[1].reason.endswith(f"last finite loss {rows(tmp_path / 'seed1' / 'run')[3, 'train/loss']:.4f} at step 3")
     diverged = tmp_path / "seed1" / "run"
     assert sorted(int(p.name) for p in (diverged / "checkpoints").iterdir() if p.name.isdigit()) == [3]
@@ -153,6 +154,12 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
         members_outcome(cfg, JobInfo(tmp_path), results)
     assert err.value.exit_code == RunFailed.DIVERGED
     assert str(err.value) == f"member seed=1 {results[1].reason} (run store {diverged}); seeds 0, 2 finished"
+    # resume=auto leaves every member as it ended, the diverged one too (not retrained to diverge again)
+    monkeypatch.setattr(members_mod.MemberBatches, "__next__", batches)
+    before = {s: rows(tmp_path / f"seed{s}" / "run") for s in SEEDS}
+    again = members_job(tmp_path, "map", "resume=auto")
+    assert [(r.status, r.steps, r.reason) for r in again] == [(r.status, r.steps, r.reason) for r in results]
+    assert {s: rows(tmp_path / f"seed{s}" / "run") for s in SEEDS} == before
 
 
 def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_step(trained, tmp_path, monkeypatch, capsys):
