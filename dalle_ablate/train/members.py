@@ -303,7 +303,9 @@ def stacked(states: list, mp: MemberPlacement):
 
 def train_members(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]:
     """Train `cfg.seeds` as members of one job; `jobs`: each member's folder and names (job.py
-    `member_jobs`). Returns each member's Result, in the order of the seeds."""
+    `member_jobs`). Returns each member's Result, in the order of the seeds. The job's `hooks`
+    (RunHooks: an Optuna trial's, refused with seeds) are not called: their periodic work sees one
+    run's state, and members have a stack of them."""
     t_start = time.perf_counter()
     members = [Member(i, member_config(cfg, s), j, Path(j.job_dir) / "run") for i, (s, j) in enumerate(zip(cfg.seeds, jobs))]
     results: dict[int, Result] = {}

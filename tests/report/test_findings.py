@@ -231,7 +231,8 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
 def untimed(page: str) -> list[str]:
     """A results page's lines without what says how and when its runs were made: the provenance,
     the top-up note and the seeds its rule asks for, the link whose depth is the page's folder's,
-    every step_time row, the step_time columns of a table (the arms' table), and blank lines."""
+    every line naming step_time (its table rows, its figures' captions with their verdicts), the
+    step_time columns of the arms' table, and blank lines."""
     # ("Now N seeds per arm": the rule's N is the largest seeds-needed of all findings, step time's among them)
     skip = re.compile(r"^(Command:|Commit of this page|Runs: |\d+ of the runs were trained as members|Topped up|How a verdict|"
                       r"Now \d+ seeds per arm at most)")
@@ -242,7 +243,7 @@ def untimed(page: str) -> list[str]:
             timed = [i for i, c in enumerate(cells) if "step_time" in c]
         elif not line.startswith("|"):
             timed = []
-        if skip.match(line) or ("| step_time" in line and not timed) or not line.strip():
+        if skip.match(line) or ("step_time" in line and not line.startswith("| arm |")) or not line.strip():
             continue
         out.append("|".join(c for i, c in enumerate(cells) if i not in timed))
     return out
