@@ -1,7 +1,8 @@
 """Seeds as members of one program (issue 40): what N seeds cost as N separate runs in turn,
 against one job that trains them as members of one compiled program (`seeds=[...]`).
 
-    python benchmarks/members.py [--step] [--wall] [--accelerator] [options] [-- overrides...]
+    python benchmarks/members.py [--step] [--wall] [--accelerator] [--shampoo] [--shampoo-hang N] [options]
+        [-- overrides...]
 
 One invocation runs the sections asked for (`--step` alone when none is) and writes them all to
 one page, docs/results/benchmarks/members.md, so a section's numbers on the page were measured in
@@ -33,6 +34,21 @@ step of M members (vmap of the core, as `--step`) of the study's model (size=tin
 against one run's step: tokens/s and MFU (model/flops.py train_flops_per_example over
 train/perf.py device_peak_flops, as the trainer computes them). It runs unchanged on a GPU; on a
 CPU pass a shorter `--members-list`.
+
+`--shampoo` (`--shampoo-members 3`, `--rounds 30`): Shampoo's train step as members, on the study's
+`experiment=study_mega +arm=shampoo` with `optim.preconditioning_every=2
+optim.start_preconditioning_step=4` (the overrides after `--` are not applied to it): whether `jax.vmap` of
+the step compiles with the default roots (optim.root_dtype=auto: float64 on a CPU), and, in
+interleaved rounds, the step of all members as separate steps and as vmap (float32 roots) against
+separate steps with float32 roots, and as lax.map (default roots) against separate steps with the
+default roots: median times of refresh steps and of the others, the eigendecompositions and
+conditionals in each compiled program, and the largest relative difference of train/loss and
+train/grad_norm from the separate steps. `--shampoo-hang N` (`--shampoo-hang-steps 100`,
+`--shampoo-timeout 180`): N processes each of vmap (float32 roots) and lax.map (default roots),
+interleaved, each stopped at the timeout; the timeouts are counted as hangs. These two sections' page
+is kept as docs/results/benchmarks/members-shampoo.md (written under $DALLE_ABLATE_RESULTS and copied
+there, so that it does not replace members.md): what ShampooConfig.validate (optim/shampoo.py) refuses
+under members.impl=vmap rests on it.
 """
 
 from __future__ import annotations
@@ -60,7 +76,10 @@ def loss_of(step, *args) -> object:
     return jax.block_until_ready(step(*args)[1]["train/loss"])
 
 
-def measure(overrides: list[str], members: int, rounds: int) -> dict:
+def members_of(overrides: list[str], members: int) -> tuple:
+    """(run of seed 0, the train step's core, each member's initial state, batch and dropout key)
+    for seeds 0..members-1 of the config: each member from its own seed's state, on its own batch
+    of random tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -78,21 +97,44 @@ def measure(overrides: list[str], members: int, rounds: int) -> dict:
     keys = [jax.random.fold_in(jax.random.key(c.seed), 2) for c in cfgs]  # as make_train_step derives them
     batches = [{k: jnp.asarray(v) for k, v in random_batch(run.model_cfg, run.cfg.trainer.batch_size, seed=s).items()}
                for s in range(members)]
-    stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)  # noqa: E731
-    stacked = (stack(states), stack(batches), jnp.stack(keys))
+    return run, core, states, batches, keys
 
-    one, c_one = compiled(jax.jit(core), states[0], batches[0], keys[0])
-    vmapped, c_vmap = compiled(jax.jit(jax.vmap(core)), *stacked)
-    mapped, c_map = compiled(jax.jit(lambda s, b, k: jax.lax.map(lambda a: core(*a), (s, b, k))), *stacked)
+
+def stacked(states, batches, keys) -> tuple:
+    """The members' states, batches and keys with a leading member axis."""
+    import jax
+    import jax.numpy as jnp
+
+    stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)  # noqa: E731
+    return stack(states), stack(batches), jnp.stack(keys)
+
+
+def programs(core) -> dict:
+    """The core three ways: jitted alone (one member), vmapped and lax.mapped over the member axis."""
+    import jax
+
+    return {"separate": jax.jit(core), "vmap": jax.jit(jax.vmap(core)),
+            "lax.map": jax.jit(lambda s, b, k: jax.lax.map(lambda a: core(*a), (s, b, k)))}
+
+
+def measure(overrides: list[str], members: int, rounds: int) -> dict:
+    import jax.numpy as jnp
+
+    run, core, states, batches, keys = members_of(overrides, members)
+    stacked_ = stacked(states, batches, keys)
+    fns = programs(core)
+    one, c_one = compiled(fns["separate"], states[0], batches[0], keys[0])
+    vmapped, c_vmap = compiled(fns["vmap"], *stacked_)
+    mapped, c_map = compiled(fns["lax.map"], *stacked_)
 
     times = {"separate": [], "vmap": [], "lax.map": []}
     for r in range(rounds + 1):  # round 0 warms up
         t = time.perf_counter()
         separate = [loss_of(one, states[i], batches[i], keys[i]) for i in range(members)]
         t1 = time.perf_counter()
-        together = loss_of(vmapped, *stacked)
+        together = loss_of(vmapped, *stacked_)
         t2 = time.perf_counter()
-        in_turn = loss_of(mapped, *stacked)
+        in_turn = loss_of(mapped, *stacked_)
         t3 = time.perf_counter()
         if r:
             for name, dt in (("separate", t1 - t), ("vmap", t2 - t1), ("lax.map", t3 - t2)):
@@ -298,6 +340,186 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
     print()
 
 
+# --- Shampoo as members (--shampoo) -------------------------------------------------------------
+
+# The study's Shampoo arm, refreshing its roots every other step and preconditioning from step 4, so
+# that a few rounds hold refreshes and the preconditioned update alike.
+SHAMPOO_EVERY, SHAMPOO_START = 2, 4
+SHAMPOO = ["experiment=study_mega", "+arm=shampoo", "tracker=none", f"optim.preconditioning_every={SHAMPOO_EVERY}",
+           f"optim.start_preconditioning_step={SHAMPOO_START}"]
+ROOTS = {"default": "optim.root_dtype=auto", "float32": "optim.root_dtype=float32"}
+
+
+def hlo_counts(exe) -> str:
+    """'eighs / conditionals' in a compiled program's HLO: the eigendecomposition calls (LAPACK's
+    or cuSOLVER's syevd) and the conditionals that can skip them."""
+    import re
+
+    text = exe.as_text()
+    eighs = sum(1 for line in text.splitlines() if re.search(r'custom_call_target="[^"]*(syev|eigh)', line))
+    return f"{eighs} / {text.count(' conditional(')}"
+
+
+def shampoo_step_section(members: int, rounds: int) -> None:
+    import jax
+    import numpy as np
+
+    print(f"## Shampoo as members (--shampoo): {members} seeds\n")
+    sets = {roots: members_of([*SHAMPOO, override], members) for roots, override in ROOTS.items()}
+    _, core, states, batches, keys = sets["default"]
+    try:
+        programs(core)["vmap"].lower(*stacked(states, batches, keys)).compile()
+        traced = "it compiles"
+    except Exception as e:  # noqa: BLE001  the error is the measurement
+        traced = f"it does not: `{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}`"
+    print(f"`jax.vmap` of the train step with the default roots (optim.root_dtype=auto, float64 on a CPU): {traced}\n")
+
+    # Four arms, each threading its own states: separate (3 x jit) and one members program per root dtype.
+    arms = {}  # name -> (roots, program, executable, states, compile seconds)
+    for roots, program in (("float32", "separate"), ("float32", "vmap"), ("default", "separate"), ("default", "lax.map")):
+        _, core, states, batches, keys = sets[roots]
+        fn = programs(core)[program]
+        if program == "separate":
+            exe, c = compiled(fn, states[0], batches[0], keys[0])
+            arms[(program, roots)] = [exe, list(states), c * members]
+        else:
+            exe, c = compiled(fn, *stacked(states, batches, keys))
+            arms[(program, roots)] = [exe, stacked(states, batches, keys)[0], c]
+    _, _, _, batches, keys = sets["default"]  # the same batches and keys in both sets
+    stacked_bk = stacked(states, batches, keys)[1:]
+
+    times = {arm: {True: [], False: []} for arm in arms}
+    metrics = {arm: {"train/loss": [], "train/grad_norm": []} for arm in arms}
+    steps = []
+    for r in range(SHAMPOO_START + rounds):  # the first SHAMPOO_START rounds (graft only) warm up
+        step = int(arms[("separate", "default")][1][0].step)
+        refresh = step % SHAMPOO_EVERY == 0  # scale_by_shampoo.refresh_if_due, count before the step
+        steps.append(step)
+        for arm, entry in arms.items():  # interleaved: each arm's step of all members in turn
+            exe, state = entry[0], entry[1]
+            t = time.perf_counter()
+            if arm[0] == "separate":
+                out = [exe(state[i], batches[i], keys[i]) for i in range(members)]
+                jax.block_until_ready([m["train/loss"] for _, m in out])
+                entry[1] = [s for s, _ in out]
+                got = {k: [float(m[k]) for _, m in out] for k in metrics[arm]}
+            else:
+                state, m = exe(state, *stacked_bk)
+                jax.block_until_ready(m["train/loss"])
+                entry[1] = state
+                got = {k: [float(x) for x in m[k]] for k in metrics[arm]}
+            dt = time.perf_counter() - t
+            if r >= SHAMPOO_START:
+                times[arm][refresh].append(dt)
+            for k, v in got.items():
+                metrics[arm][k].append(v)
+    assert steps == list(range(len(steps))), steps
+
+    def rel(arm, ref, key):
+        a, b = np.array(metrics[arm][key]), np.array(metrics[ref][key])
+        return float(np.max(np.abs(a - b) / np.abs(b)))
+
+    print("| program | roots | refresh step of all members (median ms) | other step (median ms) | mean of the two | "
+          "vs separate, same roots | compile (s) | eighs / conditionals in its HLO | train/loss vs separate, max relative | "
+          "train/grad_norm vs separate, max relative |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for arm, entry in arms.items():
+        program, roots = arm
+        ref = ("separate", roots)
+        med = {k: statistics.median(v) for k, v in times[arm].items()}
+        mean = (med[True] + med[False]) / 2
+        base = (statistics.median(times[ref][True]) + statistics.median(times[ref][False])) / 2
+        diffs = ("0 (itself)", "0 (itself)") if program == "separate" else \
+            tuple(f"{rel(arm, ref, k):.1e}" for k in ("train/loss", "train/grad_norm"))
+        print(f"| {program}{f' x{members}' if program == 'separate' else ''} | {roots} | {1e3 * med[True]:.1f} | "
+              f"{1e3 * med[False]:.1f} | {1e3 * mean:.1f} | {mean / base:.2f} | {entry[2]:.1f} | {hlo_counts(entry[0])} | "
+              f"{diffs[0]} | {diffs[1]} |")
+    n_refresh, n_other = len(times[("separate", "default")][True]), len(times[("separate", "default")][False])
+    print(f"\n`experiment=study_mega +arm=shampoo optim.preconditioning_every={SHAMPOO_EVERY} "
+          f"optim.start_preconditioning_step={SHAMPOO_START}`; roots `default` is optim.root_dtype=auto (float64 here), "
+          f"`float32` optim.root_dtype=float32, the only roots vmap compiles with. {rounds} interleaved rounds of the "
+          f"four arms ({n_refresh} refresh steps, {n_other} others: a refresh is a step whose count before it is a "
+          f"multiple of {SHAMPOO_EVERY}) after {SHAMPOO_START} warm-up rounds (the graft-only steps); each arm threads "
+          f"its own states, each member from its seed's state on its own batch. `mean of the two` is a step's "
+          f"average at this period. The compile time of `separate` counts one compilation per member. The relative "
+          f"differences are over all {len(steps)} steps and all members, against the separate steps with the "
+          f"same roots. `eighs / conditionals`: the eigendecomposition custom calls and the conditionals in the "
+          f"compiled program (under vmap the refresh's lax.cond becomes a select, so its eighs run at every step).\n")
+
+
+def shampoo_hang_child(program: str, members: int, steps: int) -> None:
+    """One process's run for --shampoo-hang: the members of the Shampoo arm under `program` (vmap with
+    float32 roots, lax.map with the default ones) for `steps` steps; a line per step, flushed, and
+    a RESULT line of JSON at the end."""
+    import json
+
+    import jax
+
+    roots = "float32" if program == "vmap" else "default"
+    _, core, states, batches, keys = members_of([*SHAMPOO, ROOTS[roots]], members)
+    state, b, k = stacked(states, batches, keys)
+    exe, c = compiled(programs(core)[program], state, b, k)
+    print(f"compiled {c:.1f} s", flush=True)
+    times = {True: [], False: []}
+    for i in range(steps):
+        t = time.perf_counter()
+        state, m = exe(state, b, k)
+        jax.block_until_ready(m["train/loss"])
+        times[i % SHAMPOO_EVERY == 0].append(time.perf_counter() - t)
+        print(f"step {i} done at {time.time():.3f}", flush=True)
+    print("RESULT " + json.dumps({"compile": c, "refresh": statistics.median(times[True][1:] or times[True]),
+                                  "other": statistics.median(times[False]), "loss": [float(x) for x in m["train/loss"]]}),
+          flush=True)
+
+
+def shampoo_hang_section(members: int, n: int, steps: int, timeout: float) -> None:
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="members-shampoo-hang-"))
+    print(f"## Shampoo members, hangs (--shampoo-hang {n}): {members} seeds, {n} runs of each program, {steps} steps, {timeout:.0f} s each\n")
+    print("| program | roots | run | exit | wall (s) | compile (s) | steps done | refresh step (median ms) | "
+          "other step (median ms) | seconds since its last step when stopped |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    hangs = {"vmap": 0, "lax.map": 0}
+    env = {**os.environ, "DALLE_ABLATE_RESULTS": "-"}  # a child writes no page
+    for i in range(n):
+        for program in ("vmap", "lax.map"):  # interleaved
+            log_path = tmp / f"{program}-{i}.log"
+            command = [sys.executable, str(Path(__file__).resolve()), "--shampoo-hang-child", program,
+                       "--shampoo-members", str(members), "--shampoo-hang-steps", str(steps)]
+            with open(log_path, "w") as log:
+                t = time.perf_counter()
+                child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+                try:
+                    code = child.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                    code = None
+                stopped, wall = time.time(), time.perf_counter() - t
+            lines = log_path.read_text().splitlines()
+            done = [float(line.split()[-1]) for line in lines if line.startswith("step ")]
+            result = next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)
+            if code is None:
+                hangs[program] += 1
+            elif code:
+                raise SystemExit(f"{' '.join(command)} exited with {code}; see {log_path}")
+            ms = (lambda key: f"{1e3 * result[key]:.0f}") if result else (lambda key: "-")
+            compile_s = next((line.split()[1] for line in lines if line.startswith("compiled ")), "-")
+            print(f"| {program} | {'float32' if program == 'vmap' else 'default'} | {i + 1} | "
+                  f"{'timeout' if code is None else code} | {wall:.0f} | {compile_s} | {len(done)} of {steps} | "
+                  f"{ms('refresh')} | {ms('other')} | {f'{stopped - done[-1]:.0f}' if code is None and done else '-'} |")
+    print(f"\nHangs (runs stopped at the {timeout:.0f} s timeout): vmap {hangs['vmap']} of {n}, lax.map "
+          f"{hangs['lax.map']} of {n}. Each run is its own process (`benchmarks/members.py --shampoo-hang-child "
+          f"PROGRAM`): {members} members of `{' '.join(SHAMPOO[:2])}` with the section's period and start, vmap with "
+          f"float32 roots (the default ones do not compile under it), lax.map with the default roots; compile "
+          f"and {steps} steps, each waited for. A timeout whose last step was long before it was stopped is a hang; "
+          f"one still stepping is a slow run. Logs under {tmp}.\n")
+
+
 @writes_page("Seeds as members of one program")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -314,9 +536,18 @@ def main() -> None:
     ap.add_argument("--members-list", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--accel-rounds", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shampoo", action="store_true", help="Shampoo's train step as members: vmap, lax.map, separate")
+    ap.add_argument("--shampoo-members", type=int, default=3)
+    ap.add_argument("--shampoo-hang", type=int, default=0, metavar="N",
+                    help="N processes each of vmap and lax.map Shampoo members, counting timeouts")
+    ap.add_argument("--shampoo-hang-steps", type=int, default=100)
+    ap.add_argument("--shampoo-timeout", type=float, default=180)
+    ap.add_argument("--shampoo-hang-child", choices=["vmap", "lax.map"], help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    if not (args.step or args.wall or args.accelerator):
+    if args.shampoo_hang_child:
+        return shampoo_hang_child(args.shampoo_hang_child, args.shampoo_members, args.shampoo_hang_steps)
+    if not (args.step or args.wall or args.accelerator or args.shampoo or args.shampoo_hang):
         args.step = True
     overrides = ["experiment=study_mega", "+arm=baseline", "tracker=none", *args.overrides]
     if args.step:
@@ -325,6 +556,10 @@ def main() -> None:
         accelerator_section(overrides, args.members_list, args.accel_rounds, args.dtype)
     if args.wall:
         wall_section(args.overrides, args.steps, args.reps, args.impls, args.seeds, args.cache)
+    if args.shampoo:
+        shampoo_step_section(args.shampoo_members, args.rounds)
+    if args.shampoo_hang:
+        shampoo_hang_section(args.shampoo_members, args.shampoo_hang, args.shampoo_hang_steps, args.shampoo_timeout)
 
 
 if __name__ == "__main__":
