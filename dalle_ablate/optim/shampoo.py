@@ -60,7 +60,7 @@ class ShampooConfig(OptimConfig):
         super().validate(run)
         self.options()
         decay_mask(self.no_precondition, "optim.no_precondition")
-        # Measured (docs/results/benchmarks/members.md): under vmap the refresh's lax.cond becomes a
+        # Measured (docs/results/benchmarks/members-shampoo.md): under vmap the refresh's lax.cond becomes a
         # select -- the roots recomputed at every step, by two batched eighs, the pattern that can
         # deadlock jaxlib's CPU eigh (inverse_roots.py) -- and the float64 roots do not compile (the
         # select's re-trace runs outside their enable_x64). lax.map keeps each member's own program.

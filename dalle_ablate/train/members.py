@@ -113,11 +113,15 @@ class MemberPlacement:
         return self.state.params
 
     def global_batch(self, local: dict, batch_size: int) -> dict:
-        """The members' batches [members, batch, ...] (one process) -> arrays on the mesh."""
+        """The members' batches [members, batch, ...] -> arrays on the mesh: one process holds every
+        row (multi-process members are refused), so `batch_size` needs no checking against it."""
         return jax.device_put({k: np.asarray(v) for k, v in local.items()}, self.batch)
 
 
 def member_placement(run: Assembly, devices: list, groups: int) -> MemberPlacement:
+    """The members' shardings on `devices` split into `groups` (outermost: members exchange nothing),
+    each group shaped like `run`'s own mesh; the run's specs, computed for its mesh, keep their
+    meaning (they name the axes, not the devices)."""
     inner = run.mesh
     mesh = Mesh(np.asarray(devices).reshape(groups, *inner.devices.shape), ("member", *inner.axis_names))
     state = jax.tree.map(lambda s: NamedSharding(mesh, P("member", *s.spec)), run.placement.state)
