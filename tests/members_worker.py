@@ -78,7 +78,7 @@ def slice_layout() -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from dalle_ablate.train.members import member_slice
+    from dalle_ablate.train.member_program import member_slice
 
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 1, 2), ("member", "data", "fsdp", "model"))
     value = np.arange(2 * 6 * 8, dtype=np.float32).reshape(2, 6, 8)

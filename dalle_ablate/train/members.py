@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import sys
@@ -28,9 +27,6 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from dalle_ablate.config import MembersConfig, RunConfig, data_seed, init_seed
@@ -39,7 +35,7 @@ from dalle_ablate.fileio import atomic_write
 from dalle_ablate.generate import image_grid
 from dalle_ablate.model import build_model
 from dalle_ablate.model.flops import train_flops_per_example
-from dalle_ablate.parallel import BATCH_AXES, Placement, init_state
+from dalle_ablate.parallel import init_state
 from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.track.runstore import StoreLock
@@ -50,8 +46,8 @@ from dalle_ablate.train.loop import (JobInfo, ResumePoint, Result, StepLogger, c
                                      grid_key, grid_sampler, resume_point, run_steps, run_summary, run_tracker,
                                      undone_at_resume, with_logged)
 from dalle_ablate.train.perf import device_peak_flops
-from dalle_ablate.train.state import TrainState
-from dalle_ablate.train.step import dropout_key, image_loss, train_step_core
+from dalle_ablate.train.member_program import (MemberPlacement, MembersState, member_placement, member_slice, members_eval_step,
+                                               members_step, over_members, stacked)
 
 MEMBERS_FILE = "members.json"  # in the job's own folder: its members' folders and how each ended
 
@@ -60,74 +56,6 @@ def member_config(cfg: RunConfig, seed: int) -> RunConfig:
     """The config of member `seed`: the separate run `seed=k` (seeds, members and mesh.member unset)."""
     return dataclasses.replace(cfg, seed=seed, seeds=None, members=MembersConfig(),
                                mesh=dataclasses.replace(cfg.mesh, member=1))
-
-
-def over_members(fn: Callable, impl: str, in_axes: tuple) -> Callable:
-    """`fn` mapped over a leading member axis of the arguments whose `in_axes` is 0 (the others
-    shared): `jax.vmap` (one batched program), or `jax.lax.map` (`fn`'s own program per member)."""
-    if impl == "vmap":
-        return jax.vmap(fn, in_axes=in_axes)
-
-    def mapped(*args):
-        over = tuple(a for a, ax in zip(args, in_axes) if ax == 0)
-
-        def one(xs):
-            it = iter(xs)
-            return fn(*(next(it) if ax == 0 else a for a, ax in zip(args, in_axes)))
-
-        return jax.lax.map(one, over)
-
-    return mapped
-
-
-@struct.dataclass
-class MembersState:
-    """The members' train states stacked on a leading axis, and which are still training."""
-
-    state: TrainState
-    alive: jax.Array  # bool [members]: False once a member's loss was not finite (its state frozen there)
-
-    @property
-    def step(self) -> jax.Array:
-        """The job's step: its live members' (a frozen member stopped earlier)."""
-        return jnp.max(self.state.step)
-
-
-@dataclass(frozen=True)
-class MemberPlacement:
-    """Where the stacked state lives: a mesh ("member", data, fsdp, model) whose member axis splits
-    the members over `mesh.member` groups of devices, each group the member's own run's mesh."""
-
-    mesh: Mesh
-    state: Any  # the run's state shardings with the member axis in front
-    vector: NamedSharding  # [members]: keys, alive
-    replicated: NamedSharding
-    shared: Placement  # a batch all members read (validation), split over data x fsdp in every group
-
-    @property
-    def batch(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P("member", BATCH_AXES))
-
-    @property
-    def params(self):
-        return self.state.params
-
-    def global_batch(self, local: dict, batch_size: int) -> dict:
-        """The members' batches [members, batch, ...] -> arrays on the mesh: one process holds every
-        row (multi-process members are refused), so `batch_size` needs no checking against it."""
-        return jax.device_put({k: np.asarray(v) for k, v in local.items()}, self.batch)
-
-
-def member_placement(run: Assembly, devices: list, groups: int) -> MemberPlacement:
-    """The members' shardings on `devices` split into `groups` (outermost: members exchange nothing),
-    each group shaped like `run`'s own mesh; the run's specs, computed for its mesh, keep their
-    meaning (they name the axes, not the devices)."""
-    inner = run.mesh
-    mesh = Mesh(np.asarray(devices).reshape(groups, *inner.devices.shape), ("member", *inner.axis_names))
-    state = jax.tree.map(lambda s: NamedSharding(mesh, P("member", *s.spec)), run.placement.state)
-    replicated = NamedSharding(mesh, P())
-    shared = Placement(mesh, None, None, NamedSharding(mesh, P(BATCH_AXES)), replicated)
-    return MemberPlacement(mesh, state, NamedSharding(mesh, P("member")), replicated, shared)
 
 
 @dataclass
@@ -192,55 +120,6 @@ class MembersCheckpoints:
                 m.ckpt.check()
 
 
-def member_slice(tree, i: int):
-    """Member `i` of a stacked tree (what its checkpoint saves, what its evaluation reads), each
-    leaf laid out as its run lays it out: the run's spec on the members' mesh, each device holding
-    its run's share of the member. Not `x[i]`: on a mesh, that is a whole, unsplit copy of the
-    member on every device (P()), a member too big for one device failing at its first save.
-
-    One program for the whole tree, finished before it returns: on 8 fake CPU devices under load,
-    one small program per leaf, each with a collective and all in flight at once, was seen to
-    deadlock (one device's thread never joining an all-gather; XLA aborts after 40 s)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    inner = tuple(NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
-                  if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.spec and x.sharding.spec[0] == "member"
-                  else None for x in leaves)
-    if not leaves or None in inner:  # not a members' stack (host arrays): plain indexing
-        return jax.tree.map(lambda x: x[i], tree)
-    return jax.tree.unflatten(treedef, jax.block_until_ready(_slicer(inner)(leaves, i)))
-
-
-@functools.lru_cache(maxsize=None)
-def _slicer(inner: tuple) -> Callable:
-    """The compiled slice of one member out of stacked leaves laid out as `inner` (one per layout)."""
-    return jax.jit(lambda xs, j: [jax.lax.dynamic_index_in_dim(x, j, 0, False) for x in xs], out_shardings=list(inner))
-
-
-def members_step(run: Assembly, members: list[Member], impl: str, mp: MemberPlacement) -> Callable:
-    """step(MembersState, batches) -> (MembersState, metrics [members]): the run's step core over
-    the members, each with its own dropout key; a member whose loss is not finite keeps its state."""
-    core = train_step_core(run.graphdef, run.optimizer, run.schedule, run.gradient_options)
-    over = over_members(core, impl, (0, 0, 0))
-    keys = jnp.stack([dropout_key(m.seed) for m in members])  # each run's, as make_train_step derives it
-
-    def step(ms: MembersState, batch: dict, keys):
-        new, metrics = over(ms.state, batch, keys)
-        ok = ms.alive & jnp.isfinite(metrics["train/loss"])
-        kept = jax.tree.map(lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - 1)), n, o), new, ms.state)
-        return MembersState(kept, ok), metrics
-
-    shardings = MembersState(mp.state, mp.vector)
-    jitted = jax.jit(step, in_shardings=(shardings, mp.batch, mp.vector), out_shardings=(shardings, mp.replicated),
-                     donate_argnums=0)
-    return lambda ms, batch: jitted(ms, batch, keys)
-
-
-def members_eval_step(graphdef, impl: str, mp: MemberPlacement) -> Callable:
-    """eval(stacked params, batch) -> (weighted NLL sums, weight sums) [members], the batch shared."""
-    over = over_members(lambda params, batch: image_loss(nnx.merge(graphdef, params), batch), impl, (0, None))
-    return jax.jit(over, in_shardings=(mp.params, mp.shared.batch), out_shardings=mp.replicated)
-
-
 class MemberBatches:
     """The members' training batches, each from its own seed's data order, stacked: [members, batch, ...]."""
 
@@ -298,11 +177,6 @@ def restore_common_step(members: list[Member], target) -> None:
         m.point = ResumePoint(step, state, continues_store=True)
     print(f"members {', '.join(f'seed={m.seed}' for m in moved)} resume from step {common}, the newest step every member "
           "has a checkpoint of", file=sys.stderr, flush=True)
-
-
-def stacked(states: list, mp: MemberPlacement):
-    """Per-member states -> one state with a leading member axis, in the members' shards."""
-    return jax.device_put(jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states), mp.state)
 
 
 def train_members(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]:
@@ -407,7 +281,7 @@ def _run_members(cfg, job, run: Assembly, mp: MemberPlacement, members: list[Mem
     left = tuple(sorted({name for m in members for name in undone_at_resume(m.point, hooks)},
                         key=[h.name for h in hooks.hooks].index))
     batches = MemberBatches(run, members, start)
-    train_step = members_step(run, members, impl, mp)
+    train_step = members_step(run, [m.seed for m in members], impl, mp)
     status, state = run_steps(state, range(start + 1, t.steps + 1), train_step, batches, mp, t.batch_size, log, hooks,
                               MembersCheckpoints(members), left)
     log.flush()  # the step in flight (a member that diverged in it is ended there)
