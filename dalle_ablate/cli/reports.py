@@ -15,6 +15,10 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="the report's folder name (default: from the source path)")
     p.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
                                       "e.g. model=preln (default: the first value listed; a sweep: the best completed trial)")
+    p.add_argument("--margin", action="append", default=[], metavar="METRIC=DELTA",
+                   help="a margin for a final metric's differences, e.g. eval/valid/loss=2%% (of the baseline's mean) or "
+                        "eval/valid/loss=0.01: adds the equivalence verdict and the seeds a difference of Δ needs "
+                        "(repeatable; docs/statistics.md)")
     p.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
     p.add_argument("--wandb-project")
 
@@ -30,10 +34,29 @@ def cmd_report(args) -> None:
     t = time.perf_counter()
     skipped: list[str] = []
     folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "",
-                          skipped)
+                          skipped, margins=_margins(args.margin))
     print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
     for why in skipped:  # each also in the report's first section
         print(f"warning: left out, unreadable: {why}", file=sys.stderr)
+
+
+def _margins(given: list[str]) -> dict[str, str]:
+    """--margin METRIC=DELTA, each checked: a final metric of the report and a positive number or
+    percentage (one line naming the flag otherwise)."""
+    from dalle_ablate.registry import ConfigError
+    from dalle_ablate.report.tables import FINAL_METRICS
+    from dalle_ablate.report.verdicts import parse_margin
+
+    out = {}
+    for g in given:
+        metric, _, value = g.partition("=")
+        if metric not in FINAL_METRICS:
+            raise ConfigError(f"--margin {g!r}: {metric!r} is not a metric the report compares; valid: {', '.join(FINAL_METRICS)}")
+        if parse_margin(value) is None:
+            raise ConfigError(f"--margin {g!r}: {value!r} is not a margin; give a positive number in the metric's units "
+                              "(0.01) or a percentage of the baseline's mean (2%)")
+        out[metric] = value
+    return out
 
 
 def _study_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +67,7 @@ def _study_arguments(p: argparse.ArgumentParser) -> None:
                                                                "figures/ (default: docs/results)")
     p.add_argument("--no-run", action="store_true", help="only the report and the page, from the runs there are")
     p.add_argument("--seeds", help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
-                                   "'auto': to the seeds its page's rule asks for, from the pooled noise and the margins "
+                                   "'auto': to the seeds its page's rule asks for, from each finding's own noise and margin "
                                    "only (docs/statistics.md)")
     p.add_argument("--no-stress", action="store_true", help="skip the study's stress runs (its file's `stress:` section: "
                                                             "the stability claims' arms across learning rates)")

@@ -64,7 +64,8 @@ def group_variants(runs: list[Run], study) -> tuple[dict[str, list[Run]], list[R
     return {v: by_variant[v] for v in ranked}, left_out, f"the best completed trial by {metric}"
 
 
-def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tuple[list[Section], dict]:
+def build_sections(runs: list[Run], baseline: Optional[str], study=None,
+                   margins: Optional[dict[str, str]] = None) -> tuple[list[Section], dict]:
     by_variant, left_out, why = group_variants(runs, study)
     if not by_variant:
         raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")
@@ -93,14 +94,17 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
                       for v, rs in by_variant.items()]))
 
     s = sections["final"]
-    cols, rows, marks = final_table(by_variant, baseline)
+    cols, rows, judged = final_table(by_variant, baseline, margins)
     s.text.append("Last logged value per run; mean over seeds with a 95% Student-t interval (the curves' bands use the "
-                  "same). Δ is the variant's mean minus the baseline's with Welch's 95% t interval; * marks a difference "
-                  f"whose interval excludes 0, i.e. beyond the seed spread. A variant of one seed shows '{ONE_SEED}'.")
-    s.text.append("Where a variant ran seeds the baseline ran too, its paired interval: the per-seed differences over the "
-                  "seeds both ran (the same seed shares data order and initial key), their noise pooled over all the "
-                  "variants by value ~ variant + seed unless the pair varies more than the pool allows "
-                  "(docs/statistics.md); rho is the two runs' correlation across those seeds, what pairing bought.")
+                  "same). Δ is the variant's mean minus the baseline's, judged as a study's findings are "
+                  "(docs/statistics.md): over the seeds both ran, each seed's difference (the same seed shares data "
+                  "order and initial keys), or Welch's unpaired interval where they share fewer than two; each "
+                  "difference on its own noise; the verdict by Holm's procedure over every difference of this table at "
+                  "a family-wise 5 %" + (" with the margins Δ given (" + ", ".join(f"{k} ±{v}" for k, v in margins.items())
+                                         + "): equivalent within ±Δ, or better/worse by more than Δ" if margins else
+                                         "; --margin METRIC=Δ adds the equivalence test and the seeds a difference of Δ "
+                                         "needs") + ". rho is the two runs' correlation across the seeds they share, "
+                  f"what pairing bought. A variant of one seed shows '{ONE_SEED}'.")
     s.tables.append((cols, rows))
 
     s = sections["curves"]
@@ -199,7 +203,7 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None) -> tupl
                 s.images.append((name, img))
             else:
                 s.text.append(f"{name}: {img}")
-    return list(sections.values()), {"baseline": baseline, "variants": list(by_variant), "marks": marks,
+    return list(sections.values()), {"baseline": baseline, "variants": list(by_variant), "judged": judged,
                                      "stability": stability}
 
 
@@ -237,7 +241,7 @@ def sweep_study(db: Path):
 
 def build_report(source: str, out_dir: str | Path = "reports", name: Optional[str] = None,
                  baseline: Optional[str] = None, wandb_entity: str = "", wandb_project: str = "",
-                 skipped: Optional[list[str]] = None) -> Path:
+                 skipped: Optional[list[str]] = None, margins: Optional[dict[str, str]] = None) -> Path:
     """The report's folder. A run store or sweep database that cannot be read is left out, named
     in the report and in `skipped` (one line each)."""
     skipped = [] if skipped is None else skipped
@@ -257,7 +261,7 @@ def build_report(source: str, out_dir: str | Path = "reports", name: Optional[st
         except ConfigError as e:
             skipped.append(f"{e}; the runs are compared as a multirun's, without the sweep's trials")
     title = f"dalle-ablate report: {source}"
-    sections, info = build_sections(runs, baseline, study)
+    sections, info = build_sections(runs, baseline, study, margins)
     if skipped:  # in the summary at the top: what the report could not read
         sections[0].text.append(f"Left out, unreadable ({len(skipped)}): " + "; ".join(skipped) + ".")
     atomic_write(folder / "index.html", to_html(title, sections))

@@ -269,6 +269,8 @@ def _short_verdict(r: dict) -> str:
         return v[len("not resolved: "):]
     if v.startswith("not resolved at "):
         return "not resolved, likely < Δ"
+    if v.startswith("untestable here"):
+        return "untestable here"
     return v
 
 

@@ -1,8 +1,9 @@
 """A study's findings judged (`dalle-ablate study`): each finding of a published study checked
-against the runs of its arms -- the paired difference over the seeds both arms ran, its interval
-from the noise pooled over the study's arms, one of five verdicts at a family-wise 5 % (Holm),
-the seeds a finding not resolved needs, Welch's interval beside it for comparison, its course
-over training (docs/statistics.md); and the top-up rule. report/page.py writes the results page.
+against the runs of its arms by the verdict engine (report/verdicts.py) -- the paired difference
+over the seeds both arms ran, its interval from that pair's own noise, one of its verdicts at a
+family-wise 5 % (Holm), the seeds a finding not resolved needs, Welch's interval beside it for
+comparison, its course over training (docs/statistics.md); and the top-up rule. report/page.py
+writes the results page.
 
 A study is a YAML file (`report/studies/<name>.yaml`): the multirun preset that runs it, its
 baseline arm, and its findings, each a claim with the arm it is about, the arm it is compared
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+from importlib import resources
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
-from scipy import stats as st
+import yaml
 
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.load import Run, read_yaml, series
@@ -181,14 +183,17 @@ def load_study(path: Path) -> Study:
                  raw.get("scale_note", ""))
 
 
-def parse_margin(margin) -> Optional[tuple[float, bool]]:
-    """(value, relative) of a margin "2%" or 0.01; None if it is not a positive number."""
-    text = str(margin).strip()
-    try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        return None
-    return (value, text.endswith("%")) if math.isfinite(value) and value > 0 else None
+def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
+    """The study's arms: the baseline, those its experiment preset runs (its sweeper's `+arm`),
+    then any other that has runs or a finding names."""
+    preset = resources.files("dalle_ablate.conf") / "experiment" / f"{study.experiment}.yaml"
+    raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
+    swept = str((((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params", {}).get("+arm") or "")
+    return list(dict.fromkeys([study.baseline, *(a.strip() for a in swept.split(",") if a.strip()), *by_arm,
+                               *(a for f in study.findings for a in (f.arm, f.against))]))
+
+
+parse_margin = V.parse_margin
 
 
 def arm_of(run: Run) -> Optional[str]:
@@ -222,34 +227,39 @@ def claims_tables(study: Study, by_arm: dict[str, list[Run]],
 
 def margin_of(f: Finding, baseline_values: np.ndarray) -> float:
     """Δ of a finding in its metric's units: a percentage of the baseline's mean, or absolute."""
-    value, relative = parse_margin(f.margin)
-    if not relative:
-        return value
-    base = baseline_values[np.isfinite(baseline_values)]
-    return value * abs(float(base.mean())) if len(base) else math.nan
+    return V.margin_value(f.margin, baseline_values)
 
 
-def judge(study: Study, arms: list[str], tables: dict[str, np.ndarray], alpha: float = V.ALPHA) -> tuple[list[V.Claim], dict]:
-    """The claims of `study` on these tables and verdicts.analyse's results, with seeds-needed."""
+def comparisons(study: Study, arms: list[str], tables: dict[str, np.ndarray]) -> list[V.Comparison]:
+    """Each finding as the verdict engine's comparison: its arm against the other, its margin in
+    the metric's units."""
     b = arms.index(study.baseline) if study.baseline in arms else None
-    claims = []
+    out = []
     for f in study.findings:
-        t = tables[f.metric]
-        base = t[b] if b is not None else np.array([math.nan])
-        claims.append(V.Claim(f.metric, arms.index(f.arm), arms.index(f.against), 1 if f.expect == "higher" else -1,
-                              margin_of(f, base)))
-    r = V.analyse(tables, claims, alpha)
-    present = np.array([int(np.isfinite(tables[c.metric]).any(1).sum()) for c in claims])
-    r["needed"] = np.array([int(V.seeds_needed(sd, c.margin, max(a, 2), len(claims), alpha))
-                            for sd, c, a in zip(r["pooled_sd"], claims, present)])
-    return claims, r
+        base = tables[f.metric][b] if b is not None else np.array([math.nan])
+        out.append(V.Comparison(f.metric, arms.index(f.arm), arms.index(f.against), margin_of(f, base)))
+    return out
 
 
-def verdict_text(code: int, needed: int, seeds: int = 0) -> str:
-    if code != V.UNRESOLVED:
-        return VERDICTS[code]
+def judge(study: Study, arms: list[str], tables: dict[str, np.ndarray], alpha: float = V.ALPHA) -> tuple[list[V.Comparison], dict]:
+    """The findings of `study` judged on these tables: verdicts.analyse's results, each finding's
+    verdict (read against the side it predicts) and seeds-needed from its own noise."""
+    comps = comparisons(study, arms, tables)
+    r = V.analyse(tables, comps, alpha)
+    r["verdict"] = np.array([V.verdict(int(o), 1 if f.expect == "higher" else -1) for o, f in zip(r["outcome"], study.findings)])
+    r["needed"] = V.seeds_needed(r["sd"], r["margin"], len(comps), alpha, paired=r["paired"], va=r["va"], vb=r["vb"])
+    return comps, r
+
+
+def verdict_text(code: int, needed: int, seeds: int = 0, why: str = "") -> str:
+    """A verdict in words: a settled one as it is; an untestable one with `why`; one not resolved
+    with the seeds per arm its own noise says a difference of Δ needs."""
+    if code == V.UNTESTABLE:
+        return f"untestable here: {why or 'both arms give the same value on every seed'}"
+    if code != V.NOT_RESOLVED:
+        return V.VERDICTS[code]
     if needed == 0:
-        return "not resolved: no seed spread to test against"
+        return "not resolved: no seed spread to judge it on"
     if needed <= seeds:  # its seeds would find an effect of Δ 80 % of the time: one between 0 and Δ is likelier
         return f"not resolved at {seeds} seeds, enough for an effect of Δ: the effect is likely smaller"
     more = "more than " if needed > V.MAX_SEEDS else ""
@@ -257,39 +267,38 @@ def verdict_text(code: int, needed: int, seeds: int = 0) -> str:
 
 
 def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95,
-            extra: Optional[dict[str, dict[str, dict]]] = None) -> list[dict]:
-    """One row per finding: both arms' means, the paired difference over the seeds both ran with
-    its `level` interval and its family-wise one (Bonferroni over the findings), rho, whether
-    the pooled noise was used, Welch's interval for comparison, the margin, seeds-needed and the
-    verdict (Holm over the findings at 5 %)."""
+            extra: Optional[dict[str, dict[str, dict]]] = None, untestable: Optional[dict[str, str]] = None) -> list[dict]:
+    """One row per finding: both arms' means, the difference over the seeds both ran (paired; Welch's
+    where they share fewer than two) with its `level` interval and its family-wise one
+    (Bonferroni over the findings), rho, the sd of one seed's difference it is judged on, Welch's
+    interval for comparison, the margin, seeds-needed and the verdict (Holm over the findings at
+    5 %). `untestable`: finding id -> why more seeds could not settle it (e.g. neither arm trains
+    at any stress rate), its verdict whatever the numbers say."""
     arms, seeds, tables = claims_tables(study, by_arm, extra)
-    claims, r = judge(study, arms, tables)
-    k = len(claims)
-    fw = 1 - V.ALPHA / k
+    comps, r = judge(study, arms, tables)
+    untestable = untestable or {}
     rows = []
-    for i, (f, c) in enumerate(zip(study.findings, claims)):
+    for i, (f, c) in enumerate(zip(study.findings, comps)):
         t = tables[f.metric]
         a, b = t[c.arm], t[c.against]
         a, b = a[np.isfinite(a)], b[np.isfinite(b)]
         _, wlo, whi = diff_ci(a, b, level) if len(a) and len(b) else (math.nan,) * 3
-        half = st.t.ppf(0.5 + fw / 2, r["df"][i]) * r["se"][i] if r["df"][i] > 0 else math.nan
         both = np.isfinite(t[c.arm]) & np.isfinite(t[c.against])
+        code = V.UNTESTABLE if f.id in untestable else int(r["verdict"][i])
         rows.append({"finding": f, "n": (len(a), len(b)), "seeds": [s for s, ok in zip(seeds, both) if ok],
                      "arm_mean": float(a.mean()) if len(a) else math.nan,
                      "against_mean": float(b.mean()) if len(b) else math.nan,
-                     "diff": float(r["d"][i]), "low": float(r["low"][i]), "high": float(r["high"][i]),
-                     "fw_low": float(r["d"][i] - half), "fw_high": float(r["d"][i] + half), "fw_level": fw,
-                     "welch_low": wlo, "welch_high": whi, "rho": float(r["rho"][i]), "pooled": bool(r["pooled"][i]),
-                     "outlier": bool(r["outlier"][i]), "df": float(r["df"][i]), "margin": float(r["margin"][i]),
-                     "p_zero": float(r["p_zero"][i]), "p_tost": float(r["p_tost"][i]), "needed": int(r["needed"][i]),
-                     "code": int(r["verdict"][i]),
-                     "verdict": verdict_text(int(r["verdict"][i]), int(r["needed"][i]), int(r["n"][i]))})
+                     **{k: float(r[k][i]) for k in ("d", "low", "high", "fw_low", "fw_high", "rho", "sd", "df", "margin",
+                                                   "p_zero", "p_beyond", "p_tost")},
+                     "diff": float(r["d"][i]), "fw_level": 1 - V.ALPHA / len(comps), "welch_low": wlo, "welch_high": whi,
+                     "paired": bool(r["paired"][i]), "needed": int(r["needed"][i]), "outcome": int(r["outcome"][i]),
+                     "code": code, "verdict": verdict_text(code, int(r["needed"][i]), int(r["n"][i]), untestable.get(f.id, ""))})
     return rows
 
 
 def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> dict[str, tuple]:
-    """finding id -> (steps, paired difference, low, high) at every evaluation of its metric
-    (SERIES), the same pooled analysis at each step."""
+    """finding id -> (steps, difference, low, high) at every evaluation of its metric (SERIES),
+    the same analysis as at the end at each step."""
     arms, _, _ = claims_tables(study, by_arm)
     out = {}
     for m, by_step in SERIES.items():
@@ -303,22 +312,19 @@ def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> d
             continue
         t = np.array([[[done[a][s].get(x, math.nan) if s in done[a] else math.nan for s in seeds] for a in arms]
                       for x in steps])
-        # the intervals only: the margin plays no part in them
-        claims = [V.Claim(m, arms.index(f.arm), arms.index(f.against), 1 if f.expect == "higher" else -1, 1.0)
-                  for f in found]
-        r = V.analyse({m: t}, claims, level=level)
+        # the intervals only: no margin
+        r = V.analyse({m: t}, [V.Comparison(m, arms.index(f.arm), arms.index(f.against)) for f in found], level=level)
         for j, f in enumerate(found):
             out[f.id] = (np.array(steps, float), r["d"][:, j], r["low"][:, j], r["high"][:, j])
     return out
 
 
 TOPUP_RULE = ("Adding seeds (dalle-ablate study NAME --seeds auto): the study is topped up once, to the largest "
-              "seeds-needed over all its findings, resolved or not -- a number computed from the pooled residual noise "
-              "and the declared margins only, never from an effect -- and judged again on all its seeds with the same "
-              "tests. The residual noise of the additive model is independent of the arms' differences, so the choice "
-              "of N carries no information about them (a blinded internal pilot, Wittes & Brittain 1990; Kieser & "
-              "Friede 2003); tests/report/test_verdicts.py simulates the family-wise error of this rule. A top-up to "
-              "any other N (--seeds N) is valid only if N was fixed without looking at the verdicts.")
+              "seeds-needed over all the findings of its own runs, resolved or not -- each computed from that finding's "
+              "own noise (the sd of its per-seed differences) and its declared margin, never from an effect -- and "
+              "judged again on all its seeds with the same tests ([statistics](STATISTICS#adding-seeds---seeds) says why "
+              "this keeps the error rate). A top-up to any other N (--seeds N) is valid only if N was fixed without "
+              "looking at the verdicts.")
 
 
 def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:

@@ -19,10 +19,11 @@ import yaml
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import (MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, VERDICTS, Study, _arms_by,
-                                          claims_tables, compare, course, noise_sources, parse_margin, unit_of)
+from dalle_ablate.report.findings import (MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, Study, _arms_by,
+                                          claims_tables, compare, course, noise_sources, parse_margin, study_arms,
+                                          unit_of)
 from dalle_ablate.report.load import Run, series
-from dalle_ablate.report.stats import diverged, mean_ci
+from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
 from dalle_ablate.report.writers import Section
 
@@ -61,16 +62,6 @@ def arm_definition(arm: str) -> Optional[tuple[str, list[str]]]:
 
     flat("", raw)
     return " ".join(comment), overrides
-
-
-def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
-    """The study's arms: the baseline, those its experiment preset runs (its sweeper's `+arm`),
-    then any other that has runs or a finding names."""
-    preset = CONF / "experiment" / f"{study.experiment}.yaml"
-    raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
-    swept = str((((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params", {}).get("+arm") or "")
-    return list(dict.fromkeys([study.baseline, *(a.strip() for a in swept.split(",") if a.strip()), *by_arm,
-                               *(a for f in study.findings for a in (f.arm, f.against))]))
 
 
 def arms_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
@@ -128,51 +119,44 @@ def claim_row(r: dict, over_training: str) -> list:
 
 
 def _noise_note(r: dict) -> str:
-    if r["outlier"]:
-        return f"own, df {r['df']:.0f} (an arm's seeds stray from the others')"
-    if not r["pooled"]:
-        return f"own, df {r['df']:.0f} (the pair varies more than the pool)" if r["df"] > 0 else "–"
-    return f"pooled, df {r['df']:.0f}"
+    """What the finding's interval is judged on: its own per-seed differences (paired) or Welch's."""
+    if not np.isfinite(r["sd"]) or r["df"] <= 0:
+        return "–"
+    how = "paired differences" if r["paired"] else "Welch, seeds not shared"
+    return f"sd {fmt3(r['sd'])} ({how}, df {fmt3(r['df'])})"
 
 
 def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: Optional[list[dict]] = None,
-                  extra: Optional[dict[str, dict[str, dict]]] = None,
+                  extra: Optional[dict[str, dict[str, dict]]] = None, untestable: Optional[dict[str, str]] = None,
                   statistics: str = "../statistics.md") -> tuple[list[Section], list[dict]]:
     """The results page as report sections, and the comparison rows. `topups`: the study's
     top-up log (study_runs.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
-    `statistics`: the link to docs/statistics.md from the page's folder."""
+    `statistics`: the link to docs/statistics.md from the page's folder; `untestable`: findings
+    more seeds could not settle, and why (findings.compare)."""
     by_arm = _arms_by(runs)
     if not by_arm:
         raise ConfigError(f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
                           f"experiment={study.experiment}")
-    rows = compare(study, by_arm, extra=extra)
+    rows = compare(study, by_arm, extra=extra, untestable=untestable)
     k = len(rows)
-    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(VERDICTS)}  # in VERDICTS' order
+    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(V.VERDICTS)}  # in VERDICTS' order
     counts = {v: n for v, n in counts.items() if n}
-    settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.EQUIVALENT, V.CONTRADICTED) for r in rows)
+    settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
     head = Section("summary", "Summary")
     head.text.append(f"Source: {study.source}.")
     head.text += provenance
     head.text.append(f"{k} findings, {settled} settled: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".")
     head.text.append(
-        f"How a verdict is read ([docs/statistics.md]({statistics}) says why each step): arms run with the same seed share its data order and initial key, so "
-        "each finding is judged on its per-seed differences (arm minus the arm it is compared with, over the seeds both "
-        "finished), with the noise of a difference pooled over all the study's arms by the additive model value ~ arm + "
-        "seed; a finding whose own differences vary more than the pool allows (the upper 10 % of the F ratio), or that "
-        "names an arm whose seeds stray from the others' (the upper 1 %), is judged on its own variance instead. Each "
-        "finding has a margin Δ declared in the study file before its runs. Three tests per finding -- the difference "
-        "against 0 (two-sided), against Δ on the predicted side, and equivalence within ±Δ (two one-sided tests) -- each "
-        f"decided by Holm's procedure over the {k} findings at a family-wise 5 %. Verdicts: reproduced (beyond 0 and "
-        "beyond Δ on the predicted side); reproduced, possibly smaller than Δ (beyond 0 only); no meaningful effect "
-        "(equivalent within ±Δ, which contradicts a claim of an effect); contradicted (beyond 0 on the other side); not "
-        "resolved, with the seeds per arm at which a true effect of Δ would be told from 0 with 80 % power, from the "
-        "pooled noise and Δ alone.")
-    head.text.append("Over training: at how many of the evaluations the paired 95 % interval lay beyond 0 on the "
-                     "predicted side, and on the other (the figures show each course). The table's 95 % interval is "
-                     "the paired one; the family-wise interval is at the Bonferroni level "
-                     f"({fmt3(100 * (1 - V.ALPHA / k))} % per finding), which Holm's decisions never need more than; Welch's "
-                     "unpaired interval is beside it to show what pairing bought, with rho, the two arms' correlation "
-                     "across seeds. Every number is in its metric's unit, given after it.")
+        f"How a verdict is read ([statistics]({statistics}) says why each step): each finding is judged on its own "
+        "per-seed differences (arm minus the arm it is compared with, over the seeds both finished: runs of one seed "
+        "share its data order and initial keys), nothing pooled over other arms, against its margin Δ declared in the "
+        "study file before its runs; three tests (the difference against 0, beyond Δ, equivalence within ±Δ), each "
+        f"decided by Holm's procedure over the {k} findings at a family-wise 5 %. A finding not resolved says how many "
+        "seeds per arm its own noise needs to tell a difference of Δ from 0 with 80 % power. The 95 % interval is the "
+        f"paired one, the family-wise interval at {fmt3(100 * (1 - V.ALPHA / k))} % (Bonferroni, which Holm's decisions "
+        "never need more than); Welch's unpaired interval beside it shows what pairing bought, with rho, the two arms' "
+        "correlation across seeds; \"noise\" is the sd of one seed's difference, what the finding is judged on. Over "
+        "training: at how many evaluations the 95 % interval lay beyond 0 on the predicted side and on the other.")
     used = dict.fromkeys(f.metric for f in study.findings)
     head.text.append("Metrics: " + "; ".join(f"{m}: {(METRICS.get(m) or MEASURED_ELSEWHERE[m])[0]}, in {unit_of(m)}"
                                              for m in used) + ". Only "
@@ -198,7 +182,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         con = int(np.sum(ok & ((hi < 0) if side > 0 else (lo > 0))))
         return f"{pro} / {con} of {len(lo)}"
 
-    head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "paired diff", "95% CI",
+    head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "difference", "95% CI",
                          "family-wise CI", "rho", "noise", "Welch 95% CI", "seeds",
                          "evaluations beyond 0: predicted / other side", "verdict"],
                         [claim_row(r, over_training(r)) for r in rows]))
@@ -208,22 +192,25 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         notes.text.append("The study file gives no notes on its findings.")
 
     noise = Section("noise", "Noise floor")
-    noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the residual noise of the "
-                      "additive model pooled over the arms (what is left of a difference once the shared seed is taken "
-                      "out) and the seed's share of one run's variance (how much of it the arms share: what pairing "
-                      "removes). Where the noise comes from -- data order or initialisation -- a study tells apart only "
-                      "by varying one of the two at a time (Bouthillier et al. 2021).")
+    noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the arms' own spreads (the "
+                      "least and the most spread arm: arms need not be equally noisy, and no finding borrows another's "
+                      "noise) and the seed's share of one run's variance from the two-way ANOVA of arm and seed (how "
+                      "much of it the arms share: what pairing removes). Where the noise comes from -- data order or "
+                      "initialisation -- a study tells apart only by varying one of the two at a time (Bouthillier et "
+                      "al. 2021).")
     arms, seeds, tables = claims_tables(study, by_arm, extra)
     nrows = []
     for metric, t in tables.items():
-        out = V.outlying_arms(t, V.OUTLIER)
-        s2, df, share = V.blocked_residual(np.where(out[:, None], np.nan, t))
         b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
         b = b[np.isfinite(b)]
-        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b),
-                      float(np.sqrt(s2)), int(df), float(share), ", ".join(a for a, o in zip(arms, out) if o) or "none"])
-    noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "pooled residual sd",
-                          "its df", "seed share (fraction of one run's variance)", "arms left out of the pool"], nrows))
+        with np.errstate(invalid="ignore"):
+            sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
+        least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
+        share = blocked_residual(t)[2]
+        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
+                      sds.get(least, math.nan), most or "–", sds.get(most, math.nan), float(share)])
+    noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
+                          "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
     base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
     sources = [[m, unit_of(m), k, sd, df] for m in tables if m in METRICS
                for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
@@ -243,7 +230,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         noise.tables.append(evaluation)
 
     top = Section("topup", "Adding seeds")
-    top.text.append(TOPUP_RULE)
+    top.text.append(TOPUP_RULE.replace("STATISTICS", statistics))
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
     # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
     target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and r["finding"].metric not in MEASURED_ELSEWHERE],
@@ -266,7 +253,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
                         figures.forest_figure(rows)))
     if courses:
         figs.images.append(("Each finding's paired difference over training, one panel per finding in its metric's "
-                            "unit: at every evaluation, with its 95 % interval (pooled as at the end) as a band, 0 and ±Δ "
+                            "unit: at every evaluation, with its 95 % interval (judged as at the end) as a band, 0 and ±Δ "
                             "as lines; a verdict at one budget can differ at another",
                             figures.course_figure([(r["finding"].id, r["margin"], courses[r["finding"].id])
                                                    for r in rows if r["finding"].id in courses])))
@@ -288,22 +275,23 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     return [head, notes, arms_section(study, by_arm), noise, top, arms_s, figs], rows
 
 
-def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]]]:
-    """The stress section of a study's page and its stability claims' per-seed values
-    ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`), from the stress runs beside the
-    study's folder (report/stress.py); nothing if its file declares none."""
+def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:
+    """The stress section of a study's page, its stability claims' per-seed values
+    ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`) and the claims they cannot settle
+    (id -> why), from the stress runs beside the study's folder (report/stress.py); nothing if its
+    file declares none."""
     from dalle_ablate.report import stress
     from dalle_ablate.report.load import load_runs
 
     plan = stress.load_stress(study_file)
     where = stress.stress_folder(Path(source))
     if plan is None or not where.is_dir() or not any(where.rglob("metrics.jsonl")):
-        return [], {}  # none run yet (or none got as far as its run store)
+        return [], {}, {}  # none run yet (or none got as far as its run store)
     sections, claims = stress.stress_sections(plan, load_runs(str(where)))
     values: dict[str, dict] = {}
     for c in claims:
         values.setdefault(c["measure"], {}).update(c["values"])
-    return sections, values
+    return sections, values, {c["id"]: c["untestable"] for c in claims if c["untestable"]}
 
 
 def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
@@ -319,10 +307,10 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
     log = Path(source) / TOPUPS
     topups = json.loads(log.read_text()) if log.exists() else []
-    stress_part, measured = stress_measures(study_file, source) if study_file is not None else ([], {})
+    stress_part, measured, untestable = stress_measures(study_file, source) if study_file is not None else ([], {}, {})
     statistics = os.path.relpath(STATISTICS, page_dir.resolve()) if STATISTICS.is_file() else "../statistics.md"
     sections, _ = page_sections(study, load_runs(source), provenance, topups, {**measured, **(extra or {})},
-                                statistics=Path(statistics).as_posix())
+                                statistics=Path(statistics).as_posix(), untestable=untestable)
     sections[-1:-1] = stress_part  # before the per-finding figures
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
         old.unlink()

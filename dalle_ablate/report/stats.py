@@ -1,10 +1,9 @@
-"""The statistics a report states, one method throughout: Student's t intervals across seeds
-(curves' bands and final metrics) and Welch's t interval of a variant's difference from the
-baseline, and stability events per run."""
+"""The statistics pages state besides the verdict engine's (report/verdicts.py): Student's t
+intervals across seeds (curves' bands and final metrics), Welch's interval of two arms' difference
+shown beside a paired one, the two-way ANOVA's seed share of a noise floor, Holm's procedure and a
+t test's power (which the engine uses), and stability events per run."""
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 from scipy import stats as st
@@ -49,10 +48,6 @@ def diff_ci(a, b, level: float = 0.95) -> tuple[float, float, float]:
     return d, float(ci.low), float(ci.high)
 
 
-def significant(low: float, high: float) -> bool:
-    return bool(np.isfinite(low) and np.isfinite(high) and (low > 0 or high < 0))
-
-
 def spikes(values: np.ndarray, window: int = 20, factor: float = 1.5) -> int:
     """Steps whose value exceeds `factor` x the median of the `window` values before it: loss
     spikes (factor 1.5) and gradient-norm peaks (factor 5) -- the events DALL·E Mega's journal
@@ -70,33 +65,7 @@ def diverged(values: np.ndarray, status: str) -> bool:
     return status == "diverged" or not np.all(np.isfinite(np.asarray(values, np.float64)))
 
 
-# ---- Paired, pooled comparisons of a study's arms (docs/statistics.md) ----
-#
-# A study runs every arm with the same seeds; arms with one seed share its data order and initial
-# key (common random numbers), so their values move together across seeds. The analysis blocks on
-# the seed: per seed, the difference of two arms, and the noise of that difference pooled over
-# every arm of the study by the additive model  value ~ arm + seed  (a randomised complete block
-# design, Montgomery, "Design and Analysis of Experiments", ch. 4). The pooled residual variance
-# has (arms - 1)(seeds - 1) degrees of freedom against the pair's own seeds - 1: at 16 arms and 3
-# seeds, 30 against 2, which is what lets a handful of seeds decide anything at a family-wise 5 %.
-
-def paired(a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-seed differences a - b on the seeds both have (NaN where either is missing), over the
-    last axis: (mean difference, its sample variance (ddof 1), seeds used, correlation rho of a
-    and b over those seeds). Vectorised over leading axes."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    both = np.isfinite(a) & np.isfinite(b)
-    n = both.sum(-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        d = np.where(both, a - b, 0.0)
-        mean = d.sum(-1) / n
-        var = np.where(both, (d - mean[..., None]) ** 2, 0.0).sum(-1) / (n - 1)
-        am = np.where(both, a, 0.0).sum(-1) / n
-        bm = np.where(both, b, 0.0).sum(-1) / n
-        ca, cb = np.where(both, a - am[..., None], 0.0), np.where(both, b - bm[..., None], 0.0)
-        rho = (ca * cb).sum(-1) / np.sqrt((ca**2).sum(-1) * (cb**2).sum(-1))
-    return mean, np.where(n >= 2, var, np.nan), n, np.where(n >= 3, rho, np.nan)
-
+# ---- What the verdict engine (report/verdicts.py) and a study's noise floor use ----
 
 def blocked_residual(values) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The additive model value ~ arm + seed fitted to values[..., arm, seed] (NaN: no value):
@@ -142,59 +111,21 @@ def blocked_residual(values) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return s2.reshape(batch), df.reshape(batch), share.reshape(batch)
 
 
-def outlying_arms(values, level: float = 0.01) -> np.ndarray:
-    """Arms whose seeds do not follow the others': per arm, its values' deviation from the other
-    arms' seed means, its variance across seeds against the residual variance of the other arms'
-    blocked model (x A / (A - 1), the variance that deviation has if the arm is like the rest),
-    as an F ratio on (seeds - 1, the others' df) beyond its upper `level` quantile. Such an arm
-    (an optimiser that diverges on some seeds, parameters initialised from another draw) would
-    widen every interval of the pool, or be judged with too little noise by it. (..., arms) bool."""
-    y = np.asarray(values, np.float64)
-    arms = y.shape[-2]
-    out = np.zeros(y.shape[:-1], bool)
-    if arms < 3:
-        return out
-    for a in range(arms):
-        others = np.delete(y, a, axis=-2)
-        s2, df, _ = blocked_residual(others)
-        with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
-            warnings.simplefilter("ignore", RuntimeWarning)  # a seed no arm has: NaN, not a value
-            dev = y[..., a, :] - np.nanmean(others, axis=-2)
-            n = np.isfinite(dev).sum(-1)
-            # Var(y_a - mean of the m others) = s2 (1 + 1/m) under the additive model, m the arms
-            # with values (a metric measured on some arms only has fewer than `arms`).
-            m = np.isfinite(others).any(-1).sum(-1)
-            ratio = np.nanvar(dev, axis=-1, ddof=1) / (s2 * (m + 1) / np.maximum(m, 1))
-            out[..., a] = (n >= 2) & (df > 0) & (ratio > st.f.ppf(1 - level, n - 1, df))
-    return out
-
-
 def holm(p, alpha: float = 0.05) -> np.ndarray:
-    """Holm's step-down rejections over the last axis (Holm 1979): the i-th smallest p-value of k
-    is rejected if it and every smaller one are below alpha / (k - i). NaN counts as 1."""
-    p = np.where(np.isfinite(p), p, 1.0)
-    k = p.shape[-1]
-    order = np.argsort(p, axis=-1, kind="stable")
-    ranked = np.take_along_axis(p, order, -1)
-    adjusted = np.minimum(np.maximum.accumulate(ranked * (k - np.arange(k)), axis=-1), 1.0)
+    """Holm's step-down rejections over the last axis (Holm 1979): the i-th smallest of the k
+    p-values is rejected if it and every smaller one are below alpha / (k - i). A NaN is no
+    hypothesis tested (a comparison without a margin has no equivalence test): never rejected,
+    and not counted in k."""
+    p = np.asarray(p, np.float64)
+    tested = np.isfinite(p)
+    k = tested.sum(-1, keepdims=True)
+    order = np.argsort(np.where(tested, p, np.inf), axis=-1, kind="stable")
+    ranked = np.take_along_axis(np.where(tested, p, 1.0), order, -1)
+    steps = np.maximum(k - np.arange(p.shape[-1]), 1)
+    adjusted = np.minimum(np.maximum.accumulate(ranked * steps, axis=-1), 1.0)
     out = np.empty_like(adjusted)
     np.put_along_axis(out, order, adjusted, -1)
-    return out <= alpha
-
-
-def t_tests(d, se, df, margin, side) -> dict[str, np.ndarray]:
-    """p-values of a difference d with standard error se on df degrees of freedom: `zero`, two-
-    sided against 0; `beyond`, one-sided against side*delta <= margin (the effect on the side the
-    claim predicts, side = +1 or -1, exceeds the margin); `tost`, the two one-sided tests of
-    equivalence within +-margin (Schuirmann 1987: the larger of the two p-values)."""
-    d, se, df, margin, side = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (d, se, df, margin, side)))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ok = np.isfinite(d) & (se > 0) & (df > 0)
-        t0 = d / se
-        zero = 2 * st.t.sf(np.abs(t0), df)
-        beyond = st.t.sf((side * d - margin) / se, df)
-        tost = np.maximum(st.t.sf((d + margin) / se, df), st.t.cdf((d - margin) / se, df))
-    return {k: np.where(ok, v, np.nan) for k, v in (("zero", zero), ("beyond", beyond), ("tost", tost))}
+    return (out <= alpha) & tested
 
 
 def power(n, effect: float, sd: float, alpha: float, df) -> np.ndarray:
@@ -204,4 +135,6 @@ def power(n, effect: float, sd: float, alpha: float, df) -> np.ndarray:
     n, df = np.asarray(n, np.float64), np.asarray(df, np.float64)
     nc = effect / (sd / np.sqrt(n))
     crit = st.t.ppf(1 - alpha / 2, df)
-    return st.nct.sf(crit, df, nc) + st.nct.cdf(-crit, df, nc)
+    # The lower tail P(T < -crit | nc) as P(T > crit | -nc): scipy's nct.cdf returns NaN where it
+    # underflows (df 2, nc 8.7), its sf does not.
+    return st.nct.sf(crit, df, nc) + st.nct.sf(crit, df, -nc)

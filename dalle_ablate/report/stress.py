@@ -280,8 +280,20 @@ def claim_values(plan: StressPlan, runs: list[Run], measure: str = "lr_sensitivi
     for c in plan.claims:
         expect = c.expect if not flip else {"lower": "higher", "higher": "lower"}[c.expect]
         out.append({"id": c.id, "claim": c.claim, "arm": c.arm, "against": c.against, "measure": measure, "expect": expect,
-                    "values": {a: {s: m[(a, s)][measure] for s in plan.seeds} for a in (c.arm, c.against)}})
+                    "values": {a: {s: m[(a, s)][measure] for s in plan.seeds} for a in (c.arm, c.against)},
+                    "untestable": untrained(plan, m, c)})
     return out
+
+
+def untrained(plan: StressPlan, m: dict[tuple[str, int], dict[str, float]], c: StressClaim) -> str:
+    """Why a claim cannot be judged on these stress runs, or "": neither of its arms trains at any
+    rate of the grid at any seed (every final loss at or above the code-frequency floor), so
+    their sensitivities compare two untrained models and no number of seeds would change that."""
+    top = [m[(a, s)]["log10_max_lr"] for a in (c.arm, c.against) for s in plan.seeds]
+    if not top or not all(v == -math.inf for v in top):
+        return ""
+    return (f"neither {c.arm} nor {c.against} trains at any rate of the stress grid "
+            f"({', '.join(f'{lr:g}' for lr in plan.rates)}) on any seed: both end at or above the code-frequency floor")
 
 
 # -- the page ----------------------------------------------------------------------------------

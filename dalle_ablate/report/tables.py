@@ -11,12 +11,11 @@ import pandas as pd
 
 from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, series
-from dalle_ablate.report.stats import diff_ci, diverged, mean_ci, significant, spikes
+from dalle_ablate.report.stats import diverged, mean_ci, spikes
 from dalle_ablate.track import HEADLINES
 
 FINAL_METRICS = ("eval/valid/loss", "train/loss")
 ONE_SEED = "1 seed: no interval"
-NO_SHARED = "fewer than 2 seeds shared with the baseline"
 
 
 def fmt(v) -> str:
@@ -48,39 +47,58 @@ def final_value(run: Run, column: str) -> float:
     return float(v[-1]) if len(v) else math.nan
 
 
-def paired_vs_baseline(by_variant: dict[str, list[Run]], baseline: str, metric: str) -> dict[str, tuple]:
-    """variant -> (low, high, rho, seeds shared, pooled) of its paired difference from the
-    baseline over the seeds both ran, the noise pooled over all the variants by value ~ variant
-    + seed as a study page pools it (report/verdicts.py, docs/statistics.md); 95 %, per comparison."""
-    from dalle_ablate.report.verdicts import Claim, analyse
+# Which way is better for each metric the final table compares (a loss: lower).
+LOWER_IS_BETTER = {"eval/valid/loss": True, "train/loss": True}
 
+
+def against_baseline(by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None,
+                     metrics=FINAL_METRICS) -> dict[tuple[str, str], dict]:
+    """(variant, metric) -> the verdict engine's judgement (report/verdicts.py) of the variant's
+    final value against the baseline's: paired by seed where the two share seeds, else Welch's,
+    Holm over every comparison of the table (variants x metrics), a margin where `margins` gives
+    one (metric -> "2%" of the baseline's mean, or an absolute value) for the equivalence test and
+    seeds-needed. The same engine, words and numbers as a study's page."""
+    from dalle_ablate.report import verdicts as V
+
+    margins = margins or {}
     variants = list(by_variant)
     seeds = sorted({r.seed for rs in by_variant.values() for r in rs}, key=str)
-    table = np.full((len(variants), len(seeds)), np.nan)
-    for i, v in enumerate(variants):
-        for r in by_variant[v]:
-            table[i, seeds.index(r.seed)] = final_value(r, metric)
+    tables, comps, keys = {}, [], []
     b = variants.index(baseline)
-    others = [i for i in range(len(variants)) if i != b]
-    if not others:
+    for m in metrics:
+        t = np.full((len(variants), len(seeds)), np.nan)
+        for i, v in enumerate(variants):
+            for r in by_variant[v]:
+                t[i, seeds.index(r.seed)] = final_value(r, m)
+        tables[m] = t
+        margin = V.margin_value(margins[m], t[b]) if m in margins else math.nan
+        for i, v in enumerate(variants):
+            if i != b:
+                comps.append(V.Comparison(m, i, b, margin))
+                keys.append((v, m))
+    if not comps:
         return {}
-    res = analyse({metric: table}, [Claim(metric, i, b, 1, 1.0) for i in others])  # the margin plays no part here
-    return {variants[i]: (res["low"][j], res["high"][j], res["rho"][j], int(res["n"][j]), bool(res["pooled"][j]))
-            for j, i in enumerate(others)}
+    res = V.analyse(tables, comps)
+    needed = V.seeds_needed(res["sd"], res["margin"], len(comps), paired=res["paired"], va=res["va"], vb=res["vb"])
+    out = {}
+    for j, (v, m) in enumerate(keys):
+        row = {k: float(res[k][j]) for k in ("d", "low", "high", "fw_low", "fw_high", "rho", "sd", "df", "margin", "n")}
+        row.update(paired=bool(res["paired"][j]), outcome=int(res["outcome"][j]), needed=int(needed[j]),
+                   verdict=V.against_baseline(int(res["outcome"][j]), LOWER_IS_BETTER.get(m, True)))
+        out[(v, m)] = row
+    return out
 
 
-def final_table(by_variant: dict[str, list[Run]], baseline: str) -> tuple[list[str], list[list], dict]:
+def final_table(by_variant: dict[str, list[Run]], baseline: str,
+                margins: Optional[dict[str, str]] = None) -> tuple[list[str], list[list], dict]:
     """Per variant and metric: mean [95% t interval] over seeds, and the difference from the
-    baseline with its Welch interval; `*` marks a difference whose interval excludes 0. With one
-    seed the interval cells say so instead of showing an empty interval. Where a variant shares
-    seeds with the baseline, its paired interval and rho beside Welch's (paired_vs_baseline)."""
+    baseline as the verdict engine judges it (against_baseline): its 95 % interval (paired, or
+    Welch's where seeds are not shared), rho, and the verdict in words; with a margin, the
+    seeds a difference of it would need. With one seed the interval cells say so."""
     cols = ["variant", "seeds"]
     for m in FINAL_METRICS:
-        cols += [m, f"{m} 95% CI", f"Δ {m} vs baseline", "Δ 95% CI", "beyond seed spread", f"Δ {m} paired 95% CI",
-                 f"rho {m}"]
-    rows, marks = [], {}
-    base = {m: [final_value(r, m) for r in by_variant[baseline]] for m in FINAL_METRICS}
-    paired = {m: paired_vs_baseline(by_variant, baseline, m) for m in FINAL_METRICS}
+        cols += [m, f"{m} 95% CI", f"Δ {m} vs baseline", "Δ 95% CI", f"verdict ({m})", f"rho {m}"]
+    rows, judged = [], against_baseline(by_variant, baseline, margins)
 
     def interval(lo: float, hi: float, n: int) -> str:
         return ONE_SEED if n < 2 else f"[{fmt(lo)}, {fmt(hi)}]"
@@ -92,18 +110,22 @@ def final_table(by_variant: dict[str, list[Run]], baseline: str) -> tuple[list[s
             mean, lo, hi = mean_ci(vals)
             row += [mean, interval(lo, hi, len(runs))]
             if variant == baseline:
-                row += ["", "", "", "", ""]
+                row += ["", "", "", ""]
                 continue
-            d, dlo, dhi = diff_ci(vals, base[m])
-            sig = significant(dlo, dhi)
-            marks[(variant, m)] = sig
-            row += [d, interval(dlo, dhi, min(len(runs), len(base[m]))), "*" if sig else ""]
-            plo, phi, rho, shared, pooled = paired[m].get(variant, (np.nan, np.nan, np.nan, 0, False))
-            ok = shared >= 2 and np.isfinite(plo) and np.isfinite(phi)
-            row += [f"[{fmt(float(plo))}, {fmt(float(phi))}] ({shared} seeds{', pooled' if pooled else ''})" if ok
-                    else NO_SHARED, float(rho) if shared >= 3 else "–"]
+            j = judged[(variant, m)]
+            how = f" ({int(j['n'])} seeds, {'paired' if j['paired'] else 'Welch'})" if j["n"] >= 2 else ""
+            verdict = j["verdict"] + (f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["needed"] else "")
+            row += [j["d"], interval(j["low"], j["high"], int(j["n"])) + how, verdict,
+                    j["rho"] if np.isfinite(j["rho"]) else "–"]
         rows.append(row)
-    return cols, rows, marks
+    return cols, rows, judged
+
+
+def _needs(j: dict) -> str:
+    from dalle_ablate.report.verdicts import MAX_SEEDS
+
+    more = "more than " if j["needed"] > MAX_SEEDS else ""
+    return f"needs {more}{min(j['needed'], MAX_SEEDS)} seeds for a difference of Δ"
 
 
 def warmup_steps(run: Run) -> int:

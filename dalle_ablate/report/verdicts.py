@@ -1,120 +1,227 @@
-"""A study's verdicts from per-arm, per-seed values: the paired, pooled analysis, the five
-verdicts at a family-wise 5 % (Holm), and the seeds a claim needs. Pure numpy over leading axes,
-so that the calibration tests run thousands of simulated studies through this same code
-(docs/statistics.md says why each choice; tests/report/test_verdicts.py proves the error rates).
+"""The verdict engine: whether a difference between two arms is real, and by how much, for every
+page that compares runs -- a study's findings (report/findings.py) and `dalle-ablate report`'s
+variants against the baseline (report/tables.py) ask it the same question and get the same
+numbers and the same words (docs/statistics.md says why each choice).
 
-The values come in as tables `metric -> array[..., arm, seed]` (NaN: no value for that run), so
-any source can supply them: the study page reads them from run stores (report/findings.py), and
-a stability claim judged on learning-rate stress runs can hand its per-arm, per-seed values
-(e.g. each seed's learning-rate sensitivity) in a table of its own metric."""
+Each comparison is judged on its own noise only: on the per-seed differences of its two arms over
+the seeds both ran (a paired t test, n - 1 degrees of freedom) -- runs of one seed share its data
+order and initial keys, so pairing takes out what they share -- and, where the two arms share fewer
+than two seeds, on Welch's unpaired t (Satterthwaite's degrees of freedom). Nothing is pooled over
+other arms and nothing is set aside after looking at the data: arms whose seed spreads differ
+tenfold, or whose seed effects are not shared, leave every other comparison's error rate as it is
+(tests/report/test_verdicts.py and benchmarks/verdict_calibration.py simulate the study's own
+claims and pools to show it). Three tests per comparison, each decided by Holm's step-down
+procedure over the comparisons at a family-wise 5 %: the difference against 0, beyond the margin
+Δ (on the side it lies), and equivalence within ±Δ (TOST).
+
+Pure numpy over leading axes, so that the calibration runs thousands of simulated studies through
+this same code. Values come in as tables `metric -> array[..., arm, seed]` (NaN: no value)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats as st
 
-from dalle_ablate.report.stats import blocked_residual, holm, outlying_arms, paired, power, t_tests
+from dalle_ablate.report.stats import holm, power
 
-# The family-wise error rate over a study's claims, for each kind of error (a false difference,
-# a false equivalence, a false "beyond the margin").
+# The family-wise error rate over the comparisons, for each kind of error (a false difference, a
+# false "beyond the margin", a false equivalence).
 ALPHA = 0.05
-# The power seeds-needed is computed for, against a true effect of exactly the margin.
+# The power seeds-needed is computed for, against a true difference of exactly the margin.
 POWER = 0.80
-# The homogeneity check: a claim whose own paired variance exceeds the pooled one by more than the
-# upper CHECK quantile of F(n - 1, pooled df) is judged on its own variance (n - 1 degrees of
-# freedom) instead -- the pooled noise would understate it (an arm whose seeds are not shared,
-# e.g. other parameter shapes drawing another initialisation from the same key).
-CHECK = 0.10
-# An arm is left out of its metric's pool when its seeds' deviation from the other arms' is beyond
-# the upper OUTLIER quantile of the F ratio against the others' residual variance; its claims are
-# judged on their own variance.
-OUTLIER = 0.01
 # seeds-needed is searched up to this many seeds per arm; beyond it the page says "more than".
 MAX_SEEDS = 200
 
+# What the engine finds, whichever side a claim predicts (a comparison without a margin has no
+# "by more than Δ" and no "equivalent").
+OUTCOMES = ("higher by more than Δ", "higher", "equivalent within ±Δ", "lower", "lower by more than Δ", "not resolved",
+            "identical on every seed")
+HIGHER_BEYOND, HIGHER, EQUIVALENT, LOWER, LOWER_BEYOND, UNRESOLVED, IDENTICAL = range(7)
+
+# A study's claim predicts a side; its verdict is the outcome read against that side.
 VERDICTS = ("reproduced", "reproduced, possibly smaller than Δ", "no meaningful effect (equivalent within ±Δ)",
-            "contradicted (reversed)", "not resolved")
-REPRODUCED, SMALLER, EQUIVALENT, CONTRADICTED, UNRESOLVED = range(5)
+            "contradicted (reversed)", "not resolved", "untestable here")
+REPRODUCED, SMALLER, NO_EFFECT, CONTRADICTED, NOT_RESOLVED, UNTESTABLE = range(6)
 
 
 @dataclass
-class Claim:
+class Comparison:
     metric: str  # the table its values are in
-    arm: int  # row of the arm the claim is about
-    against: int  # row of the arm it is compared with
-    side: int  # +1: the claim predicts arm > against; -1: arm < against
-    margin: float  # delta, in the metric's units (> 0)
+    arm: int  # row of the arm compared
+    against: int  # row of the arm it is compared with: the difference is arm - against
+    margin: float = math.nan  # Δ in the metric's units (> 0); NaN: no margin, the difference test only
 
 
-def analyse(tables: dict[str, np.ndarray], claims: list[Claim], alpha: float = ALPHA, level: float = 0.95,
-            check: float = CHECK, outlier: float = OUTLIER) -> dict[str, np.ndarray]:
-    """Every claim's paired difference (arm - against), its standard error and degrees of freedom
-    (pooled, or the claim's own where the check rejects pooling), its `level` interval, rho, the
-    three tests' p-values, Holm's decisions over the claims at `alpha`, and the verdict code
-    (index into VERDICTS). Arrays of shape (..., claims)."""
-    outlying, pooled = {}, {}
-    for m, t in tables.items():
-        t = np.asarray(t, np.float64)
-        outlying[m] = outlying_arms(t, outlier)
-        pooled[m] = blocked_residual(np.where(outlying[m][..., None], np.nan, t))
-    cols: dict[str, list] = {k: [] for k in ("d", "var", "n", "rho", "s2", "pooled_df", "margin", "side", "arms",
-                                             "outlier")}
-    for c in claims:
+def _welch(a: np.ndarray, b: np.ndarray):
+    """Welch's unpaired difference over the seeds each arm has: (d, se, df, sd of one seed's
+    difference sqrt(s_a^2 + s_b^2), n = the smaller arm's count, s_a^2, s_b^2)."""
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    na, nb = fa.sum(-1), fb.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ma, mb = np.where(fa, a, 0).sum(-1) / na, np.where(fb, b, 0).sum(-1) / nb
+        va = np.where(fa, (a - ma[..., None]) ** 2, 0).sum(-1) / (na - 1)
+        vb = np.where(fb, (b - mb[..., None]) ** 2, 0).sum(-1) / (nb - 1)
+        qa, qb = va / na, vb / nb
+        df = (qa + qb) ** 2 / (qa**2 / (na - 1) + qb**2 / (nb - 1))
+    return ma - mb, np.sqrt(qa + qb), df, np.sqrt(va + vb), np.minimum(na, nb), va, vb
+
+
+def _paired(a: np.ndarray, b: np.ndarray):
+    """The per-seed differences over the seeds both arms have: (d, se, df, their sd, n, rho)."""
+    both = np.isfinite(a) & np.isfinite(b)
+    n = both.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        diff = np.where(both, a - b, 0.0)
+        d = diff.sum(-1) / n
+        sd = np.sqrt(np.where(both, (diff - d[..., None]) ** 2, 0.0).sum(-1) / (n - 1))
+        am, bm = np.where(both, a, 0).sum(-1) / n, np.where(both, b, 0).sum(-1) / n
+        ca, cb = np.where(both, a - am[..., None], 0), np.where(both, b - bm[..., None], 0)
+        rho = (ca * cb).sum(-1) / np.sqrt((ca**2).sum(-1) * (cb**2).sum(-1))
+        se = sd / np.sqrt(n)
+    return d, se, n - 1.0, sd, n, np.where(n >= 3, rho, np.nan)
+
+
+def tests(d, se, df, margin) -> dict[str, np.ndarray]:
+    """p-values of a difference d with standard error se on df degrees of freedom: `zero`, two-
+    sided against 0; `beyond`, against |δ| <= Δ, on the side d lies (twice the one-sided p, so
+    that either side may be found); `tost`, equivalence within ±Δ by two one-sided tests
+    (Schuirmann 1987: the larger of the two p-values). A difference the same on every seed (se 0)
+    is exact: the limit of each test as se -> 0. NaN where untestable (df < 1, no difference and
+    no spread, or no margin for the last two)."""
+    d, se, df, margin = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (d, se, df, margin)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ok = np.isfinite(d) & (se >= 0) & (df > 0)
+        zero = 2 * st.t.sf(np.abs(d) / se, df)
+        beyond = np.minimum(2 * st.t.sf((np.abs(d) - margin) / se, df), 1.0)
+        tost = np.maximum(st.t.sf((d + margin) / se, df), st.t.cdf((d - margin) / se, df))
+    has = ok & np.isfinite(margin) & (margin > 0)
+    return {"zero": np.where(ok, zero, np.nan), "beyond": np.where(has, beyond, np.nan), "tost": np.where(has, tost, np.nan)}
+
+
+def analyse(tables: dict[str, np.ndarray], comparisons: list[Comparison], alpha: float = ALPHA,
+            level: float = 0.95) -> dict[str, np.ndarray]:
+    """Every comparison's difference (arm - against), paired where the two arms share two seeds
+    or more, else Welch's; its standard error, degrees of freedom and `level` interval, the
+    family-wise interval (Bonferroni over the comparisons, the strictest level Holm's first step
+    asks), rho, the sd of one seed's difference (the noise it is judged on), the three tests'
+    p-values, Holm's decision on the difference (`differs`, also where the outcome is
+    "equivalent") and the outcome (index into OUTCOMES). Arrays of shape (..., comparisons)."""
+    cols: dict[str, list] = {k: [] for k in ("d", "se", "df", "sd", "n", "rho", "paired", "margin", "va", "vb")}
+    for c in comparisons:
         t = np.asarray(tables[c.metric], np.float64)
-        d, var, n, rho = paired(t[..., c.arm, :], t[..., c.against, :])
-        s2, df, _ = pooled[c.metric]
-        for k, v in zip(cols, (d, var, n, rho, s2, df, np.broadcast_to(c.margin, d.shape),
-                               np.broadcast_to(float(c.side), d.shape), np.broadcast_to(t.shape[-2], d.shape),
-                               outlying[c.metric][..., c.arm] | outlying[c.metric][..., c.against])):
-            cols[k].append(v)
-    a = {k: np.stack(np.broadcast_arrays(*v), -1) for k, v in cols.items()}
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = a["var"] / (2 * a["s2"])
-        use_pooled = ~a["outlier"] & (a["pooled_df"] > 0) & np.isfinite(a["s2"]) & ~(ratio > st.f.ppf(1 - check, a["n"] - 1, a["pooled_df"]))
-        var = np.where(use_pooled, 2 * a["s2"], a["var"])
-        df = np.where(use_pooled, a["pooled_df"], a["n"] - 1).astype(np.float64)
-        se = np.sqrt(var / a["n"])
-        half = st.t.ppf(0.5 + level / 2, df) * se
-    p = t_tests(a["d"], se, df, a["margin"], a["side"])
+        a, b = t[..., c.arm, :], t[..., c.against, :]
+        pd_, pse, pdf, psd, pn, rho = _paired(a, b)
+        wd, wse, wdf, wsd, wn, va, vb = _welch(a, b)
+        use = pn >= 2
+        for k, p, w in (("d", pd_, wd), ("se", pse, wse), ("df", pdf, wdf), ("sd", psd, wsd), ("n", pn, wn)):
+            cols[k].append(np.where(use, p, w))
+        cols["rho"].append(rho)
+        cols["paired"].append(use)
+        cols["margin"].append(np.broadcast_to(float(c.margin), pd_.shape))
+        cols["va"].append(np.where(use, np.nan, va))
+        cols["vb"].append(np.where(use, np.nan, vb))
+    r = {k: np.stack(np.broadcast_arrays(*v), -1) for k, v in cols.items()}
+    k = len(comparisons)
+    with np.errstate(invalid="ignore"):
+        half = st.t.ppf(0.5 + level / 2, r["df"]) * r["se"]
+        fw = st.t.ppf(1 - alpha / (2 * k), r["df"]) * r["se"]
+    p = tests(r["d"], r["se"], r["df"], r["margin"])
     zero, beyond, tost = holm(p["zero"], alpha), holm(p["beyond"], alpha), holm(p["tost"], alpha)
-    predicted = np.sign(a["d"]) == a["side"]
-    verdict = np.full(a["d"].shape, UNRESOLVED)
-    # Inside ±Δ (TOST) is "no meaningful effect" whichever side a detected difference is on: a
-    # difference smaller than Δ is no effect in either direction.
-    verdict[tost] = EQUIVALENT
-    verdict[zero & ~predicted & ~tost] = CONTRADICTED
-    verdict[zero & predicted & ~tost] = SMALLER
-    verdict[zero & predicted & beyond] = REPRODUCED
-    return {"d": a["d"], "se": se, "df": df, "low": a["d"] - half, "high": a["d"] + half, "n": a["n"], "rho": a["rho"],
-            "pooled": use_pooled, "outlier": a["outlier"], "pooled_sd": np.sqrt(a["s2"]), "pooled_df": a["pooled_df"], "arms": a["arms"],
-            "margin": a["margin"], "side": a["side"], "p_zero": p["zero"], "p_beyond": p["beyond"], "p_tost": p["tost"],
-            "verdict": verdict}
+    up = r["d"] > 0
+    out = np.full(r["d"].shape, UNRESOLVED)
+    out[zero & up] = HIGHER
+    out[zero & ~up] = LOWER
+    out[zero & up & beyond] = HIGHER_BEYOND
+    out[zero & ~up & beyond] = LOWER_BEYOND
+    # Inside ±Δ (TOST) is "equivalent" whichever side a detected difference is on: a difference
+    # smaller than Δ is no meaningful effect in either direction.
+    out[tost] = EQUIVALENT
+    out[(r["sd"] == 0) & (r["d"] == 0) & (r["n"] >= 2)] = IDENTICAL
+    r.update(low=r["d"] - half, high=r["d"] + half, fw_low=r["d"] - fw, fw_high=r["d"] + fw,
+             p_zero=p["zero"], p_beyond=p["beyond"], p_tost=p["tost"], differs=zero, outcome=out)
+    return r
 
 
-def seeds_needed(pooled_sd, margin, arms: int, claims: int, alpha: float = ALPHA, target: float = POWER,
-                 check: float = CHECK, max_seeds: int = MAX_SEEDS) -> np.ndarray:
-    """Seeds per arm at which a true effect of exactly `margin` is told from 0 with probability
-    `target`, from the pooled residual noise alone (never from an observed effect): the paired
-    difference's sd is sqrt(2) x the residual sd, tested at alpha / claims (Holm's first step,
-    the strictest it asks), on (arms - 1)(n - 1) degrees of freedom -- or, with probability
-    `check` (the homogeneity check's false alarms), on the claim's own n - 1. max_seeds + 1 where
-    even max_seeds would not do; 0 where the noise is unknown. Vectorised over pooled_sd and margin."""
-    sd = np.sqrt(2) * np.asarray(pooled_sd, np.float64)[..., None]
-    margin = np.asarray(margin, np.float64)[..., None]
-    n = np.arange(2, max_seeds + 1)
-    at = alpha / claims
+def verdict(outcome: int, side: int) -> int:
+    """A claim's verdict (index into VERDICTS) from the engine's outcome and the side it predicts
+    (+1: the arm higher than the one it is compared with, -1: lower)."""
+    if outcome == EQUIVALENT:
+        return NO_EFFECT
+    if outcome == IDENTICAL:
+        return UNTESTABLE
+    if outcome == UNRESOLVED:
+        return NOT_RESOLVED
+    higher = outcome in (HIGHER_BEYOND, HIGHER)
+    if higher != (side > 0):
+        return CONTRADICTED
+    return REPRODUCED if outcome in (HIGHER_BEYOND, LOWER_BEYOND) else SMALLER
+
+
+def against_baseline(outcome: int, lower_is_better: bool) -> str:
+    """The outcome of a variant against its baseline in words, for a metric whose better side is
+    known: better / worse (by more than Δ), equivalent within ±Δ, not resolved."""
+    if outcome in (EQUIVALENT, UNRESOLVED, IDENTICAL):
+        return {EQUIVALENT: "equivalent to the baseline within ±Δ", UNRESOLVED: "not resolved",
+                IDENTICAL: "identical to the baseline on every seed"}[outcome]
+    better = (outcome in (LOWER, LOWER_BEYOND)) == lower_is_better
+    beyond = " by more than Δ" if outcome in (HIGHER_BEYOND, LOWER_BEYOND) else ""
+    return f"{'better' if better else 'worse'} than the baseline{beyond}"
+
+
+def seeds_needed(sd, margin, comparisons: int, alpha: float = ALPHA, target: float = POWER, paired=True, va=None, vb=None,
+                 max_seeds: int = MAX_SEEDS) -> np.ndarray:
+    """Seeds per arm at which a true difference of exactly `margin` is told from 0 with
+    probability `target` by the test this engine judges the comparison with: two-sided at
+    alpha / comparisons (Holm's first step, the strictest it asks), its standard error the sd
+    of one seed's difference `sd` (the comparison's own noise, never an observed effect) over
+    sqrt(n), on n - 1 degrees of freedom paired, or Welch's at n seeds per arm from the arms'
+    variances va and vb. max_seeds + 1 where even max_seeds would not do; 0 where the noise or
+    the margin is unknown. Vectorised over sd and margin."""
+    sd, margin, paired = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (sd, margin, paired)))
+    n = np.arange(2, max_seeds + 1, dtype=np.float64)
+    if va is None or vb is None:
+        df = np.broadcast_to(n - 1, (*sd.shape, len(n)))
+    else:
+        va, vb = (np.broadcast_to(np.asarray(x, np.float64), sd.shape)[..., None] for x in (va, vb))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            welch = (n - 1) * (va + vb) ** 2 / (va**2 + vb**2)
+        df = np.where(paired[..., None] > 0, n - 1, welch)
     with np.errstate(invalid="ignore", divide="ignore"):
-        p = (1 - check) * power(n, margin, sd, at, (arms - 1) * (n - 1)) + check * power(n, margin, sd, at, n - 1)
+        p = power(n, margin[..., None], sd[..., None], alpha / comparisons, df)
     ok = p >= target
-    out = np.where(ok.any(-1), n[np.argmax(ok, -1)], max_seeds + 1)
-    known = np.isfinite(sd[..., 0]) & (sd[..., 0] > 0) & (margin[..., 0] > 0)
+    out = np.where(ok.any(-1), n[np.argmax(ok, -1)], max_seeds + 1).astype(int)
+    known = np.isfinite(sd) & (sd > 0) & np.isfinite(margin) & (margin > 0)
     return np.where(known, out, 0)
+
+
+def parse_margin(margin) -> tuple[float, bool] | None:
+    """(value, relative) of a margin: "2%" (of the baseline's mean) or 0.01 (in the metric's
+    units); None if it is not a positive number."""
+    text = str(margin).strip()
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        return None
+    return (value, text.endswith("%")) if math.isfinite(value) and value > 0 else None
+
+
+def margin_value(margin, baseline_values) -> float:
+    """Δ in the metric's units: a percentage of the baseline's mean over its finished seeds (blind
+    to every other arm, so an effect under test cannot move it), or the absolute value given;
+    NaN where the baseline has no value."""
+    value, relative = parse_margin(margin) or (math.nan, False)
+    if not relative:
+        return value
+    base = np.asarray(baseline_values, np.float64)
+    base = base[np.isfinite(base)]
+    return value * abs(float(base.mean())) if len(base) else math.nan
 
 
 def topup_seeds(needed: list[int], current: int, cap: int = MAX_SEEDS) -> int:
     """The top-up rule (docs/statistics.md): seeds per arm after a top-up = the largest
     seeds-needed over all the study's claims -- resolved or not, so that the choice depends on
-    the pooled noise and the margins only, never on an effect -- and at least the current count."""
+    each claim's noise and margin only, never on an effect -- and at least the current count."""
     return int(min(max([current, *needed]), cap))

@@ -1,6 +1,7 @@
 """`dalle-ablate study`: the verdict of each finding on synthetic run stores with known
-differences, checked against Welch's interval in closed form; the study file's errors; and the
-command end to end on a 2-arm, 2-seed study, rerun after a stop without repeating finished runs."""
+differences, checked against scipy's paired t test, statsmodels' TOST, power and Holm, and Welch's
+interval in closed form; the study file's errors; and the command end to end on a 2-arm, 2-seed
+study, rerun after a stop without repeating finished runs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import yaml
 from scipy import stats as st
 from statsmodels.formula.api import ols
 from statsmodels.stats.anova import anova_lm
+from statsmodels.stats.multitest import multipletests
+from statsmodels.stats.power import TTestPower
+from statsmodels.stats.weightstats import ttost_paired
 import pandas as pd
 
 from conftest import SMALL_DATA, TINY_TRAIN
@@ -35,13 +39,13 @@ ARMS = {  # each arm the baseline's seeds shifted, plus a little noise of its ow
     "better": [0.48, 0.63, 0.39],  # far below base
     "noisy": [0.97, 1.15, 0.88],  # around base
     "same": [1.02, 1.10, 0.91],  # base + 0.01: within a margin of 0.5
-    "slightly": [1.46, 1.55, 1.34],  # base + 0.45: beyond 0, neither beyond nor within a margin of 0.5
+    "slightly": [1.45, 1.60, 1.30],  # base + 0.45: beyond 0, neither beyond nor within a margin of 0.5
 }
 FINDINGS = [  # (id, arm, against, expect, margin, the verdict)
     ("worse-is-worse", "worse", "base", "higher", None, "reproduced"),
     ("better-is-worse", "better", "base", "higher", None, "contradicted (reversed)"),
     ("better-is-better", "better", "base", "lower", "0.1", "reproduced"),
-    ("noisy", "noisy", "base", "higher", "2%", "not resolved: needs 39 seeds"),
+    ("noisy", "noisy", "base", "higher", "2%", "not resolved: needs 62 seeds"),
     ("same", "same", "base", "higher", "0.5", "no meaningful effect (equivalent within ±Δ)"),
     ("slightly", "slightly", "base", "higher", "0.5", "reproduced, possibly smaller than Δ"),
 ]
@@ -77,32 +81,46 @@ def welch(a, b, level):
     return a.mean() - b.mean() - half, a.mean() - b.mean() + half
 
 
-def test_each_finding_gets_the_verdict_of_its_paired_pooled_interval(tmp_path):
+def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     for arm, finals in ARMS.items():
         for seed, final in enumerate(finals):
             write_store(tmp_path / "runs", arm, seed, final)
     study = load_study(study_file(tmp_path))
     sections, rows = page_sections(study, load_runs(str(tmp_path / "runs")), ["provenance line"])
     assert [r["verdict"] for r in rows] == [f[5] for f in FINDINGS]
-    # The oracle: statsmodels' OLS of loss ~ arm + seed over every arm; a finding's interval is
-    # the contrast of its two arms (the noisy arm strays from the seeds less than the 1 % check asks).
-    frame = pd.DataFrame([{"y": v, "arm": a, "seed": s} for a, vs in ARMS.items() for s, v in enumerate(vs)])
-    fit = ols("y ~ C(arm) + C(seed)", frame).fit()
+    # The oracle: each finding on its own pair, scipy's paired t test and statsmodels' TOST, Holm
+    # by statsmodels over the six findings; the verdict from the definitions (docs/statistics.md).
     k = len(FINDINGS)
+    p_zero, p_beyond, p_tost = [], [], []
     for r, (_, a, b, _, margin, _) in zip(rows, FINDINGS):
-        d = np.mean(ARMS[a]) - np.mean(ARMS[b])
-        se = math.sqrt(2 * fit.mse_resid / 3)
-        assert r["pooled"] and r["df"] == fit.df_resid == 10 and r["seeds"] == [0, 1, 2]
-        assert r["diff"] == pytest.approx(d)
-        assert (r["low"], r["high"]) == pytest.approx((d - st.t.ppf(0.975, 10) * se, d + st.t.ppf(0.975, 10) * se))
-        half = st.t.ppf(1 - 0.025 / k, 10) * se
-        assert (r["fw_low"], r["fw_high"]) == pytest.approx((d - half, d + half))
-        assert (r["welch_low"], r["welch_high"]) == pytest.approx(welch(ARMS[a], ARMS[b], 0.95), rel=1e-9)
-        assert r["rho"] == pytest.approx(np.corrcoef(ARMS[a], ARMS[b])[0, 1])
-        assert r["margin"] == pytest.approx(0.02 * np.mean(ARMS["base"]) if margin in (None, "2%") else float(margin))
-    # seeds-needed of the unresolved finding: from the pooled noise and its margin alone
+        x, y = np.array(ARMS[a]), np.array(ARMS[b])
+        delta = 0.02 * y.mean() if margin in (None, "2%") else float(margin)
+        test = st.ttest_rel(x, y)
+        ci, fw = test.confidence_interval(0.95), test.confidence_interval(1 - 0.05 / k)
+        assert r["paired"] and r["df"] == 2 and r["seeds"] == [0, 1, 2]
+        assert r["diff"] == pytest.approx((x - y).mean()) and r["margin"] == pytest.approx(delta)
+        assert (r["low"], r["high"], r["fw_low"], r["fw_high"]) == pytest.approx((ci.low, ci.high, fw.low, fw.high))
+        assert r["sd"] == pytest.approx(np.std(x - y, ddof=1))
+        assert (r["welch_low"], r["welch_high"]) == pytest.approx(welch(x, y, 0.95), rel=1e-9)
+        assert r["rho"] == pytest.approx(np.corrcoef(x, y)[0, 1])
+        p_zero.append(test.pvalue)
+        side = "greater" if (x - y).mean() > 0 else "less"  # beyond Δ on the side the difference lies, both sides open
+        p_beyond.append(min(1.0, 2 * st.ttest_rel(x, y + (delta if side == "greater" else -delta), alternative=side).pvalue))
+        p_tost.append(ttost_paired(x, y, -delta, delta)[0])
+        assert r["p_zero"] == pytest.approx(p_zero[-1]) and r["p_tost"] == pytest.approx(p_tost[-1])
+        assert r["p_beyond"] == pytest.approx(p_beyond[-1])
+    zero, beyond, tost = (multipletests(p, 0.05, method="holm")[0] for p in (p_zero, p_beyond, p_tost))
+    for i, (r, f) in enumerate(zip(rows, FINDINGS)):
+        d, side = r["diff"], 1 if f[3] == "higher" else -1
+        want = ("no meaningful effect (equivalent within ±Δ)" if tost[i] else
+                "contradicted (reversed)" if zero[i] and np.sign(d) != side else
+                "reproduced" if zero[i] and beyond[i] else "reproduced, possibly smaller than Δ" if zero[i] else "not resolved")
+        assert r["verdict"].startswith(want)
+    # seeds-needed of the unresolved finding: from its own noise and margin, statsmodels' power for
+    # a paired t test at Holm's first step, 80 %
     noisy = rows[3]
-    assert noisy["needed"] == V.seeds_needed(math.sqrt(fit.mse_resid), 0.02, 6, k)
+    effect = noisy["margin"] / np.std(np.array(ARMS["noisy"]) - ARMS["base"], ddof=1)
+    assert noisy["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / k, 0.8))
     summary = sections[0]
     assert (f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
             "(equivalent within ±Δ), 1 contradicted (reversed), 1 not resolved.") in summary.text
@@ -111,14 +129,18 @@ def test_each_finding_gets_the_verdict_of_its_paired_pooled_interval(tmp_path):
     # over training: the one evaluation of these stores is the end, judged as the end is
     assert [row[-2] for row in summary.tables[0][1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1",
                                                         "1 / 0 of 1"]
-    # the noise floor: the baseline's own spread, the pool's residual sd and the seed's share (ANOVA mean squares)
-    ms_seed = anova_lm(fit).loc["C(seed)", "mean_sq"]
-    seed_var = (ms_seed - fit.mse_resid) / len(ARMS)
+    # the noise floor: the baseline's own spread, the least and most spread arms and the seed's share
+    # (ANOVA mean squares of loss ~ arm + seed)
+    frame = pd.DataFrame([{"y": v, "arm": a, "seed": s} for a, vs in ARMS.items() for s, v in enumerate(vs)])
+    fit = ols("y ~ C(arm) + C(seed)", frame).fit()
+    seed_var = (anova_lm(fit).loc["C(seed)", "mean_sq"] - fit.mse_resid) / len(ARMS)
+    sds = {a: np.std(v, ddof=1) for a, v in ARMS.items()}
     noise = next(s for s in sections if s.key == "noise").tables[0][1]
-    assert noise == [["eval_loss", "nats/image token", pytest.approx(np.std(ARMS["base"], ddof=1)), 3, pytest.approx(math.sqrt(fit.mse_resid)),
-                      10.0, pytest.approx(seed_var / (seed_var + fit.mse_resid)), "none"]]
+    least, most = min(sds, key=sds.get), max(sds, key=sds.get)
+    assert noise == [["eval_loss", "nats/image token", pytest.approx(sds["base"]), 3, least, pytest.approx(sds[least]), most,
+                      pytest.approx(sds[most]), pytest.approx(seed_var / (seed_var + fit.mse_resid))]]
     topup = next(s for s in sections if s.key == "topup")
-    assert "Now 3 seeds per arm at most; the rule asks for 39." in topup.text
+    assert f"Now 3 seeds per arm at most; the rule asks for {max(r['needed'] for r in rows)}." in topup.text
 
 
 def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):
@@ -134,7 +156,7 @@ def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):
               for a in ("base", "worse")}
     rows = compare(study, by_arm, extra={"loss_spikes": {"base": {0: 1.0, 1: 2.0, 2: 0.0}, "worse": {0: 5.0, 1: 6.5, 2: 4.0}}})
     d = np.array([5.0, 6.5, 4.0]) - np.array([1.0, 2.0, 0.0])
-    ci = st.ttest_rel([5.0, 6.5, 4.0], [1.0, 2.0, 0.0]).confidence_interval(0.95)  # 2 arms: the pool is the pair
+    ci = st.ttest_rel([5.0, 6.5, 4.0], [1.0, 2.0, 0.0]).confidence_interval(0.95)
     assert rows[0]["diff"] == pytest.approx(d.mean()) and (rows[0]["low"], rows[0]["high"]) == pytest.approx((ci.low, ci.high))
 
 
@@ -245,6 +267,8 @@ def untimed(page: str) -> list[str]:
             timed = []
         if skip.match(line) or ("step_time" in line and not line.startswith("| arm |")) or not line.strip():
             continue
+        line = re.sub(r"\]\([./a-z]*statistics\.md", "](statistics.md", line)  # its depth is the page folder's
+        cells = line.split("|")
         out.append("|".join(c for i, c in enumerate(cells) if i not in timed))
     return out
 
@@ -260,11 +284,14 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
     study = load_study(study_file(tmp_path))
     override, entry = plan_topup(study, folder, "5", ["trainer.steps=10"])
     assert override == "seed=0,1,2,3,4" and (entry["from"], entry["to"], entry["how"]) == (3, 5, "--seeds 5")
-    # the rule: the largest seeds-needed over every finding (here the noisy one's 39), not only the unresolved
+    # the rule: the largest seeds-needed over every finding (each from its own noise), not only the unresolved
+    _, rows = page_sections(study, load_runs(str(folder)), [])
+    rule = max(r["needed"] for r in rows)
+    assert rule == next(r["needed"] for r in rows if r["finding"].id == "noisy") == 62
     override, entry = plan_topup(study, folder, "auto", [])
-    assert entry["to"] == entry["rule"] == 39 and override == "seed=" + ",".join(map(str, range(39)))
+    assert entry["to"] == entry["rule"] == rule and override == "seed=" + ",".join(map(str, range(rule)))
     sections, _ = page_sections(study, load_runs(str(folder)), [], topups=[{**entry, "at": "t"}])
-    assert "Topped up from 3 to 39 seeds per arm (--seeds auto (the rule)); the rule then asked for 39." in \
+    assert f"Topped up from 3 to {rule} seeds per arm (--seeds auto (the rule)); the rule then asked for {rule}." in \
         next(s for s in sections if s.key == "topup").text
     for seeds, overrides, message in [
         ("2", [], "--seeds 2: study synthetic already has 3 seeds per arm; a top-up only adds"),
@@ -290,12 +317,14 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
 def test_an_unresolved_finding_says_what_more_seeds_would_do():
     from dalle_ablate.report.findings import verdict_text
 
-    assert verdict_text(V.UNRESOLVED, 12, 3) == "not resolved: needs 12 seeds"
-    assert verdict_text(V.UNRESOLVED, V.MAX_SEEDS + 1, 3) == f"not resolved: needs more than {V.MAX_SEEDS} seeds"
-    assert verdict_text(V.UNRESOLVED, 3, 5) == \
+    assert verdict_text(V.NOT_RESOLVED, 12, 3) == "not resolved: needs 12 seeds"
+    assert verdict_text(V.NOT_RESOLVED, V.MAX_SEEDS + 1, 3) == f"not resolved: needs more than {V.MAX_SEEDS} seeds"
+    assert verdict_text(V.NOT_RESOLVED, 3, 5) == \
         "not resolved at 5 seeds, enough for an effect of Δ: the effect is likely smaller"
-    assert verdict_text(V.UNRESOLVED, 0, 3) == "not resolved: no seed spread to test against"
+    assert verdict_text(V.NOT_RESOLVED, 0, 3) == "not resolved: no seed spread to judge it on"
     assert verdict_text(V.CONTRADICTED, 12, 3) == "contradicted (reversed)"
+    assert verdict_text(V.UNTESTABLE, 12, 3, "neither arm trains") == "untestable here: neither arm trains"
+    assert verdict_text(V.UNTESTABLE, 0, 3) == "untestable here: both arms give the same value on every seed"
 
 
 def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path):
@@ -309,7 +338,7 @@ def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path)
         for seed, final in enumerate(finals):
             write_store(tmp_path / "runs", arm, seed, final)
     _, rows = page_sections(load_study(study_file(tmp_path)), load_runs(str(tmp_path / "runs")), [])
-    assert [_short_verdict(r) for r in rows] == ["reproduced", "contradicted", "reproduced", "needs 39 seeds",
+    assert [_short_verdict(r) for r in rows] == ["reproduced", "contradicted", "reproduced", "needs 62 seeds",
                                                  "equivalent within ±Δ", "reproduced, maybe < Δ"]
     small, large = (Image.open(io.BytesIO(forest_figure(rows[:k]))) for k in (2, 6))
     assert large.height > small.height  # a line per finding: the figure grows with the study
@@ -334,7 +363,7 @@ def test_a_caption_finding_s_course_reads_every_evaluation_s_pareto_table(tmp_pa
     assert list(steps) == [5.0, 10.0]
     for i, step in enumerate((5, 10)):
         a, b = np.array(rates["worse"][step]), np.array(rates["base"][step])
-        ci = st.ttest_rel(a, b).confidence_interval(0.95)  # two arms: the pool is the pair's own
+        ci = st.ttest_rel(a, b).confidence_interval(0.95)
         assert (d[i], lo[i], hi[i]) == pytest.approx(((a - b).mean(), ci.low, ci.high))
 
 

@@ -118,13 +118,13 @@ def test_the_claims_table_gives_every_number_its_unit_and_three_digits(page):
     assert [r["finding"] for r in table] == [f["id"] for f in FINDINGS]
     for cells, r in zip(table, rows):
         unit = unit_of(r["finding"].metric)
-        for col in ("Δ margin", "arm", "vs", "paired diff", "95% CI", "family-wise CI", "Welch 95% CI"):
+        for col in ("Δ margin", "arm", "vs", "difference", "95% CI", "family-wise CI", "Welch 95% CI"):
             numbers = re.findall(NUMBER, cells[col].split(" (")[0])
             assert numbers and all(three_digits(n) for n in numbers), (col, cells[col])
             assert cells[col].split(" (")[0].endswith(f" {unit}"), (col, cells[col])
         assert three_digits(cells["rho"])
         # the numbers are the comparison's, rounded
-        for col, key in (("arm", "arm_mean"), ("vs", "against_mean"), ("paired diff", "diff"), ("Δ margin", "margin")):
+        for col, key in (("arm", "arm_mean"), ("vs", "against_mean"), ("difference", "diff"), ("Δ margin", "margin")):
             assert float(re.search(NUMBER, cells[col]).group()) == pytest.approx(r[key], rel=0.5e-2)
         low, high = map(float, re.findall(NUMBER, cells["95% CI"]))
         assert (low, high) == pytest.approx((r["low"], r["high"]), rel=0.5e-2)

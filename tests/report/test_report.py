@@ -1,11 +1,13 @@
-"""`dalle-ablate report` on synthetic run stores with known curves: intervals, the significance
-marker, the config diff, stability counts, escaping, the files it writes; and the HTML rendered
-by headless Chromium."""
+"""`dalle-ablate report` on synthetic run stores with known curves: intervals, the verdict engine's
+judgement of each variant against the baseline (the same as a study page's for the same runs),
+the config diff, stability counts, escaping, the files it writes; and the HTML rendered by
+headless Chromium."""
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -130,24 +132,28 @@ def test_report_on_known_runs(synthetic, tmp_path):
     assert all(p["config"]["xAxis"] == "tokens" for g in grids[:2] for p in g["panelBankSectionConfig"]["panels"])
 
 
-def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
+def test_final_table_judges_each_variant_against_the_baseline(synthetic):
     from dalle_ablate.report.build import build_sections
     from dalle_ablate.report.load import load_runs
 
     runs = [r for r in load_runs(str(synthetic)) if r.variant != "model=sandwich optim.lr=0.002"]
-    # drop the one run with another lr: three variants of three, two and three seeds
+    # drop the one run with another lr: three variants of three, three and two seeds
     for r in runs:
         r.variant = f"model.layout={r.config['model.layout']}"
     sections, info = build_sections(runs, "model.layout=preln")
-    assert info["marks"] == {("model.layout=deepnet", "eval/valid/loss"): True, ("model.layout=deepnet", "train/loss"): True,
-                             ("model.layout=sandwich", "eval/valid/loss"): False, ("model.layout=sandwich", "train/loss"): False}
+    verdicts = {k: j["verdict"] for k, j in info["judged"].items()}
+    # deepnet is 1.0 worse on every seed (a difference without spread is exact); sandwich's two
+    # seeds straddle the baseline's
+    assert verdicts == {("model.layout=deepnet", "eval/valid/loss"): "worse than the baseline",
+                        ("model.layout=deepnet", "train/loss"): "worse than the baseline",
+                        ("model.layout=sandwich", "eval/valid/loss"): "not resolved",
+                        ("model.layout=sandwich", "train/loss"): "not resolved"}
     final = next(s for s in sections if s.key == "final")
     cols, rows = final.tables[0]
     row = {r[0]: dict(zip(cols, r)) for r in rows}
     assert row["model.layout=deepnet"]["eval/valid/loss"] == pytest.approx(2.0 + 2.0 / 40)  # last eval at step 40
     assert row["model.layout=deepnet"]["Δ eval/valid/loss vs baseline"] == pytest.approx(1.0)
-    assert row["model.layout=deepnet"]["beyond seed spread"] == "*" and row["model.layout=sandwich"]["beyond seed spread"] == ""
-    assert "(2 seeds" in row["model.layout=sandwich"]["Δ eval/valid/loss paired 95% CI"]
+    assert row["model.layout=sandwich"]["Δ 95% CI"].endswith("(2 seeds, paired)")
     assert row["model.layout=sandwich"]["rho eval/valid/loss"] == "–"  # rho needs 3 shared seeds
     stability = next(s for s in sections if s.key == "stability").tables[0][1]
     assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [("model.layout=preln", 2, 1)]  # the one spike, in its run
@@ -157,10 +163,12 @@ def test_final_table_marks_only_differences_beyond_the_seed_spread(synthetic):
 
 def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tmp_path):
     """Three variants of the same three seeds, each following the seeds with a little noise of its
-    own: the paired interval of a variant's difference, its noise pooled over the variants by
-    value ~ variant + seed -- statsmodels' OLS of the nine final losses is the oracle."""
-    import pandas as pd
-    from statsmodels.formula.api import ols
+    own: a variant's difference judged on its own per-seed differences (scipy's paired t test),
+    Holm over the table's four comparisons (statsmodels); with a margin, the equivalence verdict and
+    seeds-needed (statsmodels' power)."""
+    from statsmodels.stats.multitest import multipletests
+    from statsmodels.stats.power import TTestPower
+    from statsmodels.stats.weightstats import ttost_paired
 
     from dalle_ablate.report.build import build_sections
     from dalle_ablate.report.load import load_runs
@@ -172,21 +180,72 @@ def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tm
     runs = load_runs(str(tmp_path / "m"))
     for r in runs:
         r.variant = r.config["model.layout"]
-    cols, rows = next(s for s in build_sections(runs, "preln")[0] if s.key == "final").tables[0]
+    margins = {"eval/valid/loss": "0.05"}
+    sections, info = build_sections(runs, "preln", margins=margins)
+    cols, rows = next(s for s in sections if s.key == "final").tables[0]
     row = {r[0]: dict(zip(cols, r)) for r in rows}
-    frame = pd.DataFrame([{"y": f + 2.0 / 40, "v": v, "seed": seed} for v, vs in finals.items() for seed, f in enumerate(vs)])
-    fit = ols("y ~ C(v) + C(seed)", frame).fit()
+    p_zero, p_tost = [], []
     for v in ("deepnet", "sandwich"):
-        d = np.mean(finals[v]) - np.mean(finals["preln"])
-        lo, hi = fit.conf_int().loc["C(v)[T.preln]"] if v == "deepnet" else (np.nan, np.nan)
-        half = st.t.ppf(0.975, fit.df_resid) * np.sqrt(2 * fit.mse_resid / 3)
-        cell = row[v]["Δ eval/valid/loss paired 95% CI"]
-        assert cell.endswith("(3 seeds, pooled)")
+        a, b = np.array(finals[v]), np.array(finals["preln"])
+        ci = st.ttest_rel(a, b).confidence_interval(0.95)
+        cell = row[v]["Δ 95% CI"]
+        assert cell.endswith("(3 seeds, paired)")
         got = tuple(float(x) for x in cell.split(" (")[0].strip("[]").split(", "))
-        assert got == pytest.approx((d - half, d + half), rel=1e-3)  # the table prints 4 significant digits
-        if v == "deepnet":  # the same as OLS's own interval of preln's coefficient against deepnet, turned round
-            assert got == pytest.approx((-hi, -lo), rel=1e-3)
+        assert got == pytest.approx((ci.low, ci.high), rel=1e-3)  # the table prints 4 significant digits
         assert row[v]["rho eval/valid/loss"] == pytest.approx(np.corrcoef(finals[v], finals["preln"])[0, 1])
+        p_zero.append(st.ttest_rel(a, b).pvalue)
+        p_tost.append(ttost_paired(a, b, -0.05, 0.05)[0])
+    # Holm over the comparisons of the table: the difference over two variants x two metrics (train/loss is the
+    # eval loss + 2 / 40 here), the equivalence over the two with a margin
+    assert multipletests(p_zero * 2, 0.05, method="holm")[0].tolist() == [True, False, True, False]
+    assert multipletests(p_tost, 0.05, method="holm")[0].tolist() == [False, False]
+    judged = info["judged"]
+    assert judged[("deepnet", "eval/valid/loss")]["verdict"] == "worse than the baseline by more than Δ"
+    assert row["deepnet"]["verdict (eval/valid/loss)"] == "worse than the baseline by more than Δ"
+    sandwich = judged[("sandwich", "eval/valid/loss")]
+    effect = 0.05 / np.std(np.array(finals["sandwich"]) - finals["preln"], ddof=1)
+    assert sandwich["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / 4, 0.8))
+    assert row["sandwich"]["verdict (eval/valid/loss)"] == f"not resolved; needs {sandwich['needed']} seeds for a difference of Δ"
+    assert judged[("deepnet", "train/loss")]["verdict"] == "worse than the baseline"  # no margin for train/loss
+
+
+def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp_path):
+    """One engine: a study whose findings are the report's comparisons (every variant against the
+    baseline on the eval loss, the same margin) reads the same numbers and the same outcome."""
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.findings import compare, load_study
+    from dalle_ablate.report.load import load_runs
+    from dalle_ablate.report import verdicts as V
+
+    finals = {"preln": [1.0, 1.1, 0.9, 1.05], "deepnet": [1.32, 1.38, 1.21, 1.4], "sandwich": [0.97, 1.12, 0.93, 1.04],
+              "swinv2": [0.5, 0.62, 0.38, 0.57]}
+    for layout, values in finals.items():
+        for seed, f in enumerate(values):
+            store = write_store(tmp_path / "m", layout, seed, f)
+            meta = json.loads((store / "meta.json").read_text())
+            (store / "meta.json").write_text(json.dumps({**meta, "overrides": [f"+arm={layout}", f"seed={seed}"]}))
+    runs = load_runs(str(tmp_path / "m"))
+    for r in runs:
+        r.variant = r.config["model.layout"]
+    _, info = build_sections(runs, "preln", margins={"eval/valid/loss": "2%"})
+    others = ["deepnet", "sandwich", "swinv2"]
+    spec = {"name": "same", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "preln",
+            "findings": [{"id": v, "claim": v, "arm": v, "against": "preln", "metric": m, "expect": "higher",
+                          "margin": "2%"} for v in others for m in ("eval_loss", "train_loss")]}
+    (tmp_path / "same.yaml").write_text(yaml.safe_dump(spec))
+    by_arm = {a: [r for r in runs if r.variant == a] for a in finals}
+    rows = compare(load_study(tmp_path / "same.yaml"), by_arm)
+    for r in rows:
+        metric = {"eval_loss": "eval/valid/loss", "train_loss": "train/loss"}[r["finding"].metric]
+        j = info["judged"][(r["finding"].arm, metric)]
+        if metric == "train/loss":  # the report gave train/loss no margin: the difference test alone
+            continue
+        assert (j["d"], j["low"], j["high"], j["fw_low"], j["fw_high"]) == pytest.approx(
+            (r["d"], r["low"], r["high"], r["fw_low"], r["fw_high"]))
+        assert j["outcome"] == r["outcome"] and j["needed"] == r["needed"]
+        assert r["code"] == V.verdict(j["outcome"], 1)
+    outcomes = {r["finding"].arm: V.OUTCOMES[r["outcome"]] for r in rows if r["finding"].metric == "eval_loss"}
+    assert outcomes == {"deepnet": "higher by more than Δ", "sandwich": "not resolved", "swinv2": "lower by more than Δ"}
 
 
 def test_the_pareto_section_shows_all_correct_per_tier_with_intervals(tmp_path):
@@ -306,9 +365,9 @@ def test_one_seed_per_variant_says_no_difference_can_be_tested(tmp_path):
     cols, rows = next(s for s in sections if s.key == "final").tables[0]
     for row in rows:
         cells = dict(zip(cols, row))
-        assert cells["eval/valid/loss 95% CI"] == ONE_SEED and cells["beyond seed spread"] == ""
+        assert cells["eval/valid/loss 95% CI"] == ONE_SEED
         if row[0] != "model=sandwich (baseline)":
-            assert cells["Δ 95% CI"] == ONE_SEED
+            assert cells["Δ 95% CI"] == ONE_SEED and cells["verdict (eval/valid/loss)"] == "not resolved"
 
 
 def test_a_sweep_compares_completed_trials_best_first(tmp_path):

@@ -212,8 +212,8 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
     spec = yaml.safe_load(path.read_text())
     spec["findings"] = spec["findings"][:1]  # the stability claim alone
     path.write_text(yaml.safe_dump(spec))
-    sections, extra = stress_measures(path, str(tmp_path / "synthetic"))
-    assert [s.title for s in sections] == ["Stability under stress"]
+    sections, extra, untestable = stress_measures(path, str(tmp_path / "synthetic"))
+    assert [s.title for s in sections] == ["Stability under stress"] and untestable == {}  # both arms train at some rate
 
     def sens(finals):
         capped = [min(f, L0) for f in finals]
@@ -224,6 +224,35 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
     assert row["n"] == (2, 2) and row["seeds"] == [0, 1]
     assert row["diff"] == pytest.approx(np.mean([by_hand["fragile"][s] - by_hand["steady"][s] for s in (0, 1)]))
     assert row["margin"] == pytest.approx(0.1 * np.mean(list(by_hand["steady"].values())))
-    assert stress_measures(path, str(tmp_path / "elsewhere")) == ([], {})  # no stress runs there yet
+    assert stress_measures(path, str(tmp_path / "elsewhere")) == ([], {}, {})  # no stress runs there yet
     (stress_folder(tmp_path / "begun") / run_name("steady", RATES[0], 0)).mkdir(parents=True)  # a job that died early
-    assert stress_measures(path, str(tmp_path / "begun")) == ([], {})
+    assert stress_measures(path, str(tmp_path / "begun")) == ([], {}, {})
+
+
+def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_count(tmp_path):
+    """Both arms at the code-frequency floor (or above) at every rate and seed, as post-LN and
+    DeepNet were on the first stress grid: their sensitivities compare two untrained models, and the
+    page says the claim is untestable on these runs instead of how many seeds it needs."""
+    from dalle_ablate.report.findings import compare, load_study
+    from dalle_ablate.report.page import stress_measures
+
+    stuck = {"steady": {0: [2.1, 2.0, 2.2, 2.4], 1: [2.05, 2.0, 2.3, 2.6]},
+             "fragile": {0: [2.0, 2.1, 2.2, DIV], 1: [2.2, 2.0, 2.5, DIV]}}
+    for arm, seeds in stuck.items():
+        for seed, finals in seeds.items():
+            for lr, final in zip(RATES, finals):
+                write_store(stress_folder(tmp_path / "synthetic"), arm, lr, seed, final)
+    path = study_file(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    spec["findings"] = spec["findings"][:1]
+    path.write_text(yaml.safe_dump(spec))
+    _, extra, untestable = stress_measures(path, str(tmp_path / "synthetic"))
+    assert untestable == {"steady-stabler": "neither fragile nor steady trains at any rate of the stress grid (0.001, 0.003, "
+                                            "0.01, 0.03) on any seed: both end at or above the code-frequency floor"}
+    (row,) = compare(load_study(path), {}, extra=extra, untestable=untestable)
+    assert row["verdict"] == "untestable here: " + untestable["steady-stabler"] and row["code"] == 5
+    # one arm that trains at one rate on one seed makes the claim testable again
+    (stress_folder(tmp_path / "synthetic") / run_name("steady", RATES[1], 1) / "run" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in [{"step": s, "train/loss": L0 if s == 1 else 2.0 + 1.0 / s} for s in range(1, 31)]
+                  + [{"step": 30, "eval/valid/loss": 1.5}]))
+    assert stress_measures(path, str(tmp_path / "synthetic"))[2] == {}

@@ -1,0 +1,235 @@
+"""Simulated studies with known truth, in a study file's own structure -- its claims, the arms each
+metric is measured on, the seeds of its runs and of its stress runs -- judged by the verdict engine
+(report/verdicts.py) itself: the evidence that its error rates hold where real arms differ in
+noise. tests/report/test_verdicts.py runs every scenario at a few hundred studies with a tolerance
+from the Monte-Carlo error; benchmarks/verdict_calibration.py runs them at thousands and writes the
+table docs/statistics.md shows.
+
+A simulated metric's value for arm a and seed s is
+
+    y[a, s] = mu[a] + m[a] * (sqrt(rho) * z[s] + sqrt(1 - rho) * e[a, s])
+
+z the seed's effect, shared by every arm of the metric (an arm in `unshared` draws its own), e each
+run's own noise, both standard normal; m[a] the arm's seed spread (1, or as the scenario says);
+mu the claims' true differences. Δ is one unit (the sd of one run's noise at m = 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dalle_ablate.report import verdicts as V
+
+
+
+@dataclass
+class Structure:
+    """What a study judges: per metric the arms measured on it and their seeds, and its claims."""
+    pools: dict[str, list[str]]  # metric -> the arms that have values of it
+    seeds: dict[str, int]  # metric -> seeds per arm
+    claims: list[tuple[str, str, str]]  # (metric, arm, against), in the study file's order
+    topped: tuple[str, ...]  # the metrics a top-up adds seeds to: those of the study's own runs
+
+    def comparisons(self, margin: float = 1.0) -> list[V.Comparison]:
+        return [V.Comparison(m, self.pools[m].index(a), self.pools[m].index(b), margin) for m, a, b in self.claims]
+
+
+def structure(study_file: Path) -> Structure:
+    """A study file's structure: the arms its experiment preset runs with the seeds it sweeps for
+    the metrics of its own runs; its stress plan's arms and seeds for the metrics judged on the
+    stress runs (report/stress.py)."""
+    from dalle_ablate.report.findings import MEASURED_ELSEWHERE, load_study, study_arms
+    from dalle_ablate.report.stress import load_stress
+    from dalle_ablate.report.study_runs import swept_seeds
+
+    study = load_study(study_file)
+    plan = load_stress(study_file)
+    arms = study_arms(study, {})
+    n = len(swept_seeds(study.experiment, []) or [0])
+    pools, seeds = {}, {}
+    for f in study.findings:
+        elsewhere = f.metric in MEASURED_ELSEWHERE
+        pools[f.metric] = (plan.arms if elsewhere and plan is not None else arms)
+        seeds[f.metric] = len(plan.seeds) if elsewhere and plan is not None else n
+    return Structure(pools, seeds, [(f.metric, f.arm, f.against) for f in study.findings],
+                     tuple(m for m in pools if m not in MEASURED_ELSEWHERE))
+
+
+@dataclass
+class Scenario:
+    name: str
+    rho: float = 0.5  # the share of one run's variance that its seed shares with the other arms
+    noisier: dict[str, float] = field(default_factory=dict)  # arm -> its seed spread m[a] (others 1)
+    unshared: tuple[str, ...] = ()  # arms whose seed effect is their own
+    spread: float = 1.0  # > 1: every arm's m[a] drawn log-uniform on [1, spread], per study and metric
+    effects: tuple[float, ...] = ()  # each claim's true difference in Δ; () = none anywhere
+
+    def multipliers(self, rng, arms: list[str], studies: int) -> np.ndarray:
+        m = np.ones((studies, len(arms)))
+        for a, x in self.noisier.items():
+            if a in arms:
+                m[:, arms.index(a)] = x
+        if self.spread > 1:
+            m = m * np.exp(rng.uniform(0, np.log(self.spread), m.shape))
+        return m
+
+
+def simulate(rng, s: Structure, scenario: Scenario, studies: int, seeds: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """metric -> values[study, arm, seed] of `studies` simulated studies (seeds per metric: the
+    structure's, or `seeds`)."""
+    seeds = {**s.seeds, **(seeds or {})}
+    tables = {}
+    for metric, arms in s.pools.items():
+        n = seeds[metric]
+        z = np.broadcast_to(rng.normal(size=(studies, 1, n)), (studies, len(arms), n)).copy()
+        for a in scenario.unshared:
+            if a in arms:
+                z[:, arms.index(a)] = rng.normal(size=(studies, n))
+        e = rng.normal(size=(studies, len(arms), n))
+        m = scenario.multipliers(rng, arms, studies)[..., None]
+        tables[metric] = m * (np.sqrt(scenario.rho) * z + np.sqrt(1 - scenario.rho) * e)
+    for (metric, arm, against), effect in zip(s.claims, scenario.effects):
+        arms = s.pools[metric]
+        # mu[against] = 0, mu[arm] = effect: a claim's arm is in no other claim of its metric
+        tables[metric][:, arms.index(arm)] += effect
+    return tables
+
+
+def truth(s: Structure, scenario: Scenario) -> np.ndarray:
+    """Each claim's true difference in Δ."""
+    return np.array(scenario.effects if scenario.effects else [0.0] * len(s.claims), float)
+
+
+def difference_sd(s: Structure, scenario: Scenario, claim: int) -> float:
+    """The sd of one seed's difference of a claim's two arms (spread 1 unless `noisier`)."""
+    metric, arm, against = s.claims[claim]
+    ma, mb = scenario.noisier.get(arm, 1.0), scenario.noisier.get(against, 1.0)
+    shared = 0.0 if arm in scenario.unshared or against in scenario.unshared else scenario.rho
+    return float(np.sqrt(ma**2 + mb**2 - 2 * shared * ma * mb))
+
+
+def false_difference(result: dict, true: np.ndarray) -> np.ndarray:
+    """Per study: whether Holm's test rejected "no difference" for any claim whose true difference
+    is 0 -- stricter than counting the verdicts that claim one (reproduced, possibly smaller,
+    contradicted): a difference detected inside ±Δ, read as "equivalent", counts too."""
+    return (result["differs"] & (true == 0)).any(-1)
+
+
+def false_equivalence(outcome: np.ndarray, true: np.ndarray, margin: float) -> np.ndarray:
+    """Per study: whether any claim whose true difference is at least Δ was found equivalent."""
+    return ((outcome == V.EQUIVALENT) & (np.abs(true) >= margin)).any(-1)
+
+
+def topped_up(rng, s: Structure, scenario: Scenario, studies: int, cap: int, margin: float = 1.0) -> tuple[dict, np.ndarray]:
+    """Studies run at their structure's seeds, then topped up once by the rule (verdicts.topup_seeds:
+    the largest seeds-needed over the claims of the study's own runs, from each claim's own noise
+    at the first stage) to at most `cap` seeds per arm: (their tables, NaN past each study's seeds;
+    the seeds each was topped up to)."""
+    full = simulate(rng, s, scenario, studies, {m: cap for m in s.topped})
+    comps = s.comparisons(margin)
+    first = {m: (t[..., : s.seeds[m]] if m in s.topped else t) for m, t in full.items()}
+    r = V.analyse(first, comps)
+    own = [i for i, (m, _, _) in enumerate(s.claims) if m in s.topped]
+    needed = V.seeds_needed(r["sd"][:, own], margin, len(comps), max_seeds=cap)
+    start = min(s.seeds[m] for m in s.topped)
+    target = np.minimum(np.maximum(np.where(needed > cap, cap, needed).max(-1), start), cap)
+    for m in s.topped:
+        mask = np.arange(cap)[None, None, :] >= target[:, None, None]
+        full[m] = np.where(mask, np.nan, full[m])
+    return full, target
+
+
+@dataclass
+class Check:
+    """One row of the calibration: a scenario, the seeds its studies run, what is measured and the
+    range it must fall in (a rate per study, or per claim for `power`)."""
+    scenario: Scenario
+    measure: str  # "false difference" | "false equivalence" | "equivalence found" | "power" | "top-up"
+    low: float
+    high: float
+    seeds: int | None = None  # seeds per arm of every metric; None: the study file's
+    margin: float = 0.5  # Δ in units of one run's sd
+
+    @property
+    def label(self) -> str:
+        return f"{self.scenario.name}, {self.measure}" + (f", {self.seeds} seeds" if self.seeds else "")
+
+
+NULL, EQUIVALENCE_MARGIN, POWER_MARGIN, TOPUP_MARGIN, TOPUP_CAP = 0.05, 3.0, 1.0, 2.5, 10
+
+
+def checks(s: Structure) -> list[Check]:
+    """The scenarios of issue 49 in this study's structure. A null claim's Δ is half a run's sd
+    (the study's eval loss: Δ 0.0032 against a baseline sd of 0.0072 nats); the equivalence
+    scenarios take Δ = 3 sd, where equivalence is within reach at 10 seeds."""
+    k = len(s.claims)
+    base = s.claims[0][2]  # the arm the first claim is compared with: the baseline in a study file
+    named = [a for _, arm, against in s.claims for a in (arm, against) if a != base]
+    other = max(dict.fromkeys(named), key=named.count)  # the arm in the most claims (normformer in mega-variants)
+    fd = "false difference"
+    out = [Check(Scenario(f"no effect, rho {rho:g}", rho=rho), fd, 0, NULL, seeds) for rho in (0.0, 0.5, 0.9)
+           for seeds in (None, 6)]
+    for rho in (0.5, 0.9):
+        out += [Check(Scenario(f"{base} 3x the others' spread, rho {rho:g}", rho=rho, noisier={base: 3.0}), fd, 0, NULL),
+                Check(Scenario(f"{other} 3x the others' spread, rho {rho:g}", rho=rho, noisier={other: 3.0}), fd, 0, NULL)]
+    for arm in (base, other):
+        out += [Check(Scenario(f"{arm}'s seed effect its own, rho 0.9", rho=0.9, unshared=(arm,)), fd, 0, NULL, seeds)
+                for seeds in (None, 5)]
+    out += [Check(Scenario(f"every arm's spread log-uniform on [1, 12], rho {rho:g}", rho=rho, spread=12.0), fd, 0, NULL)
+            for rho in (0.5, 0.9)]
+    sides = np.where(np.arange(k) % 2, -1.0, 1.0)
+    for seeds in (None, 10):
+        out.append(Check(Scenario("every claim's true difference exactly ±Δ", effects=tuple(sides * EQUIVALENCE_MARGIN)),
+                         "false equivalence", 0, NULL, seeds, EQUIVALENCE_MARGIN))
+    out.append(Check(Scenario("no effect, rho 0.5"), "equivalence found", 0.5, 1.0, 10, EQUIVALENCE_MARGIN))
+    first = tuple([POWER_MARGIN] + [0.0] * (k - 1))
+    out += [Check(Scenario("the first claim's difference exactly Δ, rho 0.5", effects=first), "power", 0.75, 0.85,
+                  margin=POWER_MARGIN),
+            Check(Scenario(f"the same, {s.claims[0][1]} 3x the others' spread", noisier={s.claims[0][1]: 3.0}, effects=first),
+                  "power", 0.75, 0.85, margin=POWER_MARGIN),
+            Check(Scenario("no effect, rho 0.5"), "top-up", 0, NULL, margin=TOPUP_MARGIN)]
+    return out
+
+
+def run(rng, s: Structure, check: Check, studies: int) -> tuple[float, int, str]:
+    """(the measured rate, how many trials it is over, the seeds its studies ran, in words)."""
+    comps = s.comparisons(check.margin)
+    true = truth(s, check.scenario)
+    if check.measure == "top-up":
+        tables, target = topped_up(rng, s, check.scenario, studies, TOPUP_CAP, check.margin)
+        out = V.analyse(tables, comps)
+        counts = np.bincount(target, minlength=TOPUP_CAP + 1)
+        spread = ", ".join(f"{n}: {c / studies:.0%}" for n, c in enumerate(counts) if c)
+        return float(false_difference(out, true).mean()), studies, f"{_seeds(s, None)}, topped up to ({spread})"
+    seeds = None if check.seeds is None else {m: check.seeds for m in s.pools}
+    if check.measure == "power":
+        n = int(V.seeds_needed(difference_sd(s, check.scenario, 0), check.margin, len(comps)))
+        seeds = {**{m: n for m in s.topped}, **(seeds or {})}
+        out = V.analyse(simulate(rng, s, check.scenario, studies, seeds), comps)["outcome"][:, 0]
+        found = np.isin(out, (V.HIGHER, V.HIGHER_BEYOND) if true[0] > 0 else (V.LOWER, V.LOWER_BEYOND))
+        return float(found.mean()), studies, f"{n} (seeds-needed of the first claim, from its sd)"
+    out = V.analyse(simulate(rng, s, check.scenario, studies, seeds), comps)
+    if check.measure == "false equivalence":
+        return float(false_equivalence(out["outcome"], true, check.margin).mean()), studies, _seeds(s, check.seeds)
+    if check.measure == "equivalence found":
+        return float((out["outcome"] == V.EQUIVALENT).mean()), studies * len(comps), _seeds(s, check.seeds)
+    return float(false_difference(out, true).mean()), studies, _seeds(s, check.seeds)
+
+
+def _seeds(s: Structure, seeds: int | None) -> str:
+    if seeds is not None:
+        return str(seeds)
+    return ", ".join(f"{m} {n}" for m, n in s.seeds.items())
+
+
+def mc_se(rate: float, n: int) -> float:
+    """The Monte-Carlo standard error of a rate measured over n independent trials."""
+    return float(np.sqrt(max(rate * (1 - rate), 1e-12) / n))
+
+
+def holds(check: Check, rate: float, n: int) -> bool:
+    """Within the check's range, within 2 Monte-Carlo standard errors of the rate at the bound."""
+    tol = lambda bound: 2 * mc_se(bound, n)  # noqa: E731 - the error of a rate at the bound itself
+    return check.low - tol(check.low) <= rate <= check.high + tol(check.high)
