@@ -43,10 +43,10 @@ def main() -> None:
         accuracy(args)
         return
 
-    import jax
     import numpy as np
 
     from dalle_ablate.train.assembly import assemble
+    from dalle_ablate.train.hooks import evaluate
     from dalle_ablate.train.step import make_eval_step
     from dalle_ablate.validate import compose, to_run_config
 
@@ -66,13 +66,11 @@ def main() -> None:
             if i % 10 == 0:
                 curve.append(float(m["train/loss"]))
         wall = time.perf_counter() - t0
-        ev, total, weight = make_eval_step(run.graphdef, run.placement), 0.0, 0.0
-        for eb in dataset.eval_batches(b):  # evaluated in the training dtype: what that model computes
-            s, w = jax.device_get(ev(state.params, run.placement.global_batch(eb, b)))
-            total, weight = total + float(s), weight + float(w)
+        # evaluated in the training dtype: what that model computes
+        eval_loss = float(evaluate(make_eval_step(run.graphdef, run.placement), state.params, dataset, b, None, run.placement)[0])
         curves[label] = curve
-        print(f"{label}: eval loss {total / weight:.3f}, {wall:.0f} s", flush=True)
-        rows.append((label, curve[len(curve) // 4], curve[len(curve) // 2], float(np.mean(curve[-5:])), total / weight,
+        print(f"{label}: eval loss {eval_loss:.3f}, {wall:.0f} s", flush=True)
+        rows.append((label, curve[len(curve) // 4], curve[len(curve) // 2], float(np.mean(curve[-5:])), eval_loss,
                      float(m.get("train/skipped_steps", 0.0)), float(m.get("train/grad_scale", float("nan"))),
                      float(m.get("train/grad_underflow", float("nan"))), wall))
     print(f"{args.layers}+{args.layers} layers, d_model 64, {args.steps} steps")

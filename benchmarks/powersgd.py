@@ -108,15 +108,12 @@ def main() -> None:
             times.append(time.perf_counter() - t)
             if "comm/powersgd_rel_error" in m and i % cfg.trainer.log_every == cfg.trainer.log_every - 1:
                 rel_error = float(m["comm/powersgd_rel_error"])  # measured on logging steps only
-        total, weight = 0.0, 0.0
+        from dalle_ablate.train.hooks import evaluate
         from dalle_ablate.train.step import make_eval_step
 
-        ev = make_eval_step(run.graphdef, run.placement)
-        for eb in dataset.eval_batches(b):
-            s, w = jax.device_get(ev(state.params, run.placement.global_batch(eb, b)))
-            total, weight = total + float(s), weight + float(w)
+        eval_loss = float(evaluate(make_eval_step(run.graphdef, run.placement), state.params, dataset, b, None, run.placement)[0])
         rows.append((rank, *all_reduce_bytes(hlo), 4 * floats["sent"], floats["full"] / floats["sent"],
-                     statistics.median(times), float(np.mean(losses[-20:])), total / weight,
+                     statistics.median(times), float(np.mean(losses[-20:])), eval_loss,
                      float(rel_error)))
     base = rows[0][5]
     print("| rank | all-reduce B/step (HLO) | B/step (shapes) | + on log steps (HLO) | compression | step ms | × first row | "

@@ -16,6 +16,7 @@ import pandas as pd
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.report import figures
+from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
 from dalle_ablate.report.tables import (ONE_SEED, SAME_PROMPTS, STABILITY_COLUMNS, final_table, fmt, paired_table,
                                         runs_csv, shapes_noise_table, shapes_tier_table, stability_rows, tier_table)
@@ -23,16 +24,16 @@ from dalle_ablate.report.writers import Section, to_html, to_markdown
 from dalle_ablate.track import HEADLINES
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
-TITLES = {"overview": "Runs and variants", "final": "Final metrics", "optuna": "Optuna study",
+TITLES = {"overview": "Runs and variants", "final": "Final metrics", "noise": "Noise report", "optuna": "Optuna study",
           "curves": "Loss and gradient norm across seeds", "stability": "Stability", "compute": "Equal-compute views",
           "pareto": "Guidance-scale Pareto curves", "shapes": "Shapes evaluation by tier", "grids": "Prompt grids",
           "config": "Config diff"}
-FOLDED = ("stability", "shapes", "grids", "config")  # long: closed until clicked
+FOLDED = ("noise", "stability", "shapes", "grids", "config")  # long: closed until clicked
 
 
 def section_keys(sweep: bool) -> list[str]:
     """The summary first; a sweep's study right after it, where its answer is."""
-    rest = ["curves", "stability", "compute", "pareto", "shapes", "grids", "config"]
+    rest = ["noise", "curves", "stability", "compute", "pareto", "shapes", "grids", "config"]
     return ["overview", "optuna", "final", *rest] if sweep else ["overview", "final", *rest]
 
 
@@ -106,6 +107,10 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None,
                                          "needs") + ". rho is the two runs' correlation across the seeds they share, "
                   f"what pairing bought. A variant of one seed shows '{ONE_SEED}'.")
     s.tables.append((cols, rows))
+
+    sections["noise"] = noise_report.section(by_variant, [(f"{v} vs {baseline}", v, baseline) for v in by_variant
+                                                          if v != baseline])
+    sections["noise"].folded = True
 
     s = sections["curves"]
     s.text.append("Lines are the mean over a variant's seeds; the band is the 95% Student-t interval of that mean "

@@ -61,6 +61,18 @@ MEASURED_ELSEWHERE: dict[str, tuple[str, str]] = {
 }
 
 
+# Which randomness a finding's interval covers, per metric: what varies from one seed's pair of
+# runs to the next (the noise report, report/noise.py, measures how much each part is).
+COVERS: dict[str, str] = {
+    "eval_loss": "initialisation and data order (the seed); not the evaluation set: every run scores the same scenes",
+    "train_loss": "initialisation and data order (the seed)",
+    "step_time": "the seed and the machine's load while each run trained",
+    "loss_spikes": "initialisation and data order (the seed)",
+    "shapes_all": "the seed and the images' sampling noise; not the prompts: every run draws the same ones",
+    "lr_sensitivity": "the stress runs' seeds (initialisation and data order at every rate)",
+}
+
+
 def unit_of(metric: str) -> str:
     """The unit of a metric's numbers (METRICS, MEASURED_ELSEWHERE); "" for one neither knows."""
     if metric in METRICS:

@@ -18,8 +18,9 @@ import yaml
 
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
+from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import (MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, Study, _arms_by,
+from dalle_ablate.report.findings import (COVERS, MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, Study, _arms_by,
                                           claims_tables, compare, course, noise_sources, parse_margin, study_arms,
                                           unit_of)
 from dalle_ablate.report.load import Run, series
@@ -113,7 +114,7 @@ def claim_row(r: dict, over_training: str) -> list:
     return [f.id, f.claim, f"{f.arm} vs {f.against}", f"{f.metric} ({f.expect} if the claim holds)",
             f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
             fmt3(r["arm_mean"], u), fmt3(r["against_mean"], u), fmt3(r["diff"], u), _interval(r["low"], r["high"], u),
-            _interval(r["fw_low"], r["fw_high"], u), fmt3(r["rho"]), _noise_note(r),
+            _interval(r["fw_low"], r["fw_high"], u), COVERS.get(f.metric, "the seed"), fmt3(r["rho"]), _noise_note(r),
             _interval(r["welch_low"], r["welch_high"], u), ", ".join(str(s) for s in r["seeds"]) or "–", over_training,
             r["verdict"]]
 
@@ -124,6 +125,51 @@ def _noise_note(r: dict) -> str:
         return "–"
     how = "paired differences" if r["paired"] else "Welch, seeds not shared"
     return f"sd {fmt3(r['sd'])} ({how}, df {fmt3(r['df'])})"
+
+
+def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict] = None) -> Section:
+    """The noise report (report/noise.py) for the findings on the eval loss, then per metric the
+    baseline's and the arms' spreads and the seed's share, the sources the baseline's runs vary one
+    at a time, and the shapes evaluation's own noise."""
+    pairs = [(f.id, f.arm, f.against) for f in study.findings if f.metric == "eval_loss"]
+    noise = noise_report.section(by_arm, pairs)
+    noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the arms' own spreads (the "
+                      "least and the most spread arm: arms need not be equally noisy, and no finding borrows another's "
+                      "noise) and the seed's share of one run's variance from the two-way ANOVA of arm and seed (how "
+                      "much of it the arms share: what pairing removes). Where the noise comes from -- data order or "
+                      "initialisation -- a study tells apart only by varying one of the two at a time (Bouthillier et "
+                      "al. 2021).")
+    arms, _, tables = claims_tables(study, by_arm, extra)
+    nrows = []
+    for metric, t in tables.items():
+        b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
+        b = b[np.isfinite(b)]
+        with np.errstate(invalid="ignore"):
+            sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
+        least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
+        share = blocked_residual(t)[2]
+        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
+                      sds.get(least, math.nan), most or "–", sds.get(most, math.nan), float(share)])
+    noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
+                          "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
+    base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
+    sources = [[m, unit_of(m), k, sd, df] for m in tables if m in METRICS
+               for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
+    if sources:
+        noise.text.append("The baseline's runs vary these sources one at a time: the spread of each metric among runs "
+                          "that differ only in that field (pooled over the groups that agree on every other).")
+        noise.tables.append((["metric", "unit", "source (config field)", "sd", "df"], sources))
+    else:
+        noise.text.append("The baseline's runs vary every source together (through `seed`): the page cannot split them.")
+    evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
+    if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
+        noise.text.append("The shapes evaluation's own noise, apart from the seeds': the baseline's all-correct per "
+                          "guidance scale and tier (a fraction of the prompts, as both sds are), its sd across seeds, and the binomial sd over one run's prompts, "
+                          "sqrt(p (1 - p) / N). A seed spread near the prompt sd is mostly the evaluation's; every arm "
+                          "is scored on the same prompts with the same sampling noise, so a paired difference "
+                          "cancels what the prompts share.")
+        noise.tables.append(evaluation)
+    return noise
 
 
 def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: Optional[list[dict]] = None,
@@ -183,7 +229,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         return f"{pro} / {con} of {len(lo)}"
 
     head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "difference", "95% CI",
-                         "family-wise CI", "rho", "noise", "Welch 95% CI", "seeds",
+                         "family-wise CI", "randomness the interval covers", "rho", "noise", "Welch 95% CI", "seeds",
                          "evaluations beyond 0: predicted / other side", "verdict"],
                         [claim_row(r, over_training(r)) for r in rows]))
     notes = Section("notes", "Notes on the findings")
@@ -191,43 +237,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     if not notes.text:
         notes.text.append("The study file gives no notes on its findings.")
 
-    noise = Section("noise", "Noise floor")
-    noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the arms' own spreads (the "
-                      "least and the most spread arm: arms need not be equally noisy, and no finding borrows another's "
-                      "noise) and the seed's share of one run's variance from the two-way ANOVA of arm and seed (how "
-                      "much of it the arms share: what pairing removes). Where the noise comes from -- data order or "
-                      "initialisation -- a study tells apart only by varying one of the two at a time (Bouthillier et "
-                      "al. 2021).")
-    arms, seeds, tables = claims_tables(study, by_arm, extra)
-    nrows = []
-    for metric, t in tables.items():
-        b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
-        b = b[np.isfinite(b)]
-        with np.errstate(invalid="ignore"):
-            sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
-        least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
-        share = blocked_residual(t)[2]
-        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
-                      sds.get(least, math.nan), most or "–", sds.get(most, math.nan), float(share)])
-    noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
-                          "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
-    base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
-    sources = [[m, unit_of(m), k, sd, df] for m in tables if m in METRICS
-               for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
-    if sources:
-        noise.text.append("The baseline's runs vary these sources one at a time: the spread of each metric among runs "
-                          "that differ only in that field (pooled over the groups that agree on every other).")
-        noise.tables.append((["metric", "unit", "source (config field)", "sd", "df"], sources))
-    else:
-        noise.text.append("The baseline's runs vary every source together (through `seed`): the page cannot split them.")
-    evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
-    if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
-        noise.text.append("The shapes evaluation's own noise, apart from the seeds': the baseline's all-correct per "
-                          "guidance scale and tier (a fraction of the prompts, as both sds are), its sd across seeds, and the binomial sd over one run's prompts, "
-                          "sqrt(p (1 - p) / N). A seed spread near the prompt sd is mostly the evaluation's; every arm "
-                          "is scored on the same prompts with the same sampling noise, so a paired difference "
-                          "cancels what the prompts share.")
-        noise.tables.append(evaluation)
+    noise = noise_section(study, by_arm, extra)
 
     top = Section("topup", "Adding seeds")
     top.text.append(TOPUP_RULE.replace("STATISTICS", statistics))

@@ -58,7 +58,7 @@ MEASURES = {
     "divergences": ("rates at which the loss stopped being finite", "lower"),
 }
 # Keys a stress run sets itself: a study command's own overrides of these are not passed on.
-CONTROLLED = ("arm", "optim.lr", "seed", "trainer.steps", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+CONTROLLED = ("arm", "optim.lr", "seed", "seeds", "trainer.steps", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 
 
 @dataclass(frozen=True)
@@ -152,12 +152,21 @@ def settled(store: Path, steps: int) -> bool:
 
 
 def job_command(python: str, experiment: str, folder: Path, arm: str, lr: float, seed: int, plan: StressPlan,
-                overrides: list[str]) -> list[str]:
+                overrides: list[str], members: list[int] | None = None) -> list[str]:
     """One stress run as a single `dalle_ablate.job` process: the study's preset and arm at this
-    rate, seed and budget, the plan's overrides, then the study command's own (less CONTROLLED)."""
+    rate, seed and budget, the plan's overrides, then the study command's own (less CONTROLLED).
+    `members`: the seeds of this arm and rate trained as members of the one job (train/members.py,
+    `members.impl=map`: each its separate run bit for bit on a CPU), each in the folder its own run
+    would have (`<arm>-lr<rate>-seed<k>`, the run folder's template resolved with seed=k)."""
     from dalle_ablate.track.naming import key_of
 
     own = [o for o in overrides if key_of(o) not in CONTROLLED]
+    if members and len(members) > 1:
+        impl = [] if any(o.startswith("members.impl=") for o in own) else ["members.impl=map"]
+        return [python, "-m", "dalle_ablate.job", f"experiment={experiment}", f"+arm={arm}", f"optim.lr={lr!r}",
+                f"seed={members[0]}", f"seeds=[{','.join(map(str, members))}]", *impl, f"trainer.steps={plan.steps}",
+                "resume=auto", *plan.overrides, *own,
+                f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed).replace(f'-seed{seed}', '-seed${seed}')}"]
     return [python, "-m", "dalle_ablate.job", f"experiment={experiment}", f"+arm={arm}", f"optim.lr={lr!r}", f"seed={seed}",
             f"trainer.steps={plan.steps}", "resume=auto", *plan.overrides, *own,
             f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed)}"]

@@ -62,10 +62,11 @@ def call_child(command: list[str], env: dict, preexec: Optional[Callable[[], Non
 
 
 def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[str], env: dict,
-               preexec: Optional[Callable[[], None]] = None) -> Optional[StressOutcome]:
+               preexec: Optional[Callable[[], None]] = None, members: bool = True) -> Optional[StressOutcome]:
     """The study's stress runs (report/stress.py), if its file declares them: each arm of its
-    stability claims at each rate and seed, one process per run into `<folder>-stress/`; a run that
-    finished or diverged before is not started again, a stopped one continues (resume=auto)."""
+    stability claims at each rate and seed into `<folder>-stress/`, the seeds of an arm and rate
+    as members of one job (`members`; else one process per run); a run that finished or diverged
+    before is not started again, a stopped one continues (resume=auto)."""
     import time
 
     from dalle_ablate.report.stress import job_command, load_stress, run_name, settled, stress_folder
@@ -75,15 +76,21 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
         return None
     where = stress_folder(folder)
     t, ran, failed = time.perf_counter(), 0, []
-    for arm, lr, seed in plan.jobs():
-        if settled(where / run_name(arm, lr, seed) / "run", plan.steps):
+    groups = [(arm, lr, plan.seeds) for arm in plan.arms for lr in plan.rates] if members else \
+        [(arm, lr, [seed]) for arm, lr, seed in plan.jobs()]
+    for arm, lr, seeds in groups:
+        todo = [s for s in seeds if not settled(where / run_name(arm, lr, s) / "run", plan.steps)]
+        if not todo:
             continue
-        code = call_child(job_command(sys.executable, experiment, where, arm, lr, seed, plan, overrides), env, preexec)
-        ran += 1
+        # every seed of the group, settled ones too: a members job leaves a finished or diverged member as it is
+        code = call_child(job_command(sys.executable, experiment, where, arm, lr, seeds[0], plan, overrides, seeds),
+                          env, preexec)
+        ran += len(todo)
         if code not in (0, RunFailed.DIVERGED):  # a diverged run is a measurement of its rate
-            failed.append(f"{run_name(arm, lr, seed)} (exit {code})")
+            failed.append(f"{', '.join(run_name(arm, lr, s) for s in todo)} (exit {code})")
+    how = "; the seeds of each arm and rate as members of one job" if members and len(plan.seeds) > 1 else ""
     line = (f"Stress runs: {len(plan.jobs())} in {where} ({len(plan.arms)} arms x {len(plan.rates)} rates x "
-            f"{len(plan.seeds)} seeds, {plan.steps} steps); this invocation started {ran} of them in "
+            f"{len(plan.seeds)} seeds, {plan.steps} steps{how}); this invocation started {ran} of them in "
             f"{(time.perf_counter() - t) / 60:.1f} min (those that finished or diverged before are not rerun).")
     return StressOutcome(line, failed)
 
@@ -154,7 +161,8 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
     code = 0 if no_run else call_child(command, env, preexec)
     if topup is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
         _log_topup(folder, topup)
-    stress = None if no_run or no_stress else run_stress(study_file, study.experiment, folder, overrides, env, preexec)
+    stress = None if no_run or no_stress else run_stress(study_file, study.experiment, folder, overrides, env, preexec,
+                                                         members)
     elapsed = time.perf_counter() - t
     runs = _study_runs(study.name, folder, code)
     lines = provenance(study_arg, seeds, overrides, command, runs, elapsed, not no_run,

@@ -53,16 +53,25 @@ class Hooks:
         return stop
 
 
-def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement):
-    """Weighted mean NLL over the valid split, summed in float64; every host reads the same eval
-    batches and feeds its own rows of each. An eval step over the members of a job (members.py)
-    returns one sum per member, and so does this."""
-    total, weight = np.float64(0.0), np.float64(0.0)
+def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int],
+             placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+    """(weighted mean NLL over the valid split, summed in float64; each example's NLL, in the
+    split's order, the padding of the last batch dropped). Every host reads the same eval batches
+    and feeds its own rows of each. An eval step over the members of a job (members.py) returns
+    one sum and one row of examples per member, and so does this."""
+    total, weight, examples = np.float64(0.0), np.float64(0.0), []
     rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
     for batch in dataset.eval_batches(batch_size, max_batches):
-        s, w = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
+        s, w, nll = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
         total, weight = total + np.asarray(s, np.float64), weight + np.asarray(w, np.float64)
-    return total / np.maximum(weight, 1.0)
+        examples.append(np.asarray(nll)[..., batch["weights"] > 0])
+    return total / np.maximum(weight, 1.0), np.concatenate(examples, -1)
+
+
+def log_examples(tracker, values: np.ndarray, step: int) -> None:
+    """Each valid example's NLL at this validation, as a table (`eval/valid/examples`): the
+    evaluation set's share of a run's noise is read from them (report/noise.py)."""
+    tracker.log_table("eval/valid/examples", ["example", "loss"], [[i, float(v)] for i, v in enumerate(values)], step)
 
 
 def eval_graph(run):
@@ -95,9 +104,11 @@ def periodic_hooks(cfg, run, tracker, ckpt, job, wall_start: Callable[[], float]
     evaluation = evaluation_or_none(cfg, run.dataset, run.model_cfg, eval_graphdef, tracker, run.placement.replicated)
 
     def validation(step, state):
-        seen.eval_loss = float(evaluate(eval_step, state.params, run.dataset, t.batch_size, t.eval_batches, run.placement))
+        loss, examples = evaluate(eval_step, state.params, run.dataset, t.batch_size, t.eval_batches, run.placement)
+        seen.eval_loss = float(loss)
         tracker.log({"eval/valid/loss": seen.eval_loss, "samples": step * t.batch_size, "tokens": step * run.tokens_per_step},
                     step)
+        log_examples(tracker, examples, step)
 
     def save(step, state):  # before the sampling evaluation: a failure there never costs a checkpoint
         ckpt.save(step, state)

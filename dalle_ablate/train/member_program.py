@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from dalle_ablate.parallel import BATCH_AXES, Placement
 from dalle_ablate.train.assembly import Assembly
 from dalle_ablate.train.state import TrainState
-from dalle_ablate.train.step import dropout_key, image_loss, train_step_core
+from dalle_ablate.train.step import dropout_key, image_nll, train_step_core
 
 
 def over_members(fn: Callable, impl: str, in_axes: tuple) -> Callable:
@@ -133,8 +133,9 @@ def members_step(run: Assembly, seeds: list[int], impl: str, mp: MemberPlacement
 
 
 def members_eval_step(graphdef, impl: str, mp: MemberPlacement) -> Callable:
-    """eval(stacked params, batch) -> (weighted NLL sums, weight sums) [members], the batch shared."""
-    over = over_members(lambda params, batch: image_loss(nnx.merge(graphdef, params), batch), impl, (0, None))
+    """eval(stacked params, batch) -> (weighted NLL sums, weight sums) [members] and each example's
+    NLL [members, batch], the batch shared."""
+    over = over_members(lambda params, batch: image_nll(nnx.merge(graphdef, params), batch), impl, (0, None))
     return jax.jit(over, in_shardings=(mp.params, mp.shared.batch), out_shardings=mp.replicated)
 
 

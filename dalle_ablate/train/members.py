@@ -41,7 +41,7 @@ from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.track.runstore import StoreLock
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.assembly import Assembly, assemble
-from dalle_ablate.train.hooks import Evaluations, Hooks, eval_graph, evaluate
+from dalle_ablate.train.hooks import Evaluations, Hooks, eval_graph, evaluate, log_examples
 from dalle_ablate.train.loop import (JobInfo, ResumePoint, Result, StepLogger, closing_lines, finished_before, grid_captions,
                                      grid_key, grid_sampler, resume_point, run_steps, run_summary, run_tracker,
                                      undone_at_resume, with_logged)
@@ -321,11 +321,12 @@ def member_hooks(cfg, run: Assembly, mp: MemberPlacement, members: list[Member])
         return [m for m in members if m.status == "running" and not m.done_at(step, name)]
 
     def validation(step, ms):
-        losses = evaluate(eval_step, ms.state.params, run.dataset, t.batch_size, t.eval_batches, mp.shared)
+        losses, examples = evaluate(eval_step, ms.state.params, run.dataset, t.batch_size, t.eval_batches, mp.shared)
         for m in due(step, "validation"):
             m.seen.eval_loss = float(losses[m.index])
             m.tracker.log({"eval/valid/loss": m.seen.eval_loss, "samples": step * t.batch_size,
                            "tokens": step * run.tokens_per_step}, step)
+            log_examples(m.tracker, examples[m.index], step)
 
     def save(step, ms):  # before the sampling evaluation, as a separate run saves
         for m in due(step, "checkpoint"):

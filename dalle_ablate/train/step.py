@@ -22,9 +22,16 @@ from dalle_ablate.train.state import TrainState
 def image_loss(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, jax.Array]:
     """(sum over examples of weight x mean per-token NLL of the image codes, sum of weights): the
     eval loss, the same quantity in every family."""
-    nll = token_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key)
+    s, w, _ = image_nll(model, batch, dropout_key)
+    return s, w
+
+
+def image_nll(model: nnx.Module, batch: dict, dropout_key=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """image_loss's two sums and each example's mean per-token NLL [B]: what the noise report
+    needs to tell the evaluation set's share of a run's noise (report/noise.py)."""
+    nll = token_nll(model, batch["text"], batch["text_mask"], batch["codes"], dropout_key).mean(axis=-1)
     w = batch["weights"].astype(jnp.float32)
-    return jnp.sum(nll.mean(axis=-1) * w), jnp.sum(w)
+    return jnp.sum(nll * w), jnp.sum(w), nll
 
 
 def layer_group(path) -> str:
@@ -114,10 +121,11 @@ def train_metrics(g: Gradients, state: TrainState, lr, extra: dict) -> dict:
 
 
 def make_eval_step(graphdef, placement=None) -> Callable:
-    """eval(params, batch) -> (weighted NLL sum, weight sum); the loss is computed in float32."""
+    """eval(params, batch) -> (weighted NLL sum, weight sum, each example's NLL); the loss is
+    computed in float32."""
 
     def eval_step(params, batch):
-        return image_loss(nnx.merge(graphdef, params), batch)
+        return image_nll(nnx.merge(graphdef, params), batch)
 
     if placement is None:
         return jax.jit(eval_step)

@@ -166,6 +166,13 @@ def test_every_stress_run_of_the_mega_study_composes():
         cfg = to_run_config(compose(cmd[3:-1]))
         assert (cfg.optim.lr, cfg.seed, cfg.trainer.steps, cfg.resume) == (lr, seed, plan.steps, "auto")
         assert cfg.data.num_train == 1500 and cfg.eval.metrics == [] and cfg.eval.grids == []  # the plan's own overrides
+        # the seeds of an arm and rate as members of one job, each in its own run's folder
+        members = job_command(sys.executable, "study_mega", Path("/x/mega-variants-stress"), arm, lr, seed, plan, user,
+                              plan.seeds)
+        assert members[-1] == f"hydra.run.dir=/x/mega-variants-stress/{run_name(arm, lr, seed)}".replace(
+            f"-seed{seed}", "-seed${seed}")
+        cfg = to_run_config(compose(members[3:-1]))
+        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (plan.seeds[0], plan.seeds, "map")
 
 
 @pytest.mark.slow
@@ -174,7 +181,7 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
 
     # Adam's first steps move every weight by about the rate: at 1e30 the attention logits pass
     # float32's 3.4e38 and the loss stops being finite.
-    path = study_file(tmp_path, lr=[1e-3, 3e-3, 1e30], seeds=[0], steps=6)
+    path = study_file(tmp_path, lr=[1e-3, 3e-3, 1e30], seeds=[0, 1], steps=6)
     spec = yaml.safe_load(path.read_text())
     spec["findings"][0].update(arm="swish", against="baseline")
     path.write_text(yaml.safe_dump(spec))
@@ -182,19 +189,27 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
     env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
     folder = tmp_path / "studies" / "synthetic"
     overrides = [*SMALL_DATA, *TINY_TRAIN, "tracker=none"]
-    first = run_stress(path, "study_mega", folder, overrides, env)
-    assert first.failed == [] and "started 6 of them" in first.line
+    first = run_stress(path, "study_mega", folder, overrides, env)  # each arm and rate's two seeds: one job's members
+    assert first.failed == [] and "started 12 of them" in first.line and "as members of one job" in first.line
     where = stress_folder(folder)
     assert sorted(p.name for p in where.iterdir()) == sorted(
-        run_name(a, lr, 0) for a in ("swish", "baseline") for lr in (1e-3, 3e-3, 1e30))
+        run_name(a, lr, s) for a in ("swish", "baseline") for lr in (1e-3, 3e-3, 1e30) for s in (0, 1))
     status = {p.parent.name: json.loads((p / "summary.json").read_text())["status"] for p in where.glob("*/run")}
-    assert status[run_name("baseline", 1e30, 0)] == "diverged" and status[run_name("swish", 1e-3, 0)] == "finished"
+    assert status[run_name("baseline", 1e30, 1)] == "diverged" and status[run_name("swish", 1e-3, 1)] == "finished"
     assert all(settled(where / name / "run", 6) for name in status)
+    meta = json.loads((where / run_name("swish", 1e-3, 1) / "run" / "meta.json").read_text())
+    assert "seed=1" in meta["overrides"] and meta["members"]["seeds"] == [0, 1]  # the member is its separate run
     second = run_stress(path, "study_mega", folder, overrides, env)
     assert second.failed == [] and "started 0 of them" in second.line
     plan = load_stress(path)
     m = measures(plan, load_runs(str(where)))
     assert m[("baseline", 0)]["divergences"] == 1.0 and np.isfinite(m[("baseline", 0)]["lr_sensitivity"])
+    # one process per run gives the same runs (members under map are their separate runs bit for bit)
+    alone = run_stress(path, "study_mega", tmp_path / "alone" / "synthetic", overrides, env, members=False)
+    assert alone.failed == [] and "as members" not in alone.line
+    for name in status:
+        a, b = (json.loads((w / name / "run" / "summary.json").read_text()) for w in (where, stress_folder(tmp_path / "alone" / "synthetic")))
+        assert (a["status"], a.get("eval/valid/loss")) == (b["status"], b.get("eval/valid/loss"))
 
 
 def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
