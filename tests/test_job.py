@@ -83,11 +83,15 @@ def test_wandb_names_can_be_set_metrics_are_declared_and_checkpoints_kept(tmp_pa
     proc = run_py(*SMALL_DATA, *TINY_TRAIN, "eval.metrics=[shapes]", "eval.guidance_scales=[1,3]", "eval.num_samples=8",
                   "eval.batch_size=8", "eval.grids=[]", "tracker.wandb.group=g1", "tracker.wandb.name=first try",
                   "tracker.wandb.job_type=probe", "tracker.wandb.notes=why not", "tracker.wandb.log_checkpoints=true",
-                  cwd=tmp_path)
+                  cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "WANDB_SILENT"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = tmp_path / "outputs" / "run" / "run"
     meta = json.loads((store / "meta.json").read_text())
     (f,) = Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*/run-{meta['wandb_id']}.wandb")
+    # W&B's own output silent (WANDB_SILENT unset): of it, one line naming where this run is.
+    said = (proc.stdout + proc.stderr).splitlines()
+    assert not [line for line in said if line.startswith("wandb:")], said
+    assert [line for line in said if "W&B" in line] == [f"W&B run (offline): {f.parent}; upload it with wandb sync"]
     info = run_info(f)
     assert (info["group"], info["name"], info["job_type"], info["notes"]) == ("g1", "first try", "probe", "why not")
     assert meta["wandb_group"] == "g1"  # where `dalle-ablate eval` files its jobs

@@ -108,6 +108,10 @@ class WandbConfig:
     job_type: Optional[str] = None
     notes: Optional[str] = None
     log_checkpoints: bool = False  # each complete checkpoint as a `model` artifact (aliases step-<n>, latest)
+    # W&B's own terminal output: false = silent (W&B's `silent` setting), and one line of the run's
+    # says where the W&B run is; true = W&B's banner, its sync hints and its closing history and
+    # summary block (then W&B's own WANDB_QUIET / WANDB_SILENT apply)
+    banner: bool = False
 
 
 @dataclass
@@ -149,6 +153,14 @@ def online_problem() -> str | None:
     return None
 
 
+def where(run, mode: str) -> str:
+    """The one line a run prints about its W&B run while W&B itself is silent: where it is, and
+    how an offline one gets uploaded."""
+    if mode == "online":
+        return f"W&B run: {run.url}"
+    return f"W&B run (offline): {run.settings.sync_dir}; upload it with wandb sync"
+
+
 class WandbTracker(Tracker):
     def __init__(self, cfg, store: RunStore, config: dict, meta: dict, *, name, group, job_type):
         import wandb
@@ -181,8 +193,10 @@ class WandbTracker(Tracker):
             # A multirun's jobs never share a run; the members of one job (train/members.py) are
             # live runs side by side, each finished by its own member.
             reinit="create_new" if meta.get("members") else "finish_previous",
-            settings=wandb.Settings(init_timeout=30),
+            settings=wandb.Settings(init_timeout=30, **({} if cfg.banner else {"silent": True})),
         )
+        if not cfg.banner:
+            print(where(self.run, mode), flush=True)
         # A resumed W&B run continues after the last step the earlier processes sent (online: the
         # step its server holds; offline: the last step in their run files). Steps up to it are
         # not sent again (the resumed run recomputes them exactly); the steps after it up to the
