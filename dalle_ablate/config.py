@@ -11,11 +11,14 @@ whole.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
+from importlib.resources import files
 from typing import Any, Optional
 
+import yaml
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -152,12 +155,51 @@ def init_seed(cfg: RunConfig) -> int:
     return cfg.seed if cfg.init_seed is None else cfg.init_seed
 
 
+# The groups a user chooses with `group=option` (dalle_ablate/conf/<group>/), in the order a reader
+# meets them, and what each picks: `python run.py --help` lists them (`help_groups`) and so does the
+# configuration reference (docs.py). `schema` (each option's dataclass) is the presets' own.
+GROUPS = {
+    "experiment": "a whole ablation: a sweep over arms and seeds, with the settings it runs at",
+    "arm": "one variant of a study (`+arm=NAME`): the overrides that make it differ from the baseline",
+    "model": "the layout (block structure) and its flags; the family (seq2seq or single_stream)",
+    "size": "the model's dimensions (`size=tiny`, ... `dalle12b`)",
+    "optim": "the optimizer and its hyperparameters",
+    "schedule": "the learning-rate schedule",
+    "data": "the dataset, its tokenizers and loader",
+    "eval": "what the evaluation measures and draws",
+    "mesh": "how devices split the batch and the parameters",
+    "tracker": "where metrics go (none or W&B)",
+    "sweeps": "Optuna searches (`sweeps=NAME`)",
+}
+
+
+def group_options(group: str) -> list[str]:
+    """The presets of a config group: its YAML files in dalle_ablate/conf/<group>/."""
+    return sorted(p.name.removesuffix(".yaml") for p in files("dalle_ablate.conf").joinpath(group).iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def help_groups(width: int = 100) -> str:
+    """The config groups for `python run.py --help` (`${dalle_ablate.groups:}` in conf/config.yaml's
+    hydra.help.template): `group=` (`+group=` where the defaults list has none) and what it picks,
+    then its options, indented."""
+    listed = {next(iter(d)).split()[-1] if isinstance(d, dict) else d
+              for d in yaml.safe_load(files("dalle_ablate.conf").joinpath("config.yaml").read_text())["defaults"]}
+    lines = []
+    for group, what in GROUPS.items():
+        lines.append(f"  {'' if group in listed else '+'}{group}=".ljust(15) + what.replace("`", ""))
+        lines += textwrap.wrap(", ".join(group_options(group)), width, initial_indent=" " * 15, subsequent_indent=" " * 15)
+    return "\n".join(lines)
+
+
 def register_configs() -> None:
     """Schemas live in the `schema` group, so that `model=glob(*)` and the option lists in error
     messages see only the YAML options; each YAML starts from one with `/schema/<name>@_here_`."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     cs.store(group="schema", name="mesh", node=MeshConfig)
+    if not OmegaConf.has_resolver("dalle_ablate.groups"):
+        OmegaConf.register_new_resolver("dalle_ablate.groups", help_groups)
 
 
 register_configs()
