@@ -39,9 +39,12 @@ REGISTRIES = {"model": FAMILIES, "optim": OPTIMIZERS, "schedule": SCHEDULES, "da
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """field -> the comment beside it (after `#` on its line) or in the lines just above it."""
+    """field -> the comment beside it (after `#` on its line) or in the lines just above it. A
+    subclass that sets a field's default again without a comment keeps its base's (an option's
+    `name`, an optimizer's `lr`: the same field, another default). A config whose fields come from
+    a record of options (`OPTIONS`: optim=shampoo's ShampooOptions) has that record's comments."""
     out: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
+    for klass in [*([cls.OPTIONS] if hasattr(cls, "OPTIONS") else []), *reversed(cls.__mro__)]:
         if not dataclasses.is_dataclass(klass) or klass.__module__ == "builtins":
             continue
         try:
@@ -67,7 +70,8 @@ def _comments(cls: type) -> dict[str, str]:
                 parts.append(end.split("  # ", 1)[1].strip())
             elif "  # " in line:
                 parts.append(line.split("  # ", 1)[1].strip())
-            out[node.target.id] = " ".join(parts)
+            if parts or node.target.id not in out:
+                out[node.target.id] = " ".join(parts)
     return out
 
 
@@ -100,6 +104,11 @@ def _cell(text: Any) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
+def _prose(text: Any) -> str:
+    """A cell of words (a comment, a help): as `_cell`, with `<placeholders>` kept as text, not taken for HTML tags."""
+    return _cell(text).replace("<", "&lt;")
+
+
 def _rows(cls: type, prefix: str = "") -> list[str]:
     comments, types, ranges = _comments(cls), _types(cls), _ranges(cls)
     rows = []
@@ -108,12 +117,12 @@ def _rows(cls: type, prefix: str = "") -> list[str]:
             continue
         default = _default(f)
         if dataclasses.is_dataclass(default) and not isinstance(default, type):
-            rows.append(f"| `{prefix}{f.name}` | {type(default).__name__} | see below | | {_cell(comments.get(f.name, ''))} |")
+            rows.append(f"| `{prefix}{f.name}` | {type(default).__name__} | see below | | {_prose(comments.get(f.name, ''))} |")
             rows += _rows(type(default), f"{prefix}{f.name}.")
             continue
         default_text = "" if default == "(required)" else f"`{_cell(default)}`"
         rows.append(f"| `{prefix}{f.name}` | `{_cell(types.get(f.name, ''))}` | {default_text} | "
-                    f"{_cell(ranges.get(f.name, ''))} | {_cell(comments.get(f.name, ''))} |")
+                    f"{_cell(ranges.get(f.name, ''))} | {_prose(comments.get(f.name, ''))} |")
     return rows
 
 
@@ -168,7 +177,7 @@ def config_reference() -> str:
             chosen = [f"`{k.removeprefix('override').strip().lstrip('/')}={v}`" for d in data.get("defaults") or []
                       if isinstance(d, dict) for k, v in d.items() if k.startswith("override")]
             sets = ", ".join(chosen + _flatten(data)) or "nothing: the defaults"
-            parts.append(f"| `{path.stem}` | {_cell(_yaml_header(path))} | {sets} |\n")
+            parts.append(f"| `{path.stem}` | {_prose(_yaml_header(path))} | {sets} |\n")
         if group in REGISTRIES:
             reg = REGISTRIES[group]
             for name in reg.names():
@@ -190,7 +199,7 @@ def cli_reference() -> str:
              "`python run.py [overrides]` trains one run, or a sweep with `-m` (Hydra's command line; the overrides "
              "are in the [configuration reference](config.md)). `dalle-ablate VERB` does everything else:\n\n"]
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    helps = {c.dest: c.help for c in sub._choices_actions}
+    helps = {c.dest: c.help.replace("<", "&lt;") for c in sub._choices_actions}  # `<name>` is text, not a tag
     for name in sub.choices:
         parts.append(f"- [`{name}`](#{name}): {helps.get(name, '')}\n")
     for name, p in sub.choices.items():
@@ -203,7 +212,7 @@ def cli_reference() -> str:
                 continue
             arg = ", ".join(a.option_strings) or a.dest
             default = "" if a.default in (None, False, argparse.SUPPRESS) or not a.option_strings else f"`{a.default}`"
-            parts.append(f"| `{arg}` | {default} | {_cell(a.help or '')} |\n")
+            parts.append(f"| `{arg}` | {default} | {_prose(a.help or '')} |\n")
     return "".join(parts)
 
 

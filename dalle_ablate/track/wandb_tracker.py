@@ -97,16 +97,16 @@ VERIFY_TIMEOUT = 15  # seconds for it to answer who the API key belongs to
 @dataclass
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
-    project: str = "dalle-ablate"
-    entity: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
+    project: str = "dalle-ablate"  # the W&B project
+    entity: Optional[str] = None  # the W&B team or user; null = the logged-in default
+    tags: list[str] = field(default_factory=list)  # tags of the W&B run
     fallback: Optional[str] = None  # offline = log offline when online cannot connect or authenticate; null = fail
     # null = the run's own: group = the multirun folder, name = the overrides it varies (seed
     # included), job_type = the same less the seed (the layout when nothing varies)
     group: Optional[str] = None
-    name: Optional[str] = None
-    job_type: Optional[str] = None
-    notes: Optional[str] = None
+    name: Optional[str] = None  # the W&B run's name; null = the overrides the multirun varies
+    job_type: Optional[str] = None  # null = the variant: the name less the seed
+    notes: Optional[str] = None  # the W&B run's notes
     log_checkpoints: bool = False  # each complete checkpoint as a `model` artifact (aliases step-<n>, latest)
     # W&B's own terminal output: false = silent (W&B's `silent` setting), and one line of the run's
     # says where the W&B run is; true = W&B's banner, its sync hints and its closing history and
@@ -117,7 +117,7 @@ class WandbConfig:
 @dataclass
 class WandbTrackerConfig(TrackerConfig):
     backend: str = "wandb"
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run: mode, naming, what it keeps
 
     def validate(self, run) -> None:
         mode, fallback = self.wandb.mode, self.wandb.fallback
