@@ -166,6 +166,8 @@ class WandbTracker(Tracker):
         import wandb
 
         self._wandb, self.cfg = wandb, cfg
+        if not cfg.banner:  # for the whole process, before W&B sets itself up: also its artifacts' and warnings' lines
+            wandb.setup(settings=wandb.Settings(silent=True))
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
         mode = cfg.mode
         if mode == "online":
