@@ -108,9 +108,10 @@ class WandbConfig:
     job_type: Optional[str] = None  # null = the variant: the name less the seed
     notes: Optional[str] = None  # the W&B run's notes
     log_checkpoints: bool = False  # each complete checkpoint as a `model` artifact (aliases step-<n>, latest)
-    # W&B's own terminal output: false = silent (W&B's `silent` setting), and one line of the run's
-    # says where the W&B run is; true = W&B's banner, its sync hints and its closing history and
-    # summary block (then W&B's own WANDB_QUIET / WANDB_SILENT apply)
+    # W&B's own terminal output. false: the run's banner and closing block off (W&B's `silent`
+    # setting) and W&B's other info lines too (`show_info`), its warnings and errors still shown;
+    # one line of the run's says where the W&B run is. true: all of it (then W&B's own WANDB_QUIET
+    # and WANDB_SILENT apply)
     banner: bool = False
 
 
@@ -166,8 +167,8 @@ class WandbTracker(Tracker):
         import wandb
 
         self._wandb, self.cfg = wandb, cfg
-        if not cfg.banner:  # for the whole process, before W&B sets itself up: also its artifacts' and warnings' lines
-            wandb.setup(settings=wandb.Settings(silent=True))
+        if not cfg.banner:  # its info lines (an artifact's files, ...) off for the process; warnings and errors still show
+            wandb.setup(settings=wandb.Settings(show_info=False))
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
         mode = cfg.mode
         if mode == "online":
