@@ -82,6 +82,7 @@ class Browser:
         self.send("Page.navigate", url=url)
         self.wait_for("Page.loadEventFired")
         self.evaluate("document.fonts.ready.then(() => true)")
+        self.evaluate("window.scrollTo(0, 0)")  # a page opened again comes back where it was scrolled to
 
     def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (a promise is awaited)."""
@@ -90,12 +91,13 @@ class Browser:
             raise RuntimeError(f"{expression[:80]}: {result['exceptionDetails'].get('text')}")
         return result["result"].get("value")
 
-    def screenshot(self, path: Path, y: float = 0, height: Optional[float] = None) -> Path:
-        """A PNG of the page from `y` (CSS px from its top), `height` px tall (default: the window's)."""
-        width = self.evaluate("document.documentElement.clientWidth")
-        height = height or self.evaluate("window.innerHeight")
-        data = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                         clip={"x": 0, "y": y, "width": width, "height": height, "scale": 1})["data"]
+    def screenshot(self, path: Path, y: float = 0) -> Path:
+        """A PNG of the window with the page scrolled to `y` (CSS px from its top; the page's end
+        stops it), as a reader sees that screen. Not a capture beyond the window: that resizes
+        the window to the page, and the vertical scrollbar's going reflows the page."""
+        self.evaluate(f"new Promise(done => {{ window.scrollTo(0, {float(y)}); requestAnimationFrame(() => "
+                      f"requestAnimationFrame(() => done(true))); }})")
+        data = self.send("Page.captureScreenshot", format="png")["data"]
         Path(path).write_bytes(base64.b64decode(data))
         return Path(path)
 

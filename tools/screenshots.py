@@ -45,7 +45,8 @@ def page_url(target: str, site: Path) -> tuple[str, str]:
 
 
 def shoot(browser: Browser, target: str, site: Path, out: Path, width: int, height: int) -> Path:
-    """The screen of `target` (from its anchor's heading, 20 px above it, if it names one) as <out>/<target>.png."""
+    """The screen of `target` as <out>/<target>.png: from its anchor's heading, if it names one (80 px above
+    it: the site's header covers the window's top)."""
     url, anchor = page_url(target, site)
     browser.open(url, width, height)
     y = 0.0
@@ -54,9 +55,9 @@ def shoot(browser: Browser, target: str, site: Path, out: Path, width: int, heig
                              f"(document.getElementById({anchor!r}))")
         if y is None:
             sys.exit(f"error: {target}: the page has no element with id {anchor!r}")
-        y = max(0.0, y - 20)
+        y = max(0.0, y - 80)
     name = re.sub(r"[^\w.-]+", "-", target.replace("index.html", "")).strip("-") or "index"
-    return browser.screenshot(out / f"{name}.png", y=y, height=height)
+    return browser.screenshot(out / f"{name}.png", y=y)
 
 
 def main(argv: list[str] | None = None) -> None:
