@@ -28,7 +28,7 @@ dalle-ablate compares the runs (report, study), evaluates a checkpoint (eval), s
 without running it (describe, plan) and prepares data, weights and fitted helpers."""
 EXAMPLES = """\
 examples:
-  dalle-ablate report multirun/2026-11-27/10-00-00 --baseline model=normformer
+  dalle-ablate report multirun/<date>/<time> --baseline model=normformer
       compare the runs of a multirun: reports/<name>/index.html, with intervals over seeds
   dalle-ablate describe model=normformer size=mega
       parameters, FLOPs per image token and memory of a config, without allocating it
