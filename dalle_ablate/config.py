@@ -11,24 +11,27 @@ whole.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
+from importlib.resources import files
 from typing import Any, Optional
 
+import yaml
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 2000
+    steps: int = 2000  # optimizer updates the run trains for (a resumed run continues up to it)
     batch_size: int = 32  # examples per optimizer step, all micro-batches together
     grad_accum: int = 1  # micro-batches per step
     log_every: int = 50  # per-layer norms, optimizer stats
-    eval_every: int = 500
+    eval_every: int = 500  # steps between validation losses (a sweep's pruner asks then); also at the last step
     eval_batches: Optional[int] = None  # null = the whole valid split
-    save_every: int = 1000
-    keep_checkpoints: int = 2
-    progress: bool = True
+    save_every: int = 1000  # steps between checkpoints (run/checkpoints/<step>); also at the last step
+    keep_checkpoints: int = 2  # checkpoints kept on disk, the newest; orbax deletes older ones after each save
+    progress: bool = True  # the progress bar (steps, loss, tokens/s) on process 0; false for logs and CI
     # float16 gradient scaling (train/grad_scaling.py): none | global (one dynamic loss scale) |
     # per_block (DALL·E's per-resblock scales); a step with an Inf or NaN gradient is skipped.
     grad_scaling: str = "none"
@@ -55,8 +58,8 @@ class DistributedConfig:
     JAX_PROCESS_ID when they are set."""
 
     coordinator_address: Optional[str] = None  # host:port of process 0; null = a single process
-    num_processes: Optional[int] = None
-    process_id: Optional[int] = None
+    num_processes: Optional[int] = None  # processes (hosts) in the run; null = 1, or what the cluster says
+    process_id: Optional[int] = None  # this process's rank, 0 .. num_processes - 1
     auto: bool = False  # initialize() with no arguments: Cloud TPU, Slurm and Open MPI detect themselves
 
 
@@ -65,9 +68,9 @@ class SamplesConfig:
     """Images generated at the end of a run for a few fixed captions."""
 
     captions: Optional[list[str]] = None  # null = the dataset's fixed demo captions
-    per_caption: int = 4
+    per_caption: int = 4  # images drawn for each caption (a row of the grid)
     temperature: float = 0.5  # as eval=default samples: drawn right more often (docs/results/default-job.md)
-    top_k: Optional[int] = None
+    top_k: Optional[int] = None  # sample among the k likeliest codes only; null = all
 
 
 @dataclass
@@ -102,9 +105,9 @@ class OptunaTrialConfig:
     """Set by the Optuna sweeper (hydra/sweeper=optuna), never by hand: which study and trial this
     job runs for, so the trainer can report eval losses to it and be pruned."""
 
-    storage: Optional[str] = None
-    study: Optional[str] = None
-    trial: Optional[int] = None
+    storage: Optional[str] = None  # the study's storage URL (sqlite:///... or postgresql://...)
+    study: Optional[str] = None  # the study's name in that storage
+    trial: Optional[int] = None  # the trial's number in the study
 
 
 @dataclass
@@ -117,11 +120,11 @@ class RunConfig:
     schedule: Any = MISSING
     data: Any = MISSING
     tracker: Any = MISSING
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    samples: SamplesConfig = field(default_factory=SamplesConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the loop: steps, batch, what runs how often
+    samples: SamplesConfig = field(default_factory=SamplesConfig)  # the sample grid drawn at the end of a run
     eval: Any = MISSING
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)  # how devices split the batch and the parameters
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # several processes (hosts) in one run
     # The run's randomness. `seed` sets everything; two of its sources can be set apart, so that a
     # study can vary one at a time and say how much of its seed-to-seed spread each one causes
     # (Bouthillier et al. 2021, "Accounting for variance in machine learning benchmarks"). null =
@@ -134,12 +137,12 @@ class RunConfig:
     # all of them (train/members.py). A list is one value, not a sweep: `-m +arm=a,b seeds=[0,1,2]`
     # is 2 jobs of 3 members each; `seed=0,1,2` stays 3 separate jobs.
     seeds: Optional[list[int]] = None
-    members: MembersConfig = field(default_factory=MembersConfig)
+    members: MembersConfig = field(default_factory=MembersConfig)  # how the members of seeds=[...] run
     resume: Optional[str] = None  # null | auto | a run dir or checkpoint dir
     # What the job returns to a sweeper: one value, or a list for a multi-objective sweep; names
     # of the run's summary (OBJECTIVES above).
     objectives: list[str] = field(default_factory=lambda: ["eval/valid/loss"])
-    optuna: OptunaTrialConfig = field(default_factory=OptunaTrialConfig)
+    optuna: OptunaTrialConfig = field(default_factory=OptunaTrialConfig)  # set by the Optuna sweeper, never by hand
 
 
 def data_seed(cfg: RunConfig) -> int:
@@ -152,12 +155,51 @@ def init_seed(cfg: RunConfig) -> int:
     return cfg.seed if cfg.init_seed is None else cfg.init_seed
 
 
+# The groups a user chooses with `group=option` (dalle_ablate/conf/<group>/), in the order a reader
+# meets them, and what each picks: `python run.py --help` lists them (`help_groups`) and so does the
+# configuration reference (docs.py). `schema` (each option's dataclass) is the presets' own.
+GROUPS = {
+    "experiment": "a whole ablation: a sweep over arms and seeds, with the settings it runs at",
+    "arm": "one variant of a study (`+arm=NAME`): the overrides that make it differ from the baseline",
+    "model": "the layout (block structure) and its flags; the family (seq2seq or single_stream)",
+    "size": "the model's dimensions (`size=tiny`, ... `dalle12b`)",
+    "optim": "the optimizer and its hyperparameters",
+    "schedule": "the learning-rate schedule",
+    "data": "the dataset, its tokenizers and loader",
+    "eval": "what the evaluation measures and draws",
+    "mesh": "how devices split the batch and the parameters",
+    "tracker": "where metrics go (none or W&B)",
+    "sweeps": "Optuna searches (`sweeps=NAME`)",
+}
+
+
+def group_options(group: str) -> list[str]:
+    """The presets of a config group: its YAML files in dalle_ablate/conf/<group>/."""
+    return sorted(p.name.removesuffix(".yaml") for p in files("dalle_ablate.conf").joinpath(group).iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def help_groups(width: int = 100) -> str:
+    """The config groups for `python run.py --help` (`${dalle_ablate.groups:}` in conf/config.yaml's
+    hydra.help.template): `group=` (`+group=` where the defaults list has none) and what it picks,
+    then its options, indented."""
+    listed = {next(iter(d)).split()[-1] if isinstance(d, dict) else d
+              for d in yaml.safe_load(files("dalle_ablate.conf").joinpath("config.yaml").read_text())["defaults"]}
+    lines = []
+    for group, what in GROUPS.items():
+        lines.append(f"  {'' if group in listed else '+'}{group}=".ljust(15) + what.replace("`", ""))
+        lines += textwrap.wrap(", ".join(group_options(group)), width, initial_indent=" " * 15, subsequent_indent=" " * 15)
+    return "\n".join(lines)
+
+
 def register_configs() -> None:
     """Schemas live in the `schema` group, so that `model=glob(*)` and the option lists in error
     messages see only the YAML options; each YAML starts from one with `/schema/<name>@_here_`."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     cs.store(group="schema", name="mesh", node=MeshConfig)
+    if not OmegaConf.has_resolver("dalle_ablate.groups"):
+        OmegaConf.register_new_resolver("dalle_ablate.groups", help_groups)
 
 
 register_configs()

@@ -11,10 +11,9 @@ import logging
 import os
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import numpy as np
-import jax
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -22,13 +21,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.config import MembersConfig, MeshConfig, member_only
-from dalle_ablate.parallel import distributed
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
-from dalle_ablate.train.loop import JobInfo, RunHooks, finished_before, train
-from dalle_ablate.train.members import train_members
-from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
+# Importing validate registers every option's schema, which Hydra composes from. The trainer
+# (JAX's programs, orbax, the evaluators) is imported when a job runs: `python run.py --help` and a
+# mistyped override are answered without it.
 from dalle_ablate.validate import to_run_config
+
+if TYPE_CHECKING:
+    from dalle_ablate.train.loop import JobInfo
 
 
 def varying_keys(sweep_dir: Path) -> set[str]:
@@ -46,6 +47,9 @@ def varying_keys(sweep_dir: Path) -> set[str]:
 
 
 def job_info(cfg: DictConfig) -> JobInfo:
+    """This job's `train.loop.JobInfo`: its folder and W&B naming, from Hydra."""
+    from dalle_ablate.train.loop import JobInfo
+
     hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
@@ -67,6 +71,8 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
     config -- so that a member's run store, meta.json and W&B run cannot be told from that separate
     run's (train/members.py trains them). `job` is this job's own `job_info(cfg)`; called inside the
     Hydra task (HydraConfig)."""
+    from dalle_ablate.train.loop import JobInfo
+
     hc = HydraConfig.get()
     seeds = list(seeds)
     multirun = hc.mode == RunMode.MULTIRUN
@@ -156,30 +162,16 @@ def member_config(cfg: DictConfig, seed: int) -> DictConfig:
     return config
 
 
-class TrialHooks(RunHooks):
-    """A job launched by the Optuna sweeper (`optuna.*` set): its run store recorded on the trial
-    at the start, and the study's pruner asked after each evaluation -- in a single-process run
-    only, since other processes could not agree with process 0 on when to stop."""
-
-    def __init__(self, link):
-        self.link = link
-        self.pruning = None
-
-    def started(self, run_dir: Path, processes: int) -> None:
-        from dalle_ablate.sweep.trial import pruning_for, record_run_dir
-
-        record_run_dir(self.link, run_dir)
-        if processes == 1:
-            self.pruning = pruning_for(self.link)
-
-    def should_stop(self, eval_loss: float, step: int) -> bool:
-        return self.pruning is not None and self.pruning.report(eval_loss, step)
-
-
 def tokenizer_first(run_cfg, job: JobInfo) -> None:
     """Stage 1: the built-in data's image tokenizer (e.g. data.tokenizer=dvae) fitted before the
     run, on process 0, in a run store and tracker run of its own (`<job>/tokenizer`) -- unless it
     is cached, or the run finished before (resume=auto leaves it as it is)."""
+    import jax
+
+    from dalle_ablate.parallel import distributed
+    from dalle_ablate.train.loop import finished_before
+    from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
+
     distributed.initialize(run_cfg.distributed)  # process 0 alone fits it
     if (run_cfg.data.name != "shapes" or jax.process_index() != 0 or tokenizer_cached(run_cfg.data)
             or finished_before(run_cfg, Path(job.job_dir) / "run") is not None):
@@ -195,9 +187,14 @@ def run(cfg: DictConfig) -> float | list[float]:
     # traceback, which the Checkpointer reports in one line instead (train/checkpoint.py).
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
+    from dalle_ablate.train.loop import train
+    from dalle_ablate.train.members import train_members
+
     run_cfg = to_run_config(cfg)
     job = job_info(cfg)
     if run_cfg.optuna.trial is not None:
+        from dalle_ablate.sweep.trial import TrialHooks
+
         job.hooks = TrialHooks(run_cfg.optuna)
     tokenizer_first(run_cfg, job)
     if run_cfg.seeds:
@@ -233,6 +230,8 @@ def members_outcome(run_cfg, job: JobInfo, results: list) -> float | list[float]
         ok = [str(s) for s in by_seed if s not in failed]
         raise RunFailed("; ".join(f"member seed={s} {r.reason} (run store {r.run_dir})" for s, r in failed.items())
                         + (f"; seeds {', '.join(ok)} finished" if ok else ""), RunFailed.DIVERGED)
+    import numpy as np
+
     values = np.array([[float(r.summary[k]) for k in run_cfg.objectives] for r in results]).mean(axis=0)
     return float(values[0]) if len(values) == 1 else [float(v) for v in values]
 

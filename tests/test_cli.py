@@ -1,10 +1,13 @@
 """`dalle-ablate encode` writes dalle-mini-format parquet that the trainer reads back end to end; `dalle-ablate eval`
-names a checkpoint it cannot restore."""
+names a checkpoint it cannot restore. The help of `python run.py` and of `dalle-ablate` speaks to users, and
+help or a typo answers without loading what no verb needs for it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -12,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import SMALL_DATA, TINY_TRAIN, compose, run_config, run_py
+from conftest import CONF, ROOT, SMALL_DATA, TINY_TRAIN, compose, run_config, run_py
 from dalle_ablate.cli import main
 from dalle_ablate.train.loop import JobInfo, train
 
@@ -231,3 +234,88 @@ def test_ctrl_c_in_a_verb_is_one_line_and_exit_130(monkeypatch, capsys):
     assert e.value.code == 130
     assert capsys.readouterr().err == ("error: dalle-ablate study interrupted (run the same command again: finished runs are "
                                        "skipped, a stopped one continues)\n")
+
+
+# -- help, and how much a command loads before it answers (issue 53) -------------------------------
+
+
+def _docs_named(text: str) -> list[str]:
+    """The repository files a help text sends its reader to."""
+    return re.findall(r"\b(?:README\.md|docs/[\w/.-]+\.md)", text)
+
+
+def test_run_py_help_says_what_it_is_the_groups_to_choose_three_examples_and_the_docs(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert text.startswith("python run.py: train a DALL·E-style text-to-image transformer"), text[:200]
+    # Hydra's generic parts are gone: its config dump (`--cfg job` prints it) and the presets' internal schema group.
+    assert "== Config ==" not in text and "Powered by Hydra" not in text and "schema" not in text
+    # Every config group of the package, each with every option it has.
+    groups = text.split("Config groups (group=option):\n")[1].split("\n\n")[0]
+    listed = dict(re.findall(r"^  (\+?\w+)=  .*\n((?:^ {15}\S.*\n?)+)", groups, re.M))
+    assert sorted(g.lstrip("+") for g in listed) == sorted(p.name for p in CONF.iterdir() if any(p.glob("*.yaml"))), groups
+    for group, options in listed.items():
+        assert " ".join(options.split()).split(", ") == sorted(p.stem for p in (CONF / group.lstrip("+")).glob("*.yaml"))
+    assert "+arm" in listed and "model" in listed  # `+` where the defaults list has no entry for the group
+    # Three example commands, each of which composes (a multirun by the first value of each list).
+    examples = [line.strip() for line in text.split("Examples:\n")[1].splitlines() if line.strip().startswith("python run.py")]
+    assert len(examples) == 3, examples
+    from dalle_ablate.validate import to_run_config
+
+    for cmd in examples:
+        to_run_config(compose(*[t.split(",")[0] for t in shlex.split(cmd)[2:] if not t.startswith("-")]))
+    assert "docs/quickstart.md" in text and "docs/reference/config.md" in text
+    assert all((ROOT / path).is_file() for path in _docs_named(text)), _docs_named(text)
+
+
+def test_dalle_ablate_help_speaks_to_users(capsys):
+    from dalle_ablate import cli
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert cli.__doc__.splitlines()[0] not in text  # the module's docstring is for developers
+    assert text.startswith("usage: dalle-ablate [-h] VERB ...\n\ndalle-ablate: ") and "python run.py" in text
+    assert all(f"\n    {name} " in text or f"\n    {name}\n" in text for name in cli.VERBS), text
+    examples = [line.strip() for line in text.split("examples:\n")[1].splitlines() if line.startswith("  dalle-ablate ")]
+    assert len(examples) == 3, examples
+    for example in examples:  # each a verb's valid command line
+        argv = shlex.split(example)[1:]
+        assert cli.build_parser().parse_args(argv).verb == argv[0]
+    assert "docs/reference/cli.md" in text and all((ROOT / path).is_file() for path in _docs_named(text))
+
+
+# What `--help` and a typo need not load: JAX and its libraries, scipy, the config schemas, the trainer.
+HEAVY = ("jax", "flax", "optax", "orbax", "scipy", "wandb", "dalle_ablate.validate", "dalle_ablate.train.loop")
+LOADED = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    if sys.argv[0] == "run.py":
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    else:
+        from dalle_ablate.cli import main
+        main(sys.argv[1:])
+except SystemExit as e:
+    print("exit", e.code, file=sys.stderr)
+print("loaded:", *sorted(m for m in %r if m in sys.modules), file=sys.stderr)
+""" % (HEAVY,)
+
+
+@pytest.mark.parametrize("argv,loaded", [
+    (["dalle-ablate", "--help"], []),
+    (["dalle-ablate", "report", "--help"], []),
+    (["dalle-ablate", "repot"], []),
+    (["dalle-ablate", "plan", "--help"], ["flax", "jax", "optax"]),  # its --device help lists the device table (parallel/)
+    # Composing needs every option's schema, and the model families are Flax modules: the trainer, scipy and W&B wait.
+    (["run.py", "--help"], ["dalle_ablate.validate", "flax", "jax", "optax"]),
+    (["run.py", "modle=x"], ["dalle_ablate.validate", "flax", "jax", "optax"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("run.py", "dalle-ablate") else None)
+def test_help_and_a_typo_load_only_what_they_need(argv, loaded):
+    proc = subprocess.run([sys.executable, "-c", LOADED, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    *_, exit_line, modules = proc.stderr.splitlines()
+    assert exit_line == f"exit {2 if argv[1] in ('repot', 'modle=x') else 0}", proc.stderr[-2000:]
+    assert modules.split()[1:] == loaded

@@ -83,11 +83,18 @@ def test_wandb_names_can_be_set_metrics_are_declared_and_checkpoints_kept(tmp_pa
     proc = run_py(*SMALL_DATA, *TINY_TRAIN, "eval.metrics=[shapes]", "eval.guidance_scales=[1,3]", "eval.num_samples=8",
                   "eval.batch_size=8", "eval.grids=[]", "tracker.wandb.group=g1", "tracker.wandb.name=first try",
                   "tracker.wandb.job_type=probe", "tracker.wandb.notes=why not", "tracker.wandb.log_checkpoints=true",
-                  cwd=tmp_path)
+                  cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "WANDB_SILENT"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = tmp_path / "outputs" / "run" / "run"
     meta = json.loads((store / "meta.json").read_text())
     (f,) = Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*/run-{meta['wandb_id']}.wandb")
+    # W&B's own output silent (WANDB_SILENT unset), its checkpoint artifacts' lines too: one line per W&B
+    # run saying where it is, this run's last (before it, the tokenizer run's when the data's tokenizer was fitted).
+    said = (proc.stdout + proc.stderr).splitlines()
+    assert not [line for line in said if line.startswith("wandb:")], said
+    runs = [line for line in said if "W&B" in line]
+    assert runs[-1] == f"W&B run (offline): {f.parent}; upload it with wandb sync" and len(runs) <= 2, runs
+    assert all(line.startswith("W&B run (offline): ") and line.endswith("; upload it with wandb sync") for line in runs)
     info = run_info(f)
     assert (info["group"], info["name"], info["job_type"], info["notes"]) == ("g1", "first try", "probe", "why not")
     assert meta["wandb_group"] == "g1"  # where `dalle-ablate eval` files its jobs

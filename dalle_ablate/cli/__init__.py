@@ -3,7 +3,8 @@
 User mistakes (an unknown config option or field, a bad value, a bad data file) end in one line
 on stderr naming what is wrong and what would be valid, and exit code 2; anything else is a bug
 and keeps its full traceback. Each verb lives in this package's modules beside its arguments
-(files.py, runs.py, reports.py); `verbs.py` is their registry.
+(files.py, runs.py, reports.py); `verbs.py` is their registry. A verb imports what it needs when
+it runs, so that `--help` and a mistyped verb answer without loading JAX or the config schemas.
 """
 
 from __future__ import annotations
@@ -16,24 +17,54 @@ from dalle_ablate.cli import files, runs, reports  # noqa: F401 - registers thei
 from dalle_ablate.cli.errors import run_hydra
 from dalle_ablate.cli.verbs import VERBS, verb
 from dalle_ablate.registry import RunFailed
-from dalle_ablate.validate import format_error
 
 __all__ = ["VERBS", "build_parser", "format_error", "main", "run_hydra", "verb"]
 
+# What `dalle-ablate --help` tells a user: what the tool is, a few commands to start from, where the docs are.
+DESCRIPTION = """\
+dalle-ablate: the commands around training runs of DALL·E-style text-to-image transformers.
+Training itself is `python run.py [group=option ...] [field=value ...]` (`python run.py --help`);
+dalle-ablate compares the runs (report, study), evaluates a checkpoint (eval), sizes a config
+without running it (describe, plan) and prepares data, weights and fitted helpers."""
+EXAMPLES = """\
+examples:
+  dalle-ablate report multirun/<date>/<time> --baseline model=normformer
+      compare the runs of a multirun: reports/<name>/index.html, with intervals over seeds
+  dalle-ablate describe model=normformer size=mega
+      parameters, FLOPs per image token and memory of a config, without allocating it
+  dalle-ablate study mega-variants --seeds auto
+      run a published study's arms with the seeds it needs, then its report and results page
 
-def build_parser() -> argparse.ArgumentParser:
+`dalle-ablate VERB --help` lists a verb's arguments. Docs: docs/guides/command-line.md and
+docs/reference/cli.md in the dalle-ablate repository (`mkdocs serve` serves them as a site)."""
+
+
+def format_error(ex: BaseException) -> Optional[str]:
+    """validate.format_error, imported when an error needs it (it loads every option's schema)."""
+    from dalle_ablate.validate import format_error as one_line
+
+    return one_line(ex)
+
+
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The `dalle-ablate` parser and its verbs, in the order their modules are imported above (docs/reference/cli.md is
-    generated from it)."""
-    parser = argparse.ArgumentParser(prog="dalle-ablate", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="verb", required=True)
+    generated from it). `only`: the arguments of that verb alone (the command line's: no other verb's are
+    parsed, and a verb's arguments may import what their help names, e.g. plan's device table); None: every verb's."""
+    parser = argparse.ArgumentParser(prog="dalle-ablate", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="verb", required=True, title="verbs", metavar="VERB",
+                                help="one of these (its arguments: dalle-ablate VERB --help)")
     for name, (cmd, arguments, kwargs) in VERBS.items():
-        arguments(sub.add_parser(name, **kwargs))
-        sub.choices[name].set_defaults(func=cmd)
+        verb_parser = sub.add_parser(name, **kwargs)
+        if only is None or name == only:
+            arguments(verb_parser)
+        verb_parser.set_defaults(func=cmd)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=next((a for a in argv if not a.startswith("-")), ""))
     args, extra = parser.parse_known_args(argv)
     if args.verb == "study":  # its overrides may follow its options: `study mega-variants --out x trainer.steps=500`
         args.overrides += [e for e in extra if not e.startswith("-")]

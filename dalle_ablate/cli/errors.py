@@ -9,7 +9,6 @@ import sys
 from typing import Callable
 
 from dalle_ablate.registry import RunFailed
-from dalle_ablate.validate import format_error
 
 
 HYDRA_JOB_ERROR = "Error executing job with overrides: "
@@ -68,6 +67,8 @@ def run_hydra(main: Callable[[], object]) -> None:
     except KeyboardInterrupt as ex:  # Ctrl-C: a run in its steps saved a checkpoint and says how to resume
         fail(str(ex) or "interrupted", 130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
+        from dalle_ablate.validate import format_error
+
         msg = format_error(ex) or (format_error(ex.__cause__) if ex.__cause__ else None)
         if msg is None:
             if stderr.overrides:  # a bug: Hydra's line above its traceback, as Hydra prints it

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from dalle_ablate.cli.verbs import verb
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.validate import compose
 
 
 def cmd_encode_images(args) -> None:
@@ -108,7 +107,7 @@ def cmd_fid_reference(args) -> None:
         ref = reference_from_images(net, read_image_folder(args.images, args.num), f"folder {args.images}")
     else:
         from dalle_ablate.data import build_dataset
-        from dalle_ablate.validate import to_run_config
+        from dalle_ablate.validate import compose, to_run_config
 
         cfg = to_run_config(compose(args.overrides))
         ds = build_dataset(cfg.data, cfg.model)
@@ -137,7 +136,7 @@ def cmd_encode(args) -> None:
         return cmd_encode_images(args)
     from dalle_ablate.data.parquet import write_parquet
     from dalle_ablate.data.shapes import SPLITS, ShapesDataset
-    from dalle_ablate.validate import to_run_config
+    from dalle_ablate.validate import compose, to_run_config
 
     cfg = to_run_config(compose(["data=shapes", *args.overrides]))
     if cfg.data.tokenizer != "kmeans":  # data=parquet decodes with a patch codebook (or a VQGAN of its own)

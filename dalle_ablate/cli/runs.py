@@ -7,15 +7,13 @@ import argparse
 from pathlib import Path
 
 from dalle_ablate.cli.verbs import verb
-from dalle_ablate.parallel.devices import DEVICES
-from dalle_ablate.validate import compose
 
 
 def abstract_setup(overrides: list[str]):
     """(run config, model config with the data's sizes, params -> its train state) without reading
     any data."""
     from dalle_ablate.train.assembly import abstract_run
-    from dalle_ablate.validate import to_run_config
+    from dalle_ablate.validate import compose, to_run_config
 
     cfg = to_run_config(compose(overrides))
     return (cfg, *abstract_run(cfg))
@@ -36,6 +34,8 @@ def cmd_describe(args) -> None:
 
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    from dalle_ablate.parallel.devices import DEVICES  # imports JAX (the parallel package): only for plan
+
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for run.py (see below)")
     p.add_argument("--device", help=f"an accelerator to check against: {', '.join(DEVICES)}")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (default 0.4)")
@@ -81,7 +81,7 @@ def cmd_train_scorer(args) -> None:
     import time
 
     from dalle_ablate.evaluate.contrastive import ContrastiveScorer
-    from dalle_ablate.validate import to_run_config
+    from dalle_ablate.validate import compose, to_run_config
 
     cfg = to_run_config(compose(args.overrides))
     cfg.eval.scorer.check_all(cfg, "eval.scorer")
@@ -109,7 +109,7 @@ def cmd_train_tokenizer(args) -> None:
     from dalle_ablate.data.shapes import scenes_key
     from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS
     from dalle_ablate.train.tokenizer import closing_lines, train_tokenizer
-    from dalle_ablate.validate import to_run_config
+    from dalle_ablate.validate import compose, to_run_config
 
     cfg = to_run_config(compose(args.overrides))
     key = IMAGE_TOKENIZERS.get(cfg.data.tokenizer).key(cfg.data, scenes_key(cfg.data))

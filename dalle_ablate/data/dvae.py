@@ -58,8 +58,8 @@ class DVAEConfig(OptionConfig):
 
     width: int = 16  # channels of the finest group; each coarser group doubles it (the paper: 256)
     blocks: int = 1  # resblocks per group (the paper: 2)
-    steps: int = 4000
-    batch: int = 32
+    steps: int = 4000  # training updates of the dVAE
+    batch: int = 32  # images per update
     lr: float = 1e-3  # Adam, cosine-annealed to 1 % (the paper: 1e-4 to 1.25e-6 over 1.2 M updates)
     kl_weight: float = 1.0  # β, reached after kl_warmup of the steps (the paper: 6.6 after 5000 updates)
     kl_warmup: float = 0.05  # fraction of the steps over which β rises from 0 (cosine)
@@ -76,7 +76,7 @@ class DVAEConfig(OptionConfig):
     # 96.9 % at 0 (MSE 1.0e-3, 3.4e-4, 2.5e-4). The paper's 1.2 M updates leave time for a small
     # gain; a few thousand do not. At 0 the branch is not scaled at all (gain 1).
     gain_power: float = 0.0
-    seed: int = 0
+    seed: int = 0  # the dVAE's initialisation and batches
 
 
 def groups(patch_size: int) -> int:

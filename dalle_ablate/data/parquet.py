@@ -47,15 +47,15 @@ class ParquetDataConfig(DataConfig):
     name: str = "parquet"
     path: str = MISSING  # a file, a folder or a glob of training files
     valid_path: Optional[str] = None  # null = hold out valid_fraction of rows by hash
-    valid_fraction: float = 0.01
-    caption_column: str = "caption"
-    encoding_column: str = "encoding"
-    image_vocab: int = 16384
+    valid_fraction: float = 0.01  # rows held out for validation when valid_path is null
+    caption_column: str = "caption"  # the column of caption strings
+    encoding_column: str = "encoding"  # the column of image codes (a list of ints per row)
+    image_vocab: int = 16384  # codes of the VQGAN that encoded the images (dalle-mini's: 16384)
     image_len: Optional[int] = None  # null = model.image_len, else the first row's length
-    shuffle_buffer: int = 10000
+    shuffle_buffer: int = 10000  # rows the training stream shuffles among
     codebook_path: Optional[str] = None  # a patch codebook (.npz) to decode samples; null = no grid
     vqgan_path: Optional[str] = None  # or VQGAN weights (.npz, dalle-ablate convert-vqgan) to decode them
-    valid_max_rows: int = 2048
+    valid_max_rows: int = 2048  # rows of the validation split read, at most
     allow_blank_captions: bool = False  # train on a set whose captions are all blank (unconditional)
 
     def image_sizes(self) -> dict[str, Optional[int]]:

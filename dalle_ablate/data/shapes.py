@@ -55,17 +55,17 @@ class ShapesDataConfig(DataConfig):
     tokenizer: str = "kmeans"  # kmeans | dvae | vqgan (data/image_tokenizer.py)
     dvae: DVAEConfig = field(default_factory=DVAEConfig)  # data.tokenizer=dvae's shape and training
     vqgan_path: Optional[str] = None  # data.tokenizer=vqgan's weights (.npz, dalle-ablate convert-vqgan)
-    num_train: int = 20000
-    num_valid: int = 512
-    num_test: int = 512
-    min_objects: int = 1
-    max_objects: int = 3
+    num_train: int = 20000  # scenes rendered for training
+    num_valid: int = 512  # scenes of the validation split (eval/valid/loss)
+    num_test: int = 512  # scenes of the test split
+    min_objects: int = 1  # objects per scene, at least
+    max_objects: int = 3  # objects per scene, at most (the captions know 1 to 3)
     # How scenes are drawn (data/scenes.py random_scene): tiers = each evaluation tier (one, two,
     # three, relation) equally often; counts = the object count uniform, which left lists of two
     # objects at 13% of the data and the quickstart's two-object tier its weakest (docs/results/default-job.md).
     mix: str = "tiers"
     kmeans_patches: int = 1_000_000  # patches (of whole training renders) the codebook is fitted on
-    kmeans_iters: int = 20
+    kmeans_iters: int = 20  # Lloyd iterations of the k-means codebook
     text_vocab_size: int = 256
 
     def validate(self, run) -> None:

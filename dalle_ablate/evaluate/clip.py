@@ -343,7 +343,7 @@ class ClipEvalConfig(OptionConfig):
 
     RANGES = {"batch_size": "[1, inf)"}
 
-    weights: Optional[str] = None
+    weights: Optional[str] = None  # CLIP weights and BPE (.npz from dalle-ablate convert-clip); needed for clip
     batch_size: int = 32  # images (or captions) per forward pass
 
     def validate(self, run: Any) -> None:

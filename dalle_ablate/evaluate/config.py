@@ -31,7 +31,9 @@ class EvalConfig(OptionConfig):
 
     name: str = "default"  # which conf/eval preset this came from
     every: int = 0  # steps between evaluations during training; 0 = only at the end of the run
+    # Super conditioning's guidance scales the metrics are measured at; 1 = unguided
     guidance_scales: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 5.0, 8.0])
+    # The evaluators: shapes, shapes_fd, caption_sensitivity (the shapes data), fid, clip (weights needed)
     metrics: list[str] = field(default_factory=lambda: ["shapes", "shapes_fd", "caption_sensitivity"])
     # Stratified prompts (an equal share per difficulty tier), one sample each, the same at every scale
     # and in every run. 400 (100 per tier): McNemar's test then finds a 0.1 difference in all-correct
@@ -39,9 +41,9 @@ class EvalConfig(OptionConfig):
     # benchmarks/time_to_quality.py measures how far below that worst case two runs are).
     num_samples: int = 400
     batch_size: int = 32  # prompts sampled at once
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
+    temperature: float = 1.0  # sampling temperature of the image codes (eval=default: 0.5)
+    top_k: Optional[int] = None  # sample among the k likeliest codes only; null = all
+    top_p: Optional[float] = None  # nucleus sampling: the likeliest codes holding this much probability; null = all
     sensitivity_examples: int = 64  # valid examples whose captions caption_sensitivity edits
     grids: list[str] = field(default_factory=lambda: ["shapesbench"])  # prompt lists: shapesbench, drawbench, partiprompts
     grid_scales: list[float] = field(default_factory=lambda: [3.0])  # guidance scales the grids are drawn at

@@ -41,11 +41,11 @@ class ScorerConfig(OptionConfig):
     RANGES = {"train_images": "[1, inf)", "steps": "[1, inf)", "batch": "[2, inf)", "lr": "(0, inf)", "width": "[8, inf)",
               "held_out": "[2, inf)"}
 
-    seed: int = 0
+    seed: int = 0  # the scorer's scenes, initialisation and batches
     train_images: int = 20000  # scenes drawn and rendered for training
-    steps: int = 1000
+    steps: int = 1000  # training updates
     batch: int = 128  # pairs per InfoNCE batch (each caption against 127 other images)
-    lr: float = 2e-3
+    lr: float = 2e-3  # Adam's learning rate
     width: int = 64  # embedding width of both encoders
     held_out: int = 512  # pairs (another seed) the retrieval accuracy is measured on
 

@@ -92,7 +92,7 @@ class FidConfig(OptionConfig):
 
     RANGES = {"batch_size": "[1, inf)"}
 
-    weights: Optional[str] = None
+    weights: Optional[str] = None  # Inception weights (.npz, dalle-ablate convert-inception); needed for fid
     batch_size: int = 32  # images per forward pass
 
     def validate(self, run: Any) -> None:

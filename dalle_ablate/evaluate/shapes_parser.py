@@ -45,9 +45,6 @@ from functools import lru_cache
 from typing import Optional
 
 import numpy as np
-from scipy import ndimage
-from scipy.optimize import linear_sum_assignment
-from scipy.stats import binomtest
 
 from dalle_ablate.data.scenes import BACKGROUND, PALETTE, SHAPES, SIZES, TIERS, shape_coverage, tier
 from dalle_ablate.evaluate.evaluators import evaluator
@@ -186,6 +183,8 @@ def parse_image(image: np.ndarray, min_area: int = MIN_AREA, min_iou: float = MI
     components are judged on their own, so shapes of different colours that touch are separated
     (each is an object if it fits a shape) and a piece that fits none is left-over ink, never
     silently dropped."""
+    from scipy import ndimage  # here: importing the evaluators (every run, `--help`) does not pay for scipy
+
     s = image.shape[0]
     best, c, d = _blend(image)
     labels = _labels(best, c, d)
@@ -263,6 +262,8 @@ def match(objects: list[dict], detected: list[Detected], relation: Optional[dict
     relation, scipy's linear_sum_assignment (deterministic); with one (two caption objects),
     exhaustively, the first best in a fixed order."""
     if relation is None:
+        from scipy.optimize import linear_sum_assignment
+
         cost = np.array([[_cost(o, d) for d in [*detected, *[None] * len(objects)]] for o in objects])
         rows, cols = linear_sum_assignment(cost)
         chosen = [None] * len(objects)
@@ -351,6 +352,8 @@ def wilson(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float
     """Wilson score interval of a rate (scipy's binomtest); (nan, nan) when n is 0."""
     if n == 0:
         return float("nan"), float("nan")
+    from scipy.stats import binomtest
+
     ci = binomtest(int(correct), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
     return float(ci.low), float(ci.high)
 

@@ -20,28 +20,27 @@ class ModelConfig(OptionConfig):
     defaults here are size=tiny's). A family (`family`, registered by `FAMILIES.option`) subclasses
     it with its own default."""
 
-    family: str = "seq2seq"  # encoder-decoder (DALL·E mini / Mega)
+    family: str = "seq2seq"  # seq2seq: an encoder-decoder (DALL·E mini / Mega); set by the model preset
     layout: str = "preln"  # where the norms sit: see docs/variants.md "Layouts"
-    d_model: int = 128
-    heads: int = 4
-    encoder_layers: int = 2
-    decoder_layers: int = 2
+    d_model: int = 128  # width of the residual stream
+    heads: int = 4  # attention heads (each d_model / heads wide)
+    encoder_layers: int = 2  # layers of the text encoder (single_stream: with decoder_layers, its depth)
+    decoder_layers: int = 2  # layers of the image decoder
     ffn_dim: int = 344  # hidden width of the FFN (with GLU, ~2/3 of the dense width)
     text_len: int = 32  # text positions, BOS and EOS included
-    # None = taken from the data (patch grid / codebook / tokenizer); presets for large models set them
-    image_len: Optional[int] = None
-    image_vocab: Optional[int] = None
-    text_vocab: Optional[int] = None
+    image_len: Optional[int] = None  # image tokens per image; null = the data's patch grid (large presets set it)
+    image_vocab: Optional[int] = None  # codes of the image tokenizer; null = the data's codebook
+    text_vocab: Optional[int] = None  # text tokens; null = the tokenizer's (a larger value leaves rows unused)
     norm: str = "layernorm"  # layernorm | rmsnorm
-    ln_eps: float = 1e-5
+    ln_eps: float = 1e-5  # epsilon of every norm's variance (LayerNorm, RMSNorm)
     force_ln_scale: bool = False  # learned scale also on norms that feed a Dense layer
     activation: str = "gelu"  # gelu | swish | relu | smelu
     gelu_approximate: bool = False  # tanh approximation of gelu
     smelu_beta: float = 1.0  # SmeLU half-width
     glu: bool = True  # W_o (act(W_g x) * (W_v x))
     head_scale: bool = False  # NormFormer per-head scale
-    final_ln_encoder: bool = True
-    final_ln_decoder: bool = True
+    final_ln_encoder: bool = True  # a norm after the encoder's last layer
+    final_ln_decoder: bool = True  # a norm after the decoder's last layer, before the logits
     # A pre-norm decoder without its final norm is refused (the DALL·E mini study found it unstable)
     # unless this is false: the Mega study's arm that tests that finding (conf/arm/no_final_ln_decoder).
     require_final_ln_decoder: bool = True
@@ -49,11 +48,11 @@ class ModelConfig(OptionConfig):
     cosine_attention: bool = False  # Swin v2: cos(q, k) / tau instead of q.k / sqrt(d)
     tau_init: float = 0.05  # cosine attention temperature (fixed, or the init of a learned one)
     learn_tau: bool = False  # learn tau per head and layer, clamped at >= tau_min
-    tau_min: float = 0.01
+    tau_min: float = 0.01  # the floor of a learned tau (Swin v2: 0.01)
     position_bias: bool = False  # Swin v2 log-spaced continuous position bias on image self-attention
     cpb_hidden: int = 64  # hidden width of the position-bias MLP
     bias: bool = False  # DALL·E mini study: biases cost time and hurt convergence
-    init_std: float = 0.02
+    init_std: float = 0.02  # standard deviation of the normal initialisation of every weight (DeepNet scales some)
     dropout: float = 0.0  # on embeddings and on every sublayer output
     attention_dropout: float = 0.0  # on attention weights
     activation_dropout: float = 0.0  # after the FFN activation

@@ -47,8 +47,8 @@ class SingleStreamConfig(ModelConfig):
     RANGES = {"text_loss_weight": "[0, 1]", "conv_kernel": "[1, inf)", "layers": "[1, inf) or null"}
     blank_is_padding = True
 
-    family: str = "single_stream"
-    layers: Optional[int] = None
+    family: str = "single_stream"  # OpenAI's DALL·E: one decoder over the text and image tokens
+    layers: Optional[int] = None  # decoder layers; null = encoder_layers + decoder_layers (the size preset's budget)
     attention_pattern: str = "dalle"  # dalle | dense | row | column | conv | comma-separated cycle
     conv_kernel: int = 11  # side of the convolutional pattern's causal neighbourhood (paper: 11)
     text_loss_weight: float = 0.125  # the paper's 1/8 (image 7/8)

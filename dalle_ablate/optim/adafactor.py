@@ -17,14 +17,14 @@ class AdafactorConfig(OptimConfig):
 
     name: str = "adafactor"
     lr: float = 1e-2
-    decay_rate: float = 0.8
-    decay_offset: int = 0
-    clipping_threshold: Optional[float] = 1.0
-    momentum: Optional[float] = None
-    factored: bool = True
-    min_dim_size_to_factor: int = 128
+    decay_rate: float = 0.8  # the second moment's decay is 1 - t^-decay_rate at step t (Shazeer & Stern 2018)
+    decay_offset: int = 0  # the step that decay counts t from (fine-tuning: the step it starts at)
+    clipping_threshold: Optional[float] = 1.0  # an update's RMS is clipped to this (the paper's d); null = off
+    momentum: Optional[float] = None  # decay of a first moment; null = none (the paper's memory saving)
+    factored: bool = True  # a matrix's second moment as row and column factors
+    min_dim_size_to_factor: int = 128  # factor only matrices whose both sides are at least this long
     multiply_by_parameter_scale: bool = False  # DALL·E mini used the plain learning rate
-    eps: float = 1e-30
+    eps: float = 1e-30  # added to the squared gradient (the paper's epsilon_1)
 
 
 @OPTIMIZERS.option("adafactor", AdafactorConfig)

@@ -16,11 +16,11 @@ class AdamConfig(OptimConfig):
 
     name: str = "adam"
     lr: float = 5e-4  # the quickstart: 1e-3 learned the captions later, 2e-3 and 3e-3 not at all (docs/results/default-job.md)
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    eps_root: float = 0.0
-    nesterov: bool = False
+    b1: float = 0.9  # decay of the first moment (momentum)
+    b2: float = 0.999  # decay of the second moment
+    eps: float = 1e-8  # added to the second moment's square root in the denominator
+    eps_root: float = 0.0  # added to the second moment inside the square root
+    nesterov: bool = False  # Nesterov momentum (NAdamW)
 
 
 @OPTIMIZERS.option("adam", AdamConfig)

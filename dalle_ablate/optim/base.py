@@ -21,9 +21,9 @@ OPTIMIZERS: Registry = Registry("optimizer", "optim")
 class OptimConfig(OptionConfig):
     RANGES = {"weight_decay": "[0, inf)", "clip_grad_norm": "(0, inf) or null", "lr": "(0, inf)"}
 
-    name: str = MISSING
+    name: str = MISSING  # the optimizer, chosen with optim=NAME (its preset sets it)
     lr: float = 1e-3  # the peak rate; an optimizer's config sets its own where it differs (adam, adafactor)
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW's), times the learning rate; 0 = off
     # Parameters whose path matches one of these regexes get no weight decay.
     wd_exclude: list[str] = field(default_factory=lambda: ["norm", "bias", "embed"])
     clip_grad_norm: Optional[float] = 1.0  # global gradient clipping; null = off

@@ -190,7 +190,7 @@ class ShampooOptions:
     # 1024-blocks and 1024 x 1024 roots instead of two 64 x 64. 0 keeps every matrix a matrix.
     merge_small_dims: int = MERGE_SMALL_DIMS
     moving_average_for_momentum: bool = True  # EMA momentum (dalle-mini's setting) instead of heavy ball
-    nesterov: bool = False
+    nesterov: bool = False  # Nesterov momentum on the grafted direction
     statistics_dtype: str = "float32"  # float32 | bfloat16 for statistics and roots
     # Where inverse roots are computed: auto = float64 where the backend has it (CPU, GPU), float32
     # on TPU. float32 roots of ill-conditioned statistics are off by up to ~1e-3 (batched_inverse_roots).

@@ -22,8 +22,8 @@ class ScheduleConfig(OptionConfig):
 
     RANGES = {"warmup_steps": "[0, inf)", "lr_offset": "[0, inf)"}
 
-    name: str = MISSING
-    warmup_steps: int = 50
+    name: str = MISSING  # the decay after the warm-up, chosen with schedule=NAME (its preset sets it)
+    warmup_steps: int = 50  # steps over which the rate rises linearly from 0 to optim.lr
     lr_offset: int = 0  # hold the rate at 0 for the first N steps (resuming with a fresh optimizer)
     allow_long_warmup: bool = False  # let warmup (with lr_offset) last as long as the run or longer
 
@@ -79,9 +79,9 @@ class ExponentialScheduleConfig(ScheduleConfig):
     RANGES = {"transition_steps": "[1, inf)", "decay_rate": "(0, inf)"}
 
     name: str = "exponential"
-    transition_steps: int = 1000
-    decay_rate: float = 0.5
-    staircase: bool = False
+    transition_steps: int = 1000  # steps over which the rate is multiplied by decay_rate once
+    decay_rate: float = 0.5  # the rate's factor per transition_steps
+    staircase: bool = False  # decay in steps every transition_steps instead of smoothly
 
 
 @SCHEDULES.option("exponential", ExponentialScheduleConfig)

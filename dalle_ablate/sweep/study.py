@@ -43,6 +43,8 @@ PRUNERS.register("threshold", lambda kw: optuna.pruners.ThresholdPruner(**kw))
 
 PRUNER_ATTR = "dalle_ablate.pruner"  # the study's pruner spec, so that jobs rebuild the same pruner
 STARTS_ATTR = "dalle_ablate.sampler_starts"  # sweep processes started on the study so far
+RUN_DIR_ATTR = "run_dir"  # a trial's run store, so that a later sweep can mark it or resume from it
+WANDB_ATTR = "wandb_id"  # a trial's W&B run, where it has one
 
 
 def sampler_seed(seed: Optional[int], start: int) -> Optional[int]:

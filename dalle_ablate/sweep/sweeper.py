@@ -28,12 +28,10 @@ from dalle_ablate.fileio import atomic_write
 from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import space as spaces
-from dalle_ablate.sweep.study import (PRUNER_ATTR, STARTS_ATTR, default_storage, heartbeats, make_pruner, make_sampler,
-                                      sampler_seed, storage, trial_lock)
-from dalle_ablate.sweep.trial import RUN_DIR_ATTR, WANDB_ATTR
+from dalle_ablate.sweep.study import (PRUNER_ATTR, RUN_DIR_ATTR, STARTS_ATTR, WANDB_ATTR, default_storage, heartbeats,
+                                      make_pruner, make_sampler, sampler_seed, storage, trial_lock)
 from dalle_ablate.track.naming import short
 from dalle_ablate.track.runstore import mark_failed
-from dalle_ablate.train.checkpoint import find_checkpoints
 
 log = logging.getLogger(__name__)
 # Heartbeats (RDBStorage's heartbeat_interval, fail_stale_trials) have carried optuna's
@@ -297,6 +295,8 @@ class OptunaSweeper(Sweeper):
         if number is None:
             return []
         run_dir = study.get_trials(deepcopy=False)[number].user_attrs.get(RUN_DIR_ATTR)
+        from dalle_ablate.train.checkpoint import find_checkpoints  # orbax: not at Hydra's start (this is a plugin)
+
         try:
             find_checkpoints(run_dir) if run_dir else None
         except ConfigError:  # it died before its first checkpoint: start over

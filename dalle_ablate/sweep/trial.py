@@ -11,7 +11,8 @@ from typing import Optional
 
 import optuna
 
-from dalle_ablate.sweep.study import PRUNER_ATTR, make_pruner
+from dalle_ablate.sweep.study import PRUNER_ATTR, RUN_DIR_ATTR, WANDB_ATTR, make_pruner
+from dalle_ablate.train.loop import RunHooks
 
 
 class Pruning:
@@ -28,6 +29,25 @@ class Pruning:
         return self.trial.should_prune()
 
 
+class TrialHooks(RunHooks):
+    """A job launched by the Optuna sweeper (`optuna.*` set; job.py gives these to its run): its
+    run store recorded on the trial at the start, and the study's pruner asked after each
+    evaluation -- in a single-process run only, since other processes could not agree with
+    process 0 on when to stop."""
+
+    def __init__(self, link):
+        self.link = link
+        self.pruning = None
+
+    def started(self, run_dir: Path, processes: int) -> None:
+        record_run_dir(self.link, run_dir)
+        if processes == 1:
+            self.pruning = pruning_for(self.link)
+
+    def should_stop(self, eval_loss: float, step: int) -> bool:
+        return self.pruning is not None and self.pruning.report(eval_loss, step)
+
+
 def pruning_for(link) -> Optional[Pruning]:
     """The trial this job runs for, when a sweeper launched it with pruning possible (one
     objective: optuna prunes single-objective studies only); else None."""
@@ -37,8 +57,6 @@ def pruning_for(link) -> Optional[Pruning]:
     return p if len(p.study.directions) == 1 else None
 
 
-RUN_DIR_ATTR = "run_dir"  # the trial's run store, so that a later sweep can mark it or resume from it
-WANDB_ATTR = "wandb_id"  # the trial's W&B run, where it has one
 
 
 def record_run_dir(link, run_dir) -> None:

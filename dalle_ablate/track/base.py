@@ -25,7 +25,7 @@ TRACKERS: Registry = Registry("tracker", "tracker", key="backend")
 
 @dataclass
 class TrackerConfig(OptionConfig):
-    backend: str = MISSING
+    backend: str = MISSING  # where metrics go besides the run store, chosen with tracker=NAME
 
 
 @dataclass

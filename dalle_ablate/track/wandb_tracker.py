@@ -97,23 +97,28 @@ VERIFY_TIMEOUT = 15  # seconds for it to answer who the API key belongs to
 @dataclass
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
-    project: str = "dalle-ablate"
-    entity: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
+    project: str = "dalle-ablate"  # the W&B project
+    entity: Optional[str] = None  # the W&B team or user; null = the logged-in default
+    tags: list[str] = field(default_factory=list)  # tags of the W&B run
     fallback: Optional[str] = None  # offline = log offline when online cannot connect or authenticate; null = fail
     # null = the run's own: group = the multirun folder, name = the overrides it varies (seed
     # included), job_type = the same less the seed (the layout when nothing varies)
     group: Optional[str] = None
-    name: Optional[str] = None
-    job_type: Optional[str] = None
-    notes: Optional[str] = None
+    name: Optional[str] = None  # the W&B run's name; null = the overrides the multirun varies
+    job_type: Optional[str] = None  # null = the variant: the name less the seed
+    notes: Optional[str] = None  # the W&B run's notes
     log_checkpoints: bool = False  # each complete checkpoint as a `model` artifact (aliases step-<n>, latest)
+    # W&B's own terminal output. false: the run's banner and closing block off (W&B's `silent`
+    # setting) and W&B's other info lines too (`show_info`), its warnings and errors still shown;
+    # one line of the run's says where the W&B run is. true: all of it (then W&B's own WANDB_QUIET
+    # and WANDB_SILENT apply)
+    banner: bool = False
 
 
 @dataclass
 class WandbTrackerConfig(TrackerConfig):
     backend: str = "wandb"
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run: mode, naming, what it keeps
 
     def validate(self, run) -> None:
         mode, fallback = self.wandb.mode, self.wandb.fallback
@@ -149,11 +154,21 @@ def online_problem() -> str | None:
     return None
 
 
+def where(run, mode: str) -> str:
+    """The one line a run prints about its W&B run while W&B itself is silent: where it is, and
+    how an offline one gets uploaded."""
+    if mode == "online":
+        return f"W&B run: {run.url}"
+    return f"W&B run (offline): {run.settings.sync_dir}; upload it with wandb sync"
+
+
 class WandbTracker(Tracker):
     def __init__(self, cfg, store: RunStore, config: dict, meta: dict, *, name, group, job_type):
         import wandb
 
         self._wandb, self.cfg = wandb, cfg
+        if not cfg.banner:  # its info lines (an artifact's files, ...) off for the process; warnings and errors still show
+            wandb.setup(settings=wandb.Settings(show_info=False))
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
         mode = cfg.mode
         if mode == "online":
@@ -181,8 +196,10 @@ class WandbTracker(Tracker):
             # A multirun's jobs never share a run; the members of one job (train/members.py) are
             # live runs side by side, each finished by its own member.
             reinit="create_new" if meta.get("members") else "finish_previous",
-            settings=wandb.Settings(init_timeout=30),
+            settings=wandb.Settings(init_timeout=30, **({} if cfg.banner else {"silent": True})),
         )
+        if not cfg.banner:
+            print(where(self.run, mode), flush=True)
         # A resumed W&B run continues after the last step the earlier processes sent (online: the
         # step its server holds; offline: the last step in their run files). Steps up to it are
         # not sent again (the resumed run recomputes them exactly); the steps after it up to the

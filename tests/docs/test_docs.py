@@ -21,6 +21,30 @@ def test_generated_references_are_current():
     assert proc.returncode == 0, proc.stderr + proc.stdout
 
 
+def _reference_tables() -> list[list[str]]:
+    """The cells of every field's row in the configuration reference, as generated now."""
+    from dalle_ablate.docs import config_reference
+
+    rows = [re.split(r"(?<!\\)\|", line)[1:-1] for line in config_reference().splitlines() if line.startswith("| `")]
+    return [[c.strip() for c in row] for row in rows if len(row) == 5]  # field | type | default | range | what it does
+
+
+def test_every_field_of_the_configuration_reference_says_what_it_does():
+    """Each field's comment in its schema is its description (the generator reads it): none is empty."""
+    fields = _reference_tables()
+    assert len(fields) > 250
+    assert [row[0] for row in fields if not row[-1]] == []
+
+
+def test_a_placeholder_in_a_description_stays_text():
+    """`<step>`, `<name>`: written as &lt;, or the site would take them for HTML tags and show nothing."""
+    from dalle_ablate.docs import cli_reference
+
+    described = [row[-1] for row in _reference_tables()]
+    assert any("&lt;" in d for d in described) and not any("<" in d for d in described)
+    assert "reports/&lt;name>" in cli_reference() and "reports/<name>" not in cli_reference()
+
+
 def _slug(heading: str) -> str:
     """The anchor MkDocs (Python-Markdown's toc) gives a heading."""
     text = re.sub(r"`|\*|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
