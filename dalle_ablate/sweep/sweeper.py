@@ -24,7 +24,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_ablate.fileio import atomic_write
+from dalle_ablate.fileio import atomic_write, is_url
 from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import space as spaces
@@ -286,7 +286,7 @@ class OptunaSweeper(Sweeper):
         study.set_user_attr(STALE_ATTR, {**study.user_attrs.get(STALE_ATTR, {}), str(trial.number): why})
         log.warning(f"trial {trial.number} FAIL: {why}")
         run_dir = trial.user_attrs.get(RUN_DIR_ATTR) or (job_dir and str(Path(job_dir) / "run"))
-        if run_dir and Path(run_dir).is_dir():
+        if run_dir and (is_url(run_dir) or Path(run_dir).is_dir()):
             mark_failed(run_dir, f"killed: {why}")
         if self.retry is not None:
             self.retry(study, trial)  # enqueues the same parameters, remembering this trial's number
