@@ -99,18 +99,18 @@ def check_bucket(url: str) -> None:
     from google.api_core import exceptions as gx
     from google.auth import exceptions as auth
 
+    where = f"{SCHEME}{bucket}"
     try:
         _client().get_bucket(bucket, timeout=10, retry=None)
     except gx.NotFound:
-        raise RunFailed(f"{url}: bucket {bucket} does not exist; create it (gcloud storage buckets create gs://{bucket}) "
-                        f"or fix the URL") from None
+        raise RunFailed(f"{where}: no such bucket; create it (gcloud storage buckets create {where}) or fix the URL") from None
     except gx.Forbidden:
-        raise RunFailed(f"{url}: no access to bucket {bucket} with this machine's Application Default Credentials") from None
+        raise RunFailed(f"{where}: no access with this machine's Application Default Credentials") from None
     except auth.DefaultCredentialsError:
-        raise RunFailed(f"{url}: no Application Default Credentials on this machine (gcloud auth application-default "
+        raise RunFailed(f"{where}: no Application Default Credentials on this machine (gcloud auth application-default "
                         f"login, or a VM's service account)") from None
     except Exception as e:  # noqa: BLE001 - connection errors come in several types (requests, urllib3, google.auth)
-        raise RunFailed(f"{url}: bucket {bucket} cannot be reached ({type(e).__name__})") from None
+        raise RunFailed(f"{where}: cannot be reached ({type(e).__name__})") from None
     _checked.add(bucket)
 
 
@@ -280,7 +280,11 @@ class BucketLock:
 
         if self.generation is not None:
             try:
-                self.blob.delete(if_generation_match=self.generation, retry=None, timeout=30)
+                # Read first: the precondition alone is what Cloud Storage honours, but fake-gcs-server
+                # (the suite's emulator) deletes whatever generation a DELETE names.
+                self.blob.reload(retry=None, timeout=30)
+                if self.blob.generation == self.generation:
+                    self.blob.delete(if_generation_match=self.generation, retry=None, timeout=30)
             except (gx.PreconditionFailed, gx.NotFound):
                 pass  # taken over: it is the new holder's now
             self.generation = None

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.config import MembersConfig, MeshConfig, member_only
-from dalle_ablate.fileio import check_url, is_url, pull, push_tree, shown, staged, url_of
+from dalle_ablate.fileio import check_bucket, check_url, is_url, pull, push_tree, shown, staged, url_of
 from dalle_ablate.parallel import distributed
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
@@ -217,6 +217,7 @@ def from_bucket(run_cfg, job_dir: Path) -> None:
     is pulled to its staging folder, which the run then uses (what it caches there is uploaded)."""
     url = url_of(job_dir)
     if url is not None:
+        check_bucket(url)  # one line now for a bucket that is not there, before anything is built
         if run_cfg.resume == "auto":
             pull(url, keep=tuple(p.name for p in job_dir.iterdir() if p.name == ".hydra" or p.suffix == ".log"))
         push_tree(job_dir / ".hydra")

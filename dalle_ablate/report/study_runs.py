@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from dalle_ablate.fileio import check_url, is_url, pull
+from dalle_ablate.fileio import check_url, is_url, pull, shown
 from dalle_ablate.registry import ConfigError, RunFailed
 
 
@@ -145,7 +145,7 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
         raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
     seed_override, topup = _plan_topup(study, folder, seeds, overrides) if seeds is not None else (None, None)
     swept = [*overrides, *([seed_override] if seed_override else [])]
-    command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={folder}",
+    command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={shown(folder)}",
                *(as_members(study.experiment, swept) if members else swept)]
     t = time.perf_counter()
     # The seeds of an arm compile the same programs: JAX's persistent compilation cache
