@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.config import MembersConfig, MeshConfig, member_only
-from dalle_ablate.fileio import check_bucket, check_url, is_url, pull, push_tree, shown, staged, url_of
+from dalle_ablate.fileio import check_bucket, check_url, fetch, is_url, pull, push, push_tree, shown, staged, url_of
 from dalle_ablate.parallel import distributed
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
@@ -37,6 +37,9 @@ def varying_keys(sweep_dir: Path) -> set[str]:
     """The keys a multirun or sweep varies, from the `multirun.yaml` its sweeper saved: the sweep
     overrides of its command line (`a,b`, `choice`, `range`, `interval`) and its sweeper's params."""
     path = sweep_dir / "multirun.yaml"
+    url = url_of(sweep_dir)
+    if url is not None:  # a sweep folder in a bucket: uploaded by a job on the sweep's host, read there by one elsewhere
+        push(path) if path.exists() else fetch(f"{url}/multirun.yaml", path)
     if not path.exists():
         return set()
     from hydra.core.override_parser.overrides_parser import OverridesParser

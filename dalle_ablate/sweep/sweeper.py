@@ -24,7 +24,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_ablate.fileio import atomic_write, is_url
+from dalle_ablate.fileio import atomic_write, is_url, push
 from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import space as spaces
@@ -210,6 +210,7 @@ class OptunaSweeper(Sweeper):
         study, url = self.study(space)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")  # as Hydra's sweepers do: jobs read what varies
+        push(self.sweep_dir / "multirun.yaml")  # a sweep folder in a bucket: there for trials on other hosts
         log.info(f"Optuna study {self.study_name!r} in {url}: {n_trials} trials in all, sampler "
                  f"{self.sampler_conf.get('name')}, pruner {self.pruner_conf.get('name')}")
         warned = False

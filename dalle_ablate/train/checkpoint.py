@@ -94,8 +94,8 @@ class Checkpointer:
             self._saved()
             if step in self.manager.all_steps():
                 return  # e.g. a run interrupted just after its scheduled save of this step
-            if self.metrics is not None and self.metrics.exists():
-                push(self.metrics)  # the rows up to this step, in the bucket before the checkpoint can be
+            if self.metrics is not None and jax.process_index() == 0 and self.metrics.exists():
+                push(self.metrics)  # the rows up to this step (process 0 writes them), in the bucket before the checkpoint can be
             self.saving = step
             self.manager.save(step, args=ocp.args.StandardSave(state))
         except RunFailed:
