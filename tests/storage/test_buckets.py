@@ -96,6 +96,22 @@ def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def test_a_checkpoint_set_aside_in_a_bucket_is_no_step_any_more(gcs, whole):
+    """A checkpoint that cannot be restored is renamed `<step>.unrestorable`, its finished mark
+    gone (a rename in a bucket is a copy of each object: a kill during it leaves no step)."""
+    from dalle_ablate.train.checkpoint import finished_steps, set_aside
+
+    ckpt = f"{gcs.url}/aside/checkpoints"
+    fs = gcs.fs()
+    fs.copy(f"{whole}/run/checkpoints/6/", f"{ckpt}/6", recursive=True)
+    assert finished_steps(ckpt) == [6]
+    set_aside(f"{ckpt}/6")
+    fs.invalidate_cache()
+    assert finished_steps(ckpt) == [] and not fs.exists(f"{ckpt}/6")
+    moved = {f.split("/checkpoints/", 1)[1] for f in fs.find(f"{ckpt}/6.unrestorable")}
+    assert "6.unrestorable/default/manifest.ocdbt" in moved and "6.unrestorable/commit_success.txt" not in moved
+
+
 def test_eval_and_report_read_a_run_from_the_bucket_as_from_a_local_copy(gcs, whole, tmp_path):
     """`dalle-ablate eval gs://...` evaluates the bucket's checkpoint with the run's saved config and
     puts its evaluation back in the bucket; `dalle-ablate report gs://.../*/run` reads the stores
