@@ -118,11 +118,13 @@ def push(path) -> None:
     """Upload a file written under a staged folder to its object, whole, in one PUT."""
     url = url_of(path)
     if url is not None and not is_url(path):
+        fs = filesystem(url)
         try:
-            filesystem(url).put_file(str(path), url)
-        except (OSError, ValueError) as e:
-            raise RunFailed(f"{url} cannot be written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                            f"the staging copy {path} is intact") from e
+            fs.put_file(str(path), url)
+        except Exception as e:  # noqa: BLE001 - after gcsfs's own retries: HttpError, aiohttp's and OS errors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RunFailed(f"{url} cannot be written ({type(e).__name__}{': ' + first if first else ''}); its staging "
+                            f"copy {path} is whole: fix the bucket, then resume=auto") from e
 
 
 def fetch(url: str, local: Path) -> bool:

@@ -246,7 +246,7 @@ def run(cfg: DictConfig) -> float | list[float]:
     result = train(run_cfg, job)
     if result.status == "diverged":
         # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
-        raise RunFailed(f"{job.name}: {result.reason} (run store {result.run_dir})", RunFailed.DIVERGED)
+        raise RunFailed(f"{job.name}: {result.reason} (run store {shown(result.run_dir)})", RunFailed.DIVERGED)
     if result.status == "interrupted":
         kept = [o for o in job.overrides if not o.startswith(("resume=", "optuna."))]  # resumed as a run of its own
         again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={shown(job.job_dir)}"])
@@ -272,7 +272,7 @@ def members_outcome(run_cfg, job: JobInfo, results: list) -> float | list[float]
     failed = {s: r for s, r in by_seed.items() if r.status != "finished"}
     if failed:
         ok = [str(s) for s in by_seed if s not in failed]
-        raise RunFailed("; ".join(f"member seed={s} {r.reason} (run store {r.run_dir})" for s, r in failed.items())
+        raise RunFailed("; ".join(f"member seed={s} {r.reason} (run store {shown(r.run_dir)})" for s, r in failed.items())
                         + (f"; seeds {', '.join(ok)} finished" if ok else ""), RunFailed.DIVERGED)
     values = np.array([[float(r.summary[k]) for k in run_cfg.objectives] for r in results]).mean(axis=0)
     return float(values[0]) if len(values) == 1 else [float(v) for v in values]
