@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -235,6 +236,7 @@ class BucketLock:
         self.url, self.holder, self.lease_s = url, holder, lease_s or self.LEASE_S
         self.blob = _client().bucket(bucket).blob(f"{key}/{LOCK}" if key else LOCK)
         self.generation: Optional[int] = None
+        self._mutex = threading.Lock()  # the lease's renewal (a thread of the writer) and the release, one at a time
         try:
             self._write(0)
         except gx.PreconditionFailed:
@@ -272,12 +274,18 @@ class BucketLock:
         from google.api_core import exceptions as gx
 
         try:
-            self._write(self.generation)
+            with self._mutex:
+                if self.generation is not None:  # not released meanwhile
+                    self._write(self.generation)
         except gx.PreconditionFailed:
             raise RunFailed(f"run store {self.url}: its lock was taken over by another process while this one wrote "
                             f"(its lease of {self.lease_s:.0f} s ran out)") from None
 
     def release(self) -> None:
+        with self._mutex:
+            self._release()
+
+    def _release(self) -> None:
         from google.api_core import exceptions as gx
 
         if self.generation is not None:

@@ -270,3 +270,20 @@ def test_one_writer_per_bucket_store_a_dead_or_expired_holder_is_taken_over(gcs)
     third.renew()
     third.release()
     assert not blob.exists()
+
+
+def test_a_sweeps_run_link_in_a_bucket_marks_and_resumes_there(gcs, whole):
+    """What the sweeper does with a trial's run link (its store's URL, sweep/trial.py): a dead
+    trial's store is marked failed in the bucket; a retry resumes from its checkpoints there."""
+    from dalle_ablate.track.runstore import mark_failed
+    from dalle_ablate.train.checkpoint import find_checkpoints
+
+    fs = gcs.fs()
+    store = f"{gcs.url}/sweep/0/run"
+    fs.pipe_file(f"{store}/summary.json", json.dumps({"status": "running", "steps": 3}).encode())
+    mark_failed(store, "killed: its process died")
+    assert json.loads(fs.cat(f"{store}/summary.json")) == {"status": "failed", "steps": 3, "reason": "killed: its process died"}
+    assert find_checkpoints(whole) == (fileio.staged(f"{whole}/run/checkpoints"), None)
+    assert find_checkpoints(f"{whole}/run/checkpoints/3") == (fileio.staged(f"{whole}/run/checkpoints"), 3)
+    with pytest.raises(ConfigError, match=f"^resume={gcs.url}/sweep/0: no finished orbax checkpoint found there$"):
+        find_checkpoints(f"{gcs.url}/sweep/0")
