@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -152,10 +151,15 @@ def pull(url: str, keep: tuple[str, ...] = ()) -> Path:
     not have yet is an empty staging folder."""
     local = staged(url)
     fs = filesystem(url)
-    if local.is_dir():
-        for p in local.iterdir():
-            if p.name not in keep and p.name not in NOT_PULLED:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    for p in sorted(local.rglob("*"), reverse=True) if local.is_dir() else []:  # a folder's files before it
+        parts = p.relative_to(local).parts
+        if parts[0] in keep or set(parts) & set(NOT_PULLED):
+            continue  # e.g. W&B's offline folders of this host's earlier processes: never in the bucket, kept
+        if p.is_dir() and not p.is_symlink():
+            if not any(p.iterdir()):
+                p.rmdir()
+        else:
+            p.unlink()
     local.mkdir(parents=True, exist_ok=True)
     fs.invalidate_cache()  # another process (a run, another host) wrote there since this one last looked
     prefix = url[len(SCHEME):].rstrip("/") + "/"
