@@ -48,9 +48,10 @@ def saved_state(step_folder: str):
 
 @pytest.fixture(scope="module")
 def whole(gcs, tmp_path_factory) -> str:
-    """A tiny run with `hydra.run.dir=gs://...`, uninterrupted: the job folder's URL."""
+    """A tiny run with `hydra.run.dir=gs://...`, uninterrupted, W&B offline keeping its checkpoints:
+    the job folder's URL."""
     url = f"{gcs.url}/runs/whole"
-    proc = job(tmp_path_factory.mktemp("whole"), url, "host")
+    proc = job(tmp_path_factory.mktemp("whole"), url, "host", "tracker=wandb", "tracker.wandb.log_checkpoints=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == f"  run store {url}/run"
     assert not list(tmp_path_factory.getbasetemp().rglob("gs:*"))  # Hydra made no folder named after the URL
@@ -65,6 +66,14 @@ def test_a_run_to_a_bucket_writes_its_store_and_checkpoints_there(gcs, whole):
     assert not any(n.endswith(fileio.LOCK) for n in names)  # released at the end
     assert json.loads(fs.cat(f"{whole}/run/summary.json"))["status"] == "finished"
     assert [r["step"] for r in rows(gcs, f"{whole}/run") if "train/loss" in r] == list(range(1, 7))
+    # W&B (offline, in its local folder) keeps each checkpoint by reference to its objects in the bucket
+    from wandb_records import artifacts
+
+    wandb_id = json.loads(fs.cat(f"{whole}/run/meta.json"))["wandb_id"]
+    (f,) = Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*/run-{wandb_id}.wandb")
+    logged = [a for a in artifacts(f) if a["type"] == "model"]
+    assert [a["metadata"] for a in logged] == [{"step": 3}, {"step": 6}]
+    assert logged[-1]["files"] == sorted(n.split("run/checkpoints/6/", 1)[1] for n in names if "run/checkpoints/6/" in n)
 
 
 def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit(gcs, whole, tmp_path):
