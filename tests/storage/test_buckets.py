@@ -20,7 +20,7 @@ from conftest import ROOT, SMALL_DATA, TINY_TRAIN
 from dalle_ablate import fileio
 from dalle_ablate.registry import ConfigError, RunFailed
 
-TINY = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant", "tracker=none"]
+TINY = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant"]
 pytestmark = pytest.mark.slow
 
 
@@ -30,7 +30,8 @@ def job(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = ""
     script = ROOT / "tests" / "kill_worker.py" if kill else ROOT / "run.py"
     env = {**os.environ, "DALLE_ABLATE_STAGING": str(tmp_path / host), "KILL_AT": kill,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
-    return subprocess.run([sys.executable, str(script), *TINY, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+    tracker = [] if any(o.startswith("tracker=") for o in overrides) else ["tracker=none"]
+    return subprocess.run([sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -130,7 +131,7 @@ def test_eval_and_report_read_a_run_from_the_bucket_as_from_a_local_copy(gcs, wh
 
     local = tmp_path / "copy" / "whole"
     gcs.fs().get(f"{whole}/", str(local), recursive=True)
-    asked = ["tracker=none", "eval.metrics=[caption_sensitivity]"]
+    asked = ["eval.metrics=[caption_sensitivity]"]  # W&B offline, as the run
     out = evaluate_checkpoint(whole, asked)
     here = evaluate_checkpoint(str(local), asked)
     remote = json.loads(gcs.fs().cat(f"{fileio.url_of(out)}/summary.json"))
