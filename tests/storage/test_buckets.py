@@ -31,8 +31,8 @@ def job(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = ""
     env = {**os.environ, "DALLE_ABLATE_STAGING": str(tmp_path / host), "KILL_AT": kill,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     tracker = [] if any(o.startswith("tracker=") for o in overrides) else ["tracker=none"]
-    return subprocess.run([sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def rows(gcs, store_url: str) -> list[dict]:
@@ -79,9 +79,9 @@ def test_a_run_to_a_bucket_writes_its_store_and_checkpoints_there(gcs, whole):
 
 def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit(gcs, whole, tmp_path):
     """Killed while checkpoint 6 is being written (3 complete), resumed with `resume=auto` on a host
-    that never saw the run: the unfinished step (all of it there but orbax's mark) is not trusted, the run continues from 3 and ends
-    with the uninterrupted run's rows and checkpoint, bit for bit; the dead writer's lock is taken
-    over (its process is gone)."""
+    that never saw the run: the unfinished step (all of it there but orbax's mark) is not trusted,
+    the run continues from 3 and ends with the uninterrupted run's rows and checkpoint, bit for bit;
+    the dead writer's lock is taken over (its process is gone)."""
     url = f"{gcs.url}/runs/killed"
     assert job(tmp_path, url, "host-a", kill="save:6").returncode == -signal.SIGKILL
     ckpt = f"{url}/run/checkpoints"
