@@ -29,6 +29,7 @@ SCHEME = "gs://"
 NOT_PULLED = ("checkpoints", "wandb")  # left in the bucket by `pull`: orbax reads checkpoints there; W&B's folder stays local
 LOCK = ".writer.lock"  # a run store's single-writer lock (a flock'ed file locally, a leased object in a bucket)
 _checked: set[str] = set()  # buckets found reachable by this process
+_pulled: dict[str, Path] = {}  # local_dir's folders, pulled by this process
 
 
 def is_url(path) -> bool:
@@ -169,6 +170,15 @@ def pull(url: str, keep: tuple[str, ...] = ()) -> Path:
     if wanted:
         fs.get([SCHEME + prefix + r for r in wanted], [str(local / r) for r in wanted])
     return local
+
+
+def local_dir(url: str, field: str) -> Path:
+    """The staging folder of a bucket folder a process reads and adds to (a cache: `data.cache_dir`),
+    made the bucket's copy the first time this process asks for it."""
+    url = check_url(url, field)
+    if url not in _pulled:
+        _pulled[url] = pull(url)
+    return _pulled[url]
 
 
 def local_source(source: str, field: str) -> str:

@@ -216,16 +216,13 @@ def bucket_dirs(argv: list[str]) -> list[str]:
 def from_bucket(run_cfg, job_dir: Path) -> None:
     """A job whose folder is staged from a bucket: with `resume=auto` its folder is first made the
     bucket's copy (a resume on another host, or after a kill: the bucket is what is kept), and
-    Hydra's own record of the job (`.hydra/`) goes to the bucket; a `data.cache_dir` in a bucket
-    is pulled to its staging folder, which the run then uses (what it caches there is uploaded)."""
+    Hydra's own record of the job (`.hydra/`) goes to the bucket."""
     url = url_of(job_dir)
     if url is not None:
         check_bucket(url)  # one line now for a bucket that is not there, before anything is built
         if run_cfg.resume == "auto":
             pull(url, keep=tuple(p.name for p in job_dir.iterdir() if p.name == ".hydra" or p.suffix == ".log"))
         push_tree(job_dir / ".hydra")
-    if is_url(run_cfg.data.cache_dir):
-        run_cfg.data.cache_dir = str(pull(check_url(run_cfg.data.cache_dir, "data.cache_dir")))
 
 
 def run(cfg: DictConfig) -> float | list[float]:

@@ -217,6 +217,28 @@ def test_parquet_shards_stream_from_a_bucket_as_from_a_disk(gcs, tmp_path, small
         dataset(f"{gcs.url}/data/none/*.parquet")
 
 
+def test_a_tokenizer_cached_in_a_bucket_is_found_there_by_another_host(gcs, tmp_path, small_dataset, monkeypatch):
+    """`data.cache_dir=gs://...`: the BPE tokenizer trained on parquet captions is cached in the
+    bucket, and a host that never saw it (a staging root of its own) loads that one."""
+    from conftest import run_config
+    from dalle_ablate.data.parquet import ParquetDataset, write_parquet
+
+    ds = small_dataset
+    write_parquet(tmp_path / "train.parquet", ds.captions["train"][:200], ds.codes["train"][:200])
+    overrides = ("data=parquet", f"data.path={tmp_path}/train.parquet", "data.image_vocab=145", f"data.cache_dir={gcs.url}/cache")
+    first = ParquetDataset(run_config(*overrides, data=()).data, text_len=24, image_len=None)
+    (cached,) = [f for f in gcs.fs().find(f"{gcs.url}/cache/tokenizers")]
+    monkeypatch.setattr(fileio, "_pulled", {})
+    monkeypatch.setenv("DALLE_ABLATE_STAGING", str(tmp_path / "other-host"))
+    cfg = run_config(*overrides, data=()).data
+    assert cfg.cache_dir == str(tmp_path / "other-host" / "gs" / "dalle-ablate-tests" / "cache")
+    assert (Path(cfg.cache_dir) / "tokenizers" / cached.rsplit("/", 1)[1]).is_file()  # pulled, not trained again
+    second = ParquetDataset(cfg, text_len=24, image_len=None)
+    caps = ds.captions["valid"]
+    assert second.text.tok.get_vocab() == first.text.tok.get_vocab() and len(first.text.tok.get_vocab()) > 4
+    assert all(np.array_equal(a, b) for a, b in zip(second.text.encode(caps), first.text.encode(caps)))
+
+
 def test_a_missing_unreachable_or_foreign_store_is_one_line(gcs, tmp_path, monkeypatch):
     """A bucket that does not exist: the run ends at once in one line, and Hydra made no local
     folder named after the URL; one that cannot be reached: one line, one request (no retries);
