@@ -47,8 +47,8 @@ class ParquetDataConfig(DataConfig):
               "shuffle_buffer": "[1, inf)", "valid_max_rows": "[1, inf)"}
 
     name: str = "parquet"
-    path: str = MISSING  # a file, a folder or a glob of training files
-    valid_path: Optional[str] = None  # null = hold out valid_fraction of rows by hash
+    path: str = MISSING  # a file, a folder or a glob of training files, local or in a bucket (gs://...)
+    valid_path: Optional[str] = None  # the same for validation; null = hold out valid_fraction of rows by hash
     valid_fraction: float = 0.01
     caption_column: str = "caption"
     encoding_column: str = "encoding"
