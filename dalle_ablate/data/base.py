@@ -27,7 +27,7 @@ class DataConfig(OptionConfig):
     blank_caption_prob: float = 0.1  # empty captions train the unconditional branch
     tokenizer_path: Optional[str] = None  # a tokenizer.json; null = BPE trained on the captions
     text_vocab_size: int = 512  # BPE vocabulary when trained here
-    cache_dir: str = DEFAULT_CACHE  # rendered data, fitted tokenizers and scorers, reused across runs
+    cache_dir: str = DEFAULT_CACHE  # rendered data, fitted tokenizers and scorers, reused across runs; or a bucket's (gs://...)
 
     def validate(self, run) -> None:
         check(0.0 <= self.blank_caption_prob <= 1.0, f"data.blank_caption_prob={self.blank_caption_prob} must be in [0, 1]")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import posixpath
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from omegaconf import MISSING
 from dalle_ablate.data.base import DATASETS, Batch, DataConfig, Dataset, eval_index_batches, host_share
 from dalle_ablate.data.image_tokenizer import PatchCodebook
 from dalle_ablate.data.text_tokenizer import TextTokenizer
+from dalle_ablate.fileio import check_url, glob_urls, is_url, open_url
 from dalle_ablate.registry import ConfigError, first_line
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,8 @@ class ParquetDataConfig(DataConfig):
               "shuffle_buffer": "[1, inf)", "valid_max_rows": "[1, inf)"}
 
     name: str = "parquet"
-    path: str = MISSING  # a file, a folder or a glob of training files
-    valid_path: Optional[str] = None  # null = hold out valid_fraction of rows by hash
+    path: str = MISSING  # a file, a folder or a glob of training files, local or in a bucket (gs://...)
+    valid_path: Optional[str] = None  # the same for validation; null = hold out valid_fraction of rows by hash
     valid_fraction: float = 0.01  # rows held out for validation when valid_path is null
     caption_column: str = "caption"  # the column of caption strings
     encoding_column: str = "encoding"  # the column of image codes (a list of ints per row)
@@ -62,7 +64,15 @@ class ParquetDataConfig(DataConfig):
         return {"image_len": self.image_len, "image_vocab": self.image_vocab}
 
 
-def list_files(spec: str, field: str) -> list[Path]:
+def list_files(spec: str, field: str) -> list[Path | str]:
+    """The parquet files `spec` names: a file, a folder (its *.parquet) or a glob, local or in a
+    bucket (gs:// URLs, each file read as it streams, through fsspec)."""
+    if is_url(spec):
+        url = check_url(spec, field)
+        files = glob_urls(url if any(c in url for c in "*?[") or url.endswith(".parquet") else f"{url}/*.parquet")
+        if not files:
+            raise ConfigError(f"{field}={spec} matches no parquet file")
+        return files
     p = Path(spec).expanduser()
     if p.is_dir():
         files = sorted(p.glob("*.parquet"))
@@ -75,9 +85,10 @@ def list_files(spec: str, field: str) -> list[Path]:
     return files
 
 
-def _held_out(file: Path, rows: np.ndarray, fraction: float) -> np.ndarray:
-    """Deterministic per-row split: splitmix64 of (crc32(file name), row) below the fraction."""
-    z = (np.uint64(zlib.crc32(file.name.encode())) << np.uint64(32)) + rows.astype(np.uint64)
+def _held_out(file: Path | str, rows: np.ndarray, fraction: float) -> np.ndarray:
+    """Deterministic per-row split: splitmix64 of (crc32(file name), row) below the fraction (a
+    file's name, the same in a bucket as on a disk)."""
+    z = (np.uint64(zlib.crc32(posixpath.basename(str(file)).encode())) << np.uint64(32)) + rows.astype(np.uint64)
     with np.errstate(over="ignore"):
         z = z + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -132,7 +143,7 @@ class ParquetDataset(Dataset):
     # -- reading and checking ---------------------------------------------------------------
     def _open(self, file: Path) -> pq.ParquetFile:
         try:
-            pf = pq.ParquetFile(file)
+            pf = pq.ParquetFile(open_url(file) if is_url(file) else file)
         except (pa.ArrowException, OSError) as e:
             raise ConfigError(f"{file}: not a readable parquet file: {first_line(e)}") from e
         schema = pf.schema_arrow

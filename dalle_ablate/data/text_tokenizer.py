@@ -7,13 +7,13 @@ for the unconditional branch of super conditioning) is `[BOS] [EOS]`.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError
 
 SPECIALS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")
@@ -84,7 +84,5 @@ class TextTokenizer:
             return cls(Tokenizer.from_file(str(path)), text_len)
         tok = train_bpe(captions, vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tok.save(str(tmp))
-        os.replace(tmp, path)
+        atomic_write(path, tok.to_str())  # whole or not at all; in a bucket's staged cache, uploaded (fileio)
         return cls(tok, text_len)

@@ -14,6 +14,7 @@ import pandas as pd
 import yaml
 
 from dalle_ablate.config import MEMBER_ONLY
+from dalle_ablate.fileio import local_source
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.track.naming import variant_labels
 from dalle_ablate.track.wandb_api import group_runs
@@ -61,7 +62,9 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def find_stores(source: str) -> list[Path]:
-    """Run stores under a multirun/sweep folder, or matched by a glob (of stores or job dirs)."""
+    """Run stores under a multirun/sweep folder, or matched by a glob (of stores or job dirs); in a
+    bucket (gs://...), read from their copy in its staging folder, made afresh (fileio.local_source)."""
+    source = local_source(source, "report")
     paths = [Path(p) for p in sorted(glob.glob(source))] if any(c in source for c in "*?[") else [Path(source)]
     stores = []
     for p in paths:

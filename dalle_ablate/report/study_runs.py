@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from dalle_ablate.fileio import check_url, is_url, pull, shown
 from dalle_ablate.registry import ConfigError, RunFailed
 
 
@@ -146,12 +147,12 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
 
     study_file = Path(study_arg) if study_arg.endswith((".yaml", ".yml")) else study_path(study_arg)
     study = load_study(study_file)
-    folder = Path(out) / study.name
+    folder = study_folder(out, study.name)
     if seeds is not None and no_run:
         raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
     seed_override, topup = _plan_topup(study, folder, seeds, overrides) if seeds is not None else (None, None)
     swept = [*overrides, *([seed_override] if seed_override else [])]
-    command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={folder}",
+    command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={shown(folder)}",
                *(as_members(study.experiment, swept) if members else swept)]
     t = time.perf_counter()
     # The seeds of an arm compile the same programs: JAX's persistent compilation cache
@@ -178,6 +179,14 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
         raise RunFailed(f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code)
     if stress is not None and stress.failed:
         raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(stress.failed)}")
+
+
+def study_folder(out: str, name: str) -> Path:
+    """The study's folder `<out>/<name>`; with `--out gs://...`, its staging folder, first made the
+    bucket's copy (finished runs are found there, and its runs write through it to the bucket)."""
+    if not is_url(out):
+        return Path(out) / name
+    return pull(check_url(f"{out.rstrip('/')}/{name}", "--out"), keep=("jax_cache",))
 
 
 def _plan_topup(study, folder: Path, seeds: str, overrides: list[str]) -> tuple[str, dict]:

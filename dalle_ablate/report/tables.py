@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from dalle_ablate.data.scenes import TIERS
+from dalle_ablate.fileio import shown
 from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, series
 from dalle_ablate.report.stats import diverged, mean_ci, spikes
 from dalle_ablate.track import HEADLINES
@@ -193,7 +194,7 @@ def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
     fields = differing_fields(runs, NOT_A_CHOICE)
     rows = []
     for r, stab in zip(runs, stability):
-        row = {"run": r.name, "store": str(r.root), "variant": r.variant, "seed": r.seed, "status": r.status,
+        row = {"run": r.name, "store": shown(r.root), "variant": r.variant, "seed": r.seed, "status": r.status,
                "optimizer": r.config.get("optim.name"), "parameters": r.meta.get("params"),
                "steps": r.summary.get("steps"), "wall_time_s": r.summary.get("wall_time")}
         row.update({m: final_value(r, m) for m in FINAL_METRICS})

@@ -24,7 +24,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_ablate.fileio import atomic_write
+from dalle_ablate.fileio import atomic_write, is_url, push
 from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import space as spaces
@@ -208,6 +208,7 @@ class OptunaSweeper(Sweeper):
         study, url = self.study(space)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")  # as Hydra's sweepers do: jobs read what varies
+        push(self.sweep_dir / "multirun.yaml")  # a sweep folder in a bucket: there for trials on other hosts
         log.info(f"Optuna study {self.study_name!r} in {url}: {n_trials} trials in all, sampler "
                  f"{self.sampler_conf.get('name')}, pruner {self.pruner_conf.get('name')}")
         warned = False
@@ -284,7 +285,7 @@ class OptunaSweeper(Sweeper):
         study.set_user_attr(STALE_ATTR, {**study.user_attrs.get(STALE_ATTR, {}), str(trial.number): why})
         log.warning(f"trial {trial.number} FAIL: {why}")
         run_dir = trial.user_attrs.get(RUN_DIR_ATTR) or (job_dir and str(Path(job_dir) / "run"))
-        if run_dir and Path(run_dir).is_dir():
+        if run_dir and (is_url(run_dir) or Path(run_dir).is_dir()):
             mark_failed(run_dir, f"killed: {why}")
         if self.retry is not None:
             self.retry(study, trial)  # enqueues the same parameters, remembering this trial's number

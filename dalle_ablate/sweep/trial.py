@@ -11,6 +11,7 @@ from typing import Optional
 
 import optuna
 
+from dalle_ablate.fileio import shown
 from dalle_ablate.sweep.study import PRUNER_ATTR, RUN_DIR_ATTR, WANDB_ATTR, make_pruner
 from dalle_ablate.train.loop import RunHooks
 
@@ -66,7 +67,7 @@ def record_run_dir(link, run_dir) -> None:
         return
     study = optuna.load_study(study_name=link.study, storage=link.storage)
     trial_id = _trial_id(study, link.trial)
-    study._storage.set_trial_user_attr(trial_id, RUN_DIR_ATTR, str(run_dir))
+    study._storage.set_trial_user_attr(trial_id, RUN_DIR_ATTR, shown(run_dir))  # a bucket's store by its URL
     meta = Path(run_dir) / "meta.json"
     wandb_id = json.loads(meta.read_text()).get("wandb_id") if meta.exists() else None
     if wandb_id:

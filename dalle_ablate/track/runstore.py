@@ -8,6 +8,11 @@
     media/         images (PNG), named <key>_<step>.png
     tables/        tables, <key>_<step>.json ({"columns", "rows"}; image cells are PNG paths)
     checkpoints/   orbax checkpoints (written by the trainer)
+
+A store under a staged folder (fileio: a run at `hydra.run.dir=gs://...`) is uploaded as it is
+written, each file whole in one PUT: the JSON files and images as they are written, metrics.jsonl
+(appended locally) with every summary write and before each checkpoint's save starts
+(train/checkpoint.py), so a complete checkpoint in the bucket never has fewer rows than its step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import math
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,7 +32,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from dalle_ablate.fileio import atomic_write
+from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, staged, url_of
 from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import Tracker
 
@@ -105,6 +111,7 @@ class RunStore(Tracker):
     def log_image(self, key, image, step, caption=""):
         path = self.media / f"{key.replace('/', '_')}_{int(step)}.png"
         Image.fromarray(np.asarray(image, np.uint8)).save(path)
+        push(path)
         self.log({f"{key}/path": str(path.relative_to(self.root)), f"{key}/caption": caption}, step)
 
     @_writes
@@ -120,6 +127,7 @@ class RunStore(Tracker):
                     path = tables / name / f"{i}_{j}.png"
                     path.parent.mkdir(exist_ok=True)
                     Image.fromarray(np.asarray(v, np.uint8)).save(path)
+                    push(path)
                     v = str(path.relative_to(self.root))
                 cells.append(_jsonable(v))
             out.append(cells)
@@ -128,6 +136,8 @@ class RunStore(Tracker):
 
     @_writes
     def log_summary(self, values):
+        if not self._metrics.closed:
+            push(self._metrics.name)  # the rows up to now, before the summary that may name their step
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
         atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
 
@@ -136,15 +146,15 @@ class RunStore(Tracker):
         if not self._metrics.closed:
             self.log_summary({"status": status})
             self._metrics.close()
-
-
-LOCK = ".writer.lock"
+            push(self._metrics.name)
 
 
 class StoreLock:
     """One writer per run store: an exclusive `flock` on `<run store>/.writer.lock`, held while
     the run writes. The kernel drops it with its process (however it ends, kill -9 included), so
-    a stale lock never blocks a resume. The file names the holder, for the refusal's line."""
+    a stale lock never blocks a resume. The file names the holder, for the refusal's line. A store
+    staged from a bucket is also locked there (fileio.BucketLock: an object created only if absent,
+    its lease renewed by a thread of this process while it writes)."""
 
     def __init__(self, root: Path):
         import fcntl
@@ -165,12 +175,32 @@ class StoreLock:
             self._file.close()
             raise RunFailed(f"run store {self.root} is being written by another process ({holder}); wait for it to end or "
                             f"stop it, then run again (one writer per run store)") from None
+        holder = f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}"[:500]
         self._file.seek(0)
         self._file.truncate()
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}"[:500])
+        self._file.write(holder)
         self._file.flush()
+        self.bucket, self._stop = None, threading.Event()
+        if url_of(self.root) is not None:
+            try:
+                self.bucket = BucketLock(url_of(self.root), holder)
+            except BaseException:
+                self._file.close()
+                raise
+            threading.Thread(target=self._renew, name="store-lock-lease", daemon=True).start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.bucket.lease_s / 4):
+            try:
+                self.bucket.renew()
+            except Exception as e:  # noqa: BLE001 - said once; the run goes on (its checkpoints are its own)
+                print(f"warning: {e}", file=sys.stderr, flush=True)
+                return
 
     def release(self) -> None:
+        self._stop.set()
+        if self.bucket is not None:
+            self.bucket.release()
         if not self._file.closed:
             self._file.close()  # closing the file drops the lock
 
@@ -205,8 +235,12 @@ def _rows(path: Path) -> list[dict]:
 
 
 def mark_failed(run_dir: str | Path, reason: str) -> None:
-    """Record in a run store that its process died (found by a sweep's heartbeat check)."""
-    path = Path(run_dir) / "summary.json"
+    """Record in a run store that its process died (found by a sweep's heartbeat check); in a
+    bucket, on the bucket's summary (written back whole)."""
+    url = url_of(run_dir)
+    path = (staged(url) if url else Path(run_dir)) / "summary.json"
+    if url is not None:
+        fetch(f"{url}/summary.json", path)
     summary = json.loads(path.read_text()) if path.exists() else {}
     if summary.get("status") in (None, "running"):
         summary.update(status="failed", reason=reason)

@@ -265,7 +265,10 @@ class WandbTracker(Tracker):
     def log_checkpoint(self, step, path):
         if self.cfg.log_checkpoints and not self._logged(step):
             artifact = self._wandb.Artifact(f"checkpoint-{self.run.id}", type="model", metadata={"step": int(step)})
-            artifact.add_dir(str(path))  # staged (copied) now: the checkpoint may be rotated out later
+            if "://" in str(path):  # in a bucket: W&B records its objects by reference (not a copy: rotated out, it is gone)
+                artifact.add_reference(str(path))
+            else:
+                artifact.add_dir(str(path))  # staged (copied) now: the checkpoint may be rotated out later
             self.run.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
 
     def log_summary(self, values):

@@ -3,6 +3,12 @@
 Orbax writes each step to a temporary folder and renames it when complete, so an interrupted
 save never replaces or corrupts an earlier checkpoint. The data order and every random key are
 functions of (seed, step), so the step is all a resume needs besides the state itself.
+
+A run store staged from a bucket (fileio) has its checkpoints in the bucket itself: orbax and
+TensorStore write `gs://.../run/checkpoints/<step>/` from every process, and, Cloud Storage having
+no atomic rename, orbax marks a finished step by writing `commit_success.txt` into it last; a step
+folder without it is an unfinished save, never restored. Before each save starts, the store's
+metrics.jsonl is uploaded, so a finished checkpoint never has fewer logged rows than its step.
 """
 
 from __future__ import annotations
@@ -21,7 +27,35 @@ from typing import Callable, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from dalle_ablate.fileio import check_bucket, check_url, filesystem, is_url, push, staged, url_of
 from dalle_ablate.registry import ConfigError, RunFailed, first_line
+
+COMMITTED = "commit_success.txt"  # orbax's mark of a finished save in Cloud Storage (written into the step folder last)
+
+
+def location(directory) -> str | Path:
+    """Where orbax reads and writes a checkpoints folder: its bucket URL if it is staged from one."""
+    return url_of(directory) or Path(directory).absolute()
+
+
+def step_folder(directory, step: int):
+    """A step's folder in a checkpoints folder (a URL string in a bucket)."""
+    return f"{directory}/{step}" if isinstance(directory, str) else Path(directory) / str(step)
+
+
+def finished_steps(directory) -> list[int]:
+    """The steps saved in a checkpoints folder, ascending: its step-named folders (in a bucket,
+    those orbax marked finished)."""
+    url = url_of(directory)
+    if url is None:
+        d = Path(directory)
+        return sorted(int(c.name) for c in d.iterdir() if c.is_dir() and c.name.isdigit()) if d.is_dir() else []
+    fs = filesystem(url)
+    fs.invalidate_cache()
+    if not fs.isdir(url):
+        return []
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False)]
+    return sorted(int(n) for n in names if n.isdigit() and fs.exists(f"{url}/{n}/{COMMITTED}"))
 
 
 class Checkpointer:
@@ -31,13 +65,17 @@ class Checkpointer:
 
     def __init__(self, directory: Path, keep: int, on_saved: Optional[Callable[[int, Path], None]] = None):
         """`on_saved(step, folder)` is called once each save is complete on disk."""
-        self.directory = Path(directory).absolute()
+        self.directory = location(directory)
+        self.metrics = Path(directory).parent / "metrics.jsonl" if url_of(directory) else None  # its store's, in a bucket
         self.on_saved = on_saved
-        try:  # find an unwritable folder now, not at the first save
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=self.directory).close()
-        except OSError as e:
-            raise RunFailed(f"checkpoints cannot be written to {self.directory}: {e.strerror or e}") from e
+        if self.metrics is not None:
+            check_bucket(str(self.directory))
+        else:
+            try:  # find an unwritable folder now, not at the first save
+                self.directory.mkdir(parents=True, exist_ok=True)
+                tempfile.TemporaryFile(dir=self.directory).close()
+            except OSError as e:
+                raise RunFailed(f"checkpoints cannot be written to {self.directory}: {e.strerror or e}") from e
         self.manager = ocp.CheckpointManager(
             self.directory,
             # cleanup_tmp_directories: a save that failed or was killed leaves `<step>.orbax-checkpoint-tmp`;
@@ -56,6 +94,8 @@ class Checkpointer:
             self._saved()
             if step in self.manager.all_steps():
                 return  # e.g. a run interrupted just after its scheduled save of this step
+            if self.metrics is not None and jax.process_index() == 0 and self.metrics.exists():
+                push(self.metrics)  # the rows up to this step (process 0 writes them), in the bucket before the checkpoint can be
             self.saving = step
             self.manager.save(step, args=ocp.args.StandardSave(state))
         except RunFailed:
@@ -84,7 +124,7 @@ class Checkpointer:
     def _saved(self) -> None:
         """Report the save in flight as complete (called after waiting for it without error)."""
         if self.saving is not None and self.on_saved is not None and self.saving in self.manager.all_steps():
-            self.on_saved(self.saving, self.directory / str(self.saving))
+            self.on_saved(self.saving, step_folder(self.directory, self.saving))
         self.saving = None
 
     def close(self) -> None:
@@ -165,10 +205,17 @@ def _os_error_code(e: BaseException) -> Optional[int]:
     return None
 
 
-def set_aside(folder: Path) -> None:
+def set_aside(folder) -> None:
     """Rename a checkpoint that cannot be restored to `<step>.unrestorable` (kept for a look; no
-    longer a step): the resumed run writes that step again."""
-    folder.rename(folder.with_name(f"{folder.name}.unrestorable"))
+    longer a step): the resumed run writes that step again. In a bucket its finished mark goes
+    first (a rename there is a copy of each object), so a kill meanwhile leaves no step behind."""
+    if url_of(folder) is None:
+        Path(folder).rename(Path(folder).with_name(f"{Path(folder).name}.unrestorable"))
+        return
+    url = url_of(folder)
+    fs = filesystem(url)
+    fs.rm_file(f"{url}/{COMMITTED}")
+    fs.mv(url, f"{url}.unrestorable", recursive=True)
 
 
 def _closed_loop_callback(kind, value, tb) -> bool:
@@ -244,7 +291,10 @@ def _root_cause(e: BaseException) -> str:
 
 def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:
     """A checkpoints folder and step from what a user may pass as `resume=`: a job dir, a run
-    store, a checkpoints folder, or one step's folder inside it."""
+    store, a checkpoints folder, or one step's folder inside it -- a local path or a gs:// URL (its
+    staging folder is returned; orbax reads the bucket, `location`)."""
+    if is_url(path) or url_of(path):  # a URL, or a staged folder: its checkpoints are in the bucket
+        return _find_in_bucket(check_url(path, "resume") if is_url(path) else url_of(path))
     p = Path(path).expanduser().absolute()
     if not p.exists():
         raise ConfigError(f"resume={path}: no such file or folder (give a run dir, its run/ or run/checkpoints/)")
@@ -256,12 +306,22 @@ def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:
     raise ConfigError(f"resume={path}: no orbax checkpoint found there")
 
 
+def _find_in_bucket(url: str) -> tuple[Path, Optional[int]]:
+    for cand in (f"{url}/run/checkpoints", f"{url}/checkpoints", url):
+        if finished_steps(cand):
+            return staged(cand), None
+    parent, _, name = url.rpartition("/")
+    if name.isdigit() and int(name) in finished_steps(parent):
+        return staged(parent), int(name)
+    raise ConfigError(f"resume={url}: no finished orbax checkpoint found there")
+
+
 def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Callable[[Path], None]] = None):
     """The state saved at `step`, shaped and sharded like `target`. With `step` None, the latest
     that can be restored: a newer one that cannot (truncated, corrupt) is named on stderr and the
     one before it tried, and `on_broken(folder)` hears of each that could not be restored once an
     earlier one was. A checkpoint that cannot be restored, and no earlier one, is one line."""
-    directory = Path(directory).absolute()
+    directory = location(directory)
     # the handler named, so that item_metadata reads a step's tree before anything is restored
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
                                  item_handlers=ocp.StandardCheckpointHandler())
@@ -272,7 +332,7 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         broken = []
         for s in steps:
-            item, as_state = _as_written(mngr, s, directory / str(s), abstract)
+            item, as_state = _as_written(mngr, s, step_folder(directory, s), abstract)
             try:
                 state = as_state(mngr.restore(s, args=ocp.args.StandardRestore(item)))
             except Exception as e:  # noqa: BLE001 - orbax and tensorstore report a bad file in several types
@@ -282,17 +342,17 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
                     break  # could resume from another step than the others; stop, naming it, instead
                 continue
             if broken:
-                print(f"warning: checkpoint {directory / str(broken[0][0])} cannot be restored ({broken[0][1]}); "
+                print(f"warning: checkpoint {step_folder(directory, broken[0][0])} cannot be restored ({broken[0][1]}); "
                       f"resuming from step {s}, the newest intact one", file=sys.stderr, flush=True)
                 for b, _, _ in broken:
                     if on_broken is not None:
-                        on_broken(directory / str(b))
+                        on_broken(step_folder(directory, b))
             return s, state
         newest, cause, error = broken[0]
         earlier = ("no earlier checkpoint" if len(steps) == 1 else
                    "a run of several processes does not fall back to an earlier one" if len(broken) < len(steps) else
                    f"nor can any earlier one ({', '.join(str(b[0]) for b in broken[1:])})")
-        raise RunFailed(f"checkpoint {directory / str(newest)} cannot be restored ({cause}); {earlier}: "
+        raise RunFailed(f"checkpoint {step_folder(directory, newest)} cannot be restored ({cause}); {earlier}: "
                         f"remove the run folder to start over, or resume= another checkpoint") from error
     finally:
         mngr.close()

@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from dalle_ablate.config import RunConfig
 from dalle_ablate.evaluate.runner import evaluation_or_none
+from dalle_ablate.fileio import pull, url_of
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.track import build_tracker
 from dalle_ablate.train import checkpoint
@@ -32,7 +33,7 @@ def restore(ckpt_dir: Path, step: Optional[int], target):
     # orbax logs its read-only manager's settings through absl, each a warning on stderr.
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     if step is None:  # the latest, as orbax finds it: a finished save is a folder named by its step
-        steps = [int(c.name) for c in ckpt_dir.iterdir() if c.is_dir() and c.name.isdigit()]
+        steps = checkpoint.finished_steps(ckpt_dir)
         step = max(steps) if steps else None
     try:
         return checkpoint.restore(ckpt_dir, step, target)
@@ -143,6 +144,8 @@ def run_config_for_eval(store: Path, recorded: list[str], overrides: list[str]) 
 def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     ckpt_dir, step = checkpoint.find_checkpoints(path)
     store = ckpt_dir.parent
+    if url_of(store) is not None:  # a bucket's run: its store read from its copy (its evaluations go back there)
+        pull(url_of(store))
     meta_file = store / "meta.json"
     if not meta_file.exists():
         raise ConfigError(f"{path}: no meta.json next to {ckpt_dir.name}/; give a run made by this tool")

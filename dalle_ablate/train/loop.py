@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from dalle_ablate.config import RunConfig, data_seed
 from dalle_ablate.evaluate.runner import headline
+from dalle_ablate.fileio import shown
 from dalle_ablate.generate import image_grid, make_sampler
 from dalle_ablate.model import param_count
 from dalle_ablate.model.flops import train_flops_per_example
@@ -257,7 +258,7 @@ def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_d
     lines = [f"{status} at step {s['steps']} of {steps} in {s['wall_time']:.0f} s: train/loss {s['train/loss']:.4g} "
              f"(first {s['train/first_loss']:.4g}), eval/valid/loss {s['eval/valid/loss']:.4g}"]
     lines += [f"  {line}" for line in headline(last_eval)]
-    lines.append(f"  run store {run_dir}")
+    lines.append(f"  run store {shown(run_dir)}")
     return "\n".join(lines)
 
 
@@ -265,7 +266,7 @@ def resume_source(cfg: RunConfig, ckpt_dir: Path):
     """(checkpoint folder, step or None for the latest) to start from, or None for a fresh start:
     `resume=auto` continues this run store's own checkpoints, a path restores from there."""
     if cfg.resume == "auto":
-        return (ckpt_dir, None) if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()) else None
+        return (ckpt_dir, None) if checkpoint.finished_steps(ckpt_dir) else None
     return checkpoint.find_checkpoints(cfg.resume) if cfg.resume else None
 
 

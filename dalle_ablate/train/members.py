@@ -170,7 +170,7 @@ def restore_common_step(members: list[Member], target) -> None:
         if common == 0:
             m.point = ResumePoint(continues_store=True)
             continue
-        if not (m.run_dir / "checkpoints" / str(common)).is_dir():  # kept no longer (trainer.keep_checkpoints)
+        if common not in checkpoint.finished_steps(m.run_dir / "checkpoints"):  # kept no longer (trainer.keep_checkpoints)
             raise RunFailed(f"members resume from step {common}, the newest every member has, but {m.run_dir} no longer "
                             f"keeps it; resume seed={m.seed} as a run of its own, or raise trainer.keep_checkpoints")
         step, state = checkpoint.restore(m.run_dir / "checkpoints", common, target)

@@ -1,0 +1,321 @@
+"""Runs, checkpoints, reports, studies and data in a Cloud Storage bucket (`gs://`), against the
+emulator the suite starts on loopback (conftest.py `gcs`). A "host" is a staging root of its own
+(DALLE_ABLATE_STAGING): what one process leaves there is not what the next one reads, which reads
+the bucket. The local runs of the same configs are the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, SMALL_DATA, TINY_TRAIN
+from dalle_ablate import fileio
+from dalle_ablate.registry import ConfigError, RunFailed
+
+TINY = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant"]
+pytestmark = pytest.mark.slow
+
+
+def job(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = "") -> subprocess.CompletedProcess:
+    """`python run.py <TINY> hydra.run.dir=<run_dir>` on a "host" (a staging root of its own);
+    with `kill`, tests/kill_worker.py sends itself SIGKILL there."""
+    script = ROOT / "tests" / "kill_worker.py" if kill else ROOT / "run.py"
+    env = {**os.environ, "DALLE_ABLATE_STAGING": str(tmp_path / host), "KILL_AT": kill,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    tracker = [] if any(o.startswith("tracker=") for o in overrides) else ["tracker=none"]
+    return subprocess.run([sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def rows(gcs, store_url: str) -> list[dict]:
+    return [json.loads(line) for line in gcs.fs().cat(f"{store_url}/metrics.jsonl").decode().splitlines() if line]
+
+
+def saved_state(step_folder: str):
+    """A checkpoint's arrays as numpy, read from where it is (orbax, without a target)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    return jax.tree.map(np.asarray, ocp.StandardCheckpointer().restore(f"{step_folder}/default"))
+
+
+@pytest.fixture(scope="module")
+def whole(gcs, tmp_path_factory) -> str:
+    """A tiny run with `hydra.run.dir=gs://...`, uninterrupted, W&B offline keeping its checkpoints:
+    the job folder's URL."""
+    url = f"{gcs.url}/runs/whole"
+    proc = job(tmp_path_factory.mktemp("whole"), url, "host", "tracker=wandb", "tracker.wandb.log_checkpoints=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == f"  run store {url}/run"
+    assert not list(tmp_path_factory.getbasetemp().rglob("gs:*"))  # Hydra made no folder named after the URL
+    return url
+
+
+def test_a_run_to_a_bucket_writes_its_store_and_checkpoints_there(gcs, whole):
+    fs = gcs.fs()
+    names = {f.split("/runs/whole/", 1)[1] for f in fs.find(whole)}
+    assert {"run/config.yaml", "run/meta.json", "run/metrics.jsonl", "run/summary.json", ".hydra/config.yaml",
+            "run/checkpoints/3/commit_success.txt", "run/checkpoints/6/commit_success.txt"} <= names
+    assert not any(n.endswith(fileio.LOCK) for n in names)  # released at the end
+    assert json.loads(fs.cat(f"{whole}/run/summary.json"))["status"] == "finished"
+    assert [r["step"] for r in rows(gcs, f"{whole}/run") if "train/loss" in r] == list(range(1, 7))
+    # W&B (offline, in its local folder) keeps each checkpoint by reference to its objects in the bucket
+    from wandb_records import artifacts
+
+    wandb_id = json.loads(fs.cat(f"{whole}/run/meta.json"))["wandb_id"]
+    (f,) = Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*/run-{wandb_id}.wandb")
+    logged = [a for a in artifacts(f) if a["type"] == "model"]
+    assert [a["metadata"] for a in logged] == [{"step": 3}, {"step": 6}]
+    assert logged[-1]["files"] == sorted(n.split("run/checkpoints/6/", 1)[1] for n in names if "run/checkpoints/6/" in n)
+
+
+def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit(gcs, whole, tmp_path):
+    """Killed while checkpoint 6 is being written (3 complete), resumed with `resume=auto` on a host
+    that never saw the run: the unfinished step (all of it there but orbax's mark) is not trusted,
+    the run continues from 3 and ends with the uninterrupted run's rows and checkpoint, bit for bit;
+    the dead writer's lock is taken over (its process is gone)."""
+    url = f"{gcs.url}/runs/killed"
+    assert job(tmp_path, url, "host-a", kill="save:6").returncode == -signal.SIGKILL
+    ckpt = f"{url}/run/checkpoints"
+    fs = gcs.fs()
+    # The worst a kill mid-save leaves, whatever it left this time: every object of the step but orbax's
+    # mark, written last (here step 3's objects: restored, it would not give the whole run's numbers).
+    fs.copy(f"{ckpt}/3/", f"{ckpt}/6", recursive=True)
+    fs.rm_file(f"{ckpt}/6/commit_success.txt")
+    from dalle_ablate.train.checkpoint import finished_steps
+
+    assert finished_steps(fileio.staged(ckpt)) == [3]
+    assert fs.exists(f"{url}/run/{fileio.LOCK}")  # the killed writer's, left behind
+    proc = job(tmp_path, url, "host-b", "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(fs.cat(f"{url}/run/meta.json"))["resumed_from_step"] == 3
+    timeless = [[{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(gcs, f"{u}/run")] for u in (whole, url)]
+    assert timeless[0] == timeless[1]  # every row once, each loss and norm the same float
+    a, b = saved_state(f"{whole}/run/checkpoints/6"), saved_state(f"{ckpt}/6")
+    import jax
+
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_checkpoint_set_aside_in_a_bucket_is_no_step_any_more(gcs, whole):
+    """A checkpoint that cannot be restored is renamed `<step>.unrestorable`, its finished mark
+    gone (a rename in a bucket is a copy of each object: a kill during it leaves no step)."""
+    from dalle_ablate.train.checkpoint import finished_steps, set_aside
+
+    ckpt = f"{gcs.url}/aside/checkpoints"
+    fs = gcs.fs()
+    fs.copy(f"{whole}/run/checkpoints/6/", f"{ckpt}/6", recursive=True)
+    assert finished_steps(ckpt) == [6]
+    set_aside(f"{ckpt}/6")
+    fs.invalidate_cache()
+    assert finished_steps(ckpt) == [] and not fs.exists(f"{ckpt}/6")
+    moved = {f.split("/checkpoints/", 1)[1] for f in fs.find(f"{ckpt}/6.unrestorable")}
+    assert "6.unrestorable/default/manifest.ocdbt" in moved and "6.unrestorable/commit_success.txt" not in moved
+
+
+def test_eval_and_report_read_a_run_from_the_bucket_as_from_a_local_copy(gcs, whole, tmp_path):
+    """`dalle-ablate eval gs://...` evaluates the bucket's checkpoint with the run's saved config and
+    puts its evaluation back in the bucket; `dalle-ablate report gs://.../*/run` reads the stores
+    there. Both give what the same commands give on a local copy of the run."""
+    from dalle_ablate.report.build import build_report
+    from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
+
+    local = tmp_path / "copy" / "whole"
+    gcs.fs().get(f"{whole}/", str(local), recursive=True)
+    asked = ["eval.metrics=[caption_sensitivity]"]  # W&B offline, as the run
+    out = evaluate_checkpoint(whole, asked)
+    here = evaluate_checkpoint(str(local), asked)
+    remote = json.loads(gcs.fs().cat(f"{fileio.url_of(out)}/summary.json"))
+    assert fileio.url_of(out) == f"{whole}/run/evals/{out.name}" and out.name == here.name
+    assert {k: v for k, v in remote.items() if k != "wall_time"} == {
+        k: v for k, v in json.loads((here / "summary.json").read_text()).items() if k != "wall_time"}
+    a = build_report(f"{gcs.url}/runs/whole*/run", str(tmp_path / "reports"), "bucket", None, "", "")
+    b = build_report(str(tmp_path / "copy" / "whole*" / "run"), str(tmp_path / "reports"), "local", None, "", "")
+    # the same table, each run store named where it is
+    assert (Path(a) / "runs.csv").read_text().replace(f"{whole}/run", str(local / "run")) == (Path(b) / "runs.csv").read_text()
+    assert f"{whole}/run," in (Path(a) / "runs.csv").read_text()
+
+
+def write_store(root: Path, arm: str, seed: int, final: float) -> None:
+    """A finished run store of a study's arm (the shape `dalle-ablate study` reads)."""
+    import yaml
+
+    store = root / f"{arm}-seed{seed}" / "run"
+    store.mkdir(parents=True)
+    lines = [{"step": s, "train/loss": final + 1.0 / s} for s in range(1, 11)] + [{"step": 10, "eval/valid/loss": final}]
+    (store / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (store / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "arm_marker": arm}))
+    (store / "meta.json").write_text(json.dumps({"overrides": [f"+arm={arm}", f"seed={seed}"]}))
+    (store / "summary.json").write_text(json.dumps({"status": "finished", "steps": 10}))
+
+
+def test_a_study_page_is_built_from_stores_in_a_bucket_as_from_local_ones(gcs, tmp_path):
+    import yaml
+
+    from dalle_ablate.cli import main
+
+    local = tmp_path / "studies" / "tiny"
+    for arm, finals in {"base": [1.0, 1.1, 0.9], "worse": [2.0, 2.1, 1.9]}.items():
+        for seed, final in enumerate(finals):
+            write_store(local, arm, seed, final)
+    gcs.fs().put(str(local), f"{gcs.url}/studies/", recursive=True)
+    study = tmp_path / "tiny.yaml"
+    study.write_text(yaml.safe_dump({"name": "tiny", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "base",
+                                     "findings": [{"id": "w", "claim": "worse is worse", "arm": "worse", "against": "base",
+                                                   "metric": "eval_loss", "expect": "higher"}]}))
+    for out, page in ((f"{gcs.url}/studies", "bucket"), (str(tmp_path / "studies"), "local")):
+        main(["study", str(study), "--no-run", "--out", out, "--report-out", str(tmp_path / "reports" / page),
+              "--page-out", str(tmp_path / page)])
+    pages = [(tmp_path / p / "tiny.md").read_text().splitlines() for p in ("bucket", "local")]
+    differ = [(a, b) for a, b in zip(*pages) if a != b]
+    assert len(pages[0]) == len(pages[1]) and len(differ) == 1  # the command it ran, alone: its folder
+    bucket_line, local_line = differ[0]
+    assert bucket_line.replace(f"{gcs.url}/studies/tiny", str(local)) == local_line
+
+
+def test_parquet_shards_stream_from_a_bucket_as_from_a_disk(gcs, tmp_path, small_dataset):
+    """`data.path='gs://.../shards/*.parquet'`: the same files, checks, held-out rows, shuffle buffer
+    and host split as the same shards on a disk."""
+    import dataclasses
+
+    from conftest import run_config
+    from dalle_ablate.data.parquet import ParquetDataset, write_parquet
+
+    ds = small_dataset
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i, part in enumerate(np.array_split(np.arange(len(ds.captions["train"])), 3)):
+        write_parquet(shards / f"part-{i}.parquet", [ds.captions["train"][j] for j in part], ds.codes["train"][part])
+    ds.text.tok.save(str(tmp_path / "tokenizer.json"))
+    gcs.fs().put(str(shards), f"{gcs.url}/data/", recursive=True)
+
+    def dataset(path):
+        base = run_config("data=parquet", f"data.path={path}", "data.image_vocab=145", data=()).data
+        cfg = dataclasses.replace(base, tokenizer_path=str(tmp_path / "tokenizer.json"), shuffle_buffer=64, valid_fraction=0.05)
+        return ParquetDataset(cfg, text_len=24, image_len=None)
+
+    remote, here = dataset(f"{gcs.url}/data/shards/*.parquet"), dataset(f"{shards}/*.parquet")
+    assert remote.files == [f"{gcs.url}/data/shards/part-{i}.parquet" for i in range(3)]
+    assert remote.info == here.info
+    assert all(np.array_equal(a, b) for a, b in zip(remote.valid[:3], here.valid[:3])) and remote.valid[3] == here.valid[3]
+    for host in range(2):
+        a, b = remote.train_batches(8, seed=1, start_step=2, process_index=host, process_count=2), \
+            here.train_batches(8, seed=1, start_step=2, process_index=host, process_count=2)
+        for _ in range(3):
+            x, y = next(a), next(b)
+            assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+    with pytest.raises(ConfigError, match=f"^data.path={gcs.url}/data/none/\\*.parquet matches no parquet file$"):
+        dataset(f"{gcs.url}/data/none/*.parquet")
+
+
+def test_a_tokenizer_cached_in_a_bucket_is_found_there_by_another_host(gcs, tmp_path, small_dataset, monkeypatch):
+    """`data.cache_dir=gs://...`: the BPE tokenizer trained on parquet captions is cached in the
+    bucket, and a host that never saw it (a staging root of its own) loads that one."""
+    from conftest import run_config
+    from dalle_ablate.data.parquet import ParquetDataset, write_parquet
+
+    ds = small_dataset
+    write_parquet(tmp_path / "train.parquet", ds.captions["train"][:200], ds.codes["train"][:200])
+    overrides = ("data=parquet", f"data.path={tmp_path}/train.parquet", "data.image_vocab=145", f"data.cache_dir={gcs.url}/cache")
+    first = ParquetDataset(run_config(*overrides, data=()).data, text_len=24, image_len=None)
+    (cached,) = [f for f in gcs.fs().find(f"{gcs.url}/cache/tokenizers")]
+    monkeypatch.setattr(fileio, "_pulled", {})
+    monkeypatch.setenv("DALLE_ABLATE_STAGING", str(tmp_path / "other-host"))
+    cfg = run_config(*overrides, data=()).data
+    assert cfg.cache_dir == str(tmp_path / "other-host" / "gs" / "dalle-ablate-tests" / "cache")
+    assert (Path(cfg.cache_dir) / "tokenizers" / cached.rsplit("/", 1)[1]).is_file()  # pulled, not trained again
+    second = ParquetDataset(cfg, text_len=24, image_len=None)
+    caps = ds.captions["valid"]
+    assert second.text.tok.get_vocab() == first.text.tok.get_vocab() and len(first.text.tok.get_vocab()) > 4
+    assert all(np.array_equal(a, b) for a, b in zip(second.text.encode(caps), first.text.encode(caps)))
+
+
+def test_a_missing_unreachable_or_foreign_store_is_one_line(gcs, tmp_path, monkeypatch):
+    """A bucket that does not exist: the run ends at once in one line, and Hydra made no local
+    folder named after the URL; one that cannot be reached: one line, one request (no retries);
+    s3:// and other stores: refused naming the flag."""
+    proc = job(tmp_path, "gs://no-such-bucket/runs/x", "host")
+    assert proc.returncode == RunFailed.FAILED
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: gs://no-such-bucket: no such bucket; create it (gcloud storage buckets create gs://no-such-bucket) or fix "
+        "the URL"]
+    assert "Traceback" not in proc.stderr and not list(tmp_path.rglob("gs:*"))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{closed}")
+    with pytest.raises(RunFailed) as e:
+        fileio.check_bucket("gs://elsewhere/runs/x")
+    assert str(e.value) == "gs://elsewhere: cannot be reached (ConnectionError)"
+    from dalle_ablate.job import bucket_dirs
+
+    with pytest.raises(ConfigError) as e:
+        bucket_dirs(["trainer.steps=3", "hydra.run.dir=s3://b/runs/x"])
+    assert str(e.value).startswith("hydra.run.dir=s3://b/runs/x: not a bucket URL this tool can use; give gs://<bucket>/<path>")
+    assert bucket_dirs(["hydra.run.dir=gs://bkt/runs/x", "hydra.sweep.dir=/tmp/m"]) == [
+        f"hydra.run.dir={gcs.staging}/gs/bkt/runs/x", "hydra.sweep.dir=/tmp/m"]
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_one_writer_per_bucket_store_a_dead_or_expired_holder_is_taken_over(gcs):
+    """The bucket lock: a second writer is refused naming the first; a holder of this host whose
+    process is gone, or whose lease ran out, is taken over, on the generation read -- the old
+    holder's renewal then fails; a release removes only its own lock."""
+    from google.cloud import storage
+
+    url = f"{gcs.url}/locks/a"
+    blob = storage.Client().bucket("dalle-ablate-tests").blob(f"locks/a/{fileio.LOCK}")
+    first = fileio.BucketLock(url, "first")
+    with pytest.raises(RunFailed) as e:
+        fileio.BucketLock(url, "second")
+    assert str(e.value).startswith(f"run store {url} is being written by another process (first; its lease runs to ")
+    assert str(e.value).endswith("); wait for it to end or stop it, then run again (one writer per run store)")
+    # a holder of this host whose process is gone (kill -9): taken over at once
+    blob.upload_from_string(json.dumps({"holder": "dead", "host": socket.gethostname(), "pid": dead_pid(),
+                                        "expires": 4e9}))
+    second = fileio.BucketLock(url, "second")
+    assert json.loads(blob.download_as_bytes())["holder"] == "second"
+    with pytest.raises(RunFailed, match="its lock was taken over by another process"):
+        first.renew()
+    first.release()  # not its lock any more: left alone
+    assert json.loads(blob.download_as_bytes())["holder"] == "second"
+    # another host's, renewed: refused; its lease run out: taken over
+    blob.upload_from_string(json.dumps({"holder": "pod-1", "host": "pod-1", "pid": 1, "expires": 4e9}))
+    with pytest.raises(RunFailed, match=r"^run store .* \(pod-1; its lease runs to"):
+        fileio.BucketLock(url, "third")
+    blob.upload_from_string(json.dumps({"holder": "pod-1", "host": "pod-1", "pid": 1, "expires": 1.0}))
+    third = fileio.BucketLock(url, "third")
+    third.renew()
+    third.release()
+    assert not blob.exists()
+
+
+def test_a_sweeps_run_link_in_a_bucket_marks_and_resumes_there(gcs, whole):
+    """What the sweeper does with a trial's run link (its store's URL, sweep/trial.py): a dead
+    trial's store is marked failed in the bucket; a retry resumes from its checkpoints there."""
+    from dalle_ablate.track.runstore import mark_failed
+    from dalle_ablate.train.checkpoint import find_checkpoints
+
+    fs = gcs.fs()
+    store = f"{gcs.url}/sweep/0/run"
+    fs.pipe_file(f"{store}/summary.json", json.dumps({"status": "running", "steps": 3}).encode())
+    mark_failed(store, "killed: its process died")
+    assert json.loads(fs.cat(f"{store}/summary.json")) == {"status": "failed", "steps": 3, "reason": "killed: its process died"}
+    assert find_checkpoints(whole) == (fileio.staged(f"{whole}/run/checkpoints"), None)
+    assert find_checkpoints(f"{whole}/run/checkpoints/3") == (fileio.staged(f"{whole}/run/checkpoints"), 3)
+    with pytest.raises(ConfigError, match=f"^resume={gcs.url}/sweep/0: no finished orbax checkpoint found there$"):
+        find_checkpoints(f"{gcs.url}/sweep/0")
