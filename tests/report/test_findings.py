@@ -189,13 +189,20 @@ def test_a_bad_study_file_is_named_in_one_line(tmp_path, change, message):
         study_path("nosuch")
 
 
-def test_the_mega_study_names_only_arms_its_preset_runs():
+def test_the_mega_study_names_only_arms_its_preset_or_its_stress_runs_run():
+    from dalle_ablate.report.findings import MEASURED_ELSEWHERE
+    from dalle_ablate.report.stress import load_stress
+
     study = load_study(study_path("mega-variants"))
     preset = yaml.safe_load((Path(__file__).parents[2] / "dalle_ablate/conf/experiment/study_mega.yaml").read_text())
     arms = set(preset["hydra"]["sweeper"]["params"]["+arm"].split(","))
-    assert study.baseline in arms and all({f.arm, f.against} <= arms for f in study.findings)
-    assert arms == {p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml")}
-    for arm in sorted(arms):  # each arm composes and passes the checks a run makes before it starts
+    stressed = set(load_stress(study_path("mega-variants")).arms)
+    assert study.baseline in arms
+    assert all({f.arm, f.against} <= (stressed if f.metric in MEASURED_ELSEWHERE else arms) for f in study.findings)
+    # every arm the preset runs is one a finding on its runs compares: none that judges nothing
+    assert arms == {a for f in study.findings if f.metric not in MEASURED_ELSEWHERE for a in (f.arm, f.against)}
+    assert arms | stressed <= {p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml")}
+    for arm in sorted(arms | stressed):  # each arm composes and passes the checks a run makes before it starts
         cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arm}", "seed=0"]))
         assert cfg.trainer.steps == preset["trainer"]["steps"] and cfg.resume == "auto"
 
@@ -493,8 +500,9 @@ def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stre
 def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     from dalle_ablate.report.study_runs import as_members
 
-    # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 0,1,2), or those a seed= override sweeps
-    assert as_members("study_mega", ["+arm=baseline"]) == ["+arm=baseline", "seed=0", "seeds=[0,1,2]", "members.impl=map"]
+    # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 3000-3003), or those a seed= override sweeps
+    assert as_members("study_mega", ["+arm=baseline"]) == ["+arm=baseline", "seed=3000", "seeds=[3000,3001,3002,3003]",
+                                                          "members.impl=map"]
     assert as_members("study_mega", ["seed=3,1,4", "trainer.steps=5"]) == [
         "trainer.steps=5", "seed=3", "seeds=[3,1,4]", "members.impl=map"]
     assert as_members("study_mega", ["seed=range(0,2)", "members.impl=vmap"]) == [
@@ -503,4 +511,4 @@ def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     assert as_members("quick", ["x=1"]) == ["x=1"]  # a preset that sweeps no seed
     for arms in ("baseline", "shampoo"):  # what the study launches composes and passes the checks, Shampoo's arm too
         cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arms}", *as_members("study_mega", [])]))
-        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (0, [0, 1, 2], "map")
+        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (3000, [3000, 3001, 3002, 3003], "map")
