@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,6 +30,13 @@ from PIL import Image
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import Tracker
+
+
+# Seconds between two writes of summary.json while a run logs: a store made unwritable mid-run
+# (a read-only or full disk, a folder's permissions taken away) is found within them, at a write,
+# not minutes later at the next checkpoint -- appending to metrics.jsonl, a file already open,
+# still succeeds in a folder that no longer takes new files.
+SUMMARY_EVERY = 5.0
 
 
 def _jsonable(v: Any) -> Any:
@@ -100,6 +108,8 @@ class RunStore(Tracker):
         row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        if time.monotonic() - self._summary_written > SUMMARY_EVERY:
+            self.log_summary({})
 
     @_writes
     def log_image(self, key, image, step, caption=""):
@@ -130,6 +140,7 @@ class RunStore(Tracker):
     def log_summary(self, values):
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
         atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
+        self._summary_written = time.monotonic()
 
     @_writes
     def finish(self, status="finished"):
