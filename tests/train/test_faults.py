@@ -357,6 +357,7 @@ def test_a_run_store_made_unwritable_between_checkpoints_is_noticed_within_secon
     why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
     assert error_line(proc) == (f"error: run store {run} cannot be written (summary.json): {why}; free space or fix the "
                                 "folder, then resume=auto")
+    assert "was never awaited" not in proc.stderr and "Logging error" not in proc.stderr
     assert 3 < max(losses(run)) < 20000
 
 
