@@ -11,6 +11,7 @@ whole.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -47,7 +48,7 @@ class MeshConfig:
     fsdp: int = 1  # batch split, parameters and optimizer state sharded on their embed axis
     model: int = 1  # tensor parallel: heads, MLP and vocabulary split
     # Members of one job (`seeds=[...]`) spread over this many device groups; each member's own
-    # run uses the data x fsdp x model mesh inside its group (train/members.py). 1 without `seeds`.
+    # run uses the data x fsdp x model mesh inside its group (train/program.py). 1 without `seeds`.
     member: int = 1
 
 
@@ -75,7 +76,7 @@ class SamplesConfig:
 
 @dataclass
 class MembersConfig:
-    """How the seeds of `seeds=[...]` run as members of one compiled job (train/members.py,
+    """How the seeds of `seeds=[...]` run as members of one compiled job (train/program.py,
     docs/guides/members.md)."""
 
     # vmap: one batched program (the members' matmuls fused; equal to separate runs within float32
@@ -93,6 +94,7 @@ MEMBER_ONLY = ("seeds", "members.", "mesh.member")
 def member_only(key: str) -> bool:
     """Whether an override's key sets one of MEMBER_ONLY (`members` alone sets them all)."""
     return any(key == e.rstrip(".") or (e.endswith(".") and key.startswith(e)) for e in MEMBER_ONLY)
+
 
 GRAD_SCALING = ("none", "global", "per_block")  # trainer.grad_scaling (train/grad_scaling.py)
 
@@ -134,7 +136,7 @@ class RunConfig:
     init_seed: Optional[int] = None  # the initial parameters (each keyed by its path, model/init_keys.py)
     # Train these seeds as members of one job, each exactly the run `seed=k` would be (its own
     # initial key, data order, run store, W&B run, checkpoints): one program and one start-up for
-    # all of them (train/members.py). A list is one value, not a sweep: `-m +arm=a,b seeds=[0,1,2]`
+    # all of them (train/loop.py). A list is one value, not a sweep: `-m +arm=a,b seeds=[0,1,2]`
     # is 2 jobs of 3 members each; `seed=0,1,2` stays 3 separate jobs.
     seeds: Optional[list[int]] = None
     members: MembersConfig = field(default_factory=MembersConfig)  # how the members of seeds=[...] run
@@ -153,6 +155,27 @@ def data_seed(cfg: RunConfig) -> int:
 def init_seed(cfg: RunConfig) -> int:
     """The seed of the initial parameters: `init_seed`, else `seed`."""
     return cfg.seed if cfg.init_seed is None else cfg.init_seed
+
+def member_config(cfg: RunConfig, seed: int) -> RunConfig:
+    """The config of member `seed` of a members job: the separate run `seed=k` (MEMBER_ONLY unset)."""
+    return dataclasses.replace(cfg, seed=seed, seeds=None, members=MembersConfig(),
+                               mesh=dataclasses.replace(cfg.mesh, member=MeshConfig().member))
+
+
+def member_record(record: dict, cfg: RunConfig, seed: int) -> dict:
+    """The resolved config the separate run `seed=k` records: a members job's own `record` (its
+    config as Hydra composed it, `cfg` typed) with what `member_config` changes in it."""
+
+    def changed(out: dict, before: dict, after: dict) -> dict:
+        out = dict(out)
+        for k, v in after.items():
+            if isinstance(v, dict) and isinstance(before.get(k), dict) and isinstance(out.get(k), dict):
+                out[k] = changed(out[k], before[k], v)
+            elif before.get(k) != v:
+                out[k] = v
+        return out
+
+    return changed(record, dataclasses.asdict(cfg), dataclasses.asdict(member_config(cfg, seed)))
 
 
 # The groups a user chooses with `group=option` (dalle_ablate/conf/<group>/), in the order a reader

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dalle_ablate import interrupts
 from dalle_ablate.cli import run_hydra
-from dalle_ablate.config import MembersConfig, MeshConfig, member_only
+from dalle_ablate.config import member_only, member_record
 from dalle_ablate.fileio import check_bucket, check_url, fetch, is_url, pull, push, push_tree, shown, staged, url_of
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
@@ -76,16 +76,16 @@ def job_info(cfg: DictConfig) -> JobInfo:
     )
 
 
-def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo]:
-    """One JobInfo per member seed k of `seeds=[...]`: what the job `python run.py <the same
-    overrides> seed=k` would get -- its folder, overrides, W&B name and job type, group and resolved
-    config -- so that a member's run store, meta.json and W&B run cannot be told from that separate
-    run's (train/members.py trains them). `job` is this job's own `job_info(cfg)`; called inside the
-    Hydra task (HydraConfig)."""
+def member_jobs(cfg: DictConfig, job: JobInfo, run_cfg) -> list[JobInfo]:
+    """One JobInfo per member seed k of `seeds=[...]` (`run_cfg`: this job's RunConfig): what the
+    job `python run.py <the same overrides> seed=k` would get -- its folder, overrides, W&B name
+    and job type, group and resolved config -- so that a member's run store, meta.json and W&B run
+    cannot be told from that separate run's (train/loop.py trains them). `job` is this job's own
+    `job_info(cfg)`; called inside the Hydra task (HydraConfig)."""
     from dalle_ablate.train.loop import JobInfo
 
     hc = HydraConfig.get()
-    seeds = list(seeds)
+    seeds = list(run_cfg.seeds)
     multirun = hc.mode == RunMode.MULTIRUN
     dirs = recorded_member_dirs(Path(job.job_dir), seeds) or template_member_dirs(cfg, job, seeds)
     # A separate run of the same multirun is named by what it varies, its seed among them; a single
@@ -96,15 +96,15 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
         if url_of(job_dir) and not Path(job_dir).is_relative_to(job.job_dir) and cfg.resume == "auto":
             pull(url_of(job_dir))  # a member's folder of its own in the bucket (a template's), as the job's below
         overrides = member_overrides(list(hc.overrides.task), seed)
-        config = member_config(cfg, seed)
-        name, job_type = run_naming(overrides, varying, config.model.layout)
+        config = member_record(job.config, run_cfg, seed)
+        name, job_type = run_naming(overrides, varying, config["model"]["layout"])
         jobs.append(JobInfo(job_dir=job_dir, name=name, group=job.group, job_type=job_type, overrides=overrides,
-                            config=OmegaConf.to_container(config, resolve=True), hooks=job.hooks))
+                            config=config, hooks=job.hooks))
     return jobs
 
 
 def recorded_member_dirs(job_dir: Path, seeds: list[int]) -> list[Path] | None:
-    """The member folders a members job recorded in `<job dir>/members.json` (train/members.py)
+    """The member folders a members job recorded in `<job dir>/members.json` (train/records.py)
     for these same seeds: a resumed job wins them back from it, since the resume hint names its
     folder literally (`hydra.run.dir=<job dir>`) and the template that placed them is gone."""
     path = job_dir / "members.json"
@@ -163,31 +163,19 @@ def member_overrides(overrides: list[str], seed: int) -> list[str]:
     return out if at < len(keys) else [*out, f"seed={seed}"]
 
 
-def member_config(cfg: DictConfig, seed: int) -> DictConfig:
-    """The separate run's config: seed=<seed>, no `seeds`, and the members' own settings at their
-    defaults (a separate run's `members.*` and `mesh.member` are never set)."""
-    config = copy.deepcopy(cfg)
-    with read_write(config), open_dict(config):
-        config.seed = seed
-        config.seeds = None
-        config.members = MembersConfig()
-        config.mesh.member = MeshConfig().member
-    return config
-
-
 def tokenizer_first(run_cfg, job: JobInfo) -> None:
     """Stage 1: the built-in data's image tokenizer (e.g. data.tokenizer=dvae) fitted before the
     run, on process 0, in a run store and tracker run of its own (`<job>/tokenizer`) -- unless it
-    is cached, or the run finished before (resume=auto leaves it as it is)."""
+    is cached, or the run ended before (resume=auto leaves it as it is)."""
     import jax
 
     from dalle_ablate.parallel import distributed
-    from dalle_ablate.train.loop import finished_before
+    from dalle_ablate.train.resume import settled_before
     from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
 
     distributed.initialize(run_cfg.distributed)  # process 0 alone fits it
     if (run_cfg.data.name != "shapes" or jax.process_index() != 0 or tokenizer_cached(run_cfg.data)
-            or finished_before(run_cfg, Path(job.job_dir) / "run") is not None):
+            or settled_before(run_cfg, Path(job.job_dir) / "run") is not None):
         return
     res = train_tokenizer(run_cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,
                           group=job.group, overrides=job.overrides)
@@ -258,8 +246,7 @@ def run(cfg: DictConfig) -> float | list[float]:
     try:
         # a Ctrl-C between the jobs of a multirun, or while Hydra composed this one's config
         interrupts.check(f"before job {num} of the multirun started" if job.group is not None and num else "while starting")
-        from dalle_ablate.train.loop import train
-        from dalle_ablate.train.members import train_members
+        from dalle_ablate.train.loop import train, train_members
 
         run_cfg = to_run_config(cfg)
         from_bucket(run_cfg, Path(job.job_dir))
@@ -269,50 +256,52 @@ def run(cfg: DictConfig) -> float | list[float]:
             job.hooks = TrialHooks(run_cfg.optuna)
         tokenizer_first(run_cfg, job)
         if run_cfg.seeds:
-            return members_outcome(run_cfg, job, train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds)))
-        result = train(run_cfg, job)
+            results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg))
+        else:
+            results = [train(run_cfg, job)]
     except Interrupted:
         raise
     except KeyboardInterrupt as e:  # before the first step: nothing trained to save
         raise interrupted(job, trial, interrupts.stage_of(e, "while starting"), "no step trained") from None
-    if result.status == "diverged":
-        # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
-        raise RunFailed(f"{job.name}: {result.reason} (run store {shown(result.run_dir)})", RunFailed.DIVERGED)
-    if result.status == "interrupted":
-        raise interrupted(job, trial, result.reason.removeprefix("interrupted "), kept(result))
-    if result.status == "pruned":
-        import optuna
-
-        raise optuna.TrialPruned(result.reason)
-    values = [float(result.summary[k]) for k in run_cfg.objectives]
-    return values[0] if len(values) == 1 else values
+    return outcome(run_cfg, job, results, trial)
 
 
-def kept(result) -> str:
-    """What an interrupted run kept: a checkpoint of its last step, or the one it started from."""
-    return ("checkpoint saved" if result.saved else f"its checkpoint of step {result.steps} kept" if result.steps
-            else "no step trained")
-
-
-def members_outcome(run_cfg, job: JobInfo, results: list) -> float | list[float]:
-    """What a members job (`seeds=[...]`, train/members.py) ends with: Ctrl-C's resume command, or
-    one line naming each member that diverged (exit 3; its run store says where), or the mean of
-    the objectives over its members (each member's own value is in its run store)."""
-    by_seed = dict(zip(run_cfg.seeds, results))
-    stopped = [(s, r) for s, r in by_seed.items() if r.status == "interrupted"]
+def outcome(run_cfg, job: JobInfo, results: list, trial: bool = False) -> float | list[float]:
+    """What a job ends with, from its runs' Results (a plain run's one, or each member's of
+    `seeds=[...]`): Ctrl-C's line with the command that resumes it, a pruned trial, one line
+    naming each run that diverged (exit 3; its run store says where), or the objectives -- a
+    members job's the mean over its members (each member's own value is in its run store)."""
+    members = run_cfg.seeds is not None
+    named = list(zip(run_cfg.seeds if members else [run_cfg.seed], results))
+    stopped = [(s, r) for s, r in named if r.status == "interrupted"]
     if stopped:
         what = stopped[0][1].reason.removeprefix("interrupted ")
-        raise interrupted(job, False, f"{what} (members {', '.join(f'seed={s}' for s, _ in stopped)})",
-                          kept(stopped[0][1]).replace("checkpoint saved", "checkpoints saved"))
-    failed = {s: r for s, r in by_seed.items() if r.status != "finished"}
+        if members:
+            what += f" (members {', '.join(f'seed={s}' for s, _ in stopped)})"
+        raise interrupted(job, trial, what, kept(stopped[0][1], plural=members))
+    pruned = [r for r in results if r.status == "pruned"]
+    if pruned:
+        import optuna
+
+        raise optuna.TrialPruned(pruned[0].reason)
+    failed = [(s, r) for s, r in named if r.status != "finished"]
     if failed:
-        ok = [str(s) for s in by_seed if s not in failed]
-        raise RunFailed("; ".join(f"member seed={s} {r.reason} (run store {shown(r.run_dir)})" for s, r in failed.items())
+        # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
+        ok = [str(s) for s, r in named if r.status == "finished"]
+        raise RunFailed("; ".join(f"{f'member seed={s}' if members else f'{job.name}:'} {r.reason} (run store "
+                                  f"{shown(r.run_dir)})" for s, r in failed)
                         + (f"; seeds {', '.join(ok)} finished" if ok else ""), RunFailed.DIVERGED)
     import numpy as np
 
     values = np.array([[float(r.summary[k]) for k in run_cfg.objectives] for r in results]).mean(axis=0)
     return float(values[0]) if len(values) == 1 else [float(v) for v in values]
+
+
+def kept(result, plural: bool = False) -> str:
+    """What an interrupted run kept: a checkpoint of its last step (each member's: `plural`), or
+    the one it started from."""
+    return (f"checkpoint{'s' * plural} saved" if result.saved else f"its checkpoint of step {result.steps} kept"
+            if result.steps else "no step trained")
 
 
 class ReportHint(Callback):

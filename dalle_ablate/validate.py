@@ -69,7 +69,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 def check_members(cfg: RunConfig) -> None:
-    """Seeds as members of one job (train/members.py): what v1 of it runs, each refusal naming the
+    """Seeds as members of one job (train/program.py): what v1 of it runs, each refusal naming the
     field. Members share one program, so whatever makes a run's program depend on its process or on
     an outside caller (several processes, an Optuna trial, PowerSGD's per-worker shard_map) is out."""
     seeds, m = cfg.seeds, cfg.mesh.member

@@ -32,7 +32,7 @@ import hydra.core.utils as hydra_utils
 
 from dalle_ablate.data import image_tokenizer, shapes
 from dalle_ablate.evaluate import runner
-from dalle_ablate.train import assembly, checkpoint, loop
+from dalle_ablate.train import assembly, checkpoint, logger
 
 ROOT = Path(__file__).resolve().parent.parent
 where, at = os.environ["KILL_AT"].split(":")
@@ -74,7 +74,7 @@ def killing_check(self):
     check(self)
 
 
-fetch = loop.StepLogger.fetch
+fetch = logger.StepLogger.fetch
 
 
 def killing_fetch(self, step, metrics):
@@ -150,6 +150,6 @@ shapes.render = before(shapes.render, "render")
 assembly.Assembly.train_step = killing_train_step
 runner.Evaluation._log_pareto, runner.figure_array = killing_log_pareto, killing_figure_array
 checkpoint.Checkpointer.save, checkpoint.Checkpointer.check = killing_save, killing_check
-loop.StepLogger.fetch = killing_fetch
+logger.StepLogger.fetch = killing_fetch
 sys.argv = [str(ROOT / "run.py"), *sys.argv[1:]]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,5 +1,5 @@
 """Run in a subprocess with N fake CPU devices (XLA_FLAGS set by the caller): seeds as members of
-one job (train/members.py `train_members`) or the separate runs `seed=k` (loop.train), each into
+one job (train/loop.py `train_members`) or the separate runs `seed=k` (loop.train), each into
 its own run store under OUT; prints JSON with where the members' stacked state and batches were
 placed, and how `member_slice` lays out one member of a model-split stack.
 
@@ -38,12 +38,12 @@ def run_members(out: Path, name: str, overrides: list[str]) -> dict:
     import jax
 
     from conftest import run_config
-    from dalle_ablate.train import members
-    from dalle_ablate.train.loop import JobInfo
+    from dalle_ablate.train import program
+    from dalle_ablate.train.loop import JobInfo, train_members
 
     cfg = run_config(*STEPS, *overrides)
     seen: dict = {}
-    make_step = members.members_step
+    make_step = program.members_step
 
     def watched_step(*args, **kwargs):  # the state as the compiled step returns it, the batch it was given
         step = make_step(*args, **kwargs)
@@ -56,13 +56,13 @@ def run_members(out: Path, name: str, overrides: list[str]) -> dict:
 
         return run
 
-    members.members_step = watched_step
+    program.members_step = watched_step
     try:
         job = JobInfo(job_dir=out / name, name=name, overrides=list(overrides))
         jobs = [JobInfo(job_dir=out / name / f"seed{k}", name=f"seed={k}", overrides=[f"seed={k}"]) for k in cfg.seeds]
-        results = members.train_members(cfg, job, jobs)
+        results = train_members(cfg, job, jobs)
     finally:
-        members.members_step = make_step
+        program.members_step = make_step
     params = seen["state"].state.params
     return {"status": [r.status for r in results], "eval_loss": [r.eval_loss for r in results],
             "run_dirs": [str(r.run_dir) for r in results], "batch": seen["batch"],

@@ -17,6 +17,7 @@ from dalle_ablate.job import job_info, member_jobs
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.track.naming import run_naming
 from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.validate import to_run_config
 from wandb_records import artifacts, history, metric_definitions, run_info, summary
 
 
@@ -151,7 +152,7 @@ def hydra_jobs(*overrides: str, task, multirun: bool = True) -> list:
 
 def members_of(cfg):
     job = job_info(cfg)
-    return job, member_jobs(cfg, job, list(cfg.seeds))
+    return job, member_jobs(cfg, job, to_run_config(cfg))
 
 
 def described(job) -> dict:

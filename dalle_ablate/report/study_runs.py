@@ -324,7 +324,7 @@ def _readable_stores(folder: Path) -> None:
     meta.json (a resumed run reads them), each members job's members.json. What a resumed run
     repairs itself -- a last metrics line cut off by a kill, its config.yaml -- is left to it."""
     from dalle_ablate.report.load import find_stores, load_run, read_json
-    from dalle_ablate.train.members import MEMBERS_FILE
+    from dalle_ablate.train.records import MEMBERS_FILE
 
     try:
         stores = find_stores(str(folder))

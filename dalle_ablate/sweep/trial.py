@@ -42,7 +42,7 @@ class TrialHooks(RunHooks):
 
     def started(self, run_dir: Path, processes: int) -> None:
         record_run_dir(self.link, run_dir)
-        if processes == 1:
+        if processes == 1 and self.pruning is None:  # a job of several members starts one run store each
             self.pruning = pruning_for(self.link)
 
     def should_stop(self, eval_loss: float, step: int) -> bool:

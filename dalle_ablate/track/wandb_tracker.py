@@ -193,7 +193,7 @@ class WandbTracker(Tracker):
             dir=None if os.environ.get("WANDB_DIR") else str(store.root),
             id=run_id,
             resume="allow" if run_id else None,
-            # A multirun's jobs never share a run; the members of one job (train/members.py) are
+            # A multirun's jobs never share a run; the members of one job (train/loop.py) are
             # live runs side by side, each finished by its own member.
             reinit="create_new" if meta.get("members") else "finish_previous",
             settings=wandb.Settings(init_timeout=30, **({} if cfg.banner else {"silent": True})),

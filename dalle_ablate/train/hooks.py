@@ -1,16 +1,14 @@
 """Periodic work between train steps, as hooks: `hooks.add(name, fn, every=N)` runs `fn(step,
 state)` after every N-th step and after the last (N = 0: the last only), in the order added; a
-hook that returns a reason (a string) stops the run there. The run's own hooks (`periodic_hooks`): the validation
-loss, the checkpoint, the sampling evaluation and the caller's `should_stop`. A new periodic
-action is one `add`."""
+hook that returns a reason (a string) stops the run there. The job's own hooks (`periodic_hooks`,
+the same for a plain run and for a job of several members): the validation loss, the checkpoint,
+the sampling evaluation and the caller's `should_stop`. A new periodic action is one `add`."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import jax
@@ -19,10 +17,8 @@ from flax import nnx
 
 from dalle_ablate import interrupts
 from dalle_ablate.data.base import host_share
-from dalle_ablate.evaluate.runner import evaluation_or_none
 from dalle_ablate.model import abstract_model
 from dalle_ablate.parallel import Placement
-from dalle_ablate.train.step import make_eval_step
 
 
 @dataclass
@@ -58,7 +54,7 @@ def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[
              placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     """(weighted mean NLL over the valid split, summed in float64; each example's NLL, in the
     split's order, the padding of the last batch dropped). Every host reads the same eval batches
-    and feeds its own rows of each. An eval step over the members of a job (members.py) returns
+    and feeds its own rows of each. An eval step over the members of a job (program.py) returns
     one sum and one row of examples per member, and so does this."""
     total, weight, examples = np.float64(0.0), np.float64(0.0), []
     rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
@@ -86,52 +82,56 @@ def eval_graph(run):
     return nnx.split(abstract_model(dataclasses.replace(model_cfg, dtype="float32")), nnx.Param)[0]
 
 
-@dataclass
-class Evaluations:
-    """What the run's hooks measured last, for its summary and closing lines."""
-
-    eval_loss: float = math.nan
-    last_eval: dict = dataclasses.field(default_factory=dict)  # the last sampling evaluation's result
-
-
-def periodic_hooks(cfg, run, tracker, ckpt, job, wall_start: Callable[[], float]) -> tuple[Hooks, Evaluations]:
-    """The run's periodic work: the validation loss every `trainer.eval_every`, a checkpoint every
-    `trainer.save_every`, the sampling evaluation every `eval.every` (0: the last step only; none
-    without evaluation metrics), then the caller's `should_stop` after each validation loss.
-    `wall_start()`: when the run started (moved back by a resumed run's earlier processes)."""
+def periodic_hooks(cfg, program, members: list, caller) -> Hooks:
+    """The job's periodic work for each of its running `members` (train/records.py Member; a plain
+    run has one): the validation loss every `trainer.eval_every` (one pass for all of them), a
+    checkpoint every `trainer.save_every` (each in its own store), the sampling evaluation every
+    `eval.every` (0: the last step only; none without evaluation metrics), then the caller's
+    `should_stop` (RunHooks) after each validation loss. `program` (train/program.py) computes
+    them and gives each member's part."""
     t = cfg.trainer
-    hooks, seen = Hooks(t.steps), Evaluations()
-    eval_graphdef = eval_graph(run)
-    eval_step = make_eval_step(eval_graphdef, run.placement)
-    evaluation = evaluation_or_none(cfg, run.dataset, run.model_cfg, eval_graphdef, tracker, run.placement.replicated)
+    hooks = Hooks(t.steps)
+    evaluation = program.evaluation([m.tracker for m in members])
+
+    def due(step: int, name: str) -> list:
+        """The running members, less those whose earlier process finished `name` at this step."""
+        return [m for m in members if m.status == "running" and not m.done_at(step, name)]
 
     def validation(step, state):
-        loss, examples = evaluate(eval_step, state.params, run.dataset, t.batch_size, t.eval_batches, run.placement)
-        seen.eval_loss = float(loss)
-        tracker.log({"eval/valid/loss": seen.eval_loss, "samples": step * t.batch_size, "tokens": step * run.tokens_per_step},
-                    step)
-        log_examples(tracker, examples, step)
+        losses, examples = program.validate(state.params)
+        for m in due(step, "validation"):
+            m.seen.eval_loss = float(program.member(losses, m.index))
+            m.tracker.log({"eval/valid/loss": m.seen.eval_loss, "samples": step * t.batch_size,
+                           "tokens": step * program.run.tokens_per_step}, step)
+            log_examples(m.tracker, program.member(examples, m.index), step)
 
     def save(step, state):  # before the sampling evaluation: a failure there never costs a checkpoint
-        ckpt.save(step, state)
-        tracker.log_summary({"wall_time": time.perf_counter() - wall_start(), "steps": step})
+        for m in due(step, "checkpoint"):
+            m.ckpt.save(step, program.saved(state, m.index))
+            m.tracker.log_summary({"wall_time": time.perf_counter() - m.t_start, "steps": step})
 
     def sample(step, state):  # guidance-scale sweep, caption sensitivity, grids (evaluate/runner.py)
-        seen.last_eval = evaluation.run(state.params, step, job.name or Path(job.job_dir).name)
-        tracker.log_summary({"evaluated_step": step})  # complete: a resume at this step need not redo it
+        todo = due(step, "evaluation")
+        out = evaluation(state.params, step, {m.index: m.name for m in todo})
+        for m in todo:
+            m.seen.last_eval = out[m.index]
+            m.tracker.log_summary({"evaluated_step": step})  # complete: a resume at this step need not redo it
 
     def should_stop(step, state):
-        if step == t.steps or jax.process_index() != 0 or not job.hooks.should_stop(seen.eval_loss, step):
+        running = [m for m in members if m.status == "running"]
+        eval_loss = float(np.mean([m.seen.eval_loss for m in running]))  # one member: its own
+        if step == t.steps or jax.process_index() != 0 or not caller.should_stop(eval_loss, step):
             return None
-        ckpt.save(step, state)  # a stopped run can be resumed (nothing is written if this step is saved)
-        return f"eval loss {seen.eval_loss:.4f}"
+        for m in running:  # a stopped run can be resumed (nothing is written if this step is saved)
+            m.ckpt.save(step, program.saved(state, m.index))
+        return f"eval loss {eval_loss:.4f}"
 
     hooks.add("validation", validation, t.eval_every)
     hooks.add("checkpoint", save, t.save_every)
     if evaluation is not None:
         hooks.add("evaluation", sample, cfg.eval.every or 0)
     hooks.add("should_stop", should_stop, t.eval_every)
-    return hooks, seen
+    return hooks
 
 
 def left_at(hooks: Hooks, step: int, done: dict[str, bool]) -> tuple[str, ...]:

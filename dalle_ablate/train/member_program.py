@@ -1,6 +1,7 @@
-"""The members' program (members.py): their train states stacked on a leading member axis, where
-that axis lives on the devices, and the step, eval step and slices mapped over it -- `jax.vmap`
-(one batched program) or `jax.lax.map` (each member's own program in one loop)."""
+"""The device side of the members' program (program.py `Stacked`): their train states stacked on
+a leading member axis, where that axis lives on the devices, and the step, eval step and slices
+mapped over it -- `jax.vmap` (one batched program) or `jax.lax.map` (each member's own program in
+one loop)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ class MembersState:
     def step(self) -> jax.Array:
         """The job's step: its live members' (a frozen member stopped earlier)."""
         return jnp.max(self.state.step)
+
+    @property
+    def params(self):
+        """The members' parameters, stacked (what the validation and the evaluation read)."""
+        return self.state.params
 
 
 @dataclass(frozen=True)

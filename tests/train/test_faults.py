@@ -26,7 +26,7 @@ import pytest
 from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_config, run_py
 from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.runstore import read_metrics
-from dalle_ablate.train.loop import SCALARS
+from dalle_ablate.train.logger import SCALARS
 from wandb_records import history, run_info
 
 # 6 steps, a checkpoint every 3 (~0.8 MB each); a constant rate, so that a run made longer (to be

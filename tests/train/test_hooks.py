@@ -55,3 +55,44 @@ def test_a_callers_periodic_action_is_one_registration_from_outside_the_package(
     assert res.status == "finished" and seen == [(4, 4), (6, 6)]
     evals = [r["step"] for r in read_metrics(res.run_dir) if "eval/valid/loss" in r]
     assert evals == [3, 6]  # the run's own hooks, unchanged by the caller's
+
+
+def test_a_callers_hooks_hear_a_members_job_as_they_hear_a_run(tmp_path):
+    """The same RunHooks on `seeds=[0,1]` (issue 51): `started` once for each member's run store,
+    `should_stop` asked with the mean of the members' validation losses, its own hook given the
+    members' stacked state; a stop prunes every member there, each with its checkpoint of that step."""
+    import json
+
+    import jax
+
+    from conftest import run_config
+    from dalle_ablate.track.runstore import read_metrics
+    from dalle_ablate.train.loop import JobInfo, RunHooks, train_members
+
+    started, asked, seen = [], [], []
+
+    class Pruner(RunHooks):
+        def add_hooks(self, hooks):
+            hooks.add("probe", lambda step, state: seen.append(jax.device_get(state.state.step).tolist()), every=2)
+
+        def started(self, run_dir, processes):
+            started.append((run_dir, processes))
+
+        def should_stop(self, eval_loss, step):
+            asked.append((step, eval_loss))
+            return True
+
+    cfg = run_config("tracker=none", "trainer.steps=6", "trainer.eval_every=3", "seeds=[0,1]", "members.impl=map")
+    jobs = [JobInfo(tmp_path / f"seed{s}") for s in (0, 1)]
+    results = train_members(cfg, JobInfo(tmp_path, hooks=Pruner()), jobs)
+    stores = [tmp_path / f"seed{s}" / "run" for s in (0, 1)]
+    assert started == [(store, 1) for store in stores]
+    losses = [[r["eval/valid/loss"] for r in read_metrics(store) if "eval/valid/loss" in r] for store in stores]
+    assert [len(v) for v in losses] == [1, 1] and losses[0] != losses[1]
+    assert asked == [(3, pytest.approx((losses[0][0] + losses[1][0]) / 2, rel=1e-12))]
+    assert seen == [[2, 2]]  # step 2's hook saw both members' states at step 2; the job stopped at 3
+    assert [(r.status, r.steps) for r in results] == [("pruned", 3)] * 2
+    for r, store in zip(results, stores):
+        assert r.reason == f"pruned at step 3 of 6 (eval loss {asked[0][1]:.4f})"
+        assert json.loads((store / "summary.json").read_text())["status"] == "pruned"
+        assert sorted(int(p.name) for p in (store / "checkpoints").iterdir() if p.name.isdigit()) == [3]

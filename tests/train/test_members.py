@@ -24,13 +24,12 @@ import yaml
 from conftest import EVAL_ON, SMALL_DATA, TINY_TRAIN, run_config
 from wandb_records import summary as wandb_summary
 
-from dalle_ablate.job import members_outcome
+from dalle_ablate.job import outcome
 from dalle_ablate.registry import Interrupted, RunFailed
 from dalle_ablate.report.load import load_runs
 from dalle_ablate.track.runstore import read_metrics
-from dalle_ablate.train import members as members_mod
-from dalle_ablate.train.loop import JobInfo, train
-from dalle_ablate.train.members import train_members
+from dalle_ablate.train import program
+from dalle_ablate.train.loop import JobInfo, train, train_members
 
 SEEDS = [0, 1, 2]
 CFG = ["tracker=wandb", *EVAL_ON]  # W&B offline: the members' runs live side by side in one process
@@ -123,7 +122,7 @@ def test_a_members_run_store_is_the_separate_runs_store(trained):
 
 def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trained, tmp_path, monkeypatch, capsys):
     root, _ = trained
-    batches = members_mod.MemberBatches.__next__
+    batches = program.MemberBatches.__next__
     drawn = []
 
     def poisoned(self):  # member 1's batch of step 4 has an infinite weight: its loss is not finite
@@ -134,7 +133,7 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
             batch["weights"][1] = np.inf
         return batch
 
-    monkeypatch.setattr(members_mod.MemberBatches, "__next__", poisoned)
+    monkeypatch.setattr(program.MemberBatches, "__next__", poisoned)
     capsys.readouterr()
     results = members_job(tmp_path, "map")
     assert [r.status for r in results] == ["finished", "diverged", "finished"]
@@ -158,11 +157,11 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
     assert [m["status"] for m in record["members"]] == ["finished", "diverged", "finished"]
     cfg = run_config("seeds=[0,1,2]")
     with pytest.raises(RunFailed) as err:
-        members_outcome(cfg, JobInfo(tmp_path), results)
+        outcome(cfg, JobInfo(tmp_path), results)
     assert err.value.exit_code == RunFailed.DIVERGED
     assert str(err.value) == f"member seed=1 {results[1].reason} (run store {diverged}); seeds 0, 2 finished"
     # resume=auto leaves every member as it ended, the diverged one too (not retrained to diverge again)
-    monkeypatch.setattr(members_mod.MemberBatches, "__next__", batches)
+    monkeypatch.setattr(program.MemberBatches, "__next__", batches)
     before = {s: rows(tmp_path / f"seed{s}" / "run") for s in SEEDS}
     again = members_job(tmp_path, "map", "resume=auto")
     assert [(r.status, r.steps, r.reason) for r in again] == [(r.status, r.steps, r.reason) for r in results]
@@ -171,7 +170,7 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
 
 def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_step(trained, tmp_path, monkeypatch, capsys):
     root, _ = trained
-    batches = members_mod.MemberBatches.__next__
+    batches = program.MemberBatches.__next__
     drawn = []
 
     def interrupted(self):  # Ctrl-C while the batches of step 5 are read: every member has done 4
@@ -180,7 +179,7 @@ def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_s
             raise KeyboardInterrupt
         return batches(self)
 
-    monkeypatch.setattr(members_mod.MemberBatches, "__next__", interrupted)
+    monkeypatch.setattr(program.MemberBatches, "__next__", interrupted)
     results = members_job(tmp_path, "map")
     assert [(r.status, r.steps) for r in results] == [("interrupted", 4)] * 3
     for s in SEEDS:  # step 4, logged after the Ctrl-C, without timing (the time since step 3 is no step's); 3 with it
@@ -192,13 +191,13 @@ def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_s
     cfg = run_config("seeds=[0,1,2]")
     job = JobInfo(tmp_path, overrides=["seeds=[0,1,2]", "trainer.steps=6"])
     with pytest.raises(Interrupted) as err:
-        members_outcome(cfg, job, results)
+        outcome(cfg, job, results)
     assert str(err.value) == (f"interrupted at step 4 of 6 (members seed=0, seed=1, seed=2); checkpoints saved; resume "
                               f"with: python run.py 'seeds=[0,1,2]' trainer.steps=6 resume=auto hydra.run.dir={tmp_path}")
     ids = [json.loads((tmp_path / f"seed{s}" / "run" / "meta.json").read_text())["wandb_id"] for s in SEEDS]
     # a kill -9 between the members' saves of step 4: member 0's never made it to disk
     shutil.rmtree(tmp_path / "seed0" / "run" / "checkpoints" / "4")
-    monkeypatch.setattr(members_mod.MemberBatches, "__next__", batches)
+    monkeypatch.setattr(program.MemberBatches, "__next__", batches)
     capsys.readouterr()
     results = members_job(tmp_path, "map", "resume=auto")
     assert [r.status for r in results] == ["finished"] * 3

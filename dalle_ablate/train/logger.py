@@ -1,0 +1,127 @@
+"""Each step's metrics, logged: the job's steps fetched one step late (`StepLogger`) and each
+member's row written to its own tracker (`RunLog`: its losses, timing and where it diverged)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import jax
+
+from dalle_ablate import interrupts
+
+SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
+
+
+class RunLog:
+    """One run's side of the logging: its rows in its tracker, its first, last and last finite
+    loss, the step where it diverged and why it stopped."""
+
+    def __init__(self, tracker, batch_size: int, tokens_per_step: int):
+        self.tracker, self.batch_size, self.tokens_per_step = tracker, batch_size, tokens_per_step
+        self.first_loss = self.last_loss = math.nan
+        self.last_finite: Optional[tuple[int, float]] = None  # (step, loss): what a diverged run reports
+        self.diverged_at: Optional[int] = None  # the step whose loss was not finite: where a diverged run ends
+        self.reason = ""
+
+    def log(self, step: int, values: dict, perf: dict) -> bool:
+        """Log this step's values and `perf` (its timing); False once the loss is not finite."""
+        row = {k: float(v) for k, v in values.items()}
+        row.update({"samples": step * self.batch_size, "tokens": step * self.tokens_per_step, **perf})
+        self.tracker.log(row, step)
+        self.last_loss = row["train/loss"]
+        self.first_loss = self.last_loss if math.isnan(self.first_loss) else self.first_loss
+        if math.isfinite(self.last_loss):
+            self.last_finite = (step, self.last_loss)
+            return True
+        self.diverged_at = step
+        self.reason = f"diverged at step {step}: train/loss={self.last_loss}; " + (
+            f"last finite loss {self.last_finite[1]:.4f} at step {self.last_finite[0]}" if self.last_finite
+            else "no finite loss before it")
+        return False
+
+
+class StepLogger:
+    """The job's steps, each logged one step late: the next step is already queued when this one's
+    values are fetched, so the device never waits on the host. Each running member's values
+    (`member(values, i)`, the program's slice) go to its RunLog; a member whose loss is not
+    finite is handed to `on_diverged`. Times steps between boundaries (eval and save time is not
+    step time), each member charged its share of the job's step, so that its step time and
+    throughput read as a separate run's would on the same machine.
+
+    A step leaves the queue only once it is logged: Ctrl-C during the blocking fetch leaves it
+    (and the step after it) queued, and the interrupted job's last `flush()` logs both -- untimed
+    (`timed` False): the time since the step before is no step time once a Ctrl-C came between."""
+
+    def __init__(self, members: list, member: Callable, on_diverged: Callable, bar, t, flops_per_step: float,
+                 tokens_per_step: int, peak_all: float):
+        self.members, self.member, self.on_diverged = members, member, on_diverged
+        self.bar, self.t = bar, t
+        self.flops_per_step, self.tokens_per_step, self.peak_all = flops_per_step, tokens_per_step, peak_all
+        self.share = len(members)  # the runs one step of the program trains
+        self.queue: list[tuple[int, dict]] = []  # steps trained and not yet logged, oldest first
+        self.newest = 0  # the last step queued
+        self.clock, self.compiled = time.perf_counter(), False
+        self.timed = True  # False: steps are logged without perf/ timing (those flushed after a Ctrl-C)
+
+    def push(self, step: int, metrics: dict) -> bool:
+        """Queue this step and log the one before it; False (holding nothing) once no member is
+        left running (its loss was not finite): the job stops there."""
+        if step > self.newest:
+            self.queue.append((step, metrics))
+            self.newest = step
+        return self._drain(keep=1)
+
+    def flush(self) -> bool:
+        """Fetch and log every queued step; False once no member is left running."""
+        return self._drain(keep=0)
+
+    def fetch(self, step: int, metrics: dict) -> dict:
+        """The step's values on the host (blocks until the device has computed them)."""
+        per_layer = step % self.t.log_every == 0 or step == self.t.steps
+        return jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
+
+    def _drain(self, keep: int) -> bool:
+        while len(self.queue) > keep:
+            step, metrics = self.queue[0]
+            values = self.fetch(step, metrics)  # Ctrl-C here: the step stays queued
+            with interrupts.deferred():  # logged and dequeued together: never lost, never twice
+                self.queue.pop(0)
+                ok = self._log(step, values)
+            if not ok:
+                self.queue.clear()
+                return False
+        return True
+
+    def _log(self, step: int, values: dict) -> bool:
+        perf = self._timing()
+        for m in self.members:
+            if m.status == "running" and not m.log.log(step, self.member(values, m.index), perf):
+                self.on_diverged(m, step)  # where its separate run ends: the step whose loss was not finite
+        running = [m for m in self.members if m.status == "running"]
+        if running and "perf/tokens_per_s" in perf:
+            self.bar.set_postfix(loss=f"{running[0].log.last_loss:.3f}", tok_s=f"{perf['perf/tokens_per_s']:,.0f}",
+                                 refresh=False)
+        self.bar.update(1)
+        return bool(running)
+
+    def _timing(self) -> dict:
+        """The perf/ values of the step just fetched: the first includes compilation."""
+        now = time.perf_counter()
+        dt, self.clock = now - self.clock, now
+        if not self.timed:
+            return {}
+        if not self.compiled:
+            self.compiled = True
+            return {"perf/compile_time": dt}
+        perf = {}
+        if self.share > 1:
+            perf["perf/job_step_time"] = dt  # the whole program's step, all its members
+            dt /= self.share
+        perf.update({"perf/step_time": dt, "perf/tokens_per_s": self.tokens_per_step / dt,
+                     "perf/mfu": self.flops_per_step / (dt * self.peak_all)})
+        return perf
+
+    def restart_clock(self) -> None:
+        self.clock = time.perf_counter()
