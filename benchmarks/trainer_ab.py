@@ -77,11 +77,13 @@ def main() -> None:
     jobs = {"plain run": ["seed=0"], f"{args.members} members, map": [f"seeds={seeds}", "members.impl=map"],
             f"{args.members} members, vmap": [f"seeds={seeds}", "members.impl=vmap"]}
     got: dict[tuple[str, str], list[float]] = {}
+    runs = 0  # each job in a folder of its own
     for pair in range(args.pairs):
         order = ("before", "after") if pair % 2 == 0 else ("after", "before")
         for job, extra in jobs.items():
             for side in order:
-                t = step_time(codes[side], tmp / f"{side}-{pair}-{len(got)}", args.steps, extra, args.overrides)
+                runs += 1
+                t = step_time(codes[side], tmp / f"{side}-{runs}", args.steps, extra, args.overrides)
                 got.setdefault((job, side), []).append(t)
                 print(f"pair {pair + 1}, {job}, {side}: {t * 1e3:.1f} ms", flush=True)
     print(f"\nbefore: {args.before}; after: {args.after or 'this working tree'}; {args.pairs} pairs of {args.steps} steps, "

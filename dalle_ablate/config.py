@@ -164,7 +164,7 @@ def member_config(cfg: RunConfig, seed: int) -> RunConfig:
 
 def member_record(record: dict, cfg: RunConfig, seed: int) -> dict:
     """The resolved config the separate run `seed=k` records: a members job's own `record` (its
-    config as Hydra composed it, `cfg` typed) with what `member_config` changes in it."""
+    config as Hydra composed it; `cfg`, the same typed) with what `member_config` changes in it."""
 
     def changed(out: dict, before: dict, after: dict) -> dict:
         out = dict(out)

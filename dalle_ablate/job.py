@@ -76,16 +76,17 @@ def job_info(cfg: DictConfig) -> JobInfo:
     )
 
 
-def member_jobs(cfg: DictConfig, job: JobInfo, run_cfg) -> list[JobInfo]:
-    """One JobInfo per member seed k of `seeds=[...]` (`run_cfg`: this job's RunConfig): what the
-    job `python run.py <the same overrides> seed=k` would get -- its folder, overrides, W&B name
-    and job type, group and resolved config -- so that a member's run store, meta.json and W&B run
-    cannot be told from that separate run's (train/loop.py trains them). `job` is this job's own
-    `job_info(cfg)`; called inside the Hydra task (HydraConfig)."""
+def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo]:
+    """One JobInfo per member seed k of `seeds=[...]`: what the job `python run.py <the same
+    overrides> seed=k` would get -- its folder, overrides, W&B name and job type, group and
+    resolved config -- so that a member's run store, meta.json and W&B run cannot be told from
+    that separate run's (train/loop.py trains them). `job` is this job's own `job_info(cfg)`;
+    called inside the Hydra task (HydraConfig)."""
     from dalle_ablate.train.loop import JobInfo
 
     hc = HydraConfig.get()
-    seeds = list(run_cfg.seeds)
+    seeds = list(seeds)
+    typed = OmegaConf.to_object(cfg)  # the RunConfig as composed, for what config.member_config changes
     multirun = hc.mode == RunMode.MULTIRUN
     dirs = recorded_member_dirs(Path(job.job_dir), seeds) or template_member_dirs(cfg, job, seeds)
     # A separate run of the same multirun is named by what it varies, its seed among them; a single
@@ -96,7 +97,7 @@ def member_jobs(cfg: DictConfig, job: JobInfo, run_cfg) -> list[JobInfo]:
         if url_of(job_dir) and not Path(job_dir).is_relative_to(job.job_dir) and cfg.resume == "auto":
             pull(url_of(job_dir))  # a member's folder of its own in the bucket (a template's), as the job's below
         overrides = member_overrides(list(hc.overrides.task), seed)
-        config = member_record(job.config, run_cfg, seed)
+        config = member_record(job.config, typed, seed)
         name, job_type = run_naming(overrides, varying, config["model"]["layout"])
         jobs.append(JobInfo(job_dir=job_dir, name=name, group=job.group, job_type=job_type, overrides=overrides,
                             config=config, hooks=job.hooks))
@@ -256,7 +257,7 @@ def run(cfg: DictConfig) -> float | list[float]:
             job.hooks = TrialHooks(run_cfg.optuna)
         tokenizer_first(run_cfg, job)
         if run_cfg.seeds:
-            results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg))
+            results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
         else:
             results = [train(run_cfg, job)]
     except Interrupted:

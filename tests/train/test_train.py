@@ -245,3 +245,18 @@ def test_a_diverging_run_stops_and_is_marked(tmp_path, small_dataset):
     opt, _, target = fresh_state(cfg, params)
     _, restored = checkpoint.restore(ckpt_dir, None, target)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.params))
+    # resume=auto leaves it as it is (retrained, it would diverge at the same step again), as a
+    # member's: the same Result, nothing retrained or logged again, and the job's line the same
+    from dalle_ablate.job import outcome
+    from dalle_ablate.registry import RunFailed
+
+    logged = (res.run_dir / "metrics.jsonl").read_bytes()
+    again = train(dataclasses.replace(cfg, resume="auto"), JobInfo(tmp_path))
+    assert (again.status, again.steps, again.reason) == (res.status, res.steps, res.reason)
+    assert (res.run_dir / "metrics.jsonl").read_bytes() == logged
+    lines = []
+    for r in (res, again):
+        with pytest.raises(RunFailed) as err:
+            outcome(cfg, JobInfo(tmp_path, name="lr1e9"), [r])
+        lines.append((str(err.value), err.value.exit_code))
+    assert lines[0] == lines[1] == (f"lr1e9: {res.reason} (run store {res.run_dir})", RunFailed.DIVERGED)
