@@ -222,6 +222,7 @@ def report_long(runs: list[dict], long: dict[str, dict[int, float]]) -> None:
 
 def report(runs: list[dict], n_big: int) -> None:
     small = 512
+    dominant: list[tuple] = []
     print("\n## One run's variance by source (final eval loss, nats/image token)\n")
     print("| arm | runs | mean | sd of one run | init | data order | residual (init x data) | eval set, 512 scenes | "
           f"eval set, {n_big} scenes | sd over {n_big} scenes | last 5 evaluations' mean: sd |")
@@ -239,9 +240,15 @@ def report(runs: list[dict], n_big: int) -> None:
         ab = interaction(ex[:, :small])
         tot = c["total"]
         share = lambda v: f"{fmt(v / tot * 100)} %"  # noqa: E731
+        dominant.append((arm, max(("initialisation", c["init"]), ("data order", c["data"]), ("their interaction", c["residual"]),
+                                  key=lambda kv: kv[1]), tot, ab / small))
         print(f"| {arm} | {len(mine)} | {fmt(final.mean())} | {fmt(math.sqrt(tot))} | {share(c['init'])} | {share(c['data'])} | "
               f"{share(c['residual'])} | {share(ab / small)} | {share(interaction(ex) / n_big)} | {fmt(big.std(ddof=1))} | "
               f"{fmt(last5.std(ddof=1))} |")
+    print()
+    for arm, (source, var), tot, ev in dominant:
+        print(f"{arm}: the largest source of one run's variance is its {source} ({fmt(var / tot * 100)} %); the "
+              f"evaluation set's 512 scenes {fmt(ev / tot * 100)} %.")
     print("\n## Paired differences against the baseline (the same init and data order)\n")
     print("| arm − baseline | pairs | mean | sd of one pair's difference | rho | init | data order | residual | "
           f"eval set, 512 scenes | sd over {n_big} scenes | last 5 evaluations: sd |")

@@ -596,7 +596,7 @@ def test_ctrl_c_stops_a_study_between_its_arms_and_in_its_stress_runs_with_the_c
     assert summary["status"] == "finished"
     assert not (out / "synthetic-stress").exists()
     words = shlex.split(again.removeprefix("resume with: dalle-ablate "))
-    code, err = _study_until([sys.executable, "-m", "dalle_ablate.cli", *words], tmp_path, "stress run 1 of 6: ")
+    code, err = _study_until([sys.executable, "-m", "dalle_ablate.cli", *words], tmp_path, "stress job 1 of 6: ")
     assert code == 130, err[-3000:]
     assert err.strip() == f"study synthetic interrupted during its stress runs; {kept}; {again}"
     assert json.loads((out / "synthetic" / "bias-seed0" / "run" / "summary.json").read_text())["status"] == "finished"
