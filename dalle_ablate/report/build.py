@@ -21,7 +21,7 @@ from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing
 from dalle_ablate.report.tables import (ONE_SEED, SAME_PROMPTS, STABILITY_COLUMNS, final_table, fmt, paired_table,
                                         runs_csv, shapes_noise_table, shapes_tier_table, stability_rows, tier_table)
 from dalle_ablate.report.writers import Section, to_html, to_markdown
-from dalle_ablate.track import HEADLINES
+from dalle_ablate.metrics import headlines
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
 TITLES = {"overview": "Runs and variants", "final": "Final metrics", "noise": "Noise report", "optuna": "Optuna study",
@@ -214,8 +214,8 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None,
 
 # Logged keys the W&B report charts besides the losses: headline eval metrics by scale, caption
 # sensitivity, the optimizer's own statistics.
-REPORT_METRICS = re.compile(rf"eval/pareto/s[^/]+/({'|'.join(map(re.escape, HEADLINES))})"
-                            r"|eval/caption_sensitivity/[a-z]+|optim/.+")
+REPORT_METRICS = re.compile(rf"eval/pareto/s[^/]+/({'|'.join(re.escape(m.key) for m in headlines('samples'))})"
+                            rf"|{'|'.join(re.escape(m.logged()) for m in headlines('model'))}|optim/.+")
 
 
 def wandb_panels(runs: list[Run]) -> tuple[list[str], list[str], list[str]]:

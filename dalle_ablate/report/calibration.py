@@ -40,7 +40,8 @@ def structure(study_file: Path) -> Structure:
     """A study file's structure: the arms its experiment preset runs with the seeds it sweeps for
     the metrics of its own runs; its stress plan's arms and seeds for the metrics judged on the
     stress runs (report/stress.py)."""
-    from dalle_ablate.report.findings import MEASURED_ELSEWHERE, load_study, study_arms
+    from dalle_ablate.metrics import STUDY
+    from dalle_ablate.report.findings import load_study, study_arms
     from dalle_ablate.report.stress import load_stress
     from dalle_ablate.report.study_runs import swept_seeds
 
@@ -50,11 +51,11 @@ def structure(study_file: Path) -> Structure:
     n = len(swept_seeds(study.experiment, []) or [0])
     pools, seeds = {}, {}
     for f in study.findings:
-        elsewhere = f.metric in MEASURED_ELSEWHERE
+        elsewhere = STUDY[f.metric].reads == "given"
         pools[f.metric] = (plan.arms if elsewhere and plan is not None else arms)
         seeds[f.metric] = len(plan.seeds) if elsewhere and plan is not None else n
     return Structure(pools, seeds, [(f.metric, f.arm, f.against) for f in study.findings],
-                     tuple(m for m in pools if m not in MEASURED_ELSEWHERE))
+                     tuple(m for m in pools if STUDY[m].reads != "given"))
 
 
 @dataclass

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dalle_ablate.metrics import label
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import t_interval
-from dalle_ablate.track import HEADLINES
 
 
 def _plt():
@@ -32,22 +32,6 @@ def png(fig) -> bytes:
 def colors(variants: list[str]) -> dict[str, str]:
     cycle = _plt().rcParams["axes.prop_cycle"].by_key()["color"]
     return {v: cycle[i % len(cycle)] for i, v in enumerate(variants)}
-
-
-# What each logged quantity is measured in, for the axes.
-UNITS = {"train/loss": "nats per token", "eval/valid/loss": "nats per token", "train/grad_norm": "global L2 norm",
-         "fid/fid": "FID", "shapes_fd/fd": "Fréchet distance", "clip/score": "100 x cosine", "shapes/all": "fraction correct",
-         "shapes/clean": "fraction of drawn pixels"}
-# Which way is better, for the metrics that have one (a gradient norm has none).
-BETTER = {"train/loss": "lower", "eval/valid/loss": "lower", "shapes/clean": "higher",
-          **{k: "lower" if v == "min" else "higher" for k, v in HEADLINES.items()}}
-
-
-def label(column: str) -> str:
-    """`column (unit, lower is better)` for an axis."""
-    parts = [UNITS.get(column)] + ([f"{BETTER[column]} is better"] if column in BETTER else [])
-    parts = [p for p in parts if p]
-    return f"{column} ({', '.join(parts)})" if parts else column
 
 
 def seed_band(runs: list[Run], column: str, x: str = "step", log: bool = False):

@@ -16,13 +16,13 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from dalle_ablate.metrics import STUDY, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import (COVERS, MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, Study, _arms_by,
-                                          claims_tables, compare, course, noise_sources, parse_margin, study_arms,
-                                          unit_of)
+from dalle_ablate.report.findings import (TOPUP_RULE, TOPUPS, Study, _arms_by, claims_tables, compare, course,
+                                          noise_sources, parse_margin, reading, study_arms, study_value, unit_of)
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
@@ -95,9 +95,9 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
         row = [arm + (" (baseline)" if arm == study.baseline else ""), ", ".join(str(r.seed) for r in runs),
                f"{len(done)}/{len(runs)}"]
         for m in ("eval_loss", "shapes_all", "step_time"):
-            mean, lo, hi = mean_ci([METRICS[m][1](r) for r in done])
+            mean, lo, hi = mean_ci([study_value(STUDY[m], r) for r in done])
             row += [mean, _interval(lo, hi)]
-        row += [" / ".join(str(int(METRICS["loss_spikes"][1](r))) for r in runs),
+        row += [" / ".join(str(int(study_value(STUDY["loss_spikes"], r))) for r in runs),
                 sum(diverged(series(r, "train/loss")[1], r.status) for r in runs)]
         rows.append(row)
     return cols, rows
@@ -114,7 +114,7 @@ def claim_row(r: dict, over_training: str) -> list:
     return [f.id, f.claim, f"{f.arm} vs {f.against}", f"{f.metric} ({f.expect} if the claim holds)",
             f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
             fmt3(r["arm_mean"], u), fmt3(r["against_mean"], u), fmt3(r["diff"], u), _interval(r["low"], r["high"], u),
-            _interval(r["fw_low"], r["fw_high"], u), COVERS.get(f.metric, "the seed"), fmt3(r["rho"]), _noise_note(r),
+            _interval(r["fw_low"], r["fw_high"], u), STUDY[f.metric].covers, fmt3(r["rho"]), _noise_note(r),
             _interval(r["welch_low"], r["welch_high"], u), ", ".join(str(s) for s in r["seeds"]) or "–", over_training,
             r["verdict"]]
 
@@ -153,8 +153,8 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[di
     noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
                           "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
     base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
-    sources = [[m, unit_of(m), k, sd, df] for m in tables if m in METRICS
-               for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
+    sources = [[m, unit_of(m), k, sd, df] for m in tables if STUDY[m].reads != "given"
+               for k, sd, df in noise_sources(base_runs, lambda r, m=m: study_value(STUDY[m], r))]
     if sources:
         noise.text.append("The baseline's runs vary these sources one at a time: the spread of each metric among runs "
                           "that differ only in that field (pooled over the groups that agree on every other).")
@@ -204,8 +204,8 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         "correlation across seeds; \"noise\" is the sd of one seed's difference, what the finding is judged on. Over "
         "training: at how many evaluations the 95 % interval lay beyond 0 on the predicted side and on the other.")
     used = dict.fromkeys(f.metric for f in study.findings)
-    head.text.append("Metrics: " + "; ".join(f"{m}: {(METRICS.get(m) or MEASURED_ELSEWHERE[m])[0]}, in {unit_of(m)}"
-                                             for m in used) + ". Only "
+    head.text.append("Metrics: " + "; ".join(f"{m}: {STUDY[m].key}, {STUDY[m].what}, {reading(STUDY[m])}, in "
+                                             f"{unit_of(m)}" for m in used) + ". Only "
                      "finished runs are compared; the arms' table counts the others.")
     base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
     c, m = base[0].config, base[0].meta
@@ -243,7 +243,7 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     top.text.append(TOPUP_RULE.replace("STATISTICS", statistics))
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
     # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
-    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and r["finding"].metric not in MEASURED_ELSEWHERE],
+    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and STUDY[r["finding"].metric].reads != "given"],
                            now)
     top.text.append(f"Now {now} seeds per arm at most; the rule asks for {target}"
                     + (f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "") + ".")
@@ -274,10 +274,8 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
             figs.text.append(f"{f.id}: no runs of {', '.join(a for a in (f.arm, f.against) if a not in by_arm)}.")
             continue
         columns = ["train/loss", "eval/valid/loss"] if f.metric != "step_time" else ["train/loss", "perf/step_time"]
-        units = {"train/loss": unit_of("train_loss"), "eval/valid/loss": unit_of("eval_loss"),
-                 "perf/step_time": unit_of("step_time")}
         figs.images.append((f"{f.id} ({f.claim}; {r['verdict']}): "
-                            + " and ".join(f"{c} ({units[c]})" for c in columns)
+                            + " and ".join(f"{c} ({metric(c).unit})" for c in columns)
                             + f" against the training step, {f.arm} against {f.against}, the mean over each arm's seeds "
                             "with its 95 % t interval as a band",
                             # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle

@@ -11,11 +11,12 @@ import pandas as pd
 
 from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.fileio import shown
+from dalle_ablate.metrics import headlines, metric
 from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, series
 from dalle_ablate.report.stats import diverged, mean_ci, spikes
-from dalle_ablate.track import HEADLINES
 
-FINAL_METRICS = ("eval/valid/loss", "train/loss")
+# What the final table compares: the run's own headline metrics that have a better side (the losses).
+FINAL_METRICS = tuple(m.key for m in headlines("run") if m.better)
 ONE_SEED = "1 seed: no interval"
 
 
@@ -46,10 +47,6 @@ def fmt3(v, unit: str = "") -> str:
 def final_value(run: Run, column: str) -> float:
     _, v = series(run, column)
     return float(v[-1]) if len(v) else math.nan
-
-
-# Which way is better for each metric the final table compares (a loss: lower).
-LOWER_IS_BETTER = {"eval/valid/loss": True, "train/loss": True}
 
 
 def against_baseline(by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None,
@@ -85,7 +82,7 @@ def against_baseline(by_variant: dict[str, list[Run]], baseline: str, margins: O
     for j, (v, m) in enumerate(keys):
         row = {k: float(res[k][j]) for k in ("d", "low", "high", "fw_low", "fw_high", "rho", "sd", "df", "margin", "n")}
         row.update(paired=bool(res["paired"][j]), outcome=int(res["outcome"][j]), needed=int(needed[j]),
-                   verdict=V.against_baseline(int(res["outcome"][j]), LOWER_IS_BETTER.get(m, True)))
+                   verdict=V.against_baseline(int(res["outcome"][j]), metric(m).better == "lower"))
         out[(v, m)] = row
     return out
 
@@ -180,7 +177,7 @@ def headline_values(run: Run) -> dict[str, float]:
     if run.pareto:
         c = {name: i for i, name in enumerate(run.pareto["columns"])}
         for row in run.pareto["rows"]:
-            out.update({f"{k}@s{row[c['scale']]:g}": row[c[k]] for k in HEADLINES if k in c})
+            out.update({f"{m.key}@s{row[c['scale']]:g}": row[c[m.key]] for m in headlines("samples") if m.key in c})
     prefix = "eval/caption_sensitivity/"
     for col in run.metrics.columns:
         if col.startswith(prefix) and not col.endswith("_n"):

@@ -137,7 +137,7 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     sds = {a: np.std(v, ddof=1) for a, v in ARMS.items()}
     noise = next(t for t in next(s for s in sections if s.key == "noise").tables if t[0][0] == "metric")[1]
     least, most = min(sds, key=sds.get), max(sds, key=sds.get)
-    assert noise == [["eval_loss", "nats/image token", pytest.approx(sds["base"]), 3, least, pytest.approx(sds[least]), most,
+    assert noise == [["eval_loss", "nats per image token", pytest.approx(sds["base"]), 3, least, pytest.approx(sds[least]), most,
                       pytest.approx(sds[most]), pytest.approx(seed_var / (seed_var + fit.mse_resid))]]
     topup = next(s for s in sections if s.key == "topup")
     assert f"Now 3 seeds per arm at most; the rule asks for {max(r['needed'] for r in rows)}." in topup.text
@@ -170,7 +170,7 @@ def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "fid", "expect": "lower"}]},
-     "finding 'x' has metric 'fid'; valid: eval_loss, train_loss, step_time, loss_spikes, shapes_all, lr_sensitivity"),
+     "finding 'x' has metric 'fid'; valid: eval_loss, loss_spikes, lr_sensitivity, shapes_all, step_time, train_loss"),
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "lower",
                     "margin": "-3%"}]},
      "finding 'x' has margin '-3%'; valid: a positive number in the metric's units (0.01) or a percentage of the "
@@ -267,7 +267,7 @@ def untimed(page: str) -> list[str]:
             timed = []
         if skip.match(line) or ("step_time" in line and not line.startswith("| arm |")) or not line.strip():
             continue
-        line = re.sub(r"\]\([./a-z]*statistics\.md", "](statistics.md", line)  # its depth is the page folder's
+        line = re.sub(r"\]\([^)]*statistics\.md", "](statistics.md", line)  # its depth is the page folder's
         cells = line.split("|")
         out.append("|".join(c for i, c in enumerate(cells) if i not in timed))
     return out
@@ -418,10 +418,11 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
 
 
 def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp_path, monkeypatch):
-    from dalle_ablate.report import findings
+    from dalle_ablate import metrics
 
-    monkeypatch.setitem(findings.METRICS, "max_trainable_lr",
-                        findings.Metric("final loss over the rates, per seed", lambda r: math.nan, "log10 lr"))
+    monkeypatch.setitem(metrics.STUDY, "max_trainable_lr", metrics.Metric(
+        "max_trainable_lr", "the largest rate that trains, per seed", "log10 lr", "higher", source="report",
+        study="max_trainable_lr", reads="given"))
     spec = {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "max_trainable_lr", "expect": "lower"}
     path = study_file(tmp_path, findings=[spec])
     with pytest.raises(ConfigError) as err:

@@ -128,7 +128,7 @@ def test_the_claims_table_gives_every_number_its_unit_and_three_digits(page):
             assert float(re.search(NUMBER, cells[col]).group()) == pytest.approx(r[key], rel=0.5e-2)
         low, high = map(float, re.findall(NUMBER, cells["95% CI"]))
         assert (low, high) == pytest.approx((r["low"], r["high"]), rel=0.5e-2)
-    assert unit_of("eval_loss") == "nats/image token" and unit_of("step_time") == "s"
+    assert unit_of("eval_loss") == "nats per image token" and unit_of("step_time") == "s"
 
 
 def test_each_figure_has_its_caption_under_it(page):
@@ -142,7 +142,7 @@ def test_each_figure_has_its_caption_under_it(page):
         assert following == f"*{alt}*" and len(alt.split()) > 8  # a sentence saying what it shows
         assert (path.parent / target).is_file()
     curves = [lines[i] for i in figures[2:]]
-    assert all("nats/image token" in c for c in curves) and "(s)" in curves[-1]  # each panel's unit
+    assert all("nats per image token" in c for c in curves) and "(s)" in curves[-1]  # each panel's unit
 
 
 def test_the_claims_notes_and_the_statistics_link_are_on_the_page(page, tmp_path):
