@@ -308,14 +308,6 @@ def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> d
     return out
 
 
-TOPUP_RULE = ("Adding seeds (dalle-ablate study NAME --seeds auto): the study is topped up once, to the largest "
-              "seeds-needed over all the findings of its own runs, resolved or not -- each computed from that finding's "
-              "own noise (the sd of its per-seed differences) and its declared margin, never from an effect -- and "
-              "judged again on all its seeds with the same tests ([statistics](STATISTICS#adding-seeds---seeds) says why "
-              "this keeps the error rate). A top-up to any other N (--seeds N) is valid only if N was fixed without "
-              "looking at the verdicts.")
-
-
 def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:
     by_arm: dict[str, list[Run]] = {}
     for r in runs:
@@ -339,7 +331,7 @@ def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> 
     """`dalle-ablate study NAME --seeds N|auto`: (the seed override that tops the finished study
     in `folder` up to that many seeds per arm -- its seeds kept, the smallest unused ones added --
     and the entry for its top-up log). `auto` is the rule: the largest seeds-needed over all the
-    findings (TOPUP_RULE). One-line errors for what cannot be topped up."""
+    findings (prose.TOPUP_RULE, docs/statistics.md). One-line errors for what cannot be topped up."""
     from dalle_ablate.report.load import load_runs
 
     if any(o.split("=", 1)[0].lstrip("+~") == "seed" for o in overrides):

@@ -345,7 +345,7 @@ def lr_figure(plan: StressPlan, cs: dict[tuple[str, int], Curve], arms: list[str
     ax.set_ylabel(f"{label('eval/valid/loss')}, min with L0")
     seeds = f"seed{'s' if len(plan.seeds) > 1 else ''} {', '.join(map(str, plan.seeds))}"
     ax.set_title(f"final loss against learning rate, {plan.steps} steps, {seeds}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=figures.MIN_PT)
     ax.grid(alpha=0.3, which="both")
     return figures.png(fig)
 

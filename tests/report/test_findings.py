@@ -124,18 +124,19 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     summary = sections[0]
     assert (f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
             "(equivalent within ±Δ), 1 contradicted (reversed), 1 not resolved.") in summary.text
-    assert "provenance line" in summary.text
-    assert summary.tables[0][0][-1] == "verdict" and [row[-1] for row in summary.tables[0][1]] == [f[5] for f in FINDINGS]
+    assert "provenance line" in next(s for s in sections if s.key == "method").text
+    assert [row[2] for row in summary.tables[0][1]] == [f[5].split(":")[0] for f in FINDINGS]  # the verdict, its seeds apart
+    full = next(s for s in sections if s.key == "claims").tables[0]
+    assert full[0][-1] == "verdict" and [row[-1] for row in full[1]] == [f[5] for f in FINDINGS]
     # over training: the one evaluation of these stores is the end, judged as the end is
-    assert [row[-2] for row in summary.tables[0][1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1",
-                                                        "1 / 0 of 1"]
+    assert [row[-2] for row in full[1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1", "1 / 0 of 1"]
     # the noise floor: the baseline's own spread, the least and most spread arms and the seed's share
     # (ANOVA mean squares of loss ~ arm + seed)
     frame = pd.DataFrame([{"y": v, "arm": a, "seed": s} for a, vs in ARMS.items() for s, v in enumerate(vs)])
     fit = ols("y ~ C(arm) + C(seed)", frame).fit()
     seed_var = (anova_lm(fit).loc["C(seed)", "mean_sq"] - fit.mse_resid) / len(ARMS)
     sds = {a: np.std(v, ddof=1) for a, v in ARMS.items()}
-    noise = next(t for t in next(s for s in sections if s.key == "noise").tables if t[0][0] == "metric")[1]
+    noise = next(t for t in next(s for s in sections if s.key == "noise").all_tables() if t[0][0] == "metric")[1]
     least, most = min(sds, key=sds.get), max(sds, key=sds.get)
     assert noise == [["eval_loss", "nats per image token", pytest.approx(sds["base"]), 3, least, pytest.approx(sds[least]), most,
                       pytest.approx(sds[most]), pytest.approx(seed_var / (seed_var + fit.mse_resid))]]
@@ -382,7 +383,7 @@ def test_the_noise_floor_shows_the_shapes_evaluations_own_noise_apart_from_the_s
     study = load_study(study_file(tmp_path, findings=[
         {"id": "cap", "claim": "c", "arm": "worse", "against": "base", "metric": "shapes_all", "expect": "lower"}]))
     sections, _ = page_sections(study, load_runs(str(tmp_path / "runs")), [])
-    cols, rows = next(s for s in sections if s.key == "noise").tables[-1]
+    cols, rows = next(s for s in sections if s.key == "noise").all_tables()[-1]
     (row,) = [r for r in rows if r[2] == "all tiers"]
     got = dict(zip(cols, row))
     p = np.array(finals["base"])
