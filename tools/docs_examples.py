@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's dalle_ablate, whatever the environment has installed
 RECORDS = ROOT / "tools" / "examples"
 DEFAULT_JOB = ["python", "run.py"]
 ABLATION = ["python", "run.py", "-m", "model=normformer,deepnet", "seed=0,1,2", "experiment=quick", "tracker=none",
