@@ -119,11 +119,12 @@ def run(command: list[str], workdir: Path) -> str:
 
 def default_job(workdir: Path, seeds: list[int]) -> dict:
     """The README's job at each seed (seed 0 as `python run.py`, the others with `seed=k`): its
-    printed closing lines and each run's record."""
+    printed closing lines (the run store's path relative to `workdir`) and each run's record."""
     record, runs = {**commit(), "command": " ".join(DEFAULT_JOB)}, {}
     for seed in seeds:
         out = run(DEFAULT_JOB + ([f"seed={seed}"] if seed else []), workdir)
-        printed = out[out.rindex("finished at step "):].strip("\n")
+        # the run store's path as from the folder the run started in (the checkout, for a user)
+        printed = out[out.rindex("finished at step "):].strip("\n").replace(f"{workdir.resolve()}{os.sep}", "")
         shown = printed.splitlines()[-1].strip().removeprefix("run store ")
         runs[str(seed)] = run_record(workdir / shown, shown)
         if seed == 0:
@@ -164,9 +165,14 @@ def _rate(run, scale: float) -> float:
 
 # -- what the pages say ---------------------------------------------------------------------------
 
-def _range(values, spec: str = ".3g") -> str:
-    lo, hi = min(values), max(values)
-    return format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{format(lo, spec)}–{format(hi, spec)}"
+def _range(values, form=None) -> str:
+    """`low–high` of the values as the report prints numbers (tables.fmt3), or by `form`; one number
+    where both print alike."""
+    from dalle_ablate.report.tables import fmt3
+
+    form = form or fmt3
+    lo, hi = form(min(values)), form(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def _when(rec: dict) -> str:
@@ -185,7 +191,7 @@ def render_default_job(rec: dict) -> str:
     runs = [rec["runs"][s] for s in seeds]
     rows = [{r["scale"]: r for r in run["last_eval"]["pareto"]} for run in runs]
     scales = sorted(set.intersection(*(set(r) for r in rows)))
-    cells = [f"eval/valid/loss {_range([run['summary']['eval/valid/loss'] for run in runs], '.4g')}",
+    cells = [f"eval/valid/loss {_range([run['summary']['eval/valid/loss'] for run in runs])}",
              "shapes/all " + ", ".join(f"s{s:g} {_range([r[s]['shapes/all'] for r in rows])}" for s in scales)]
     half = max((r[s]["shapes/all_hi"] - r[s]["shapes/all_lo"]) / 2 for r in rows for s in scales)
     out += (f"Between seeds they move: across seeds {', '.join(seeds[:-1])} and {seeds[-1]} (`python run.py seed=k`, the "
@@ -201,27 +207,28 @@ def render_first_ablation(rec: dict) -> str:
 
     from dalle_ablate.metrics import metric
     from dalle_ablate.report.build import variant_sentence
+    from dalle_ablate.report.tables import fmt3
 
     judged = {tuple(k.split("|")): j for k, j in rec["judged"].items()}
     others = [v for v in rec["variants"] if v != rec["baseline"]]
     says = " ".join(variant_sentence(v, judged) for v in others)
     loss, unit = "eval/valid/loss", metric("eval/valid/loss").unit
-    spread = "; ".join(f"{v} {', '.join(format(x, '.3g') for x in rec['finals'][v][loss])} (sd {stdev(rec['finals'][v][loss]):.2g})"
+    spread = "; ".join(f"{v} {', '.join(fmt3(x) for x in rec['finals'][v][loss])} (sd {fmt3(stdev(rec['finals'][v][loss]))})"
                        for v in rec["variants"])
-    paired = ", ".join(f"{judged[(v, loss)]['sd']:.2g}" for v in others)
+    paired = ", ".join(fmt3(judged[(v, loss)]["sd"]) for v in others)
     n = rec["prompts"]
     counts = {v: {s: [round(x * n) for x in xs] for s, xs in by_scale.items()} for v, by_scale in rec["shapes"].items()}
     scales = " and ".join(f"s{s}" for s in next(iter(rec["shapes"].values())))
     if not any(c for by_scale in counts.values() for cs in by_scale.values() for c in cs):
-        shapes = (f"none of the {n} prompts drawn right by any run at {scales}: the models do not follow their "
-                  "captions yet, and the report's Pareto section says there is nothing to plot")
+        shapes = (f"no run drew any of the {n} prompts right at {scales.replace(' and ', ' or ')} -- the models do not "
+                  "follow their captions yet, and the report's Pareto section says there is nothing to plot")
     else:
-        shapes = "; ".join(f"{v} " + ", ".join(f"{_range(cs, 'd')} of {n} at s{s}" for s, cs in by_scale.items())
+        shapes = "; ".join(f"{v} " + ", ".join(f"{_range(cs, str)} of {n} at s{s}" for s, cs in by_scale.items())
                            for v, by_scale in counts.items())
     return (f"Measured with these commands ({_when(rec)}), the report's summary reads: {says} The seed spread beside "
             f"it, each variant's final {loss} over seeds 0, 1, 2 in {unit}: {spread}; the sd of one seed's paired "
             f"difference, which the interval is judged on: {paired}. Shapes all-correct after 100 "
-            f"steps: {shapes}. Each run trained for {_range(rec['train_seconds'], '.0f')} s, plus start-up and evaluation.\n\n")
+            f"steps: {shapes}. Each run trained for {_range(rec['train_seconds'], lambda x: f'{x:.0f}')} s, plus start-up and evaluation.\n\n")
 
 
 RENDER = {"default-job": render_default_job, "first-ablation": render_first_ablation}
@@ -248,18 +255,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2", help="seeds of the default job; 0 is the one shown (default 0,1,2)")
     ap.add_argument("--workdir", help="where the runs go (default: a temporary folder, removed after)")
     ap.add_argument("--render", action="store_true", help="rewrite the pages from tools/examples/*.json; run nothing")
+    ap.add_argument("--only", choices=["default-job", "first-ablation"], help="run one of the two, keep the other's record")
     args = ap.parse_args(argv)
     if not args.render:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="docs-examples-"))
         workdir.mkdir(parents=True, exist_ok=True)
         RECORDS.mkdir(parents=True, exist_ok=True)
         seeds = [int(s) for s in args.seeds.split(",")]
-        (RECORDS / "default-job.json").write_text(json.dumps(default_job(workdir, seeds), indent=1) + "\n")
-        record, report = first_ablation(workdir)
-        (RECORDS / "first-ablation.json").write_text(json.dumps(record, indent=1) + "\n")
-        subprocess.run([sys.executable, str(ROOT / "tools" / "screenshots.py"), "--out", str(workdir / "shots"),
-                        str(report / "index.html")], check=True)
-        shutil.copy(next((workdir / "shots").glob("*.png")), ROOT / "docs" / "images" / "report_example.png")
+        if args.only in (None, "default-job"):
+            (RECORDS / "default-job.json").write_text(json.dumps(default_job(workdir, seeds), indent=1) + "\n")
+        if args.only in (None, "first-ablation"):
+            record, report = first_ablation(workdir)
+            (RECORDS / "first-ablation.json").write_text(json.dumps(record, indent=1) + "\n")
+            subprocess.run([sys.executable, str(ROOT / "tools" / "screenshots.py"), "--out", str(workdir / "shots"),
+                            str(report / "index.html")], check=True)
+            shutil.copy(next((workdir / "shots").glob("*.png")), ROOT / "docs" / "images" / "report_example.png")
         if not args.workdir:
             shutil.rmtree(workdir)
     write_pages()

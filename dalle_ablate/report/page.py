@@ -123,7 +123,7 @@ def summary_row(r: dict) -> list:
     f = r["finding"]
     d, low, high = in_margins(r)
     diff = "–" if not np.isfinite(d) else ("+" if d > 0 else "") + fmt3(d) + " " + _interval(low, high)
-    verdict = r["verdict"]
+    verdict = r["verdict"].removesuffix(" (equivalent within ±Δ)")  # the table's lead says what ±Δ means
     if verdict.startswith("not resolved"):
         verdict = "not resolved" + (", the effect likely smaller than Δ" if verdict.startswith("not resolved at ") else "")
     needed = ("–" if r["needed"] == 0 or r["code"] == V.UNTESTABLE
@@ -137,7 +137,6 @@ def summary_section(study: Study, rows: list[dict], statistics: str) -> Section:
     counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(V.VERDICTS)}  # in VERDICTS' order
     settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
     s = Section(f"{study.name}_summary", "Summary")  # key: the forest plot's file name, the study's as the others
-    s.text.append(f"Source: {study.source}.")
     s.text.append(P.SETTLED.format(k=len(rows), settled=settled, counts=", ".join(f"{n} {v}" for v, n in counts.items() if n)))
     s.text.append(P.HOW_TO_READ.format(k=len(rows), statistics=statistics))
     s.tables.append((P.SUMMARY_COLUMNS, [summary_row(r) for r in rows]))
@@ -149,6 +148,7 @@ def method_section(study: Study, by_arm: dict[str, list[Run]], provenance: list[
     """Where the page comes from (its provenance lines), what its metrics and runs are, and where
     the method is written."""
     s = Section("method", P.METHOD_TITLE)
+    s.text.append(f"Source: {study.source}.")
     s.text += provenance
     s.text.append(P.METHOD.format(statistics=statistics))
     used = [STUDY[m] for m in dict.fromkeys(f.metric for f in study.findings)]
