@@ -63,7 +63,7 @@ def test_the_readme_s_closing_lines_are_what_the_code_prints_for_the_run_it_reco
     shown = docs_examples.block((ROOT / "README.md").read_text(), "closing-lines")
     code = [line[4:] for line in shown.splitlines() if line.startswith("    ")]
     assert "\n".join(code) == rec["printed"]
-    assert f"at commit {rec['commit']}" in shown and rec["printed"].startswith("finished at step 2000 of 2000 ")
+    assert f"(commit {rec['commit']}, " in shown and rec["printed"].startswith("finished at step 2000 of 2000 ")
 
 
 def test_the_docs_examples_are_what_the_script_writes_from_its_records():
