@@ -200,18 +200,20 @@ def config_reference() -> str:
 def metrics_reference() -> str:
     """The declared metrics (dalle_ablate/metrics.py), as a section of the configuration reference."""
     axis = {m.pareto_against: "y" for m in METRICS.values() if m.pareto_against}
-    logged = {"run": "{key}", "samples": "eval/pareto/s<scale>/{key}", "model": "eval/{key}", "report": ""}
     parts = ["\n## Metrics\n\nThe metrics the closing lines, W&B summaries, reports and study pages read, each declared "
-             "once beside the code that computes it (`dalle_ablate/metrics.py`: a study file's `metric:` is the study "
-             "name, `dalle-ablate report --margin` takes the key). Headline: its place in a run's closing lines and "
-             "the best kept in its W&B summary; Pareto: its axis on the guidance-scale plot, x against the y it "
-             "names; margin: a study's default Δ (a percentage of the baseline arm's mean, or in the unit).\n\n",
-             "| metric | logged as | unit | better | headline | Pareto | study | margin | what it is |\n"
-             "|---|---|---|---|---|---|---|---|---|\n"]
+             "once beside the code that computes it (`dalle_ablate/metrics.py`), named as a run logs it (a sampled "
+             "metric at each guidance scale; a report's own measure is computed from the runs). Headline: its place in "
+             "a run's closing lines, and its best is kept in its W&B summary; Pareto: its axis on the guidance-scale "
+             "plot, x against the y it names; study: the name a study file's `metric:` gives it, and its default "
+             "margin Δ (a percentage of the baseline arm's mean, or in its unit). `dalle-ablate report --margin` takes "
+             "the run's own metrics by name.\n\n",
+             "| metric | unit | better | headline | Pareto | study, default Δ | what it is |\n|---|---|---|---|---|---|---|\n"]
     for m in METRICS.values():
+        name = f"`{m.logged('<scale>')}`" if m.source == "samples" else f"`{m.logged()}`" if m.source != "report" \
+            else f"`{m.key}` (a report's)"
         pareto = f"x, against `{m.pareto_against}`" if m.pareto_against else axis.get(m.key, "")
-        parts.append(f"| `{m.key}` | {f'`{logged[m.source].format(key=m.key)}`' if logged[m.source] else 'computed by a report'} | {_prose(m.unit)} | {m.better} | "
-                     f"{m.headline or ''} | {pareto} | {f'`{m.study}`' if m.study else ''} | {_cell(m.margin)} | "
+        study = f"`{m.study}`, {m.margin}" if m.study and m.margin else f"`{m.study}`" if m.study else ""
+        parts.append(f"| {name} | {_prose(m.unit)} | {m.better} | {m.headline or ''} | {pareto} | {study} | "
                      f"{_prose(m.what)} |\n")
     return "".join(parts)
 

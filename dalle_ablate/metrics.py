@@ -49,10 +49,11 @@ class Metric:
     value: Optional[Callable[[Any], float]] = None  # a report's own measure: report.load.Run -> its value
     covers: str = "initialisation and data order (the seed)"  # the randomness its interval over seeds covers
 
-    def logged(self, scale: Optional[float] = None) -> str:
-        """The key a run logs it under: a sampled metric at guidance scale `scale`."""
+    def logged(self, scale: Optional[float | str] = None) -> str:
+        """The key a run logs it under: a sampled metric at guidance scale `scale` (a number, or a
+        placeholder such as "<scale>")."""
         if self.source == "samples":
-            return f"eval/pareto/s{scale:g}/{self.key}"
+            return f"eval/pareto/s{scale if isinstance(scale, str) else format(scale, 'g')}/{self.key}"
         return f"eval/{self.key}" if self.source == "model" else self.key
 
 

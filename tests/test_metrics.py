@@ -93,7 +93,8 @@ def test_an_evaluator_s_declared_metric_reaches_every_reader(tmp_path, restore_d
     assert best_of("eval/pareto/s2/toy/ink") == "min" and label("toy/ink") == "toy/ink (fraction of drawn pixels, lower is better)"
     assert pareto_axes(["shapes/all", "shapes/clean", "toy/ink"]) == ("toy/ink", "shapes/all")  # a headline's pair first
     assert pareto_axes(["shapes/all", "shapes_fd/fd", "toy/ink"]) == ("shapes_fd/fd", "shapes/all")
-    assert "| `toy/ink` | `eval/pareto/s<scale>/toy/ink` | fraction of drawn pixels | lower | 99 |" in metrics_reference()
+    assert ("| `eval/pareto/s<scale>/toy/ink` | fraction of drawn pixels | lower | 99 | x, against `shapes/all` | "
+            "`toy_ink`, 0.02 | stray ink |") in metrics_reference()
     # a study judges it at its guidance scale, with the declared margin
     inks = {"base": [0.10, 0.12, 0.11], "worse": [0.30, 0.33, 0.31]}
     for arm, values in inks.items():
