@@ -60,7 +60,7 @@ def power_cost(claims: int, arms: int) -> list[str]:
 
     lines = ["| seeds per arm | own noise: df | detectable difference | pooled (equal arms): df | detectable difference | ratio |",
              "|---|---|---|---|---|---|"]
-    for n in (3, 5, 10, 20):
+    for n in (3, 4, 5, 10, 20):
         own, pooled = detectable(n, n - 1), detectable(n, (arms - 1) * (n - 1))
         lines.append(f"| {n} | {n - 1} | {own:.2f} | {(arms - 1) * (n - 1)} | {pooled:.2f} | {own / pooled:.2f}x |")
     return lines

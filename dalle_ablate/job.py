@@ -5,6 +5,11 @@ Optuna: it calls `RunHooks` and reports "pruned", which this module turns into t
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C while they load is taken once they have
+    from dalle_ablate import interrupts
+
+    interrupts.install()
+
 import copy
 import json
 import logging
@@ -20,6 +25,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from dalle_ablate import interrupts
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.config import MembersConfig, MeshConfig, member_only
 from dalle_ablate.fileio import check_bucket, check_url, fetch, is_url, pull, push, push_tree, shown, staged, url_of
@@ -217,6 +223,25 @@ def from_bucket(run_cfg, job_dir: Path) -> None:
         push_tree(job_dir / ".hydra")
 
 
+def resume_command(job: JobInfo, trial: bool) -> str:
+    """The command that continues this job: the job itself (`resume=auto` in its folder) -- or,
+    in a multirun, all of it, the jobs not started yet included: the same command line in the
+    same sweep folder, where `resume=auto` leaves each finished job as it is and continues a
+    stopped one. An Optuna sweep resumes from its study (in the same folder) as it is."""
+    hc = HydraConfig.get() if HydraConfig.initialized() else None
+    if hc is None or hc.mode != RunMode.MULTIRUN:
+        kept = [o for o in job.overrides if not o.startswith(("resume=", "optuna."))]  # resumed as a run of its own
+        return "python run.py " + shlex.join([*kept, "resume=auto", f"hydra.run.dir={shown(job.job_dir)}"])
+    given = [a for a in sys.argv[1:] if key_of(a) not in ("resume", "hydra.sweep.dir")]
+    return "python run.py " + shlex.join([*given, *([] if trial else ["resume=auto"]),
+                                          f"hydra.sweep.dir={shown(os.path.abspath(hc.sweep.dir))}"])
+
+
+def interrupted(job: JobInfo, trial: bool, what: str, kept: str) -> Interrupted:
+    """The one line a Ctrl-C ends the job with: what it stopped, what was kept, how to continue."""
+    return Interrupted(f"interrupted {what}; {kept}; resume with: {resume_command(job, trial)}")
+
+
 def run(cfg: DictConfig) -> float | list[float]:
     # Hydra logs at INFO; JAX's note that no TPU/GPU backend was found would bury the progress
     # bar. orbax logs through absl: its per-save chatter, and a failed save once per thread with a
@@ -224,27 +249,37 @@ def run(cfg: DictConfig) -> float | list[float]:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     logging.getLogger("fsspec").setLevel(logging.WARNING)  # its read-ahead cache's INFO line per file read from a bucket
-    from dalle_ablate.train.loop import train
-    from dalle_ablate.train.members import train_members
-
-    run_cfg = to_run_config(cfg)
+    # A log file that can no longer be written (the job folder made read-only mid-run) is for the
+    # run store's one line to report, not a traceback for each record logged.
+    logging.raiseExceptions = False
     job = job_info(cfg)
-    from_bucket(run_cfg, Path(job.job_dir))
-    if run_cfg.optuna.trial is not None:
-        from dalle_ablate.sweep.trial import TrialHooks
+    trial = OmegaConf.select(cfg, "optuna.trial") is not None
+    num = HydraConfig.get().job.get("num") or 0
+    try:
+        # a Ctrl-C between the jobs of a multirun, or while Hydra composed this one's config
+        interrupts.check(f"before job {num} of the multirun started" if job.group is not None and num else "while starting")
+        from dalle_ablate.train.loop import train
+        from dalle_ablate.train.members import train_members
 
-        job.hooks = TrialHooks(run_cfg.optuna)
-    tokenizer_first(run_cfg, job)
-    if run_cfg.seeds:
-        return members_outcome(run_cfg, job, train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds)))
-    result = train(run_cfg, job)
+        run_cfg = to_run_config(cfg)
+        from_bucket(run_cfg, Path(job.job_dir))
+        if trial:
+            from dalle_ablate.sweep.trial import TrialHooks
+
+            job.hooks = TrialHooks(run_cfg.optuna)
+        tokenizer_first(run_cfg, job)
+        if run_cfg.seeds:
+            return members_outcome(run_cfg, job, train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds)))
+        result = train(run_cfg, job)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt as e:  # before the first step: nothing trained to save
+        raise interrupted(job, trial, interrupts.stage_of(e, "while starting"), "no step trained") from None
     if result.status == "diverged":
         # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
         raise RunFailed(f"{job.name}: {result.reason} (run store {shown(result.run_dir)})", RunFailed.DIVERGED)
     if result.status == "interrupted":
-        kept = [o for o in job.overrides if not o.startswith(("resume=", "optuna."))]  # resumed as a run of its own
-        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={shown(job.job_dir)}"])
-        raise Interrupted(f"{result.reason}; checkpoint saved; resume with: python run.py {again}")
+        raise interrupted(job, trial, result.reason.removeprefix("interrupted "), kept(result))
     if result.status == "pruned":
         import optuna
 
@@ -253,16 +288,22 @@ def run(cfg: DictConfig) -> float | list[float]:
     return values[0] if len(values) == 1 else values
 
 
+def kept(result) -> str:
+    """What an interrupted run kept: a checkpoint of its last step, or the one it started from."""
+    return ("checkpoint saved" if result.saved else f"its checkpoint of step {result.steps} kept" if result.steps
+            else "no step trained")
+
+
 def members_outcome(run_cfg, job: JobInfo, results: list) -> float | list[float]:
     """What a members job (`seeds=[...]`, train/members.py) ends with: Ctrl-C's resume command, or
     one line naming each member that diverged (exit 3; its run store says where), or the mean of
     the objectives over its members (each member's own value is in its run store)."""
     by_seed = dict(zip(run_cfg.seeds, results))
-    if any(r.status == "interrupted" for r in results):
-        kept = [o for o in job.overrides if not o.startswith("resume=")]
-        again = " ".join(shlex.quote(o) for o in [*kept, "resume=auto", f"hydra.run.dir={shown(job.job_dir)}"])
-        raise Interrupted(f"members {', '.join(f'seed={s}' for s, r in by_seed.items() if r.status == 'interrupted')} "
-                          f"interrupted at step {max(r.steps for r in results)}; checkpoints saved; resume with: python run.py {again}")
+    stopped = [(s, r) for s, r in by_seed.items() if r.status == "interrupted"]
+    if stopped:
+        what = stopped[0][1].reason.removeprefix("interrupted ")
+        raise interrupted(job, False, f"{what} (members {', '.join(f'seed={s}' for s, _ in stopped)})",
+                          kept(stopped[0][1]).replace("checkpoint saved", "checkpoints saved"))
     failed = {s: r for s, r in by_seed.items() if r.status != "finished"}
     if failed:
         ok = [str(s) for s in by_seed if s not in failed]

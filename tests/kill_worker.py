@@ -6,10 +6,19 @@ to orbax (the write in flight), `KILL_AT=fetch:N` in the blocking fetch of step 
 draws its Pareto plot. `KILL_AT=settle:N` sends nothing: after the save of step N is handed to
 orbax it waits until orbax has ended that save's background write (failed or not), so that the
 next step meets its outcome; `KILL_AT=shell:N` runs the shell command `AFTER_SAVE` once the save of
-step N is complete on disk (e.g. to make a folder read-only under the run)."""
+step N is complete on disk (e.g. to make a folder read-only under the run), `KILL_AT=shell_step:N`
+runs it before train step N.
+
+Stages before the steps: `KILL_AT=compose:1` once Hydra has composed the job's config,
+`KILL_AT=fit:N` at the N-th iteration of the k-means tokenizer's fit -- from inside a garbage
+collection callback, as jax's `_xla_gc_callback` is one: where Python drops a KeyboardInterrupt
+("Exception ignored in") --, `KILL_AT=render:N` while the N-th scene is rendered,
+`KILL_AT=compile:1` as the first train step is called (it compiles), `KILL_AT=job:N` before the
+N-th job of a multirun starts."""
 
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import signal
@@ -18,8 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+import hydra._internal.config_loader_impl as hydra_loader
+import hydra.core.utils as hydra_utils
+
+from dalle_ablate.data import image_tokenizer, shapes
 from dalle_ablate.evaluate import runner
-from dalle_ablate.train import checkpoint, loop
+from dalle_ablate.train import assembly, checkpoint, loop
 
 ROOT = Path(__file__).resolve().parent.parent
 where, at = os.environ["KILL_AT"].split(":")
@@ -56,6 +69,8 @@ def killing_check(self):
     if where == "step" and steps["n"] == at:
         # raise(3): taken in this thread before the call returns, so a Ctrl-C lands before the step
         signal.raise_signal(sig)
+    if where == "shell_step" and steps["n"] == at:
+        subprocess.run(os.environ["AFTER_SAVE"], shell=True, check=True)
     check(self)
 
 
@@ -85,6 +100,54 @@ def killing_figure_array(fig):
     return figure_array(fig)
 
 
+def nth(name: str) -> bool:
+    """True at the `at`-th call counted under `name`, if KILL_AT names it."""
+    steps[name] = steps.get(name, 0) + 1
+    return where == name and steps[name] == at
+
+
+def after(fn, name: str):
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if nth(name):
+            signal.raise_signal(sig)
+        return out
+    return wrapped
+
+
+def before(fn, name: str):
+    def wrapped(*args, **kwargs):
+        if nth(name):
+            signal.raise_signal(sig)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def from_gc(fn):
+    def wrapped(*args, **kwargs):
+        if nth("fit"):
+            def callback(phase, info):  # once: the signal's handler runs inside the callback
+                gc.callbacks.remove(callback)
+                signal.raise_signal(sig)
+            gc.callbacks.append(callback)
+            gc.collect()
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+train_step = assembly.Assembly.train_step
+
+
+def killing_train_step(self, *args, **kwargs):
+    return before(train_step(self, *args, **kwargs), "compile")
+
+
+hydra_loader.ConfigLoaderImpl.load_configuration = after(hydra_loader.ConfigLoaderImpl.load_configuration, "compose")
+# (Hydra loads its launcher plugin anew, which imports run_job from here again)
+hydra_utils.run_job = before(hydra_utils.run_job, "job")
+image_tokenizer._lloyd_step = from_gc(image_tokenizer._lloyd_step)
+shapes.render = before(shapes.render, "render")
+assembly.Assembly.train_step = killing_train_step
 runner.Evaluation._log_pareto, runner.figure_array = killing_log_pareto, killing_figure_array
 checkpoint.Checkpointer.save, checkpoint.Checkpointer.check = killing_save, killing_check
 loop.StepLogger.fetch = killing_fetch

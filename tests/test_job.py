@@ -163,7 +163,7 @@ def test_members_of_a_study_mega_job_are_its_separate_runs(tmp_path):
     sweep = tmp_path / "mega"
     [(job, members)] = hydra_jobs("experiment=study_mega", "+arm=baseline", "seeds=[0,1,2]", "seed=0",
                                   f"hydra.sweep.dir={sweep}", task=members_of)
-    separate = hydra_jobs("experiment=study_mega", "+arm=baseline", f"hydra.sweep.dir={sweep}", task=job_info)
+    separate = hydra_jobs("experiment=study_mega", "+arm=baseline", "seed=0,1,2", f"hydra.sweep.dir={sweep}", task=job_info)
     assert [m.job_dir for m in members] == [sweep / f"baseline-seed{k}" for k in (0, 1, 2)] == [s.job_dir for s in separate]
     # The sweeper's params come first (+arm, seed), then the command line: seed=k where Hydra records it.
     assert [m.overrides for m in members] == [["+arm=baseline", f"seed={k}", "experiment=study_mega", "tracker=none"]

@@ -194,8 +194,9 @@ def render_default_job(rec: dict) -> str:
     cells = [f"eval/valid/loss {_range([run['summary']['eval/valid/loss'] for run in runs])}",
              "shapes/all " + ", ".join(f"s{s:g} {_range([r[s]['shapes/all'] for r in rows])}" for s in scales)]
     half = max((r[s]["shapes/all_hi"] - r[s]["shapes/all_lo"]) / 2 for r in rows for s in scales)
-    out += (f"Between seeds they move: across seeds {', '.join(seeds[:-1])} and {seeds[-1]} (`python run.py seed=k`, the "
-            f"same commit) {'; '.join(cells)}. One run's own 95% interval on shapes/all, over its "
+    others = " and ".join(f"`python run.py seed={s}`" for s in seeds if s != "0")
+    out += (f"Between seeds they move: across seeds {', '.join(seeds[:-1])} and {seeds[-1]} ({others}, the same "
+            f"commit) {'; '.join(cells)}. One run's own 95% interval on shapes/all, over its "
             f"{rows[0][scales[0]]['n']} prompts, is up to ±{half:.2f}.\n\n")
     return out
 

@@ -16,7 +16,7 @@ from typing import Optional
 from dalle_ablate.cli import files, runs, reports  # noqa: F401 - registers their verbs, in this order
 from dalle_ablate.cli.errors import run_hydra
 from dalle_ablate.cli.verbs import VERBS, verb
-from dalle_ablate.registry import RunFailed
+from dalle_ablate.registry import Interrupted, RunFailed
 
 __all__ = ["VERBS", "build_parser", "format_error", "main", "run_hydra", "verb"]
 
@@ -71,14 +71,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         extra = [e for e in extra if e.startswith("-")]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for the line a Ctrl-C ends it with
     try:
-        args.func(args)
+        args.func(args)  # a verb whose stages check for Ctrl-C takes it at those checks (interrupts.taken_at_checks)
     except RunFailed as ex:  # e.g. a study whose multirun failed: its page is written, the exit code says so
         print(f"error: {ex}", file=sys.stderr)
         sys.exit(ex.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C: what finished is kept (a study's runs, a report's files), no traceback
-        again = " (run the same command again: finished runs are skipped, a stopped one continues)" if args.verb == "study" else ""
-        print(f"error: dalle-ablate {args.verb} interrupted{again}", file=sys.stderr)
+    except KeyboardInterrupt as ex:  # Ctrl-C: what finished is kept (a study's runs, a report's files); one line, no error
+        print(str(ex) if isinstance(ex, Interrupted) else f"dalle-ablate {args.verb} interrupted; run the same command again",
+              file=sys.stderr)
         sys.exit(130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex)

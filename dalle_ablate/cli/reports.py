@@ -82,7 +82,12 @@ def _study_arguments(p: argparse.ArgumentParser) -> None:
       "report and a results page with a verdict per finding")
 def cmd_study(args) -> None:
     """Run a study's arms and seeds, then its report and its results page (report/study_runs.py)."""
+    import shlex
+
+    from dalle_ablate import interrupts
     from dalle_ablate.report.study_runs import run_study
 
-    run_study(args.study, args.out, args.report_out, args.page_out, list(args.overrides), seeds=args.seeds,
-              no_run=args.no_run, no_stress=args.no_stress, members=not args.no_members)
+    with interrupts.taken_at_checks():  # its stages and runs stop at their checks: one line, the command that continues
+        run_study(args.study, args.out, args.report_out, args.page_out, list(args.overrides), seeds=args.seeds,
+                  no_run=args.no_run, no_stress=args.no_stress, members=not args.no_members,
+                  again=f"dalle-ablate {shlex.join(args.argv)}")

@@ -65,9 +65,11 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 @verb("eval", _eval_arguments, help="evaluate a checkpoint: metrics per guidance scale, caption sensitivity, prompt grids")
 def cmd_eval(args) -> None:
     """Guidance-scale Pareto, caption sensitivity and prompt grids of a saved checkpoint."""
+    from dalle_ablate import interrupts
     from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
 
-    evaluate_checkpoint(args.path, args.overrides)
+    with interrupts.taken_at_checks():  # between the evaluation's batches, never inside one
+        evaluate_checkpoint(args.path, args.overrides)
 
 
 def _train_scorer_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,7 +114,10 @@ def cmd_train_tokenizer(args) -> None:
     from dalle_ablate.train.tokenizer import closing_lines, train_tokenizer
     from dalle_ablate.validate import compose, to_run_config
 
+    from dalle_ablate import interrupts
+
     cfg = to_run_config(compose(args.overrides))
     key = IMAGE_TOKENIZERS.get(cfg.data.tokenizer).key(cfg.data, scenes_key(cfg.data))
-    result = train_tokenizer(cfg, Path(args.out) / f"{cfg.data.tokenizer}-{key}", overrides=args.overrides)
+    with interrupts.taken_at_checks():  # between the fit's iterations and the renders, never inside one
+        result = train_tokenizer(cfg, Path(args.out) / f"{cfg.data.tokenizer}-{key}", overrides=args.overrides)
     print(closing_lines(cfg, result))

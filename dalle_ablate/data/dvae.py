@@ -39,6 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dalle_ablate import interrupts
 from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS, TokenizerOption
 from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.registry import ConfigError, OptionConfig, RunFailed
@@ -256,6 +257,7 @@ def fit(images: np.ndarray, vocab: int, patch_size: int, settings: DVAEConfig,
     batch = min(settings.batch, len(images))
     last_finite = None
     for step in range(settings.steps):
+        interrupts.check("while fitting the image tokenizer (data.tokenizer=dvae)")
         x = jnp.asarray(images[rng.choice(len(images), batch, replace=False)])
         params, ema, opt_state, aux = step_fn(params, ema, opt_state, x, jax.random.fold_in(key, step), step)
         if (step + 1) % log_every == 0 or step + 1 == settings.steps:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dalle_ablate import interrupts
 from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.registry import ConfigError, Registry
 
@@ -116,6 +117,7 @@ def kmeans(x: np.ndarray, weights: np.ndarray, k: int, iters: int, seed: int) ->
     codes = jnp.asarray(x[np.sort(rng.choice(len(x), size=k, replace=False))])
     xj, wj = jnp.asarray(x), jnp.asarray(weights, jnp.float32)
     for _ in range(iters):
+        interrupts.check("while fitting the image tokenizer (data.tokenizer=kmeans)")
         codes, counts, err = _lloyd_step(xj, wj, codes, k)
         empty = np.flatnonzero(np.asarray(counts) == 0)
         if len(empty):
@@ -149,6 +151,7 @@ class PatchCodebook:
         codes = jnp.asarray(self.codes)
         out = []
         for i in range(0, len(patches), chunk):
+            interrupts.check("while encoding the images")
             part = patches[i : i + chunk]
             pad = chunk - len(part)  # fixed shapes: one compilation
             idx, _ = _nearest(jnp.asarray(np.pad(part, ((0, pad), (0, 0)))), codes)

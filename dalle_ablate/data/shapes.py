@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from dalle_ablate import interrupts
 from dalle_ablate.data.base import DATASETS, Batch, DataConfig, Dataset, eval_index_batches, host_share, unigram_entropy
 from dalle_ablate.data.dvae import DVAEConfig, groups
 from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS, ImageTokenizer
@@ -99,8 +100,13 @@ def generate_split(cfg, split: str) -> tuple[list[dict], np.ndarray]:
     n = {"train": cfg.num_train, "valid": cfg.num_valid, "test": cfg.num_test}[split]
     rng = np.random.default_rng([cfg.seed, SPLITS.index(split)])
     scenes = [random_scene(rng, cfg.min_objects, cfg.max_objects, cfg.mix) for _ in range(n)]
-    images = np.stack([render(s, cfg.image_size) for s in scenes]) if n else np.zeros((0, cfg.image_size, cfg.image_size, 3), np.uint8)
+    images = np.stack([_render(s, cfg.image_size) for s in scenes]) if n else np.zeros((0, cfg.image_size, cfg.image_size, 3), np.uint8)
     return [s.to_dict() for s in scenes], images
+
+
+def _render(scene: Scene, size: int) -> np.ndarray:
+    interrupts.check("while rendering the data")  # the training split alone takes a minute at the default size
+    return render(scene, size)
 
 
 def stratified_prompts(n: int, seed: int) -> list[dict]:

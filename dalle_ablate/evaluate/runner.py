@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from dalle_ablate import interrupts
 from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
 from dalle_ablate.evaluate.rerank import SCORERS, rerank_rows
@@ -112,6 +113,9 @@ def figure_array(fig) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
 
 
+DURING = "during the sampling evaluation"  # what a Ctrl-C stopped, in the line the run ends with
+
+
 class Evaluation:
     def __init__(self, cfg, dataset, model_cfg, graphdef, tracker, out_sharding=None):
         """`graphdef`: the float32 model graph (evaluation is in float32 whatever the training
@@ -169,6 +173,7 @@ class Evaluation:
     def _batches(self, n: int):
         b = self.e.batch_size
         for start in range(0, n, b):
+            interrupts.check(DURING)
             idx = np.arange(start, min(start + b, n))
             yield start // b, np.concatenate([idx, np.full(b - len(idx), idx[-1])]), len(idx)  # fixed shape: one compile
 
@@ -236,6 +241,7 @@ class Evaluation:
         if self.can_draw:
             self._grids(step)
         self.progress.close()
+        interrupts.check(DURING)  # an evaluation a Ctrl-C cut short is not complete: a resume runs it again
         return {"pareto": rows, "model": model_metrics, "rerank": reranked}
 
     def _log_pareto(self, rows: list[dict], step: int, run_name: str) -> None:

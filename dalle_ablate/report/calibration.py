@@ -47,7 +47,11 @@ def structure(study_file: Path) -> Structure:
 
     study = load_study(study_file)
     plan = load_stress(study_file)
-    arms = study_arms(study, {})
+    given = {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}  # measured on the stress runs
+    stress_only = {a for f in study.findings if f.metric in given for a in (f.arm, f.against)} - {
+        a for f in study.findings if f.metric not in given for a in (f.arm, f.against)}
+    # the arms the study's own runs measure: its preset's, and any other its findings on them name
+    arms = [a for a in study_arms(study, {}) if a not in stress_only or a == study.baseline]
     n = len(swept_seeds(study.experiment, []) or [0])
     pools, seeds = {}, {}
     for f in study.findings:

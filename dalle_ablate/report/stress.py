@@ -30,7 +30,6 @@ for a verdict."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ import yaml
 from dalle_ablate.metrics import Metric, declare, label, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.load import Run, read_json, series
 from dalle_ablate.report.stats import mean_ci, spikes
 from dalle_ablate.report.tables import fmt3
 from dalle_ablate.report.writers import Section
@@ -156,7 +155,7 @@ def settled(store: Path, steps: int) -> bool:
     path = Path(store) / "summary.json"
     if not path.exists():
         return False
-    s = json.loads(path.read_text())
+    s = read_json(path)  # torn or corrupt: named in one line
     return s.get("status") == "diverged" or (s.get("status") == "finished" and int(s.get("steps", -1)) >= steps)
 
 

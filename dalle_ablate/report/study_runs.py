@@ -4,14 +4,17 @@ results page with the provenance of the runs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from dalle_ablate import interrupts
 from dalle_ablate.fileio import check_url, is_url, pull, shown
-from dalle_ablate.registry import ConfigError, RunFailed
+from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 
 
 @dataclasses.dataclass
@@ -47,19 +50,42 @@ def call_child(command: list[str], env: dict, preexec: Optional[Callable[[], Non
     """subprocess.call, but a Ctrl-C lets the child finish what it does on one: Ctrl-C reaches the
     whole foreground process group, and a run saves its last whole step before it exits (exit
     130). subprocess.call would SIGKILL it 0.25 s after the interrupt. A second Ctrl-C, or
-    `grace` seconds, kills it; either way the interrupt is re-raised once the child is gone."""
+    `grace` seconds, kills it; either way KeyboardInterrupt is raised once the child is gone, also
+    when the child alone was interrupted (exit 130). The child leaves the line a Ctrl-C ends with
+    to this process (interrupts.PARENT_SAYS): the command that continues all of it."""
     import subprocess
 
-    child = subprocess.Popen(command, env=env, preexec_fn=preexec)
+    interrupts.check()  # a Ctrl-C already pressed: a child started now would not get it
+    child = subprocess.Popen(command, env={**env, interrupts.PARENT_SAYS: "1"}, preexec_fn=preexec)
     try:
-        return child.wait()
+        while True:
+            try:
+                code = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                interrupts.check()
     except KeyboardInterrupt:
-        try:
-            child.wait(timeout=grace)
-        except (KeyboardInterrupt, subprocess.TimeoutExpired):
-            child.kill()
-            child.wait()
+        _wait_or_kill(child, grace)
         raise
+    if code == 130 or interrupts.pending():
+        interrupts.check()
+        raise KeyboardInterrupt
+    return code
+
+
+def _wait_or_kill(child, grace: float) -> None:
+    """Wait for an interrupted child to save and exit; kill it after `grace` s or at the next Ctrl-C."""
+    import time
+
+    end = time.monotonic() + grace
+    try:
+        while child.poll() is None and time.monotonic() < end and not interrupts.pending():
+            time.sleep(0.1)
+    except KeyboardInterrupt:  # Python's own handler (no interrupts.install): the second Ctrl-C
+        pass
+    if child.poll() is None:
+        child.kill()
+    child.wait()
 
 
 def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[str], env: dict,
@@ -79,10 +105,11 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
     t, ran, failed = time.perf_counter(), 0, []
     groups = [(arm, lr, plan.seeds) for arm in plan.arms for lr in plan.rates] if members else \
         [(arm, lr, [seed]) for arm, lr, seed in plan.jobs()]
-    for arm, lr, seeds in groups:
+    for i, (arm, lr, seeds) in enumerate(groups, 1):
         todo = [s for s in seeds if not settled(where / run_name(arm, lr, s) / "run", plan.steps)]
         if not todo:
             continue
+        print(f"stress job {i} of {len(groups)}: {', '.join(str(where / run_name(arm, lr, s)) for s in todo)}", flush=True)
         # every seed of the group, settled ones too: a members job leaves a finished or diverged member as it is
         code = call_child(job_command(sys.executable, experiment, where, arm, lr, seeds[0], plan, overrides, seeds),
                           env, preexec)
@@ -134,11 +161,12 @@ def as_members(experiment: str, overrides: list[str]) -> list[str]:
 
 
 def run_study(study_arg: str, out: str, report_out: str, page_out: str, overrides: list[str], seeds: Optional[str] = None,
-              no_run: bool = False, no_stress: bool = False, members: bool = True) -> None:
+              no_run: bool = False, no_stress: bool = False, members: bool = True, again: str = "") -> None:
     """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
     a stopped one continues from its checkpoint) and its stress runs, then write its report and
     its results page. `study_arg` is a study's name or its file; `seeds` tops it up (N or 'auto');
-    `members`: each arm's seeds trained as members of one job (False: one job per seed)."""
+    `members`: each arm's seeds trained as members of one job (False: one job per seed); `again`:
+    the command, for the line a Ctrl-C ends the study with (which continues all of it)."""
     import time
 
     from dalle_ablate.report import build_report
@@ -152,28 +180,37 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
         raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
     seed_override, topup = _plan_topup(study, folder, seeds, overrides) if seeds is not None else (None, None)
     swept = [*overrides, *([seed_override] if seed_override else [])]
-    command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}", f"hydra.sweep.dir={shown(folder)}",
-               *(as_members(study.experiment, swept) if members else swept)]
-    t = time.perf_counter()
-    # The seeds of an arm compile the same programs: JAX's persistent compilation cache
-    # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
-    preexec = dies_with_this_process()
-    code = 0 if no_run else call_child(command, env, preexec)
-    if topup is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
-        _log_topup(folder, topup)
-    stress = None if no_run or no_stress else run_stress(study_file, study.experiment, folder, overrides, env, preexec,
-                                                         members)
-    elapsed = time.perf_counter() - t
-    runs = _study_runs(study.name, folder, code)
-    lines = provenance(study_arg, seeds, overrides, command, runs, elapsed, not no_run,
-                       stress.line if stress is not None else None)
-    if any(r.meta.get("members") for r in runs):
-        lines.append(f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job per "
-                     "arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its overrides and "
-                     "its numbers; their step time is their share of the job's.")
-    report = build_report(str(folder), report_out, study.name, study.baseline)
-    page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
+    jobs = as_members(study.experiment, swept) if members else swept
+    stages = ["while checking it, before anything ran"]
+    with _one_line_on_ctrl_c(study.name, again, stages):
+        if not no_run:  # what its runs would meet, before any of them starts: one line and exit 2
+            check_before_running(study, study_file, folder, jobs, overrides, stress=not no_stress)
+        command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}",
+                   f"hydra.sweep.dir={shown(folder)}", *jobs]
+        t = time.perf_counter()
+        # The seeds of an arm compile the same programs: JAX's persistent compilation cache
+        # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
+        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
+        preexec = dies_with_this_process()
+        stages.append("during its runs (the multirun of its arms)")
+        code = 0 if no_run else call_child(command, env, preexec)
+        if topup is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
+            _log_topup(folder, topup)
+        stages.append("during its stress runs")  # not after a multirun that refused its config (exit 2)
+        stress = (None if no_run or no_stress or code == 2 else
+                  run_stress(study_file, study.experiment, folder, overrides, env, preexec, members))
+        elapsed = time.perf_counter() - t
+        stages.append("while writing its report and page")
+        runs = _study_runs(study.name, folder, code)
+        lines = provenance(study_arg, seeds, overrides, command, runs, elapsed, not no_run,
+                           stress.line if stress is not None else None)
+        if any(r.meta.get("members") for r in runs):
+            lines.append(f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job "
+                         "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
+                         "overrides and its numbers; their step time is their share of the job's.")
+        report = build_report(str(folder), report_out, study.name, study.baseline)
+        interrupts.check()
+        page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
     print(f"wrote {report}/index.html and {page}")
     if code:
         raise RunFailed(f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code)
@@ -187,6 +224,120 @@ def study_folder(out: str, name: str) -> Path:
     if not is_url(out):
         return Path(out) / name
     return pull(check_url(f"{out.rstrip('/')}/{name}", "--out"), keep=("jax_cache",))
+
+
+@contextlib.contextmanager
+def _one_line_on_ctrl_c(name: str, again: str, stages: list[str]):
+    """A Ctrl-C in the block (taken at a check, here or in a run the study waits for) ends the
+    study with one line: the stage it stopped (the last of `stages`), what is kept, the command
+    that continues all of it (a run's own line is left to this one: interrupts.PARENT_SAYS)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(f"study {name} interrupted {stages[-1]}; the runs that finished are kept, a stopped one "
+                          f"continues from its checkpoint; resume with: {again or 'the same command'}") from None
+
+
+# -- checked before anything runs -----------------------------------------------------------------
+def known_arms() -> list[str]:
+    """The arms a study can run: the options of the `arm` config group (dalle_ablate/conf/arm/)."""
+    from importlib.resources import files
+
+    return sorted(p.name[: -len(".yaml")] for p in files("dalle_ablate.conf").joinpath("arm").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def check_arm(what: str, name, arms: list[str]) -> None:
+    """A ConfigError unless `name` is an arm: `what` names where it was given, the line the
+    closest arm (a typo) and the valid ones."""
+    if name in arms:
+        return
+    close = difflib.get_close_matches(str(name), arms, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ";"
+    raise ConfigError(f"{what}: not an arm (dalle_ablate/conf/arm/){hint} valid: {', '.join(arms)}")
+
+
+def multirun_jobs(experiment: str, jobs: list[str]) -> list[list[str]]:
+    """One override list per arm the study's multirun runs (each other swept key at its first
+    value): what composing its jobs needs to meet every arm and every override. The arms are
+    those of an `+arm=` override, else its preset's `hydra.sweeper.params`."""
+    from importlib.resources import files
+
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parse = OverridesParser.create().parse_overrides
+    parsed = parse(jobs)
+    arm = [o for o in parsed if o.key_or_group == "arm"]
+    if not arm:
+        preset = files("dalle_ablate.conf").joinpath("experiment", f"{experiment}.yaml")
+        params = (((yaml.safe_load(preset.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+        arm = parse([f"+arm={params['+arm']}"]) if "+arm" in params else []
+    arms = [str(a) for a in (list(arm[-1].sweep_iterator()) if arm and arm[-1].is_sweep_override()
+                             else [arm[-1].value()] if arm else [])]
+    # Hydra's own settings (hydra.*, hydra/launcher=) shape how jobs run, not what a job composes
+    fixed = [(o.input_line.split(o.key_or_group)[0] + f"{o.key_or_group}={next(iter(o.sweep_iterator()))}")
+             if o.is_sweep_override() else o.input_line for o in parsed
+             if o.key_or_group != "arm" and not o.key_or_group.startswith("hydra")]
+    return [[f"experiment={experiment}", *fixed, f"+arm={a}"] for a in arms] or [[f"experiment={experiment}", *fixed]]
+
+
+def check_before_running(study, study_file: Path, folder: Path, jobs: list[str], overrides: list[str], stress: bool) -> None:
+    """What a study's runs would meet, checked before any starts (ConfigError, one line): every
+    arm its file names (baseline, each finding's arm and against) and its command line gives is an
+    arm; each arm's job of the multirun composes and passes a run's checks, and so does its stress
+    plan, each arm and each rate; and the run stores already there can be read (a file torn by a
+    kill is named, as `--no-run` names it)."""
+    from dalle_ablate.report.stress import job_command, load_stress, stress_folder
+    from dalle_ablate.validate import compose, format_error, to_run_config
+
+    arms = known_arms()
+    check_arm(f"{study_file}: baseline {study.baseline!r}", study.baseline, arms)
+    for f in study.findings:
+        check_arm(f"{study_file}: finding {f.id!r} has arm {f.arm!r}", f.arm, arms)
+        check_arm(f"{study_file}: finding {f.id!r} has against {f.against!r}", f.against, arms)
+    job_lists = multirun_jobs(study.experiment, jobs)
+    for job in job_lists:
+        if job[-1].startswith("+arm="):
+            check_arm(job[-1], job[-1].partition("=")[2], arms)
+    for job in job_lists:
+        to_run_config(compose(job))
+    plan = load_stress(study_file) if stress else None
+    if plan is not None:  # each arm at one rate, each rate on one arm: nothing else differs between its runs
+        probes = {(a, plan.rates[0]) for a in plan.arms} | {(plan.arms[0], lr) for lr in plan.rates}
+        for arm, lr in sorted(probes):
+            try:
+                to_run_config(compose(job_command("python", study.experiment, Path("."), arm, lr, plan.seeds[0], plan,
+                                                  overrides)[3:-1]))
+            except Exception as e:  # noqa: BLE001 - re-raised unless it is a user mistake
+                if format_error(e) is None:
+                    raise
+                raise ConfigError(f"{study_file}: stress run of {arm} at lr {lr:g}: {format_error(e)}") from None
+    for where in (folder, stress_folder(folder)):
+        _readable_stores(where)
+
+
+def _readable_stores(folder: Path) -> None:
+    """The files under `folder` that the study will read as they are, read now, or a ConfigError
+    naming the first that cannot be (torn, corrupt, missing): every file of a run that finished or
+    diverged (its run is not started again, and the report reads it), each summary.json and
+    meta.json (a resumed run reads them), each members job's members.json. What a resumed run
+    repairs itself -- a last metrics line cut off by a kill, its config.yaml -- is left to it."""
+    from dalle_ablate.report.load import find_stores, load_run, read_json
+    from dalle_ablate.train.members import MEMBERS_FILE
+
+    try:
+        stores = find_stores(str(folder))
+    except ConfigError:  # none yet
+        return
+    for store in stores:
+        summary = read_json(store / "summary.json") if (store / "summary.json").exists() else {}
+        if summary.get("status") in ("finished", "diverged"):
+            load_run(store)
+        _check_meta(store)
+        read_json(store / "meta.json")
+    for path in sorted(Path(folder).rglob(MEMBERS_FILE)):
+        read_json(path)
 
 
 def _plan_topup(study, folder: Path, seeds: str, overrides: list[str]) -> tuple[str, dict]:
@@ -221,8 +372,13 @@ def _study_runs(name: str, folder: Path, code: int) -> list:
     except ConfigError:
         raise RunFailed(f"study {name}: no runs under {folder} (the multirun exited with {code})", code or 4) from None
     runs = load_runs(str(folder))  # a torn or unreadable file of a run store: named in one line
-    for r in runs:  # its overrides say which arm a run is (report/findings.py arm_of)
-        if not (r.root / "meta.json").is_file():
-            raise ConfigError(f"{r.root / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
-                              f"{r.root.parent} and run the study again to train it anew")
+    for r in runs:
+        _check_meta(r.root)
     return runs
+
+
+def _check_meta(store: Path) -> None:
+    """A run store's meta.json is there: its overrides say which arm the run is (report/findings.py arm_of)."""
+    if not (store / "meta.json").is_file():
+        raise ConfigError(f"{store / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
+                          f"{store.parent} and run the study again to train it anew")

@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,6 +36,13 @@ from PIL import Image
 from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, staged, url_of
 from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import Tracker
+
+
+# Seconds between two writes of summary.json while a run logs: a store made unwritable mid-run
+# (a read-only or full disk, a folder's permissions taken away) is found within them, at a write,
+# not minutes later at the next checkpoint -- appending to metrics.jsonl, a file already open,
+# still succeeds in a folder that no longer takes new files.
+SUMMARY_EVERY = 5.0
 
 
 def _jsonable(v: Any) -> Any:
@@ -106,6 +114,8 @@ class RunStore(Tracker):
         row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        if time.monotonic() - self._summary_written > SUMMARY_EVERY:
+            self.log_summary({})
 
     @_writes
     def log_image(self, key, image, step, caption=""):
@@ -140,6 +150,7 @@ class RunStore(Tracker):
             push(self._metrics.name)  # the rows up to now, before the summary that may name their step
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
         atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
+        self._summary_written = time.monotonic()
 
     @_writes
     def finish(self, status="finished"):

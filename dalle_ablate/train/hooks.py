@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dalle_ablate import interrupts
 from dalle_ablate.data.base import host_share
 from dalle_ablate.evaluate.runner import evaluation_or_none
 from dalle_ablate.model import abstract_model
@@ -62,6 +63,7 @@ def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[
     total, weight, examples = np.float64(0.0), np.float64(0.0), []
     rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
     for batch in dataset.eval_batches(batch_size, max_batches):
+        interrupts.check("during the validation")
         s, w, nll = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
         total, weight = total + np.asarray(s, np.float64), weight + np.asarray(w, np.float64)
         examples.append(np.asarray(nll)[..., batch["weights"] > 0])

@@ -9,8 +9,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import signal
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +18,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from dalle_ablate import interrupts
 from dalle_ablate.config import RunConfig, data_seed
 from dalle_ablate.evaluate.runner import headline
 from dalle_ablate.fileio import shown
@@ -78,6 +77,7 @@ class Result:
     status: str
     summary: dict = field(default_factory=dict)
     reason: str = ""  # why a run that did not finish stopped, in one line
+    saved: bool = False  # an interrupted run: whether it saved a checkpoint of its last step (it trained one)
 
 
 def grid_captions(dataset, cfg: RunConfig) -> Optional[tuple[list[str], Any, Any]]:
@@ -110,30 +110,14 @@ def grid_key(seed: int):
     return jax.random.fold_in(jax.random.key(seed), 1)
 
 
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Ctrl-C inside the block is taken when it ends (in the main thread, where Python handles
-    SIGINT with its default handler; elsewhere nothing changes)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if caught:
-            raise KeyboardInterrupt
-
-
 class StepLogger:
     """Each step's metrics, logged one step late: the next step is already queued when this one's
     values are fetched, so the device never waits on the host. Keeps the first, last and last
     finite loss, and times steps between boundaries (eval and save time is not step time).
 
     A step leaves the queue only once it is logged: Ctrl-C during the blocking fetch leaves it
-    (and the step after it) queued, and the interrupted run's last `flush()` logs both."""
+    (and the step after it) queued, and the interrupted run's last `flush()` logs both -- untimed
+    (`timed` False): the time since the step before is no step time once a Ctrl-C came between."""
 
     def __init__(self, tracker, bar, t, flops_per_step: float, tokens_per_step: int, peak_all: float, share: int = 1):
         """`share`: the runs one step of the program trains (the members of a job, train/members.py):
@@ -147,6 +131,9 @@ class StepLogger:
         self.clock, self.compiled = time.perf_counter(), False
         self.first_loss = self.last_loss = math.nan
         self.last_finite: Optional[tuple[int, float]] = None  # (step, loss): what a diverged run reports
+        self.diverged_at: Optional[int] = None  # the step whose loss was not finite: where a diverged run ends
+        self.timed = True  # False: steps are logged without perf/ timing (those flushed after a Ctrl-C)
+        self.stopped = ""  # what a Ctrl-C stopped between the steps, as its check named it (e.g. an evaluation)
         self.reason = ""
 
     def push(self, step: int, metrics: dict) -> bool:
@@ -170,7 +157,7 @@ class StepLogger:
         while len(self.queue) > keep:
             step, metrics = self.queue[0]
             values = self.fetch(step, metrics)  # Ctrl-C here: the step stays queued
-            with interrupts_deferred():  # logged and dequeued together: never lost, never twice
+            with interrupts.deferred():  # logged and dequeued together: never lost, never twice
                 self.queue.pop(0)
                 ok = self._log(step, values)
             if not ok:
@@ -184,14 +171,14 @@ class StepLogger:
         dt, self.clock = now - self.clock, now
         row = {k: float(v) for k, v in values.items()}
         row.update({"samples": step * t.batch_size, "tokens": step * self.tokens_per_step})
-        if self.compiled:
+        if self.compiled and self.timed:
             if self.share > 1:
                 row["perf/job_step_time"] = dt  # the whole program's step, all its members
                 dt /= self.share
             row.update({"perf/step_time": dt, "perf/tokens_per_s": self.tokens_per_step / dt,
                         "perf/mfu": self.flops_per_step / (dt * self.peak_all)})
             self.bar.set_postfix(loss=f"{row['train/loss']:.3f}", tok_s=f"{self.tokens_per_step / dt:,.0f}", refresh=False)
-        else:
+        elif not self.compiled and self.timed:
             row["perf/compile_time"] = dt  # the first step includes compilation
             self.compiled = True
         self.tracker.log(row, step)
@@ -201,6 +188,7 @@ class StepLogger:
         if math.isfinite(self.last_loss):
             self.last_finite = (step, self.last_loss)
             return True
+        self.diverged_at = step
         self.reason = f"diverged at step {step}: train/loss={self.last_loss}; " + (
             f"last finite loss {self.last_finite[1]:.4f} at step {self.last_finite[0]}" if self.last_finite
             else "no finite loss before it")
@@ -223,9 +211,10 @@ def run_steps(state, steps: range, train_step, batches, placement, batch_size: i
             log.restart_clock()
         for step in steps:
             ckpt.check()  # a checkpoint that failed in the background stops the run here
+            interrupts.check()  # Ctrl-C (interrupts.py): taken here, between whole steps
             # The step donates `state`: a Ctrl-C between its return and the assignment would
             # leave `state` naming deleted buffers, so the two happen together.
-            with interrupts_deferred():
+            with interrupts.deferred():
                 state, metrics = train_step(state, placement.global_batch(next(batches), batch_size))
             if not log.push(step, metrics):
                 return "diverged", state  # NaN guard: stop, and never checkpoint a broken state
@@ -239,7 +228,7 @@ def run_steps(state, steps: range, train_step, batches, placement, batch_size: i
                     log.reason = f"pruned at step {step} of {steps.stop - 1} ({stop})"
                     return "pruned", state
         return "finished", state
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if jax.process_count() > 1:
             raise
         # The last state assigned: a whole step, wherever the interrupt came. If it came between
@@ -248,15 +237,23 @@ def run_steps(state, steps: range, train_step, batches, placement, batch_size: i
         if metrics is not None and done > log.newest:
             log.queue.append((done, metrics))
             log.newest = done
+        log.timed, log.stopped = False, interrupts.stage_of(e, "")
         return "interrupted", state
+
+
+def interrupted_at(log: StepLogger, step: int, steps: int) -> str:
+    """The reason of a run a Ctrl-C stopped: its step, and what it stopped if not a step."""
+    return f"interrupted at step {step} of {steps}" + (f", {log.stopped}" if log.stopped else "")
 
 
 def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_dir: Path) -> str:
     """What a run prints last (after W&B's own block): its losses, the headline metrics of its last
     evaluation by guidance scale, and where its run store is."""
     s = summary
-    lines = [f"{status} at step {s['steps']} of {steps} in {s['wall_time']:.0f} s: train/loss {s['train/loss']:.4g} "
-             f"(first {s['train/first_loss']:.4g}), eval/valid/loss {s['eval/valid/loss']:.4g}"]
+    train = (f"train/loss {s['train/loss']:.4g} (first {s['train/first_loss']:.4g})" if "train/first_loss" in s
+             else "train/loss not measured yet")
+    valid = f"eval/valid/loss {s['eval/valid/loss']:.4g}" if "eval/valid/loss" in s else "eval/valid/loss not measured yet"
+    lines = [f"{status} at step {s['steps']} of {steps} in {s['wall_time']:.0f} s: {train}, {valid}"]
     lines += [f"  {line}" for line in headline(last_eval)]
     lines.append(f"  run store {shown(run_dir)}")
     return "\n".join(lines)
@@ -385,10 +382,15 @@ def run_tracker(cfg: RunConfig, job: JobInfo, run, run_dir: Path, point: ResumeP
 
 
 def run_summary(log: StepLogger, seen, run, final_step: int, t_start: float) -> dict:
-    """What a run's summary says when it ends (its losses, steps, wall time and why it stopped)."""
-    summary = {"train/loss": log.last_loss, "train/first_loss": log.first_loss, "eval/valid/loss": seen.eval_loss,
-               "data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
+    """What a run's summary says when it ends (its losses, steps, wall time and why it stopped). A
+    loss not measured yet (no step logged, no validation run: e.g. a Ctrl-C before them) is left
+    out, not written as NaN; a diverged run's train/loss is the value that was not finite."""
+    summary = {"data/code_unigram_entropy": run.dataset.info.get("code_unigram_entropy"), "steps": final_step,
                "wall_time": time.perf_counter() - t_start}
+    if not math.isnan(log.first_loss):
+        summary.update({"train/loss": log.last_loss, "train/first_loss": log.first_loss})
+    if not math.isnan(seen.eval_loss):
+        summary["eval/valid/loss"] = seen.eval_loss
     if log.reason:
         summary["reason"] = log.reason
     return summary
@@ -424,10 +426,13 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         if status == "interrupted" and not flushed:
             status = "diverged"
         bar.close()
-        final_step = int(jax.device_get(state.step))
+        # a diverged run ends at the step whose loss was not finite (the step after it, already
+        # trained when that loss was fetched, is neither logged nor counted)
+        final_step = log.diverged_at if status == "diverged" else int(jax.device_get(state.step))
+        saved = status == "interrupted" and final_step > point.step
         if status == "interrupted":
-            log.reason = f"interrupted at step {final_step} of {t.steps}"
-            if final_step > point.step:
+            log.reason = interrupted_at(log, final_step, t.steps)
+            if saved:
                 ckpt.save(final_step, state)  # resume=auto continues from here (none if this step is saved)
         if status == "finished":
             grid = sample_grid(run.graphdef, state.params, run.dataset, run.model_cfg, cfg, grid_key(cfg.seed),
@@ -441,4 +446,4 @@ def _train(cfg: RunConfig, job: JobInfo, run_dir: Path, t_start: float) -> Resul
         if pi == 0:
             print(closing_lines(status, summary, t.steps, seen.last_eval, run_dir), flush=True)
     return Result(eval_loss=seen.eval_loss, train_loss=log.last_loss, steps=final_step, run_dir=run_dir, status=status,
-                  summary=summary, reason=log.reason)
+                  summary=summary, reason=log.reason, saved=saved)

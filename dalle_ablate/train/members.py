@@ -43,8 +43,8 @@ from dalle_ablate.train import checkpoint
 from dalle_ablate.train.assembly import Assembly, assemble
 from dalle_ablate.train.hooks import Evaluations, Hooks, eval_graph, evaluate, log_examples
 from dalle_ablate.train.loop import (JobInfo, ResumePoint, Result, StepLogger, closing_lines, finished_before, grid_captions,
-                                     grid_key, grid_sampler, resume_point, run_steps, run_summary, run_tracker,
-                                     undone_at_resume, with_logged)
+                                     grid_key, grid_sampler, interrupted_at, resume_point, run_steps, run_summary,
+                                     run_tracker, undone_at_resume, with_logged)
 from dalle_ablate.train.perf import device_peak_flops
 from dalle_ablate.train.member_program import (MemberPlacement, MembersState, member_placement, member_slice, members_eval_step,
                                                members_step, over_members, stacked)
@@ -98,8 +98,9 @@ class MembersLogger(StepLogger):
 
     def _log(self, step: int, values: dict) -> bool:
         for m in self.members:
+            m.log.timed = self.timed  # untimed after a Ctrl-C (run_steps), as a run's own
             if m.status == "running" and not m.log._log(step, {k: v[m.index] for k, v in values.items()}):
-                self.on_diverged(m, self.newest)  # the step its separate run would have reached
+                self.on_diverged(m, step)  # where its separate run ends: the step whose loss was not finite
         self.bar.update(1)
         return any(m.status == "running" for m in self.members)
 
@@ -272,7 +273,8 @@ def _run_members(cfg, job, run: Assembly, mp: MemberPlacement, members: list[Mem
         m.status = status
         print(closing_lines(status, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
         m.result = Result(eval_loss=m.seen.eval_loss, train_loss=m.log.last_loss, steps=final_step, run_dir=m.run_dir,
-                          status=status, summary=summary, reason=m.log.reason)
+                          status=status, summary=summary, reason=m.log.reason,
+                          saved=status == "interrupted" and final_step > m.point.step)
         write_members_file(job.job_dir, everyone, impl)
 
     hooks = member_hooks(cfg, run, mp, members)
@@ -290,7 +292,7 @@ def _run_members(cfg, job, run: Assembly, mp: MemberPlacement, members: list[Mem
     running = [m for m in members if m.status == "running"]
     if status == "interrupted":
         for m in running:
-            m.log.reason = f"interrupted at step {final_step} of {t.steps}"
+            m.log.reason = interrupted_at(log, final_step, t.steps)
             if final_step > m.point.step:
                 m.ckpt.save(final_step, member_slice(state.state, m.index))
     if status == "finished" and running:

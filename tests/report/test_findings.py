@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -192,13 +193,22 @@ def test_a_bad_study_file_is_named_in_one_line(tmp_path, change, message):
         study_path("nosuch")
 
 
-def test_the_mega_study_names_only_arms_its_preset_runs():
+def test_the_mega_study_names_only_arms_its_preset_or_its_stress_runs_run():
+    from dalle_ablate.metrics import STUDY
+    from dalle_ablate.report.stress import load_stress
+
+    MEASURED_ELSEWHERE = {name for name, m in STUDY.items() if m.reads == "given"}  # on the stress runs
+
     study = load_study(study_path("mega-variants"))
     preset = yaml.safe_load((Path(__file__).parents[2] / "dalle_ablate/conf/experiment/study_mega.yaml").read_text())
     arms = set(preset["hydra"]["sweeper"]["params"]["+arm"].split(","))
-    assert study.baseline in arms and all({f.arm, f.against} <= arms for f in study.findings)
-    assert arms == {p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml")}
-    for arm in sorted(arms):  # each arm composes and passes the checks a run makes before it starts
+    stressed = set(load_stress(study_path("mega-variants")).arms)
+    assert study.baseline in arms
+    assert all({f.arm, f.against} <= (stressed if f.metric in MEASURED_ELSEWHERE else arms) for f in study.findings)
+    # every arm the preset runs is one a finding on its runs compares: none that judges nothing
+    assert arms == {a for f in study.findings if f.metric not in MEASURED_ELSEWHERE for a in (f.arm, f.against)}
+    assert arms | stressed <= {p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml")}
+    for arm in sorted(arms | stressed):  # each arm composes and passes the checks a run makes before it starts
         cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arm}", "seed=0"]))
         assert cfg.trainer.steps == preset["trainer"]["steps"] and cfg.resume == "auto"
 
@@ -463,21 +473,140 @@ BROKEN = [
 ]
 
 
+@pytest.mark.parametrize("mode", ["--no-run", "run"])
 @pytest.mark.parametrize("name, text, why", BROKEN, ids=[b[0] for b in BROKEN])
-def test_the_study_command_names_a_broken_run_store_in_one_line(tmp_path, capsys, name, text, why):
+def test_the_study_command_names_a_broken_run_store_in_one_line(tmp_path, capsys, monkeypatch, name, text, why, mode):
+    """In --no-run mode, and before anything runs when it runs (the stores already there are read
+    first: no run starts, to crash on the file or to be compared at the end)."""
     from dalle_ablate.cli import main
+    from dalle_ablate.report import study_runs
 
     folder = tmp_path / "studies" / "synthetic"
-    for arm in ("base", "worse"):
+    for arm in ("baseline", "bias"):
         for seed in range(2):
-            write_store(folder, arm, seed, ARMS[arm][seed])
-    path = folder / "worse-seed1" / "run" / name
+            write_store(folder, arm, seed, ARMS["base" if arm == "baseline" else "worse"][seed])
+    path = folder / "bias-seed1" / "run" / name
     path.unlink() if text is None else path.write_text(text)
+    monkeypatch.setattr(study_runs, "call_child", nothing_starts)
     with pytest.raises(SystemExit) as exit_:
-        main(["study", str(study_file(tmp_path)), "--no-run", "--out", str(tmp_path / "studies"),
-              "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results")])
+        main(["study", str(real_study(tmp_path)), *([mode] if mode == "--no-run" else ["+arm=baseline,bias"]), "--no-stress",
+              "--out", str(tmp_path / "studies"), "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results")])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"error: {path}: {why.format(job=path.parents[1])}\n"
+
+
+def nothing_starts(*args, **kwargs):
+    raise AssertionError(f"a run was started: {args}")
+
+
+ARM_NAMES = sorted(p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml"))
+
+
+def real_study(tmp_path: Path, **changes) -> Path:
+    """A study file of arms that exist (conf/arm/), one finding, and a stress claim with its runs."""
+    spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "baseline",
+            "findings": [{"id": "bias", "claim": "biases hurt", "arm": "bias", "against": "baseline", "metric": "eval_loss",
+                          "expect": "higher"},
+                         {"id": "st", "claim": "swish is stabler", "arm": "swish", "against": "baseline",
+                          "metric": "lr_sensitivity", "expect": "lower", "margin": 0.05}],
+            "stress": {"claims": ["st"], "lr": [1e-3, 3e-3, 1e-2], "seeds": [0], "steps": 6}}
+    spec.update(changes)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _finding(**f) -> list[dict]:
+    return [{"id": "x", "claim": "c", "arm": "bias", "against": "baseline", "metric": "eval_loss", "expect": "higher", **f}]
+
+
+VALID_ARMS = f"valid: {', '.join(ARM_NAMES)}"
+BEFORE = [  # (the study file's changes, the command's overrides, the line less "error: " with {file})
+    ({"findings": _finding(arm="no_gluu")}, [],
+     f"{{file}}: finding 'x' has arm 'no_gluu': not an arm (dalle_ablate/conf/arm/); did you mean 'no_glu'? {VALID_ARMS}"),
+    ({"findings": _finding(against="baselne")}, [],
+     f"{{file}}: finding 'x' has against 'baselne': not an arm (dalle_ablate/conf/arm/); did you mean 'baseline'? "
+     f"{VALID_ARMS}"),
+    ({"baseline": "baselne"}, [],
+     f"{{file}}: baseline 'baselne': not an arm (dalle_ablate/conf/arm/); did you mean 'baseline'? {VALID_ARMS}"),
+    ({}, ["+arm=baseline,nosuch"], f"+arm=nosuch: not an arm (dalle_ablate/conf/arm/); {VALID_ARMS}"),
+    ({}, ["+arm=baseline", "trainer.stepz=5"], "unknown field 'trainer.stepz'; valid fields of trainer: "),
+    ({"stress": {"claims": ["st"], "lr": [1e-3, 3e-3, 1e-2], "seeds": [0], "steps": 6, "overrides": ["optim.betaz=1"]}},
+     ["+arm=baseline"], "{file}: stress run of baseline at lr 0.001: unknown field 'optim.betaz'; valid fields of optim: "),
+]
+
+
+@pytest.mark.parametrize("change, overrides, message", BEFORE, ids=["arm", "against", "baseline", "command-line arm",
+                                                                      "bad override", "stress plan"])
+def test_a_study_is_checked_before_anything_runs(tmp_path, capsys, monkeypatch, change, overrides, message):
+    """Every arm the study file and the command line name exists (a typo names the closest), each
+    job of its multirun and each stress run composes: otherwise one line, exit 2, and nothing has
+    started -- no run, no stress run, no folder."""
+    from dalle_ablate.cli import main
+    from dalle_ablate.report import study_runs
+
+    monkeypatch.setattr(study_runs, "call_child", nothing_starts)
+    path = real_study(tmp_path, **change)
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", str(path), "--out", str(tmp_path / "studies"), "--report-out", str(tmp_path / "reports"),
+              "--page-out", str(tmp_path / "results"), *overrides])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message.format(file=path)}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
+
+
+def _study_until(cmd: list[str], cwd: Path, marker: str) -> tuple[int, str]:
+    """Run a `dalle-ablate study` command in a process group of its own until a line of its output
+    (its runs' too) contains `marker`, then press Ctrl-C as a terminal does: SIGINT to the whole
+    group, the study and its runs. (exit code, stderr)."""
+    import signal
+
+    with open(cwd / "stderr.txt", "w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            seen = []
+            for line in proc.stdout:
+                seen.append(line)
+                if marker in line:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    break
+            assert marker in "".join(seen), "".join(seen)[-3000:]
+            proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        err.seek(0)
+        return proc.returncode, err.read()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_study_between_its_arms_and_in_its_stress_runs_with_the_command_that_continues_it(tmp_path):
+    """Ctrl-C once the first arm's run has finished: the study stops (the second arm's job taking
+    the interrupt as it starts, or in its steps) with one line -- not an error, not one of each
+    process -- and exit 130. The command it gives leaves the first arm as it is, trains the second
+    and goes on to the stress runs; Ctrl-C as the first of those starts says so, with the same command."""
+    out = tmp_path / "studies"
+    argv = ["study", str(real_study(tmp_path)), "--out", str(out), "--report-out", str(tmp_path / "reports"),
+            "--page-out", str(tmp_path / "results"), "--no-members", "+arm=baseline,bias", "seed=0", *SMALL_DATA,
+            *TINY_TRAIN, "tracker=none"]
+    cmd = [sys.executable, "-m", "dalle_ablate.cli", *argv]
+    again = f"resume with: dalle-ablate {shlex.join(argv)}"
+    kept = "the runs that finished are kept, a stopped one continues from its checkpoint"
+    code, err = _study_until(cmd, tmp_path, f"run store {out / 'synthetic' / 'baseline-seed0' / 'run'}")
+    assert code == 130, err[-3000:]
+    assert err.strip() == f"study synthetic interrupted during its runs (the multirun of its arms); {kept}; {again}"
+    summary = json.loads((out / "synthetic" / "baseline-seed0" / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert not (out / "synthetic-stress").exists()
+    words = shlex.split(again.removeprefix("resume with: dalle-ablate "))
+    code, err = _study_until([sys.executable, "-m", "dalle_ablate.cli", *words], tmp_path, "stress job 1 of 6: ")
+    assert code == 130, err[-3000:]
+    assert err.strip() == f"study synthetic interrupted during its stress runs; {kept}; {again}"
+    assert json.loads((out / "synthetic" / "bias-seed0" / "run" / "summary.json").read_text())["status"] == "finished"
+    assert json.loads((out / "synthetic" / "baseline-seed0" / "run" / "summary.json").read_text()) == summary  # left as it is
 
 
 def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stress_arms(tmp_path):
@@ -497,8 +626,9 @@ def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stre
 def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     from dalle_ablate.report.study_runs import as_members
 
-    # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 0,1,2), or those a seed= override sweeps
-    assert as_members("study_mega", ["+arm=baseline"]) == ["+arm=baseline", "seed=0", "seeds=[0,1,2]", "members.impl=map"]
+    # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 3000-3003), or those a seed= override sweeps
+    assert as_members("study_mega", ["+arm=baseline"]) == ["+arm=baseline", "seed=3000", "seeds=[3000,3001,3002,3003]",
+                                                          "members.impl=map"]
     assert as_members("study_mega", ["seed=3,1,4", "trainer.steps=5"]) == [
         "trainer.steps=5", "seed=3", "seeds=[3,1,4]", "members.impl=map"]
     assert as_members("study_mega", ["seed=range(0,2)", "members.impl=vmap"]) == [
@@ -507,4 +637,4 @@ def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     assert as_members("quick", ["x=1"]) == ["x=1"]  # a preset that sweeps no seed
     for arms in ("baseline", "shampoo"):  # what the study launches composes and passes the checks, Shampoo's arm too
         cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arms}", *as_members("study_mega", [])]))
-        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (0, [0, 1, 2], "map")
+        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (3000, [3000, 3001, 3002, 3003], "map")

@@ -136,10 +136,16 @@ def test_arms_equal_on_every_seed_are_identical_not_a_seed_count():
 
 
 def test_the_study_structure_is_the_study_file_s():
+    import yaml
+
     s = cal.structure(study_path("mega-variants"))
+    preset = yaml.safe_load((study_path("mega-variants").parents[2] / "conf/experiment/study_mega.yaml").read_text())
+    study = yaml.safe_load(study_path("mega-variants").read_text())
+    swept = preset["hydra"]["sweeper"]["params"]
     assert len(s.claims) == 16 and set(s.pools) == {"eval_loss", "step_time", "shapes_all", "lr_sensitivity"}
-    assert len(s.pools["eval_loss"]) == 16 and s.seeds["eval_loss"] == 3
+    assert set(s.pools["eval_loss"]) == set(swept["+arm"].split(",")) and s.seeds["eval_loss"] == len(swept["seed"].split(","))
     assert set(s.pools["lr_sensitivity"]) == {"sandwich", "normformer", "swish", "baseline", "deepnet", "postln"}
+    assert s.seeds["lr_sensitivity"] == len(study["stress"]["seeds"])
     assert s.topped == ("eval_loss", "step_time", "shapes_all")
     # the simulated truth: a claim's difference is its arm's shift; a difference's sd as simulated
     rng = np.random.default_rng(5)

@@ -1,7 +1,10 @@
 """Fault injection: a full disk, a read-only checkpoint folder, kill -9 mid-run and mid-checkpoint,
 a diverged run, W&B online without a network. Each ends in one `error:` line and its exit code
 (docs/guides/troubleshooting.md), the run store says how the run ended, and nothing written
-before the fault is lost: `resume=auto` continues and reproduces the uninterrupted run."""
+before the fault is lost: `resume=auto` continues and reproduces the uninterrupted run.
+Ctrl-C at every stage -- imports, the config, the tokenizer's fit, rendering the data, compiling,
+training, saving, the evaluation, between a multirun's jobs -- ends in one line that is not an
+error (what it stopped, what it kept, the command that continues) and exit 130."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import pytest
 from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_config, run_py
 from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.train.loop import SCALARS
 from wandb_records import history, run_info
 
 # 6 steps, a checkpoint every 3 (~0.8 MB each); a constant rate, so that a run made longer (to be
@@ -38,6 +42,15 @@ def error_line(proc) -> str:
     """The one `error:` line of a failed run; no traceback."""
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def interrupt_line(stderr: str) -> str:
+    """The one line a Ctrl-C ends a process with: not an `error:` line, no traceback, and no
+    KeyboardInterrupt that Python dropped ("Exception ignored in")."""
+    lines = [line for line in stderr.splitlines() if line.startswith("interrupted")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert not any(bad in stderr for bad in ("error:", "Traceback", "Exception ignored", "Segmentation")), stderr[-3000:]
     return lines[0]
 
 
@@ -328,6 +341,44 @@ def test_a_folder_made_unwritable_mid_run_stops_it_at_once_in_one_line(tmp_path,
     assert "3" in [p.name for p in ckpt.iterdir()]
 
 
+def test_a_run_store_made_unwritable_between_checkpoints_is_noticed_within_seconds(tmp_path):
+    """The run store becomes unwritable (immutable as root, mode 555 otherwise) after step 3 of a
+    run whose next checkpoint is its last step, 20000 steps on: appending to metrics.jsonl (a file
+    already open) still works there, and the run stops at summary.json's next write, seconds
+    later -- long before that checkpoint -- in one line, exit 4."""
+    run = job_dir(tmp_path) / "run"
+    lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
+    try:
+        proc = killed(tmp_path, "shell_step:4", "tracker=none", "trainer.steps=20000", "trainer.save_every=20000",
+                      "trainer.eval_every=20000", env={"AFTER_SAVE": shlex.join([*lock, str(run)])})
+    finally:
+        subprocess.run([*unlock, str(run)], check=True)
+    assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
+    why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
+    assert error_line(proc) == (f"error: run store {run} cannot be written (summary.json): {why}; free space or fix the "
+                                "folder, then resume=auto")
+    assert "was never awaited" not in proc.stderr and "Logging error" not in proc.stderr
+    assert 3 < max(losses(run)) < 20000
+
+
+def test_a_job_folder_read_only_from_the_start_fails_in_one_line_before_anything_is_built(tmp_path):
+    """Hydra writes the job's log and config into its folder before the job starts: a folder it
+    cannot write is one line naming it, exit 4 -- not Hydra's traceback."""
+    job = job_dir(tmp_path)
+    job.mkdir(parents=True)
+    lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
+    subprocess.run([*lock, str(job)], check=True)
+    try:
+        proc = run_py(*TINY, "tracker=none", cwd=tmp_path)
+    finally:
+        subprocess.run([*unlock, str(job)], check=True)
+    assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
+    why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
+    assert error_line(proc) == (f"error: folder {job} cannot be written (run.log: {why}); fix it, or, for the job's own "
+                                "folder, choose another with hydra.run.dir= (hydra.sweep.dir= for a multirun)")
+    assert proc.stderr.count("\n") == 1 and list(job.iterdir()) == []
+
+
 def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference):
     """Killed before step 5 (checkpoint 3 written), resumed and killed again while checkpoint 6
     is being written (and in the middle of a metrics line), resumed to the end: the same losses
@@ -391,8 +442,8 @@ def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130
     run = job_dir(tmp_path) / "run"
     proc = killed(tmp_path, "step:5", "tracker=none", sig="SIGINT")
     assert proc.returncode == 130, proc.stderr[-3000:]
-    line = error_line(proc)
-    head = "error: interrupted at step 4 of 6; checkpoint saved; resume with: python run.py "
+    line = interrupt_line(proc.stderr)
+    head = "interrupted at step 4 of 6; checkpoint saved; resume with: python run.py "
     assert line.startswith(head), line
     again = shlex.split(line.removeprefix(head))
     assert again == [*TINY, "tracker=none", "resume=auto", f"hydra.run.dir={job_dir(tmp_path)}"]
@@ -427,13 +478,16 @@ def wandb_steps(runs: list[Path], key: str = "train/loss") -> list[int]:
 
 def test_ctrl_c_in_the_fetch_of_a_step_loses_neither_it_nor_the_step_after_it(tmp_path, reference):
     """SIGINT while step 4's metrics are fetched (step 5 trained and queued behind it): both
-    reach metrics.jsonl and the W&B run once each, and step 5 is the checkpoint saved."""
+    reach metrics.jsonl and the W&B run once each, and step 5 is the checkpoint saved. Step 5,
+    logged after the Ctrl-C, has no timing: the time since step 4 is no step's time."""
     before = set(new_wandb_runs(set()))
     run = job_dir(tmp_path) / "run"
     proc = killed(tmp_path, "fetch:4", sig="SIGINT")
     assert proc.returncode == 130, proc.stderr[-3000:]
-    assert error_line(proc).startswith("error: interrupted at step 5 of 6; checkpoint saved; resume with: ")
+    assert interrupt_line(proc.stderr).startswith("interrupted at step 5 of 6; checkpoint saved; resume with: ")
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == [1, 2, 3, 4, 5]
+    timed = [r["step"] for r in read_metrics(run) if "perf/step_time" in r]
+    assert timed == [2, 3, 4] and not any(k.startswith("perf/") for k in read_metrics(run)[-1])
     assert losses(run) == pytest.approx({s: v for s, v in losses(reference).items() if s <= 5}, rel=1e-6)
     assert summary(run)["train/loss"] == pytest.approx(losses(reference)[5], rel=1e-6)
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 5]
@@ -442,18 +496,101 @@ def test_ctrl_c_in_the_fetch_of_a_step_loses_neither_it_nor_the_step_after_it(tm
     assert [row["_step"] for row in history(next(runs[0].glob("run-*.wandb"))) if "train/loss" in row] == [1, 2, 3, 4, 5]
 
 
+# Ctrl-C at each stage before and around the steps, sent by the process itself at that point
+# (tests/kill_worker.py): (KILL_AT, the line's head up to "resume with: ").
+STAGES = [
+    ("compose:1", "interrupted while starting; no step trained; "),
+    # in a garbage-collection callback, where Python drops the KeyboardInterrupt it raises: the run
+    # trained on to the end (issue 54); three iterations of the fit, three tries
+    *((f"fit:{n}", "interrupted while fitting the image tokenizer (data.tokenizer=kmeans); no step trained; ")
+      for n in (2, 5, 9)),
+    ("render:10", "interrupted while rendering the data; no step trained; "),
+    ("compile:1", "interrupted at step 1 of 6; checkpoint saved; "),
+    ("save:3", "interrupted at step 3 of 6; checkpoint saved; "),
+]
+
+
+@pytest.mark.parametrize("at, head", STAGES, ids=[s[0] for s in STAGES])
+def test_ctrl_c_at_each_stage_is_one_line_saying_what_it_stopped_and_how_to_resume_and_exit_130(tmp_path, at, head):
+    """Nothing left to chance: the line, exit 130 (not 139), what the run store says. The tokenizer
+    and the data are not cached yet (a cache of the test's own), so the run fits and renders them."""
+    env = {"DALLE_ABLATE_CACHE": str(tmp_path / "cache")} if at.startswith(("fit", "render")) else {}
+    proc = killed(tmp_path, at, "tracker=none", sig="SIGINT", env=env)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    line = interrupt_line(proc.stderr)
+    assert line.startswith(f"{head}resume with: python run.py "), line
+    again = shlex.split(line.removeprefix(f"{head}resume with: python run.py "))
+    assert again == [*TINY, "tracker=none", "resume=auto", f"hydra.run.dir={job_dir(tmp_path)}"]
+    run = job_dir(tmp_path) / "run"
+    if at.startswith(("fit", "render")):  # stage 1's own run store says so; no run store of the steps yet
+        assert summary(job_dir(tmp_path) / "tokenizer")["status"] == "interrupted" and not run.exists()
+    if at == "compile:1":  # step 1 saved, logged without timing; no validation yet: no eval loss, not NaN
+        s = summary(run)
+        assert (s["status"], s["steps"], "eval/valid/loss" in s) == ("interrupted", 1, False)
+        assert "interrupted at step 1 of 6 in " in proc.stdout and ", eval/valid/loss not measured yet" in proc.stdout
+        assert [sorted(r) for r in read_metrics(run)] == [sorted(["samples", "step", "tokens", *SCALARS])]
+    if at.startswith(("compile", "save")):
+        step = int(at.split(":")[1])
+        assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [step]
+
+
+def test_ctrl_c_while_python_imports_is_taken_once_they_have(tmp_path):
+    """SIGINT while `python run.py` imports jax (Python's own import-time log says so): the
+    imports finish, then the run stops before anything is composed or built: one line, exit 130
+    -- not a traceback out of the middle of an import."""
+    cmd = [sys.executable, "-X", "importtime", str(ROOT / "run.py"), *TINY, "tracker=none", f"hydra.run.dir={job_dir(tmp_path)}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stderr:
+            if line.rstrip().split("|")[-1].strip() == "jax":  # jax's import ended; the rest of the imports go on
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    err = "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
+    assert proc.returncode == 130, err[-3000:]
+    assert interrupt_line(err) == "interrupted while starting; no step trained; run the same command again"
+    assert not job_dir(tmp_path).exists()
+
+
+def test_ctrl_c_between_the_jobs_of_a_multirun_gives_the_command_that_continues_all_of_it(tmp_path):
+    """SIGINT as job 1 of `-m seed=0,1` is about to start: one line whose command continues the
+    multirun -- job 1, never started, included -- and that command leaves job 0 as it finished and
+    trains job 1."""
+    sweep = tmp_path / "multirun"
+    args = ["-m", *TINY, "tracker=none", "seed=0,1", f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "KILL_AT": "job:2", "KILL_SIGNAL": "SIGINT", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    head = "interrupted before job 1 of the multirun started; no step trained; resume with: python run.py "
+    line = interrupt_line(proc.stderr)
+    assert line.startswith(head), line
+    again = shlex.split(line.removeprefix(head))
+    assert again == [*args[:-1], "resume=auto", f"hydra.sweep.dir={sweep}"]
+    assert summary(sweep / "0" / "run")["status"] == "finished" and not (sweep / "1" / "run").exists()
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{sweep / '0' / 'run'}: finished before at step 6 of 6; left as it is (resume=auto)" in proc.stdout
+    assert summary(sweep / "1" / "run")["status"] == "finished"
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
     """SIGINT while the last step's sampling evaluation draws its Pareto plot: exit 130 with the
-    resume line (no traceback from the plot); the resume runs that evaluation before it says
-    finished (its table, and its headline in the closing lines)."""
+    resume line (no traceback from the plot); the evaluation is not recorded as done, and the
+    resume runs it before it says finished (its table, and its headline in the closing lines)."""
     run = job_dir(tmp_path) / "run"
     proc = killed(tmp_path, "plot:6", "tracker=none", "eval.metrics=[shapes]", sig="SIGINT")
     assert proc.returncode == 130, proc.stderr[-3000:]
-    assert error_line(proc).startswith("error: interrupted at step 6 of 6; checkpoint saved; resume with: python run.py ")
+    line = interrupt_line(proc.stderr)
+    assert line.startswith("interrupted at step 6 of 6, during the sampling evaluation; checkpoint saved; resume with: "
+                           "python run.py ")
     assert summary(run)["status"] == "interrupted" and "evaluated_step" not in summary(run)
-    assert not (run / "media" / "eval_pareto_plot_6.png").exists()  # cut off while drawn
-    again = shlex.split(error_line(proc).split("resume with: python run.py ", 1)[1])
+    again = shlex.split(line.split("resume with: python run.py ", 1)[1])
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -503,6 +640,9 @@ def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_pat
         f"last finite loss {finite[-1]['train/loss']:.4f} at step {finite[-1]['step']}" if finite else "no finite loss before it")
     assert line.startswith("error: ") and f": {reason} (run store {run})" in line
     assert summary(run)["status"] == "diverged" and summary(run)["reason"] == reason
+    # one step number for it everywhere: the error line's, the closing line's, the summary's
+    assert f"\ndiverged at step {bad['step']} of 20 in " in "\n" + proc.stdout
+    assert summary(run)["steps"] == bad["step"]
 
 
 def _online(tmp_path, env_extra: dict, *overrides):

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 from conftest import EVAL_ON, SMALL_DATA, TINY_TRAIN, run_config
+from wandb_records import summary as wandb_summary
 
 from dalle_ablate.job import members_outcome
 from dalle_ablate.registry import Interrupted, RunFailed
@@ -120,7 +121,7 @@ def test_a_members_run_store_is_the_separate_runs_store(trained):
     assert sorted(r.seed for r in runs) == SEEDS and len({r.variant for r in runs}) == 1
 
 
-def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trained, tmp_path, monkeypatch):
+def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trained, tmp_path, monkeypatch, capsys):
     root, _ = trained
     batches = members_mod.MemberBatches.__next__
     drawn = []
@@ -134,11 +135,17 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
         return batch
 
     monkeypatch.setattr(members_mod.MemberBatches, "__next__", poisoned)
+    capsys.readouterr()
     results = members_job(tmp_path, "map")
     assert [r.status for r in results] == ["finished", "diverged", "finished"]
     assert results[1].reason.startswith("diverged at step 4: train/loss=")
-    # the step its separate run would stop at: the loss of step 4 is fetched once step 5 is queued
-    assert results[1].steps == json.loads((tmp_path / "seed1" / "run" / "summary.json").read_text())["steps"] == 5
+    # one step number for it everywhere, as its separate run: the reason's, the result's, the
+    # summary's (run store and W&B) and the closing line's
+    assert results[1].steps == json.loads((tmp_path / "seed1" / "run" / "summary.json").read_text())["steps"] == 4
+    assert "\ndiverged at step 4 of 6 in " in "\n" + capsys.readouterr().out
+    wandb_id = json.loads((tmp_path / "seed1" / "run" / "meta.json").read_text())["wandb_id"]
+    run_file = next(Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*-{wandb_id}/run-{wandb_id}.wandb"))
+    assert wandb_summary(run_file)["steps"] == 4
     assert results[1].reason.endswith(f"last finite loss {rows(tmp_path / 'seed1' / 'run')[3, 'train/loss']:.4f} at step 3")
     diverged = tmp_path / "seed1" / "run"
     assert sorted(int(p.name) for p in (diverged / "checkpoints").iterdir() if p.name.isdigit()) == [3]
@@ -176,6 +183,9 @@ def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_s
     monkeypatch.setattr(members_mod.MemberBatches, "__next__", interrupted)
     results = members_job(tmp_path, "map")
     assert [(r.status, r.steps) for r in results] == [("interrupted", 4)] * 3
+    for s in SEEDS:  # step 4, logged after the Ctrl-C, without timing (the time since step 3 is no step's); 3 with it
+        logged = [r for r in read_metrics(tmp_path / f"seed{s}" / "run") if "train/loss" in r]
+        assert [r["step"] for r in logged if "perf/step_time" in r] == [2, 3] and logged[-1]["step"] == 4
     for s in SEEDS:
         saved = tmp_path / f"seed{s}" / "run" / "checkpoints"
         assert sorted(int(p.name) for p in saved.iterdir() if p.name.isdigit()) == [3, 4]
@@ -183,8 +193,8 @@ def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_s
     job = JobInfo(tmp_path, overrides=["seeds=[0,1,2]", "trainer.steps=6"])
     with pytest.raises(Interrupted) as err:
         members_outcome(cfg, job, results)
-    assert str(err.value) == (f"members seed=0, seed=1, seed=2 interrupted at step 4; checkpoints saved; resume with: "
-                              f"python run.py 'seeds=[0,1,2]' trainer.steps=6 resume=auto hydra.run.dir={tmp_path}")
+    assert str(err.value) == (f"interrupted at step 4 of 6 (members seed=0, seed=1, seed=2); checkpoints saved; resume "
+                              f"with: python run.py 'seeds=[0,1,2]' trainer.steps=6 resume=auto hydra.run.dir={tmp_path}")
     ids = [json.loads((tmp_path / f"seed{s}" / "run" / "meta.json").read_text())["wandb_id"] for s in SEEDS]
     # a kill -9 between the members' saves of step 4: member 0's never made it to disk
     shutil.rmtree(tmp_path / "seed0" / "run" / "checkpoints" / "4")

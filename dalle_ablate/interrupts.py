@@ -1,0 +1,116 @@
+"""Ctrl-C, taken where the program can stop cleanly.
+
+Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread happens to be: inside
+a garbage-collection callback (jax's `_xla_gc_callback`), where Python prints "Exception ignored"
+and drops it, so the run goes on; or half-way through jax's dispatch of a computation, which
+leaves the runtime's state torn and can crash the interpreter on its way out (exit 139; the same
+was seen by Keras, keras-team/keras#21019). The entry points (run.py, `python -m dalle_ablate.job`,
+`dalle-ablate`) install `on_sigint` instead: a Ctrl-C is recorded, never lost, and raised as
+KeyboardInterrupt by the next `check()` -- between train steps, evaluation batches, tokenizer
+iterations, rendered scenes, jobs of a multirun, the runs of a study -- so it always lands in
+plain Python code that knows how to stop. A second Ctrl-C before the first was taken raises at
+once, wherever the program is (a way out of a stage that does not check, at the old risk).
+
+Without the handler (the library used from a notebook or a test), nothing changes: Python raises
+KeyboardInterrupt itself and `check()` never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+_state = {"pressed": 0, "taken": 0, "holding": 0, "held": False}
+# Set by a process for the processes it starts (`dalle-ablate study`'s runs) when it prints the
+# line a Ctrl-C ends them all with: the line that continues all of it, not each child's own.
+PARENT_SAYS = "DALLE_ABLATE_PARENT_SAYS_INTERRUPTED"
+AT_ONCE = "at once (Ctrl-C pressed twice)"  # what a second press stopped: wherever the program was
+
+
+def on_sigint(signum, frame) -> None:
+    """The SIGINT handler: record the press; raise at once only on a second press that finds the
+    first not yet taken (and not inside `deferred()`, which raises it when it ends)."""
+    _state["pressed"] += 1
+    if _state["pressed"] - _state["taken"] > 1:
+        if _state["holding"]:
+            _state["held"] = True
+        else:
+            _state["taken"] = _state["pressed"]
+            raise KeyboardInterrupt(AT_ONCE)
+
+
+def installed() -> bool:
+    return signal.getsignal(signal.SIGINT) is on_sigint
+
+
+def install() -> None:
+    """Take Ctrl-C at checks from now on, in this process: where SIGINT has Python's default
+    handler (a process started with SIGINT ignored, e.g. a background job of a shell script,
+    keeps ignoring it)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+
+
+@contextlib.contextmanager
+def taken_at_checks():
+    """`install()` for the block, Python's handler back after it (a command run inside another
+    program, e.g. a test calling `cli.main`)."""
+    before = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    install()
+    try:
+        yield
+    finally:
+        if before is not None and before is not on_sigint and installed():
+            signal.signal(signal.SIGINT, before)
+
+
+def pending() -> bool:
+    """Whether a Ctrl-C was pressed and not yet taken."""
+    return _state["pressed"] > _state["taken"]
+
+
+def check(stage: str = "") -> None:
+    """Raise KeyboardInterrupt(stage) if a Ctrl-C is pending (taking it); `stage` says what was
+    stopped, for the line the process ends with (e.g. "while fitting the image tokenizer")."""
+    if _state["pressed"] > _state["taken"]:
+        _state["taken"] = _state["pressed"]
+        raise KeyboardInterrupt(*([stage] if stage else []))
+
+
+def stage_of(e: KeyboardInterrupt, default: str) -> str:
+    """What a KeyboardInterrupt stopped, as `check(stage)` named it (`default` if it did not)."""
+    return str(e.args[0]) if e.args and isinstance(e.args[0], str) and e.args[0] else default
+
+
+@contextlib.contextmanager
+def deferred():
+    """No KeyboardInterrupt inside the block: two things that must happen together (a step and
+    the assignment of its state, a metrics row logged and dequeued) both happen, and a Ctrl-C
+    that came between them is raised when the block ends. With `on_sigint` installed that is
+    only a second press; with Python's default handler (in the main thread) any press."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if installed():
+        _state["holding"] += 1
+        try:
+            yield
+        finally:
+            _state["holding"] -= 1
+            if _state["held"] and not _state["holding"]:
+                _state["held"] = False
+                _state["taken"] = _state["pressed"]
+                raise KeyboardInterrupt(AT_ONCE)
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt

@@ -1,0 +1,47 @@
+"""Ctrl-C taken at checks (dalle_ablate/interrupts.py): the process-level behaviour, stage by
+stage, is tested end to end in tests/train/test_faults.py and tests/report/test_findings.py."""
+
+from __future__ import annotations
+
+import gc
+import signal
+
+import pytest
+
+from dalle_ablate import interrupts
+
+
+def test_a_ctrl_c_is_never_lost_taken_at_the_next_check_and_a_second_one_at_once():
+    """interrupts.py: a Ctrl-C is recorded and raised by the next check -- also one that came while
+    a garbage-collection callback ran, where Python drops a KeyboardInterrupt raised in it (jax's
+    `_xla_gc_callback` is one); none inside `deferred()`; a second press before the first is
+    taken raises at once; Python's handler is back after the block."""
+    def press_in_gc(phase, info):
+        gc.callbacks.remove(press_in_gc)
+        signal.raise_signal(signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # also where the suite runs with SIGINT ignored
+    try:
+        with interrupts.taken_at_checks():
+            interrupts.check()  # nothing pressed: nothing raised
+            gc.callbacks.append(press_in_gc)
+            gc.collect()
+            assert interrupts.pending()
+            with pytest.raises(KeyboardInterrupt) as e:
+                interrupts.check("while doing x")
+            assert interrupts.stage_of(e.value, "") == "while doing x" and not interrupts.pending()
+            signal.raise_signal(signal.SIGINT)  # pressed, not taken yet ...
+            with pytest.raises(KeyboardInterrupt) as e:
+                signal.raise_signal(signal.SIGINT)  # ... and again: at once
+            assert interrupts.stage_of(e.value, "") == interrupts.AT_ONCE and not interrupts.pending()
+            done = []
+            with pytest.raises(KeyboardInterrupt) as e:
+                with interrupts.deferred():
+                    signal.raise_signal(signal.SIGINT)
+                    signal.raise_signal(signal.SIGINT)  # the second press, held until the block ends
+                    done.append("the block ran to its end")
+            assert done and interrupts.stage_of(e.value, "") == interrupts.AT_ONCE and not interrupts.pending()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert signal.getsignal(signal.SIGINT) is before
