@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
-from dalle_ablate.metrics import STUDY, Metric, declare, study_metric
+from dalle_ablate.metrics import STUDY, Metric, declare
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import stress  # noqa: F401 -- declares lr_sensitivity, measured on the stress runs
 from dalle_ablate.report.load import Run, read_yaml, series

@@ -218,13 +218,13 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[di
     spreads = Section("noise-metrics", "Each metric's spread", [P.NOISE_METRICS])
     arms, _, tables = claims_tables(study, by_arm, extra)
     nrows = []
-    for metric, t in tables.items():
+    for name, t in tables.items():
         b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
         b = b[np.isfinite(b)]
         with np.errstate(invalid="ignore"):
             sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
         least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
-        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
+        nrows.append([name, unit_of(name), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
                       sds.get(least, math.nan), most or "–", sds.get(most, math.nan), float(blocked_residual(t)[2])])
     spreads.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
                             "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
