@@ -45,9 +45,11 @@ def _comments(cls: type) -> dict[str, str]:
     """field -> the comment beside it (after `#` on its line) or in the lines just above it. A
     subclass that sets a field's default again without a comment keeps its base's (an option's
     `name`, an optimizer's `lr`: the same field, another default). A config whose fields come from
-    a record of options (`OPTIONS`: optim=shampoo's ShampooOptions) has that record's comments."""
+    a record of options (`OPTIONS`: optim=shampoo's ShampooOptions) has that record's comments, and
+    a record that extends another (a new option beside Shampoo's) its base's too."""
     out: dict[str, str] = {}
-    for klass in [*([cls.OPTIONS] if hasattr(cls, "OPTIONS") else []), *reversed(cls.__mro__)]:
+    records = list(reversed(cls.OPTIONS.__mro__)) if hasattr(cls, "OPTIONS") else []
+    for klass in [*records, *reversed(cls.__mro__)]:
         if not dataclasses.is_dataclass(klass) or klass.__module__ == "builtins":
             continue
         try:
