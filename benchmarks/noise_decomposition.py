@@ -193,9 +193,33 @@ def main() -> None:
     for r in runs:
         r["evals"] = evaluations(r["store"])
         r["ex"] = per_example(r["store"], args.examples)
-    print(f"{len(runs)} runs in {runs_dir} (per-example scoring and analysis {time.perf_counter() - t0:.0f} s).")
-    report(runs, args.examples)
+    from collections import Counter
+
+    metas = [json.loads((r["store"] / "meta.json").read_text()) for r in runs]
+    commits = Counter(m.get("git", {}).get("commit", "unknown")[:12] for m in metas)
+    jobs: dict[Path, float] = {}  # a member's wall time is its job's
+    for r in runs:
+        wall = json.loads((r["store"] / "summary.json").read_text()).get("wall_time", 0.0)
+        jobs[r["store"].parents[1]] = max(jobs.get(r["store"].parents[1], 0.0), wall)
+    print(f"{len(runs)} runs in {runs_dir}, trained at {', '.join(f'{c} ({n} runs)' for c, n in commits.items())} as members "
+          f"of {len(jobs)} jobs ({sum(jobs.values()) / 60:.0f} min of jobs on the shared machine; per-example scoring and "
+          f"analysis {time.perf_counter() - t0:.0f} s).")
+    paired = report(runs, args.examples)
     report_long(runs, long_finals(runs_dir))
+    conclude(paired)
+
+
+def conclude(paired: list[tuple]) -> None:
+    """What each protocol could cut the paired noise by, from the numbers above."""
+    if not paired:
+        return
+    print("\n## What would cut the paired noise\n")
+    for arm, sd, ev_share, last5, big in paired:
+        print(f"{arm} − baseline: sd of a seed's difference {fmt(sd)}; the evaluation set is {fmt(ev_share * 100)} % of its "
+              f"variance, so an evaluation set 16x larger cuts the sd at most {1 / math.sqrt(1 - ev_share * 15 / 16):.4f}x "
+              f"(measured over {FRESH} scenes: {fmt(big)}); the mean of the last 5 evaluations gives {fmt(last5)} "
+              f"({fmt(sd / last5)}x); the rest is training (initialisation, data order and how they meet), which n times "
+              "the seeds cut by sqrt(n): 3x takes 9x the seeds.")
 
 
 def report_long(runs: list[dict], long: dict[str, dict[int, float]]) -> None:
@@ -222,6 +246,8 @@ def report_long(runs: list[dict], long: dict[str, dict[int, float]]) -> None:
 
 def report(runs: list[dict], n_big: int) -> None:
     small = 512
+    dominant: list[tuple] = []
+    paired: list[tuple] = []
     print("\n## One run's variance by source (final eval loss, nats/image token)\n")
     print("| arm | runs | mean | sd of one run | init | data order | residual (init x data) | eval set, 512 scenes | "
           f"eval set, {n_big} scenes | sd over {n_big} scenes | last 5 evaluations' mean: sd |")
@@ -239,9 +265,15 @@ def report(runs: list[dict], n_big: int) -> None:
         ab = interaction(ex[:, :small])
         tot = c["total"]
         share = lambda v: f"{fmt(v / tot * 100)} %"  # noqa: E731
+        dominant.append((arm, max(("initialisation", c["init"]), ("data order", c["data"]), ("their interaction", c["residual"]),
+                                  key=lambda kv: kv[1]), tot, ab / small))
         print(f"| {arm} | {len(mine)} | {fmt(final.mean())} | {fmt(math.sqrt(tot))} | {share(c['init'])} | {share(c['data'])} | "
               f"{share(c['residual'])} | {share(ab / small)} | {share(interaction(ex) / n_big)} | {fmt(big.std(ddof=1))} | "
               f"{fmt(last5.std(ddof=1))} |")
+    print()
+    for arm, (source, var), tot, ev in dominant:
+        print(f"{arm}: the largest source of one run's variance is its {source} ({fmt(var / tot * 100)} %); the "
+              f"evaluation set's 512 scenes {fmt(ev / tot * 100)} %.")
     print("\n## Paired differences against the baseline (the same init and data order)\n")
     print("| arm − baseline | pairs | mean | sd of one pair's difference | rho | init | data order | residual | "
           f"eval set, 512 scenes | sd over {n_big} scenes | last 5 evaluations: sd |")
@@ -266,9 +298,11 @@ def report(runs: list[dict], n_big: int) -> None:
         last5 = diff(lambda r: np.mean([r["evals"][s] for s in sorted(r["evals"])[-5:]]))
         tot = c["total"]
         share = lambda v: f"{fmt(v / tot * 100)} %"  # noqa: E731
+        paired.append((arm, math.sqrt(tot), interaction(ex) / 512 / tot, float(last5.std(ddof=1)), float(big.std(ddof=1))))
         print(f"| {arm} | {d.size} | {fmt(d.mean())} | {fmt(math.sqrt(tot))} | {fmt(np.corrcoef(a, b)[0, 1])} | {share(c['init'])} | "
               f"{share(c['data'])} | {share(c['residual'])} | {share(interaction(ex) / 512)} | {fmt(big.std(ddof=1))} | "
               f"{fmt(last5.std(ddof=1))} |")
+    return paired
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The generated references of the docs site: `docs/reference/config.md` from the config schemas
-and the YAML presets, `docs/reference/cli.md` from the `dalle-ablate` argument parser.
+"""The generated references of the docs site: `docs/reference/config.md` from the config schemas,
+the YAML presets and the metric declarations, `docs/reference/cli.md` from the `dalle-ablate`
+argument parser.
 
     python -m dalle_ablate.docs          # rewrite both
     python -m dalle_ablate.docs --check  # exit 1 if either differs (tests/docs/test_reference.py)
@@ -26,8 +27,10 @@ from dalle_ablate.cli import build_parser
 from dalle_ablate.config import GROUPS, RunConfig, group_options
 from dalle_ablate.data import DATASETS
 from dalle_ablate.evaluate import EvalConfig
+from dalle_ablate.metrics import METRICS
 from dalle_ablate.model import FAMILIES
 from dalle_ablate.optim import OPTIMIZERS, SCHEDULES
+from dalle_ablate.report import findings  # noqa: F401 -- declares the report's own measures (loss spikes, LR sensitivity)
 from dalle_ablate.track import TRACKERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +45,11 @@ def _comments(cls: type) -> dict[str, str]:
     """field -> the comment beside it (after `#` on its line) or in the lines just above it. A
     subclass that sets a field's default again without a comment keeps its base's (an option's
     `name`, an optimizer's `lr`: the same field, another default). A config whose fields come from
-    a record of options (`OPTIONS`: optim=shampoo's ShampooOptions) has that record's comments."""
+    a record of options (`OPTIONS`: optim=shampoo's ShampooOptions) has that record's comments, and
+    a record that extends another (a new option beside Shampoo's) its base's too."""
     out: dict[str, str] = {}
-    for klass in [*([cls.OPTIONS] if hasattr(cls, "OPTIONS") else []), *reversed(cls.__mro__)]:
+    records = list(reversed(cls.OPTIONS.__mro__)) if hasattr(cls, "OPTIONS") else []
+    for klass in [*records, *reversed(cls.__mro__)]:
         if not dataclasses.is_dataclass(klass) or klass.__module__ == "builtins":
             continue
         try:
@@ -190,6 +195,28 @@ def config_reference() -> str:
             parts.append(_table(EvalConfig))
         if group == "mesh":
             parts.append("\nThe fields are the run-level `mesh.*` above.\n")
+    parts.append(metrics_reference())
+    return "".join(parts)
+
+
+def metrics_reference() -> str:
+    """The declared metrics (dalle_ablate/metrics.py), as a section of the configuration reference."""
+    axis = {m.pareto_against: "y" for m in METRICS.values() if m.pareto_against}
+    parts = ["\n## Metrics\n\nThe metrics the closing lines, W&B summaries, reports and study pages read, each declared "
+             "once beside the code that computes it (`dalle_ablate/metrics.py`), named as a run logs it (a sampled "
+             "metric at each guidance scale; a report's own measure is computed from the runs). Headline: its place in "
+             "a run's closing lines, and its best is kept in its W&B summary; Pareto: its axis on the guidance-scale "
+             "plot, x against the y it names; study: the name a study file's `metric:` gives it, and its default "
+             "margin Δ (a percentage of the baseline arm's mean, or in its unit). `dalle-ablate report --margin` takes "
+             "the run's own metrics by name.\n\n",
+             "| metric | unit | better | headline | Pareto | study, default Δ | what it is |\n|---|---|---|---|---|---|---|\n"]
+    for m in METRICS.values():
+        name = f"`{m.logged('<scale>')}`" if m.source == "samples" else f"`{m.logged()}`" if m.source != "report" \
+            else f"`{m.key}` (a report's)"
+        pareto = f"x, against `{m.pareto_against}`" if m.pareto_against else axis.get(m.key, "")
+        study = f"`{m.study}`, {m.margin}" if m.study and m.margin else f"`{m.study}`" if m.study else ""
+        parts.append(f"| {name} | {_prose(m.unit)} | {m.better} | {m.headline or ''} | {pareto} | {study} | "
+                     f"{_prose(m.what)} |\n")
     return "".join(parts)
 
 

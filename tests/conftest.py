@@ -86,6 +86,15 @@ def run_py(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None) -
     )
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_wandb_service():
+    """A test that runs W&B in this process exports WANDB_SERVICE (wandb.init does), and every
+    `run.py` started after it would attach to this process's W&B service: a child killed there
+    leaves its run open in it, "run ID ... is in use" to the resumed child. Each child its own."""
+    yield
+    os.environ.pop("WANDB_SERVICE", None)
+
+
 @pytest.fixture(scope="session")
 def small_dataset():
     from dalle_ablate.data import build_dataset

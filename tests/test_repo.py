@@ -1,10 +1,18 @@
-"""The repository keeps its promises: CI runs the README's test command; generated output is ignored."""
+"""The repository keeps its promises: CI runs the README's test command; generated output is ignored;
+the docs' examples are what the code prints today (tools/docs_examples.py generates them)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 
 from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))  # tools/ is scripts, not a package
+import docs_examples  # noqa: E402
+
+RERUN = "run python tools/docs_examples.py (--render where only the words changed), which rewrites it"
 
 
 def test_ci_runs_the_readme_test_command():
@@ -39,3 +47,34 @@ def test_ci_builds_the_docs_site_strict():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     build = re.search(r"mkdocs build[^&]*", ci)
     assert build and "--strict" in build.group(0) and not re.search(r"\s-q\b|--quiet", build.group(0)), ci
+
+
+def record(name: str) -> dict:
+    return json.loads((docs_examples.RECORDS / f"{name}.json").read_text())
+
+
+def test_the_readme_s_closing_lines_are_what_the_code_prints_for_the_run_it_recorded():
+    """The lines a default job printed, kept with that run's summary and last evaluation: the
+    trainer's `closing_lines` prints them again from those values (a format that drifted fails
+    here), and the README shows them as printed. tests/evaluate/test_evaluate.py checks on a fresh
+    run that a run store's values give back the lines the run printed."""
+    rec = record("default-job")
+    assert docs_examples.closing(rec["runs"]["0"]) == rec["printed"], f"the closing lines' format changed: {RERUN}"
+    shown = docs_examples.block((ROOT / "README.md").read_text(), "closing-lines")
+    code = [line[4:] for line in shown.splitlines() if line.startswith("    ")]
+    assert "\n".join(code) == rec["printed"]
+    assert f"(commit {rec['commit']}, " in shown and rec["printed"].startswith("finished at step 2000 of 2000 ")
+
+
+def test_the_docs_examples_are_what_the_script_writes_from_its_records():
+    """Each generated block of the README and the docs (the closing lines with their seed spread,
+    what the first ablation's report says) is the script's rendering of its record, in the words
+    the code uses today (the report's variant sentence, its units)."""
+    for (page, name), rec in docs_examples.BLOCKS.items():
+        text = docs_examples.block((ROOT / page).read_text(), name)
+        assert text == docs_examples.RENDER[rec](record(rec)), f"{page}, block {name}: {RERUN}"
+    first = record("first-ablation")
+    assert first["commands"][0] == " ".join(docs_examples.ABLATION) and first["baseline"] == docs_examples.BASELINE
+    for page in ("README.md", "docs/first-ablation.md"):  # the commands shown are the ones the record ran
+        assert " ".join(docs_examples.ABLATION[2:]).replace("eval.guidance_scales=[1,3]", "'eval.guidance_scales=[1,3]'") \
+            in (ROOT / page).read_text()

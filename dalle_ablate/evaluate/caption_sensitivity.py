@@ -11,7 +11,8 @@ from typing import Optional
 import numpy as np
 
 from dalle_ablate.data.scenes import PALETTE, ROWS, SHAPES, position_name
-from dalle_ablate.evaluate.evaluators import evaluator
+from dalle_ablate.evaluate.evaluators import ModelContext, evaluator
+from dalle_ablate.metrics import Metric
 
 KINDS = ("color", "shape", "position", "count")
 POSITIONS = sorted({position_name(r, c) for r in range(len(ROWS)) for c in range(3)})
@@ -72,7 +73,9 @@ def sensitivity(per_image_nll, encode, specs: list[dict], codes: np.ndarray, see
     return out
 
 
-@evaluator("caption_sensitivity", "model", needs_specs=True)
-def caption_sensitivity_evaluator(ctx, specs: list[dict], codes: np.ndarray, seed: int) -> dict[str, float]:
+@evaluator("caption_sensitivity", "model", needs_specs=True, metrics=[
+    Metric(kind, f"the rise in a valid image's NLL when its caption's {kind} is swapped", "nats per image", "higher",
+           headline=7) for kind in KINDS])
+def caption_sensitivity_evaluator(ctx: ModelContext, specs: list[dict], codes: np.ndarray, seed: int) -> dict[str, float]:
     """eval.metrics=[caption_sensitivity]: the model's loss under swapped captions of valid examples."""
     return sensitivity(ctx.per_image_nll, ctx.dataset.text.encode, specs, codes, seed)

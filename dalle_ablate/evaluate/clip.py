@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dalle_ablate.evaluate.evaluators import evaluator
+from dalle_ablate.evaluate.evaluators import SamplesContext, evaluator
+from dalle_ablate.metrics import Metric
 from dalle_ablate.registry import ConfigError, OptionConfig, check
 from dalle_ablate.weights import apply_batched, existing, file_hash, from_state_dict, open_weights, save_weights, to_state_dict
 from dalle_ablate.weights import with_arrays
@@ -355,8 +356,10 @@ def clip_setup(settings: ClipEvalConfig, eval_cfg) -> dict:
     return {"scorer": CLIPScorer(settings.weights, "eval.clip.weights", settings.batch_size)}
 
 
-@evaluator("clip", "samples", settings=ClipEvalConfig, setup=clip_setup)
-def clip_evaluator(images: np.ndarray, ctx) -> dict:
+@evaluator("clip", "samples", settings=ClipEvalConfig, setup=clip_setup, metrics=[
+    Metric("score", "CLIP score of the images against their captions", "100 x cosine", "higher", headline=4),
+])
+def clip_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict:
     """eval.metrics=[clip]: CLIP score as torchmetrics': 100 * cos of image and caption
     embeddings, mean over the samples, the mean clamped at 0."""
     state = ctx.cache["clip"]

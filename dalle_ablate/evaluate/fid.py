@@ -11,10 +11,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from dalle_ablate.evaluate.evaluators import evaluator
+from dalle_ablate.evaluate.evaluators import SamplesContext, evaluator
 from dalle_ablate.evaluate.frechet import frechet_distance, statistics
 from dalle_ablate.evaluate.inception import FEATURES, HINT, RESIZE, InceptionFeatures
 from dalle_ablate.fileio import atomic_savez
+from dalle_ablate.metrics import Metric
 from dalle_ablate.registry import ConfigError, OptionConfig, check
 from dalle_ablate.weights import existing
 
@@ -108,8 +109,10 @@ def fid_setup(settings: FidConfig, eval_cfg) -> dict:
     return {"net": net, "reference": Reference.load(eval_cfg.reference).check(net) if eval_cfg.reference else None}
 
 
-@evaluator("fid", "samples", settings=FidConfig, setup=fid_setup)
-def fid_evaluator(images: np.ndarray, ctx) -> dict:
+@evaluator("fid", "samples", settings=FidConfig, setup=fid_setup, metrics=[
+    Metric("fid", "FID against the reference images", "FID", "lower", headline=5, pareto_against="clip/score"),
+])
+def fid_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict:
     """eval.metrics=[fid]: FID (Heusel et al. 2017) on pool3 features of the FID Inception, against
     eval.reference or, without one, the real images of the eval prompts (computed once per
     Evaluation)."""

@@ -21,31 +21,40 @@ from dalle_ablate.evaluate.evaluators import EVALUATORS
 from dalle_ablate.evaluate.prompts import PROMPT_LISTS, by_category, slug
 from dalle_ablate.evaluate.rerank import SCORERS, rerank_rows
 from dalle_ablate.generate import image_grid, make_sampler
+from dalle_ablate.metrics import headlines, pareto_axes
 from dalle_ablate.model import token_nll
-from dalle_ablate.track import HEADLINES
 
-# Which metrics make the Pareto plot's axes, first pair present wins: (fidelity, alignment).
-PARETO_AXES = (("fid/fid", "clip/score"), ("shapes_fd/fd", "shapes/all"), ("shapes/clean", "shapes/all"))
+
+def number(v: float, spec: str) -> str:
+    """`v` formatted by `spec`, without the sign of a negative zero (-0.001 at .2f is 0.00)."""
+    text = format(v, spec)
+    return text[1:] if text.startswith("-") and not any(c in "123456789" for c in text.split("e")[0]) else text
 
 
 def headline(result: dict) -> list[str]:
-    """Console lines of one evaluation (`Evaluation.run`'s result): each headline metric by
-    guidance scale, with its 95% interval where it has one, and the caption sensitivity."""
+    """Console lines of one evaluation (`Evaluation.run`'s result): each sampled headline metric
+    (dalle_ablate/metrics.py) by guidance scale, with its 95% interval where it has one, then the
+    model evaluators' headline metrics, a line per evaluator."""
     rows, lines = result.get("pareto") or [], []
-    for key in HEADLINES:
+    sampled = [m.key for m in headlines("samples")]
+    for key in sampled:
         if rows and key in rows[0]:
-            interval = lambda r: f" [{r[key + '_lo']:.2f}, {r[key + '_hi']:.2f}]" if key + "_lo" in r else ""  # noqa: E731
-            cells = [f"s{r['scale']:g} {r[key]:.3g}{interval(r)}" for r in rows]
+            interval = lambda r: (f" [{number(r[key + '_lo'], '.2f')}, {number(r[key + '_hi'], '.2f')}]"  # noqa: E731
+                                  if key + "_lo" in r else "")
+            cells = [f"s{r['scale']:g} {number(r[key], '.3g')}{interval(r)}" for r in rows]
             lines.append(f"{key} (n={rows[0]['n']} per scale): " + ", ".join(cells))
     reranked = result.get("rerank") or []
-    for key in [k for k in HEADLINES if reranked and k in reranked[0]] or (["rerank/score"] if reranked else []):
+    for key in [k for k in sampled if reranked and k in reranked[0]] or (["rerank/score"] if reranked else []):
         for scale in sorted({r["scale"] for r in reranked}):
-            cells = [f"{r['best_of']}: {r[key]:.3g}" for r in reranked if r["scale"] == scale]
+            cells = [f"{r['best_of']}: {number(r[key], '.3g')}" for r in reranked if r["scale"] == scale]
             lines.append(f"{key} best of N at s{scale:g}: " + ", ".join(cells))
-    prefix = "eval/caption_sensitivity/"
-    sens = {k[len(prefix):]: v for k, v in (result.get("model") or {}).items() if k.startswith(prefix) and not k.endswith("_n")}
-    if sens:
-        lines.append("caption sensitivity, nats per image: " + ", ".join(f"{k} {v:.2f}" for k, v in sens.items()))
+    model, by_evaluator = result.get("model") or {}, {}
+    for m in headlines("model"):
+        if m.logged() in model:
+            by_evaluator.setdefault(m.key.split("/")[0], []).append(m)
+    for name, found in by_evaluator.items():  # "caption sensitivity, nats per image: color 4.95, ..."
+        lines.append(f"{name.replace('_', ' ')}, {found[0].unit}: "
+                     + ", ".join(f"{m.key.split('/', 1)[1]} {number(model[m.logged()], '.2f')}" for m in found))
     return lines
 
 
@@ -120,6 +129,7 @@ class Evaluation:
         self.can_draw = dataset.has_image_decoder()
         self.prompts, self.specs = dataset.eval_prompts(self.e.num_samples)
         self.cache: dict = {}  # what evaluators compute once per Evaluation (fixed prompts), e.g. a floor
+        self.cache_dir = str(cfg.data.cache_dir)
         for name, ev in self.evaluators.items():
             if ev.setup is not None:
                 self.cache[name] = ev.setup(self.e.settings(name), self.e)
@@ -239,7 +249,7 @@ class Evaluation:
         for r in rows:  # scalars too, one series per scale, for W&B's own charts and reports
             self.tracker.log({f"eval/pareto/s{r['scale']:g}/{k}": v for k, v in r.items()
                               if k not in ("run", "step", "scale") and not isinstance(v, str)}, step)
-        axes = next(((x, y) for x, y in PARETO_AXES if x in rows[0] and y in rows[0]), None)
+        axes = pareto_axes(rows[0])
         self.tracker.log_table("eval/pareto", columns, [[r[c] for c in columns] for r in rows], step, line=axes)
         if axes is not None:
             title = f"step {step}, N={rows[0]['n']} per scale: {axes[1]} vs {axes[0]}"
@@ -252,7 +262,7 @@ class Evaluation:
                               if k not in ("run", "step", "scale", "best_of") and not isinstance(v, str)}, step)
         columns = list(rows[0])
         self.tracker.log_table("eval/rerank", columns, [[r[c] for c in columns] for r in rows], step)
-        metric = next((k for k in HEADLINES if k in rows[0]), "rerank/score")
+        metric = next((m.key for m in headlines("samples") if m.key in rows[0]), "rerank/score")
         title = f"step {step}: {metric}, best of N by {self.e.rerank_scorer} {scorer.hash}"
         self.tracker.log_image("eval/rerank_plot", rerank_png(rows, metric, title), step, caption=title)
 

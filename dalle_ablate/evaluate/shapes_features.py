@@ -18,9 +18,10 @@ import optax
 from flax import nnx
 
 from dalle_ablate.data.scenes import PALETTE, SHAPES, SIZES, random_scene, render
-from dalle_ablate.evaluate.evaluators import evaluator
+from dalle_ablate.evaluate.evaluators import SamplesContext, evaluator
 from dalle_ablate.evaluate.frechet import frechet_distance, kid, statistics
 from dalle_ablate.fileio import atomic_savez
+from dalle_ablate.metrics import Metric
 
 SETTINGS = {"version": 1, "train_images": 4000, "steps": 400, "batch": 64, "lr": 3e-3, "features": 32, "seed": 0,
             "reference_images": 2000, "image_size": 64}
@@ -131,12 +132,15 @@ def shapes_features(cache_dir: str) -> ShapesFeatures:
     return ShapesFeatures(cache_dir)
 
 
-@evaluator("shapes_fd", "samples", needs_specs=True)
-def shapes_fd_evaluator(images: np.ndarray, ctx) -> dict[str, float]:
+@evaluator("shapes_fd", "samples", needs_specs=True, metrics=[
+    Metric("fd", "Fréchet distance of the images' shapes features to real renders", "Fréchet distance", "lower",
+           headline=6, pareto_against="shapes/all"),
+])
+def shapes_fd_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict[str, float]:
     """eval.metrics=[shapes_fd]: Fréchet distance and KID of the images' features against real
     renders; `floor` is the distance of real renders of these same prompts, the value a perfect
     model would get at this N (both distances are biased upwards at small N)."""
-    net = shapes_features(str(ctx.cfg.data.cache_dir))
+    net = shapes_features(ctx.cache_dir)
     feats = net.extract(net.resized(images))
     if "shapes_fd/floor" not in ctx.cache:  # the prompts are fixed for the Evaluation's life
         real = net.resized(ctx.reference_images())

@@ -18,13 +18,15 @@ from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
-from dalle_ablate.report.tables import (ONE_SEED, SAME_PROMPTS, STABILITY_COLUMNS, final_table, fmt, paired_table,
-                                        runs_csv, shapes_noise_table, shapes_tier_table, stability_rows, tier_table)
+from dalle_ablate.report import prose as P
+from dalle_ablate.report.tables import (FINAL_METRICS, ONE_SEED, SAME_PROMPTS, STABILITY_COLUMNS, _needs, final_table, fmt,
+                                        fmt3, paired_table, runs_csv, shapes_noise_table, shapes_tier_table,
+                                        stability_rows, tier_table)
 from dalle_ablate.report.writers import Section, to_html, to_markdown
-from dalle_ablate.track import HEADLINES
+from dalle_ablate.metrics import headlines, metric
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
-TITLES = {"overview": "Runs and variants", "final": "Final metrics", "noise": "Noise report", "optuna": "Optuna study",
+TITLES = {"overview": "Summary", "final": "Final metrics", "noise": "Noise report", "optuna": "Optuna study",
           "curves": "Loss and gradient norm across seeds", "stability": "Stability", "compute": "Equal-compute views",
           "pareto": "Guidance-scale Pareto curves", "shapes": "Shapes evaluation by tier", "grids": "Prompt grids",
           "config": "Config diff"}
@@ -65,124 +67,124 @@ def group_variants(runs: list[Run], study) -> tuple[dict[str, list[Run]], list[R
     return {v: by_variant[v] for v in ranked}, left_out, f"the best completed trial by {metric}"
 
 
-def build_sections(runs: list[Run], baseline: Optional[str], study=None,
-                   margins: Optional[dict[str, str]] = None) -> tuple[list[Section], dict]:
-    by_variant, left_out, why = group_variants(runs, study)
-    if not by_variant:
-        raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")
+def choose_baseline(by_variant: dict[str, list[Run]], baseline: Optional[str], why: str) -> tuple[str, str]:
+    """(the baseline variant, why it is): --baseline, matched exactly or as the one variant it is
+    part of; else the first variant."""
     if baseline is None:
-        baseline = next(iter(by_variant))
-    else:
-        matches = [v for v in by_variant if baseline == v] or [v for v in by_variant if baseline in v]
-        if len(matches) != 1:
-            raise ConfigError(f"--baseline {baseline!r} matches {len(matches)} variants; variants: {'; '.join(by_variant)}")
-        baseline, why = matches[0], "--baseline"
-    compared = [r for rs in by_variant.values() for r in rs]
-    palette = figures.colors(list(by_variant))
-    one_seed = max(len(rs) for rs in by_variant.values()) == 1
-    sections = {k: Section(k, TITLES[k], folded=k in FOLDED) for k in section_keys(study is not None)}
+        return next(iter(by_variant)), why
+    matches = [v for v in by_variant if baseline == v] or [v for v in by_variant if baseline in v]
+    if len(matches) != 1:
+        raise ConfigError(f"--baseline {baseline!r} matches {len(matches)} variants; variants: {'; '.join(by_variant)}")
+    return matches[0], "--baseline"
 
-    s = sections["overview"]
-    s.text.append(f"{len(compared)} runs in {len(by_variant)} variants (what differs between runs apart from the seed, "
-                  f"as typed); baseline: {baseline} ({why}).")
+
+def variant_sentence(variant: str, judged: dict, metrics=FINAL_METRICS) -> str:
+    """One variant against the baseline in the verdict engine's words (tables.against_baseline's
+    rows): per metric, the verdict, the difference and its 95 % interval, the seeds it is over."""
+    parts = []
+    for m in metrics:
+        j, unit = judged[(variant, m)], metric(m).unit
+        diff = ("+" if j["d"] > 0 else "") + fmt3(j["d"])
+        if j["n"] < 2:
+            parts.append(P.ONE_SEED_JUDGEMENT.format(metric=m, verdict=j["verdict"], diff=diff, unit=unit))
+            continue
+        how = f"{int(j['n'])} seeds, {'paired' if j['paired'] else 'Welch'}"
+        needs = f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["needed"] else ""
+        parts.append(P.JUDGEMENT.format(metric=m, verdict=j["verdict"], diff=diff, unit=unit, low=fmt3(j["low"]),
+                                        high=fmt3(j["high"]), how=how + needs))
+    return P.VARIANT.format(variant=variant, judgements="; ".join(parts))
+
+
+def overview_section(by_variant: dict[str, list[Run]], left_out: list[Run], baseline: str, why: str,
+                     judged: dict, margins: Optional[dict[str, str]]) -> Section:
+    """The answer first, a sentence per variant; then what was compared."""
+    s = Section("overview", TITLES["overview"])
+    given = P.ANSWER_MARGINS.format(margins=", ".join(f"{k} ±{v}" for k, v in margins.items())) if margins else ""
+    s.text.append(P.ANSWER.format(baseline=baseline, margins=given))
+    s.text += [variant_sentence(v, judged) for v in by_variant if v != baseline]
+    s.text.append(P.OVERVIEW.format(runs=sum(len(rs) for rs in by_variant.values()), variants=len(by_variant),
+                                    baseline=baseline, why=why))
     if left_out:
-        s.text.append(f"Left out of the comparisons, not completed: {', '.join(f'{r.name} ({r.status})' for r in left_out)}.")
-    if one_seed:
-        s.text.append("1 seed per variant: no difference can be tested. The tables give each run's value; rerun with "
-                      "seed=0,1,2 for intervals.")
+        s.text.append(P.LEFT_OUT.format(runs=", ".join(f"{r.name} ({r.status})" for r in left_out)))
+    if max(len(rs) for rs in by_variant.values()) == 1:
+        s.text.append(P.ONE_SEED)
     s.tables.append((["variant", "runs", "seeds", "status"],
                      [[v, len(rs), ", ".join(str(r.seed) for r in rs), ", ".join(sorted({r.status for r in rs}))]
                       for v, rs in by_variant.items()]))
+    return s
 
-    s = sections["final"]
+
+def final_section(by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]]) -> tuple[Section, dict]:
     cols, rows, judged = final_table(by_variant, baseline, margins)
-    s.text.append("Last logged value per run; mean over seeds with a 95% Student-t interval (the curves' bands use the "
-                  "same). Δ is the variant's mean minus the baseline's, judged as a study's findings are "
-                  "(docs/statistics.md): over the seeds both ran, each seed's difference (the same seed shares data "
-                  "order and initial keys), or Welch's unpaired interval where they share fewer than two; each "
-                  "difference on its own noise; the verdict by Holm's procedure over every difference of this table at "
-                  "a family-wise 5 %" + (" with the margins Δ given (" + ", ".join(f"{k} ±{v}" for k, v in margins.items())
-                                         + "): equivalent within ±Δ, or better/worse by more than Δ" if margins else
-                                         "; --margin METRIC=Δ adds the equivalence test and the seeds a difference of Δ "
-                                         "needs") + ". rho is the two runs' correlation across the seeds they share, "
-                  f"what pairing bought. A variant of one seed shows '{ONE_SEED}'.")
-    s.tables.append((cols, rows))
+    given = P.FINAL_MARGIN.format(margins=", ".join(f"{k} ±{v}" for k, v in margins.items())) if margins else P.FINAL_NO_MARGIN
+    return Section("final", TITLES["final"], [P.FINAL.format(margin=given, one_seed=ONE_SEED)], [(cols, rows)]), judged
 
-    sections["noise"] = noise_report.section(by_variant, [(f"{v} vs {baseline}", v, baseline) for v in by_variant
-                                                          if v != baseline])
-    sections["noise"].folded = True
 
-    s = sections["curves"]
-    s.text.append("Lines are the mean over a variant's seeds; the band is the 95% Student-t interval of that mean "
-                  "(none with one seed). The gradient norm, on a log axis, shows the geometric mean and the interval of "
-                  "its logarithm, which stays positive.")
-    s.images.append(("train/loss and train/grad_norm", figures.curves_figure(by_variant, ["train/loss", "train/grad_norm"], palette)))
-    if any("eval/valid/loss" in r.metrics for r in compared):
+def curves_section(by_variant: dict[str, list[Run]], palette: dict) -> Section:
+    s = Section("curves", TITLES["curves"], [P.CURVES])
+    s.images.append(("train/loss and train/grad_norm", figures.curves_figure(by_variant, ["train/loss", "train/grad_norm"],
+                                                                             palette)))
+    if any("eval/valid/loss" in r.metrics for rs in by_variant.values() for r in rs):
         s.images.append(("eval/valid/loss", figures.curves_figure(by_variant, ["eval/valid/loss"], palette)))
+    return s
 
-    s = sections["stability"]
-    s.text.append("Per run: loss spikes (steps whose train/loss exceeds 1.5x the median of the 20 steps before), gradient-"
-                  "norm peaks (5x), the largest gradient norm after warm-up (schedule.warmup_steps) and its step, and "
-                  "whether the loss stopped being finite; with float16 gradient scaling, the steps skipped on overflow.")
+
+def stability_section(runs: list[Run]) -> tuple[Section, list[list]]:
     stability = stability_rows(runs)
-    s.tables.append((STABILITY_COLUMNS, stability))
+    return Section("stability", TITLES["stability"], [P.STABILITY], [(STABILITY_COLUMNS, stability)]), stability
 
-    s = sections["compute"]
-    s.text.append("The eval loss against tokens seen, training wall time (the sum of step times: it measures the machine's "
-                  "load as well as the variant) and training FLOPs (steps x the model's FLOPs per step): variants of "
-                  "different cost compared at equal compute.")
+
+def compute_section(compared: list[Run], palette: dict) -> Section:
     column = "eval/valid/loss" if any("eval/valid/loss" in r.metrics for r in compared) else "train/loss"
-    s.images.append((f"{column} vs tokens, wall time, FLOPs", figures.compute_figure(compared, column, palette)))
+    return Section("compute", TITLES["compute"], [P.COMPUTE],
+                   images=[(f"{column} vs tokens, wall time, FLOPs", figures.compute_figure(compared, column, palette))])
 
-    s = sections["pareto"]
-    pareto = figures.pareto_figure(compared, palette)
-    if pareto is None:
-        s.text.append("No run has a sampling evaluation (eval.metrics) with a Pareto table.")
+
+def pareto_section(compared: list[Run], palette: dict) -> Section:
+    """Every run's last Pareto curve on one plot, or the reason there is nothing to plot; the shapes
+    all-correct by tier."""
+    s = Section("pareto", TITLES["pareto"])
+    flat = figures.flat_pareto(compared)
+    pareto = figures.pareto_figure(compared, palette) if flat is None else None
+    if flat is not None:
+        s.text.append(P.FLAT_PARETO.format(metric=flat[0], value=fmt3(flat[1])))
+    elif pareto is None:
+        s.text.append(P.NO_PARETO)
     else:
         s.images.append((f"{pareto[2]} vs {pareto[1]}", pareto[0]))
     tiers = tier_table(compared)
     if tiers is not None:
-        s.text.append("Shapes all-correct by difficulty tier at each guidance scale of the last evaluation: the rate, its "
-                      "95% Wilson interval and N (prompts of that tier).")
+        s.text.append(P.TIERS)
         s.tables.append(tiers)
+    return s
 
-    s = sections["shapes"]
+
+def shapes_section(by_variant: dict[str, list[Run]], baseline: str) -> Section:
+    """The shapes evaluation per tier, its own noise, and each variant against the baseline prompt
+    by prompt, each table under its own heading."""
+    s = Section("shapes", TITLES["shapes"], folded=True)
     tiers = shapes_tier_table(by_variant)
     if tiers is None:
-        s.text.append("No run has the shapes evaluation (eval.metrics=[shapes]).")
-    else:
-        s.text.append("The last evaluation, per guidance scale and tier, means over a variant's seeds: all-correct; the "
-                      "share of caption objects found (drawn at all); each attribute asked only of found objects (DSG) / "
-                      "over all checks (a missing object's attributes wrong, every extra object one more wrong check); "
-                      "the relation where both its objects were found (VISOR) / over all images, with that coverage; "
-                      "images with ink that is no object (unparsed). Chance for captions that do not belong to their "
-                      "images: docs/architecture.md, \"The shapes evaluation\".")
-        s.tables.append(tiers)
-        noise = shapes_noise_table(by_variant)
-        if noise is not None:  # runs that logged how many prompts they scored
-            s.text.append("The evaluation's own noise apart from the seeds': all-correct's standard deviation over seeds "
-                          "beside the binomial standard deviation over the prompts of one run (what re-drawing the "
-                          "prompts alone would move it by). A seed spread near the prompt noise is mostly the evaluation's.")
-            s.tables.append(noise)
-        paired = paired_table(by_variant, baseline)
-        if paired is not None:
-            s.text.append("Each variant against the baseline prompt by prompt: runs of the same seed, the same prompts and "
-                          "the same sampling noise (" + ", ".join(SAME_PROMPTS) + " equal), compared on each prompt's "
-                          "all-correct verdict. Δ with a 95% paired bootstrap interval over prompts; McNemar's exact p "
-                          "over the prompts right in one run only, pooled over the seed pairs. This is the evaluation's "
-                          "resolution at these seeds, not the seed spread (Final metrics compares over seeds).")
-            s.tables.append(paired)
+        s.text.append(P.NO_SHAPES)
+        return s
+    s.text.append(P.SHAPES)
+    s.tables.append(tiers)
+    noise = shapes_noise_table(by_variant)
+    if noise is not None:  # runs that logged how many prompts they scored
+        s.parts.append(Section("shapes-noise", "The evaluation's own noise", [P.SHAPES_NOISE], [noise]))
+    paired = paired_table(by_variant, baseline)
+    if paired is not None:
+        s.parts.append(Section("shapes-paired", "Prompt by prompt against the baseline",
+                               [P.SHAPES_PAIRED.format(same=", ".join(SAME_PROMPTS))], [paired]))
+    return s
 
-    s = sections["grids"]
-    # Every grid of the last evaluation (list / category / scale), the variants side by side: each
-    # variant's first seed, the same prompts in the same rows, the same sampling noise.
+
+def grids_section(by_variant: dict[str, list[Run]], compared: list[Run]) -> Section:
+    """Every grid of the last evaluation (list / category / scale), the variants side by side: each
+    variant's first seed, the same prompts in the same rows, the same sampling noise."""
+    s = Section("grids", TITLES["grids"], folded=True)
     keys = list(dict.fromkeys(key for r in compared for key, path, _ in r.grids if path.exists()))
-    if not keys:
-        s.text.append("No prompt grids (eval.grids) were drawn in these runs.")
-    else:
-        s.text.append("The last evaluation's grids, every list, category and scale, one image each with the variants side "
-                      "by side (each variant's first seed; rows: prompts, columns: samples, the noise fixed across "
-                      "variants, scales and checkpoints).")
+    s.text.append(P.GRIDS if keys else P.NO_GRIDS)
     for key in keys:
         panels, prompts = [], []
         for variant, rs in by_variant.items():
@@ -191,31 +193,59 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None,
                 panels.append((variant, found[0]))
                 prompts = prompts or found[1]
         s.images.append((key + (": " + " | ".join(prompts) if prompts else ""), figures.side_by_side(panels)))
+    return s
 
-    s = sections["config"]
+
+def config_section(runs: list[Run]) -> Section:
     fields = differing_fields(runs, NOT_A_CHOICE)
-    s.text.append(f"The {len(fields)} config fields whose values differ between runs (others are the same everywhere).")
-    s.tables.append((["run", *fields], [[r.name, *[fmt(r.config.get(f)) for f in fields]] for r in runs]))
+    return Section("config", TITLES["config"], [P.CONFIG.format(n=len(fields))],
+                   [(["run", *fields], [[r.name, *[fmt(r.config.get(f)) for f in fields]] for r in runs])], folded=True)
 
+
+def optuna_section(study) -> Section:
+    s = Section("optuna", TITLES["optuna"])
+    metric, lower = objective(study)
+    states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
+    s.text.append(P.OPTUNA.format(name=study.study_name, metric=metric, better="lower" if lower else "higher",
+                                  states=", ".join(f"{k} {v}" for k, v in states.items())))
+    for name, img in figures.optuna_figures(study, metric).items():
+        if isinstance(img, bytes):
+            s.images.append((name, img))
+        else:
+            s.text.append(f"{name}: {img}")
+    return s
+
+
+def build_sections(runs: list[Run], baseline: Optional[str], study=None,
+                   margins: Optional[dict[str, str]] = None) -> tuple[list[Section], dict]:
+    """The report's sections in order (section_keys), and what the files beside it need."""
+    by_variant, left_out, why = group_variants(runs, study)
+    if not by_variant:
+        raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")
+    baseline, why = choose_baseline(by_variant, baseline, why)
+    compared = [r for rs in by_variant.values() for r in rs]
+    palette = figures.colors(list(by_variant))
+    final, judged = final_section(by_variant, baseline, margins)
+    noise = noise_report.section(by_variant, [(f"{v} vs {baseline}", v, baseline) for v in by_variant if v != baseline])
+    noise.folded = True
+    stability, stability_table = stability_section(runs)
+    sections = {"overview": overview_section(by_variant, left_out, baseline, why, judged, margins), "final": final,
+                "noise": noise, "curves": curves_section(by_variant, palette), "stability": stability,
+                "compute": compute_section(compared, palette), "pareto": pareto_section(compared, palette),
+                "shapes": shapes_section(by_variant, baseline), "grids": grids_section(by_variant, compared),
+                "config": config_section(runs)}
     if study is not None:
-        s = sections["optuna"]
-        metric, lower = objective(study)
-        states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
-        s.text.append(f"Study {study.study_name!r}, {metric} ({'lower' if lower else 'higher'} is better): "
-                      + ", ".join(f"{k} {v}" for k, v in states.items()) + ".")
-        for name, img in figures.optuna_figures(study, metric).items():
-            if isinstance(img, bytes):
-                s.images.append((name, img))
-            else:
-                s.text.append(f"{name}: {img}")
-    return list(sections.values()), {"baseline": baseline, "variants": list(by_variant), "judged": judged,
-                                     "stability": stability}
+        sections["optuna"] = optuna_section(study)
+    for key in FOLDED:
+        sections[key].folded = True
+    return [sections[k] for k in section_keys(study is not None)], {
+        "baseline": baseline, "variants": list(by_variant), "judged": judged, "stability": stability_table}
 
 
 # Logged keys the W&B report charts besides the losses: headline eval metrics by scale, caption
 # sensitivity, the optimizer's own statistics.
-REPORT_METRICS = re.compile(rf"eval/pareto/s[^/]+/({'|'.join(map(re.escape, HEADLINES))})"
-                            r"|eval/caption_sensitivity/[a-z]+|optim/.+")
+REPORT_METRICS = re.compile(rf"eval/pareto/s[^/]+/({'|'.join(re.escape(m.key) for m in headlines('samples'))})"
+                            rf"|{'|'.join(re.escape(m.logged()) for m in headlines('model'))}|optim/.+")
 
 
 def wandb_panels(runs: list[Run]) -> tuple[list[str], list[str], list[str]]:
@@ -268,9 +298,9 @@ def build_report(source: str, out_dir: str | Path = "reports", name: Optional[st
     title = f"dalle-ablate report: {source}"
     sections, info = build_sections(runs, baseline, study, margins)
     if skipped:  # in the summary at the top: what the report could not read
-        sections[0].text.append(f"Left out, unreadable ({len(skipped)}): " + "; ".join(skipped) + ".")
-    atomic_write(folder / "index.html", to_html(title, sections))
-    atomic_write(folder / "report.md", to_markdown(title, sections, folder))
+        sections[0].text.append(P.UNREADABLE.format(n=len(skipped), what="; ".join(skipped)))
+    atomic_write(folder / "index.html", to_html(title, sections, number=fmt3))
+    atomic_write(folder / "report.md", to_markdown(title, sections, folder, number=fmt3))
     runs_csv(runs, info["stability"]).to_csv(folder / "runs.csv", index=False)
     group = next((r.meta.get("wandb_group") for r in runs if r.meta.get("wandb_group")), None)
     panels = wandb_panels(runs)

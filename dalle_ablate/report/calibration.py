@@ -40,24 +40,26 @@ def structure(study_file: Path) -> Structure:
     """A study file's structure: the arms its experiment preset runs with the seeds it sweeps for
     the metrics of its own runs; its stress plan's arms and seeds for the metrics judged on the
     stress runs (report/stress.py)."""
-    from dalle_ablate.report.findings import MEASURED_ELSEWHERE, load_study, study_arms
+    from dalle_ablate.metrics import STUDY
+    from dalle_ablate.report.findings import load_study, study_arms
     from dalle_ablate.report.stress import load_stress
     from dalle_ablate.report.study_runs import swept_seeds
 
     study = load_study(study_file)
     plan = load_stress(study_file)
-    stress_only = {a for f in study.findings if f.metric in MEASURED_ELSEWHERE for a in (f.arm, f.against)} - {
-        a for f in study.findings if f.metric not in MEASURED_ELSEWHERE for a in (f.arm, f.against)}
+    given = {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}  # measured on the stress runs
+    stress_only = {a for f in study.findings if f.metric in given for a in (f.arm, f.against)} - {
+        a for f in study.findings if f.metric not in given for a in (f.arm, f.against)}
     # the arms the study's own runs measure: its preset's, and any other its findings on them name
     arms = [a for a in study_arms(study, {}) if a not in stress_only or a == study.baseline]
     n = len(swept_seeds(study.experiment, []) or [0])
     pools, seeds = {}, {}
     for f in study.findings:
-        elsewhere = f.metric in MEASURED_ELSEWHERE
+        elsewhere = STUDY[f.metric].reads == "given"
         pools[f.metric] = (plan.arms if elsewhere and plan is not None else arms)
         seeds[f.metric] = len(plan.seeds) if elsewhere and plan is not None else n
     return Structure(pools, seeds, [(f.metric, f.arm, f.against) for f in study.findings],
-                     tuple(m for m in pools if m not in MEASURED_ELSEWHERE))
+                     tuple(m for m in pools if STUDY[m].reads != "given"))
 
 
 @dataclass

@@ -8,9 +8,18 @@ from pathlib import Path
 
 import numpy as np
 
+from dalle_ablate.metrics import label
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import t_interval
-from dalle_ablate.track import HEADLINES
+
+
+# The smallest text a figure draws, in points, and the resolution it is written at: 10 pt is 12.5 px
+# at 90 dpi, 10 px still where a page shows the figure at 80 % of its width. A study page's figures
+# are drawn at most FIT_IN inches wide, what the docs site's content column shows at 1400 px (~850
+# px); the report's page is 1200 px wide.
+MIN_PT = 10
+DPI = 90
+FIT_IN = 9.4
 
 
 def _plt():
@@ -24,7 +33,7 @@ def _plt():
 
 def png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     _plt().close(fig)
     return buf.getvalue()
 
@@ -32,22 +41,6 @@ def png(fig) -> bytes:
 def colors(variants: list[str]) -> dict[str, str]:
     cycle = _plt().rcParams["axes.prop_cycle"].by_key()["color"]
     return {v: cycle[i % len(cycle)] for i, v in enumerate(variants)}
-
-
-# What each logged quantity is measured in, for the axes.
-UNITS = {"train/loss": "nats per token", "eval/valid/loss": "nats per token", "train/grad_norm": "global L2 norm",
-         "fid/fid": "FID", "shapes_fd/fd": "Fréchet distance", "clip/score": "100 x cosine", "shapes/all": "fraction correct",
-         "shapes/clean": "fraction of drawn pixels"}
-# Which way is better, for the metrics that have one (a gradient norm has none).
-BETTER = {"train/loss": "lower", "eval/valid/loss": "lower", "shapes/clean": "higher",
-          **{k: "lower" if v == "min" else "higher" for k, v in HEADLINES.items()}}
-
-
-def label(column: str) -> str:
-    """`column (unit, lower is better)` for an axis."""
-    parts = [UNITS.get(column)] + ([f"{BETTER[column]} is better"] if column in BETTER else [])
-    parts = [p for p in parts if p]
-    return f"{column} ({', '.join(parts)})" if parts else column
 
 
 def seed_band(runs: list[Run], column: str, x: str = "step", log: bool = False):
@@ -69,7 +62,7 @@ def seed_band(runs: list[Run], column: str, x: str = "step", log: bool = False):
 
 def curves_figure(by_variant: dict[str, list[Run]], columns: list[str], palette: dict) -> bytes:
     plt = _plt()
-    fig, axes = plt.subplots(1, len(columns), figsize=(5.6 * len(columns), 3.8))
+    fig, axes = plt.subplots(1, len(columns), figsize=(min(5.6 * len(columns), FIT_IN), 3.8))
     for ax, col in zip(np.atleast_1d(axes), columns):
         log = col.endswith("grad_norm")
         for variant, runs in by_variant.items():
@@ -79,8 +72,8 @@ def curves_figure(by_variant: dict[str, list[Run]], columns: list[str], palette:
             ax.plot(xs, mean, "-o", ms=2, color=palette[variant], lw=1.4)
             if np.isfinite(low).any():
                 ax.fill_between(xs, low, high, color=palette[variant], alpha=0.2, lw=0)
-        kind = "geometric mean and 95% t-interval of the log" if log else "mean and 95% t-interval"
-        ax.set_title(f"{col}: {kind} across seeds", fontsize=10)
+        kind = "geometric mean, 95% t-interval of the log" if log else "mean, 95% t-interval"  # across seeds
+        ax.set_title(f"{col}\n{kind}", fontsize=MIN_PT)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label(col))
         ax.grid(alpha=0.3)
@@ -95,14 +88,14 @@ def _legend_below(fig, palette: dict, counts: dict | None = None) -> None:
     """Variant labels can be long: one legend under the axes, not over the curves."""
     plt = _plt()
     handles = [plt.Line2D([], [], color=c, label=v + (f" (n={counts[v]})" if counts else "")) for v, c in palette.items()]
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=9, frameon=False,
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=MIN_PT, frameon=False,
                ncol=max(1, min(3, len(handles))))
 
 
 def compute_figure(runs: list[Run], column: str, palette: dict) -> bytes:
     """The metric against tokens, wall time and FLOPs: equal-compute comparisons."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(15.6, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13.2, 3.8), sharey=True)  # one y label: three would overlap the panels
     for r in runs:
         steps, values = series(r, column)
         if len(steps) == 0:
@@ -114,18 +107,36 @@ def compute_figure(runs: list[Run], column: str, palette: dict) -> bytes:
         flops = steps * float(r.meta.get("flops_per_step") or np.nan)
         for ax, xs in zip(axes, (tokens, wall, flops)):
             ax.plot(xs, values, "-o", ms=2, color=palette[r.variant], lw=1, alpha=0.8)
-    for ax, xlabel in zip(axes, ("tokens seen", "training wall time (s, steps only; includes machine load)",
+    for ax, xlabel in zip(axes, ("tokens seen", "training wall time (s, steps only;\nincludes machine load)",
                                  "training FLOPs")):
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(label(column))
         ax.grid(alpha=0.3)
+    axes[0].set_ylabel(label(column))
     fig.tight_layout()
     _legend_below(fig, palette)
     return png(fig)
 
 
-def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | None:
+def _pareto_tables(runs: list[Run]) -> list[tuple[Run, dict]]:
+    """The runs' last Pareto tables that have a line to draw, on the first one's axes."""
     tables = [(r, r.pareto) for r in runs if r.pareto and r.pareto.get("line")]
+    return [(r, t) for r, t in tables if list(t["line"]) == list(tables[0][1]["line"])]
+
+
+def flat_pareto(runs: list[Run]) -> tuple[str, float] | None:
+    """(the axis, its one value) where every point of every run's Pareto curve has the same value on
+    one axis -- e.g. a caption metric still 0 at every scale after a short run: a curve along an
+    axis of zero width trades nothing and says nothing a table does not. None otherwise."""
+    tables = _pareto_tables(runs)
+    for axis in tables[0][1]["line"] if tables else []:
+        values = np.array([row[t["columns"].index(axis)] for _, t in tables for row in t["rows"]], float)
+        if np.isfinite(values).all() and np.ptp(values) <= 1e-9 * max(1.0, float(np.abs(values).max())):
+            return axis, float(values[0])
+    return None
+
+
+def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | None:
+    tables = _pareto_tables(runs)
     if not tables:
         return None
     x, y = tables[0][1]["line"]
@@ -133,8 +144,6 @@ def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | No
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     labelled = set()
     for r, t in tables:
-        if list(t["line"]) != [x, y]:
-            continue
         c = {name: i for i, name in enumerate(t["columns"])}
         rows = sorted(t["rows"], key=lambda row: row[c["scale"]])
         xs, ys = [row[c[x]] for row in rows], [row[c[y]] for row in rows]
@@ -145,11 +154,12 @@ def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | No
         if r.variant not in labelled:  # the scales once per variant, at its ends: labels of every run overlap
             labelled.add(r.variant)
             for row in rows[:: max(1, len(rows) - 1)]:
-                ax.annotate(f"s={row[c['scale']]:g}", (row[c[x]], row[c[y]]), fontsize=8, xytext=(3, 3),
+                ax.annotate(f"s={row[c['scale']]:g}", (row[c[x]], row[c[y]]), fontsize=MIN_PT, xytext=(3, 3),
                             textcoords="offset points")
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
-    ax.set_title("guidance-scale Pareto curves, one line per run (error bars: 95% interval)", fontsize=10)
+    ax.set_title("guidance-scale Pareto curves, one line per run (error bars: 95% interval)", fontsize=MIN_PT)
+    ax.margins(0.12)  # room for the scales' labels at the ends
     ax.grid(alpha=0.3)
     fig.tight_layout()
     _legend_below(fig, palette)
@@ -220,8 +230,8 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
     axis; ±Δ is ±1 for all). Thick: the 95 % interval; thin: the family-wise one; shaded: ±Δ.
     Intervals beyond ±`clip` Δ end in an arrow at the edge; the verdict in short at the right."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(10.5, 0.36 * len(rows) + 1.3))
-    ax.axvspan(-1, 1, color="#dde8f3", zorder=0, label="±Δ: no meaningful effect")
+    fig, ax = plt.subplots(figsize=(FIT_IN - 1.4, 0.4 * len(rows) + 1.4))  # the labels either side take ~1.4 in more
+    ax.axvspan(-1, 1, color="#dde8f3", zorder=0)
     ax.axvline(0, color="#444", lw=0.8)
     reach = 1.5
     for i, r in enumerate(rows):
@@ -245,14 +255,15 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
     ax.set_xlim(-reach, reach)
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([r["finding"].id for r in reversed(rows)], fontsize=9)
+    ax.set_yticklabels([r["finding"].id for r in reversed(rows)], fontsize=MIN_PT)
     right = ax.twinx()
     right.set_ylim(ax.get_ylim())
     right.set_yticks(range(len(rows)))
-    right.set_yticklabels([_short_verdict(r) for r in reversed(rows)], fontsize=9)
-    ax.set_xlabel("paired difference (arm − vs) in units of the finding's margin Δ; right: the side the claim predicts")
+    right.set_yticklabels([_short_verdict(r) for r in reversed(rows)], fontsize=MIN_PT)
+    ax.tick_params(axis="x", labelsize=MIN_PT)
+    ax.set_xlabel("paired difference (arm − vs) in units of its margin Δ, shaded: ±Δ;\n"
+                  "right: the side the claim predicts", fontsize=MIN_PT)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.4 / max(len(rows), 1)), fontsize=8, frameon=False)
     fig.tight_layout()
     return png(fig)
 
@@ -274,12 +285,12 @@ def _short_verdict(r: dict) -> str:
     return v
 
 
-def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 4) -> bytes:
+def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 3) -> bytes:
     """Small multiples, one per finding: its paired difference at every evaluation with the 95 %
     interval as a band, 0 and ±Δ as lines, in the metric's units."""
     plt = _plt()
     nrows = max(1, -(-len(courses) // ncols))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.5 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(FIT_IN, 2.7 * nrows), squeeze=False)
     for ax in axes.flat[len(courses):]:
         ax.axis("off")
     for ax, (name, margin, (steps, d, lo, hi)) in zip(axes.flat, courses):
@@ -287,10 +298,12 @@ def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 4) -> by
         ax.axhline(0, color="#444", lw=0.8)
         ax.fill_between(steps, lo, hi, color="#1f4e79", alpha=0.25, lw=0)
         ax.plot(steps, d, "-o", ms=2, color="#1f4e79", lw=1.2)
-        ax.set_title(name, fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.set_title(name, fontsize=MIN_PT)
+        ax.tick_params(labelsize=MIN_PT)
+        ax.yaxis.set_major_locator(_plt().MaxNLocator(4))
+        ax.xaxis.set_major_locator(_plt().MaxNLocator(4))
         ax.grid(alpha=0.3)
     for ax in axes[-1]:
-        ax.set_xlabel("step", fontsize=8)
+        ax.set_xlabel("step", fontsize=MIN_PT)
     fig.tight_layout()
     return png(fig)

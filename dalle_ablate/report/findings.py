@@ -7,7 +7,9 @@ writes the results page.
 
 A study is a YAML file (`report/studies/<name>.yaml`): the multirun preset that runs it, its
 baseline arm, and its findings, each a claim with the arm it is about, the arm it is compared
-with, a metric (`METRICS`), the direction the claim predicts and its margin Δ (`MARGINS`)."""
+with, a metric (its study name, as declared beside the code that computes it: dalle_ablate/metrics.py),
+the direction the claim predicts and its margin Δ (the metric's declared default where it gives
+none)."""
 
 from __future__ import annotations
 
@@ -16,109 +18,83 @@ import math
 from importlib import resources
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import yaml
 
+from dalle_ablate.metrics import STUDY, Metric, declare
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.report import stress  # noqa: F401 -- declares lr_sensitivity, measured on the stress runs
 from dalle_ablate.report.load import Run, read_yaml, series
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.stats import diff_ci, spikes
-from dalle_ablate.report.tables import final_value, headline_values
+from dalle_ablate.report.tables import final_value
 
 STUDIES = Path(__file__).parent / "studies"
 TOPUPS = "topups.json"  # in a study's folder: each top-up's seeds before and after, and what the rule asked
 VERDICTS = V.VERDICTS
 
 
-def _median_step_time(run: Run) -> float:
-    _, v = series(run, "perf/step_time")
-    return float(np.median(v)) if len(v) else math.nan
+# The guidance scale a study reads a sampled metric at: 2, where the default job draws the most
+# scenes right (docs/quickstart.md; guidance beyond 2-3 hurts).
+STUDY_SCALE = 2.0
+
+declare(Metric("loss_spikes", "steps whose train/loss exceeds 1.5x the median of the 20 before", "spikes per run",
+               "lower", source="report", study="loss_spikes", margin="1",  # one loss spike per run
+               value=lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5))))
 
 
-class Metric(NamedTuple):
-    what: str  # what it is, for the page
-    value: Callable[[Run], float]  # its value for one run
-    unit: str  # what its numbers count, printed after each on the page
+def reading(m: Metric) -> str:
+    """How a study reads one run's value of `m`, in words."""
+    if m.reads == "given":
+        return "measured on runs of its own, per arm and seed"
+    if m.reads == "median":
+        return "the median over the run's steps"
+    if m.value is not None:
+        return "over the run's log"
+    return f"at guidance scale {STUDY_SCALE:g}, the last evaluation" if m.source == "samples" else "the last logged value"
 
 
-# The losses are the cross-entropy of the image codes (natural log), averaged over the image tokens.
-METRICS: dict[str, Metric] = {
-    "eval_loss": Metric("eval/valid/loss at the end", lambda r: final_value(r, "eval/valid/loss"), "nats/image token"),
-    "train_loss": Metric("train/loss at the end", lambda r: final_value(r, "train/loss"), "nats/image token"),
-    "step_time": Metric("median seconds per training step (this machine, with its load)", _median_step_time, "s"),
-    "loss_spikes": Metric("steps whose train/loss exceeds 1.5x the median of the 20 before",
-                          lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5)), "spikes/run"),
-    "shapes_all": Metric("shapes all-correct at guidance scale 2, the last evaluation",
-                         lambda r: headline_values(r).get("shapes/all@s2", math.nan), "fraction of prompts"),
-}
-# Metrics measured on runs of their own, not the study's: their per-seed values reach the verdicts
-# through `extra` (page.write_page reads them), and a study run holds none of them. metric -> (what, unit)
-MEASURED_ELSEWHERE: dict[str, tuple[str, str]] = {
-    "lr_sensitivity": ("learning-rate sensitivity over the stress runs (report/stress.py, Wortsman et al. 2023 §2.2)",
-                       "nats/image token"),
-}
-
-
-# Which randomness a finding's interval covers, per metric: what varies from one seed's pair of
-# runs to the next (the noise report, report/noise.py, measures how much each part is).
-COVERS: dict[str, str] = {
-    "eval_loss": "initialisation and data order (the seed); not the evaluation set: every run scores the same scenes",
-    "train_loss": "initialisation and data order (the seed)",
-    "step_time": "the seed and the machine's load while each run trained",
-    "loss_spikes": "initialisation and data order (the seed)",
-    "shapes_all": "the seed and the images' sampling noise; not the prompts: every run draws the same ones",
-    "lr_sensitivity": "the stress runs' seeds (initialisation and data order at every rate)",
-}
-
-
-def unit_of(metric: str) -> str:
-    """The unit of a metric's numbers (METRICS, MEASURED_ELSEWHERE); "" for one neither knows."""
-    if metric in METRICS:
-        return METRICS[metric].unit
-    return MEASURED_ELSEWHERE[metric][1] if metric in MEASURED_ELSEWHERE else ""
-
-
-# The margin Δ of each metric when a finding does not declare its own (docs/statistics.md says
-# why each): "N%" of the baseline arm's mean over its finished seeds (blind to every other arm), or
-# an absolute value in the metric's units.
-MARGINS: dict[str, str] = {
-    # Kaplan et al. 2020 (L ~ C^-0.050): 2 % of the loss is what ~1.5x the training compute buys
-    # (1.02^20 = 1.49); a variant worth less than half again the compute is no "clearly helps".
-    "eval_loss": "2%",
-    "train_loss": "2%",
-    # a cost under 5 % of a step is within what the machine's own load moves step time by
-    "step_time": "5%",
-    # 5 points of shapes all-correct: about the 95 % Wilson half-width of one evaluation's rate
-    "shapes_all": "0.05",
-    # one loss spike per run
-    "loss_spikes": "1",
-    # a tenth of the baseline's degradation over the stress rates: a variant that moves how much
-    # the loss degrades across a 100x range of rates by less than that is no stabler in a way
-    # that would change which rate or variant one picks (Wortsman et al. 2023 compare variants
-    # whose sensitivities differ by factors, not percents)
-    "lr_sensitivity": "10%",
-}
-def _shapes_all_by_step(run: Run) -> dict[float, float]:
-    """step -> shapes all-correct at guidance scale 2, from every evaluation's eval_pareto table
+def _pareto_by_step(run: Run, key: str) -> dict[float, float]:
+    """step -> a sampled metric at STUDY_SCALE, from every evaluation's eval_pareto table
     (tables/eval_pareto_<step>.json), not the last only."""
     out = {}
     for path in (run.root / "tables").glob("eval_pareto_*.json") if isinstance(run.root, Path) else []:
         t = json.loads(path.read_text())
         c = {name: i for i, name in enumerate(t["columns"])}
-        for row in t["rows"] if "shapes/all" in c else []:
-            if row[c["scale"]] == 2:
-                out[float(path.stem.rsplit("_", 1)[1])] = float(row[c["shapes/all"]])
+        for row in t["rows"] if key in c else []:
+            if row[c["scale"]] == STUDY_SCALE:
+                out[float(path.stem.rsplit("_", 1)[1])] = float(row[c[key]])
     return out
 
 
-# The metrics whose course over training the page draws: metric -> a run's values by step.
-SERIES: dict[str, Callable[[Run], dict]] = {
-    "eval_loss": lambda r: dict(zip(*series(r, "eval/valid/loss"))),
-    "train_loss": lambda r: dict(zip(*series(r, "train/loss"))),
-    "shapes_all": _shapes_all_by_step,
-}
+def study_value(m: Metric, run: Run) -> float:
+    """One run's value of `m` as a study reads it (`reading`)."""
+    if m.value is not None:
+        return float(m.value(run))
+    if m.source == "samples":  # the last evaluation's table
+        c = {name: i for i, name in enumerate(run.pareto["columns"])} if run.pareto else {}
+        rows = [r for r in run.pareto["rows"] if r[c["scale"]] == STUDY_SCALE] if m.key in c else []
+        return float(rows[0][c[m.key]]) if rows else math.nan
+    if m.reads == "median":
+        _, v = series(run, m.logged())
+        return float(np.median(v)) if len(v) else math.nan
+    return final_value(run, m.logged())
+
+
+def study_series(m: Metric) -> Optional[Callable[[Run], dict]]:
+    """A run's values of `m` by step, for its course over training; None for a metric read once."""
+    if m.reads != "last" or m.value is not None:
+        return None
+    if m.source == "samples":
+        return lambda r: _pareto_by_step(r, m.key)
+    return lambda r: dict(zip(*series(r, m.logged())))
+
+
+def unit_of(metric: str) -> str:
+    """The unit of a study metric's numbers; "" for one not declared."""
+    return STUDY[metric].unit if metric in STUDY else ""
 
 
 @dataclass
@@ -127,9 +103,9 @@ class Finding:
     claim: str
     arm: str  # the arm the claim is about
     against: str  # the arm it is compared with
-    metric: str  # a key of METRICS
+    metric: str  # a study metric's name (dalle_ablate/metrics.py: STUDY)
     expect: str  # "lower" | "higher": the arm's value against the other's, if the claim holds
-    margin: Optional[str] = None  # Δ: "N%" of the baseline's mean or an absolute value; None: MARGINS[metric]
+    margin: Optional[str] = None  # Δ: "N%" of the baseline's mean or an absolute value; None: the metric's declared margin
     note: Optional[str] = None  # what a reader needs to know to read its verdict (how this study tests the claim)
 
 
@@ -167,12 +143,11 @@ def load_study(path: Path) -> Study:
         missing = [k for k in keys if k not in f and k not in ("margin", "note")]
         if missing:
             raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
-        if f["metric"] not in METRICS and f["metric"] not in MEASURED_ELSEWHERE:
-            raise ConfigError(f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: "
-                              f"{', '.join([*METRICS, *MEASURED_ELSEWHERE])}")
+        if f["metric"] not in STUDY:
+            raise ConfigError(f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: {', '.join(sorted(STUDY))}")
         if f["expect"] not in ("lower", "higher"):
             raise ConfigError(f"{where}: finding {f['id']!r} has expect {f['expect']!r}; valid: lower, higher")
-        margin = f.get("margin", MARGINS.get(f["metric"]))
+        margin = f.get("margin", STUDY[f["metric"]].margin or None)
         if margin is None:
             raise ConfigError(f"{where}: finding {f['id']!r} has no margin and metric {f['metric']!r} no default one; "
                               "give margin: a positive number in the metric's units (0.01) or a percentage of the "
@@ -187,7 +162,7 @@ def load_study(path: Path) -> Study:
     stressed = {a for f in raw["findings"] if f["id"] in ((raw.get("stress") or {}).get("claims") or [])
                 for a in (f["arm"], f["against"])}
     for f in findings:  # a percentage of the baseline's mean needs the baseline measured on that metric
-        if f.metric in MEASURED_ELSEWHERE and parse_margin(f.margin)[1] and raw["baseline"] not in stressed:
+        if STUDY[f.metric].reads == "given" and parse_margin(f.margin)[1] and raw["baseline"] not in stressed:
             raise ConfigError(f"{where}: finding {f.id!r} has margin {f.margin} of the baseline's {f.metric}, but the "
                               f"baseline {raw['baseline']!r} is in no stress claim, so it has none; give an absolute "
                               "margin (0.05) or a stress claim with the baseline")
@@ -229,11 +204,12 @@ def claims_tables(study: Study, by_arm: dict[str, list[Run]],
                    key=str)
     tables = {}
     for m in dict.fromkeys(f.metric for f in study.findings):
-        if m in extra or m in MEASURED_ELSEWHERE:
+        if m in extra or STUDY[m].reads == "given":
             given = extra.get(m, {})
             tables[m] = np.array([[float(given.get(a, {}).get(s, math.nan)) for s in seeds] for a in arms])
         else:
-            tables[m] = np.array([[METRICS[m][1](done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms])
+            read = STUDY[m]
+            tables[m] = np.array([[study_value(read, done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms])
     return arms, seeds, tables
 
 
@@ -309,13 +285,14 @@ def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95,
 
 
 def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> dict[str, tuple]:
-    """finding id -> (steps, difference, low, high) at every evaluation of its metric (SERIES),
-    the same analysis as at the end at each step."""
+    """finding id -> (steps, difference, low, high) at every evaluation of its metric (a metric read
+    at the end: study_series), the same analysis as at the end at each step."""
     arms, _, _ = claims_tables(study, by_arm)
     out = {}
-    for m, by_step in SERIES.items():
+    for m in dict.fromkeys(f.metric for f in study.findings):
+        by_step = study_series(STUDY[m])
         found = [f for f in study.findings if f.metric == m]
-        if not found:
+        if by_step is None:
             continue
         done = {a: {r.seed: by_step(r) for r in by_arm.get(a, []) if r.status == "finished"} for a in arms}
         seeds = sorted({s for d in done.values() for s in d}, key=str)
@@ -329,14 +306,6 @@ def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> d
         for j, f in enumerate(found):
             out[f.id] = (np.array(steps, float), r["d"][:, j], r["low"][:, j], r["high"][:, j])
     return out
-
-
-TOPUP_RULE = ("Adding seeds (dalle-ablate study NAME --seeds auto): the study is topped up once, to the largest "
-              "seeds-needed over all the findings of its own runs, resolved or not -- each computed from that finding's "
-              "own noise (the sd of its per-seed differences) and its declared margin, never from an effect -- and "
-              "judged again on all its seeds with the same tests ([statistics](STATISTICS#adding-seeds---seeds) says why "
-              "this keeps the error rate). A top-up to any other N (--seeds N) is valid only if N was fixed without "
-              "looking at the verdicts.")
 
 
 def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:
@@ -354,7 +323,7 @@ def topup_target(study: Study, runs: list[Run]) -> tuple[int, int]:
     arms, seeds, tables = claims_tables(study, by_arm)
     _, r = judge(study, arms, tables)
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
-    own = [int(n) for n, f in zip(r["needed"], study.findings) if n > 0 and f.metric not in MEASURED_ELSEWHERE]
+    own = [int(n) for n, f in zip(r["needed"], study.findings) if n > 0 and STUDY[f.metric].reads != "given"]
     return now, V.topup_seeds(own, now)
 
 
@@ -362,7 +331,7 @@ def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> 
     """`dalle-ablate study NAME --seeds N|auto`: (the seed override that tops the finished study
     in `folder` up to that many seeds per arm -- its seeds kept, the smallest unused ones added --
     and the entry for its top-up log). `auto` is the rule: the largest seeds-needed over all the
-    findings (TOPUP_RULE). One-line errors for what cannot be topped up."""
+    findings (prose.TOPUP_RULE, docs/statistics.md). One-line errors for what cannot be topped up."""
     from dalle_ablate.report.load import load_runs
 
     if any(o.split("=", 1)[0].lstrip("+~") == "seed" for o in overrides):

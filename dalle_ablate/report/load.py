@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from dalle_ablate import evaluate  # noqa: F401 -- declares the evaluators' metrics the pages read (metrics.py)
 from dalle_ablate.config import MEMBER_ONLY
 from dalle_ablate.fileio import local_source
 from dalle_ablate.registry import ConfigError, first_line

@@ -29,6 +29,7 @@ import numpy as np
 from scipy import stats as st
 
 from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.prose import NOISE_INTRO
 from dalle_ablate.report.tables import fmt3
 
 EXAMPLES = "eval_valid_examples"  # tables/<EXAMPLES>_<step>.json: the tracker's table eval/valid/examples
@@ -160,15 +161,6 @@ def pair_row(name: str, a: list[Run], b: list[Run]) -> list:
     return [name, len(seeds), sd, rho, share, sd_interval(last)[0]]
 
 
-INTRO = ("Where the seed noise of the final eval loss comes from, measured on these runs (docs/statistics.md, \"The "
-         "noise report\"). Per arm: one run's sd across its seeds with its 95 % interval; the share of that variance "
-         "that is the evaluation set (every run scores the same validation scenes: what varies from run to run on "
-         "particular scenes, their runs x scenes interaction over the number of scenes; a larger set would cut it in "
-         "proportion); and the sd the mean of the last evaluations would have instead of the final one (the "
-         "checkpoint's part). Per comparison: the sd of one seed's difference, which its interval is judged on, rho, "
-         "and the evaluation set's share of that difference's variance.")
-
-
 def section(by_arm: dict[str, list[Run]], pairs: list[tuple[str, str, str]], key: str = "noise",
             title: str = "Noise report"):
     """The noise report as a page section: the arms' table and the comparisons' (`pairs`: (name,
@@ -179,7 +171,7 @@ def section(by_arm: dict[str, list[Run]], pairs: list[tuple[str, str, str]], key
     if not any(len(series(r, "eval/valid/loss")[1]) for rs in by_arm.values() for r in rs):
         s.text.append("No run logged an eval loss: nothing to decompose.")
         return s
-    s.text.append(INTRO)
+    s.text.append(NOISE_INTRO)
     s.tables.append((ARM_COLUMNS, arm_rows(by_arm)))
     rows = [pair_row(name, by_arm[a], by_arm[b]) for name, a, b in pairs if a in by_arm and b in by_arm]
     if rows:

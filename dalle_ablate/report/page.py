@@ -1,8 +1,11 @@
-"""A study's results page (`dalle-ablate study`, docs/results/<study>.md), written to be read on
-its own: the summary with each finding's verdict (report/findings.py judges them) and its note,
-what each arm is (its conf/arm/ file's comment and overrides), the noise floor, the top-up rule,
-every arm's numbers, the stress runs' section and the figures, each with its caption; every number
-with its unit, to three significant digits (tables.fmt3). Markdown, its figures beside it."""
+"""A study's results page (`dalle-ablate study`, docs/results/<study>.md), its answer first: the
+summary (each claim's verdict, its difference in units of its margin, the seeds it used and needs,
+and the forest plot of them all; report/findings.py judges them), then the noise report, then the
+details -- where the page comes from and where the method is written (docs/statistics.md, linked,
+never restated), the notes, what each arm is (its conf/arm/ file's comment and overrides), every
+finding in full, the top-up rule, every arm's numbers, the stress runs' section and the figures,
+each with its caption; every number with its unit, to three significant digits (tables.fmt3).
+Markdown, its figures beside it; its words are report/prose.py's."""
 
 from __future__ import annotations
 
@@ -16,13 +19,14 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from dalle_ablate.metrics import STUDY, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
+from dalle_ablate.report import prose as P
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import (COVERS, MEASURED_ELSEWHERE, METRICS, TOPUP_RULE, TOPUPS, Study, _arms_by,
-                                          claims_tables, compare, course, noise_sources, parse_margin, study_arms,
-                                          unit_of)
+from dalle_ablate.report.findings import (TOPUPS, Study, _arms_by, claims_tables, compare, course,
+                                          noise_sources, parse_margin, reading, study_arms, study_value, unit_of)
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
@@ -68,10 +72,7 @@ def arm_definition(arm: str) -> Optional[tuple[str, list[str]]]:
 def arms_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
     """What each arm is: its name, the comment of its conf/arm/ file and its overrides."""
     s = Section("definitions", "The arms")
-    s.text.append(f"Every arm is the baseline's configuration (conf/config.yaml with the experiment preset "
-                  f"conf/experiment/{study.experiment}.yaml, which sets what all arms share: steps, evaluation, seeds) "
-                  "with the overrides of its file conf/arm/<arm>.yaml, chosen by `+arm=<arm>`. What each is, from the "
-                  "comment of its file:")
+    s.text.append(P.ARMS.format(experiment=study.experiment))
     rows = []
     for arm in study_arms(study, by_arm):
         found = arm_definition(arm)
@@ -95,9 +96,9 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
         row = [arm + (" (baseline)" if arm == study.baseline else ""), ", ".join(str(r.seed) for r in runs),
                f"{len(done)}/{len(runs)}"]
         for m in ("eval_loss", "shapes_all", "step_time"):
-            mean, lo, hi = mean_ci([METRICS[m][1](r) for r in done])
+            mean, lo, hi = mean_ci([study_value(STUDY[m], r) for r in done])
             row += [mean, _interval(lo, hi)]
-        row += [" / ".join(str(int(METRICS["loss_spikes"][1](r))) for r in runs),
+        row += [" / ".join(str(int(study_value(STUDY["loss_spikes"], r))) for r in runs),
                 sum(diverged(series(r, "train/loss")[1], r.status) for r in runs)]
         rows.append(row)
     return cols, rows
@@ -107,14 +108,83 @@ def _interval(lo: float, hi: float, unit: str = "") -> str:
     return f"[{fmt3(lo)}, {fmt3(hi)}]" + (f" {unit}" if unit else "") if np.isfinite(lo) and np.isfinite(hi) else "–"
 
 
+def in_margins(r: dict) -> tuple[float, float, float]:
+    """A finding's difference and 95 % interval in units of its margin Δ, + on the side the claim
+    predicts (as the forest plot draws them); NaN without a margin."""
+    side = 1 if r["finding"].expect == "higher" else -1
+    scale = side / r["margin"] if r["margin"] > 0 else math.nan
+    low, high = sorted((r["low"] * scale, r["high"] * scale))
+    return r["diff"] * scale, low, high
+
+
+def summary_row(r: dict) -> list:
+    """A finding's row of the summary: the claim, its metric, the verdict, the difference in units
+    of Δ and the seeds it used and needs."""
+    f = r["finding"]
+    d, low, high = in_margins(r)
+    diff = "–" if not np.isfinite(d) else ("+" if d > 0 else "") + fmt3(d) + " " + _interval(low, high)
+    verdict = r["verdict"].removesuffix(" (equivalent within ±Δ)")  # the table's lead says what ±Δ means
+    if verdict.startswith("not resolved"):
+        verdict = "not resolved" + (", the effect likely smaller than Δ" if verdict.startswith("not resolved at ") else "")
+    needed = ("–" if r["needed"] == 0 or r["code"] == V.UNTESTABLE
+              else f"> {V.MAX_SEEDS}" if r["needed"] > V.MAX_SEEDS else str(r["needed"]))
+    return [f.id, f"{f.claim} ({f.metric})", verdict, diff, f"{len(r['seeds'])} / {needed}"]
+
+
+def summary_section(study: Study, rows: list[dict], statistics: str) -> Section:
+    """The page's first screen: how many findings settled, each claim's verdict and difference in
+    units of Δ, and the forest plot of them all."""
+    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(V.VERDICTS)}  # in VERDICTS' order
+    settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
+    s = Section(f"{study.name}_summary", "Summary")  # key: the forest plot's file name, the study's as the others
+    s.text.append(P.SETTLED.format(k=len(rows), settled=settled, counts=", ".join(f"{n} {v}" for v, n in counts.items() if n)))
+    s.text.append(P.HOW_TO_READ.format(k=len(rows), statistics=statistics))
+    s.tables.append((P.SUMMARY_COLUMNS, [summary_row(r) for r in rows]))
+    s.images.append((P.FOREST, figures.forest_figure(rows)))
+    return s
+
+
+def method_section(study: Study, by_arm: dict[str, list[Run]], provenance: list[str], statistics: str) -> Section:
+    """Where the page comes from (its provenance lines), what its metrics and runs are, and where
+    the method is written."""
+    s = Section("method", P.METHOD_TITLE)
+    s.text.append(f"Source: {study.source}.")
+    s.text += provenance
+    s.text.append(P.METHOD.format(statistics=statistics))
+    used = [STUDY[m] for m in dict.fromkeys(f.metric for f in study.findings)]
+    s.text.append(P.METRICS_LINE.format(metrics="; ".join(
+        P.METRIC.format(name=m.study, key=m.key, what=m.what, reading=reading(m), unit=m.unit) for m in used)))
+    base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
+    c, m = base[0].config, base[0].meta
+    s.text.append(P.RUNS_LINE.format(steps=c.get("trainer.steps"), batch=c.get("trainer.batch_size"),
+                                     d_model=c.get("model.d_model"), enc=c.get("model.encoder_layers"),
+                                     dec=c.get("model.decoder_layers"), params=m.get("params", "?"),
+                                     seeds=max(len(rs) for rs in by_arm.values())))
+    if study.scale_note:
+        s.text.append(study.scale_note)
+    return s
+
+
+def over_training(r: dict, courses: dict) -> str:
+    """At how many evaluations the 95 % interval lay beyond 0 on the predicted side, and on the other."""
+    if r["finding"].id not in courses:
+        return "–"
+    _, _, lo, hi = courses[r["finding"].id]
+    side = 1 if r["finding"].expect == "higher" else -1
+    ok = np.isfinite(lo) & np.isfinite(hi)
+    pro = int(np.sum(ok & ((lo > 0) if side > 0 else (hi < 0))))
+    con = int(np.sum(ok & ((hi < 0) if side > 0 else (lo > 0))))
+    return f"{pro} / {con} of {len(lo)}"
+
+
 def claim_row(r: dict, over_training: str) -> list:
-    """A finding's row of the claims table: every number in its metric's unit, to 3 digits."""
+    """A finding's row of the full table: every number in its metric's unit, to 3 digits."""
     f, u = r["finding"], unit_of(r["finding"].metric)
     value, relative = parse_margin(f.margin)
     return [f.id, f.claim, f"{f.arm} vs {f.against}", f"{f.metric} ({f.expect} if the claim holds)",
             f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
             fmt3(r["arm_mean"], u), fmt3(r["against_mean"], u), fmt3(r["diff"], u), _interval(r["low"], r["high"], u),
-            _interval(r["fw_low"], r["fw_high"], u), COVERS.get(f.metric, "the seed"), fmt3(r["rho"]), _noise_note(r),
+            _interval(r["fw_low"], r["fw_high"], u), STUDY[f.metric].covers, fmt3(r["rho"]), _noise_note(r),
             _interval(r["welch_low"], r["welch_high"], u), ", ".join(str(s) for s in r["seeds"]) or "–", over_training,
             r["verdict"]]
 
@@ -127,56 +197,97 @@ def _noise_note(r: dict) -> str:
     return f"sd {fmt3(r['sd'])} ({how}, df {fmt3(r['df'])})"
 
 
+def claims_section(rows: list[dict], courses: dict) -> Section:
+    s = Section("claims", P.CLAIMS_TITLE)
+    s.text.append(P.CLAIMS.format(fw=fmt3(100 * (1 - V.ALPHA / len(rows)))))
+    s.tables.append((P.CLAIMS_COLUMNS, [claim_row(r, over_training(r, courses)) for r in rows]))
+    return s
+
+
+def notes_section(study: Study) -> Section:
+    s = Section("notes", "Notes on the findings")
+    s.text += [f"{f.id}: {f.note}" for f in study.findings if f.note] or [P.NO_NOTES]
+    return s
+
+
 def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict] = None) -> Section:
     """The noise report (report/noise.py) for the findings on the eval loss, then per metric the
     baseline's and the arms' spreads and the seed's share, the sources the baseline's runs vary one
     at a time, and the shapes evaluation's own noise."""
-    pairs = [(f.id, f.arm, f.against) for f in study.findings if f.metric == "eval_loss"]
-    noise = noise_report.section(by_arm, pairs)
-    noise.text.append("Per metric: the baseline's spread across seeds (one run's noise), the arms' own spreads (the "
-                      "least and the most spread arm: arms need not be equally noisy, and no finding borrows another's "
-                      "noise) and the seed's share of one run's variance from the two-way ANOVA of arm and seed (how "
-                      "much of it the arms share: what pairing removes). Where the noise comes from -- data order or "
-                      "initialisation -- a study tells apart only by varying one of the two at a time (Bouthillier et "
-                      "al. 2021).")
+    noise = noise_report.section(by_arm, [(f.id, f.arm, f.against) for f in study.findings if f.metric == "eval_loss"])
+    spreads = Section("noise-metrics", "Each metric's spread", [P.NOISE_METRICS])
     arms, _, tables = claims_tables(study, by_arm, extra)
     nrows = []
-    for metric, t in tables.items():
+    for name, t in tables.items():
         b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
         b = b[np.isfinite(b)]
         with np.errstate(invalid="ignore"):
             sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
         least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
-        share = blocked_residual(t)[2]
-        nrows.append([metric, unit_of(metric), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
-                      sds.get(least, math.nan), most or "–", sds.get(most, math.nan), float(share)])
-    noise.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
-                          "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
+        nrows.append([name, unit_of(name), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
+                      sds.get(least, math.nan), most or "–", sds.get(most, math.nan), float(blocked_residual(t)[2])])
+    spreads.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
+                            "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
     base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
-    sources = [[m, unit_of(m), k, sd, df] for m in tables if m in METRICS
-               for k, sd, df in noise_sources(base_runs, METRICS[m][1])]
-    if sources:
-        noise.text.append("The baseline's runs vary these sources one at a time: the spread of each metric among runs "
-                          "that differ only in that field (pooled over the groups that agree on every other).")
-        noise.tables.append((["metric", "unit", "source (config field)", "sd", "df"], sources))
-    else:
-        noise.text.append("The baseline's runs vary every source together (through `seed`): the page cannot split them.")
+    sources = [[m, unit_of(m), k, sd, df] for m in tables if STUDY[m].reads != "given"
+               for k, sd, df in noise_sources(base_runs, lambda r, m=m: study_value(STUDY[m], r))]
+    noise.parts += [spreads, Section("noise-sources", "Data order and initialisation",
+                                     [P.NOISE_SOURCES if sources else P.NOISE_ONE_SOURCE],
+                                     [(["metric", "unit", "source (config field)", "sd", "df"], sources)] if sources else [])]
     evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
     if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
-        noise.text.append("The shapes evaluation's own noise, apart from the seeds': the baseline's all-correct per "
-                          "guidance scale and tier (a fraction of the prompts, as both sds are), its sd across seeds, and the binomial sd over one run's prompts, "
-                          "sqrt(p (1 - p) / N). A seed spread near the prompt sd is mostly the evaluation's; every arm "
-                          "is scored on the same prompts with the same sampling noise, so a paired difference "
-                          "cancels what the prompts share.")
-        noise.tables.append(evaluation)
+        noise.parts.append(Section("noise-evaluation", "The shapes evaluation's own noise", [P.NOISE_EVALUATION],
+                                   [evaluation]))
     return noise
+
+
+def topup_section(by_arm: dict[str, list[Run]], rows: list[dict], topups: list[dict], statistics: str) -> Section:
+    s = Section("topup", "Adding seeds")
+    s.text.append(P.TOPUP_RULE.format(statistics=statistics))
+    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
+    # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
+    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and STUDY[r["finding"].metric].reads != "given"],
+                           now)
+    s.text.append(P.TOPUP_NOW.format(now=now, target=target,
+                                     cap=f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else ""))
+    s.text += [P.TOPPED_UP.format(from_=t.get("from"), to=t.get("to"), how=t.get("how"), rule=t.get("rule"))
+               for t in topups]
+    return s
+
+
+def every_arm_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
+    s = Section("arms", "Every arm")
+    s.text.append(P.EVERY_ARM)
+    s.tables.append(arm_rows(study, by_arm))
+    return s
+
+
+def figures_section(study: Study, by_arm: dict[str, list[Run]], rows: list[dict], courses: dict) -> Section:
+    """The findings' courses over training, then each finding's two arms' curves."""
+    s = Section(study.name, "The figures behind the findings")  # key: the figures' file names
+    if courses:
+        s.images.append((P.COURSE, figures.course_figure([(r["finding"].id, r["margin"], courses[r["finding"].id])
+                                                          for r in rows if r["finding"].id in courses])))
+    for r in rows:
+        f = r["finding"]
+        pair = {a: by_arm[a] for a in (f.arm, f.against) if a in by_arm}
+        if len(pair) < 2:
+            s.text.append(P.NO_RUNS.format(id=f.id, missing=", ".join(a for a in (f.arm, f.against) if a not in by_arm)))
+            continue
+        columns = ["train/loss", "eval/valid/loss"] if f.metric != "step_time" else ["train/loss", "perf/step_time"]
+        caption = P.FINDING_CURVES.format(id=f.id, claim=f.claim, verdict=r["verdict"], arm=f.arm, against=f.against,
+                                          columns=" and ".join(f"{c} ({metric(c).unit})" for c in columns))
+        # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle
+        s.images.append((caption, figures.curves_figure(pair, columns, figures.colors([f.against, f.arm]))))
+    return s
 
 
 def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: Optional[list[dict]] = None,
                   extra: Optional[dict[str, dict[str, dict]]] = None, untestable: Optional[dict[str, str]] = None,
                   statistics: str = "../statistics.md") -> tuple[list[Section], list[dict]]:
-    """The results page as report sections, and the comparison rows. `topups`: the study's
-    top-up log (study_runs.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
+    """The results page as report sections, and the comparison rows: the answer first (the summary
+    and its forest plot), then the noise report, then the details. `topups`: the study's top-up log
+    (study_runs.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
     `statistics`: the link to docs/statistics.md from the page's folder; `untestable`: findings
     more seeds could not settle, and why (findings.compare)."""
     by_arm = _arms_by(runs)
@@ -184,105 +295,11 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
         raise ConfigError(f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
                           f"experiment={study.experiment}")
     rows = compare(study, by_arm, extra=extra, untestable=untestable)
-    k = len(rows)
-    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(V.VERDICTS)}  # in VERDICTS' order
-    counts = {v: n for v, n in counts.items() if n}
-    settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
-    head = Section("summary", "Summary")
-    head.text.append(f"Source: {study.source}.")
-    head.text += provenance
-    head.text.append(f"{k} findings, {settled} settled: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".")
-    head.text.append(
-        f"How a verdict is read ([statistics]({statistics}) says why each step): each finding is judged on its own "
-        "per-seed differences (arm minus the arm it is compared with, over the seeds both finished: runs of one seed "
-        "share its data order and initial keys), nothing pooled over other arms, against its margin Δ declared in the "
-        "study file before its runs; three tests (the difference against 0, beyond Δ, equivalence within ±Δ), each "
-        f"decided by Holm's procedure over the {k} findings at a family-wise 5 %. A finding not resolved says how many "
-        "seeds per arm its own noise needs to tell a difference of Δ from 0 with 80 % power. The 95 % interval is the "
-        f"paired one, the family-wise interval at {fmt3(100 * (1 - V.ALPHA / k))} % (Bonferroni, which Holm's decisions "
-        "never need more than); Welch's unpaired interval beside it shows what pairing bought, with rho, the two arms' "
-        "correlation across seeds; \"noise\" is the sd of one seed's difference, what the finding is judged on. Over "
-        "training: at how many evaluations the 95 % interval lay beyond 0 on the predicted side and on the other.")
-    used = dict.fromkeys(f.metric for f in study.findings)
-    head.text.append("Metrics: " + "; ".join(f"{m}: {(METRICS.get(m) or MEASURED_ELSEWHERE[m])[0]}, in {unit_of(m)}"
-                                             for m in used) + ". Only "
-                     "finished runs are compared; the arms' table counts the others.")
-    base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
-    c, m = base[0].config, base[0].meta
-    head.text.append(f"These runs: {c.get('trainer.steps')} steps of {c.get('trainer.batch_size')} at d_model "
-                     f"{c.get('model.d_model')}, {c.get('model.encoder_layers')} + {c.get('model.decoder_layers')} layers "
-                     f"({m.get('params', '?')} parameters in the baseline), "
-                     f"{max(len(rs) for rs in by_arm.values())} seeds per arm at most.")
-    if study.scale_note:
-        head.text.append(study.scale_note)
     courses = course(study, by_arm)
-
-    def over_training(r: dict) -> str:
-        """At how many evaluations the 95 % interval lay beyond 0 on the predicted side, and on the other."""
-        if r["finding"].id not in courses:
-            return "–"
-        _, _, lo, hi = courses[r["finding"].id]
-        side = 1 if r["finding"].expect == "higher" else -1
-        ok = np.isfinite(lo) & np.isfinite(hi)
-        pro = int(np.sum(ok & ((lo > 0) if side > 0 else (hi < 0))))
-        con = int(np.sum(ok & ((hi < 0) if side > 0 else (lo > 0))))
-        return f"{pro} / {con} of {len(lo)}"
-
-    head.tables.append((["finding", "claim", "arm vs", "metric", "Δ margin", "arm", "vs", "difference", "95% CI",
-                         "family-wise CI", "randomness the interval covers", "rho", "noise", "Welch 95% CI", "seeds",
-                         "evaluations beyond 0: predicted / other side", "verdict"],
-                        [claim_row(r, over_training(r)) for r in rows]))
-    notes = Section("notes", "Notes on the findings")
-    notes.text += [f"{f.id}: {f.note}" for f in study.findings if f.note]
-    if not notes.text:
-        notes.text.append("The study file gives no notes on its findings.")
-
-    noise = noise_section(study, by_arm, extra)
-
-    top = Section("topup", "Adding seeds")
-    top.text.append(TOPUP_RULE.replace("STATISTICS", statistics))
-    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
-    # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
-    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and r["finding"].metric not in MEASURED_ELSEWHERE],
-                           now)
-    top.text.append(f"Now {now} seeds per arm at most; the rule asks for {target}"
-                    + (f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "") + ".")
-    for t in topups or []:
-        top.text.append(f"Topped up from {t.get('from')} to {t.get('to')} seeds per arm ({t.get('how')}); the rule then "
-                        f"asked for {t.get('rule')}.")
-
-    arms_s = Section("arms", "Every arm")
-    arms_s.text.append("Mean over the finished seeds with a 95% Student-t interval; loss spikes per run in seed order; "
-                       "runs whose loss stopped being finite. Step time measures the machine's load as well as the arm.")
-    arms_s.tables.append(arm_rows(study, by_arm))
-
-    figs = Section(study.name, "The figures behind the findings")  # key: the figures' file names
-    figs.images.append(("Every finding's paired difference (arm minus the arm it is compared with), one line each, in "
-                        "units of its margin Δ, the side the claim predicts to the right: thick, the 95 % interval; thin, "
-                        "the family-wise one; shaded, ±Δ; the verdict in short at the right",
-                        figures.forest_figure(rows)))
-    if courses:
-        figs.images.append(("Each finding's paired difference over training, one panel per finding in its metric's "
-                            "unit: at every evaluation, with its 95 % interval (judged as at the end) as a band, 0 and ±Δ "
-                            "as lines; a verdict at one budget can differ at another",
-                            figures.course_figure([(r["finding"].id, r["margin"], courses[r["finding"].id])
-                                                   for r in rows if r["finding"].id in courses])))
-    for r in rows:
-        f = r["finding"]
-        pair = {a: by_arm[a] for a in (f.arm, f.against) if a in by_arm}
-        if len(pair) < 2:
-            figs.text.append(f"{f.id}: no runs of {', '.join(a for a in (f.arm, f.against) if a not in by_arm)}.")
-            continue
-        columns = ["train/loss", "eval/valid/loss"] if f.metric != "step_time" else ["train/loss", "perf/step_time"]
-        units = {"train/loss": unit_of("train_loss"), "eval/valid/loss": unit_of("eval_loss"),
-                 "perf/step_time": unit_of("step_time")}
-        figs.images.append((f"{f.id} ({f.claim}; {r['verdict']}): "
-                            + " and ".join(f"{c} ({units[c]})" for c in columns)
-                            + f" against the training step, {f.arm} against {f.against}, the mean over each arm's seeds "
-                            "with its 95 % t interval as a band",
-                            # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle
-                            figures.curves_figure(pair, columns, figures.colors([f.against, f.arm]))))
-    return [head, notes, arms_section(study, by_arm), noise, top, arms_s, figs], rows
+    return [summary_section(study, rows, statistics), noise_section(study, by_arm, extra),
+            method_section(study, by_arm, provenance, statistics), notes_section(study), arms_section(study, by_arm),
+            claims_section(rows, courses), topup_section(by_arm, rows, topups or [], statistics),
+            every_arm_section(study, by_arm), figures_section(study, by_arm, rows, courses)], rows
 
 
 def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:

@@ -11,11 +11,12 @@ import pandas as pd
 
 from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.fileio import shown
+from dalle_ablate.metrics import headlines, metric
 from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, series
 from dalle_ablate.report.stats import diverged, mean_ci, spikes
-from dalle_ablate.track import HEADLINES
 
-FINAL_METRICS = ("eval/valid/loss", "train/loss")
+# What the final table compares: the run's own headline metrics that have a better side (the losses).
+FINAL_METRICS = tuple(m.key for m in headlines("run") if m.better)
 ONE_SEED = "1 seed: no interval"
 
 
@@ -46,10 +47,6 @@ def fmt3(v, unit: str = "") -> str:
 def final_value(run: Run, column: str) -> float:
     _, v = series(run, column)
     return float(v[-1]) if len(v) else math.nan
-
-
-# Which way is better for each metric the final table compares (a loss: lower).
-LOWER_IS_BETTER = {"eval/valid/loss": True, "train/loss": True}
 
 
 def against_baseline(by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None,
@@ -85,41 +82,41 @@ def against_baseline(by_variant: dict[str, list[Run]], baseline: str, margins: O
     for j, (v, m) in enumerate(keys):
         row = {k: float(res[k][j]) for k in ("d", "low", "high", "fw_low", "fw_high", "rho", "sd", "df", "margin", "n")}
         row.update(paired=bool(res["paired"][j]), outcome=int(res["outcome"][j]), needed=int(needed[j]),
-                   verdict=V.against_baseline(int(res["outcome"][j]), LOWER_IS_BETTER.get(m, True)))
+                   verdict=V.against_baseline(int(res["outcome"][j]), metric(m).better == "lower"))
         out[(v, m)] = row
     return out
 
 
+FINAL_COLUMNS = ["variant", "metric", "verdict against the baseline", "Δ vs baseline", "Δ 95% CI", "mean", "mean 95% CI",
+                 "seeds", "rho"]
+
+
 def final_table(by_variant: dict[str, list[Run]], baseline: str,
                 margins: Optional[dict[str, str]] = None) -> tuple[list[str], list[list], dict]:
-    """Per variant and metric: mean [95% t interval] over seeds, and the difference from the
-    baseline as the verdict engine judges it (against_baseline): its 95 % interval (paired, or
-    Welch's where seeds are not shared), rho, and the verdict in words; with a margin, the
-    seeds a difference of it would need. With one seed the interval cells say so."""
-    cols = ["variant", "seeds"]
-    for m in FINAL_METRICS:
-        cols += [m, f"{m} 95% CI", f"Δ {m} vs baseline", "Δ 95% CI", f"verdict ({m})", f"rho {m}"]
+    """A row per variant and metric, the answer first: the verdict engine's judgement of the
+    difference from the baseline (against_baseline), the difference with its 95 % interval (paired,
+    or Welch's where seeds are not shared), then the variant's mean over seeds with its 95% t
+    interval, its seeds and rho; with a margin, the seeds a difference of it would need. With one
+    seed the interval cells say so."""
     rows, judged = [], against_baseline(by_variant, baseline, margins)
 
     def interval(lo: float, hi: float, n: int) -> str:
-        return ONE_SEED if n < 2 else f"[{fmt(lo)}, {fmt(hi)}]"
+        return ONE_SEED if n < 2 else f"[{fmt3(lo)}, {fmt3(hi)}]"
 
     for variant, runs in by_variant.items():
-        row = [variant + (" (baseline)" if variant == baseline else ""), len(runs)]
         for m in FINAL_METRICS:
-            vals = [final_value(r, m) for r in runs]
-            mean, lo, hi = mean_ci(vals)
-            row += [mean, interval(lo, hi, len(runs))]
+            mean, lo, hi = mean_ci([final_value(r, m) for r in runs])
+            row = [variant + (" (baseline)" if variant == baseline else ""), f"{m} ({metric(m).unit})"]
             if variant == baseline:
-                row += ["", "", "", ""]
-                continue
-            j = judged[(variant, m)]
-            how = f" ({int(j['n'])} seeds, {'paired' if j['paired'] else 'Welch'})" if j["n"] >= 2 else ""
-            verdict = j["verdict"] + (f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["needed"] else "")
-            row += [j["d"], interval(j["low"], j["high"], int(j["n"])) + how, verdict,
-                    j["rho"] if np.isfinite(j["rho"]) else "–"]
-        rows.append(row)
-    return cols, rows, judged
+                row += ["", "", ""]
+            else:
+                j = judged[(variant, m)]
+                how = f" ({int(j['n'])} seeds, {'paired' if j['paired'] else 'Welch'})" if j["n"] >= 2 else ""
+                verdict = j["verdict"] + (f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["needed"] else "")
+                row += [verdict, j["d"], interval(j["low"], j["high"], int(j["n"])) + how]
+            rho = judged[(variant, m)]["rho"] if variant != baseline else math.nan
+            rows.append(row + [mean, interval(lo, hi, len(runs)), len(runs), rho if np.isfinite(rho) else "–"])
+    return FINAL_COLUMNS, rows, judged
 
 
 def _needs(j: dict) -> str:
@@ -146,8 +143,13 @@ def stability_rows(runs: list[Run]) -> list[list]:
         peak = int(np.argmax(np.where(after, gnorm, -np.inf))) if after.any() else None
         rows.append([r.name, r.variant, r.seed, r.status, spikes(loss, factor=1.5), spikes(gnorm, factor=5.0),
                      float(gnorm[peak]) if peak is not None else math.nan, int(steps[peak]) if peak is not None else "",
-                     "yes" if diverged(loss, r.status) else "no", final_value(r, "train/skipped_steps")])
+                     "yes" if diverged(loss, r.status) else "no", _count(final_value(r, "train/skipped_steps"))])
     return rows
+
+
+def _count(v: float):
+    """A count logged as a float, printed as the integer it is ("–" where not logged)."""
+    return int(v) if np.isfinite(v) else "–"
 
 
 STABILITY_COLUMNS = ["run", "variant", "seed", "status", "loss spikes", "grad-norm peaks", "max grad norm after warm-up",
@@ -164,8 +166,8 @@ def tier_table(runs: list[Run]) -> Optional[tuple[list[str], list[list]]]:
         found = [t for t in TIERS if f"shapes/{t}/all" in c]
         tiers += [t for t in found if t not in tiers]
         for row in sorted(r.pareto["rows"], key=lambda row: row[c["scale"]]) if found else []:
-            cells = {t: f"{row[c[f'shapes/{t}/all']]:.1%} [{row[c[f'shapes/{t}/all_lo']]:.2f}, "
-                        f"{row[c[f'shapes/{t}/all_hi']]:.2f}] N={row[c[f'shapes/{t}/n']]}" for t in found}
+            cells = {t: f"{row[c[f'shapes/{t}/all']]:.1%} [{row[c[f'shapes/{t}/all_lo']]:.1%}, "
+                        f"{row[c[f'shapes/{t}/all_hi']]:.1%}] N={int(row[c[f'shapes/{t}/n']])}" for t in found}
             rows.append((r, row[c["scale"]], cells))
     if not rows:
         return None
@@ -180,7 +182,7 @@ def headline_values(run: Run) -> dict[str, float]:
     if run.pareto:
         c = {name: i for i, name in enumerate(run.pareto["columns"])}
         for row in run.pareto["rows"]:
-            out.update({f"{k}@s{row[c['scale']]:g}": row[c[k]] for k in HEADLINES if k in c})
+            out.update({f"{m.key}@s{row[c['scale']]:g}": row[c[m.key]] for m in headlines("samples") if m.key in c})
     prefix = "eval/caption_sensitivity/"
     for col in run.metrics.columns:
         if col.startswith(prefix) and not col.endswith("_n"):
@@ -200,7 +202,7 @@ def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
         row.update({m: final_value(r, m) for m in FINAL_METRICS})
         row.update(headline_values(r))
         row.update({"loss_spikes": stab[4], "grad_norm_peaks": stab[5], "max_grad_norm_after_warmup": stab[6],
-                    "skipped_steps": stab[9],
+                    "skipped_steps": stab[9] if isinstance(stab[9], int) else math.nan,
                     # PowerSGD (optim.powersgd.rank): floats all-reduced without / with compression
                     "compression": final_value(r, "comm/compression")})
         row.update({f: r.config.get(f) for f in fields})
@@ -342,5 +344,5 @@ def paired_table(by_variant: dict[str, list[Run]], baseline: str) -> Optional[tu
                 b, c = int((var & ~base).sum()), int((base & ~var).sum())
                 lo, hi = paired_bootstrap(diffs)
                 rows.append([variant, f"{scale:g}", group, len(got), base.shape[1], float(base.mean()), float(var.mean()),
-                             float(diffs.mean()), f"[{fmt(lo)}, {fmt(hi)}]", f"{b} / {c}", mcnemar_p(b, c)])
+                             float(diffs.mean()), f"[{fmt3(lo)}, {fmt3(hi)}]", f"{b} / {c}", mcnemar_p(b, c)])
     return (cols, rows) if rows else None

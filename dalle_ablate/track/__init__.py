@@ -10,7 +10,7 @@ from typing import Optional
 
 from dalle_ablate.registry import first_line
 from dalle_ablate.track import wandb_tracker  # noqa: F401 - registers the option
-from dalle_ablate.track.base import HEADLINES, TRACKERS, CompositeTracker, NullTracker, Tracker, TrackerConfig
+from dalle_ablate.track.base import TRACKERS, CompositeTracker, NullTracker, Tracker, TrackerConfig
 from dalle_ablate.track.runstore import RunStore
 
 
@@ -39,4 +39,4 @@ def build_tracker(
     return CompositeTracker([store, *backends])
 
 
-__all__ = ["HEADLINES", "TRACKERS", "CompositeTracker", "NullTracker", "RunStore", "Tracker", "TrackerConfig", "build_tracker"]
+__all__ = ["TRACKERS", "CompositeTracker", "NullTracker", "RunStore", "Tracker", "TrackerConfig", "build_tracker"]

@@ -14,10 +14,6 @@ from omegaconf import MISSING
 
 from dalle_ablate.registry import OptionConfig, Registry, RunFailed, first_line
 
-# The headline metrics of a sampling evaluation, as logged under eval/pareto/s<scale>/, and which
-# way is better: what a run's closing lines, W&B summaries and panels and the report lead with.
-HEADLINES = {"shapes/all": "max", "clip/score": "max", "fid/fid": "min", "shapes_fd/fd": "min"}
-
 # name -> builder(tracker cfg, run store, config, meta, *, name, group, job_type) -> trackers
 # beside the run store, which is always written
 TRACKERS: Registry = Registry("tracker", "tracker", key="backend")

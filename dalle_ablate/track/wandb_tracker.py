@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 import numpy as np
 
 from dalle_ablate.registry import RunFailed, check, first_line
-from dalle_ablate.track.base import HEADLINES, TRACKERS, Tracker, TrackerConfig
+from dalle_ablate.metrics import of_logged
+from dalle_ablate.track.base import TRACKERS, Tracker, TrackerConfig
 from dalle_ablate.track.runstore import RunStore
 
 log = logging.getLogger(__name__)
@@ -36,13 +37,10 @@ COUNT = re.compile(r"(/n|_n|/floor)$")
 
 
 def best_of(key: str) -> str | None:
-    """The summary's aggregation for a logged key: min of the losses, max of caption sensitivity,
-    a headline metric's best (track.HEADLINES, at any guidance scale), else none."""
-    if key in ("train/loss", "eval/valid/loss"):
-        return "min"
-    if key.startswith("eval/caption_sensitivity/"):
-        return "max"
-    return next((v for k, v in HEADLINES.items() if key.endswith("/" + k)), None)
+    """The summary's aggregation for a logged key: a headline metric's best (dalle_ablate/metrics.py:
+    the losses' min, caption sensitivity's max, a sampled one's at any guidance scale), else none."""
+    m = of_logged(key)
+    return None if m is None or not m.headline or not m.better else ("min" if m.better == "lower" else "max")
 
 
 def _number(v) -> float | int | None:

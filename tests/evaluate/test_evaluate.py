@@ -409,6 +409,12 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     assert closing[2].startswith("  shapes_fd/fd (n=8 per scale): s1 ")
     assert closing[3].startswith("  caption sensitivity, nats per image: color ")
     assert closing[-1] == f"  run store {store}"
+    # ...and a run store gives back the lines its run printed: what tools/docs_examples.py records
+    # the README's lines by, and tests/test_repo.py prints again to catch a format that drifted
+    sys.path.insert(0, str(ROOT / "tools"))
+    import docs_examples
+
+    assert docs_examples.closing(docs_examples.run_record(store, str(store))) == "\n".join(closing)
     # The README shows a default run's closing lines: the same lines, each led by the same words.
     readme = (ROOT / "README.md").read_text()
     shown = readme[readme.index("    finished at step "):].split("\n\n")[0].splitlines()

@@ -125,20 +125,23 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     summary = sections[0]
     assert (f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
             "(equivalent within ±Δ), 1 contradicted (reversed), 1 not resolved.") in summary.text
-    assert "provenance line" in summary.text
-    assert summary.tables[0][0][-1] == "verdict" and [row[-1] for row in summary.tables[0][1]] == [f[5] for f in FINDINGS]
+    assert "provenance line" in next(s for s in sections if s.key == "method").text
+    # the verdict, its seeds apart and without the gloss on ±Δ
+    assert [row[2] for row in summary.tables[0][1]] == [f[5].split(":")[0].removesuffix(" (equivalent within ±Δ)")
+                                                        for f in FINDINGS]
+    full = next(s for s in sections if s.key == "claims").tables[0]
+    assert full[0][-1] == "verdict" and [row[-1] for row in full[1]] == [f[5] for f in FINDINGS]
     # over training: the one evaluation of these stores is the end, judged as the end is
-    assert [row[-2] for row in summary.tables[0][1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1",
-                                                        "1 / 0 of 1"]
+    assert [row[-2] for row in full[1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1", "1 / 0 of 1"]
     # the noise floor: the baseline's own spread, the least and most spread arms and the seed's share
     # (ANOVA mean squares of loss ~ arm + seed)
     frame = pd.DataFrame([{"y": v, "arm": a, "seed": s} for a, vs in ARMS.items() for s, v in enumerate(vs)])
     fit = ols("y ~ C(arm) + C(seed)", frame).fit()
     seed_var = (anova_lm(fit).loc["C(seed)", "mean_sq"] - fit.mse_resid) / len(ARMS)
     sds = {a: np.std(v, ddof=1) for a, v in ARMS.items()}
-    noise = next(t for t in next(s for s in sections if s.key == "noise").tables if t[0][0] == "metric")[1]
+    noise = next(t for t in next(s for s in sections if s.key == "noise").all_tables() if t[0][0] == "metric")[1]
     least, most = min(sds, key=sds.get), max(sds, key=sds.get)
-    assert noise == [["eval_loss", "nats/image token", pytest.approx(sds["base"]), 3, least, pytest.approx(sds[least]), most,
+    assert noise == [["eval_loss", "nats per image token", pytest.approx(sds["base"]), 3, least, pytest.approx(sds[least]), most,
                       pytest.approx(sds[most]), pytest.approx(seed_var / (seed_var + fit.mse_resid))]]
     topup = next(s for s in sections if s.key == "topup")
     assert f"Now 3 seeds per arm at most; the rule asks for {max(r['needed'] for r in rows)}." in topup.text
@@ -171,7 +174,7 @@ def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "fid", "expect": "lower"}]},
-     "finding 'x' has metric 'fid'; valid: eval_loss, train_loss, step_time, loss_spikes, shapes_all, lr_sensitivity"),
+     "finding 'x' has metric 'fid'; valid: eval_loss, loss_spikes, lr_sensitivity, shapes_all, step_time, train_loss"),
     ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "lower",
                     "margin": "-3%"}]},
      "finding 'x' has margin '-3%'; valid: a positive number in the metric's units (0.01) or a percentage of the "
@@ -191,8 +194,10 @@ def test_a_bad_study_file_is_named_in_one_line(tmp_path, change, message):
 
 
 def test_the_mega_study_names_only_arms_its_preset_or_its_stress_runs_run():
-    from dalle_ablate.report.findings import MEASURED_ELSEWHERE
+    from dalle_ablate.metrics import STUDY
     from dalle_ablate.report.stress import load_stress
+
+    MEASURED_ELSEWHERE = {name for name, m in STUDY.items() if m.reads == "given"}  # on the stress runs
 
     study = load_study(study_path("mega-variants"))
     preset = yaml.safe_load((Path(__file__).parents[2] / "dalle_ablate/conf/experiment/study_mega.yaml").read_text())
@@ -275,7 +280,7 @@ def untimed(page: str) -> list[str]:
             timed = []
         if skip.match(line) or ("step_time" in line and not line.startswith("| arm |")) or not line.strip():
             continue
-        line = re.sub(r"\]\([./a-z]*statistics\.md", "](statistics.md", line)  # its depth is the page folder's
+        line = re.sub(r"\]\([^)]*statistics\.md", "](statistics.md", line)  # its depth is the page folder's
         cells = line.split("|")
         out.append("|".join(c for i, c in enumerate(cells) if i not in timed))
     return out
@@ -390,7 +395,7 @@ def test_the_noise_floor_shows_the_shapes_evaluations_own_noise_apart_from_the_s
     study = load_study(study_file(tmp_path, findings=[
         {"id": "cap", "claim": "c", "arm": "worse", "against": "base", "metric": "shapes_all", "expect": "lower"}]))
     sections, _ = page_sections(study, load_runs(str(tmp_path / "runs")), [])
-    cols, rows = next(s for s in sections if s.key == "noise").tables[-1]
+    cols, rows = next(s for s in sections if s.key == "noise").all_tables()[-1]
     (row,) = [r for r in rows if r[2] == "all tiers"]
     got = dict(zip(cols, row))
     p = np.array(finals["base"])
@@ -426,10 +431,11 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
 
 
 def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp_path, monkeypatch):
-    from dalle_ablate.report import findings
+    from dalle_ablate import metrics
 
-    monkeypatch.setitem(findings.METRICS, "max_trainable_lr",
-                        findings.Metric("final loss over the rates, per seed", lambda r: math.nan, "log10 lr"))
+    monkeypatch.setitem(metrics.STUDY, "max_trainable_lr", metrics.Metric(
+        "max_trainable_lr", "the largest rate that trains, per seed", "log10 lr", "higher", source="report",
+        study="max_trainable_lr", reads="given"))
     spec = {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "max_trainable_lr", "expect": "lower"}
     path = study_file(tmp_path, findings=[spec])
     with pytest.raises(ConfigError) as err:
@@ -596,7 +602,7 @@ def test_ctrl_c_stops_a_study_between_its_arms_and_in_its_stress_runs_with_the_c
     assert summary["status"] == "finished"
     assert not (out / "synthetic-stress").exists()
     words = shlex.split(again.removeprefix("resume with: dalle-ablate "))
-    code, err = _study_until([sys.executable, "-m", "dalle_ablate.cli", *words], tmp_path, "stress run 1 of 6: ")
+    code, err = _study_until([sys.executable, "-m", "dalle_ablate.cli", *words], tmp_path, "stress job 1 of 6: ")
     assert code == 130, err[-3000:]
     assert err.strip() == f"study synthetic interrupted during its stress runs; {kept}; {again}"
     assert json.loads((out / "synthetic" / "bias-seed0" / "run" / "summary.json").read_text())["status"] == "finished"

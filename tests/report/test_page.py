@@ -112,9 +112,31 @@ def test_every_arm_of_the_study_is_spelled_out_from_its_conf_file(page):
     assert rows["baseline"]["overrides"].startswith("none")
 
 
-def test_the_claims_table_gives_every_number_its_unit_and_three_digits(page):
+def test_the_summary_gives_each_claim_its_verdict_its_difference_in_margins_and_its_seeds(page):
+    """The first table: a row per finding, the difference and its 95 % interval in units of its
+    margin Δ, + on the side the claim predicts (as the forest plot draws it), to 3 digits."""
     text, _, rows = page
+    head = text.split("## Summary\n", 1)[1].split("\n## ", 1)[0]
+    assert head.index("| finding |") < head.index("![")  # the table, then the forest plot, before any other section
     table = table_after(text, "Summary")
+    assert list(table[0]) == ["finding", "claim (metric)", "verdict", "difference in Δ (95% CI)", "seeds used / needed"]
+    for cells, r in zip(table, rows):
+        f = r["finding"]
+        assert cells["finding"] == f.id and cells["claim (metric)"] == f"{f.claim} ({f.metric})"
+        assert r["verdict"].startswith(cells["verdict"])
+        side = 1 if f.expect == "higher" else -1
+        d, low, high = (float(x) for x in re.findall(NUMBER, cells["difference in Δ (95% CI)"]))
+        assert d == pytest.approx(side * r["diff"] / r["margin"], rel=0.5e-2, abs=1e-9)
+        assert (low, high) == pytest.approx(sorted((side * r["low"] / r["margin"], side * r["high"] / r["margin"])),
+                                            rel=0.5e-2, abs=1e-9)
+        assert cells["difference in Δ (95% CI)"].startswith("+") == (d > 0)
+        used, needed = cells["seeds used / needed"].split(" / ")
+        assert int(used) == len(r["seeds"]) == 3 and needed == (str(r["needed"]) if r["needed"] else "–")
+
+
+def test_the_full_table_gives_every_number_its_unit_and_three_digits(page):
+    text, _, rows = page
+    table = table_after(text, "Every finding in full")
     assert [r["finding"] for r in table] == [f["id"] for f in FINDINGS]
     for cells, r in zip(table, rows):
         unit = unit_of(r["finding"].metric)
@@ -128,7 +150,8 @@ def test_the_claims_table_gives_every_number_its_unit_and_three_digits(page):
             assert float(re.search(NUMBER, cells[col]).group()) == pytest.approx(r[key], rel=0.5e-2)
         low, high = map(float, re.findall(NUMBER, cells["95% CI"]))
         assert (low, high) == pytest.approx((r["low"], r["high"]), rel=0.5e-2)
-    assert unit_of("eval_loss") == "nats/image token" and unit_of("step_time") == "s"
+    assert unit_of("eval_loss") == "nats per image token" and unit_of("step_time") == "s"
+    assert rows[0]["needed"] > 0 and rows[-1]["needed"] == 0  # each kind of seeds cell above
 
 
 def test_each_figure_has_its_caption_under_it(page):
@@ -142,7 +165,7 @@ def test_each_figure_has_its_caption_under_it(page):
         assert following == f"*{alt}*" and len(alt.split()) > 8  # a sentence saying what it shows
         assert (path.parent / target).is_file()
     curves = [lines[i] for i in figures[2:]]
-    assert all("nats/image token" in c for c in curves) and "(s)" in curves[-1]  # each panel's unit
+    assert all("nats per image token" in c for c in curves) and "(s)" in curves[-1]  # each panel's unit
 
 
 def test_the_claims_notes_and_the_statistics_link_are_on_the_page(page, tmp_path):
@@ -184,3 +207,74 @@ def test_the_provenance_lines_name_the_command_the_commits_and_the_runs():
     quiet = provenance("s.yaml", None, [], command, runs[:1], 0.0, False)
     assert len(quiet) == 3 and quiet[0].startswith("Command: `dalle-ablate study s.yaml` ")
     assert quiet[2].endswith("this invocation ran nothing (--no-run).")
+
+
+# The page's layout as a reader sees it on the docs site at 1400 px (headless Chromium, tools/browser.py):
+# the first table and every figure, each image's size as shown against its size as drawn.
+LAYOUT = """(() => {
+  const t = document.querySelector('.md-content table'), wrap = t.closest('.md-typeset__scrollwrap') || t.parentElement;
+  const imgs = [...document.querySelectorAll('.md-content img')].map(i => [i.getAttribute('src'), i.clientWidth, i.naturalWidth]);
+  const h2 = [...document.querySelectorAll('.md-content h2')].map(h => h.textContent.replace('¶', '').trim());
+  return {table: [t.scrollWidth, wrap.clientWidth, wrap.scrollWidth], imgs, h2,
+          forest: document.querySelector('.md-content img').getBoundingClientRect().top + window.scrollY,
+          content: document.querySelector('.md-content__inner').clientWidth};
+})()"""
+
+
+def test_the_summary_and_its_figures_read_at_1400_px_on_the_site(tmp_path, monkeypatch):
+    """The summary table fits the content column without scrolling sideways; every figure draws its
+    text at figures.MIN_PT or more and is shown at 80 % of its size or more, so no text is under
+    10 px at the page's width; the answer (summary, forest plot) comes before the noise report and
+    the details."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import matplotlib.text
+
+    from dalle_ablate.report import figures
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from browser import Browser, chromium_path
+
+    if chromium_path() is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide Chromium: .ci/run installs Debian's chromium package")
+        pytest.skip("no chromium (apt-get install chromium)")
+    pytest.importorskip("mkdocs", reason="the docs extra: pip install -c constraints.txt -e '.[docs]'")
+    smallest, drawn = [], figures.png
+
+    def spy(fig) -> bytes:  # the smallest text each figure draws, as it is saved
+        sizes = [t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+        smallest.append(min(sizes))
+        return drawn(fig)
+
+    monkeypatch.setattr(figures, "png", spy)
+    for arm, finals in FINALS.items():
+        for seed, final in enumerate(finals):
+            write_store(tmp_path / "runs", arm, seed, final)
+    spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "baseline",
+            "findings": FINDINGS}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    docs = tmp_path / "docs"
+    write_page(load_study(tmp_path / "study.yaml"), str(tmp_path / "runs"), docs / "results", ["provenance"])
+    assert len(smallest) == 2 + len(FINDINGS) and min(smallest) >= figures.MIN_PT
+    (docs / "stylesheets").mkdir()
+    shutil.copy(ROOT / "docs" / "stylesheets" / "extra.css", docs / "stylesheets")
+    (tmp_path / "mkdocs.yml").write_text(  # the site's theme and CSS (mkdocs.yml), this page alone
+        "site_name: t\ntheme:\n  name: material\n  features: [navigation.sections]\nextra_css: [stylesheets/extra.css]\n"
+        "markdown_extensions: [tables, attr_list, {toc: {permalink: true}}]\nnav:\n  - Results:\n    - Study: results/synthetic.md\n")
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(tmp_path / "site")], cwd=tmp_path,
+                   check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
+    with Browser() as browser:
+        browser.open((tmp_path / "site" / "results" / "synthetic" / "index.html").as_uri(), 1400, 1000)
+        got = browser.evaluate(LAYOUT)
+    table, wrap, scrolled = got["table"]
+    assert table <= wrap and scrolled <= wrap, got["table"]  # no sideways scrolling
+    assert got["h2"][:3] == ["Summary", "Noise report", "How these verdicts were reached"]
+    assert [Path(src).name for src, *_ in got["imgs"]][0] == "synthetic_summary_0.png"  # the forest plot first
+    assert got["forest"] < 1000  # of three findings: on the first screen, under the table
+    for src, shown, natural in got["imgs"]:
+        assert shown >= 0.8 * natural and figures.MIN_PT * figures.DPI / 72 * shown / natural >= 10, (src, shown, natural)
+    assert got["content"] >= figures.FIT_IN * figures.DPI * 0.95  # what FIT_IN stands for

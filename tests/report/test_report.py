@@ -66,6 +66,12 @@ def write_store(root: Path, layout: str, seed: int, final: float, spike: bool = 
     return store
 
 
+def final_rows(section) -> dict[tuple[str, str], dict]:
+    """The final table's rows by (variant, metric), each as {column: cell}."""
+    cols, rows = section.tables[0]
+    return {(r[0], r[1].split(" (")[0]): dict(zip(cols, r)) for r in rows}
+
+
 @pytest.fixture
 def synthetic(tmp_path):
     root = tmp_path / "multirun"
@@ -150,11 +156,13 @@ def test_final_table_judges_each_variant_against_the_baseline(synthetic):
                         ("model.layout=sandwich", "train/loss"): "not resolved"}
     final = next(s for s in sections if s.key == "final")
     cols, rows = final.tables[0]
-    row = {r[0]: dict(zip(cols, r)) for r in rows}
-    assert row["model.layout=deepnet"]["eval/valid/loss"] == pytest.approx(2.0 + 2.0 / 40)  # last eval at step 40
-    assert row["model.layout=deepnet"]["Δ eval/valid/loss vs baseline"] == pytest.approx(1.0)
-    assert row["model.layout=sandwich"]["Δ 95% CI"].endswith("(2 seeds, paired)")
-    assert row["model.layout=sandwich"]["rho eval/valid/loss"] == "–"  # rho needs 3 shared seeds
+    assert cols[:5] == ["variant", "metric", "verdict against the baseline", "Δ vs baseline", "Δ 95% CI"]  # the answer first
+    row = final_rows(final)
+    assert row["model.layout=deepnet", "eval/valid/loss"]["mean"] == pytest.approx(2.0 + 2.0 / 40)  # last eval at step 40
+    assert row["model.layout=deepnet", "eval/valid/loss"]["Δ vs baseline"] == pytest.approx(1.0)
+    assert row["model.layout=sandwich", "eval/valid/loss"]["Δ 95% CI"].endswith("(2 seeds, paired)")
+    assert row["model.layout=sandwich", "eval/valid/loss"]["rho"] == "–"  # rho needs 3 shared seeds
+    assert row["model.layout=preln (baseline)", "eval/valid/loss"]["seeds"] == 3
     stability = next(s for s in sections if s.key == "stability").tables[0][1]
     assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [("model.layout=preln", 2, 1)]  # the one spike, in its run
     # The largest gradient norm after the 5 warm-up steps, not step 1's 100.
@@ -182,17 +190,18 @@ def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tm
         r.variant = r.config["model.layout"]
     margins = {"eval/valid/loss": "0.05"}
     sections, info = build_sections(runs, "preln", margins=margins)
-    cols, rows = next(s for s in sections if s.key == "final").tables[0]
-    row = {r[0]: dict(zip(cols, r)) for r in rows}
+    row = final_rows(next(s for s in sections if s.key == "final"))
     p_zero, p_tost = [], []
     for v in ("deepnet", "sandwich"):
         a, b = np.array(finals[v]), np.array(finals["preln"])
         ci = st.ttest_rel(a, b).confidence_interval(0.95)
-        cell = row[v]["Δ 95% CI"]
+        cell = row[v, "eval/valid/loss"]["Δ 95% CI"]
         assert cell.endswith("(3 seeds, paired)")
+        j = info["judged"][(v, "eval/valid/loss")]
+        assert (j["low"], j["high"]) == pytest.approx((ci.low, ci.high), rel=1e-9)
         got = tuple(float(x) for x in cell.split(" (")[0].strip("[]").split(", "))
-        assert got == pytest.approx((ci.low, ci.high), rel=1e-3)  # the table prints 4 significant digits
-        assert row[v]["rho eval/valid/loss"] == pytest.approx(np.corrcoef(finals[v], finals["preln"])[0, 1])
+        assert got == pytest.approx((ci.low, ci.high), rel=0.5e-2)  # the table prints 3 significant digits
+        assert row[v, "eval/valid/loss"]["rho"] == pytest.approx(np.corrcoef(finals[v], finals["preln"])[0, 1])
         p_zero.append(st.ttest_rel(a, b).pvalue)
         p_tost.append(ttost_paired(a, b, -0.05, 0.05)[0])
     # Holm over the comparisons of the table: the difference over two variants x two metrics (train/loss is the
@@ -201,11 +210,12 @@ def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tm
     assert multipletests(p_tost, 0.05, method="holm")[0].tolist() == [False, False]
     judged = info["judged"]
     assert judged[("deepnet", "eval/valid/loss")]["verdict"] == "worse than the baseline by more than Δ"
-    assert row["deepnet"]["verdict (eval/valid/loss)"] == "worse than the baseline by more than Δ"
+    assert row["deepnet", "eval/valid/loss"]["verdict against the baseline"] == "worse than the baseline by more than Δ"
     sandwich = judged[("sandwich", "eval/valid/loss")]
     effect = 0.05 / np.std(np.array(finals["sandwich"]) - finals["preln"], ddof=1)
     assert sandwich["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / 4, 0.8))
-    assert row["sandwich"]["verdict (eval/valid/loss)"] == f"not resolved; needs {sandwich['needed']} seeds for a difference of Δ"
+    assert row["sandwich", "eval/valid/loss"]["verdict against the baseline"] == (
+        f"not resolved; needs {sandwich['needed']} seeds for a difference of Δ")
     assert judged[("deepnet", "train/loss")]["verdict"] == "worse than the baseline"  # no margin for train/loss
 
 
@@ -261,8 +271,8 @@ def test_the_pareto_section_shows_all_correct_per_tier_with_intervals(tmp_path):
     assert "| run | variant | scale | one | two |" in md
     lines = [line for line in md.splitlines() if line.startswith("| preln_0") and "N=32" in line]
     assert [line.split(" | ")[2:] for line in lines] == [
-        ["1", "75.0% [0.58, 0.87] N=32", "25.0% [0.13, 0.42] N=32 |"],  # scales in order
-        ["2", "93.8% [0.80, 0.98] N=32", "37.5% [0.23, 0.55] N=32 |"]]
+        ["1", "75.0% [58.0%, 87.0%] N=32", "25.0% [13.0%, 42.0%] N=32 |"],  # scales in order; N a count
+        ["2", "93.8% [80.0%, 98.0%] N=32", "37.5% [23.0%, 55.0%] N=32 |"]]
 
 
 def test_config_diff_lists_exactly_the_differing_fields(synthetic):
@@ -361,13 +371,14 @@ def test_one_seed_per_variant_says_no_difference_can_be_tested(tmp_path):
     assert info["baseline"] == "model=sandwich"
     overview = next(s for s in sections if s.key == "overview").text
     assert "1 seed per variant: no difference can be tested." in " ".join(overview)
-    assert "baseline: model=sandwich (the first value listed)" in overview[0]
-    cols, rows = next(s for s in sections if s.key == "final").tables[0]
-    for row in rows:
-        cells = dict(zip(cols, row))
-        assert cells["eval/valid/loss 95% CI"] == ONE_SEED
-        if row[0] != "model=sandwich (baseline)":
-            assert cells["Δ 95% CI"] == ONE_SEED and cells["verdict (eval/valid/loss)"] == "not resolved"
+    assert "baseline: model=sandwich (the first value listed)" in " ".join(overview)
+    # a sentence per variant, first: one seed, no interval
+    assert [t.split(" — ")[0] for t in overview[1:3]] == ["model=preln", "model=deepnet"]
+    assert all(t.count("1 seed: no interval") == 2 and t.count("not resolved") == 2 for t in overview[1:3])
+    for (variant, metric), cells in final_rows(next(s for s in sections if s.key == "final")).items():
+        assert cells["mean 95% CI"] == ONE_SEED
+        if variant != "model=sandwich (baseline)":
+            assert cells["Δ 95% CI"] == ONE_SEED and cells["verdict against the baseline"] == "not resolved"
 
 
 def test_a_sweep_compares_completed_trials_best_first(tmp_path):
@@ -507,7 +518,7 @@ def test_shapes_section_shows_conditional_rates_evaluation_noise_and_a_paired_co
     sections, _ = build_sections(load_runs(str(tmp_path / "m")), "preln")
     s = next(s for s in sections if s.key == "shapes")
     assert s.folded
-    (tcols, trows), (ncols, nrows), (pcols, prows) = s.tables
+    (tcols, trows), (ncols, nrows), (pcols, prows) = s.all_tables()
     one = next(r for r in trows if r[0] == "model=preln" and r[2] == "one")
     assert one[tcols.index("found")] == "80%" and one[tcols.index("color if found / all")] == "75% / 60%"
     rel = next(r for r in trows if r[0] == "model=preln" and r[2] == "relation")
@@ -526,3 +537,78 @@ def test_shapes_section_shows_conditional_rates_evaluation_noise_and_a_paired_co
     assert paired[pcols.index("McNemar p")] == pytest.approx(min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2**n))
     lo, hi = (float(x) for x in paired[pcols.index("Δ 95% CI (prompts)")].strip("[]").split(", "))
     assert lo < paired[pcols.index("Δ")] < hi
+
+
+REPORT_LAYOUT = """(() => ({
+  page: [document.documentElement.scrollWidth, window.innerWidth],
+  first: [...document.querySelectorAll('#overview p')].map(p => p.textContent),
+  final: (d => [d.scrollWidth, d.clientWidth])(document.querySelector('#final .scroll')),
+  imgs: [...document.querySelectorAll('details[open] img')].map(i => [i.alt, i.clientWidth, i.naturalWidth]),
+}))()"""
+
+
+def test_the_report_opens_with_its_answer_and_reads_at_1400_px(synthetic, tmp_path):
+    """Headless Chromium at 1400 px (tools/browser.py): a sentence per variant against the baseline
+    first, in the verdict engine's words with the difference and its interval; the final table
+    fits the page; every figure shown at 80 % of its size or more (figures draw no text under 10
+    pt: 10 px at that size); no negative zero, counts as integers."""
+    import re
+    import sys
+
+    from conftest import ROOT
+    from dalle_ablate.report import figures
+    from dalle_ablate.report.build import build_sections, variant_sentence
+    from dalle_ablate.report.load import load_runs
+    from dalle_ablate.report.tables import fmt3
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from browser import Browser
+
+    if chromium() is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide Chromium: .ci/run installs Debian's chromium package")
+        pytest.skip("no chromium (apt-get install chromium)")
+    main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r", "--baseline", "model=preln"])
+    page = tmp_path / "reports" / "r" / "index.html"
+    with Browser() as browser:
+        browser.open(page.resolve().as_uri(), 1400, 1000)
+        got = browser.evaluate(REPORT_LAYOUT)
+    _, info = build_sections(load_runs(str(synthetic)), "model=preln")
+    others = [v for v in info["variants"] if v != "model=preln"]
+    assert got["first"][1:1 + len(others)] == [variant_sentence(v, info["judged"]) for v in others]
+    deepnet = info["judged"][("model=deepnet", "eval/valid/loss")]
+    assert got["first"][1].startswith("model=deepnet — eval/valid/loss worse than the baseline (difference "
+                                      f"+{fmt3(deepnet['d'])} nats per image token, 95% CI [{fmt3(deepnet['low'])}, ")
+    assert got["page"][0] <= got["page"][1] and got["final"][0] <= got["final"][1], got  # nothing scrolls sideways
+    assert len(got["imgs"]) >= 4
+    for alt, shown, natural in got["imgs"]:
+        assert shown >= 0.8 * natural and figures.MIN_PT * figures.DPI / 72 * shown / natural >= 10, (alt, shown, natural)
+    text = page.read_text()
+    assert not re.search(r"(?<![\w.])[-−]0(?:\.0+)?(?![\d.])", text)  # no negative zero
+    assert not re.search(r"N=\d+\.0\b", text)  # a count is an integer
+
+
+def test_a_flat_pareto_curve_is_a_line_saying_why_not_a_plot(tmp_path):
+    """After a short run every scale draws no scene right: shapes/all is 0 at every point, and the
+    section says so instead of drawing curves along an axis of zero width."""
+    from dalle_ablate.report.build import build_sections
+    from dalle_ablate.report.load import load_runs
+
+    for layout in ("preln", "deepnet"):
+        for seed in (0, 1):
+            store = write_store(tmp_path / "m", layout, seed, 1.0)
+            rows = [["r", 40, s, 32, 23.0 + 0.1 * s + seed, 0.0] for s in (1.0, 3.0)]
+            (store / "tables" / "eval_pareto_40.json").write_text(json.dumps(
+                {"columns": ["run", "step", "scale", "n", "shapes_fd/fd", "shapes/all"], "line": ["shapes_fd/fd", "shapes/all"],
+                 "rows": rows}))
+    sections, _ = build_sections(load_runs(str(tmp_path / "m")), None)
+    pareto = next(s for s in sections if s.key == "pareto")
+    assert pareto.images == [] and pareto.text == [
+        "Nothing to plot: shapes/all is 0 at every guidance scale in every run, so no scale trades one axis for the other "
+        "(runs.csv gives each run's values at every scale)."]
+    # one point off the line: a curve again
+    (tmp_path / "m" / "preln_0" / "run" / "tables" / "eval_pareto_40.json").write_text(json.dumps(
+        {"columns": ["run", "step", "scale", "n", "shapes_fd/fd", "shapes/all"], "line": ["shapes_fd/fd", "shapes/all"],
+         "rows": [["r", 40, 1.0, 32, 23.0, 0.0], ["r", 40, 3.0, 32, 23.5, 0.03]]}))
+    sections, _ = build_sections(load_runs(str(tmp_path / "m")), None)
+    assert [c for c, _ in next(s for s in sections if s.key == "pareto").images] == ["shapes/all vs shapes_fd/fd"]

@@ -288,9 +288,9 @@ def test_the_trainer_reports_eval_loss_and_stops_when_pruned(tmp_path):
     (t,) = trials(f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
     assert t.state == S.PRUNED and list(t.intermediate_values) == [3]  # first evaluation (trainer.eval_every=3) of 6 steps
     store = tmp_path / "multirun" / "0" / "run"
-    steps = [json.loads(line)["step"] for line in (store / "metrics.jsonl").read_text().splitlines()]
-    assert max(steps) == 3 and t.intermediate_values[3] == pytest.approx(
-        [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()][-1]["eval/valid/loss"])
+    rows = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()]
+    (evaluated,) = [row for row in rows if "eval/valid/loss" in row]  # beside it, its per-example table's line
+    assert max(row["step"] for row in rows) == 3 and t.intermediate_values[3] == pytest.approx(evaluated["eval/valid/loss"])
     assert json.loads((store / "summary.json").read_text())["status"] == "pruned"
 
 

@@ -235,9 +235,7 @@ def test_kill_9_between_the_members_saves_then_resume_continues_every_member(tra
     tests = Path(__file__).resolve().parents[1]
     job = tmp_path / "job"
     args = [*SMALL_DATA, *TINY_TRAIN, *CFG, "seeds=[0,1,2]", "members.impl=map", f"hydra.run.dir={job}"]
-    # not the W&B service this test process started (wandb.init exports WANDB_SERVICE): a child
-    # killed while attached to it would leave its runs open there, "in use" to the resumed child
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env = dict(os.environ)
     env.update(KILL_AT="save:6", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
     proc = subprocess.run([sys.executable, str(tests / "kill_worker.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
