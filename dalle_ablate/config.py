@@ -110,6 +110,7 @@ class OptunaTrialConfig:
     storage: Optional[str] = None  # the study's storage URL (sqlite:///... or postgresql://...)
     study: Optional[str] = None  # the study's name in that storage
     trial: Optional[int] = None  # the trial's number in the study
+    statistic: str = "mean"  # a trial of several seeds: its value over its members (hydra.sweeper.statistic)
 
 
 @dataclass

@@ -254,7 +254,7 @@ def run(cfg: DictConfig) -> float | list[float]:
         if trial:
             from dalle_ablate.sweep.trial import TrialHooks
 
-            job.hooks = TrialHooks(run_cfg.optuna)
+            job.hooks = TrialHooks(run_cfg.optuna, run_cfg.seeds)
         tokenizer_first(run_cfg, job)
         if run_cfg.seeds:
             results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
@@ -271,7 +271,8 @@ def outcome(run_cfg, job: JobInfo, results: list, trial: bool = False) -> float 
     """What a job ends with, from its runs' Results (a plain run's one, or each member's of
     `seeds=[...]`): Ctrl-C's line with the command that resumes it, a pruned trial, one line
     naming each run that diverged (exit 3; its run store says where), or the objectives -- a
-    members job's the mean over its members (each member's own value is in its run store)."""
+    members job's the mean over its members (each member's own value is in its run store), a
+    sweep trial's the sweeper's statistic of them (sweep/trial.py)."""
     members = run_cfg.seeds is not None
     named = list(zip(run_cfg.seeds if members else [run_cfg.seed], results))
     stopped = [(s, r) for s, r in named if r.status == "interrupted"]
@@ -294,7 +295,13 @@ def outcome(run_cfg, job: JobInfo, results: list, trial: bool = False) -> float 
                         + (f"; seeds {', '.join(ok)} finished" if ok else ""), RunFailed.DIVERGED)
     import numpy as np
 
-    values = np.array([[float(r.summary[k]) for k in run_cfg.objectives] for r in results]).mean(axis=0)
+    table = np.array([[float(r.summary[k]) for k in run_cfg.objectives] for r in results])  # [member, objective]
+    if trial and members:
+        from dalle_ablate.sweep.trial import trial_value
+
+        values = trial_value(run_cfg.optuna, list(run_cfg.seeds), table, list(run_cfg.objectives))
+    else:
+        values = table.mean(axis=0)
     return float(values[0]) if len(values) == 1 else [float(v) for v in values]
 
 

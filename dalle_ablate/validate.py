@@ -70,8 +70,8 @@ def validate(cfg: RunConfig) -> None:
 
 def check_members(cfg: RunConfig) -> None:
     """Seeds as members of one job (train/program.py): what v1 of it runs, each refusal naming the
-    field. Members share one program, so whatever makes a run's program depend on its process or on
-    an outside caller (several processes, an Optuna trial, PowerSGD's per-worker shard_map) is out."""
+    field. Members share one program, so whatever makes a run's program depend on its process
+    (several processes, PowerSGD's per-worker shard_map) is out."""
     seeds, m = cfg.seeds, cfg.mesh.member
     if seeds is None:
         check(m == 1, f"mesh.member={m} spreads the members of seeds=[...] over devices; without seeds it must be 1")
@@ -82,7 +82,6 @@ def check_members(cfg: RunConfig) -> None:
     check(cfg.members.impl in MEMBER_IMPLS, f"members.impl={cfg.members.impl!r} is not valid; valid: {', '.join(MEMBER_IMPLS)}")
     check(m >= 1 and len(seeds) % m == 0,
           f"mesh.member={m} must be a positive divisor of the {len(seeds)} members of seeds={list(seeds)}")
-    check(cfg.optuna.trial is None, "seeds=[...] with an Optuna trial: a trial is one run; sweep seed=... instead")
     check(cfg.optim.powersgd.rank is None,
           "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression does not run as members; "
           "run its seeds as separate runs (seed=0,1,2)")

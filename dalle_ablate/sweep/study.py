@@ -41,10 +41,35 @@ PRUNERS.register("hyperband", lambda kw: optuna.pruners.HyperbandPruner(**kw))
 PRUNERS.register("successive_halving", lambda kw: optuna.pruners.SuccessiveHalvingPruner(**kw))
 PRUNERS.register("threshold", lambda kw: optuna.pruners.ThresholdPruner(**kw))
 
+# A trial's value from its members' values (`seeds=[...]`: each trial trains its seeds as members of
+# one job): hydra.sweeper.statistic. The bounds are one-sided 90 % t bounds on the members' mean
+# (n - 1 degrees of freedom): `upper` is the cautious choice for a loss -- a point whose seeds
+# disagree ranks behind one as good on average whose seeds agree.
+STATISTICS: Registry = Registry("statistic", "hydra.sweeper.statistic")
+BOUND_LEVEL = 0.90
+
+
+def _bound(values: np.ndarray, side: int) -> float:
+    from scipy import stats
+
+    n = len(values)
+    if n < 2:
+        return float("nan")  # no spread from one seed (the sweeper refuses this before a trial runs)
+    return float(values.mean() + side * stats.t.ppf(BOUND_LEVEL, n - 1) * values.std(ddof=1) / np.sqrt(n))
+
+
+STATISTICS.register("mean", lambda v: float(np.mean(v)))
+STATISTICS.register("median", lambda v: float(np.median(v)))
+STATISTICS.register("upper", lambda v: _bound(np.asarray(v, float), +1))
+STATISTICS.register("lower", lambda v: _bound(np.asarray(v, float), -1))
+NEEDS_SPREAD = ("upper", "lower")  # statistics that need at least two seeds
+
 PRUNER_ATTR = "dalle_ablate.pruner"  # the study's pruner spec, so that jobs rebuild the same pruner
 STARTS_ATTR = "dalle_ablate.sampler_starts"  # sweep processes started on the study so far
 RUN_DIR_ATTR = "run_dir"  # a trial's run store, so that a later sweep can mark it or resume from it
 WANDB_ATTR = "wandb_id"  # a trial's W&B run, where it has one
+# A trial of several seeds: each member's run store and value, the spread, the statistic taken.
+MEMBERS_ATTR = "members"
 
 
 def sampler_seed(seed: Optional[int], start: int) -> Optional[int]:

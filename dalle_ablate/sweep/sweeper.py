@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import optuna
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
@@ -27,9 +28,11 @@ from omegaconf import DictConfig, OmegaConf
 from dalle_ablate.fileio import atomic_write, is_url, push
 from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.sweep import recheck as rechecks
 from dalle_ablate.sweep import space as spaces
-from dalle_ablate.sweep.study import (PRUNER_ATTR, RUN_DIR_ATTR, STARTS_ATTR, WANDB_ATTR, default_storage, heartbeats,
-                                      make_pruner, make_sampler, sampler_seed, storage, trial_lock)
+from dalle_ablate.sweep.study import (MEMBERS_ATTR, NEEDS_SPREAD, PRUNER_ATTR, RUN_DIR_ATTR, STARTS_ATTR, STATISTICS,
+                                      WANDB_ATTR, default_storage, heartbeats, make_pruner, make_sampler, sampler_seed,
+                                      storage, trial_lock)
 from dalle_ablate.track.naming import short
 from dalle_ablate.track.runstore import mark_failed
 
@@ -121,6 +124,10 @@ class OptunaSweeperConf:
     heartbeat_interval: int = 60
     grace_period: Optional[int] = None
     retry_failed: int = 0  # run such a trial again (same parameters, from its last checkpoint), up to N times
+    # Seeds per trial (`seeds=[0,1,2]` on the command line: each trial trains them as members of one job):
+    statistic: str = "mean"  # a trial's value over its members: mean, median, upper or lower (one-sided 90 % t bound)
+    common_seeds: bool = True  # every trial on the same seeds (paired); false: trial i on seeds shifted by i * len(seeds)
+    recheck: rechecks.RecheckConf = field(default_factory=rechecks.RecheckConf)  # the best trials again on fresh seeds
 
 
 def outcome(ret: JobReturn, n_objectives: int) -> tuple[optuna.trial.TrialState, Optional[list[float]], str]:
@@ -146,7 +153,8 @@ def outcome(ret: JobReturn, n_objectives: int) -> tuple[optuna.trial.TrialState,
 class OptunaSweeper(Sweeper):
     def __init__(self, study_name: str, storage: Optional[str], direction: Any, n_trials: int, n_jobs: int,
                  sampler: DictConfig, pruner: DictConfig, params: DictConfig, heartbeat_interval: int = 60,
-                 grace_period: Optional[int] = None, retry_failed: int = 0):
+                 grace_period: Optional[int] = None, retry_failed: int = 0, statistic: str = "mean",
+                 common_seeds: bool = True, recheck: Optional[DictConfig] = None):
         self.study_name, self.storage_url = study_name, storage
         self.directions = [str(d) for d in direction] if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction) \
             else [str(direction)]
@@ -164,6 +172,15 @@ class OptunaSweeper(Sweeper):
                               f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0")
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period or 2 * heartbeat_interval
         self.retry = optuna.storages.RetryFailedTrialCallback(max_retry=retry_failed) if retry_failed else None
+        STATISTICS.get(statistic)  # a name it does not know: one line naming hydra.sweeper.statistic
+        self.statistic, self.common_seeds = statistic, common_seeds
+        self.recheck = rechecks.RecheckConf(**(OmegaConf.to_container(recheck, resolve=True) if OmegaConf.is_config(recheck)
+                                               else dict(recheck or {})))
+        if self.recheck.top == 1 or self.recheck.top < 0:
+            raise ConfigError(f"hydra.sweeper.recheck.top={self.recheck.top}: 0 (no re-check) or the best N >= 2 trials "
+                              "(the best is judged against the others)")
+        if self.recheck.top and len(self.directions) > 1:
+            raise ConfigError("hydra.sweeper.recheck.top needs one objective: a Pareto front has no single best to re-check")
         self.process = this_process()
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
@@ -175,6 +192,11 @@ class OptunaSweeper(Sweeper):
         self.sweep_dir = Path(config.hydra.sweep.dir)
         self.process["local"] = type(self.launcher).__name__ in LOCAL_LAUNCHERS
         self.objectives = [str(o) for o in config.get("objectives", [])]  # what the jobs return (RunConfig.objectives)
+        seeds = config.get("seeds")
+        self.seeds = [int(k) for k in seeds] if seeds is not None else None  # each trial's members, as given
+        if self.statistic in NEEDS_SPREAD and (self.seeds is None or len(self.seeds) < 2):
+            raise ConfigError(f"hydra.sweeper.statistic={self.statistic} is a bound on the members' mean: give each trial "
+                              f"at least 2 seeds (seeds=[0,1,2]), or hydra.sweeper.statistic=mean")
 
     def study(self, space) -> tuple[optuna.Study, str]:
         url = self.storage_url or default_storage(self.sweep_dir)
@@ -228,7 +250,7 @@ class OptunaSweeper(Sweeper):
                     trial.set_user_attr(OWNER_ATTR, self.process)
             if not trials:
                 break
-            batch = [space.overrides(t.params) + self._resume(study, t) + [
+            batch = [space.overrides(t.params) + self._resume(study, t) + self._seeds(t.number) + [
                 f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'", f"optuna.trial={t.number}"] for t in trials]
             try:
                 self.validate_batch_is_legal(batch)
@@ -253,8 +275,53 @@ class OptunaSweeper(Sweeper):
                 else:
                     log.info(f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}")
                 study.tell(trial, values, state=state)
-        self._write_results(study)
+        recheck = self._recheck(study, space)
+        self._write_results(study, recheck)
         return study.get_trials()
+
+    def _seeds(self, number: int) -> list[str]:
+        """A trial's seeds, when it trains several: the statistic its job takes over them, and with
+        hydra.sweeper.common_seeds=false seeds of its own (trial i: each shifted by i * len(seeds))."""
+        if self.seeds is None:
+            return []
+        out = [f"optuna.statistic={self.statistic}"]
+        if not self.common_seeds:
+            mine = [k + number * len(self.seeds) for k in self.seeds]
+            out += [f"seeds=[{','.join(map(str, mine))}]", f"seed={mine[0]}"]
+        return out
+
+    def used_seeds(self, study: optuna.Study) -> list[int]:
+        """Every seed a trial of this sweep trained."""
+        if self.seeds is None:
+            return [int(self.config.get("seed", 0))]
+        if self.common_seeds:
+            return list(self.seeds)
+        return [k + t.number * len(self.seeds) for t in study.get_trials(deepcopy=False) for k in self.seeds]
+
+    def _recheck(self, study: optuna.Study, space) -> Optional[dict]:
+        """hydra.sweeper.recheck.top: the best complete trials trained again on fresh seeds, one
+        members job each (recheck/trial<N>; resume=auto: a finished one is not trained again), and
+        the best judged against the others (sweep/recheck.py)."""
+        if not self.recheck.top:
+            return None
+        complete = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+        minimize = self.directions[0] == "minimize"
+        best = sorted(complete, key=lambda t: t.value if minimize else -t.value)[:self.recheck.top]
+        if len(best) < 2:
+            log.warning(f"re-check skipped: {len(best)} complete trial(s), it needs 2")
+            return None
+        seeds = rechecks.fresh_seeds(self.recheck, self.used_seeds(study))
+        batch = [rechecks.job_overrides(space.overrides(t.params), seeds, t.number) + ["resume=auto"] for t in best]
+        log.info(f"re-check: trials {[t.number for t in best]} on fresh seeds {seeds}")
+        self.validate_batch_is_legal(batch)
+        returns = self.launcher.launch(batch, initial_job_idx=len(study.trials))
+        objective = self.objectives[0] if self.objectives else "eval/valid/loss"
+        values = np.array([rechecks.member_values(Path(r.hydra_cfg.hydra.runtime.output_dir), seeds, objective)
+                           for r in returns])
+        record = rechecks.judge(best, values, minimize, self.recheck.margin)
+        record["seeds"], record["objective"] = seeds, objective
+        log.info(rechecks.summary_line(record, objective))
+        return record
 
     def _fail_gone(self, study: optuna.Study) -> None:
         """RUNNING trials whose sweep process ran on this host, launched its jobs locally and is gone
@@ -284,14 +351,16 @@ class OptunaSweeper(Sweeper):
         train/loop.py names it)."""
         study.set_user_attr(STALE_ATTR, {**study.user_attrs.get(STALE_ATTR, {}), str(trial.number): why})
         log.warning(f"trial {trial.number} FAIL: {why}")
-        run_dir = trial.user_attrs.get(RUN_DIR_ATTR) or (job_dir and str(Path(job_dir) / "run"))
-        if run_dir and (is_url(run_dir) or Path(run_dir).is_dir()):
-            mark_failed(run_dir, f"killed: {why}")
+        members = trial.user_attrs.get(MEMBERS_ATTR, {}).get("run_dirs")
+        for run_dir in members or [trial.user_attrs.get(RUN_DIR_ATTR) or (job_dir and str(Path(job_dir) / "run"))]:
+            if run_dir and (is_url(run_dir) or Path(run_dir).is_dir()):
+                mark_failed(run_dir, f"killed: {why}")
         if self.retry is not None:
             self.retry(study, trial)  # enqueues the same parameters, remembering this trial's number
 
     def _resume(self, study: optuna.Study, trial: optuna.trial.Trial) -> list[str]:
-        """For a retried trial: continue from the last checkpoint of the trial it retries."""
+        """For a retried trial: continue from the last checkpoint of the trial it retries (a trial of
+        several seeds, which records no one run store, trains again from the start)."""
         number = optuna.storages.RetryFailedTrialCallback.retried_trial_number(study._storage.get_trial(trial._trial_id))
         if number is None:
             return []
@@ -304,7 +373,7 @@ class OptunaSweeper(Sweeper):
             return []
         return [f"resume='{run_dir}'"] if run_dir else []
 
-    def _write_results(self, study: optuna.Study) -> None:
+    def _write_results(self, study: optuna.Study, recheck: Optional[dict] = None) -> None:
         trials = study.get_trials(deepcopy=False)
         counts = {s.name: sum(t.state == s for t in trials) for s in optuna.trial.TrialState}
         out = {"study": self.study_name, "directions": self.directions, "trials": {k: v for k, v in counts.items() if v}}
@@ -316,12 +385,17 @@ class OptunaSweeper(Sweeper):
         if complete and len(self.directions) == 1:
             best = study.best_trial
             out["best"] = {"number": best.number, "value": best.value, "params": best.params, **self._where(best)}
+            where = (f"run store {best.user_attrs.get(RUN_DIR_ATTR)}" if MEMBERS_ATTR not in best.user_attrs else
+                     f"{self.statistic} of {len(best.user_attrs[MEMBERS_ATTR].get('seeds', []))} seeds, run stores "
+                     f"{', '.join(best.user_attrs[MEMBERS_ATTR].get('run_dirs', []))}")
             log.info(f"best of {len(complete)} complete trials: trial {best.number}, {self._values(best.values)} at "
-                     f"{_short_params(best.params)}, run store {best.user_attrs.get(RUN_DIR_ATTR)}")
+                     f"{_short_params(best.params)}, {where}")
         elif complete:
             out["pareto_front"] = [{"number": t.number, "values": t.values, "params": t.params, **self._where(t)}
                                    for t in study.best_trials]
             log.info(f"Pareto front of {len(complete)} complete trials: trials {[t.number for t in study.best_trials]}")
+        if recheck is not None:
+            out["recheck"] = recheck
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(out)))
 
@@ -332,8 +406,9 @@ class OptunaSweeper(Sweeper):
 
     @staticmethod
     def _where(trial: optuna.trial.FrozenTrial) -> dict:
-        """The trial's run store and W&B run, as the job recorded them."""
-        return {k: trial.user_attrs[k] for k in (RUN_DIR_ATTR, WANDB_ATTR) if k in trial.user_attrs}
+        """The trial's run store and W&B run, as the job recorded them (a trial of several seeds:
+        its members' run stores, values and spread)."""
+        return {k: trial.user_attrs[k] for k in (RUN_DIR_ATTR, WANDB_ATTR, MEMBERS_ATTR) if k in trial.user_attrs}
 
 
 def _short_params(params: dict) -> str:

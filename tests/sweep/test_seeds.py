@@ -1,0 +1,195 @@
+"""Sweeps that train several seeds per trial (`seeds=[...]`, members of one job): the trial's value
+is the declared statistic of its members' values, the pruner sees their mean, every trial uses the
+same seeds, and the best trials are re-checked on seeds the sweep never used, judged by the verdict
+engine. One sweep of the tiny trainer (three trials, two seeds, the best two re-checked on three
+fresh seeds) is shared by the tests that read it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+import yaml
+from scipy import stats
+
+from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
+from dalle_ablate.registry import ConfigError
+
+S = optuna.trial.TrialState
+SWEEP = ["hydra/sweeper=optuna", "hydra.sweeper.sampler.name=random", "hydra.sweeper.sampler.seed=0",
+         "optim.lr=tag(log, interval(1e-4, 1e-2))", "tracker=none"]
+
+
+def study_of(folder: Path) -> optuna.Study:
+    return optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{folder / 'optuna.db'}")
+
+
+def summary(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def config_seed(run_dir) -> int:
+    return yaml.safe_load((Path(run_dir) / "config.yaml").read_text())["seed"]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """Three trials of seeds [0, 1] each, the best two re-checked (default: fresh seeds 2, 3, 4)."""
+    tmp = tmp_path_factory.mktemp("seeds")
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=3",
+                  "hydra.sweeper.recheck.top=2", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "multirun", proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_trial_is_the_mean_of_its_members_on_the_same_seeds_as_every_other_trial(swept):
+    folder, _ = swept
+    got = study_of(folder).get_trials()
+    assert [t.state for t in got] == [S.COMPLETE] * 3
+    for t in got:
+        record = t.user_attrs["members"]
+        assert record["seeds"] == [0, 1] and record["statistic"] == "mean"
+        # the members really trained seeds 0 and 1, in the trial's own folder, at the trial's rate
+        assert [config_seed(d) for d in record["run_dirs"]] == [0, 1]
+        assert all(Path(d).is_relative_to(folder / str(t.number)) for d in record["run_dirs"])
+        values = [summary(d)["eval/valid/loss"] for d in record["run_dirs"]]
+        assert record["values"]["eval/valid/loss"] == pytest.approx(values)
+        assert record["sd"]["eval/valid/loss"] == pytest.approx(np.std(values, ddof=1))
+        assert t.value == pytest.approx(np.mean(values))
+        # one job per trial, its members in it; the sweep folder is every member's W&B group
+        metas = [json.loads((Path(d) / "meta.json").read_text()) for d in record["run_dirs"]]
+        assert [m["members"]["job_dir"] for m in metas] == [str(folder / str(t.number))] * 2
+        assert {m["wandb_group"] for m in metas} == {str(folder)}
+
+
+@pytest.mark.slow
+def test_the_best_trials_are_rechecked_on_unused_seeds_by_the_verdict_engine(swept):
+    folder, out = swept
+    got = study_of(folder).get_trials()
+    results = yaml.safe_load((folder / "optimization_results.yaml").read_text())
+    record = results["recheck"]
+    best, second = sorted(got, key=lambda t: t.value)[:2]
+    assert [t["number"] for t in record["trials"]] == [best.number, second.number]
+    assert record["seeds"] == [2, 3, 4]  # as many as a trial trained, at least 3, none the sweep used
+    values = []
+    for t in (best, second):
+        members = json.loads((folder / "recheck" / f"trial{t.number}" / "members.json").read_text())
+        assert [m["seed"] for m in members["members"]] == [2, 3, 4]
+        row = [summary(Path(m["job_dir"]) / "run")["eval/valid/loss"] for m in members["members"]]
+        assert [config_seed(Path(m["job_dir"]) / "run") for m in members["members"]] == [2, 3, 4]
+        values.append(row)
+    a, b = np.array(values)
+    assert [t["recheck_values"] for t in record["trials"]] == [pytest.approx(a), pytest.approx(b)]
+    assert record["trials"][0]["selection_bias"] == pytest.approx(best.value - a.mean())
+    # best - runner-up, paired by seed: scipy's paired t test and interval are the oracle
+    (vs,) = record["against"]
+    test = stats.ttest_rel(a, b)
+    low, high = test.confidence_interval(0.95)
+    assert vs["trial"] == second.number and vs["paired"] and vs["seeds"] == 3
+    assert (vs["difference"], vs["p"], vs["low"], vs["high"]) == (
+        pytest.approx((a - b).mean()), pytest.approx(test.pvalue), pytest.approx(low), pytest.approx(high))
+    side = "better" if (a - b).mean() < 0 else "worse"
+    assert vs["outcome"] == (f"{side} than trial {second.number}" if test.pvalue < 0.05 else "not resolved")
+    assert f"re-check on 3 fresh seeds: trial {best.number} (the sweep's best) is {vs['outcome']}" in out
+
+
+@pytest.mark.slow
+def test_a_sweep_run_again_after_its_recheck_trains_nothing_more(swept):
+    folder, _ = swept
+    before = yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"]
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=3",
+                  "hydra.sweeper.recheck.top=2", cwd=folder.parent)  # the same sweep folder
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("finished before at step 6 of 6; left as it is (resume=auto)") == 6, proc.stdout
+    assert yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"] == before
+
+
+@pytest.mark.slow
+def test_pruning_acts_on_the_members_mean_and_stops_every_member(tmp_path):
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=1",
+                  "hydra.sweeper.pruner.name=threshold", "+hydra.sweeper.pruner.kwargs.upper=0.0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (t,) = study_of(tmp_path / "multirun").get_trials()
+    assert t.state == S.PRUNED and list(t.intermediate_values) == [3]
+    losses = []
+    for d in t.user_attrs["members"]["run_dirs"]:
+        rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+        losses += [r["eval/valid/loss"] for r in rows if "eval/valid/loss" in r]
+        assert summary(d)["status"] == "pruned" and (Path(d) / "checkpoints" / "3").is_dir()  # kept, resumable
+    assert len(losses) == 2 and t.intermediate_values[3] == pytest.approx(np.mean(losses))
+
+
+@pytest.mark.slow
+def test_an_upper_bound_statistic_on_seeds_of_each_trial_s_own(tmp_path):
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=2",
+                  "hydra.sweeper.statistic=upper", "hydra.sweeper.common_seeds=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for t in study_of(tmp_path / "multirun").get_trials():
+        dirs = t.user_attrs["members"]["run_dirs"]
+        mine = [2 * t.number, 2 * t.number + 1]  # trial i: seeds [0, 1] shifted by i * 2
+        assert t.user_attrs["members"]["seeds"] == mine and [config_seed(d) for d in dirs] == mine
+        v = np.array([summary(d)["eval/valid/loss"] for d in dirs])
+        # the one-sided 90 % t bound on the mean, as the sweeps guide defines it
+        assert t.value == pytest.approx(v.mean() + stats.t.ppf(0.9, 1) * v.std(ddof=1) / math.sqrt(2))
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path):
+    """Killed (SIGKILL) while trial 0's members save step 3: the next start finds its process gone,
+    marks the trial FAILED and each member's run store failed, and runs the trials it still owes."""
+    args = ["-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=2",
+            f"hydra.sweep.dir={tmp_path / 'multirun'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "KILL_AT": "save:3", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    (t,) = study_of(tmp_path / "multirun").get_trials()
+    assert t.state == S.RUNNING and len(t.user_attrs["members"]["run_dirs"]) == 2
+    again = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    got = study_of(tmp_path / "multirun").get_trials()
+    assert [t.state for t in got] == [S.FAIL, S.COMPLETE, S.COMPLETE]
+    for d in got[0].user_attrs["members"]["run_dirs"]:
+        assert summary(d)["status"] == "failed" and summary(d)["reason"].startswith("killed: its process died")
+
+
+def test_a_statistic_the_sweeper_does_not_know_and_a_recheck_of_one_trial_are_refused():
+    from dalle_ablate.sweep.sweeper import OptunaSweeper
+
+    base = dict(study_name="s", storage=None, direction="minimize", n_trials=2, n_jobs=1, sampler={}, pruner={}, params={})
+    with pytest.raises(ConfigError, match="hydra.sweeper.statistic"):
+        OptunaSweeper(**base, statistic="mode")
+    with pytest.raises(ConfigError, match=r"hydra.sweeper.recheck.top=1: 0 \(no re-check\) or the best N >= 2 trials"):
+        OptunaSweeper(**base, recheck={"top": 1})
+    with pytest.raises(ConfigError, match="hydra.sweeper.recheck.top needs one objective"):
+        OptunaSweeper(**{**base, "direction": ["minimize", "minimize"]}, recheck={"top": 2})
+
+
+def test_recheck_seeds_are_new_to_the_sweep():
+    from dalle_ablate.sweep.recheck import RecheckConf, fresh_seeds
+
+    assert fresh_seeds(RecheckConf(top=2), [0, 1]) == [2, 3, 4]  # at least 3
+    assert fresh_seeds(RecheckConf(top=2), [5, 0, 1, 2, 3]) == [6, 7, 8, 9, 10]  # as many as a trial trained
+    assert fresh_seeds(RecheckConf(top=2), [0]) == [1, 2, 3]  # a one-seed sweep
+    assert fresh_seeds(RecheckConf(top=2, seeds=[9, 7]), [0, 1]) == [9, 7]
+    with pytest.raises(ConfigError, match=r"hydra.sweeper.recheck.seeds=\[1, 7\]: give at least 2 different seeds the "
+                                          r"sweep did not use \(it used \[0, 1\]\)"):
+        fresh_seeds(RecheckConf(top=2, seeds=[1, 7]), [0, 1])
+
+
+@pytest.mark.slow
+def test_a_bound_needs_two_seeds_per_trial(tmp_path):
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "hydra.sweeper.statistic=upper", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert ("hydra.sweeper.statistic=upper is a bound on the members' mean: give each trial at least 2 seeds "
+            "(seeds=[0,1,2]), or hydra.sweeper.statistic=mean") in proc.stderr
