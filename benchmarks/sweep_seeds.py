@@ -30,12 +30,15 @@ from common import writes_page  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # The plan, declared before any of its runs (2026-11-27). The budget: 60 steps of the tiny model,
-# an evaluation every 20 (the median pruner from step 20 on).
-TRAIN = ["sweeps=lr_adam", "trainer.steps=60", "trainer.eval_every=20", "tracker=none"]
+# an evaluation every 20 (the median pruner from step 20 on); no sampling evaluation and one
+# sample at the end -- the sweep's objective is the eval loss, and the sampling evaluation would
+# cost more than the training.
+TRAIN = ["sweeps=lr_adam", "trainer.steps=60", "trainer.eval_every=20", "tracker=none", "eval.metrics=[]", "eval.grids=[]",
+         "samples.per_caption=1", "samples.captions=[a red circle]"]
 SWEEP = ["hydra.sweeper.pruner.kwargs.n_warmup_steps=20", "hydra.sweeper.recheck.top=2"]
 GRID = [float(x) for x in 10 ** np.linspace(-4, -2, 8)]  # the reference rates, log-spaced over the sweep's interval
 REF_SEEDS = list(range(100, 108))  # 8 seeds each, members of one job per rate
-REPS = 4  # repetitions of each kind of sweep, each on its own sampler seed, training seeds and re-check seeds
+REPS = 3  # repetitions of each kind of sweep, each on its own sampler seed, training seeds and re-check seeds
 KINDS = {"1 seed x 12 trials": 12, "3 seeds x 4 trials": 4}
 # A pick is "within the seed noise of the best" when its rate's reference mean (interpolated in
 # log rate between grid points) is above the best grid mean by at most TOL_SE standard errors of a
