@@ -85,7 +85,9 @@ class RayLauncher(Launcher):
                               f"and num_gpus={num_gpus} >= 0")
         if strategy not in STRATEGIES:
             raise ConfigError(f"hydra.launcher.strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
-        plain = (lambda d: OmegaConf.to_container(d, resolve=True) if OmegaConf.is_config(d) else dict(d or {}))
+        def plain(d) -> dict:
+            return OmegaConf.to_container(d, resolve=True) if OmegaConf.is_config(d) else dict(d or {})
+
         self.address, self.processes, self.strategy = address, processes, strategy
         self.resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         self.env = {str(k): str(v) for k, v in plain(env).items()}
@@ -128,8 +130,10 @@ class RayLauncher(Launcher):
                                                                     if self.resources["num_gpus"] else {})}
                     group = placement_group([bundle] * self.processes, strategy=self.strategy)
                     groups.append(group)
-                at = (lambda rank: {} if group is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=rank)})
+                def at(rank: int, group=group) -> dict:
+                    return {} if group is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=group, placement_group_bundle_index=rank)}
+
                 coordinator = "" if group is None else ray.get(
                     ray.remote(_free_address).options(num_cpus=0, **at(0)).remote())
                 for rank in range(self.processes):

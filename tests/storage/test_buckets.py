@@ -287,7 +287,7 @@ def test_one_writer_per_bucket_store_a_dead_or_expired_holder_is_taken_over(gcs)
     # a holder of this host whose process is gone (kill -9): taken over at once
     blob.upload_from_string(json.dumps({"holder": "dead", "host": socket.gethostname(), "pid": dead_pid(),
                                         "expires": 4e9}))
-    second = fileio.BucketLock(url, "second")
+    fileio.BucketLock(url, "second")
     assert json.loads(blob.download_as_bytes())["holder"] == "second"
     with pytest.raises(RunFailed, match="its lock was taken over by another process"):
         first.renew()
