@@ -102,12 +102,24 @@ def machine() -> str:
     """The machine in one line: CPU model, cores, memory, and the JAX that ran."""
     import jax
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            None,
+        )
+        if Path("/proc/cpuinfo").exists()
+        else None
+    )
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else None
     devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
-    return (f"{cpu or 'unknown CPU'}, {os.cpu_count()} cores, {mem:.0f} GiB memory; JAX {jax.__version__} on "
-            f"{jax.default_backend()} ({jax.device_count()} x {devices})")
+    return (
+        f"{cpu or 'unknown CPU'}, {os.cpu_count()} cores, {mem:.0f} GiB memory; JAX {jax.__version__} on "
+        f"{jax.default_backend()} ({jax.device_count()} x {devices})"
+    )
 
 
 def writes_page(title: str):
@@ -123,7 +135,12 @@ def writes_page(title: str):
             from dalle_ablate.train.meta import git_commit
 
             folder = os.environ.get(PAGE_ENV, str(RESULTS))
-            commit, load, start, t = git_commit(), os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
+            commit, load, start, t = (
+                git_commit(),
+                os.getloadavg(),
+                time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                time.perf_counter(),
+            )
             tee = _Tee(sys.stdout)
             sys.stdout = tee
             try:
@@ -136,13 +153,24 @@ def writes_page(title: str):
             name = Path(script).stem.replace("_", "-")
             command = " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
             end = os.getloadavg()
-            lines = [f"# {title}", "",
-                     f"Written by `{command}` ({time.perf_counter() - t:.0f} s), on {start}.", "",
-                     f"Commit: {commit['commit'] or 'unknown (not a git checkout)'}"
-                     f"{' + uncommitted changes' if commit['dirty'] else ''}.", "",
-                     f"Machine: {machine()}; load average {load[0]:.1f} before, {end[0]:.1f} after (other jobs on the "
-                     f"machine slow every timing here; compare ratios measured in one run).", "",
-                     "What it printed:", "", "```text", tee.kept.getvalue().rstrip("\n"), "```", ""]
+            lines = [
+                f"# {title}",
+                "",
+                f"Written by `{command}` ({time.perf_counter() - t:.0f} s), on {start}.",
+                "",
+                f"Commit: {commit['commit'] or 'unknown (not a git checkout)'}"
+                f"{' + uncommitted changes' if commit['dirty'] else ''}.",
+                "",
+                f"Machine: {machine()}; load average {load[0]:.1f} before, {end[0]:.1f} after (other jobs on the "
+                f"machine slow every timing here; compare ratios measured in one run).",
+                "",
+                "What it printed:",
+                "",
+                "```text",
+                tee.kept.getvalue().rstrip("\n"),
+                "```",
+                "",
+            ]
             Path(folder).mkdir(parents=True, exist_ok=True)
             atomic_write(Path(folder) / f"{name}.md", "\n".join(lines))
             print(f"wrote {Path(folder) / f'{name}.md'}")

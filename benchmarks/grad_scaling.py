@@ -29,7 +29,7 @@ from common import offline_workdir, writes_page  # noqa: E402
 ARMS = [("float32", "none"), ("float16", "none"), ("float16", "global"), ("float16", "per_block")]
 
 
-@writes_page('Float16 gradient scaling: global vs per-resblock')
+@writes_page("Float16 gradient scaling: global vs per-resblock")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -52,9 +52,22 @@ def main() -> None:
 
     rows, curves, dataset = [], {}, None
     for dtype, mode in ARMS:
-        cfg = to_run_config(compose([f"model.dtype={dtype}", f"trainer.grad_scaling={mode}", f"trainer.steps={args.steps}",
-                                     f"model.encoder_layers={args.layers}", f"model.decoder_layers={args.layers}", "model.d_model=64",
-                                     "model.heads=4", "model.ffn_dim=128", "model.scan_layers=true", *args.overrides]))
+        cfg = to_run_config(
+            compose(
+                [
+                    f"model.dtype={dtype}",
+                    f"trainer.grad_scaling={mode}",
+                    f"trainer.steps={args.steps}",
+                    f"model.encoder_layers={args.layers}",
+                    f"model.decoder_layers={args.layers}",
+                    "model.d_model=64",
+                    "model.heads=4",
+                    "model.ffn_dim=128",
+                    "model.scan_layers=true",
+                    *args.overrides,
+                ]
+            )
+        )
         run = assemble(cfg, dataset=dataset)
         dataset = run.dataset
         state, step = run.init_state(), run.train_step()
@@ -67,18 +80,34 @@ def main() -> None:
                 curve.append(float(m["train/loss"]))
         wall = time.perf_counter() - t0
         # evaluated in the training dtype: what that model computes
-        eval_loss = float(evaluate(make_eval_step(run.graphdef, run.placement), state.params, dataset, b, None, run.placement)[0])
+        eval_loss = float(
+            evaluate(make_eval_step(run.graphdef, run.placement), state.params, dataset, b, None, run.placement)[0]
+        )
         curves[label] = curve
         print(f"{label}: eval loss {eval_loss:.3f}, {wall:.0f} s", flush=True)
-        rows.append((label, curve[len(curve) // 4], curve[len(curve) // 2], float(np.mean(curve[-5:])), eval_loss,
-                     float(m.get("train/skipped_steps", 0.0)), float(m.get("train/grad_scale", float("nan"))),
-                     float(m.get("train/grad_underflow", float("nan"))), wall))
+        rows.append(
+            (
+                label,
+                curve[len(curve) // 4],
+                curve[len(curve) // 2],
+                float(np.mean(curve[-5:])),
+                eval_loss,
+                float(m.get("train/skipped_steps", 0.0)),
+                float(m.get("train/grad_scale", float("nan"))),
+                float(m.get("train/grad_underflow", float("nan"))),
+                wall,
+            )
+        )
     print(f"{args.layers}+{args.layers} layers, d_model 64, {args.steps} steps")
-    print("| arm | loss @25% | loss @50% | loss (last 50 steps) | eval loss | skipped steps | final (min) scale | "
-          "underflowed entries (last step) | wall s |")
+    print(
+        "| arm | loss @25% | loss @50% | loss (last 50 steps) | eval loss | skipped steps | final (min) scale | "
+        "underflowed entries (last step) | wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for label, q1, q2, last, ev_loss, skipped, scale, under, wall in rows:
-        print(f"| {label} | {q1:.3f} | {q2:.3f} | {last:.3f} | {ev_loss:.3f} | {skipped:.0f} | {scale:g} | {under:g} | {wall:.0f} |")
+        print(
+            f"| {label} | {q1:.3f} | {q2:.3f} | {last:.3f} | {ev_loss:.3f} | {skipped:.0f} | {scale:g} | {under:g} | {wall:.0f} |"
+        )
     with open(args.out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", *curves])
@@ -87,9 +116,17 @@ def main() -> None:
 
 
 def model_overrides(args, dtype: str, mode: str) -> list[str]:
-    return [f"model.dtype={dtype}", f"trainer.grad_scaling={mode}", f"model.encoder_layers={args.layers}",
-            f"model.decoder_layers={args.layers}", "model.d_model=64", "model.heads=4", "model.ffn_dim=128",
-            "model.scan_layers=true", *args.overrides]
+    return [
+        f"model.dtype={dtype}",
+        f"trainer.grad_scaling={mode}",
+        f"model.encoder_layers={args.layers}",
+        f"model.decoder_layers={args.layers}",
+        "model.d_model=64",
+        "model.heads=4",
+        "model.ffn_dim=128",
+        "model.scan_layers=true",
+        *args.overrides,
+    ]
 
 
 def accuracy(args, steps: int = 16) -> None:
@@ -99,7 +136,15 @@ def accuracy(args, steps: int = 16) -> None:
 
     from dalle_ablate.optim import path_str
     from dalle_ablate.train.assembly import assemble
-    from dalle_ablate.train.grad_scaling import advance, block_names, block_scales, param_block, probes, scaler_init, unscale
+    from dalle_ablate.train.grad_scaling import (
+        advance,
+        block_names,
+        block_scales,
+        param_block,
+        probes,
+        scaler_init,
+        unscale,
+    )
     from dalle_ablate.train.gradients import objective
     from dalle_ablate.train.step import layer_group
     from dalle_ablate.validate import compose, to_run_config
@@ -160,12 +205,17 @@ def accuracy(args, steps: int = 16) -> None:
                 used = state.scale
                 state, skip, _ = advance(mode, state, g, counts, model, growth_every=1)
                 if not bool(skip):
-                    err, scale = errors(g, ref), [float(np.min(s)) for s in jax.tree.leaves(used)] + \
-                        [float(np.max(s)) for s in jax.tree.leaves(used)]
+                    err, scale = (
+                        errors(g, ref),
+                        [float(np.min(s)) for s in jax.tree.leaves(used)]
+                        + [float(np.max(s)) for s in jax.tree.leaves(used)],
+                    )
             table.append((magnitude, mode, err, scale))
     groups = ["blocks"] + sorted({k for _, _, e, _ in table if e for k in e} - {"blocks"})
-    print(f"{args.layers}+{args.layers} layers, d_model 64, one batch of {b}, float16 vs float32 gradients (relative error; "
-          "blocks: the worst block)")
+    print(
+        f"{args.layers}+{args.layers} layers, d_model 64, one batch of {b}, float16 vs float32 gradients (relative error; "
+        "blocks: the worst block)"
+    )
     print("| loss × | mode | settled scales | " + " | ".join(groups) + " |")
     print("|---|---|---|" + "---|" * len(groups))
     for magnitude, mode, err, scale in table:

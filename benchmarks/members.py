@@ -95,8 +95,10 @@ def members_of(overrides: list[str], members: int) -> tuple:
     core = train_step_core(run.graphdef, run.optimizer, run.schedule, GradientOptions.of(run.cfg))
     states = [r.init_state() for r in runs]
     keys = [jax.random.fold_in(jax.random.key(c.seed), 2) for c in cfgs]  # as make_train_step derives them
-    batches = [{k: jnp.asarray(v) for k, v in random_batch(run.model_cfg, run.cfg.trainer.batch_size, seed=s).items()}
-               for s in range(members)]
+    batches = [
+        {k: jnp.asarray(v) for k, v in random_batch(run.model_cfg, run.cfg.trainer.batch_size, seed=s).items()}
+        for s in range(members)
+    ]
     return run, core, states, batches, keys
 
 
@@ -113,8 +115,11 @@ def programs(core) -> dict:
     """The core three ways: jitted alone (one member), vmapped and lax.mapped over the member axis."""
     import jax
 
-    return {"separate": jax.jit(core), "vmap": jax.jit(jax.vmap(core)),
-            "lax.map": jax.jit(lambda s, b, k: jax.lax.map(lambda a: core(*a), (s, b, k)))}
+    return {
+        "separate": jax.jit(core),
+        "vmap": jax.jit(jax.vmap(core)),
+        "lax.map": jax.jit(lambda s, b, k: jax.lax.map(lambda a: core(*a), (s, b, k))),
+    }
 
 
 def measure(overrides: list[str], members: int, rounds: int) -> dict:
@@ -140,17 +145,25 @@ def measure(overrides: list[str], members: int, rounds: int) -> dict:
             for name, dt in (("separate", t1 - t), ("vmap", t2 - t1), ("lax.map", t3 - t2)):
                 times[name].append(dt)
     ref = jnp.stack(separate)
-    diff = {"vmap": float(jnp.max(jnp.abs(together - ref) / jnp.abs(ref))),
-            "lax.map": float(jnp.max(jnp.abs(in_turn - ref) / jnp.abs(ref)))}
-    return {"times": {k: statistics.median(v) for k, v in times.items()}, "spread": times,
-            "compile": {"separate": c_one, "vmap": c_vmap, "lax.map": c_map}, "diff": diff,
-            "batch": run.cfg.trainer.batch_size}
+    diff = {
+        "vmap": float(jnp.max(jnp.abs(together - ref) / jnp.abs(ref))),
+        "lax.map": float(jnp.max(jnp.abs(in_turn - ref) / jnp.abs(ref))),
+    }
+    return {
+        "times": {k: statistics.median(v) for k, v in times.items()},
+        "spread": times,
+        "compile": {"separate": c_one, "vmap": c_vmap, "lax.map": c_map},
+        "diff": diff,
+        "batch": run.cfg.trainer.batch_size,
+    }
 
 
 def step_section(overrides: list[str], members: list[int], rounds: int) -> None:
     print("## The train step (--step)\n")
-    print("| members | batch per member | program | one step of all members (median ms) | vs separate | "
-          "compile (s) | loss vs separate, max relative |")
+    print(
+        "| members | batch per member | program | one step of all members (median ms) | vs separate | "
+        "compile (s) | loss vs separate, max relative |"
+    )
     print("|---|---|---|---|---|---|---|")
     for m in members:
         r = measure(overrides, m, rounds)
@@ -158,11 +171,15 @@ def step_section(overrides: list[str], members: list[int], rounds: int) -> None:
         for name in ("separate", "vmap", "lax.map"):
             compile_s = r["compile"][name] * (m if name == "separate" else 1)  # separate runs compile once each
             diff = "0 (itself)" if name == "separate" else f"{r['diff'][name]:.1e}"
-            print(f"| {m} | {r['batch']} | {name} | {1e3 * r['times'][name]:.1f} | {r['times'][name] / base:.2f} | "
-                  f"{compile_s:.1f} | {diff} |")
-    print(f"\n{rounds} interleaved rounds after one warm-up. The compile time of `separate` counts one "
-          "compilation per member, as separate runs each compile theirs; a study's persistent compilation cache "
-          "(report/study_runs.py) lets the later runs of an arm load it from disk instead.\n")
+            print(
+                f"| {m} | {r['batch']} | {name} | {1e3 * r['times'][name]:.1f} | {r['times'][name] / base:.2f} | "
+                f"{compile_s:.1f} | {diff} |"
+            )
+    print(
+        f"\n{rounds} interleaved rounds after one warm-up. The compile time of `separate` counts one "
+        "compilation per member, as separate runs each compile theirs; a study's persistent compilation cache "
+        "(report/study_runs.py) lets the later runs of an arm load it from disk instead.\n"
+    )
 
 
 # --- whole jobs (--wall) ---------------------------------------------------------------------
@@ -177,8 +194,14 @@ def run_job(args: list[str], folder: Path, cache: Path) -> float:
 
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
-    command = [*JOB, *args, "tracker=none", "resume=null", f"hydra.run.dir={folder}/baseline-seed${{seed}}",
-               f"hydra.sweep.dir={folder}/multirun"]
+    command = [
+        *JOB,
+        *args,
+        "tracker=none",
+        "resume=null",
+        f"hydra.run.dir={folder}/baseline-seed${{seed}}",
+        f"hydra.sweep.dir={folder}/multirun",
+    ]
     with open(folder / "job.log", "a") as log:  # the separate runs of an arm share the folder
         t = time.perf_counter()
         code = subprocess.call(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -200,19 +223,25 @@ def run_store_numbers(job_dir: Path) -> dict:
     steps = [r.get("perf/job_step_time", r.get("perf/step_time")) for r in rows if "perf/step_time" in r]
     if summary.get("status") != "finished":
         raise SystemExit(f"{run}: status {summary.get('status')!r}, not finished")
-    return {"wall_time": summary["wall_time"], "first": first,
-            "step": statistics.median(steps) if steps else float("nan")}
+    return {
+        "wall_time": summary["wall_time"],
+        "first": first,
+        "step": statistics.median(steps) if steps else float("nan"),
+    }
 
 
-def wall_section(overrides: list[str], steps_list: list[int], reps: int, impls: list[str], n_seeds: int,
-                 cache_mode: str) -> None:
+def wall_section(
+    overrides: list[str], steps_list: list[int], reps: int, impls: list[str], n_seeds: int, cache_mode: str
+) -> None:
     from common import offline_workdir
 
     tmp = offline_workdir("members-wall-")
     seeds = list(range(n_seeds))
     print(f"## Whole jobs (--wall): {n_seeds} separate runs in turn against one members job\n")
-    print("| steps | arm | processes | wall (s), start to exit | vs separate | runs' own wall_time (s) | "
-          "first step, compile in it (s) | median step (ms) | steps x median (s) | the rest (s) |")
+    print(
+        "| steps | arm | processes | wall (s), start to exit | vs separate | runs' own wall_time (s) | "
+        "first step, compile in it (s) | median step (ms) | steps x median (s) | the rest (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     results = {}
     for steps in steps_list:
@@ -225,13 +254,22 @@ def wall_section(overrides: list[str], steps_list: list[int], reps: int, impls: 
                 folder = tmp / f"s{steps}-r{rep}-{arm.replace(' ', '-')}"
                 cache = folder / "jax_cache"
                 if arm == "separate":
-                    dts = [run_job([f"seed={k}", *args], folder, cache if cache_mode == "study" else folder / f"jax_cache{k}")
-                           for k in seeds]
+                    dts = [
+                        run_job(
+                            [f"seed={k}", *args], folder, cache if cache_mode == "study" else folder / f"jax_cache{k}"
+                        )
+                        for k in seeds
+                    ]
                     walls[arm].append(sum(dts))
                 else:
                     impl = arm.split()[1]
-                    walls[arm].append(run_job([f"seeds=[{','.join(map(str, seeds))}]", f"seed={seeds[0]}",
-                                               f"members.impl={impl}", *args], folder, cache))
+                    walls[arm].append(
+                        run_job(
+                            [f"seeds=[{','.join(map(str, seeds))}]", f"seed={seeds[0]}", f"members.impl={impl}", *args],
+                            folder,
+                            cache,
+                        )
+                    )
                 detail[arm].append({"dirs": [folder / f"baseline-seed{k}" for k in seeds]})
         base = statistics.median(walls["separate"])
         for arm in arms:
@@ -249,34 +287,44 @@ def wall_section(overrides: list[str], steps_list: list[int], reps: int, impls: 
                 step_ms = f"{1e3 * runs[0]['step']:.0f} (all {n_seeds})"
                 own_s, first_s = f"{own:.0f}", f"{first:.1f}"
             results[(steps, arm)] = wall / base
-            print(f"| {steps} | {arm} | {n_seeds if arm == 'separate' else 1} | "
-                  f"{' / '.join(f'{w:.0f}' for w in walls[arm])} | {wall / base:.2f} | {own_s} | {first_s} | {step_ms} | "
-                  f"{stepping:.0f} | {wall - stepping - first:.0f} |")
-    cache_text = ("one empty JAX compilation cache per arm and repetition, shared by its processes (the study's own "
-                  "setting, report/study_runs.py: the separate seed=0 compiles, seeds 1.. load from disk)"
-                  if cache_mode == "study" else "an empty JAX compilation cache per process")
-    print(f"\n{reps} repetition(s), the arms interleaved; wall is each repetition's (separate: the sum of its "
-          f"{n_seeds} processes), `vs separate` the median's ratio. Each job: `experiment=study_mega +arm=baseline "
-          f"trainer.steps=S tracker=none resume=null`, its folders fresh under a temp folder ({tmp}); {cache_text}. "
-          "`runs' own wall_time` is each run store's summary (from the job's start inside the process, so the "
-          "process's imports are not in it); `first step` the time to the first logged step, its compilation in it; "
-          "`median step` the run's median logged step (members: the whole program's step, all members); "
-          "`the rest` = wall - steps x median - first step: start-up, validation, the sampling evaluation, "
-          "checkpoints, the slower steps. The dataset cache (data.cache_dir) was warm for every job.")
+            print(
+                f"| {steps} | {arm} | {n_seeds if arm == 'separate' else 1} | "
+                f"{' / '.join(f'{w:.0f}' for w in walls[arm])} | {wall / base:.2f} | {own_s} | {first_s} | {step_ms} | "
+                f"{stepping:.0f} | {wall - stepping - first:.0f} |"
+            )
+    cache_text = (
+        "one empty JAX compilation cache per arm and repetition, shared by its processes (the study's own "
+        "setting, report/study_runs.py: the separate seed=0 compiles, seeds 1.. load from disk)"
+        if cache_mode == "study"
+        else "an empty JAX compilation cache per process"
+    )
+    print(
+        f"\n{reps} repetition(s), the arms interleaved; wall is each repetition's (separate: the sum of its "
+        f"{n_seeds} processes), `vs separate` the median's ratio. Each job: `experiment=study_mega +arm=baseline "
+        f"trainer.steps=S tracker=none resume=null`, its folders fresh under a temp folder ({tmp}); {cache_text}. "
+        "`runs' own wall_time` is each run store's summary (from the job's start inside the process, so the "
+        "process's imports are not in it); `first step` the time to the first logged step, its compilation in it; "
+        "`median step` the run's median logged step (members: the whole program's step, all members); "
+        "`the rest` = wall - steps x median - first step: start-up, validation, the sampling evaluation, "
+        "checkpoints, the slower steps. The dataset cache (data.cache_dir) was warm for every job."
+    )
     if 1500 not in steps_list and len(steps_list):
         near = min(steps_list, key=lambda s: abs(s - 1500))
         for arm in [a for a in results if a[0] == near and a[1] != "separate"]:
             r = results[arm]
             # study_mega.yaml's budget: its 48 runs 123 min in turn, then the stress runs about 46 min.
-            print(f"\nDerived, not measured ({arm[1]} at {near} steps): if every arm's seeds took {r:.2f}x of their "
-                  f"separate runs' wall, the study's 48 runs of 1500 steps (123 min in turn, study_mega.yaml) would "
-                  f"take {123 * r:.0f} min and the whole study with its stress runs (about 46 min, not members) "
-                  f"{123 * r + 46:.0f} min against 169: {169 / (123 * r + 46):.2f}x faster. Other arms (shampoo, "
-                  "adafactor) and 1500 steps were not measured here.")
+            print(
+                f"\nDerived, not measured ({arm[1]} at {near} steps): if every arm's seeds took {r:.2f}x of their "
+                f"separate runs' wall, the study's 48 runs of 1500 steps (123 min in turn, study_mega.yaml) would "
+                f"take {123 * r:.0f} min and the whole study with its stress runs (about 46 min, not members) "
+                f"{123 * r + 46:.0f} min against 169: {169 / (123 * r + 46):.2f}x faster. Other arms (shampoo, "
+                "adafactor) and 1500 steps were not measured here."
+            )
     print()
 
 
 # --- the train step on an accelerator (--accelerator) -------------------------------------------
+
 
 def accelerator_section(overrides: list[str], members_list: list[int], rounds: int, dtype: str) -> None:
     import jax
@@ -299,9 +347,11 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
     peak, source = device_peak_flops(cache_dir=cfg.data.cache_dir)
     device = jax.devices()[0]
     print("## The train step on one device, M members against one run (--accelerator)\n")
-    print(f"Device: {device.device_kind} ({jax.default_backend()}); peak {peak / 1e12:.3g} TFLOP/s ({source}); "
-          f"model {cfg.model.dtype}, batch {batch_size} per member, {tokens} tokens and {flops / 1e9:.2f} GFLOP "
-          "per member step.\n")
+    print(
+        f"Device: {device.device_kind} ({jax.default_backend()}); peak {peak / 1e12:.3g} TFLOP/s ({source}); "
+        f"model {cfg.model.dtype}, batch {batch_size} per member, {tokens} tokens and {flops / 1e9:.2f} GFLOP "
+        "per member step.\n"
+    )
     print("| members | program | step of all members (median ms) | tokens/s | vs one run | MFU | compile (s) |")
     print("|---|---|---|---|---|---|---|")
     state = run.init_state()
@@ -321,22 +371,32 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
         batches = jax.tree.map(lambda a: a.reshape(m, batch_size, *a.shape[1:]), batches)
         args = (stack(state), batches, jax.random.split(key, m))
         vmapped, c = compiled(jax.jit(jax.vmap(core)), *args)
-        pairs = [(timed(one, state, one_batch, key), timed(vmapped, *args)) for _ in range(rounds + 1)][1:]  # interleaved
+        pairs = [(timed(one, state, one_batch, key), timed(vmapped, *args)) for _ in range(rounds + 1)][
+            1:
+        ]  # interleaved
         t1, dt = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
         ones += [p[0] for p in pairs]
-        rows.append(f"| {m} | vmap(core) | {1e3 * dt:.1f} | {m * tokens / dt:,.0f} | {m * tokens / dt / (tokens / t1):.2f} | "
-                    f"{m * flops / (dt * peak):.2%} | {c:.1f} |")
+        rows.append(
+            f"| {m} | vmap(core) | {1e3 * dt:.1f} | {m * tokens / dt:,.0f} | {m * tokens / dt / (tokens / t1):.2f} | "
+            f"{m * flops / (dt * peak):.2%} | {c:.1f} |"
+        )
         del args, batches, vmapped
     t_one = statistics.median(ones)
-    print(f"| 1 run | jit(core) | {1e3 * t_one:.1f} | {tokens / t_one:,.0f} | 1.00 | {flops / (t_one * peak):.2%} | {c_one:.1f} |")
+    print(
+        f"| 1 run | jit(core) | {1e3 * t_one:.1f} | {tokens / t_one:,.0f} | 1.00 | {flops / (t_one * peak):.2%} | {c_one:.1f} |"
+    )
     print("\n".join(rows))
-    print(f"\nMedian of {rounds} steps after a warm-up, each waited for, the one run's step and the members' "
-          "interleaved; `vs one run` is tokens/s against the one run's steps interleaved with that row's. Every member starts from the same state on its own random batch (the "
-          "cost does not depend on the values).")
+    print(
+        f"\nMedian of {rounds} steps after a warm-up, each waited for, the one run's step and the members' "
+        "interleaved; `vs one run` is tokens/s against the one run's steps interleaved with that row's. Every member starts from the same state on its own random batch (the "
+        "cost does not depend on the values)."
+    )
     if jax.default_backend() == "cpu":
-        print("Measured on the CPU: no GPU was lent to this task, so the accelerator numbers (1, 4, 16, 64 "
-              "members on a GPU) were not measured here; the section runs unchanged on one: "
-              "`python benchmarks/members.py --accelerator`.")
+        print(
+            "Measured on the CPU: no GPU was lent to this task, so the accelerator numbers (1, 4, 16, 64 "
+            "members on a GPU) were not measured here; the section runs unchanged on one: "
+            "`python benchmarks/members.py --accelerator`."
+        )
     print()
 
 
@@ -345,8 +405,13 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
 # The study's Shampoo arm, refreshing its roots every other step and preconditioning from step 4, so
 # that a few rounds hold refreshes and the preconditioned update alike.
 SHAMPOO_EVERY, SHAMPOO_START = 2, 4
-SHAMPOO = ["experiment=study_mega", "+arm=shampoo", "tracker=none", f"optim.preconditioning_every={SHAMPOO_EVERY}",
-           f"optim.start_preconditioning_step={SHAMPOO_START}"]
+SHAMPOO = [
+    "experiment=study_mega",
+    "+arm=shampoo",
+    "tracker=none",
+    f"optim.preconditioning_every={SHAMPOO_EVERY}",
+    f"optim.start_preconditioning_step={SHAMPOO_START}",
+]
 ROOTS = {"default": "optim.root_dtype=auto", "float32": "optim.root_dtype=float32"}
 
 
@@ -376,7 +441,12 @@ def shampoo_step_section(members: int, rounds: int) -> None:
 
     # Four arms, each threading its own states: separate (3 x jit) and one members program per root dtype.
     arms = {}  # name -> (roots, program, executable, states, compile seconds)
-    for roots, program in (("float32", "separate"), ("float32", "vmap"), ("default", "separate"), ("default", "lax.map")):
+    for roots, program in (
+        ("float32", "separate"),
+        ("float32", "vmap"),
+        ("default", "separate"),
+        ("default", "lax.map"),
+    ):
         _, core, states, batches, keys = sets[roots]
         fn = programs(core)[program]
         if program == "separate":
@@ -419,9 +489,11 @@ def shampoo_step_section(members: int, rounds: int) -> None:
         a, b = np.array(metrics[arm][key]), np.array(metrics[ref][key])
         return float(np.max(np.abs(a - b) / np.abs(b)))
 
-    print("| program | roots | refresh step of all members (median ms) | other step (median ms) | mean of the two | "
-          "vs separate, same roots | compile (s) | eighs / conditionals in its HLO | train/loss vs separate, max relative | "
-          "train/grad_norm vs separate, max relative |")
+    print(
+        "| program | roots | refresh step of all members (median ms) | other step (median ms) | mean of the two | "
+        "vs separate, same roots | compile (s) | eighs / conditionals in its HLO | train/loss vs separate, max relative | "
+        "train/grad_norm vs separate, max relative |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for arm, entry in arms.items():
         program, roots = arm
@@ -429,22 +501,29 @@ def shampoo_step_section(members: int, rounds: int) -> None:
         med = {k: statistics.median(v) for k, v in times[arm].items()}
         mean = (med[True] + med[False]) / 2
         base = (statistics.median(times[ref][True]) + statistics.median(times[ref][False])) / 2
-        diffs = ("0 (itself)", "0 (itself)") if program == "separate" else \
-            tuple(f"{rel(arm, ref, k):.1e}" for k in ("train/loss", "train/grad_norm"))
-        print(f"| {program}{f' x{members}' if program == 'separate' else ''} | {roots} | {1e3 * med[True]:.1f} | "
-              f"{1e3 * med[False]:.1f} | {1e3 * mean:.1f} | {mean / base:.2f} | {entry[2]:.1f} | {hlo_counts(entry[0])} | "
-              f"{diffs[0]} | {diffs[1]} |")
+        diffs = (
+            ("0 (itself)", "0 (itself)")
+            if program == "separate"
+            else tuple(f"{rel(arm, ref, k):.1e}" for k in ("train/loss", "train/grad_norm"))
+        )
+        print(
+            f"| {program}{f' x{members}' if program == 'separate' else ''} | {roots} | {1e3 * med[True]:.1f} | "
+            f"{1e3 * med[False]:.1f} | {1e3 * mean:.1f} | {mean / base:.2f} | {entry[2]:.1f} | {hlo_counts(entry[0])} | "
+            f"{diffs[0]} | {diffs[1]} |"
+        )
     n_refresh, n_other = len(times[("separate", "default")][True]), len(times[("separate", "default")][False])
-    print(f"\n`experiment=study_mega +arm=shampoo optim.preconditioning_every={SHAMPOO_EVERY} "
-          f"optim.start_preconditioning_step={SHAMPOO_START}`; roots `default` is optim.root_dtype=auto (float64 here), "
-          f"`float32` optim.root_dtype=float32, the only roots vmap compiles with. {rounds} interleaved rounds of the "
-          f"four arms ({n_refresh} refresh steps, {n_other} others: a refresh is a step whose count before it is a "
-          f"multiple of {SHAMPOO_EVERY}) after {SHAMPOO_START} warm-up rounds (the graft-only steps); each arm threads "
-          f"its own states, each member from its seed's state on its own batch. `mean of the two` is a step's "
-          f"average at this period. The compile time of `separate` counts one compilation per member. The relative "
-          f"differences are over all {len(steps)} steps and all members, against the separate steps with the "
-          f"same roots. `eighs / conditionals`: the eigendecomposition custom calls and the conditionals in the "
-          f"compiled program (under vmap the refresh's lax.cond becomes a select, so its eighs run at every step).\n")
+    print(
+        f"\n`experiment=study_mega +arm=shampoo optim.preconditioning_every={SHAMPOO_EVERY} "
+        f"optim.start_preconditioning_step={SHAMPOO_START}`; roots `default` is optim.root_dtype=auto (float64 here), "
+        f"`float32` optim.root_dtype=float32, the only roots vmap compiles with. {rounds} interleaved rounds of the "
+        f"four arms ({n_refresh} refresh steps, {n_other} others: a refresh is a step whose count before it is a "
+        f"multiple of {SHAMPOO_EVERY}) after {SHAMPOO_START} warm-up rounds (the graft-only steps); each arm threads "
+        f"its own states, each member from its seed's state on its own batch. `mean of the two` is a step's "
+        f"average at this period. The compile time of `separate` counts one compilation per member. The relative "
+        f"differences are over all {len(steps)} steps and all members, against the separate steps with the "
+        f"same roots. `eighs / conditionals`: the eigendecomposition custom calls and the conditionals in the "
+        f"compiled program (under vmap the refresh's lax.cond becomes a select, so its eighs run at every step).\n"
+    )
 
 
 def shampoo_hang_child(program: str, members: int, steps: int) -> None:
@@ -467,9 +546,18 @@ def shampoo_hang_child(program: str, members: int, steps: int) -> None:
         jax.block_until_ready(m["train/loss"])
         times[i % SHAMPOO_EVERY == 0].append(time.perf_counter() - t)
         print(f"step {i} done at {time.time():.3f}", flush=True)
-    print("RESULT " + json.dumps({"compile": c, "refresh": statistics.median(times[True][1:] or times[True]),
-                                  "other": statistics.median(times[False]), "loss": [float(x) for x in m["train/loss"]]}),
-          flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "compile": c,
+                "refresh": statistics.median(times[True][1:] or times[True]),
+                "other": statistics.median(times[False]),
+                "loss": [float(x) for x in m["train/loss"]],
+            }
+        ),
+        flush=True,
+    )
 
 
 def shampoo_hang_section(members: int, n: int, steps: int, timeout: float) -> None:
@@ -479,17 +567,29 @@ def shampoo_hang_section(members: int, n: int, steps: int, timeout: float) -> No
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="members-shampoo-hang-"))
-    print(f"## Shampoo members, hangs (--shampoo-hang {n}): {members} seeds, {n} runs of each program, {steps} steps, {timeout:.0f} s each\n")
-    print("| program | roots | run | exit | wall (s) | compile (s) | steps done | refresh step (median ms) | "
-          "other step (median ms) | seconds since its last step when stopped |")
+    print(
+        f"## Shampoo members, hangs (--shampoo-hang {n}): {members} seeds, {n} runs of each program, {steps} steps, {timeout:.0f} s each\n"
+    )
+    print(
+        "| program | roots | run | exit | wall (s) | compile (s) | steps done | refresh step (median ms) | "
+        "other step (median ms) | seconds since its last step when stopped |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     hangs = {"vmap": 0, "lax.map": 0}
     env = {**os.environ, "DALLE_ABLATE_RESULTS": "-"}  # a child writes no page
     for i in range(n):
         for program in ("vmap", "lax.map"):  # interleaved
             log_path = tmp / f"{program}-{i}.log"
-            command = [sys.executable, str(Path(__file__).resolve()), "--shampoo-hang-child", program,
-                       "--shampoo-members", str(members), "--shampoo-hang-steps", str(steps)]
+            command = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--shampoo-hang-child",
+                program,
+                "--shampoo-members",
+                str(members),
+                "--shampoo-hang-steps",
+                str(steps),
+            ]
             with open(log_path, "w") as log:
                 t = time.perf_counter()
                 child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -509,15 +609,19 @@ def shampoo_hang_section(members: int, n: int, steps: int, timeout: float) -> No
                 raise SystemExit(f"{' '.join(command)} exited with {code}; see {log_path}")
             ms = (lambda key: f"{1e3 * result[key]:.0f}") if result else (lambda key: "-")
             compile_s = next((line.split()[1] for line in lines if line.startswith("compiled ")), "-")
-            print(f"| {program} | {'float32' if program == 'vmap' else 'default'} | {i + 1} | "
-                  f"{'timeout' if code is None else code} | {wall:.0f} | {compile_s} | {len(done)} of {steps} | "
-                  f"{ms('refresh')} | {ms('other')} | {f'{stopped - done[-1]:.0f}' if code is None and done else '-'} |")
-    print(f"\nHangs (runs stopped at the {timeout:.0f} s timeout): vmap {hangs['vmap']} of {n}, lax.map "
-          f"{hangs['lax.map']} of {n}. Each run is its own process (`benchmarks/members.py --shampoo-hang-child "
-          f"PROGRAM`): {members} members of `{' '.join(SHAMPOO[:2])}` with the section's period and start, vmap with "
-          f"float32 roots (the default ones do not compile under it), lax.map with the default roots; compile "
-          f"and {steps} steps, each waited for. A timeout whose last step was long before it was stopped is a hang; "
-          f"one still stepping is a slow run. Logs under {tmp}.\n")
+            print(
+                f"| {program} | {'float32' if program == 'vmap' else 'default'} | {i + 1} | "
+                f"{'timeout' if code is None else code} | {wall:.0f} | {compile_s} | {len(done)} of {steps} | "
+                f"{ms('refresh')} | {ms('other')} | {f'{stopped - done[-1]:.0f}' if code is None and done else '-'} |"
+            )
+    print(
+        f"\nHangs (runs stopped at the {timeout:.0f} s timeout): vmap {hangs['vmap']} of {n}, lax.map "
+        f"{hangs['lax.map']} of {n}. Each run is its own process (`benchmarks/members.py --shampoo-hang-child "
+        f"PROGRAM`): {members} members of `{' '.join(SHAMPOO[:2])}` with the section's period and start, vmap with "
+        f"float32 roots (the default ones do not compile under it), lax.map with the default roots; compile "
+        f"and {steps} steps, each waited for. A timeout whose last step was long before it was stopped is a hang; "
+        f"one still stepping is a slow run. Logs under {tmp}.\n"
+    )
 
 
 @writes_page("Seeds as members of one program")
@@ -538,8 +642,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shampoo", action="store_true", help="Shampoo's train step as members: vmap, lax.map, separate")
     ap.add_argument("--shampoo-members", type=int, default=3)
-    ap.add_argument("--shampoo-hang", type=int, default=0, metavar="N",
-                    help="N processes each of vmap and lax.map Shampoo members, counting timeouts")
+    ap.add_argument(
+        "--shampoo-hang",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes each of vmap and lax.map Shampoo members, counting timeouts",
+    )
     ap.add_argument("--shampoo-hang-steps", type=int, default=100)
     ap.add_argument("--shampoo-timeout", type=float, default=180)
     ap.add_argument("--shampoo-hang-child", choices=["vmap", "lax.map"], help=argparse.SUPPRESS)

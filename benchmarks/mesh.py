@@ -47,8 +47,11 @@ def measure(overrides: list[str], steps: int) -> dict:
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t
     mem = compiled.memory_analysis()
-    per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                  - mem.alias_size_in_bytes) if mem is not None else float("nan")
+    per_device = (
+        (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        if mem is not None
+        else float("nan")
+    )
     times = []
     state, m = compiled(state, batch)
     jax.block_until_ready(m["train/loss"])
@@ -60,7 +63,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     return {"compile": compile_s, "step": statistics.median(times), "memory": per_device}
 
 
-@writes_page('The train step on meshes of 8 CPU devices')
+@writes_page("The train step on meshes of 8 CPU devices")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
@@ -75,9 +78,21 @@ def main() -> None:
     for mesh in MESHES:
         for optim in ("adam", "shampoo"):
             extra = ["optim.start_preconditioning_step=0"] if optim == "shampoo" else []
-            r = measure([*base, f"optim={optim}", *extra, f"mesh.data={mesh[0]}", f"mesh.fsdp={mesh[1]}",
-                         f"mesh.model={mesh[2]}"], args.steps)
-            print(f"{str(mesh):<14}{optim:<9}{r['compile']:>10.2f}{r['step'] * 1e3:>9.1f}{r['memory'] / 2**20:>12.2f}", flush=True)
+            r = measure(
+                [
+                    *base,
+                    f"optim={optim}",
+                    *extra,
+                    f"mesh.data={mesh[0]}",
+                    f"mesh.fsdp={mesh[1]}",
+                    f"mesh.model={mesh[2]}",
+                ],
+                args.steps,
+            )
+            print(
+                f"{str(mesh):<14}{optim:<9}{r['compile']:>10.2f}{r['step'] * 1e3:>9.1f}{r['memory'] / 2**20:>12.2f}",
+                flush=True,
+            )
 
     print(f"\n{'remat (1 device)':<24}{'compile s':>10}{'step ms':>9}{'MiB':>10}")
     for policy in ("none", "dots_saveable", "full"):
@@ -87,8 +102,16 @@ def main() -> None:
     n = args.layers
     print(f"\n{'layers ' + str(n) + '+' + str(n) + ' (1 device)':<24}{'compile s':>10}{'step ms':>9}")
     for scan in (False, True):
-        r = measure([*base, "mesh.data=1", f"model.encoder_layers={n}", f"model.decoder_layers={n}",
-                     f"model.scan_layers={str(scan).lower()}"], args.steps)
+        r = measure(
+            [
+                *base,
+                "mesh.data=1",
+                f"model.encoder_layers={n}",
+                f"model.decoder_layers={n}",
+                f"model.scan_layers={str(scan).lower()}",
+            ],
+            args.steps,
+        )
         print(f"{'scanned' if scan else 'unrolled':<24}{r['compile']:>10.2f}{r['step'] * 1e3:>9.1f}", flush=True)
 
 

@@ -38,8 +38,12 @@ def run_summary(run_dir: Path) -> dict:
     refresh = sum(t for s, t in steps if (s - 1) % every == 0) / max(total, 1e-9) if every else None
     evals = [r["eval/valid/loss"] for r in rows if "eval/valid/loss" in r]
     rates = [r["optim/shampoo/failed_root_rate"] for r in rows if "optim/shampoo/failed_root_rate" in r]
-    return {"step_s": total, "refresh_share": refresh, "eval": evals[-1] if evals else float("nan"),
-            "failed": rates[-1] if rates else None}
+    return {
+        "step_s": total,
+        "refresh_share": refresh,
+        "eval": evals[-1] if evals else float("nan"),
+        "failed": rates[-1] if rates else None,
+    }
 
 
 @writes_page("The mission command's runs")
@@ -53,16 +57,25 @@ def main() -> None:
     if not args.read:
         offline_workdir("mission_")
         for name in OPTIMIZERS:
-            cmd = [sys.executable, str(ROOT / "run.py"), "-m", "model=normformer,deepnet", f"optim={name}",
-                   f"hydra.sweep.dir={out / name}", *args.overrides]
+            cmd = [
+                sys.executable,
+                str(ROOT / "run.py"),
+                "-m",
+                "model=normformer,deepnet",
+                f"optim={name}",
+                f"hydra.sweep.dir={out / name}",
+                *args.overrides,
+            ]
             print("running", " ".join(cmd[2:]), file=sys.stderr, flush=True)
             t = time.perf_counter()
             subprocess.run(cmd, cwd=ROOT, check=True)
             (out / name / "wall_s").write_text(f"{time.perf_counter() - t:.1f}\n")
 
     walls = {name: float((out / name / "wall_s").read_text()) for name in OPTIMIZERS}
-    print(f"{'optimizer':<10}{'model':<12}{'wall s':>8}{'x adam':>8}{'step s':>8}{'refresh share':>15}"
-          f"{'failed roots':>14}{'eval loss':>11}")
+    print(
+        f"{'optimizer':<10}{'model':<12}{'wall s':>8}{'x adam':>8}{'step s':>8}{'refresh share':>15}"
+        f"{'failed roots':>14}{'eval loss':>11}"
+    )
     for name in OPTIMIZERS:
         for i, run_dir in enumerate(sorted((out / name).glob("*/run"))):
             layout = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["layout"]

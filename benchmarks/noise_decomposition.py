@@ -32,8 +32,15 @@ from common import writes_page  # noqa: E402
 # The plan, declared before any of its runs (2026-11-27): fresh seeds, init x data crossed.
 INIT = {"baseline": [1000, 1001, 1002, 1003], "postln": [1000, 1001, 1002], "sandwich": [1000, 1001, 1002]}
 DATA = {"baseline": [2000, 2001, 2002, 2003], "postln": [2000, 2001, 2002], "sandwich": [2000, 2001, 2002]}
-COMMON = ["experiment=study_mega", "members.impl=map", "trainer.eval_every=100", "trainer.save_every=100",
-          "trainer.keep_checkpoints=6", "tracker=none", "resume=auto"]
+COMMON = [
+    "experiment=study_mega",
+    "members.impl=map",
+    "trainer.eval_every=100",
+    "trainer.save_every=100",
+    "trainer.keep_checkpoints=6",
+    "tracker=none",
+    "resume=auto",
+]
 FRESH = 8192  # scenes scored example by example (the valid split's 512 are its first)
 # Declared after the plan above ran, before its analysis: a 2x budget (3000 steps, the same linear
 # decay to 0) for baseline and sandwich at three of the inits and one data order -- does training
@@ -47,18 +54,43 @@ def train(runs: Path) -> None:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(runs / "jax_cache")}
     for arm, inits in INIT.items():
         for d in DATA[arm]:
-            cmd = [sys.executable, "-m", "dalle_ablate.job", "-m", *COMMON, f"+arm={arm}", f"seeds=[{','.join(map(str, inits))}]",
-                   f"seed={inits[0]}", f"data_seed={d}", f"hydra.sweep.dir={runs / f'{arm}-d{d}'}"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "dalle_ablate.job",
+                "-m",
+                *COMMON,
+                f"+arm={arm}",
+                f"seeds=[{','.join(map(str, inits))}]",
+                f"seed={inits[0]}",
+                f"data_seed={d}",
+                f"hydra.sweep.dir={runs / f'{arm}-d{d}'}",
+            ]
             subprocess.run(cmd, check=True, env=env)
 
 
 def train_long(runs: Path) -> None:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(runs / "jax_cache")}
     for arm in LONG["arms"]:
-        cmd = [sys.executable, "-m", "dalle_ablate.job", "-m", "experiment=study_mega", "members.impl=map",
-               f"trainer.steps={LONG['steps']}", "trainer.eval_every=100", "trainer.save_every=500", "trainer.keep_checkpoints=1",
-               "tracker=none", "resume=auto", f"+arm={arm}", f"seeds=[{','.join(map(str, LONG['inits']))}]",
-               f"seed={LONG['inits'][0]}", f"data_seed={LONG['data']}", f"hydra.sweep.dir={runs / long_dir(arm)}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dalle_ablate.job",
+            "-m",
+            "experiment=study_mega",
+            "members.impl=map",
+            f"trainer.steps={LONG['steps']}",
+            "trainer.eval_every=100",
+            "trainer.save_every=500",
+            "trainer.keep_checkpoints=1",
+            "tracker=none",
+            "resume=auto",
+            f"+arm={arm}",
+            f"seeds=[{','.join(map(str, LONG['inits']))}]",
+            f"seed={LONG['inits'][0]}",
+            f"data_seed={LONG['data']}",
+            f"hydra.sweep.dir={runs / long_dir(arm)}",
+        ]
         subprocess.run(cmd, check=True, env=env)
 
 
@@ -169,8 +201,12 @@ def interaction(values: np.ndarray) -> float:
 
 
 def table_of(runs: list[dict], arm: str, value) -> np.ndarray:
-    return np.array([[value(next(r for r in runs if r["arm"] == arm and r["init"] == i and r["data"] == d))
-                      for d in DATA[arm]] for i in INIT[arm]])
+    return np.array(
+        [
+            [value(next(r for r in runs if r["arm"] == arm and r["init"] == i and r["data"] == d)) for d in DATA[arm]]
+            for i in INIT[arm]
+        ]
+    )
 
 
 def fmt(v: float) -> str:
@@ -201,9 +237,11 @@ def main() -> None:
     for r in runs:
         wall = json.loads((r["store"] / "summary.json").read_text()).get("wall_time", 0.0)
         jobs[r["store"].parents[1]] = max(jobs.get(r["store"].parents[1], 0.0), wall)
-    print(f"{len(runs)} runs in {runs_dir}, trained at {', '.join(f'{c} ({n} runs)' for c, n in commits.items())} as members "
-          f"of {len(jobs)} jobs ({sum(jobs.values()) / 60:.0f} min of jobs on the shared machine; per-example scoring and "
-          f"analysis {time.perf_counter() - t0:.0f} s).")
+    print(
+        f"{len(runs)} runs in {runs_dir}, trained at {', '.join(f'{c} ({n} runs)' for c, n in commits.items())} as members "
+        f"of {len(jobs)} jobs ({sum(jobs.values()) / 60:.0f} min of jobs on the shared machine; per-example scoring and "
+        f"analysis {time.perf_counter() - t0:.0f} s)."
+    )
     paired = report(runs, args.examples)
     report_long(runs, long_finals(runs_dir))
     conclude(paired)
@@ -215,11 +253,13 @@ def conclude(paired: list[tuple]) -> None:
         return
     print("\n## What would cut the paired noise\n")
     for arm, sd, ev_share, last5, big in paired:
-        print(f"{arm} − baseline: sd of a seed's difference {fmt(sd)}; the evaluation set is {fmt(ev_share * 100)} % of its "
-              f"variance, so an evaluation set 16x larger cuts the sd at most {1 / math.sqrt(1 - ev_share * 15 / 16):.4f}x "
-              f"(measured over {FRESH} scenes: {fmt(big)}); the mean of the last 5 evaluations gives {fmt(last5)} "
-              f"({fmt(sd / last5)}x); the rest is training (initialisation, data order and how they meet), which n times "
-              "the seeds cut by sqrt(n): 3x takes 9x the seeds.")
+        print(
+            f"{arm} − baseline: sd of a seed's difference {fmt(sd)}; the evaluation set is {fmt(ev_share * 100)} % of its "
+            f"variance, so an evaluation set 16x larger cuts the sd at most {1 / math.sqrt(1 - ev_share * 15 / 16):.4f}x "
+            f"(measured over {FRESH} scenes: {fmt(big)}); the mean of the last 5 evaluations gives {fmt(last5)} "
+            f"({fmt(sd / last5)}x); the rest is training (initialisation, data order and how they meet), which n times "
+            "the seeds cut by sqrt(n): 3x takes 9x the seeds."
+        )
 
 
 def report_long(runs: list[dict], long: dict[str, dict[int, float]]) -> None:
@@ -228,20 +268,34 @@ def report_long(runs: list[dict], long: dict[str, dict[int, float]]) -> None:
     if not all(len(long.get(a, {})) == len(LONG["inits"]) for a in LONG["arms"]):
         return
     key = {(r["arm"], r["init"], r["data"]): r for r in runs}
-    short = {a: {i: key[(a, i, LONG["data"])]["evals"][max(key[(a, i, LONG["data"])]["evals"])] for i in LONG["inits"]}
-             for a in LONG["arms"]}
-    print(f"\n## Twice the budget: {LONG['steps']} steps against 1500 (inits {', '.join(map(str, LONG['inits']))}, data order "
-          f"{LONG['data']})\n")
-    print("| | steps | " + " | ".join(f"{a}: {i}" for a in LONG["arms"] for i in LONG["inits"]) + " | sd: " +
-          " | sd: ".join(LONG["arms"]) + " | sd of the difference |")
+    short = {
+        a: {i: key[(a, i, LONG["data"])]["evals"][max(key[(a, i, LONG["data"])]["evals"])] for i in LONG["inits"]}
+        for a in LONG["arms"]
+    }
+    print(
+        f"\n## Twice the budget: {LONG['steps']} steps against 1500 (inits {', '.join(map(str, LONG['inits']))}, data order "
+        f"{LONG['data']})\n"
+    )
+    print(
+        "| | steps | "
+        + " | ".join(f"{a}: {i}" for a in LONG["arms"] for i in LONG["inits"])
+        + " | sd: "
+        + " | sd: ".join(LONG["arms"])
+        + " | sd of the difference |"
+    )
     print("|---|---|" + "---|" * (len(LONG["arms"]) * len(LONG["inits"]) + len(LONG["arms"]) + 1))
     a, b = LONG["arms"]
     for name, table, steps in (("1500 steps", short, 1500), (f"{LONG['steps']} steps", long, LONG["steps"])):
         vals = [table[x][i] for x in LONG["arms"] for i in LONG["inits"]]
         sds = [np.std([table[x][i] for i in LONG["inits"]], ddof=1) for x in LONG["arms"]]
         diff = np.std([table[a][i] - table[b][i] for i in LONG["inits"]], ddof=1)
-        print(f"| {name} | {steps} | " + " | ".join(fmt(v) for v in vals) + " | " + " | ".join(fmt(v) for v in sds)
-              + f" | {fmt(diff)} |")
+        print(
+            f"| {name} | {steps} | "
+            + " | ".join(fmt(v) for v in vals)
+            + " | "
+            + " | ".join(fmt(v) for v in sds)
+            + f" | {fmt(diff)} |"
+        )
 
 
 def report(runs: list[dict], n_big: int) -> None:
@@ -249,8 +303,10 @@ def report(runs: list[dict], n_big: int) -> None:
     dominant: list[tuple] = []
     paired: list[tuple] = []
     print("\n## One run's variance by source (final eval loss, nats/image token)\n")
-    print("| arm | runs | mean | sd of one run | init | data order | residual (init x data) | eval set, 512 scenes | "
-          f"eval set, {n_big} scenes | sd over {n_big} scenes | last 5 evaluations' mean: sd |")
+    print(
+        "| arm | runs | mean | sd of one run | init | data order | residual (init x data) | eval set, 512 scenes | "
+        f"eval set, {n_big} scenes | sd over {n_big} scenes | last 5 evaluations' mean: sd |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for arm in INIT:
         mine = [r for r in runs if r["arm"] == arm]
@@ -265,18 +321,35 @@ def report(runs: list[dict], n_big: int) -> None:
         ab = interaction(ex[:, :small])
         tot = c["total"]
         share = lambda v: f"{fmt(v / tot * 100)} %"  # noqa: E731
-        dominant.append((arm, max(("initialisation", c["init"]), ("data order", c["data"]), ("their interaction", c["residual"]),
-                                  key=lambda kv: kv[1]), tot, ab / small))
-        print(f"| {arm} | {len(mine)} | {fmt(final.mean())} | {fmt(math.sqrt(tot))} | {share(c['init'])} | {share(c['data'])} | "
-              f"{share(c['residual'])} | {share(ab / small)} | {share(interaction(ex) / n_big)} | {fmt(big.std(ddof=1))} | "
-              f"{fmt(last5.std(ddof=1))} |")
+        dominant.append(
+            (
+                arm,
+                max(
+                    ("initialisation", c["init"]),
+                    ("data order", c["data"]),
+                    ("their interaction", c["residual"]),
+                    key=lambda kv: kv[1],
+                ),
+                tot,
+                ab / small,
+            )
+        )
+        print(
+            f"| {arm} | {len(mine)} | {fmt(final.mean())} | {fmt(math.sqrt(tot))} | {share(c['init'])} | {share(c['data'])} | "
+            f"{share(c['residual'])} | {share(ab / small)} | {share(interaction(ex) / n_big)} | {fmt(big.std(ddof=1))} | "
+            f"{fmt(last5.std(ddof=1))} |"
+        )
     print()
     for arm, (source, var), tot, ev in dominant:
-        print(f"{arm}: the largest source of one run's variance is its {source} ({fmt(var / tot * 100)} %); the "
-              f"evaluation set's 512 scenes {fmt(ev / tot * 100)} %.")
+        print(
+            f"{arm}: the largest source of one run's variance is its {source} ({fmt(var / tot * 100)} %); the "
+            f"evaluation set's 512 scenes {fmt(ev / tot * 100)} %."
+        )
     print("\n## Paired differences against the baseline (the same init and data order)\n")
-    print("| arm − baseline | pairs | mean | sd of one pair's difference | rho | init | data order | residual | "
-          f"eval set, 512 scenes | sd over {n_big} scenes | last 5 evaluations: sd |")
+    print(
+        "| arm − baseline | pairs | mean | sd of one pair's difference | rho | init | data order | residual | "
+        f"eval set, 512 scenes | sd over {n_big} scenes | last 5 evaluations: sd |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for arm in ("postln", "sandwich"):
         shared_i = [i for i in INIT[arm] if i in INIT["baseline"]]
@@ -286,22 +359,30 @@ def report(runs: list[dict], n_big: int) -> None:
             continue
 
         def diff(value):
-            return np.array([[value(key[(arm, i, d)]) - value(key[("baseline", i, d)]) for d in shared_d] for i in shared_i])
+            return np.array(
+                [[value(key[(arm, i, d)]) - value(key[("baseline", i, d)]) for d in shared_d] for i in shared_i]
+            )
 
         final = lambda r: r["evals"][max(r["evals"])]  # noqa: E731
         d = diff(final)
         a = np.array([final(key[(arm, i, dd)]) for i in shared_i for dd in shared_d])
         b = np.array([final(key[("baseline", i, dd)]) for i in shared_i for dd in shared_d])
         c = anova(d)
-        ex = np.stack([key[(arm, i, dd)]["ex"][:512] - key[("baseline", i, dd)]["ex"][:512] for i in shared_i for dd in shared_d])
+        ex = np.stack(
+            [key[(arm, i, dd)]["ex"][:512] - key[("baseline", i, dd)]["ex"][:512] for i in shared_i for dd in shared_d]
+        )
         big = diff(lambda r: r["ex"].mean())
         last5 = diff(lambda r: np.mean([r["evals"][s] for s in sorted(r["evals"])[-5:]]))
         tot = c["total"]
         share = lambda v: f"{fmt(v / tot * 100)} %"  # noqa: E731
-        paired.append((arm, math.sqrt(tot), interaction(ex) / 512 / tot, float(last5.std(ddof=1)), float(big.std(ddof=1))))
-        print(f"| {arm} | {d.size} | {fmt(d.mean())} | {fmt(math.sqrt(tot))} | {fmt(np.corrcoef(a, b)[0, 1])} | {share(c['init'])} | "
-              f"{share(c['data'])} | {share(c['residual'])} | {share(interaction(ex) / 512)} | {fmt(big.std(ddof=1))} | "
-              f"{fmt(last5.std(ddof=1))} |")
+        paired.append(
+            (arm, math.sqrt(tot), interaction(ex) / 512 / tot, float(last5.std(ddof=1)), float(big.std(ddof=1)))
+        )
+        print(
+            f"| {arm} | {d.size} | {fmt(d.mean())} | {fmt(math.sqrt(tot))} | {fmt(np.corrcoef(a, b)[0, 1])} | {share(c['init'])} | "
+            f"{share(c['data'])} | {share(c['residual'])} | {share(interaction(ex) / 512)} | {fmt(big.std(ddof=1))} | "
+            f"{fmt(last5.std(ddof=1))} |"
+        )
     return paired
 
 

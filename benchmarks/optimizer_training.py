@@ -61,8 +61,19 @@ def runs_in(folder: Path) -> list[tuple[float, int, float, list]]:
 
 
 def sweep(out: Path, name: str, lrs: str, seeds: str, overrides: list[str]) -> None:
-    cmd = [sys.executable, str(ROOT / "run.py"), "-m", "experiment=optim_compare", f"optim={name}", f"optim.lr={lrs}",
-           f"seed={seeds}", "tracker=none", "trainer.progress=false", f"hydra.sweep.dir={out}", *overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "-m",
+        "experiment=optim_compare",
+        f"optim={name}",
+        f"optim.lr={lrs}",
+        f"seed={seeds}",
+        "tracker=none",
+        "trainer.progress=false",
+        f"hydra.sweep.dir={out}",
+        *overrides,
+    ]
     print("running", " ".join(cmd[2:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -72,7 +83,7 @@ def best_lr(runs) -> float | None:
     return min(finite, key=lambda r: r[2])[0] if finite else None
 
 
-@writes_page('Optimizers trained over a learning-rate grid')
+@writes_page("Optimizers trained over a learning-rate grid")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="multirun/optimizer_training")
@@ -105,9 +116,13 @@ def main() -> None:
         sys.exit(f"no finished runs under {out}")
     steps = max(r[3][-1][0] for _, runs in best.values() for r in runs)
     budget = min(float(np.mean([r[3][-1][1] for r in runs])) for _, runs in best.values())
-    print(f"\nbest learning rate per optimizer, mean over seeds [95 % t interval]; equal steps = {steps}, "
-          f"equal time = {budget:.1f} s of training (the fastest optimizer's mean run)")
-    print(f"{'optimizer':<10}{'lr':>8}{'seeds':>6}{'loss @ steps':>26}{'s/step':>8}{'loss @ time':>26}{'step reached':>14}")
+    print(
+        f"\nbest learning rate per optimizer, mean over seeds [95 % t interval]; equal steps = {steps}, "
+        f"equal time = {budget:.1f} s of training (the fastest optimizer's mean run)"
+    )
+    print(
+        f"{'optimizer':<10}{'lr':>8}{'seeds':>6}{'loss @ steps':>26}{'s/step':>8}{'loss @ time':>26}{'step reached':>14}"
+    )
     for name, (lr, runs) in best.items():
         at_steps = mean_ci([r[2] for r in runs])
         at_time = [loss_at_time(r[3], budget) for r in runs]

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import COMPETING_LOAD, fresh_train_step, random_batch, refresh_split, timed_steps, writes_page  # noqa: E402
 
 
-@writes_page('Optimizers: compile time, step time, state memory')
+@writes_page("Optimizers: compile time, step time, state memory")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--periods", type=int, default=3)
@@ -41,9 +41,12 @@ def main() -> None:
     rows, splits = {}, {}
     shampoo = ["optim.start_preconditioning_step=0"]
     # (label, optimizer, overrides, beside a competing process)
-    variants = [("adam", "adam", [], False), ("adafactor", "adafactor", [], False),
-                ("shampoo", "shampoo", [*shampoo, "optim.root_dtype=float64"], False),
-                ("shampoo f32 roots", "shampoo", [*shampoo, "optim.root_dtype=float32"], False)]
+    variants = [
+        ("adam", "adam", [], False),
+        ("adafactor", "adafactor", [], False),
+        ("shampoo", "shampoo", [*shampoo, "optim.root_dtype=float64"], False),
+        ("shampoo f32 roots", "shampoo", [*shampoo, "optim.root_dtype=float32"], False),
+    ]
     if not args.no_load:
         variants.append(("shampoo, loaded", "shampoo", [*shampoo, "optim.root_dtype=float64"], True))
     for label, name, extra, loaded in variants:
@@ -74,11 +77,15 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind}, size=small, batch {b}, median of {args.periods} periods\n")
     print(f"{'optimizer':<18}{'compile s':>10}{'x adam':>8}{'step ms':>9}{'x adam':>8}{'state MiB':>11}{'x adam':>8}")
     for name, (c, s, m) in rows.items():
-        print(f"{name:<18}{c:>10.2f}{c / base[0]:>8.2f}{s * 1e3:>9.1f}{s / base[1]:>8.2f}{m / 2**20:>11.1f}{m / base[2]:>8.2f}")
+        print(
+            f"{name:<18}{c:>10.2f}{c / base[0]:>8.2f}{s * 1e3:>9.1f}{s / base[1]:>8.2f}{m / 2**20:>11.1f}{m / base[2]:>8.2f}"
+        )
     print()
     for label, (plain, extra) in splits.items():
-        print(f"{label}: {plain * 1e3:.1f} ms per step without a root refresh; a refresh adds {extra * 1e3:.0f} ms "
-              f"(every {period} steps)")
+        print(
+            f"{label}: {plain * 1e3:.1f} ms per step without a root refresh; a refresh adds {extra * 1e3:.0f} ms "
+            f"(every {period} steps)"
+        )
 
 
 if __name__ == "__main__":

@@ -39,12 +39,28 @@ def all_reduce_bytes(hlo: str) -> tuple[int, int]:
             computations[current] = []
         elif current is not None:
             computations[current].append(line)
-    called = {c: set(re.findall(r"%[\w.\-]+", " ".join(re.findall(
-        r"(?:calls|to_apply|branch_computations|body|condition)=(\{[^}]*\}|%[\w.\-]+)", "\n".join(lines)))))
-        & computations.keys() for c, lines in computations.items()}
+    called = {
+        c: set(
+            re.findall(
+                r"%[\w.\-]+",
+                " ".join(
+                    re.findall(
+                        r"(?:calls|to_apply|branch_computations|body|condition)=(\{[^}]*\}|%[\w.\-]+)", "\n".join(lines)
+                    )
+                ),
+            )
+        )
+        & computations.keys()
+        for c, lines in computations.items()
+    }
     branch = set()
-    todo = [c for lines in computations.values() for line in lines if "conditional(" in line
-            for c in re.findall(r"%[\w.\-]+", re.search(r"branch_computations=\{([^}]*)\}", line).group(1))]
+    todo = [
+        c
+        for lines in computations.values()
+        for line in lines
+        if "conditional(" in line
+        for c in re.findall(r"%[\w.\-]+", re.search(r"branch_computations=\{([^}]*)\}", line).group(1))
+    ]
     while todo:
         c = todo.pop()
         if c not in branch:
@@ -69,7 +85,7 @@ def all_reduce_bytes(hlo: str) -> tuple[int, int]:
     return every, conditional
 
 
-@writes_page('PowerSGD: compression, error and step time')
+@writes_page("PowerSGD: compression, error and step time")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="null,1,4,16")
@@ -88,8 +104,9 @@ def main() -> None:
     print(f"{jax.device_count()} devices; {args.steps} steps each")
     rows, dataset = [], None
     for rank in args.ranks.split(","):
-        cfg = to_run_config(compose(["mesh.data=8", f"optim.powersgd.rank={rank}", f"trainer.steps={args.steps}",
-                                     *args.overrides]))
+        cfg = to_run_config(
+            compose(["mesh.data=8", f"optim.powersgd.rank={rank}", f"trainer.steps={args.steps}", *args.overrides])
+        )
         run = assemble(cfg, dataset=dataset)
         dataset = run.dataset
         state, step = run.init_state(), run.train_step()
@@ -111,17 +128,32 @@ def main() -> None:
         from dalle_ablate.train.hooks import evaluate
         from dalle_ablate.train.step import make_eval_step
 
-        eval_loss = float(evaluate(make_eval_step(run.graphdef, run.placement), state.params, dataset, b, None, run.placement)[0])
-        rows.append((rank, *all_reduce_bytes(hlo), 4 * floats["sent"], floats["full"] / floats["sent"],
-                     statistics.median(times), float(np.mean(losses[-20:])), eval_loss,
-                     float(rel_error)))
+        eval_loss = float(
+            evaluate(make_eval_step(run.graphdef, run.placement), state.params, dataset, b, None, run.placement)[0]
+        )
+        rows.append(
+            (
+                rank,
+                *all_reduce_bytes(hlo),
+                4 * floats["sent"],
+                floats["full"] / floats["sent"],
+                statistics.median(times),
+                float(np.mean(losses[-20:])),
+                eval_loss,
+                float(rel_error),
+            )
+        )
     base = rows[0][5]
-    print("| rank | all-reduce B/step (HLO) | B/step (shapes) | + on log steps (HLO) | compression | step ms | × first row | "
-          "train loss (last 20) | eval loss | rel. error of the mean (last log step) |")
+    print(
+        "| rank | all-reduce B/step (HLO) | B/step (shapes) | + on log steps (HLO) | compression | step ms | × first row | "
+        "train loss (last 20) | eval loss | rel. error of the mean (last log step) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rank, hlo_b, cond_b, shape_b, comp, t, loss, ev_loss, rel in rows:
-        print(f"| {rank} | {hlo_b:,} | {shape_b:,} | {cond_b:,} | {comp:.1f}× | {1000 * t:.1f} | {t / base:.2f} | {loss:.3f} | "
-              f"{ev_loss:.3f} | {rel:.3f} |")
+        print(
+            f"| {rank} | {hlo_b:,} | {shape_b:,} | {cond_b:,} | {comp:.1f}× | {1000 * t:.1f} | {t / base:.2f} | {loss:.3f} | "
+            f"{ev_loss:.3f} | {rel:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def uncached_sampler(graphdef, image_len: int):
     return jax.jit(sample)
 
 
-@writes_page('Sampling and evaluator throughput')
+@writes_page("Sampling and evaluator throughput")
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -86,7 +86,9 @@ def main() -> None:
         t_guided = timed(lambda: guided(params, text, mask, key, blank, blank_mask, jnp.asarray(3.0)))
         t_full = timed(lambda: uncached_sampler(graphdef, image_len)(params, text, mask, key), repeats=1)
         tokens = b * image_len
-        print(f"{image_len:>12}{tokens / t_cached:>14,.0f}{tokens / t_full:>16,.0f}{t_full / t_cached:>9.1f}x{t_guided / t_cached:>18.2f}x")
+        print(
+            f"{image_len:>12}{tokens / t_cached:>14,.0f}{tokens / t_full:>16,.0f}{t_full / t_cached:>9.1f}x{t_guided / t_cached:>18.2f}x"
+        )
 
     from dalle_ablate.data.scenes import random_scene, render
     from dalle_ablate.evaluate.shapes_features import shapes_features
@@ -123,7 +125,10 @@ def main() -> None:
         scorer = clip.CLIPScorer(f"{tmp}/c.npz", batch_size=32)
     batch, captions = images[:32], [s["caption"] for s in specs[:32]]
     rates = {}
-    for name, fn in (("fid (Inception, 299 px)", lambda: fid_net(batch)), ("clip (ViT-B/32, 224 px)", lambda: scorer.scores(batch, captions))):
+    for name, fn in (
+        ("fid (Inception, 299 px)", lambda: fid_net(batch)),
+        ("clip (ViT-B/32, 224 px)", lambda: scorer.scores(batch, captions)),
+    ):
         fn()  # compile
         t = time.perf_counter()
         for _ in range(2):

@@ -48,8 +48,11 @@ def measure(periods: int, overrides: list[str]) -> dict:
     state, times, _ = timed_steps(compiled, state, batch, period * periods)
     plain, refresh_add = refresh_split(times, period)
 
-    (shampoo,) = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ShampooState))
-                  if isinstance(s, ShampooState)]
+    (shampoo,) = [
+        s
+        for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ShampooState))
+        if isinstance(s, ShampooState)
+    ]
     mats, ps = [], []
     for st in shampoo.stacks:  # a rank-1 stack's right statistic is [n, 1, 1] and never used
         rank = 2 if st.right.shape[-1] > 1 else 1
@@ -73,8 +76,13 @@ def measure(periods: int, overrides: list[str]) -> dict:
     sizes: dict[int, int] = {}
     for m in mats:
         sizes[m.shape[-1]] = sizes.get(m.shape[-1], 0) + m.shape[0]
-    return {"plain step": plain, "in step": refresh_add, "separate jit": separate, "per stack": per_stack,
-            "statistics": {str(k): v for k, v in sorted(sizes.items())}}
+    return {
+        "plain step": plain,
+        "in step": refresh_add,
+        "separate jit": separate,
+        "per stack": per_stack,
+        "statistics": {str(k): v for k, v in sorted(sizes.items())},
+    }
 
 
 @writes_page("Shampoo's root refresh, idle and loaded")
@@ -91,8 +99,15 @@ def main() -> None:
     rows = {}
     for threads in ("1", "null"):
         for loaded in (False, True):
-            cmd = [sys.executable, __file__, "--child", "--periods", str(args.periods), f"optim.lapack_threads={threads}",
-                   *args.overrides]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "--periods",
+                str(args.periods),
+                f"optim.lapack_threads={threads}",
+                *args.overrides,
+            ]
             load = subprocess.Popen([sys.executable, "-c", COMPETING_LOAD]) if loaded else None
             try:
                 out = subprocess.run(cmd, capture_output=True, text=True)
@@ -105,8 +120,10 @@ def main() -> None:
             print(f"measured lapack_threads={threads} {'loaded' if loaded else 'idle'}", file=sys.stderr, flush=True)
 
     first = next(iter(rows.values()))
-    print(f"size=small Shampoo on {os.cpu_count()} cores; statistics per block size: {first['statistics']}; "
-          f"median of {args.periods} periods; seconds\n")
+    print(
+        f"size=small Shampoo on {os.cpu_count()} cores; statistics per block size: {first['statistics']}; "
+        f"median of {args.periods} periods; seconds\n"
+    )
     print(f"{'lapack_threads':<16}{'':<8}" + "".join(f"{c:>14}" for c in COLUMNS))
     for (threads, loaded), r in rows.items():
         print(f"{threads:<16}{'loaded' if loaded else 'idle':<8}" + "".join(f"{r[c]:>14.2f}" for c in COLUMNS))

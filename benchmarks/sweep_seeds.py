@@ -33,8 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # an evaluation every 20 (the median pruner from step 20 on); no sampling evaluation and one
 # sample at the end -- the sweep's objective is the eval loss, and the sampling evaluation would
 # cost more than the training.
-TRAIN = ["sweeps=lr_adam", "trainer.steps=60", "trainer.eval_every=20", "tracker=none", "eval.metrics=[]", "eval.grids=[]",
-         "samples.per_caption=1", "samples.captions=[a red circle]"]
+TRAIN = [
+    "sweeps=lr_adam",
+    "trainer.steps=60",
+    "trainer.eval_every=20",
+    "tracker=none",
+    "eval.metrics=[]",
+    "eval.grids=[]",
+    "samples.per_caption=1",
+    "samples.captions=[a red circle]",
+]
 SWEEP = ["hydra.sweeper.pruner.kwargs.n_warmup_steps=20", "hydra.sweeper.recheck.top=2"]
 GRID = [float(x) for x in 10 ** np.linspace(-4, -2, 8)]  # the reference rates, log-spaced over the sweep's interval
 REF_SEEDS = list(range(100, 108))  # 8 seeds each, members of one job per rate
@@ -68,17 +76,39 @@ def train(runs: Path) -> None:
     for i, lr in enumerate(GRID):
         folder = runs / "reference" / f"lr{i}"
         if not (folder / "members.json").exists() or "running" in (folder / "members.json").read_text():
-            run([sys.executable, str(ROOT / "run.py"), *TRAIN, f"optim.lr={lr}", f"seeds=[{','.join(map(str, REF_SEEDS))}]",
-                 f"seed={REF_SEEDS[0]}", "resume=auto", f"hydra.run.dir={folder}"], env)
+            run(
+                [
+                    sys.executable,
+                    str(ROOT / "run.py"),
+                    *TRAIN,
+                    f"optim.lr={lr}",
+                    f"seeds=[{','.join(map(str, REF_SEEDS))}]",
+                    f"seed={REF_SEEDS[0]}",
+                    "resume=auto",
+                    f"hydra.run.dir={folder}",
+                ],
+                env,
+            )
     for rep in range(REPS):
         for kind, trials in KINDS.items():
             folder = runs / f"{'one' if kind.startswith('1') else 'three'}-rep{rep}"
             if (folder / "optimization_results.yaml").exists() and str(folder) in cpu:
                 continue
-            cpu[str(folder)] = run([sys.executable, str(ROOT / "run.py"), "-m", *TRAIN, *SWEEP, *seeds_of(kind, rep),
-                                    f"hydra.sweeper.n_trials={trials}", f"hydra.sweeper.sampler.seed={rep}",
-                                    f"hydra.sweeper.recheck.seeds=[{1000 + 10 * rep},{1001 + 10 * rep},{1002 + 10 * rep}]",
-                                    f"hydra.sweep.dir={folder}"], env)
+            cpu[str(folder)] = run(
+                [
+                    sys.executable,
+                    str(ROOT / "run.py"),
+                    "-m",
+                    *TRAIN,
+                    *SWEEP,
+                    *seeds_of(kind, rep),
+                    f"hydra.sweeper.n_trials={trials}",
+                    f"hydra.sweeper.sampler.seed={rep}",
+                    f"hydra.sweeper.recheck.seeds=[{1000 + 10 * rep},{1001 + 10 * rep},{1002 + 10 * rep}]",
+                    f"hydra.sweep.dir={folder}",
+                ],
+                env,
+            )
             cpu_file.write_text(json.dumps(cpu, indent=2))
 
 
@@ -87,8 +117,9 @@ def reference(runs: Path) -> tuple[np.ndarray, float]:
     table = []
     for i in range(len(GRID)):
         members = json.loads((runs / "reference" / f"lr{i}" / "members.json").read_text())["members"]
-        table.append([json.loads((Path(m["job_dir"]) / "run" / "summary.json").read_text())["eval/valid/loss"]
-                      for m in members])
+        table.append(
+            [json.loads((Path(m["job_dir"]) / "run" / "summary.json").read_text())["eval/valid/loss"] for m in members]
+        )
     t = np.array(table)
     return t.mean(axis=1), float(np.sqrt(t.var(axis=1, ddof=1).mean()))
 
@@ -108,15 +139,19 @@ def main() -> None:
     means, s = reference(a.runs)
     tol = TOL_SE * math.sqrt(2) * s / math.sqrt(len(REF_SEEDS))
     best = float(means.min())
-    print(f"reference: {len(GRID)} rates x {len(REF_SEEDS)} seeds, {TRAIN[1:3]}; one-seed sd {s:.4f}; best rate "
-          f"{GRID[int(means.argmin())]:.3g} at {best:.4f}; a pick within the seed noise of the best: at most {tol:.4f} "
-          f"above it ({TOL_SE:g} se of a difference of two reference means)")
+    print(
+        f"reference: {len(GRID)} rates x {len(REF_SEEDS)} seeds, {TRAIN[1:3]}; one-seed sd {s:.4f}; best rate "
+        f"{GRID[int(means.argmin())]:.3g} at {best:.4f}; a pick within the seed noise of the best: at most {tol:.4f} "
+        f"above it ({TOL_SE:g} se of a difference of two reference means)"
+    )
     print("rate      " + " ".join(f"{lr:9.3g}" for lr in GRID))
     print("mean loss " + " ".join(f"{m:9.4f}" for m in means))
     print()
     cpu = json.loads((a.runs / "cpu.json").read_text())
-    print(f"{'sweep':<20} {'rep':>3} {'pick':>9} {'regret':>8} {'hit':>4} {'sweep value':>11} {'re-checked':>10} "
-          f"{'curse':>8} {'CPU s':>7}  best vs runner-up")
+    print(
+        f"{'sweep':<20} {'rep':>3} {'pick':>9} {'regret':>8} {'hit':>4} {'sweep value':>11} {'re-checked':>10} "
+        f"{'curse':>8} {'CPU s':>7}  best vs runner-up"
+    )
     rows = {}
     for kind in KINDS:
         for rep in range(REPS):
@@ -127,15 +162,21 @@ def main() -> None:
             rc = r["recheck"]["trials"][0]
             curse = rc["sweep_value"] - rc["recheck_mean"]
             rows.setdefault(kind, []).append((regret, regret <= tol, curse, cpu[str(folder)]))
-            print(f"{kind:<20} {rep:>3} {lr:9.3g} {regret:8.4f} {'yes' if regret <= tol else 'no':>4} "
-                  f"{rc['sweep_value']:11.4f} {rc['recheck_mean']:10.4f} {curse:+8.4f} {cpu[str(folder)]:7.0f}  "
-                  f"{r['recheck']['against'][0]['outcome']}")
+            print(
+                f"{kind:<20} {rep:>3} {lr:9.3g} {regret:8.4f} {'yes' if regret <= tol else 'no':>4} "
+                f"{rc['sweep_value']:11.4f} {rc['recheck_mean']:10.4f} {curse:+8.4f} {cpu[str(folder)]:7.0f}  "
+                f"{r['recheck']['against'][0]['outcome']}"
+            )
     print()
-    print(f"{'sweep':<20} {'reps':>4} {'within noise':>12} {'mean regret':>11} {'winner curse mean (sd)':>23} {'CPU s':>7}")
+    print(
+        f"{'sweep':<20} {'reps':>4} {'within noise':>12} {'mean regret':>11} {'winner curse mean (sd)':>23} {'CPU s':>7}"
+    )
     for kind, got in rows.items():
         g = np.array(got, dtype=float)
-        print(f"{kind:<20} {len(g):>4} {int(g[:, 1].sum()):>7} of {len(g):<2} {g[:, 0].mean():11.4f} "
-              f"{g[:, 2].mean():+14.4f} ({g[:, 2].std(ddof=1):.4f}) {g[:, 3].mean():7.0f}")
+        print(
+            f"{kind:<20} {len(g):>4} {int(g[:, 1].sum()):>7} of {len(g):<2} {g[:, 0].mean():11.4f} "
+            f"{g[:, 2].mean():+14.4f} ({g[:, 2].std(ddof=1):.4f}) {g[:, 3].mean():7.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -42,14 +42,24 @@ def rows_of(run_dir: Path, seed: int) -> tuple[list[dict], float, float]:
             if len(parts) == 6 and parts[:2] == ["eval", "pareto"] and parts[3] == "shapes" and parts[5] == "all":
                 scale, tier = float(parts[2][1:]), parts[4]
                 base = f"eval/pareto/s{parts[2][1:]}/shapes/{tier}"
-                rows.append({"seed": seed, "step": r["step"], "train_s": round(at_step[r["step"]], 1), "scale": scale,
-                             "tier": tier, "all": value, "lo": r[f"{base}/all_lo"], "hi": r[f"{base}/all_hi"],
-                             "n": int(r[f"{base}/n"])})
+                rows.append(
+                    {
+                        "seed": seed,
+                        "step": r["step"],
+                        "train_s": round(at_step[r["step"]], 1),
+                        "scale": scale,
+                        "tier": tier,
+                        "all": value,
+                        "lo": r[f"{base}/all_lo"],
+                        "hi": r[f"{base}/all_hi"],
+                        "n": int(r[f"{base}/n"]),
+                    }
+                )
     wall = json.loads((run_dir / "summary.json").read_text())["wall_time"]
     return rows, train_s, wall - train_s
 
 
-@writes_page('Caption-following against training time')
+@writes_page("Caption-following against training time")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -66,7 +76,9 @@ def main() -> None:
 
     rows, times, run_dirs = [], [], {}
     for seed in args.seeds:
-        cfg = to_run_config(compose([f"seed={seed}", f"eval.every={args.every}", "trainer.progress=false", *args.overrides]))
+        cfg = to_run_config(
+            compose([f"seed={seed}", f"eval.every={args.every}", "trainer.progress=false", *args.overrides])
+        )
         res = train(cfg, JobInfo(tmp / f"seed{seed}"))
         run_dirs[seed] = res.run_dir
         got, train_s, other_s = rows_of(res.run_dir, seed)
@@ -77,7 +89,9 @@ def main() -> None:
     for seed, steps, train_s, other_s in times:
         print(f"{seed:>4} {steps:>6} {train_s:>8.1f} {other_s:>13.1f}")
     scales = sorted({r["scale"] for r in rows})
-    print(f"\nall-correct per tier, [95% Wilson interval], by guidance scale (N per tier: {rows[0]['n'] if rows else 0})")
+    print(
+        f"\nall-correct per tier, [95% Wilson interval], by guidance scale (N per tier: {rows[0]['n'] if rows else 0})"
+    )
     print(f"{'seed':>4} {'step':>5} {'train s':>8} {'scale':>5} " + " ".join(f"{t:>18}" for t in TIERS))
     for seed in args.seeds:
         for step in sorted({r["step"] for r in rows if r["seed"] == seed}):
@@ -86,8 +100,15 @@ def main() -> None:
                 if not cell:
                     continue
                 t_s = next(iter(cell.values()))["train_s"]
-                print(f"{seed:>4} {step:>5} {t_s:>8.1f} {scale:>5g} " + " ".join(
-                    f"{cell[t]['all']:>6.1%} [{cell[t]['lo']:.2f},{cell[t]['hi']:.2f}]" if t in cell else f"{'-':>18}" for t in TIERS))
+                print(
+                    f"{seed:>4} {step:>5} {t_s:>8.1f} {scale:>5g} "
+                    + " ".join(
+                        f"{cell[t]['all']:>6.1%} [{cell[t]['lo']:.2f},{cell[t]['hi']:.2f}]"
+                        if t in cell
+                        else f"{'-':>18}"
+                        for t in TIERS
+                    )
+                )
 
     resolution(run_dirs)
 
@@ -129,14 +150,18 @@ def resolution(run_dirs: dict) -> None:
                 last[seed] = {r[c.index("scale")]: r[c.index("shapes/verdicts")] for r in t["rows"]}
     if len(last) < 2:
         return
-    print("\nresolution of the last evaluation: prompts whose all-correct differs between two seeds (psi), and "
-          "McNemar's power for a 0.1 difference at this N (psi = 0.5 is the worst case)")
+    print(
+        "\nresolution of the last evaluation: prompts whose all-correct differs between two seeds (psi), and "
+        "McNemar's power for a 0.1 difference at this N (psi = 0.5 is the worst case)"
+    )
     for a, b in itertools.combinations(sorted(last), 2):
         for scale in sorted(set(last[a]) & set(last[b])):
             x, y = last[a][scale], last[b][scale]
             psi = sum(p != q for p, q in zip(x, y)) / len(x)
-            print(f"seeds {a}-{b} s{scale:g}: N {len(x)}, rates {x.count('1') / len(x):.3f} / {y.count('1') / len(y):.3f}, "
-                  f"psi {psi:.3f}, power {power(len(x), psi):.2f} (worst case {power(len(x), 0.5):.2f})")
+            print(
+                f"seeds {a}-{b} s{scale:g}: N {len(x)}, rates {x.count('1') / len(x):.3f} / {y.count('1') / len(y):.3f}, "
+                f"psi {psi:.3f}, power {power(len(x), psi):.2f} (worst case {power(len(x), 0.5):.2f})"
+            )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -152,12 +177,21 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(TIERS), figsize=(4 * len(TIERS), 3.4), sharey=True)
     for ax, tier in zip(axes, TIERS):
         for seed in sorted({r["seed"] for r in rows}):
-            pts = sorted((r["train_s"], r["all"], r["lo"], r["hi"]) for r in rows
-                         if r["seed"] == seed and r["tier"] == tier and r["scale"] == best)
+            pts = sorted(
+                (r["train_s"], r["all"], r["lo"], r["hi"])
+                for r in rows
+                if r["seed"] == seed and r["tier"] == tier and r["scale"] == best
+            )
             if pts:
                 xs, ys, lo, hi = zip(*pts)
-                ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]], marker="o",
-                            capsize=3, label=f"seed {seed}")
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                    marker="o",
+                    capsize=3,
+                    label=f"seed {seed}",
+                )
         ax.set_title(f"{tier} (scale {best:g})")
         ax.set_xlabel("training seconds (this machine)")
         ax.grid(alpha=0.3)

@@ -22,13 +22,12 @@ from common import fresh_train_step, offline_workdir, timed_steps, writes_page  
 def bare_step_times(cfg, dataset, steps: int) -> list[float]:
     import jax
 
-
     step, state, _ = fresh_train_step(cfg, dataset)
     batch = jax.device_put(next(dataset.train_batches(cfg.trainer.batch_size, cfg.seed)))
     return timed_steps(step, state, batch, steps)[1]
 
 
-@writes_page('Training speed per size')
+@writes_page("Training speed per size")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["tiny", "small"])
@@ -47,12 +46,21 @@ def main() -> None:
     rows = []
     for size in args.sizes:
         steps = args.steps
-        cfg = to_run_config(compose([
-            f"size={size}", f"trainer.steps={steps}", f"trainer.eval_every={10 * steps}",
-            f"trainer.save_every={10 * steps}", "trainer.log_every=10", "trainer.progress=false",
-            "schedule.allow_long_warmup=true",  # a throughput run: the rate never matters
-            "samples.per_caption=1", *args.overrides,
-        ]))
+        cfg = to_run_config(
+            compose(
+                [
+                    f"size={size}",
+                    f"trainer.steps={steps}",
+                    f"trainer.eval_every={10 * steps}",
+                    f"trainer.save_every={10 * steps}",
+                    "trainer.log_every=10",
+                    "trainer.progress=false",
+                    "schedule.allow_long_warmup=true",  # a throughput run: the rate never matters
+                    "samples.per_caption=1",
+                    *args.overrides,
+                ]
+            )
+        )
         dataset = build_dataset(cfg.data, cfg.model)
         # Bare step timed before and after the loop, so drift in machine load is seen by both.
         bare = bare_step_times(cfg, dataset, steps // 2)
@@ -64,14 +72,28 @@ def main() -> None:
         tokens = metrics[0]["perf/tokens_per_s"] * metrics[0]["perf/step_time"]
         loop_med, bare_med = statistics.median(loop), statistics.median(bare)
         mfu = statistics.median(r["perf/mfu"] for r in metrics[:-1])
-        rows.append((size, cfg.trainer.batch_size, tokens / loop_med, mfu, bare_med * 1e3, loop_med * 1e3, loop_med / bare_med - 1))
+        rows.append(
+            (
+                size,
+                cfg.trainer.batch_size,
+                tokens / loop_med,
+                mfu,
+                bare_med * 1e3,
+                loop_med * 1e3,
+                loop_med / bare_med - 1,
+            )
+        )
 
     import json
 
     meta = json.loads((res.run_dir / "meta.json").read_text())
-    print(f"device: {meta['device']['kind']} x{meta['device']['count']}, peak {meta['device']['peak_flops'] / 1e9:.1f} GFLOP/s "
-          f"({meta['device']['peak_flops_source']}), {args.steps} steps per size\n")
-    print(f"{'size':<6} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'bare step ms':>13} {'loop step ms':>13} {'overhead':>9}")
+    print(
+        f"device: {meta['device']['kind']} x{meta['device']['count']}, peak {meta['device']['peak_flops'] / 1e9:.1f} GFLOP/s "
+        f"({meta['device']['peak_flops_source']}), {args.steps} steps per size\n"
+    )
+    print(
+        f"{'size':<6} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'bare step ms':>13} {'loop step ms':>13} {'overhead':>9}"
+    )
     for size, bs, tps, mfu, bare, loop, over in rows:
         print(f"{size:<6} {bs:>5} {tps:>10,.0f} {mfu:>6.1%} {bare:>13.1f} {loop:>13.1f} {over:>+9.1%}")
 

@@ -46,12 +46,30 @@ def tree(ref: str | None, into: Path) -> Path:
 
 def step_time(code: Path, job_dir: Path, steps: int, extra: list[str], overrides: list[str]) -> float:
     """The median step time (s) of one job trained by the code under `code`."""
-    args = ["size=tiny", f"trainer.steps={steps}", "trainer.progress=false", "tracker=none", "eval.metrics=[]",
-            "eval.grids=[]", f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.log_every=10",
-            "schedule.allow_long_warmup=true", *extra, *overrides, f"hydra.run.dir={job_dir}"]
+    args = [
+        "size=tiny",
+        f"trainer.steps={steps}",
+        "trainer.progress=false",
+        "tracker=none",
+        "eval.metrics=[]",
+        "eval.grids=[]",
+        f"trainer.eval_every={steps}",
+        f"trainer.save_every={steps}",
+        "trainer.log_every=10",
+        "schedule.allow_long_warmup=true",
+        *extra,
+        *overrides,
+        f"hydra.run.dir={job_dir}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(code)}
-    proc = subprocess.run([sys.executable, "-m", "dalle_ablate.job", *args], cwd=code, env=env, capture_output=True,
-                          text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dalle_ablate.job", *args],
+        cwd=code,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{code}: {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     stores = sorted(p.parent for p in job_dir.rglob("metrics.jsonl"))
@@ -74,8 +92,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="trainer-ab-"))
     codes = {"before": tree(args.before, tmp / "before"), "after": tree(args.after, tmp / "after")}
     seeds = "[" + ",".join(str(k) for k in range(args.members)) + "]"
-    jobs = {"plain run": ["seed=0"], f"{args.members} members, map": [f"seeds={seeds}", "members.impl=map"],
-            f"{args.members} members, vmap": [f"seeds={seeds}", "members.impl=vmap"]}
+    jobs = {
+        "plain run": ["seed=0"],
+        f"{args.members} members, map": [f"seeds={seeds}", "members.impl=map"],
+        f"{args.members} members, vmap": [f"seeds={seeds}", "members.impl=vmap"],
+    }
     got: dict[tuple[str, str], list[float]] = {}
     runs = 0  # each job in a folder of its own
     for pair in range(args.pairs):
@@ -86,14 +107,18 @@ def main() -> None:
                 t = step_time(codes[side], tmp / f"{side}-{runs}", args.steps, extra, args.overrides)
                 got.setdefault((job, side), []).append(t)
                 print(f"pair {pair + 1}, {job}, {side}: {t * 1e3:.1f} ms", flush=True)
-    print(f"\nbefore: {args.before}; after: {args.after or 'this working tree'}; {args.pairs} pairs of {args.steps} steps, "
-          f"size=tiny, order alternating\n")
+    print(
+        f"\nbefore: {args.before}; after: {args.after or 'this working tree'}; {args.pairs} pairs of {args.steps} steps, "
+        f"size=tiny, order alternating\n"
+    )
     print(f"{'job':<18} {'before ms':>10} {'after ms':>9} {'after / before':>15} {'pairs':>22}")
     for job in jobs:
         before, after = got[job, "before"], got[job, "after"]
         ratios = [a / b for a, b in zip(after, before)]
-        print(f"{job:<18} {statistics.median(before) * 1e3:>10.1f} {statistics.median(after) * 1e3:>9.1f} "
-              f"{statistics.median(ratios):>15.3f} {' '.join(f'{r:.3f}' for r in ratios):>22}")
+        print(
+            f"{job:<18} {statistics.median(before) * 1e3:>10.1f} {statistics.median(after) * 1e3:>9.1f} "
+            f"{statistics.median(ratios):>15.3f} {' '.join(f'{r:.3f}' for r in ratios):>22}"
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from common import fresh_train_step, timed_steps, writes_page  # noqa: E402
 def measure(cfg, steps: int) -> dict:
     import numpy as np
 
-
     from dalle_ablate.model import param_count
     from dalle_ablate.model.flops import train_flops_per_example
     from dalle_ablate.train.perf import device_peak_flops
@@ -56,11 +55,13 @@ def measure(cfg, steps: int) -> dict:
     return {"params": n_params, "compile": compile_s, "step": step_s, "peak": peak, "loss": loss, "mfu": mfu}
 
 
-@writes_page('Layouts and attention patterns: step time, compile time, memory, MFU')
+@writes_page("Layouts and attention patterns: step time, compile time, memory, MFU")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--only", help="these rows only (preln always), comma-separated: --only normformer,dalle/dense,dalle/dalle")
+    ap.add_argument(
+        "--only", help="these rows only (preln always), comma-separated: --only normformer,dalle/dense,dalle/dalle"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -69,7 +70,12 @@ def main() -> None:
     from dalle_ablate.validate import to_run_config
 
     variants = {n: [f"model={n}"] for n in ["preln"] + [n for n in LAYOUTS.names() if n != "preln"]}
-    variants.update({f"dalle/{p}": ["model=dalle", f"model.attention_pattern={p}"] for p in ("dense", "row", "column", "conv", "dalle")})
+    variants.update(
+        {
+            f"dalle/{p}": ["model=dalle", f"model.attention_pattern={p}"]
+            for p in ("dense", "row", "column", "conv", "dalle")
+        }
+    )
     if args.only:
         args.only = args.only.split(",")
         unknown = sorted(set(args.only) - set(variants))
@@ -86,18 +92,28 @@ def main() -> None:
     base = rows["preln"]
     import jax
 
-    print(f"device: {jax.devices()[0].device_kind}, {'' if size_given else 'size=small '}(overrides: {' '.join(args.overrides) or 'none'}), "
-          f"median of {args.steps} steps\n")
-    print(f"{'variant':<14}{'params':>11}{'step ms':>9}{'x preln':>8}{'compile s':>10}{'x preln':>8}{'peak MiB':>10}{'x preln':>8}"
-          f"{'MFU':>7}{'attn MFLOP':>12}{'needed':>8}")
+    print(
+        f"device: {jax.devices()[0].device_kind}, {'' if size_given else 'size=small '}(overrides: {' '.join(args.overrides) or 'none'}), "
+        f"median of {args.steps} steps\n"
+    )
+    print(
+        f"{'variant':<14}{'params':>11}{'step ms':>9}{'x preln':>8}{'compile s':>10}{'x preln':>8}{'peak MiB':>10}{'x preln':>8}"
+        f"{'MFU':>7}{'attn MFLOP':>12}{'needed':>8}"
+    )
     for name, r in rows.items():
         peak = f"{r['peak'] / 2**20:>10.1f}{r['peak'] / base['peak']:>8.2f}" if r["peak"] else f"{'n/a':>10}{'':>8}"
-        attn = f"{r['attention'][0] / 1e6:>12.1f}{r['attention'][1] / r['attention'][0]:>8.0%}" if r["attention"] else ""
-        print(f"{name:<14}{r['params']:>11,}{r['step'] * 1e3:>9.1f}{r['step'] / base['step']:>8.2f}"
-              f"{r['compile']:>10.2f}{r['compile'] / base['compile']:>8.2f}{peak}{r['mfu']:>7.1%}{attn}")
-    print("\nMFU: training FLOPs per step (model/flops.py, attention counted as computed) over the step time and the "
-          "device's bf16 peak; attn MFLOP: attention scores and values per example, forward, as computed (full square); "
-          "needed: the share the pattern's masks keep")
+        attn = (
+            f"{r['attention'][0] / 1e6:>12.1f}{r['attention'][1] / r['attention'][0]:>8.0%}" if r["attention"] else ""
+        )
+        print(
+            f"{name:<14}{r['params']:>11,}{r['step'] * 1e3:>9.1f}{r['step'] / base['step']:>8.2f}"
+            f"{r['compile']:>10.2f}{r['compile'] / base['compile']:>8.2f}{peak}{r['mfu']:>7.1%}{attn}"
+        )
+    print(
+        "\nMFU: training FLOPs per step (model/flops.py, attention counted as computed) over the step time and the "
+        "device's bf16 peak; attn MFLOP: attention scores and values per example, forward, as computed (full square); "
+        "needed: the share the pattern's masks keep"
+    )
 
 
 def attention_flops(cfg):

@@ -34,7 +34,10 @@ def calibration_table(study: str, studies: int) -> tuple[list[str], bool]:
     from dalle_ablate.report.findings import study_path
 
     s = cal.structure(study_path(study))
-    lines = ["| scenario | measured | seeds per arm | rate | Monte-Carlo se | required | holds |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| scenario | measured | seeds per arm | rate | Monte-Carlo se | required | holds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     ok = True
     for check in cal.checks(s):
         rng = np.random.default_rng(zlib.crc32(check.label.encode()))
@@ -42,8 +45,10 @@ def calibration_table(study: str, studies: int) -> tuple[list[str], bool]:
         held = cal.holds(check, rate, n)
         ok &= held
         required = f"≤ {check.high:.0%}" if check.low == 0 else f"{check.low:.0%} to {check.high:.0%}"
-        lines.append(f"| {check.scenario.name} | {check.measure} | {seeds} | {rate:.2%} | {cal.mc_se(rate, n):.2%} | "
-                     f"{required} | {'yes' if held else 'NO'} |")
+        lines.append(
+            f"| {check.scenario.name} | {check.measure} | {seeds} | {rate:.2%} | {cal.mc_se(rate, n):.2%} | "
+            f"{required} | {'yes' if held else 'NO'} |"
+        )
     return lines, ok
 
 
@@ -58,8 +63,10 @@ def power_cost(claims: int, arms: int) -> list[str]:
     def detectable(n: int, df: float) -> float:
         return brentq(lambda e: power(n, e, 1.0, 0.05 / claims, df) - 0.8, 1e-3, 60.0)
 
-    lines = ["| seeds per arm | own noise: df | detectable difference | pooled (equal arms): df | detectable difference | ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| seeds per arm | own noise: df | detectable difference | pooled (equal arms): df | detectable difference | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in (3, 4, 5, 10, 20):
         own, pooled = detectable(n, n - 1), detectable(n, (arms - 1) * (n - 1))
         lines.append(f"| {n} | {n - 1} | {own:.2f} | {(arms - 1) * (n - 1)} | {pooled:.2f} | {own / pooled:.2f}x |")
@@ -87,7 +94,9 @@ def moderated(tables: dict, comps: list, outcome_of) -> np.ndarray:
         d0 = np.full(len(e), 1e6)
         y = 0.5 + 1 / np.where(excess > 0, excess, 1.0)  # trigamma's inverse by Newton (Smyth 2004, appendix)
         for _ in range(40):
-            y = y + sp.polygamma(1, y) * (1 - sp.polygamma(1, y) / np.where(excess > 0, excess, 1.0)) / sp.polygamma(2, y)
+            y = y + sp.polygamma(1, y) * (1 - sp.polygamma(1, y) / np.where(excess > 0, excess, 1.0)) / sp.polygamma(
+                2, y
+            )
         d0 = np.where(excess > 0, 2 * y, d0)
         s0 = np.exp(e.mean(-1) + sp.digamma(d0 / 2) - np.log(d0 / 2))
         post[:, i] = (d0[:, None] * s0[:, None] + df[:, i] * var[:, i]) / (d0[:, None] + df[:, i])
@@ -103,8 +112,11 @@ def alternatives(study: str, studies: int) -> list[str]:
 
     s = cal.structure(study_path(study))
     lines = ["| scenario | moderated t: any false difference | Monte-Carlo se |", "|---|---|---|"]
-    for name, sc in (("no effect, rho 0.5", cal.Scenario("a", rho=0.5)), ("no effect, rho 0.9", cal.Scenario("b", rho=0.9)),
-                     ("normformer 3x the others' spread, rho 0.9", cal.Scenario("c", rho=0.9, noisier={"normformer": 3.0}))):
+    for name, sc in (
+        ("no effect, rho 0.5", cal.Scenario("a", rho=0.5)),
+        ("no effect, rho 0.9", cal.Scenario("b", rho=0.9)),
+        ("normformer 3x the others' spread, rho 0.9", cal.Scenario("c", rho=0.9, noisier={"normformer": 3.0})),
+    ):
         rng = np.random.default_rng(zlib.crc32(name.encode()))
         decided = moderated(cal.simulate(rng, s, sc, studies), s.comparisons(), None)
         rate = float(decided.any(-1).mean())
@@ -140,15 +152,21 @@ def main() -> None:
     cost = power_cost(len(s.claims), max(len(a) for a in s.pools.values()))
     alt = alternatives(args.study, args.studies)
     commit = git_commit()
-    provenance = (f"Written by `python benchmarks/verdict_calibration.py --studies {args.studies} --study {args.study}` "
-                  f"at commit {(commit['commit'] or 'unknown')[:12]}{' + uncommitted changes' if commit['dirty'] else ''} "
-                  f"on {time.strftime('%Y-%m-%d', time.gmtime())}, {args.studies} simulated studies per scenario "
-                  f"({time.perf_counter() - t:.0f} s).")
-    power_line = ("Power: the true difference, in sds of one seed's difference, told from 0 with 80 % power at Holm's "
-                  f"first step over the study's {len(s.claims)} claims, judged on its own noise (this engine) or pooled "
-                  "over equally noisy arms (the engine before it, valid only there).")
-    alt_line = ("Alternatives: limma's moderated t (Smyth 2004), its prior fitted to the claims of each metric, "
-                "through the same Holm tests, in the same simulated studies.")
+    provenance = (
+        f"Written by `python benchmarks/verdict_calibration.py --studies {args.studies} --study {args.study}` "
+        f"at commit {(commit['commit'] or 'unknown')[:12]}{' + uncommitted changes' if commit['dirty'] else ''} "
+        f"on {time.strftime('%Y-%m-%d', time.gmtime())}, {args.studies} simulated studies per scenario "
+        f"({time.perf_counter() - t:.0f} s)."
+    )
+    power_line = (
+        "Power: the true difference, in sds of one seed's difference, told from 0 with 80 % power at Holm's "
+        f"first step over the study's {len(s.claims)} claims, judged on its own noise (this engine) or pooled "
+        "over equally noisy arms (the engine before it, valid only there)."
+    )
+    alt_line = (
+        "Alternatives: limma's moderated t (Smyth 2004), its prior fitted to the claims of each metric, "
+        "through the same Holm tests, in the same simulated studies."
+    )
     print("\n".join([provenance, "", *table, "", power_line, "", *cost, "", alt_line, "", *alt]))
     if not args.no_statistics:
         write_statistics([provenance, "", *table, "", power_line, "", *cost, "", alt_line, "", *alt])

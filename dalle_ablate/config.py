@@ -157,10 +157,16 @@ def init_seed(cfg: RunConfig) -> int:
     """The seed of the initial parameters: `init_seed`, else `seed`."""
     return cfg.seed if cfg.init_seed is None else cfg.init_seed
 
+
 def member_config(cfg: RunConfig, seed: int) -> RunConfig:
     """The config of member `seed` of a members job: the separate run `seed=k` (MEMBER_ONLY unset)."""
-    return dataclasses.replace(cfg, seed=seed, seeds=None, members=MembersConfig(),
-                               mesh=dataclasses.replace(cfg.mesh, member=MeshConfig().member))
+    return dataclasses.replace(
+        cfg,
+        seed=seed,
+        seeds=None,
+        members=MembersConfig(),
+        mesh=dataclasses.replace(cfg.mesh, member=MeshConfig().member),
+    )
 
 
 def member_record(record: dict, cfg: RunConfig, seed: int) -> dict:
@@ -199,20 +205,27 @@ GROUPS = {
 
 def group_options(group: str) -> list[str]:
     """The presets of a config group: its YAML files in dalle_ablate/conf/<group>/."""
-    return sorted(p.name.removesuffix(".yaml") for p in files("dalle_ablate.conf").joinpath(group).iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(
+        p.name.removesuffix(".yaml")
+        for p in files("dalle_ablate.conf").joinpath(group).iterdir()
+        if p.name.endswith(".yaml")
+    )
 
 
 def help_groups(width: int = 100) -> str:
     """The config groups for `python run.py --help` (`${dalle_ablate.groups:}` in conf/config.yaml's
     hydra.help.template): `group=` (`+group=` where the defaults list has none) and what it picks,
     then its options, indented."""
-    listed = {next(iter(d)).split()[-1] if isinstance(d, dict) else d
-              for d in yaml.safe_load(files("dalle_ablate.conf").joinpath("config.yaml").read_text())["defaults"]}
+    listed = {
+        next(iter(d)).split()[-1] if isinstance(d, dict) else d
+        for d in yaml.safe_load(files("dalle_ablate.conf").joinpath("config.yaml").read_text())["defaults"]
+    }
     lines = []
     for group, what in GROUPS.items():
         lines.append(f"  {'' if group in listed else '+'}{group}=".ljust(15) + what.replace("`", ""))
-        lines += textwrap.wrap(", ".join(group_options(group)), width, initial_indent=" " * 15, subsequent_indent=" " * 15)
+        lines += textwrap.wrap(
+            ", ".join(group_options(group)), width, initial_indent=" " * 15, subsequent_indent=" " * 15
+        )
     return "\n".join(lines)
 
 

@@ -83,8 +83,12 @@ def _comments(cls: type) -> dict[str, str]:
 def _types(cls: type) -> dict[str, str]:
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        out.update({k: (v if isinstance(v, str) else getattr(v, "__name__", str(v)))
-                    for k, v in vars(klass).get("__annotations__", {}).items()})
+        out.update(
+            {
+                k: (v if isinstance(v, str) else getattr(v, "__name__", str(v)))
+                for k, v in vars(klass).get("__annotations__", {}).items()
+            }
+        )
     return out
 
 
@@ -122,12 +126,16 @@ def _rows(cls: type, prefix: str = "") -> list[str]:
             continue
         default = _default(f)
         if dataclasses.is_dataclass(default) and not isinstance(default, type):
-            rows.append(f"| `{prefix}{f.name}` | {type(default).__name__} | see below | | {_prose(comments.get(f.name, ''))} |")
+            rows.append(
+                f"| `{prefix}{f.name}` | {type(default).__name__} | see below | | {_prose(comments.get(f.name, ''))} |"
+            )
             rows += _rows(type(default), f"{prefix}{f.name}.")
             continue
         default_text = "" if default == "(required)" else f"`{_cell(default)}`"
-        rows.append(f"| `{prefix}{f.name}` | `{_cell(types.get(f.name, ''))}` | {default_text} | "
-                    f"{_cell(ranges.get(f.name, ''))} | {_prose(comments.get(f.name, ''))} |")
+        rows.append(
+            f"| `{prefix}{f.name}` | `{_cell(types.get(f.name, ''))}` | {default_text} | "
+            f"{_cell(ranges.get(f.name, ''))} | {_prose(comments.get(f.name, ''))} |"
+        )
     return rows
 
 
@@ -161,17 +169,21 @@ def _flatten(node: Any, prefix: str = "") -> list[str]:
 
 
 def config_reference() -> str:
-    parts = [HEADER.format(src="dalle_ablate/config.py, the schemas registered with each option and dalle_ablate/conf/"),
-             "# Configuration reference\n\n",
-             "Every field a run accepts, as `python run.py field=value` (or `group=option` to choose a preset). "
-             "A field out of its range, an unknown field or option fails before anything is built, with exit "
-             "code 2 ([troubleshooting](../guides/troubleshooting.md)).\n\n",
-             "## Groups and their options\n\n| group | picks | options |\n|---|---|---|\n"]
+    parts = [
+        HEADER.format(src="dalle_ablate/config.py, the schemas registered with each option and dalle_ablate/conf/"),
+        "# Configuration reference\n\n",
+        "Every field a run accepts, as `python run.py field=value` (or `group=option` to choose a preset). "
+        "A field out of its range, an unknown field or option fails before anything is built, with exit "
+        "code 2 ([troubleshooting](../guides/troubleshooting.md)).\n\n",
+        "## Groups and their options\n\n| group | picks | options |\n|---|---|---|\n",
+    ]
     for group, what in GROUPS.items():
         names = group_options(group)
         parts.append(f"| [`{group}`](#{group}) | {what} | {', '.join(f'`{n}`' for n in names)} |\n")
-    parts.append("\n## Run-level fields\n\nThe run's own sections (`trainer.*`, `samples.*`, `mesh.*`, "
-                 "`distributed.*`) and its seeds, from `dalle_ablate/config.py`.\n\n")
+    parts.append(
+        "\n## Run-level fields\n\nThe run's own sections (`trainer.*`, `samples.*`, `mesh.*`, "
+        "`distributed.*`) and its seeds, from `dalle_ablate/config.py`.\n\n"
+    )
     parts.append(_table(RunConfig, skip_any=True))
     for group in GROUPS:
         parts.append(f"\n## {group}\n\n{GROUPS[group][0].upper() + GROUPS[group][1:]}.\n\n")
@@ -179,8 +191,13 @@ def config_reference() -> str:
         for path in sorted((CONF / group).glob("*.yaml")):
             data = yaml.safe_load(path.read_text()) or {}
             data = data if isinstance(data, dict) else {}
-            chosen = [f"`{k.removeprefix('override').strip().lstrip('/')}={v}`" for d in data.get("defaults") or []
-                      if isinstance(d, dict) for k, v in d.items() if k.startswith("override")]
+            chosen = [
+                f"`{k.removeprefix('override').strip().lstrip('/')}={v}`"
+                for d in data.get("defaults") or []
+                if isinstance(d, dict)
+                for k, v in d.items()
+                if k.startswith("override")
+            ]
             sets = ", ".join(chosen + _flatten(data)) or "nothing: the defaults"
             parts.append(f"| `{path.stem}` | {_prose(_yaml_header(path))} | {sets} |\n")
         if group in REGISTRIES:
@@ -188,7 +205,9 @@ def config_reference() -> str:
             for name in reg.names():
                 schema = reg.schema(name)
                 key = f"`{group}.{reg.key}={name}`"
-                parts.append(f"\n### {group}: {name}\n\nThe fields of {key} (`{schema.__module__}.{schema.__name__}`).\n\n")
+                parts.append(
+                    f"\n### {group}: {name}\n\nThe fields of {key} (`{schema.__module__}.{schema.__name__}`).\n\n"
+                )
                 parts.append(_table(schema))
         if group == "eval":
             parts.append(f"\n### eval fields\n\n`{EvalConfig.__module__}.EvalConfig`.\n\n")
@@ -202,29 +221,40 @@ def config_reference() -> str:
 def metrics_reference() -> str:
     """The declared metrics (dalle_ablate/metrics.py), as a section of the configuration reference."""
     axis = {m.pareto_against: "y" for m in METRICS.values() if m.pareto_against}
-    parts = ["\n## Metrics\n\nThe metrics the closing lines, W&B summaries, reports and study pages read, each declared "
-             "once beside the code that computes it (`dalle_ablate/metrics.py`), named as a run logs it (a sampled "
-             "metric at each guidance scale; a report's own measure is computed from the runs). Headline: its place in "
-             "a run's closing lines, and its best is kept in its W&B summary; Pareto: its axis on the guidance-scale "
-             "plot, x against the y it names; study: the name a study file's `metric:` gives it, and its default "
-             "margin Δ (a percentage of the baseline arm's mean, or in its unit). `dalle-ablate report --margin` takes "
-             "the run's own metrics by name.\n\n",
-             "| metric | unit | better | headline | Pareto | study, default Δ | what it is |\n|---|---|---|---|---|---|---|\n"]
+    parts = [
+        "\n## Metrics\n\nThe metrics the closing lines, W&B summaries, reports and study pages read, each declared "
+        "once beside the code that computes it (`dalle_ablate/metrics.py`), named as a run logs it (a sampled "
+        "metric at each guidance scale; a report's own measure is computed from the runs). Headline: its place in "
+        "a run's closing lines, and its best is kept in its W&B summary; Pareto: its axis on the guidance-scale "
+        "plot, x against the y it names; study: the name a study file's `metric:` gives it, and its default "
+        "margin Δ (a percentage of the baseline arm's mean, or in its unit). `dalle-ablate report --margin` takes "
+        "the run's own metrics by name.\n\n",
+        "| metric | unit | better | headline | Pareto | study, default Δ | what it is |\n|---|---|---|---|---|---|---|\n",
+    ]
     for m in METRICS.values():
-        name = f"`{m.logged('<scale>')}`" if m.source == "samples" else f"`{m.logged()}`" if m.source != "report" \
+        name = (
+            f"`{m.logged('<scale>')}`"
+            if m.source == "samples"
+            else f"`{m.logged()}`"
+            if m.source != "report"
             else f"`{m.key}` (a report's)"
+        )
         pareto = f"x, against `{m.pareto_against}`" if m.pareto_against else axis.get(m.key, "")
         study = f"`{m.study}`, {m.margin}" if m.study and m.margin else f"`{m.study}`" if m.study else ""
-        parts.append(f"| {name} | {_prose(m.unit)} | {m.better} | {m.headline or ''} | {pareto} | {study} | "
-                     f"{_prose(m.what)} |\n")
+        parts.append(
+            f"| {name} | {_prose(m.unit)} | {m.better} | {m.headline or ''} | {pareto} | {study} | {_prose(m.what)} |\n"
+        )
     return "".join(parts)
 
 
 def cli_reference() -> str:
     parser = build_parser()
-    parts = [HEADER.format(src="the argument parser of dalle_ablate/cli/"), "# Command-line reference\n\n",
-             "`python run.py [overrides]` trains one run, or a sweep with `-m` (Hydra's command line; the overrides "
-             "are in the [configuration reference](config.md)). `dalle-ablate VERB` does everything else:\n\n"]
+    parts = [
+        HEADER.format(src="the argument parser of dalle_ablate/cli/"),
+        "# Command-line reference\n\n",
+        "`python run.py [overrides]` trains one run, or a sweep with `-m` (Hydra's command line; the overrides "
+        "are in the [configuration reference](config.md)). `dalle-ablate VERB` does everything else:\n\n",
+    ]
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help.replace("<", "&lt;") for c in sub._choices_actions}  # `<name>` is text, not a tag
     for name in sub.choices:

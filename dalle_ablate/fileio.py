@@ -26,7 +26,10 @@ from typing import Optional
 from dalle_ablate.registry import ConfigError, RunFailed
 
 SCHEME = "gs://"
-NOT_PULLED = ("checkpoints", "wandb")  # left in the bucket by `pull`: orbax reads checkpoints there; W&B's folder stays local
+NOT_PULLED = (
+    "checkpoints",
+    "wandb",
+)  # left in the bucket by `pull`: orbax reads checkpoints there; W&B's folder stays local
 LOCK = ".writer.lock"  # a run store's single-writer lock (a flock'ed file locally, a leased object in a bucket)
 _checked: set[str] = set()  # buckets found reachable by this process
 _pulled: dict[str, Path] = {}  # local_dir's folders, pulled by this process
@@ -40,14 +43,16 @@ def is_url(path) -> bool:
 def check_url(url: str, field: str) -> str:
     """`url` if it is a `gs://bucket/...` URL, else a ConfigError naming `field`."""
     if not re.fullmatch(r"gs://[a-z0-9][a-z0-9._-]{1,221}[a-z0-9](/.*)?", url):
-        raise ConfigError(f"{field}={url}: not a bucket URL this tool can use; give gs://<bucket>/<path> (Cloud Storage; "
-                          f"s3:// and other stores are not supported, docs/guides/runs.md says why)")
+        raise ConfigError(
+            f"{field}={url}: not a bucket URL this tool can use; give gs://<bucket>/<path> (Cloud Storage; "
+            f"s3:// and other stores are not supported, docs/guides/runs.md says why)"
+        )
     return url.rstrip("/")
 
 
 def split(url: str) -> tuple[str, str]:
     """(bucket, path inside it) of a gs:// URL."""
-    bucket, _, key = url[len(SCHEME):].partition("/")
+    bucket, _, key = url[len(SCHEME) :].partition("/")
     return bucket, key.strip("/")
 
 
@@ -104,12 +109,16 @@ def check_bucket(url: str) -> None:
     try:
         _client().get_bucket(bucket, timeout=10, retry=None)
     except gx.NotFound:
-        raise RunFailed(f"{where}: no such bucket; create it (gcloud storage buckets create {where}) or fix the URL") from None
+        raise RunFailed(
+            f"{where}: no such bucket; create it (gcloud storage buckets create {where}) or fix the URL"
+        ) from None
     except gx.Forbidden:
         raise RunFailed(f"{where}: no access with this machine's Application Default Credentials") from None
     except auth.DefaultCredentialsError:
-        raise RunFailed(f"{where}: no Application Default Credentials on this machine (gcloud auth application-default "
-                        f"login, or a VM's service account)") from None
+        raise RunFailed(
+            f"{where}: no Application Default Credentials on this machine (gcloud auth application-default "
+            f"login, or a VM's service account)"
+        ) from None
     except Exception as e:  # noqa: BLE001 - connection errors come in several types (requests, urllib3, google.auth)
         raise RunFailed(f"{where}: cannot be reached ({type(e).__name__})") from None
     _checked.add(bucket)
@@ -124,8 +133,10 @@ def push(path) -> None:
             fs.put_file(str(path), url)
         except Exception as e:  # noqa: BLE001 - after gcsfs's own retries: HttpError, aiohttp's and OS errors
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise RunFailed(f"{url} cannot be written ({type(e).__name__}{': ' + first if first else ''}); its staging "
-                            f"copy {path} is whole: fix the bucket, then resume=auto") from e
+            raise RunFailed(
+                f"{url} cannot be written ({type(e).__name__}{': ' + first if first else ''}); its staging "
+                f"copy {path} is whole: fix the bucket, then resume=auto"
+            ) from e
 
 
 def fetch(url: str, local: Path) -> bool:
@@ -163,10 +174,13 @@ def pull(url: str, keep: tuple[str, ...] = ()) -> Path:
             p.unlink()
     local.mkdir(parents=True, exist_ok=True)
     fs.invalidate_cache()  # another process (a run, another host) wrote there since this one last looked
-    prefix = url[len(SCHEME):].rstrip("/") + "/"
-    rel = [f[len(prefix):] for f in fs.find(url) if f.startswith(prefix)]
-    wanted = [r for r in rel if not set(r.split("/")[:-1]) & set(NOT_PULLED) and r.split("/")[0] not in keep
-              and r.rsplit("/", 1)[-1] != LOCK]
+    prefix = url[len(SCHEME) :].rstrip("/") + "/"
+    rel = [f[len(prefix) :] for f in fs.find(url) if f.startswith(prefix)]
+    wanted = [
+        r
+        for r in rel
+        if not set(r.split("/")[:-1]) & set(NOT_PULLED) and r.split("/")[0] not in keep and r.rsplit("/", 1)[-1] != LOCK
+    ]
     if wanted:
         fs.get([SCHEME + prefix + r for r in wanted], [str(local / r) for r in wanted])
     return local
@@ -260,8 +274,14 @@ class BucketLock:
         import json
         import socket
 
-        body = json.dumps({"holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
-                           "expires": time.time() + self.lease_s})
+        body = json.dumps(
+            {
+                "holder": self.holder,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "expires": time.time() + self.lease_s,
+            }
+        )
         self.blob.upload_from_string(body, if_generation_match=generation, retry=None, timeout=30)
         self.generation = self.blob.generation
 
@@ -272,15 +292,21 @@ class BucketLock:
 
         try:
             self.blob.reload(retry=None, timeout=30)
-            held = json.loads(self.blob.download_as_bytes(if_generation_match=self.blob.generation, retry=None, timeout=30))
+            held = json.loads(
+                self.blob.download_as_bytes(if_generation_match=self.blob.generation, retry=None, timeout=30)
+            )
             if not stale(held):
                 until = time.strftime("%H:%M:%S", time.localtime(held["expires"]))
-                raise RunFailed(f"run store {self.url} is being written by another process ({held['holder']}; its lease "
-                                f"runs to {until}); wait for it to end or stop it, then run again (one writer per run store)")
+                raise RunFailed(
+                    f"run store {self.url} is being written by another process ({held['holder']}; its lease "
+                    f"runs to {until}); wait for it to end or stop it, then run again (one writer per run store)"
+                )
             self._write(self.blob.generation)
         except (gx.PreconditionFailed, gx.NotFound):
-            raise RunFailed(f"run store {self.url}: another process took its lock at the same moment; run again to see "
-                            f"who holds it (one writer per run store)") from None
+            raise RunFailed(
+                f"run store {self.url}: another process took its lock at the same moment; run again to see "
+                f"who holds it (one writer per run store)"
+            ) from None
 
     def renew(self) -> None:
         """Extend the lease (the writer calls it more often than `lease_s`); a lock taken over
@@ -292,8 +318,10 @@ class BucketLock:
                 if self.generation is not None:  # not released meanwhile
                     self._write(self.generation)
         except gx.PreconditionFailed:
-            raise RunFailed(f"run store {self.url}: its lock was taken over by another process while this one wrote "
-                            f"(its lease of {self.lease_s:.0f} s ran out)") from None
+            raise RunFailed(
+                f"run store {self.url}: its lock was taken over by another process while this one wrote "
+                f"(its lease of {self.lease_s:.0f} s ran out)"
+            ) from None
 
     def release(self) -> None:
         with self._mutex:

@@ -48,7 +48,10 @@ def install() -> None:
     """Take Ctrl-C at checks from now on, in this process: where SIGINT has Python's default
     handler (a process started with SIGINT ignored, e.g. a background job of a shell script,
     keeps ignoring it)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
         signal.signal(signal.SIGINT, on_sigint)
 
 

@@ -31,6 +31,7 @@ from dalle_ablate.config import member_only, member_record
 from dalle_ablate.fileio import check_bucket, check_url, fetch, is_url, pull, push, push_tree, shown, staged, url_of
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
+
 # Importing validate registers every option's schema, which Hydra composes from. The trainer
 # (JAX's programs, orbax, the evaluators) is imported when a job runs: `python run.py --help` and a
 # mistyped override are answered without it.
@@ -45,7 +46,9 @@ def varying_keys(sweep_dir: Path) -> set[str]:
     overrides of its command line (`a,b`, `choice`, `range`, `interval`) and its sweeper's params."""
     path = sweep_dir / "multirun.yaml"
     url = url_of(sweep_dir)
-    if url is not None:  # a sweep folder in a bucket: uploaded by a job on the sweep's host, read there by one elsewhere
+    if (
+        url is not None
+    ):  # a sweep folder in a bucket: uploaded by a job on the sweep's host, read there by one elsewhere
         push(path) if path.exists() else fetch(f"{url}/multirun.yaml", path)
     if not path.exists():
         return set()
@@ -99,8 +102,17 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
         overrides = member_overrides(list(hc.overrides.task), seed)
         config = member_record(job.config, typed, seed)
         name, job_type = run_naming(overrides, varying, config["model"]["layout"])
-        jobs.append(JobInfo(job_dir=job_dir, name=name, group=job.group, job_type=job_type, overrides=overrides,
-                            config=config, hooks=job.hooks))
+        jobs.append(
+            JobInfo(
+                job_dir=job_dir,
+                name=name,
+                group=job.group,
+                job_type=job_type,
+                overrides=overrides,
+                config=config,
+                hooks=job.hooks,
+            )
+        )
     return jobs
 
 
@@ -141,9 +153,11 @@ def template_member_dirs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> lis
     if folder(seeds[0]) == folder(seeds[0] + 1):
         return [Path(job.job_dir) / f"seed{k}" for k in seeds]
     if cfg.seed not in seeds:
-        raise ConfigError(f"seeds={seeds} leaves out seed={cfg.seed}, and {key} names this job's folder "
-                          f"{job.job_dir} by its seed: it would hold a run that is not a member; "
-                          f"pass seed={seeds[0]} (the first of seeds)")
+        raise ConfigError(
+            f"seeds={seeds} leaves out seed={cfg.seed}, and {key} names this job's folder "
+            f"{job.job_dir} by its seed: it would hold a run that is not a member; "
+            f"pass seed={seeds[0]} (the first of seeds)"
+        )
     return [folder(k) for k in seeds]
 
 
@@ -175,11 +189,20 @@ def tokenizer_first(run_cfg, job: JobInfo) -> None:
     from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
 
     distributed.initialize(run_cfg.distributed)  # process 0 alone fits it
-    if (run_cfg.data.name != "shapes" or jax.process_index() != 0 or tokenizer_cached(run_cfg.data)
-            or settled_before(run_cfg, Path(job.job_dir) / "run") is not None):
+    if (
+        run_cfg.data.name != "shapes"
+        or jax.process_index() != 0
+        or tokenizer_cached(run_cfg.data)
+        or settled_before(run_cfg, Path(job.job_dir) / "run") is not None
+    ):
         return
-    res = train_tokenizer(run_cfg, Path(job.job_dir) / "tokenizer", name=f"{job.name} tokenizer" if job.name else None,
-                          group=job.group, overrides=job.overrides)
+    res = train_tokenizer(
+        run_cfg,
+        Path(job.job_dir) / "tokenizer",
+        name=f"{job.name} tokenizer" if job.name else None,
+        group=job.group,
+        overrides=job.overrides,
+    )
     print(tokenizer_lines(run_cfg, res), flush=True)
 
 
@@ -222,8 +245,9 @@ def resume_command(job: JobInfo, trial: bool) -> str:
         kept = [o for o in job.overrides if not o.startswith(("resume=", "optuna."))]  # resumed as a run of its own
         return "python run.py " + shlex.join([*kept, "resume=auto", f"hydra.run.dir={shown(job.job_dir)}"])
     given = [a for a in sys.argv[1:] if key_of(a) not in ("resume", "hydra.sweep.dir")]
-    return "python run.py " + shlex.join([*given, *([] if trial else ["resume=auto"]),
-                                          f"hydra.sweep.dir={shown(os.path.abspath(hc.sweep.dir))}"])
+    return "python run.py " + shlex.join(
+        [*given, *([] if trial else ["resume=auto"]), f"hydra.sweep.dir={shown(os.path.abspath(hc.sweep.dir))}"]
+    )
 
 
 def interrupted(job: JobInfo, trial: bool, what: str, kept: str) -> Interrupted:
@@ -237,7 +261,9 @@ def run(cfg: DictConfig) -> float | list[float]:
     # traceback, which the Checkpointer reports in one line instead (train/checkpoint.py).
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
-    logging.getLogger("fsspec").setLevel(logging.WARNING)  # its read-ahead cache's INFO line per file read from a bucket
+    logging.getLogger("fsspec").setLevel(
+        logging.WARNING
+    )  # its read-ahead cache's INFO line per file read from a bucket
     # A log file that can no longer be written (the job folder made read-only mid-run) is for the
     # run store's one line to report, not a traceback for each record logged.
     logging.raiseExceptions = False
@@ -246,7 +272,9 @@ def run(cfg: DictConfig) -> float | list[float]:
     num = HydraConfig.get().job.get("num") or 0
     try:
         # a Ctrl-C between the jobs of a multirun, or while Hydra composed this one's config
-        interrupts.check(f"before job {num} of the multirun started" if job.group is not None and num else "while starting")
+        interrupts.check(
+            f"before job {num} of the multirun started" if job.group is not None and num else "while starting"
+        )
         from dalle_ablate.train.loop import train, train_members
 
         run_cfg = to_run_config(cfg)
@@ -290,9 +318,14 @@ def outcome(run_cfg, job: JobInfo, results: list, trial: bool = False) -> float 
     if failed:
         # Not a value: the process exits non-zero (cli.run_hydra), a sweep records a FAILED trial.
         ok = [str(s) for s, r in named if r.status == "finished"]
-        raise RunFailed("; ".join(f"{f'member seed={s}' if members else f'{job.name}:'} {r.reason} (run store "
-                                  f"{shown(r.run_dir)})" for s, r in failed)
-                        + (f"; seeds {', '.join(ok)} finished" if ok else ""), RunFailed.DIVERGED)
+        raise RunFailed(
+            "; ".join(
+                f"{f'member seed={s}' if members else f'{job.name}:'} {r.reason} (run store {shown(r.run_dir)})"
+                for s, r in failed
+            )
+            + (f"; seeds {', '.join(ok)} finished" if ok else ""),
+            RunFailed.DIVERGED,
+        )
     import numpy as np
 
     table = np.array([[float(r.summary[k]) for k in run_cfg.objectives] for r in results])  # [member, objective]
@@ -308,8 +341,13 @@ def outcome(run_cfg, job: JobInfo, results: list, trial: bool = False) -> float 
 def kept(result, plural: bool = False) -> str:
     """What an interrupted run kept: a checkpoint of its last step (each member's: `plural`), or
     the one it started from."""
-    return (f"checkpoint{'s' * plural} saved" if result.saved else f"its checkpoint of step {result.steps} kept"
-            if result.steps else "no step trained")
+    return (
+        f"checkpoint{'s' * plural} saved"
+        if result.saved
+        else f"its checkpoint of step {result.steps} kept"
+        if result.steps
+        else "no step trained"
+    )
 
 
 class ReportHint(Callback):

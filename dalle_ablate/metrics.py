@@ -65,14 +65,23 @@ def declare(*metrics: Metric) -> None:
     """Register declarations; a malformed one or a key or study name declared twice is an error
     naming the field (a programming error, at import)."""
     for m in metrics:
-        why = (f"source {m.source!r} is not one of {SOURCES}" if m.source not in SOURCES else
-               f"better {m.better!r} is not one of {BETTER}" if m.better not in BETTER else
-               f"margin {m.margin!r} is not a number or N%" if m.margin and not MARGIN.fullmatch(m.margin) else
-               f"reads {m.reads!r} is not last, median or given" if m.reads not in ("last", "median", "given") else
-               "a report's measure needs value= or reads='given'" if m.source == "report" and m.value is None
-               and m.reads != "given" else
-               "declared twice" if m.key in METRICS else
-               f"study name {m.study!r} declared twice" if m.study and m.study in STUDY else "")
+        why = (
+            f"source {m.source!r} is not one of {SOURCES}"
+            if m.source not in SOURCES
+            else f"better {m.better!r} is not one of {BETTER}"
+            if m.better not in BETTER
+            else f"margin {m.margin!r} is not a number or N%"
+            if m.margin and not MARGIN.fullmatch(m.margin)
+            else f"reads {m.reads!r} is not last, median or given"
+            if m.reads not in ("last", "median", "given")
+            else "a report's measure needs value= or reads='given'"
+            if m.source == "report" and m.value is None and m.reads != "given"
+            else "declared twice"
+            if m.key in METRICS
+            else f"study name {m.study!r} declared twice"
+            if m.study and m.study in STUDY
+            else ""
+        )
         if why:
             raise ValueError(f"metric {m.key!r}: {why}")
         METRICS[m.key] = m
@@ -114,8 +123,14 @@ def pareto_axes(columns) -> Optional[tuple[str, str]]:
     """(x, y) of the Pareto plot for a table with these columns: the first declared pair (headline
     order, then the order declared) both of whose metrics it has; None if none."""
     ordered = sorted(METRICS.values(), key=lambda m: m.headline or float("inf"))
-    return next(((m.key, m.pareto_against) for m in ordered if m.pareto_against and m.key in columns
-                 and m.pareto_against in columns), None)
+    return next(
+        (
+            (m.key, m.pareto_against)
+            for m in ordered
+            if m.pareto_against and m.key in columns and m.pareto_against in columns
+        ),
+        None,
+    )
 
 
 def label(key: str) -> str:
@@ -129,17 +144,37 @@ def label(key: str) -> str:
 # The trainer's own metrics (train/loop.py, train/hooks.py log them). The losses are the
 # cross-entropy of the image codes (natural log), averaged over the image tokens.
 declare(
-    Metric("eval/valid/loss", "the loss on the valid split's examples", "nats per image token", "lower", headline=1,
-           study="eval_loss",
-           # Kaplan et al. 2020 (L ~ C^-0.050): 2 % of the loss is what ~1.5x the training compute buys
-           # (1.02^20 = 1.49); a variant worth less than half again the compute is no "clearly helps".
-           margin="2%",
-           covers="initialisation and data order (the seed); not the evaluation set: every run scores the same scenes"),
-    Metric("train/loss", "the family's objective on the training batch", "nats per image token", "lower", headline=2, study="train_loss",
-           margin="2%"),
-    Metric("perf/step_time", "median seconds per training step (this machine, with its load)", "s", "lower",
-           study="step_time", reads="median",
-           # a cost under 5 % of a step is within what the machine's own load moves step time by
-           margin="5%", covers="the seed and the machine's load while each run trained"),
+    Metric(
+        "eval/valid/loss",
+        "the loss on the valid split's examples",
+        "nats per image token",
+        "lower",
+        headline=1,
+        study="eval_loss",
+        # Kaplan et al. 2020 (L ~ C^-0.050): 2 % of the loss is what ~1.5x the training compute buys
+        # (1.02^20 = 1.49); a variant worth less than half again the compute is no "clearly helps".
+        margin="2%",
+        covers="initialisation and data order (the seed); not the evaluation set: every run scores the same scenes",
+    ),
+    Metric(
+        "train/loss",
+        "the family's objective on the training batch",
+        "nats per image token",
+        "lower",
+        headline=2,
+        study="train_loss",
+        margin="2%",
+    ),
+    Metric(
+        "perf/step_time",
+        "median seconds per training step (this machine, with its load)",
+        "s",
+        "lower",
+        study="step_time",
+        reads="median",
+        # a cost under 5 % of a step is within what the machine's own load moves step time by
+        margin="5%",
+        covers="the seed and the machine's load while each run trained",
+    ),
     Metric("train/grad_norm", "the global L2 norm of the gradient", "global L2 norm"),
 )

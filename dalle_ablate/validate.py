@@ -38,7 +38,13 @@ RANGES = {
 }
 
 # (registry, section) of each option group: the section's option validates itself.
-OPTION_GROUPS = ((FAMILIES, "model"), (OPTIMIZERS, "optim"), (SCHEDULES, "schedule"), (DATASETS, "data"), (TRACKERS, "tracker"))
+OPTION_GROUPS = (
+    (FAMILIES, "model"),
+    (OPTIMIZERS, "optim"),
+    (SCHEDULES, "schedule"),
+    (DATASETS, "data"),
+    (TRACKERS, "tracker"),
+)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -53,14 +59,22 @@ def validate(cfg: RunConfig) -> None:
         t.batch_size % t.grad_accum == 0,
         f"trainer.batch_size={t.batch_size} is not divisible by trainer.grad_accum={t.grad_accum}",
     )
-    check(t.grad_scaling in GRAD_SCALING, f"trainer.grad_scaling={t.grad_scaling!r} is not valid; valid: {', '.join(GRAD_SCALING)}")
+    check(
+        t.grad_scaling in GRAD_SCALING,
+        f"trainer.grad_scaling={t.grad_scaling!r} is not valid; valid: {', '.join(GRAD_SCALING)}",
+    )
     # Scaling keeps float16's narrow exponent range from flushing gradients to 0; float32 and
     # bfloat16 have float32's range and need none (a scale would only cost skipped steps).
-    check(t.grad_scaling == "none" or cfg.model.dtype == "float16",
-          f"trainer.grad_scaling={t.grad_scaling} conflicts with model.dtype={cfg.model.dtype}: gradient scaling is for "
-          "float16 (set model.dtype=float16, or trainer.grad_scaling=none)")
+    check(
+        t.grad_scaling == "none" or cfg.model.dtype == "float16",
+        f"trainer.grad_scaling={t.grad_scaling} conflicts with model.dtype={cfg.model.dtype}: gradient scaling is for "
+        "float16 (set model.dtype=float16, or trainer.grad_scaling=none)",
+    )
     bad = [o for o in cfg.objectives if o not in OBJECTIVES]
-    check(bool(cfg.objectives) and not bad, f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}")
+    check(
+        bool(cfg.objectives) and not bad,
+        f"objectives={list(cfg.objectives)}: {bad or 'empty'}; valid: {', '.join(OBJECTIVES)}",
+    )
     cfg.eval.check_all(cfg, "eval")
     check(cfg.samples.per_caption > 0, f"samples.per_caption={cfg.samples.per_caption} must be positive")
     check(cfg.samples.temperature > 0, f"samples.temperature={cfg.samples.temperature} must be positive")
@@ -79,14 +93,23 @@ def check_members(cfg: RunConfig) -> None:
     check(len(seeds) > 0, "seeds=[] lists no seed; give at least one (seeds=[0,1,2]), or leave seeds unset for one run")
     check(len(set(seeds)) == len(seeds), f"seeds={list(seeds)} repeats a seed; each member must be a different run")
     check(all(s >= 0 for s in seeds), f"seeds={list(seeds)}: every seed must be >= 0")
-    check(cfg.members.impl in MEMBER_IMPLS, f"members.impl={cfg.members.impl!r} is not valid; valid: {', '.join(MEMBER_IMPLS)}")
-    check(m >= 1 and len(seeds) % m == 0,
-          f"mesh.member={m} must be a positive divisor of the {len(seeds)} members of seeds={list(seeds)}")
-    check(cfg.optim.powersgd.rank is None,
-          "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression does not run as members; "
-          "run its seeds as separate runs (seed=0,1,2)")
-    check(not (cfg.distributed.coordinator_address or cfg.distributed.auto or (cfg.distributed.num_processes or 1) > 1),
-          "seeds=[...] runs in one process; a run of several processes (distributed.*) trains its seeds as separate runs")
+    check(
+        cfg.members.impl in MEMBER_IMPLS,
+        f"members.impl={cfg.members.impl!r} is not valid; valid: {', '.join(MEMBER_IMPLS)}",
+    )
+    check(
+        m >= 1 and len(seeds) % m == 0,
+        f"mesh.member={m} must be a positive divisor of the {len(seeds)} members of seeds={list(seeds)}",
+    )
+    check(
+        cfg.optim.powersgd.rank is None,
+        "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression does not run as members; "
+        "run its seeds as separate runs (seed=0,1,2)",
+    )
+    check(
+        not (cfg.distributed.coordinator_address or cfg.distributed.auto or (cfg.distributed.num_processes or 1) > 1),
+        "seeds=[...] runs in one process; a run of several processes (distributed.*) trains its seeds as separate runs",
+    )
 
 
 def check_distributed(d) -> None:
@@ -96,9 +119,11 @@ def check_distributed(d) -> None:
         return
     for name in ("num_processes", "process_id"):
         value = getattr(d, name)
-        check(value is None or (name == "num_processes" and value == 1),
-              f"distributed.{name}={value} needs distributed.coordinator_address (host:port of process 0, or "
-              "JAX_COORDINATOR_ADDRESS), or distributed.auto=true on a cluster JAX detects (Cloud TPU, Slurm, Open MPI)")
+        check(
+            value is None or (name == "num_processes" and value == 1),
+            f"distributed.{name}={value} needs distributed.coordinator_address (host:port of process 0, or "
+            "JAX_COORDINATOR_ADDRESS), or distributed.auto=true on a cluster JAX detects (Cloud TPU, Slurm, Open MPI)",
+        )
 
 
 def check_known_keys(node: DictConfig, path: str = "") -> None:
@@ -109,7 +134,9 @@ def check_known_keys(node: DictConfig, path: str = "") -> None:
     for key, child in node.items_ex(resolve=False):
         full = f"{path}.{key}" if path else str(key)
         if fields is not None and key not in fields:
-            raise ConfigError(f"unknown field {full!r}; valid fields of {path or 'the config'}: {', '.join(sorted(fields))}")
+            raise ConfigError(
+                f"unknown field {full!r}; valid fields of {path or 'the config'}: {', '.join(sorted(fields))}"
+            )
         if isinstance(child, DictConfig):
             check_known_keys(child, full)
 
@@ -122,7 +149,9 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     else:
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
-            raise ConfigError(f"missing value for {', '.join(missing)} (set it on the command line, e.g. {missing[0]}=...)")
+            raise ConfigError(
+                f"missing value for {', '.join(missing)} (set it on the command line, e.g. {missing[0]}=...)"
+            )
         check_known_keys(cfg)
         run = OmegaConf.to_object(cfg)
     validate(run)
@@ -167,25 +196,35 @@ def format_error(ex: BaseException) -> Optional[str]:
     if isinstance(ex, ConfigCompositionException):
         foreign = re.search(r"In '(\S+)': ConfigKeyError.*\nKey '(\w+)' not in '(\w+)'\n\s*full_key: model\.", str(ex))
         if foreign:  # a preset of one model family composed with another's (size=dalle12b model=preln)
-            return f"{foreign[1]} sets model.{foreign[2]}, which the chosen model preset's {foreign[3]} has no field for; " \
-                   f"it belongs with {family_presets(foreign[2])}"
+            return (
+                f"{foreign[1]} sets model.{foreign[2]}, which the chosen model preset's {foreign[3]} has no field for; "
+                f"it belongs with {family_presets(foreign[2])}"
+            )
         lines = [line.strip() for line in str(ex).splitlines() if line.strip()]
         twice = re.fullmatch(r"Multiple values for (\S+)\. To override a value use 'override \1: (.+)'", lines[0])
         if twice:  # `+sweeps=x`: the group is already in the defaults list, and Hydra's hint is for YAML files
             return f"{twice[1]} is already in the defaults list: choose it with {twice[1]}={twice[2]}, without the '+'"
-        unknown = re.fullmatch(r"In '(\S+)': ConfigKeyError raised while composing config:\nKey '\w+' not in '(\w+)'\n"
-                               r"\s*full_key: (\S+)\n.*", str(ex), re.S)
+        unknown = re.fullmatch(
+            r"In '(\S+)': ConfigKeyError raised while composing config:\nKey '\w+' not in '(\w+)'\n"
+            r"\s*full_key: (\S+)\n.*",
+            str(ex),
+            re.S,
+        )
         if unknown:  # a preset setting a field the chosen schema lacks (data=parquet experiment=quick)
             option = unknown[1].replace("/", "=", 1) if "/" in unknown[1] else unknown[1]
             return f"{option} sets {unknown[3]}, which {unknown[2]} has no field for"
         ambiguous = re.fullmatch(r"Ambiguous value for argument '([^=']+)=(.*)'", lines[0])
         if ambiguous:  # Hydra's hint, with the key and value filled in and quoted for a shell
             key, value = ambiguous[1], ambiguous[2]
-            return (f"{key}={value} is ambiguous: for a list write {key}=[{value}]; for a string quote the value: "
-                    f"\"{key}='{value}'\"; to sweep over it add --multirun")
+            return (
+                f"{key}={value} is ambiguous: for a list write {key}=[{value}]; for a string quote the value: "
+                f"\"{key}='{value}'\"; to sweep over it add --multirun"
+            )
         # Hydra's hints follow its first line: keep them, one sentence after another.
-        return "".join(line if i == 0 else (" " if lines[i - 1].endswith((".", ":")) else "; ") + line
-                       for i, line in enumerate(lines))
+        return "".join(
+            line if i == 0 else (" " if lines[i - 1].endswith((".", ":")) else "; ") + line
+            for i, line in enumerate(lines)
+        )
     return None
 
 
@@ -194,6 +233,9 @@ def family_presets(field: str) -> str:
     from importlib.resources import files
 
     families = [n for n in FAMILIES.names() if field in {f.name for f in dataclasses.fields(FAMILIES.schema(n))}]
-    presets = sorted(p.name.removesuffix(".yaml") for p in files("dalle_ablate.conf").joinpath("model").iterdir()
-                     if p.name.endswith(".yaml") and any(f"/schema/model_{f}@" in p.read_text() for f in families))
+    presets = sorted(
+        p.name.removesuffix(".yaml")
+        for p in files("dalle_ablate.conf").joinpath("model").iterdir()
+        if p.name.endswith(".yaml") and any(f"/schema/model_{f}@" in p.read_text() for f in families)
+    )
     return ", ".join(f"model={p}" for p in presets) or "no model preset"

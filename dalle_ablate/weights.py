@@ -49,7 +49,9 @@ def open_weights(path: str | Path, field: str, convert_hint: str) -> tuple[dict,
     path = existing(path, field, convert_hint)
     data = np.load(path)
     if "__config__" not in data.files:
-        raise ConfigError(f"{field}: {path} has no __config__ entry; it was not written by this project ({convert_hint})")
+        raise ConfigError(
+            f"{field}: {path} has no __config__ entry; it was not written by this project ({convert_hint})"
+        )
     meta = {k[2:-2]: json.loads(str(data[k])) for k in data.files if k.startswith("__") and k.endswith("__")}
     return meta, {k: data[k] for k in data.files if not k.startswith("__")}
 
@@ -63,7 +65,9 @@ def with_arrays(make: Callable[[], nnx.Module], arrays: dict[str, np.ndarray], s
         if key not in arrays:
             raise ConfigError(f"{source} lacks the parameter {key}")
         if tuple(arrays[key].shape) != tuple(var.shape):
-            raise ConfigError(f"{source}: {key} has shape {tuple(arrays[key].shape)}, the model needs {tuple(var.shape)}")
+            raise ConfigError(
+                f"{source}: {key} has shape {tuple(arrays[key].shape)}, the model needs {tuple(var.shape)}"
+            )
         flat.append((path_, var.replace(jnp.asarray(arrays[key], var.dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -83,7 +87,7 @@ def random_arrays(make: Callable[[], nnx.Module], seed: int) -> dict[str, np.nda
             out[key] = np.zeros(s.shape, np.float32)
         else:
             fan_in = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else s.shape[0]
-            out[key] = (rng.standard_normal(s.shape, np.float32) * np.float32(np.sqrt(2.0 / fan_in)))
+            out[key] = rng.standard_normal(s.shape, np.float32) * np.float32(np.sqrt(2.0 / fan_in))
     return out
 
 
@@ -110,13 +114,17 @@ def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
         try:
             from safetensors.numpy import load_file
         except ImportError as e:
-            raise ConfigError(f"{path}: reading .safetensors needs the safetensors package (pip install -e '.[ref]')") from e
+            raise ConfigError(
+                f"{path}: reading .safetensors needs the safetensors package (pip install -e '.[ref]')"
+            ) from e
         return {k: np.asarray(v, np.float32) for k, v in load_file(str(path)).items()}
     try:
         import torch
     except ImportError as e:
-        raise ConfigError(f"{path}: reading a PyTorch checkpoint needs torch (pip install -e '.[ref]'), "
-                          "or give an .npz of its state dict") from e
+        raise ConfigError(
+            f"{path}: reading a PyTorch checkpoint needs torch (pip install -e '.[ref]'), "
+            "or give an .npz of its state dict"
+        ) from e
     try:
         ckpt = torch.load(str(path), map_location="cpu", weights_only=False)
     except RuntimeError:  # a TorchScript archive (OpenAI's CLIP .pt files)
@@ -125,8 +133,12 @@ def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
     return {k: v.float().numpy() for k, v in sd.items() if hasattr(v, "numpy")}
 
 
-def from_state_dict(make: Callable[[], nnx.Module], state_dict: dict[str, np.ndarray],
-                    torch_name: Callable[[str], tuple[str, str]], what: str) -> nnx.Module:
+def from_state_dict(
+    make: Callable[[], nnx.Module],
+    state_dict: dict[str, np.ndarray],
+    torch_name: Callable[[str], tuple[str, str]],
+    what: str,
+) -> nnx.Module:
     """The module `make()` builds with the weights of a PyTorch state dict. `torch_name` maps our
     path to (state-dict name, how): how is `copy`, `conv` (OIHW -> HWIO) or `linear` (out, in ->
     in, out). Every parameter must be found; extra entries are ignored."""
@@ -146,8 +158,11 @@ def to_state_dict(model: nnx.Module, torch_name: Callable[[str], tuple[str, str]
     for key, w in flat_arrays(model).items():
         name, how = torch_name(key)
         axes = _THEIRS[how](w.ndim)
-        out[name] = jax.ShapeDtypeStruct(tuple(w.shape[a] for a in axes), w.dtype) \
-            if isinstance(w, jax.ShapeDtypeStruct) else w.transpose(axes)
+        out[name] = (
+            jax.ShapeDtypeStruct(tuple(w.shape[a] for a in axes), w.dtype)
+            if isinstance(w, jax.ShapeDtypeStruct)
+            else w.transpose(axes)
+        )
     return out
 
 
@@ -166,7 +181,7 @@ def apply_batched(fn: Callable, state, x: np.ndarray, batch_size: int) -> np.nda
     batch_size = min(batch_size, len(x))
     outs = []
     for start in range(0, len(x), batch_size):
-        chunk = x[start:start + batch_size]
+        chunk = x[start : start + batch_size]
         pad = np.repeat(chunk[-1:], batch_size - len(chunk), 0)
         outs.append(np.asarray(fn(state, jnp.asarray(np.concatenate([chunk, pad]))))[: len(chunk)])
     return np.concatenate(outs)

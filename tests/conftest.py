@@ -80,9 +80,18 @@ def run_config(*overrides: str, data=tuple(SMALL_DATA)):
 def run_py(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python run.py ...` in a subprocess, its outputs under cwd; `env`: its environment (default: ours)."""
     return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={cwd}/outputs/run",
-         f"hydra.sweep.dir={cwd}/multirun"],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            *args,
+            f"hydra.run.dir={cwd}/outputs/run",
+            f"hydra.sweep.dir={cwd}/multirun",
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 

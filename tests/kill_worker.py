@@ -112,6 +112,7 @@ def after(fn, name: str):
         if nth(name):
             signal.raise_signal(sig)
         return out
+
     return wrapped
 
 
@@ -120,18 +121,22 @@ def before(fn, name: str):
         if nth(name):
             signal.raise_signal(sig)
         return fn(*args, **kwargs)
+
     return wrapped
 
 
 def from_gc(fn):
     def wrapped(*args, **kwargs):
         if nth("fit"):
+
             def callback(phase, info):  # once: the signal's handler runs inside the callback
                 gc.callbacks.remove(callback)
                 signal.raise_signal(sig)
+
             gc.callbacks.append(callback)
             gc.collect()
         return fn(*args, **kwargs)
+
     return wrapped
 
 

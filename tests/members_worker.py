@@ -16,8 +16,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Three steps of the tiny model (TINY_TRAIN), every step logged; validated and saved at step 3.
-STEPS = ["trainer.steps=3", "trainer.log_every=1", "trainer.eval_every=3", "trainer.save_every=3", "trainer.eval_batches=2",
-         "tracker=none"]
+STEPS = [
+    "trainer.steps=3",
+    "trainer.log_every=1",
+    "trainer.eval_every=3",
+    "trainer.save_every=3",
+    "trainer.eval_batches=2",
+    "tracker=none",
+]
 
 
 def spec(sharding) -> list:
@@ -64,10 +70,14 @@ def run_members(out: Path, name: str, overrides: list[str]) -> dict:
     finally:
         program.members_step = make_step
     params = seen["state"].state.params
-    return {"status": [r.status for r in results], "eval_loss": [r.eval_loss for r in results],
-            "run_dirs": [str(r.run_dir) for r in results], "batch": seen["batch"],
-            "params": {jax.tree_util.keystr(p): placed(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]},
-            "mesh": dict(jax.tree.leaves(params)[0].sharding.mesh.shape)}
+    return {
+        "status": [r.status for r in results],
+        "eval_loss": [r.eval_loss for r in results],
+        "run_dirs": [str(r.run_dir) for r in results],
+        "batch": seen["batch"],
+        "params": {jax.tree_util.keystr(p): placed(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]},
+        "mesh": dict(jax.tree.leaves(params)[0].sharding.mesh.shape),
+    }
 
 
 def slice_layout() -> dict:
@@ -83,8 +93,11 @@ def slice_layout() -> dict:
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 1, 2), ("member", "data", "fsdp", "model"))
     value = np.arange(2 * 6 * 8, dtype=np.float32).reshape(2, 6, 8)
     one = member_slice({"w": jax.device_put(value, NamedSharding(mesh, P("member", None, "model")))}, 1)["w"]
-    return {"spec": spec(one.sharding), "shards": sorted({s.data.shape for s in one.addressable_shards}),
-            "equal": bool(np.array_equal(np.asarray(one), value[1]))}
+    return {
+        "spec": spec(one.sharding),
+        "shards": sorted({s.data.shape for s in one.addressable_shards}),
+        "equal": bool(np.array_equal(np.asarray(one), value[1])),
+    }
 
 
 def run_separate(out: Path, name: str, overrides: list[str]) -> dict:
@@ -100,7 +113,10 @@ def main() -> None:
 
     out, kind, jobs = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     fn = run_members if kind == "members" else run_separate
-    result = {"devices": jax.device_count(), "jobs": {name: fn(out, name, overrides) for name, overrides in jobs.items()}}
+    result = {
+        "devices": jax.device_count(),
+        "jobs": {name: fn(out, name, overrides) for name, overrides in jobs.items()},
+    }
     if kind == "members":
         result["slice"] = slice_layout()
     print("RESULT " + json.dumps(result))

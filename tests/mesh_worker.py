@@ -21,8 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # on 8 fake devices sharing two cores).
 OPTIM = {
     "adam": ["optim=adam", "optim.lr=1e-2", "schedule=constant", "schedule.warmup_steps=0"],
-    "shampoo": ["optim=shampoo", "optim.lr=1e-3", "schedule=constant", "schedule.warmup_steps=0",
-                "optim.start_preconditioning_step=1", "optim.preconditioning_every=2", "optim.matrix_eps=1e-2", "optim.merge_small_dims=0"],
+    "shampoo": [
+        "optim=shampoo",
+        "optim.lr=1e-3",
+        "schedule=constant",
+        "schedule.warmup_steps=0",
+        "optim.start_preconditioning_step=1",
+        "optim.preconditioning_every=2",
+        "optim.matrix_eps=1e-2",
+        "optim.merge_small_dims=0",
+    ],
 }
 MODEL = ["model.d_model=64", "model.heads=8", "model.ffn_dim=128", "model.encoder_layers=2", "model.decoder_layers=2"]
 BATCH = 16
@@ -50,8 +58,9 @@ def run(mesh_sizes: list[int], optim: str) -> dict:
     from dalle_ablate.train.assembly import assemble
 
     d, f, m = mesh_sizes
-    cfg = run_config(*MODEL, *OPTIM[optim], f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.model={m}",
-                     f"trainer.batch_size={BATCH}")
+    cfg = run_config(
+        *MODEL, *OPTIM[optim], f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.model={m}", f"trainer.batch_size={BATCH}"
+    )
     run = assemble(cfg, sizes={"image_len": 16, "image_vocab": 50, "text_vocab": 40})
     mcfg, mesh, placement = run.model_cfg, run.mesh, run.placement
     state, step = run.init_state(), run.train_step()
@@ -59,10 +68,15 @@ def run(mesh_sizes: list[int], optim: str) -> dict:
     for b in batches(mcfg, 3):
         state, metrics = step(state, placement.global_batch(b, BATCH))
         losses.append(float(metrics["train/loss"]))
-    placed = {path_str(p): [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]
-              for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
-    stacks = [[x.shape[0], [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]]
-              for x in jax.tree.leaves(state.opt_state) if x.ndim == 3]
+    placed = {
+        path_str(p): [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]
+        for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    }
+    stacks = [
+        [x.shape[0], [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]]
+        for x in jax.tree.leaves(state.opt_state)
+        if x.ndim == 3
+    ]
     return {"losses": losses, "params": placed, "stack_specs": stacks, "devices": len(mesh.devices.flat)}
 
 

@@ -21,12 +21,32 @@ def main() -> None:
     from dalle_ablate.train.loop import JobInfo, train
     from mesh_worker import MODEL, OPTIM
 
-    cfg = run_config(*MODEL, *OPTIM["adam"], "mesh.data=2", "mesh.fsdp=2", "mesh.model=2", "trainer.batch_size=16",
-                     "trainer.steps=3", "trainer.eval_every=3", "trainer.save_every=3", "trainer.eval_batches=2",
-                     "tracker=none")
+    cfg = run_config(
+        *MODEL,
+        *OPTIM["adam"],
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.model=2",
+        "trainer.batch_size=16",
+        "trainer.steps=3",
+        "trainer.eval_every=3",
+        "trainer.save_every=3",
+        "trainer.eval_batches=2",
+        "tracker=none",
+    )
     result = train(cfg, JobInfo(job_dir=Path(sys.argv[1])))
-    print("RESULT " + json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
-                                  "devices": jax.device_count(), "eval_loss": result.eval_loss, "status": result.status}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "process": jax.process_index(),
+                "processes": jax.process_count(),
+                "devices": jax.device_count(),
+                "eval_loss": result.eval_loss,
+                "status": result.status,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,14 @@ def oracle_check() -> float:
     state = powersgd_init(params, RANK, ["embed"], W)
     q = {k: np.asarray(v, np.float64) for k, v in state.q.items()}
     err = {k: np.zeros((W, *SHAPES[k])) for k in ("w", "stack")}
-    fn = jax.jit(over_data(lambda g, s: powersgd_mean(jax.tree.map(lambda x: x[0], g), s, ["embed"], "data", W)[:2],
-                           mesh, in_split=(True, PowerSGDState(q=False, error=True)), out_split=(False, PowerSGDState(q=False, error=True))))
+    fn = jax.jit(
+        over_data(
+            lambda g, s: powersgd_mean(jax.tree.map(lambda x: x[0], g), s, ["embed"], "data", W)[:2],
+            mesh,
+            in_split=(True, PowerSGDState(q=False, error=True)),
+            out_split=(False, PowerSGDState(q=False, error=True)),
+        )
+    )
     rng, worst = np.random.default_rng(0), 0.0
     for _ in range(3):
         grads = [{k: rng.normal(size=s) / W for k, s in SHAPES.items()} for _ in range(W)]
@@ -76,23 +82,49 @@ def train(rank: str) -> dict:
     from mesh_worker import MODEL, batches
     from dalle_ablate.train.assembly import assemble
 
-    cfg = run_config(*MODEL, "optim=adam", "optim.lr=1e-2", "optim.eps=1.0", "schedule=constant", "schedule.warmup_steps=0", "mesh.data=8",
-                     "trainer.batch_size=16", "trainer.grad_accum=2", f"optim.powersgd.rank={rank}")
+    cfg = run_config(
+        *MODEL,
+        "optim=adam",
+        "optim.lr=1e-2",
+        "optim.eps=1.0",
+        "schedule=constant",
+        "schedule.warmup_steps=0",
+        "mesh.data=8",
+        "trainer.batch_size=16",
+        "trainer.grad_accum=2",
+        f"optim.powersgd.rank={rank}",
+    )
     run = assemble(cfg, sizes={"image_len": 16, "image_vocab": 50, "text_vocab": 40})
     state, step = run.init_state(), run.train_step()
     losses = []
     for b in batches(run.model_cfg, 3):
         state, metrics = step(state, run.placement.global_batch(b, 16))
         losses.append(float(metrics["train/loss"]))
-    return {"losses": losses, "params": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)],
-            "compression": float(metrics.get("comm/compression", 1.0))}
+    return {
+        "losses": losses,
+        "params": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)],
+        "compression": float(metrics.get("comm/compression", 1.0)),
+    }
 
 
 def main() -> None:
     full, plain = train("100000"), train("null")
-    params_dev = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(full["params"], plain["params"]))
-    print("RESULT " + json.dumps({"oracle": oracle_check(), "devices": jax.device_count(), "losses_full": full["losses"],
-                                  "losses_plain": plain["losses"], "params_dev": params_dev, "compression_full": full["compression"]}))
+    params_dev = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(full["params"], plain["params"])
+    )
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "oracle": oracle_check(),
+                "devices": jax.device_count(),
+                "losses_full": full["losses"],
+                "losses_plain": plain["losses"],
+                "params_dev": params_dev,
+                "compression_full": full["compression"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

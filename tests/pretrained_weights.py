@@ -16,8 +16,19 @@ def inception_file(path, seed: int = 0):
 
 # A small BPE (every pair of ten letters) and a small CLIP over it: the layout of the real one.
 MERGES = [f"{a} {b}" for a in "abcdefghij" for b in "abcdefghij"]
-SMALL_CLIP = clip.CLIPConfig(embed_dim=16, image_size=32, patch_size=16, vision_width=32, vision_layers=1, vision_heads=2,
-                             context_length=77, vocab_size=512 + len(MERGES) + 2, text_width=32, text_heads=2, text_layers=1)
+SMALL_CLIP = clip.CLIPConfig(
+    embed_dim=16,
+    image_size=32,
+    patch_size=16,
+    vision_width=32,
+    vision_layers=1,
+    vision_heads=2,
+    context_length=77,
+    vocab_size=512 + len(MERGES) + 2,
+    text_width=32,
+    text_heads=2,
+    text_layers=1,
+)
 
 
 def clip_file(path, seed: int = 0):

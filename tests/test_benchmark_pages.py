@@ -32,7 +32,7 @@ def test_a_benchmark_page_holds_what_it_printed_under_its_provenance(tmp_path, m
     assert page[2].startswith("Written by `python benchmarks/toy_bench.py --steps 3 size=tiny` (")
     assert page[4].startswith(f"Commit: {head}")
     assert page[6].startswith("Machine: ") and f"{__import__('os').cpu_count()} cores" in page[6]
-    block = page[page.index("```text") + 1:]
+    block = page[page.index("```text") + 1 :]
     assert block[:4] == ["| size | steps/s |", "|---|---|", "| tiny | 9.5 |", "```"]
 
 

@@ -28,9 +28,15 @@ def test_encode_then_train_on_parquet(tmp_path, small_dataset, capsys):
     assert table.column("caption").to_pylist() == small_dataset.captions["valid"]
     assert np.array_equal(np.array(table.column("encoding").to_pylist()), small_dataset.codes["valid"])
     cfg = run_config(
-        "data=parquet", f"data.path={out}/train.parquet", f"data.valid_path={out}/valid.parquet",
-        "data.image_vocab=145", f"data.codebook_path={out}/codebook.npz", f"data.tokenizer_path={out}/tokenizer.json",
-        "data.shuffle_buffer=64", "tracker=none", data=(),
+        "data=parquet",
+        f"data.path={out}/train.parquet",
+        f"data.valid_path={out}/valid.parquet",
+        "data.image_vocab=145",
+        f"data.codebook_path={out}/codebook.npz",
+        f"data.tokenizer_path={out}/tokenizer.json",
+        "data.shuffle_buffer=64",
+        "tracker=none",
+        data=(),
     )
     res = train(cfg, JobInfo(tmp_path / "job"))
     assert res.status == "finished" and np.isfinite(res.eval_loss)
@@ -42,7 +48,9 @@ def test_encode_then_train_on_parquet(tmp_path, small_dataset, capsys):
 def test_cli_errors_are_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dalle_ablate.cli", "encode", "--out", str(tmp_path), "data.patch_size=7"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: data.patch_size=7 does not divide data.image_size=48"
@@ -72,12 +80,16 @@ def test_eval_of_a_truncated_checkpoint_names_it_in_one_line(trained, tmp_path, 
         _halve(step / "default" / "_METADATA")
     else:  # the largest file of the arrays' OCDBT database
         _halve(max((step / "default").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size))
-    proc = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(job), "tracker=none"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dalle_ablate.cli", "eval", str(job), "tracker=none"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     head = f"error: {step}: the checkpoint of step 3 cannot be restored (truncated or corrupt?): "
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(head), proc.stderr[-3000:]
-    why = proc.stderr[len(head):]
+    why = proc.stderr[len(head) :]
     if torn == "metadata":
         assert why.startswith("JSONDecodeError: ")
     else:
@@ -137,7 +149,10 @@ def test_eval_builds_on_the_runs_saved_config_not_on_defaults_changed_since(trai
     after["eval"]["guidance_scales"] = [3.0]
     assert after == before
     again = json.loads((out / "tables" / "eval_pareto_3.json").read_text())
-    assert again["columns"] == table["columns"] and [r[again["columns"].index("scale")] for r in again["rows"]] == [3.0, 5.0]
+    assert again["columns"] == table["columns"] and [r[again["columns"].index("scale")] for r in again["rows"]] == [
+        3.0,
+        5.0,
+    ]
     assert again["rows"][0] == table["rows"][0]
 
 
@@ -160,8 +175,9 @@ def test_an_evaluator_registered_from_a_test_file_scores_every_scale(trained, tm
         return {"mean": float(np.mean(images)), "n_images": float(len(images))}
 
     job = shutil.copytree(trained, tmp_path / "job")
-    out = evaluate_checkpoint(str(job), ["tracker=none", "eval.metrics=[toy_brightness]", "eval.num_samples=8",
-                                         "eval.guidance_scales=[1,3]"])
+    out = evaluate_checkpoint(
+        str(job), ["tracker=none", "eval.metrics=[toy_brightness]", "eval.num_samples=8", "eval.guidance_scales=[1,3]"]
+    )
     table = json.loads((out / "tables" / "eval_pareto_3.json").read_text())
     col = {c: table["columns"].index(c) for c in table["columns"]}
     assert [r[col["scale"]] for r in table["rows"]] == [1.0, 3.0] and len(seen) == 2
@@ -193,7 +209,10 @@ def test_eval_config_takes_todays_default_for_a_field_new_since_the_run_and_name
     store, recorded = _saved_run(tmp_path, older)
     cfg = run_config_for_eval(store, recorded, ["eval.batch_size=4"])
     assert (cfg.eval.num_samples, cfg.eval.top_p, cfg.eval.batch_size) == (16, None, 4)
-    assert capsys.readouterr().err == f"note: {store / 'config.yaml'} predates eval.top_p: evaluated with today's default\n"
+    assert (
+        capsys.readouterr().err
+        == f"note: {store / 'config.yaml'} predates eval.top_p: evaluated with today's default\n"
+    )
 
 
 @pytest.mark.parametrize("case", ["missing", "not yaml", "removed field", "wrong type"])
@@ -201,8 +220,12 @@ def test_eval_of_a_run_whose_saved_config_cannot_be_used_is_one_line(tmp_path, c
     from dalle_ablate.registry import ConfigError
     from dalle_ablate.train.eval_checkpoint import run_config_for_eval
 
-    edits = {"missing": lambda s: None, "not yaml": lambda s: None,
-             "removed field": lambda s: s["eval"].update(old_knob=1), "wrong type": lambda s: s["eval"].update(seed="abc")}
+    edits = {
+        "missing": lambda s: None,
+        "not yaml": lambda s: None,
+        "removed field": lambda s: s["eval"].update(old_knob=1),
+        "wrong type": lambda s: s["eval"].update(seed="abc"),
+    }
     store, recorded = _saved_run(tmp_path, edits[case])
     file = store / "config.yaml"
     if case == "missing":
@@ -211,12 +234,15 @@ def test_eval_of_a_run_whose_saved_config_cannot_be_used_is_one_line(tmp_path, c
         file.write_text("eval: [unclosed\n")
     with pytest.raises(ConfigError) as e:
         run_config_for_eval(store, recorded, [])
-    assert str(e.value) == {
-        "missing": f"{file}: missing; eval builds a run's config from the config.yaml its run store saved",
-        "not yaml": f"{file}: cannot be read (ParserError: while parsing a flow sequence)",
-        "removed field": f"{file}: eval.old_knob is not a field of today's config (removed or renamed since the run)",
-        "wrong type": f"{file}: eval.seed: Value 'abc' of type 'str' could not be converted to Integer",
-    }[case]
+    assert (
+        str(e.value)
+        == {
+            "missing": f"{file}: missing; eval builds a run's config from the config.yaml its run store saved",
+            "not yaml": f"{file}: cannot be read (ParserError: while parsing a flow sequence)",
+            "removed field": f"{file}: eval.old_knob is not a field of today's config (removed or renamed since the run)",
+            "wrong type": f"{file}: eval.seed: Value 'abc' of type 'str' could not be converted to Integer",
+        }[case]
+    )
 
 
 def test_ctrl_c_in_a_verb_is_one_line_and_exit_130(monkeypatch, capsys):
@@ -244,8 +270,9 @@ def _docs_named(text: str) -> list[str]:
 
 
 def test_run_py_help_says_what_it_is_the_groups_to_choose_three_examples_and_the_docs(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--help"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     assert text.startswith("python run.py: train a DALL·E-style text-to-image transformer"), text[:200]
@@ -254,12 +281,18 @@ def test_run_py_help_says_what_it_is_the_groups_to_choose_three_examples_and_the
     # Every config group of the package, each with every option it has.
     groups = text.split("Config groups (group=option):\n")[1].split("\n\n")[0]
     listed = dict(re.findall(r"^  (\+?\w+)=  .*\n((?:^ {15}\S.*\n?)+)", groups, re.M))
-    assert sorted(g.lstrip("+") for g in listed) == sorted(p.name for p in CONF.iterdir() if any(p.glob("*.yaml"))), groups
+    assert sorted(g.lstrip("+") for g in listed) == sorted(p.name for p in CONF.iterdir() if any(p.glob("*.yaml"))), (
+        groups
+    )
     for group, options in listed.items():
-        assert " ".join(options.split()).split(", ") == sorted(p.stem for p in (CONF / group.lstrip("+")).glob("*.yaml"))
+        assert " ".join(options.split()).split(", ") == sorted(
+            p.stem for p in (CONF / group.lstrip("+")).glob("*.yaml")
+        )
     assert "+arm" in listed and "model" in listed  # `+` where the defaults list has no entry for the group
     # Three example commands, each of which composes (a multirun by the first value of each list).
-    examples = [line.strip() for line in text.split("Examples:\n")[1].splitlines() if line.strip().startswith("python run.py")]
+    examples = [
+        line.strip() for line in text.split("Examples:\n")[1].splitlines() if line.strip().startswith("python run.py")
+    ]
     assert len(examples) == 3, examples
     from dalle_ablate.validate import to_run_config
 
@@ -279,7 +312,9 @@ def test_dalle_ablate_help_speaks_to_users(capsys):
     assert cli.__doc__.splitlines()[0] not in text  # the module's docstring is for developers
     assert text.startswith("usage: dalle-ablate [-h] VERB ...\n\ndalle-ablate: ") and "python run.py" in text
     assert all(f"\n    {name} " in text or f"\n    {name}\n" in text for name in cli.VERBS), text
-    examples = [line.strip() for line in text.split("examples:\n")[1].splitlines() if line.startswith("  dalle-ablate ")]
+    examples = [
+        line.strip() for line in text.split("examples:\n")[1].splitlines() if line.startswith("  dalle-ablate ")
+    ]
     assert len(examples) == 3, examples
     for example in examples:  # each a verb's valid command line
         argv = shlex.split(example)[1:]
@@ -304,15 +339,22 @@ print("loaded:", *sorted(m for m in %r if m in sys.modules), file=sys.stderr)
 """ % (HEAVY,)
 
 
-@pytest.mark.parametrize("argv,loaded", [
-    (["dalle-ablate", "--help"], []),
-    (["dalle-ablate", "report", "--help"], []),
-    (["dalle-ablate", "repot"], []),
-    (["dalle-ablate", "plan", "--help"], ["flax", "jax", "optax"]),  # its --device help lists the device table (parallel/)
-    # Composing needs every option's schema, and the model families are Flax modules: the trainer, scipy and W&B wait.
-    (["run.py", "--help"], ["dalle_ablate.validate", "flax", "jax", "optax"]),
-    (["run.py", "modle=x"], ["dalle_ablate.validate", "flax", "jax", "optax"]),
-], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("run.py", "dalle-ablate") else None)
+@pytest.mark.parametrize(
+    "argv,loaded",
+    [
+        (["dalle-ablate", "--help"], []),
+        (["dalle-ablate", "report", "--help"], []),
+        (["dalle-ablate", "repot"], []),
+        (
+            ["dalle-ablate", "plan", "--help"],
+            ["flax", "jax", "optax"],
+        ),  # its --device help lists the device table (parallel/)
+        # Composing needs every option's schema, and the model families are Flax modules: the trainer, scipy and W&B wait.
+        (["run.py", "--help"], ["dalle_ablate.validate", "flax", "jax", "optax"]),
+        (["run.py", "modle=x"], ["dalle_ablate.validate", "flax", "jax", "optax"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("run.py", "dalle-ablate") else None,
+)
 def test_help_and_a_typo_load_only_what_they_need(argv, loaded):
     proc = subprocess.run([sys.executable, "-c", LOADED, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
     *_, exit_line, modules = proc.stderr.splitlines()

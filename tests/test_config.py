@@ -41,7 +41,9 @@ def test_size_is_packaged_into_model():
 
 
 def test_registry_errors_name_field_and_choices():
-    with pytest.raises(ConfigError, match=r"model.activation='nosuch' is not a known activation; valid: gelu, relu, smelu, swish"):
+    with pytest.raises(
+        ConfigError, match=r"model.activation='nosuch' is not a known activation; valid: gelu, relu, smelu, swish"
+    ):
         run_config("model.activation=nosuch")
     with pytest.raises(ConfigError, match=r"model.norm='batchnorm' is not a known norm; valid: layernorm, rmsnorm"):
         run_config("model.norm=batchnorm")
@@ -53,7 +55,9 @@ def test_illegal_combinations_name_both_flags():
     with pytest.raises(ConfigError, match=r"model.final_ln_decoder=false conflicts with model.layout=preln"):
         run_config("model=preln", "model.final_ln_decoder=false")
     # ... unless asked for, as the Mega study's ablation of that very finding
-    assert not run_config("model=preln", "model.final_ln_decoder=false", "model.require_final_ln_decoder=false").model.final_ln_decoder
+    assert not run_config(
+        "model=preln", "model.final_ln_decoder=false", "model.require_final_ln_decoder=false"
+    ).model.final_ln_decoder
     with pytest.raises(ConfigError, match=r"model.d_model=30 is not divisible by model.heads=4"):
         run_config("model.d_model=30", "model.heads=4")
     with pytest.raises(ConfigError, match=r"trainer.batch_size=8 is not divisible by trainer.grad_accum=3"):
@@ -90,10 +94,15 @@ OUT_OF_RANGE = [
     (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be in [1, inf)"),
     (["seed=-1"], "seed=-1 must be in [0, inf)"),
     (["init_seed=-2"], "init_seed=-2 must be in [0, inf) or null"),
-    (["schedule.warmup_steps=100000", "trainer.steps=10"],
-     "schedule.warmup_steps=100000 (after schedule.lr_offset=0) is not shorter than trainer.steps=10: the learning rate "
-     "would never reach optim.lr; shorten it, or set schedule.allow_long_warmup=true"),
-    (["schedule.warmup_steps=4", "schedule.lr_offset=2"], "schedule.warmup_steps=4 (after schedule.lr_offset=2) is not shorter"),
+    (
+        ["schedule.warmup_steps=100000", "trainer.steps=10"],
+        "schedule.warmup_steps=100000 (after schedule.lr_offset=0) is not shorter than trainer.steps=10: the learning rate "
+        "would never reach optim.lr; shorten it, or set schedule.allow_long_warmup=true",
+    ),
+    (
+        ["schedule.warmup_steps=4", "schedule.lr_offset=2"],
+        "schedule.warmup_steps=4 (after schedule.lr_offset=2) is not shorter",
+    ),
     (["optim.b2=1.0"], "optim.b2=1.0 must be in [0, 1)"),  # Adam's b2 = 1 never forgets: inf / 0
     (["optim=shampoo", "optim.b1=1.0"], "optim.b1=1.0 must be in [0, 1)"),
     (["optim=shampoo", "optim.lapack_threads=0"], "optim.lapack_threads=0 must be in [1, inf) or null"),
@@ -122,8 +131,10 @@ def test_gradient_scaling_without_float16_is_refused(mode, dtype):
     # issue #42: it trained silently (scaling is for float16's range; these dtypes have float32's)
     with pytest.raises(ConfigError) as err:
         run_config(f"trainer.grad_scaling={mode}", f"model.dtype={dtype}")
-    assert str(err.value) == (f"trainer.grad_scaling={mode} conflicts with model.dtype={dtype}: gradient scaling is for "
-                              "float16 (set model.dtype=float16, or trainer.grad_scaling=none)")
+    assert str(err.value) == (
+        f"trainer.grad_scaling={mode} conflicts with model.dtype={dtype}: gradient scaling is for "
+        "float16 (set model.dtype=float16, or trainer.grad_scaling=none)"
+    )
     assert run_config(f"trainer.grad_scaling={mode}", "model.dtype=float16").trainer.grad_scaling == mode
 
 
@@ -141,16 +152,20 @@ def test_seed_out_of_range_is_one_line_and_exit_2(tmp_path: Path):
 def test_a_key_added_with_plus_needs_a_schema_field():
     with pytest.raises(ConfigError) as err:
         run_config("+trainer.nosuch=1")
-    assert str(err.value) == ("unknown field 'trainer.nosuch'; valid fields of trainer: batch_size, eval_batches, eval_every, "
-                              "grad_accum, grad_scale_growth_every, grad_scale_init, grad_scaling, keep_checkpoints, "
-                              "log_every, progress, save_every, steps")
+    assert str(err.value) == (
+        "unknown field 'trainer.nosuch'; valid fields of trainer: batch_size, eval_batches, eval_every, "
+        "grad_accum, grad_scale_growth_every, grad_scale_init, grad_scaling, keep_checkpoints, "
+        "log_every, progress, save_every, steps"
+    )
     with pytest.raises(ConfigError, match=r"^unknown field 'model.nosuch'; valid fields of model: .*\bd_model\b"):
         run_config("+model.nosuch=1")
 
 
 def test_several_processes_need_a_coordinator():
-    hint = ("needs distributed.coordinator_address (host:port of process 0, or JAX_COORDINATOR_ADDRESS), or "
-            "distributed.auto=true on a cluster JAX detects (Cloud TPU, Slurm, Open MPI)")
+    hint = (
+        "needs distributed.coordinator_address (host:port of process 0, or JAX_COORDINATOR_ADDRESS), or "
+        "distributed.auto=true on a cluster JAX detects (Cloud TPU, Slurm, Open MPI)"
+    )
     with pytest.raises(ConfigError) as err:
         run_config("distributed.num_processes=2")
     assert str(err.value) == f"distributed.num_processes=2 {hint}"
@@ -158,7 +173,9 @@ def test_several_processes_need_a_coordinator():
         run_config("distributed.process_id=1")
     assert str(err.value) == f"distributed.process_id=1 {hint}"
     assert run_config("distributed.num_processes=1").distributed.num_processes == 1
-    d = run_config("distributed.num_processes=2", "distributed.process_id=1", "distributed.coordinator_address=h:1").distributed
+    d = run_config(
+        "distributed.num_processes=2", "distributed.process_id=1", "distributed.coordinator_address=h:1"
+    ).distributed
     assert (d.num_processes, d.process_id) == (2, 1)
 
 
@@ -177,21 +194,26 @@ def _composing_error(*overrides: str) -> str:
 
 
 def test_a_preset_setting_a_field_the_schema_lacks_keeps_the_key():
-    assert _composing_error("data=parquet", "experiment=quick") == \
-        "experiment=quick sets data.num_train, which ParquetDataConfig has no field for"
+    assert (
+        _composing_error("data=parquet", "experiment=quick")
+        == "experiment=quick sets data.num_train, which ParquetDataConfig has no field for"
+    )
 
 
 def test_an_unquoted_list_keeps_hydras_hint_on_quoting():
     assert _composing_error("model.attention_pattern=row,nosuch") == (
         "model.attention_pattern=row,nosuch is ambiguous: for a list write model.attention_pattern=[row,nosuch]; for a "
-        "string quote the value: \"model.attention_pattern='row,nosuch'\"; to sweep over it add --multirun")
+        "string quote the value: \"model.attention_pattern='row,nosuch'\"; to sweep over it add --multirun"
+    )
 
 
 def test_distributed_auto_off_a_cluster_is_one_line(tmp_path: Path):
     line = _one_line_error(run_py("distributed.auto=true", cwd=tmp_path))
-    assert line == ("error: distributed.auto=true, but JAX detects no cluster here (Cloud TPU, Slurm, Open MPI; it says: "
-                    "coordinator_address should be defined.); on other machines set distributed.coordinator_address, "
-                    "distributed.num_processes and distributed.process_id instead")
+    assert line == (
+        "error: distributed.auto=true, but JAX detects no cluster here (Cloud TPU, Slurm, Open MPI; it says: "
+        "coordinator_address should be defined.); on other machines set distributed.coordinator_address, "
+        "distributed.num_processes and distributed.process_id instead"
+    )
 
 
 def test_a_failed_multirun_job_is_one_line_naming_its_overrides(tmp_path: Path):
@@ -201,9 +223,11 @@ def test_a_failed_multirun_job_is_one_line_naming_its_overrides(tmp_path: Path):
 
 
 def test_hydras_hints_after_its_first_line_are_kept():
-    assert _composing_error("+trainer=x") == ("Could not append to config. An item is already at 'trainer'. Either remove + "
-                                              "prefix: 'trainer=x'; Or add a second + to add or override 'trainer': "
-                                              "'++trainer=x'")
+    assert _composing_error("+trainer=x") == (
+        "Could not append to config. An item is already at 'trainer'. Either remove + "
+        "prefix: 'trainer=x'; Or add a second + to add or override 'trainer': "
+        "'++trainer=x'"
+    )
 
 
 MEMBER_REFUSALS = [
@@ -212,12 +236,25 @@ MEMBER_REFUSALS = [
     (["seeds=[0,-1]"], "seeds=[0, -1]: every seed must be >= 0"),
     (["seeds=[0,1]", "members.impl=pmap"], "members.impl='pmap' is not valid; valid: vmap, map"),
     (["mesh.member=2"], "mesh.member=2 spreads the members of seeds=[...] over devices; without seeds it must be 1"),
-    (["seeds=[0,1,2]", "mesh.member=2"], "mesh.member=2 must be a positive divisor of the 3 members of seeds=[0, 1, 2]"),
+    (
+        ["seeds=[0,1,2]", "mesh.member=2"],
+        "mesh.member=2 must be a positive divisor of the 3 members of seeds=[0, 1, 2]",
+    ),
     (["seeds=[0,1]", "optuna.trial=3"], "seeds=[...] with an Optuna trial: a trial is one run; sweep seed=... instead"),
-    (["seeds=[0,1]", "optim.powersgd.rank=2"], "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression "
-                                               "does not run as members; run its seeds as separate runs (seed=0,1,2)"),
-    (["seeds=[0,1]", "distributed.num_processes=2", "distributed.coordinator_address=h:1", "distributed.process_id=0"],
-     "seeds=[...] runs in one process; a run of several processes (distributed.*) trains its seeds as separate runs"),
+    (
+        ["seeds=[0,1]", "optim.powersgd.rank=2"],
+        "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression "
+        "does not run as members; run its seeds as separate runs (seed=0,1,2)",
+    ),
+    (
+        [
+            "seeds=[0,1]",
+            "distributed.num_processes=2",
+            "distributed.coordinator_address=h:1",
+            "distributed.process_id=0",
+        ],
+        "seeds=[...] runs in one process; a run of several processes (distributed.*) trains its seeds as separate runs",
+    ),
 ]
 
 
@@ -237,7 +274,9 @@ def test_seeds_is_one_value_and_members_default_to_vmap():
 def test_shampoo_runs_as_members_under_map_only():
     with pytest.raises(ConfigError) as err:
         run_config("optim=shampoo", "seeds=[0,1]")
-    assert str(err.value) == ("optim=shampoo with seeds=[...] runs only with members.impl=map: under vmap its root refresh "
-                              "would run at every step as two batched eighs (the CPU deadlock of optim/inverse_roots.py), "
-                              "and float64 roots do not compile")
+    assert str(err.value) == (
+        "optim=shampoo with seeds=[...] runs only with members.impl=map: under vmap its root refresh "
+        "would run at every step as two batched eighs (the CPU deadlock of optim/inverse_roots.py), "
+        "and float64 roots do not compile"
+    )
     assert run_config("optim=shampoo", "seeds=[0,1]", "members.impl=map").members.impl == "map"

@@ -21,8 +21,14 @@ SECTION = {"size": "model", "arm": "", "experiment": "", "sweeps": ""}
 REPEATS_ON_PURPOSE = {
     ("arm/shampoo.yaml", "optim.lr"): "the best rate of the arm's grid (docs/shampoo.md), which the study page "
     "shows beside the arm (tests/report/test_page.py); it stays 1e-3 if Shampoo's default rate moves",
-    ("experiment/study_ffn.yaml", "trainer.steps"): "the experiment's budget, which stays if trainer.steps' default moves",
-    ("experiment/study_layouts.yaml", "trainer.steps"): "the experiment's budget, which stays if trainer.steps' default moves",
+    (
+        "experiment/study_ffn.yaml",
+        "trainer.steps",
+    ): "the experiment's budget, which stays if trainer.steps' default moves",
+    (
+        "experiment/study_layouts.yaml",
+        "trainer.steps",
+    ): "the experiment's budget, which stays if trainer.steps' default moves",
     ("experiment/optim_compare.yaml", "trainer.log_every"): "the logging interval the benchmark's wall times "
     "were measured with (logging costs time): it stays 50 if trainer.log_every's default moves",
 }
@@ -95,14 +101,18 @@ def repeats_in(raw: dict, cfg: DictConfig, group: str, name: str) -> dict[str, o
 def test_a_preset_sets_only_what_differs_from_its_dataclass(group, path):
     name = str(path.relative_to(CONF))
     found = {k: v for k, v in repeats(group, path).items() if (name, k) not in REPEATS_ON_PURPOSE}
-    assert not found, f"{name} sets {', '.join(f'{k}={v!r}' for k, v in found.items())}: the default of its " \
-                      f"dataclass already (delete the line, or list it in REPEATS_ON_PURPOSE with the reason)"
+    assert not found, (
+        f"{name} sets {', '.join(f'{k}={v!r}' for k, v in found.items())}: the default of its "
+        f"dataclass already (delete the line, or list it in REPEATS_ON_PURPOSE with the reason)"
+    )
 
 
 def test_the_listed_repeats_still_repeat():
     for (name, key), _reason in REPEATS_ON_PURPOSE.items():
         group = name.split("/")[0]
-        assert key in repeats(group, CONF / name), f"{name}: {key} is no longer its default; drop it from REPEATS_ON_PURPOSE"
+        assert key in repeats(group, CONF / name), (
+            f"{name}: {key} is no longer its default; drop it from REPEATS_ON_PURPOSE"
+        )
 
 
 def test_a_repeated_default_is_found():
@@ -127,4 +137,6 @@ def test_the_reference_says_what_a_preset_sets_the_options_it_chooses_included()
         sets.setdefault(row.split(" | ")[0].strip("|` "), []).append(row.rsplit(" | ", 1)[-1].removesuffix(" |"))
     assert sets["linear"] == ["nothing: the defaults"]  # a preset that only starts from its schema
     assert "`model=deepnet`" in sets["deepnet"]  # the arm: the option it chooses
-    assert sets["lr_adafactor"][0].startswith("`optim=adafactor`, `schedule=constant`, `hydra/sweeper=optuna`, `trainer.steps=300`")
+    assert sets["lr_adafactor"][0].startswith(
+        "`optim=adafactor`, `schedule=constant`, `hydra/sweeper=optuna`, `trainer.steps=300`"
+    )

@@ -16,6 +16,7 @@ def test_a_ctrl_c_is_never_lost_taken_at_the_next_check_and_a_second_one_at_once
     a garbage-collection callback ran, where Python drops a KeyboardInterrupt raised in it (jax's
     `_xla_gc_callback` is one); none inside `deferred()`; a second press before the first is
     taken raises at once; Python's handler is back after the block."""
+
     def press_in_gc(phase, info):
         gc.callbacks.remove(press_in_gc)
         signal.raise_signal(signal.SIGINT)

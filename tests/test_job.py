@@ -24,8 +24,10 @@ from wandb_records import artifacts, history, metric_definitions, run_info, summ
 def test_two_job_multirun_writes_two_run_stores_and_two_wandb_runs(tmp_path):
     proc = run_py("-m", "model=normformer,deepnet", *SMALL_DATA, *TINY_TRAIN, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-1] == (f"multirun finished: {tmp_path / 'multirun'}; compare its runs with: "
-                                            f"dalle-ablate report {tmp_path / 'multirun'}")
+    assert proc.stdout.splitlines()[-1] == (
+        f"multirun finished: {tmp_path / 'multirun'}; compare its runs with: "
+        f"dalle-ablate report {tmp_path / 'multirun'}"
+    )
     jobs = sorted(p for p in (tmp_path / "multirun").iterdir() if p.is_dir() and (p / "run").is_dir())
     assert len(jobs) == 2
     wandb_files = sorted(Path(os.environ["WANDB_DIR"]).glob("wandb/offline-run-*/run-*.wandb"))
@@ -58,11 +60,13 @@ def test_two_job_multirun_writes_two_run_stores_and_two_wandb_runs(tmp_path):
         assert [r["_step"] for r in images] == [6] and images[0]["samples/grid/caption"] == "a red circle"
 
 
-
 def test_runs_are_named_by_what_their_multirun_varies_seed_included():
     shared = ["optim=shampoo", "trainer.steps=200"]
-    names = [run_naming([f"model={m}", f"seed={s}", *shared], {"model", "seed"}, m) for m in ("normformer", "deepnet")
-             for s in (0, 1, 2)]
+    names = [
+        run_naming([f"model={m}", f"seed={s}", *shared], {"model", "seed"}, m)
+        for m in ("normformer", "deepnet")
+        for s in (0, 1, 2)
+    ]
     assert len({n for n, _ in names}) == 6  # every seed its own name
     assert names[1] == ("model=normformer,seed=1", "model=normformer")  # seeds of a variant share the job type
     # An Optuna trial: the sampled rate to 3 significant digits, the trial's bookkeeping left out.
@@ -71,19 +75,35 @@ def test_runs_are_named_by_what_their_multirun_varies_seed_included():
     # Only the seed varies: the job type is the layout.
     assert run_naming(["seed=2", *shared], {"seed"}, "preln") == ("seed=2", "preln")
     # The data-order and init seeds are seeds too: replicates of one variant share its job type.
-    assert run_naming(["model=deepnet", "data_seed=1", "init_seed=4"], {"model", "data_seed", "init_seed"}, "deepnet") == (
-        "model=deepnet,data_seed=1,init_seed=4", "model=deepnet")
+    assert run_naming(
+        ["model=deepnet", "data_seed=1", "init_seed=4"], {"model", "data_seed", "init_seed"}, "deepnet"
+    ) == ("model=deepnet,data_seed=1,init_seed=4", "model=deepnet")
     # A single run: all its overrides (seed included), or "run".
-    assert run_naming(["trainer.steps=5", "seed=3", "resume=auto"], set(), "deepnet") == ("trainer.steps=5,seed=3", "deepnet")
+    assert run_naming(["trainer.steps=5", "seed=3", "resume=auto"], set(), "deepnet") == (
+        "trainer.steps=5,seed=3",
+        "deepnet",
+    )
     assert run_naming([], set(), "preln") == ("run", "preln")
 
 
 @pytest.mark.slow
 def test_wandb_names_can_be_set_metrics_are_declared_and_checkpoints_kept(tmp_path):
-    proc = run_py(*SMALL_DATA, *TINY_TRAIN, "eval.metrics=[shapes]", "eval.guidance_scales=[1,3]", "eval.num_samples=8",
-                  "eval.batch_size=8", "eval.grids=[]", "tracker.wandb.group=g1", "tracker.wandb.name=first try",
-                  "tracker.wandb.job_type=probe", "tracker.wandb.notes=why not", "tracker.wandb.log_checkpoints=true",
-                  cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "WANDB_SILENT"})
+    proc = run_py(
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        "eval.metrics=[shapes]",
+        "eval.guidance_scales=[1,3]",
+        "eval.num_samples=8",
+        "eval.batch_size=8",
+        "eval.grids=[]",
+        "tracker.wandb.group=g1",
+        "tracker.wandb.name=first try",
+        "tracker.wandb.job_type=probe",
+        "tracker.wandb.notes=why not",
+        "tracker.wandb.log_checkpoints=true",
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "WANDB_SILENT"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = tmp_path / "outputs" / "run" / "run"
     meta = json.loads((store / "meta.json").read_text())
@@ -116,9 +136,11 @@ def test_wandb_names_can_be_set_metrics_are_declared_and_checkpoints_kept(tmp_pa
     # Each checkpoint, once complete on disk, as a model artifact with every file orbax wrote.
     logged = [a for a in artifacts(f) if a["type"] == "model"]
     assert [(a["name"], set(a["aliases"]), a["metadata"]) for a in logged] == [
-        (f"checkpoint-{meta['wandb_id']}", {f"step-{s}", "latest"}, {"step": s}) for s in (3, 6)]
-    on_disk = sorted(str(p.relative_to(store / "checkpoints" / "6")) for p in (store / "checkpoints" / "6").rglob("*")
-                     if p.is_file())
+        (f"checkpoint-{meta['wandb_id']}", {f"step-{s}", "latest"}, {"step": s}) for s in (3, 6)
+    ]
+    on_disk = sorted(
+        str(p.relative_to(store / "checkpoints" / "6")) for p in (store / "checkpoints" / "6").rglob("*") if p.is_file()
+    )
     assert logged[-1]["files"] == on_disk
 
 
@@ -136,13 +158,18 @@ def hydra_jobs(*overrides: str, task, multirun: bool = True) -> list:
     state = copy.deepcopy(Singleton.get_state())
     results = []
     try:
-        hydra_ = Hydra.create_main_hydra_file_or_module(calling_file=None, calling_module="dalle_ablate.job",
-                                                         config_path="conf", job_name="run")
+        hydra_ = Hydra.create_main_hydra_file_or_module(
+            calling_file=None, calling_module="dalle_ablate.job", config_path="conf", job_name="run"
+        )
         launch = hydra_.multirun if multirun else hydra_.run
         mode = "hydra.mode=MULTIRUN" if multirun else "hydra.mode=RUN"  # as the command line's -m sets it
         # A job that raises raises here (Hydra reads each job's return value), as it fails `python run.py`.
-        launch(config_name="config", task_function=lambda cfg: results.append(task(cfg)),
-               overrides=[*overrides, "tracker=none", mode], with_log_configuration=False)
+        launch(
+            config_name="config",
+            task_function=lambda cfg: results.append(task(cfg)),
+            overrides=[*overrides, "tracker=none", mode],
+            with_log_configuration=False,
+        )
     finally:
         GlobalHydra.instance().clear()
         Singleton.set_state(state)
@@ -161,13 +188,21 @@ def described(job) -> dict:
 
 def test_members_of_a_study_mega_job_are_its_separate_runs(tmp_path):
     sweep = tmp_path / "mega"
-    [(job, members)] = hydra_jobs("experiment=study_mega", "+arm=baseline", "seeds=[0,1,2]", "seed=0",
-                                  f"hydra.sweep.dir={sweep}", task=members_of)
-    separate = hydra_jobs("experiment=study_mega", "+arm=baseline", "seed=0,1,2", f"hydra.sweep.dir={sweep}", task=job_info)
-    assert [m.job_dir for m in members] == [sweep / f"baseline-seed{k}" for k in (0, 1, 2)] == [s.job_dir for s in separate]
+    [(job, members)] = hydra_jobs(
+        "experiment=study_mega", "+arm=baseline", "seeds=[0,1,2]", "seed=0", f"hydra.sweep.dir={sweep}", task=members_of
+    )
+    separate = hydra_jobs(
+        "experiment=study_mega", "+arm=baseline", "seed=0,1,2", f"hydra.sweep.dir={sweep}", task=job_info
+    )
+    assert (
+        [m.job_dir for m in members]
+        == [sweep / f"baseline-seed{k}" for k in (0, 1, 2)]
+        == [s.job_dir for s in separate]
+    )
     # The sweeper's params come first (+arm, seed), then the command line: seed=k where Hydra records it.
-    assert [m.overrides for m in members] == [["+arm=baseline", f"seed={k}", "experiment=study_mega", "tracker=none"]
-                                              for k in (0, 1, 2)]
+    assert [m.overrides for m in members] == [
+        ["+arm=baseline", f"seed={k}", "experiment=study_mega", "tracker=none"] for k in (0, 1, 2)
+    ]
     assert [(m.name, m.job_type) for m in members] == [(f"+arm=baseline,seed={k}", "+arm=baseline") for k in (0, 1, 2)]
     assert [described(m) for m in members] == [described(s) for s in separate]
     assert [m.config["seed"] for m in members] == [0, 1, 2] and {m.config["seeds"] for m in members} == {None}
@@ -175,10 +210,18 @@ def test_members_of_a_study_mega_job_are_its_separate_runs(tmp_path):
 
 
 def test_members_of_a_default_multirun_go_under_its_job_folder(tmp_path):
-    jobs = hydra_jobs("seeds=[0,1,2]", "model=postln,deepnet", "trainer.steps=5", "members.impl=map", "mesh.member=3",
-                      f"hydra.sweep.dir={tmp_path / 'members'}", task=members_of)
-    separate = hydra_jobs("seed=0,1,2", "model=postln,deepnet", "trainer.steps=5", f"hydra.sweep.dir={tmp_path / 'runs'}",
-                          task=job_info)
+    jobs = hydra_jobs(
+        "seeds=[0,1,2]",
+        "model=postln,deepnet",
+        "trainer.steps=5",
+        "members.impl=map",
+        "mesh.member=3",
+        f"hydra.sweep.dir={tmp_path / 'members'}",
+        task=members_of,
+    )
+    separate = hydra_jobs(
+        "seed=0,1,2", "model=postln,deepnet", "trainer.steps=5", f"hydra.sweep.dir={tmp_path / 'runs'}", task=job_info
+    )
     for (job, members), num in zip(jobs, (0, 1)):
         assert job.job_dir == tmp_path / "members" / str(num)  # ${hydra.job.num}: the seed does not name it
         assert [m.job_dir for m in members] == [job.job_dir / f"seed{k}" for k in (0, 1, 2)]
@@ -199,17 +242,29 @@ def test_members_of_a_single_run_whose_folder_names_the_seed(tmp_path):
     separate = [hydra_jobs(f"seed={k}", "trainer.steps=5", run_dir, task=job_info, multirun=False)[0] for k in (1, 2)]
     assert [m.job_dir for m in members] == [tmp_path / "r" / "s1", tmp_path / "r" / "s2"]
     assert members[1].overrides == ["seed=2", "trainer.steps=5", "tracker=none"]
-    assert (members[1].name, members[1].job_type, members[1].group) == ("seed=2,trainer.steps=5,tracker=none", "preln", None)
+    assert (members[1].name, members[1].job_type, members[1].group) == (
+        "seed=2,trainer.steps=5,tracker=none",
+        "preln",
+        None,
+    )
     assert [described(m) for m in members] == [described(s) for s in separate]
 
 
 def test_a_members_job_refuses_a_folder_named_by_a_seed_not_among_its_seeds(tmp_path):
     with pytest.raises(ConfigError) as err:
-        hydra_jobs("experiment=study_mega", "+arm=baseline", "seeds=[1,2]", "seed=0", f"hydra.sweep.dir={tmp_path}",
-                   task=members_of)
-    assert str(err.value) == (f"seeds=[1, 2] leaves out seed=0, and hydra.sweep.subdir names this job's folder "
-                              f"{tmp_path}/baseline-seed0 by its seed: it would hold a run that is not a member; "
-                              f"pass seed=1 (the first of seeds)")
+        hydra_jobs(
+            "experiment=study_mega",
+            "+arm=baseline",
+            "seeds=[1,2]",
+            "seed=0",
+            f"hydra.sweep.dir={tmp_path}",
+            task=members_of,
+        )
+    assert str(err.value) == (
+        f"seeds=[1, 2] leaves out seed=0, and hydra.sweep.subdir names this job's folder "
+        f"{tmp_path}/baseline-seed0 by its seed: it would hold a run that is not a member; "
+        f"pass seed=1 (the first of seeds)"
+    )
 
 
 def test_a_resumed_members_job_finds_its_members_where_it_recorded_them(tmp_path):
@@ -217,13 +272,22 @@ def test_a_resumed_members_job_finds_its_members_where_it_recorded_them(tmp_path
     job_dir = tmp_path / "mega" / "baseline-seed0"
     recorded = [str(tmp_path / "mega" / f"baseline-seed{k}") for k in (0, 1, 2)]
     job_dir.mkdir(parents=True)
-    (job_dir / "members.json").write_text(json.dumps(
-        {"seeds": [0, 1, 2], "members": [{"seed": k, "job_dir": d} for k, d in zip((0, 1, 2), recorded)]}))
-    again = ("experiment=study_mega", "+arm=baseline", "seeds=[0,1,2]", "seed=0", "resume=auto", f"hydra.run.dir={job_dir}")
+    (job_dir / "members.json").write_text(
+        json.dumps({"seeds": [0, 1, 2], "members": [{"seed": k, "job_dir": d} for k, d in zip((0, 1, 2), recorded)]})
+    )
+    again = (
+        "experiment=study_mega",
+        "+arm=baseline",
+        "seeds=[0,1,2]",
+        "seed=0",
+        "resume=auto",
+        f"hydra.run.dir={job_dir}",
+    )
     [(_, members)] = hydra_jobs(*again, task=members_of, multirun=False)
     assert [str(m.job_dir) for m in members] == recorded
     # A record of other seeds is not this job's: its members go under its folder.
-    (job_dir / "members.json").write_text(json.dumps({"seeds": [0, 1], "members": [{"seed": k, "job_dir": d}
-                                                                                  for k, d in zip((0, 1), recorded)]}))
+    (job_dir / "members.json").write_text(
+        json.dumps({"seeds": [0, 1], "members": [{"seed": k, "job_dir": d} for k, d in zip((0, 1), recorded)]})
+    )
     [(_, members)] = hydra_jobs(*again, task=members_of, multirun=False)
     assert [m.job_dir for m in members] == [job_dir / f"seed{k}" for k in (0, 1, 2)]

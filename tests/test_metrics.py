@@ -30,14 +30,23 @@ def restore_declarations():
 
 
 def test_the_wandb_summary_keeps_the_best_of_each_headline_on_its_declared_side():
-    assert [m.key for m in headlines("run")] == ["eval/valid/loss", "train/loss"]  # what the report's final table compares
+    assert [m.key for m in headlines("run")] == [
+        "eval/valid/loss",
+        "train/loss",
+    ]  # what the report's final table compares
     for m in headlines():
         for key in {m.logged(2.0), m.logged(0.5)}:
             assert of_logged(key) is m and best_of(key) == {"lower": "min", "higher": "max"}[m.better], key
     assert best_of("eval/rerank/s3/best_of4/shapes/all") == "max"  # best of N, as at its scale
     # declared but no headline, not declared, or a count beside a metric: no best
-    for key in ("perf/step_time", "eval/pareto/s2/shapes/clean", "eval/pareto/s2/shapes/color", "train/lr",
-                "eval/pareto/s2/shapes/one/all", "eval/caption_sensitivity/color_n"):
+    for key in (
+        "perf/step_time",
+        "eval/pareto/s2/shapes/clean",
+        "eval/pareto/s2/shapes/color",
+        "train/lr",
+        "eval/pareto/s2/shapes/one/all",
+        "eval/caption_sensitivity/color_n",
+    ):
         assert best_of(key) is None, key
 
 
@@ -69,8 +78,11 @@ def write_run(root, arm: str, seed: int, ink: float):
     (store / "config.yaml").write_text(yaml.safe_dump({"seed": seed}))
     (store / "meta.json").write_text(json.dumps({"overrides": [f"+arm={arm}", f"seed={seed}"]}))
     (store / "summary.json").write_text(json.dumps({"status": "finished", "steps": 10}))
-    table = {"columns": ["run", "step", "scale", "n", "shapes/all", "toy/ink"], "line": ["toy/ink", "shapes/all"],
-             "rows": [["r", 10, 1.0, 4, 0.5, 9.0], ["r", 10, 2.0, 4, 0.5, ink]]}
+    table = {
+        "columns": ["run", "step", "scale", "n", "shapes/all", "toy/ink"],
+        "line": ["toy/ink", "shapes/all"],
+        "rows": [["r", 10, 1.0, 4, 0.5, 9.0], ["r", 10, 2.0, 4, 0.5, ink]],
+    }
     (store / "tables" / "eval_pareto_10.json").write_text(json.dumps(table))
 
 
@@ -80,29 +92,69 @@ def test_an_evaluator_s_declared_metric_reaches_every_reader(tmp_path, restore_d
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.report.tables import headline_values
 
-    @evaluator("toy", "samples", metrics=[Metric("ink", "stray ink", "fraction of drawn pixels", "lower", headline=99,
-                                                 pareto_against="shapes/all", study="toy_ink", margin="0.02")])
+    @evaluator(
+        "toy",
+        "samples",
+        metrics=[
+            Metric(
+                "ink",
+                "stray ink",
+                "fraction of drawn pixels",
+                "lower",
+                headline=99,
+                pareto_against="shapes/all",
+                study="toy_ink",
+                margin="0.02",
+            )
+        ],
+    )
     def toy(images, ctx):
         return {"ink": float(images.mean()), "n": float(len(images))}
 
     assert EVALUATORS.get("toy").fn(np.full((2, 4, 4, 3), 0.25), None) == {"ink": 0.25, "n": 2.0}
-    rows = [{"scale": s, "n": 4, "shapes/all": 0.5, "shapes/all_lo": 0.2, "shapes/all_hi": 0.8, "toy/ink": 0.1 * s}
-            for s in (1.0, 2.0)]
-    assert headline({"pareto": rows}) == ["shapes/all (n=4 per scale): s1 0.5 [0.20, 0.80], s2 0.5 [0.20, 0.80]",
-                                          "toy/ink (n=4 per scale): s1 0.1, s2 0.2"]
-    assert best_of("eval/pareto/s2/toy/ink") == "min" and label("toy/ink") == "toy/ink (fraction of drawn pixels, lower is better)"
-    assert pareto_axes(["shapes/all", "shapes/clean", "toy/ink"]) == ("toy/ink", "shapes/all")  # a headline's pair first
+    rows = [
+        {"scale": s, "n": 4, "shapes/all": 0.5, "shapes/all_lo": 0.2, "shapes/all_hi": 0.8, "toy/ink": 0.1 * s}
+        for s in (1.0, 2.0)
+    ]
+    assert headline({"pareto": rows}) == [
+        "shapes/all (n=4 per scale): s1 0.5 [0.20, 0.80], s2 0.5 [0.20, 0.80]",
+        "toy/ink (n=4 per scale): s1 0.1, s2 0.2",
+    ]
+    assert (
+        best_of("eval/pareto/s2/toy/ink") == "min"
+        and label("toy/ink") == "toy/ink (fraction of drawn pixels, lower is better)"
+    )
+    assert pareto_axes(["shapes/all", "shapes/clean", "toy/ink"]) == (
+        "toy/ink",
+        "shapes/all",
+    )  # a headline's pair first
     assert pareto_axes(["shapes/all", "shapes_fd/fd", "toy/ink"]) == ("shapes_fd/fd", "shapes/all")
-    assert ("| `eval/pareto/s<scale>/toy/ink` | fraction of drawn pixels | lower | 99 | x, against `shapes/all` | "
-            "`toy_ink`, 0.02 | stray ink |") in metrics_reference()
+    assert (
+        "| `eval/pareto/s<scale>/toy/ink` | fraction of drawn pixels | lower | 99 | x, against `shapes/all` | "
+        "`toy_ink`, 0.02 | stray ink |"
+    ) in metrics_reference()
     # a study judges it at its guidance scale, with the declared margin
     inks = {"base": [0.10, 0.12, 0.11], "worse": [0.30, 0.33, 0.31]}
     for arm, values in inks.items():
         for seed, v in enumerate(values):
             write_run(tmp_path / "runs", arm, seed, v)
-    spec = {"name": "s", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "base",
-            "findings": [{"id": "ink", "claim": "worse draws more stray ink", "arm": "worse", "against": "base",
-                          "metric": "toy_ink", "expect": "higher"}]}
+    spec = {
+        "name": "s",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "base",
+        "findings": [
+            {
+                "id": "ink",
+                "claim": "worse draws more stray ink",
+                "arm": "worse",
+                "against": "base",
+                "metric": "toy_ink",
+                "expect": "higher",
+            }
+        ],
+    }
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
     study = load_study(tmp_path / "s.yaml")
     assert study.findings[0].margin == "0.02"

@@ -71,7 +71,9 @@ def providers(name: str, dists: list[str]) -> list[str]:
     parts = name.split(".")
     for depth in range(len(parts), 1, -1):
         path = "/".join(parts[:depth])
-        found = [d for d in dists if any(str(f) == f"{path}.py" or str(f).startswith(f"{path}/") for f in md.files(d) or [])]
+        found = [
+            d for d in dists if any(str(f) == f"{path}.py" or str(f).startswith(f"{path}/") for f in md.files(d) or [])
+        ]
         if found:
             return found
     return dists
@@ -80,8 +82,12 @@ def providers(name: str, dists: list[str]) -> list[str]:
 def test_declared_dependencies_are_the_imported_ones():
     imported = imported_distributions()
     required = requirement_names(PYPROJECT["project"]["dependencies"])
-    optional = requirement_names([*PYPROJECT["project"]["optional-dependencies"]["ref"],
-                                  *PYPROJECT["project"]["optional-dependencies"]["cluster"]])
+    optional = requirement_names(
+        [
+            *PYPROJECT["project"]["optional-dependencies"]["ref"],
+            *PYPROJECT["project"]["optional-dependencies"]["cluster"],
+        ]
+    )
     undeclared = {d: sorted(m) for d, m in imported.items() if d not in required | optional}
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
     unused = required - set(imported) - {norm(d) for d in LOADED_BY_OTHERS}
@@ -114,8 +120,13 @@ def test_a_broken_layer_fails_the_contract(tmp_path):
     with open(tmp_path / "dalle_ablate" / "model" / "flops.py", "a") as f:
         f.write("\nfrom dalle_ablate.train.loop import train  # noqa\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    r = subprocess.run([Path(sys.executable).parent / "lint-imports", "--no-cache"], cwd=tmp_path, capture_output=True,
-                       text=True, env=env)
+    r = subprocess.run(
+        [Path(sys.executable).parent / "lint-imports", "--no-cache"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode != 0
     assert "dalle_ablate.model is not allowed to import dalle_ablate.train" in r.stdout
 
@@ -133,19 +144,33 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, src / f)
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     wheel = next(wheels.glob("dalle_ablate-*.whl"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True,
-                               text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     # The dependencies from this environment, appended after the venv's own site-packages; its
     # .pth files (the editable install of the checkout among them) are not processed from there.
     (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)], check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -156,11 +181,14 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
 
-    where = run(py, "-c", "import dalle_ablate, dalle_ablate.conf as c; print(dalle_ablate.__file__); print(c.__file__)")
+    where = run(
+        py, "-c", "import dalle_ablate, dalle_ablate.conf as c; print(dalle_ablate.__file__); print(c.__file__)"
+    )
     assert all(Path(line).is_relative_to(site) for line in where.split()), where
     assert "total" in run(py, "-m", "dalle_ablate", "describe", "size=small")
-    assert "per device" in run(venv / "bin" / "dalle-ablate", "plan", "size=mega", "mesh.fsdp=8", "mesh.data=4",
-                               "trainer.batch_size=64")
+    assert "per device" in run(
+        venv / "bin" / "dalle-ablate", "plan", "size=mega", "mesh.fsdp=8", "mesh.data=4", "trainer.batch_size=64"
+    )
     run(py, "-m", "dalle_ablate.job", *SMALL_DATA, *TINY_TRAIN, "tracker=none", "eval.metrics=[]", "eval.grids=[]")
     (summary,) = work.glob("outputs/*/*/run/summary.json")
     got = json.loads(summary.read_text())

@@ -50,8 +50,18 @@ def conf_dir(tmp_path: Path) -> Path:
 
 
 def toy_config(conf_dir: Path, *overrides: str):
-    return to_run_config(compose(f"hydra.searchpath=[file://{conf_dir}]", *SMALL_DATA, *TINY_TRAIN, "optim=toy_signsgd",
-                                 "schedule=constant", "schedule.warmup_steps=0", "optim.clip_grad_norm=null", *overrides))
+    return to_run_config(
+        compose(
+            f"hydra.searchpath=[file://{conf_dir}]",
+            *SMALL_DATA,
+            *TINY_TRAIN,
+            "optim=toy_signsgd",
+            "schedule=constant",
+            "schedule.warmup_steps=0",
+            "optim.clip_grad_norm=null",
+            *overrides,
+        )
+    )
 
 
 def test_a_toy_optimizer_from_this_file_is_composed_validated_and_trains(conf_dir):
@@ -63,16 +73,20 @@ def test_a_toy_optimizer_from_this_file_is_composed_validated_and_trains(conf_di
     m = run.model_cfg
     rng = np.random.default_rng(0)
     b = cfg.trainer.batch_size
-    batch = {"text": rng.integers(4, m.text_vocab, (b, m.text_len)).astype(np.int32),
-             "text_mask": np.ones((b, m.text_len), bool),
-             "codes": rng.integers(0, m.image_vocab, (b, m.image_len)).astype(np.int32),
-             "weights": np.ones(b, np.float32)}
+    batch = {
+        "text": rng.integers(4, m.text_vocab, (b, m.text_len)).astype(np.int32),
+        "text_mask": np.ones((b, m.text_len), bool),
+        "codes": rng.integers(0, m.image_vocab, (b, m.image_len)).astype(np.int32),
+        "weights": np.ones(b, np.float32),
+    }
     state, step = run.init_state(), run.train_step()
     state, _ = step(state, run.placement.global_batch(batch, b))
     before = jax.tree.map(np.asarray, state.params)
     state, metrics = step(state, run.placement.global_batch({**batch, "codes": np.roll(batch["codes"], 1, axis=0)}, b))
     assert np.isfinite(float(metrics["train/loss"]))
-    moved = np.concatenate([np.abs(np.asarray(a) - p).ravel() for a, p in zip(jax.tree.leaves(state.params), jax.tree.leaves(before))])
+    moved = np.concatenate(
+        [np.abs(np.asarray(a) - p).ravel() for a, p in zip(jax.tree.leaves(state.params), jax.tree.leaves(before))]
+    )
     # signSGD moves every coordinate with a nonzero gradient by exactly lr, at every step. (At the
     # first step Adam would too, lr * g / |g|, so this is the second; Adam's would vary.)
     touched = moved[moved > 0]
@@ -90,8 +104,11 @@ def test_the_toy_optimizers_own_checks_run_before_anything_is_built(conf_dir):
 
 
 def test_a_preset_of_one_option_cannot_build_another():
-    with pytest.raises(ConfigError, match=r"^optim.name='shampoo' does not match the optim preset chosen \(AdamConfig\); "
-                                          r"choose the option itself with optim=shampoo$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^optim.name='shampoo' does not match the optim preset chosen \(AdamConfig\); "
+        r"choose the option itself with optim=shampoo$",
+    ):
         to_run_config(compose(*SMALL_DATA, *TINY_TRAIN, "optim=adam", "optim.name=shampoo"))
 
 

@@ -22,8 +22,14 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_generated_output_is_ignored_by_git():
-    paths = ["outputs/x/run/metrics.jsonl", "multirun/x/0/run/config.yaml", "wandb/offline-run-x/run.wandb",
-             "reports/some-report/index.html", ".venv/bin/python", "site/index.html"]
+    paths = [
+        "outputs/x/run/metrics.jsonl",
+        "multirun/x/0/run/config.yaml",
+        "wandb/offline-run-x/run.wandb",
+        "reports/some-report/index.html",
+        ".venv/bin/python",
+        "site/index.html",
+    ]
     proc = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True)
     assert proc.stdout.split() == paths
 
@@ -33,7 +39,9 @@ def test_docs_live_in_the_repository():
     package does not have (the design notes beside a developer's checkout)."""
     import re
 
-    tracked = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.yaml"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.yaml"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     outside = [f for f in tracked if re.search(r"\.\./shared|\bDESIGN\.md|\bVARIANTS\.md", (ROOT / f).read_text())]
     assert outside == [], outside
     for link in re.findall(r"\]\((docs/[^)]+)\)", (ROOT / "README.md").read_text()):
@@ -76,5 +84,7 @@ def test_the_docs_examples_are_what_the_script_writes_from_its_records():
     first = record("first-ablation")
     assert first["commands"][0] == " ".join(docs_examples.ABLATION) and first["baseline"] == docs_examples.BASELINE
     for page in ("README.md", "docs/first-ablation.md"):  # the commands shown are the ones the record ran
-        assert " ".join(docs_examples.ABLATION[2:]).replace("eval.guidance_scales=[1,3]", "'eval.guidance_scales=[1,3]'") \
+        assert (
+            " ".join(docs_examples.ABLATION[2:]).replace("eval.guidance_scales=[1,3]", "'eval.guidance_scales=[1,3]'")
             in (ROOT / page).read_text()
+        )

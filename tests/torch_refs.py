@@ -33,6 +33,7 @@ def _bare_package(name: str) -> None:
 def _torchvision_works() -> bool:
     try:
         import torchvision  # noqa: F401
+
         return True
     except Exception:  # noqa: BLE001 - RuntimeError from its C++ ops beside a mismatched torch
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
@@ -60,7 +61,13 @@ def open_clip_modules():
     if not _torchvision_works():
         misc = types.ModuleType("torchvision.ops.misc")
         misc.FrozenBatchNorm2d = torch.nn.BatchNorm2d
-        sys.modules.update({"torchvision": types.ModuleType("torchvision"), "torchvision.ops": types.ModuleType("torchvision.ops"),
-                            "torchvision.ops.misc": misc, "timm": None})
+        sys.modules.update(
+            {
+                "torchvision": types.ModuleType("torchvision"),
+                "torchvision.ops": types.ModuleType("torchvision.ops"),
+                "torchvision.ops.misc": misc,
+                "timm": None,
+            }
+        )
         _bare_package("open_clip")
     return importlib.import_module("open_clip.model"), importlib.import_module("open_clip.tokenizer")

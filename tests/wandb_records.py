@@ -60,8 +60,15 @@ def run_info(path: Path) -> dict:
     for rec in records(path):
         if rec.WhichOneof("record_type") == "run":
             r = rec.run
-            return {"id": r.run_id, "group": r.run_group, "job_type": r.job_type, "name": r.display_name,
-                    "notes": r.notes, "project": r.project, "config": {i.key: json.loads(i.value_json) for i in r.config.update}}
+            return {
+                "id": r.run_id,
+                "group": r.run_group,
+                "job_type": r.job_type,
+                "name": r.display_name,
+                "notes": r.notes,
+                "project": r.project,
+                "config": {i.key: json.loads(i.value_json) for i in r.config.update},
+            }
     raise AssertionError(f"{path} has no run record")
 
 
@@ -92,7 +99,13 @@ def artifacts(path: Path) -> list[dict]:
     for rec in records(path):
         if rec.WhichOneof("record_type") == "artifact":
             a = rec.artifact
-            out.append({"type": a.type, "name": a.name, "aliases": list(a.aliases),
-                        "metadata": json.loads(a.metadata) if a.metadata else {},
-                        "files": sorted(e.path for e in a.manifest.contents)})
+            out.append(
+                {
+                    "type": a.type,
+                    "name": a.name,
+                    "aliases": list(a.aliases),
+                    "metadata": json.loads(a.metadata) if a.metadata else {},
+                    "files": sorted(e.path for e in a.manifest.contents),
+                }
+            )
     return out

@@ -14,8 +14,17 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--remote-debugging-pipe"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--remote-debugging-pipe",
+]
 
 
 def chromium_path() -> Optional[str]:
@@ -37,9 +46,14 @@ class Browser:
             os.dup2(to_child, 3)
             os.dup2(from_child, 4)
 
-        self.proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={self.profile.name}", "about:blank"],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     pass_fds=(3, 4), preexec_fn=pipes_at_3_and_4)
+        self.proc = subprocess.Popen(
+            [exe, *FLAGS, f"--user-data-dir={self.profile.name}", "about:blank"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(3, 4),
+            preexec_fn=pipes_at_3_and_4,
+        )
         os.close(to_child)
         os.close(from_child)
         self.timeout, self._next, self._buffer, self.session = timeout, 0, b"", None
@@ -95,8 +109,10 @@ class Browser:
         """A PNG of the window with the page scrolled to `y` (CSS px from its top; the page's end
         stops it), as a reader sees that screen. Not a capture beyond the window: that resizes
         the window to the page, and the vertical scrollbar's going reflows the page."""
-        self.evaluate(f"new Promise(done => {{ window.scrollTo(0, {float(y)}); requestAnimationFrame(() => "
-                      f"requestAnimationFrame(() => done(true))); }})")
+        self.evaluate(
+            f"new Promise(done => {{ window.scrollTo(0, {float(y)}); requestAnimationFrame(() => "
+            f"requestAnimationFrame(() => done(true))); }})"
+        )
         data = self.send("Page.captureScreenshot", format="png")["data"]
         Path(path).write_bytes(base64.b64decode(data))
         return Path(path)

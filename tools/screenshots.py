@@ -25,14 +25,20 @@ from browser import Browser
 
 ROOT = Path(__file__).resolve().parents[1]
 # The pages issue 53 found hard to read at 1400 px: the reference's tables, the members guide's first code block.
-DEFAULT = ["reference/config/", "reference/config/#run-level-fields", "reference/config/#optim-shampoo",
-           "reference/config/#tracker-wandb", "guides/members/"]
+DEFAULT = [
+    "reference/config/",
+    "reference/config/#run-level-fields",
+    "reference/config/#optim-shampoo",
+    "reference/config/#tracker-wandb",
+    "guides/members/",
+]
 
 
 def build_site(site: Path) -> None:
     """`mkdocs build --strict` of this checkout into `site`."""
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
-                   cwd=ROOT, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)], cwd=ROOT, check=True
+    )
 
 
 def page_url(target: str, site: Path) -> tuple[str, str]:
@@ -51,8 +57,9 @@ def shoot(browser: Browser, target: str, site: Path, out: Path, width: int, heig
     browser.open(url, width, height)
     y = 0.0
     if anchor:
-        y = browser.evaluate(f"(e => e ? e.getBoundingClientRect().top + window.scrollY : null)"
-                             f"(document.getElementById({anchor!r}))")
+        y = browser.evaluate(
+            f"(e => e ? e.getBoundingClientRect().top + window.scrollY : null)(document.getElementById({anchor!r}))"
+        )
         if y is None:
             sys.exit(f"error: {target}: the page has no element with id {anchor!r}")
         y = max(0.0, y - 80)
@@ -62,8 +69,12 @@ def shoot(browser: Browser, target: str, site: Path, out: Path, width: int, heig
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python tools/screenshots.py", description=__doc__.splitlines()[0])
-    ap.add_argument("targets", nargs="*", default=DEFAULT,
-                    help=f"site pages (path[#anchor]) or .html files (default: {' '.join(DEFAULT)})")
+    ap.add_argument(
+        "targets",
+        nargs="*",
+        default=DEFAULT,
+        help=f"site pages (path[#anchor]) or .html files (default: {' '.join(DEFAULT)})",
+    )
     ap.add_argument("--out", default="screenshots", help="folder of the PNGs (default: screenshots)")
     ap.add_argument("--site", help="a built site (default: build this checkout's into a temporary folder)")
     ap.add_argument("--width", type=int, default=1400, help="window width in CSS px (default 1400)")

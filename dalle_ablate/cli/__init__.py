@@ -50,10 +50,19 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The `dalle-ablate` parser and its verbs, in the order their modules are imported above (docs/reference/cli.md is
     generated from it). `only`: the arguments of that verb alone (the command line's: no other verb's are
     parsed, and a verb's arguments may import what their help names, e.g. plan's device table); None: every verb's."""
-    parser = argparse.ArgumentParser(prog="dalle-ablate", description=DESCRIPTION, epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="verb", required=True, title="verbs", metavar="VERB",
-                                help="one of these (its arguments: dalle-ablate VERB --help)")
+    parser = argparse.ArgumentParser(
+        prog="dalle-ablate",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(
+        dest="verb",
+        required=True,
+        title="verbs",
+        metavar="VERB",
+        help="one of these (its arguments: dalle-ablate VERB --help)",
+    )
     for name, (cmd, arguments, kwargs) in VERBS.items():
         verb_parser = sub.add_parser(name, **kwargs)
         if only is None or name == only:
@@ -77,9 +86,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     except RunFailed as ex:  # e.g. a study whose multirun failed: its page is written, the exit code says so
         print(f"error: {ex}", file=sys.stderr)
         sys.exit(ex.exit_code)
-    except KeyboardInterrupt as ex:  # Ctrl-C: what finished is kept (a study's runs, a report's files); one line, no error
-        print(str(ex) if isinstance(ex, Interrupted) else f"dalle-ablate {args.verb} interrupted; run the same command again",
-              file=sys.stderr)
+    except (
+        KeyboardInterrupt
+    ) as ex:  # Ctrl-C: what finished is kept (a study's runs, a report's files); one line, no error
+        print(
+            str(ex)
+            if isinstance(ex, Interrupted)
+            else f"dalle-ablate {args.verb} interrupted; run the same command again",
+            file=sys.stderr,
+        )
         sys.exit(130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex)

@@ -28,7 +28,7 @@ class _JobErrorLine:
 
     def write(self, text: str) -> int:
         if text.startswith(HYDRA_JOB_ERROR):
-            self.overrides = text[len(HYDRA_JOB_ERROR):].strip()
+            self.overrides = text[len(HYDRA_JOB_ERROR) :].strip()
             return len(text)
         return self.stream.write(text)
 
@@ -54,8 +54,10 @@ def unwritable(ex: BaseException) -> Optional[str]:
     if seen is None:
         return None
     path = Path(seen.filename).absolute()
-    return (f"folder {path.parent} cannot be written ({path.name}: {errno.errorcode[seen.errno]}: {seen.strerror}); fix it, "
-            "or, for the job's own folder, choose another with hydra.run.dir= (hydra.sweep.dir= for a multirun)")
+    return (
+        f"folder {path.parent} cannot be written ({path.name}: {errno.errorcode[seen.errno]}: {seen.strerror}); fix it, "
+        "or, for the job's own folder, choose another with hydra.run.dir= (hydra.sweep.dir= for a multirun)"
+    )
 
 
 def run_hydra(main: Callable[[], object]) -> None:
@@ -92,9 +94,12 @@ def run_hydra(main: Callable[[], object]) -> None:
         fail(str(ex), RunFailed.FAILED)
     except KeyboardInterrupt as ex:  # Ctrl-C: what a job saved and how to continue, in one line (not an error)
         if not os.environ.get(interrupts.PARENT_SAYS):  # else the process that started this one says it
-            print(str(ex) if isinstance(ex, Interrupted) else
-                  f"interrupted {interrupts.stage_of(ex, 'while starting')}; no step trained; run the same command again",
-                  file=stderr.stream)
+            print(
+                str(ex)
+                if isinstance(ex, Interrupted)
+                else f"interrupted {interrupts.stage_of(ex, 'while starting')}; no step trained; run the same command again",
+                file=stderr.stream,
+            )
         sys.exit(130)
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         from dalle_ablate.validate import format_error

@@ -9,22 +9,39 @@ from dalle_ablate.cli.verbs import verb
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), either in a "
-                                  "bucket (gs://bucket/sweeps/x), or wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)")
+    p.add_argument(
+        "source",
+        help="a multirun or sweep folder, a glob of run stores ('outputs/*/*/run'), either in a "
+        "bucket (gs://bucket/sweeps/x), or wandb:ENTITY/PROJECT/GROUP (needs a W&B login and network)",
+    )
     p.add_argument("--out", default="reports", help="folder the report's folder goes in (default: reports)")
     p.add_argument("--name", help="the report's folder name (default: from the source path)")
-    p.add_argument("--baseline", help="the variant the others are compared with, or a unique part of its label, "
-                                      "e.g. model=preln (default: the first value listed; a sweep: the best completed trial)")
-    p.add_argument("--margin", action="append", default=[], metavar="METRIC=DELTA",
-                   help="a margin for a final metric's differences, e.g. eval/valid/loss=2%% (of the baseline's mean) or "
-                        "eval/valid/loss=0.01: adds the equivalence verdict and the seeds a difference of Δ needs "
-                        "(repeatable; docs/statistics.md)")
-    p.add_argument("--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)")
+    p.add_argument(
+        "--baseline",
+        help="the variant the others are compared with, or a unique part of its label, "
+        "e.g. model=preln (default: the first value listed; a sweep: the best completed trial)",
+    )
+    p.add_argument(
+        "--margin",
+        action="append",
+        default=[],
+        metavar="METRIC=DELTA",
+        help="a margin for a final metric's differences, e.g. eval/valid/loss=2%% (of the baseline's mean) or "
+        "eval/valid/loss=0.01: adds the equivalence verdict and the seeds a difference of Δ needs "
+        "(repeatable; docs/statistics.md)",
+    )
+    p.add_argument(
+        "--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)"
+    )
     p.add_argument("--wandb-project")
 
 
-@verb("report", _report_arguments, help="an ablation report of a multirun/sweep folder or a glob of run stores: "
-      "reports/<name>/index.html, report.md, runs.csv, wandb_report.json")
+@verb(
+    "report",
+    _report_arguments,
+    help="an ablation report of a multirun/sweep folder or a glob of run stores: "
+    "reports/<name>/index.html, report.md, runs.csv, wandb_report.json",
+)
 def cmd_report(args) -> None:
     """An ablation report of a multirun or sweep folder (or a glob of run stores)."""
     import time
@@ -33,8 +50,16 @@ def cmd_report(args) -> None:
 
     t = time.perf_counter()
     skipped: list[str] = []
-    folder = build_report(args.source, args.out, args.name, args.baseline, args.wandb_entity or "", args.wandb_project or "",
-                          skipped, margins=_margins(args.margin))
+    folder = build_report(
+        args.source,
+        args.out,
+        args.name,
+        args.baseline,
+        args.wandb_entity or "",
+        args.wandb_project or "",
+        skipped,
+        margins=_margins(args.margin),
+    )
     print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
     for why in skipped:  # each also in the report's first section
         print(f"warning: left out, unreadable: {why}", file=sys.stderr)
@@ -51,35 +76,66 @@ def _margins(given: list[str]) -> dict[str, str]:
     for g in given:
         metric, _, value = g.partition("=")
         if metric not in FINAL_METRICS:
-            raise ConfigError(f"--margin {g!r}: {metric!r} is not a metric the report compares; valid: {', '.join(FINAL_METRICS)}")
+            raise ConfigError(
+                f"--margin {g!r}: {metric!r} is not a metric the report compares; valid: {', '.join(FINAL_METRICS)}"
+            )
         if parse_margin(value) is None:
-            raise ConfigError(f"--margin {g!r}: {value!r} is not a margin; give a positive number in the metric's units "
-                              "(0.01) or a percentage of the baseline's mean (2%)")
+            raise ConfigError(
+                f"--margin {g!r}: {value!r} is not a margin; give a positive number in the metric's units "
+                "(0.01) or a percentage of the baseline's mean (2%)"
+            )
         out[metric] = value
     return out
 
 
 def _study_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("study", help="a study of dalle_ablate/report/studies/ (mega-variants), or a study file of your own (.yaml)")
-    p.add_argument("--out", default="studies", help="folder of the study's runs (default: studies/<name>), or a bucket's "
-                                                    "(gs://bucket/studies)")
+    p.add_argument(
+        "study", help="a study of dalle_ablate/report/studies/ (mega-variants), or a study file of your own (.yaml)"
+    )
+    p.add_argument(
+        "--out",
+        default="studies",
+        help="folder of the study's runs (default: studies/<name>), or a bucket's (gs://bucket/studies)",
+    )
     p.add_argument("--report-out", default="reports", help="folder of the report (default: reports/<name>)")
-    p.add_argument("--page-out", default="docs/results", help="folder of the results page <name>.md and its "
-                                                               "figures/ (default: docs/results)")
+    p.add_argument(
+        "--page-out",
+        default="docs/results",
+        help="folder of the results page <name>.md and its figures/ (default: docs/results)",
+    )
     p.add_argument("--no-run", action="store_true", help="only the report and the page, from the runs there are")
-    p.add_argument("--seeds", help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
-                                   "'auto': to the seeds its page's rule asks for, from each finding's own noise and margin "
-                                   "only (docs/statistics.md)")
-    p.add_argument("--no-stress", action="store_true", help="skip the study's stress runs (its file's `stress:` section: "
-                                                            "the stability claims' arms across learning rates)")
-    p.add_argument("--no-members", action="store_true", help="train each seed of an arm as a job of its own, not the "
-                                                              "arm's seeds as members of one job (docs/guides/members.md)")
-    p.add_argument("overrides", nargs="*", help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
-                                                "seed=0,1 (a sweep of the preset's own keys replaces it)")
+    p.add_argument(
+        "--seeds",
+        help="top a study that has run up to N seeds per arm (its finished runs are not rerun), or "
+        "'auto': to the seeds its page's rule asks for, from each finding's own noise and margin "
+        "only (docs/statistics.md)",
+    )
+    p.add_argument(
+        "--no-stress",
+        action="store_true",
+        help="skip the study's stress runs (its file's `stress:` section: "
+        "the stability claims' arms across learning rates)",
+    )
+    p.add_argument(
+        "--no-members",
+        action="store_true",
+        help="train each seed of an arm as a job of its own, not the "
+        "arm's seeds as members of one job (docs/guides/members.md)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="overrides for every run, e.g. trainer.steps=500 '+arm=baseline,bias' "
+        "seed=0,1 (a sweep of the preset's own keys replaces it)",
+    )
 
 
-@verb("study", _study_arguments, help="run a published study's arms with seeds (finished runs are skipped), then its "
-      "report and a results page with a verdict per finding")
+@verb(
+    "study",
+    _study_arguments,
+    help="run a published study's arms with seeds (finished runs are skipped), then its "
+    "report and a results page with a verdict per finding",
+)
 def cmd_study(args) -> None:
     """Run a study's arms and seeds, then its report and its results page (report/study_runs.py)."""
     import shlex
@@ -88,6 +144,15 @@ def cmd_study(args) -> None:
     from dalle_ablate.report.study_runs import run_study
 
     with interrupts.taken_at_checks():  # its stages and runs stop at their checks: one line, the command that continues
-        run_study(args.study, args.out, args.report_out, args.page_out, list(args.overrides), seeds=args.seeds,
-                  no_run=args.no_run, no_stress=args.no_stress, members=not args.no_members,
-                  again=f"dalle-ablate {shlex.join(args.argv)}")
+        run_study(
+            args.study,
+            args.out,
+            args.report_out,
+            args.page_out,
+            list(args.overrides),
+            seeds=args.seeds,
+            no_run=args.no_run,
+            no_stress=args.no_stress,
+            members=not args.no_members,
+            again=f"dalle-ablate {shlex.join(args.argv)}",
+        )

@@ -41,14 +41,18 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (default 0.4)")
 
 
-@verb("plan", _plan_arguments, help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)",
-      description="Per-device memory (parameters, gradients, optimizer state, activations by remat policy), "
-      "communication per mesh axis, checkpoint size and FLOPs of a run, from abstract shapes: any size, "
-      "any mesh, on this machine. With --device: whether it fits, and its step time at --mfu.",
-      epilog="overrides it reads: size=, model=, model.dtype=, model.glu=, model.* (the shapes), optim= (its state), "
-      "mesh.data=, mesh.fsdp=, mesh.model= (-1 counts as 1), trainer.batch_size=, trainer.grad_accum=, and data= "
-      "(image and vocabulary sizes, from the config alone). Example: dalle-ablate plan size=mega "
-      "model=normformer optim=adam mesh.data=32 mesh.model=8 trainer.batch_size=4224 --device tpu-v3")
+@verb(
+    "plan",
+    _plan_arguments,
+    help="per-device memory and FLOPs on a mesh of any size (no allocation, no devices)",
+    description="Per-device memory (parameters, gradients, optimizer state, activations by remat policy), "
+    "communication per mesh axis, checkpoint size and FLOPs of a run, from abstract shapes: any size, "
+    "any mesh, on this machine. With --device: whether it fits, and its step time at --mfu.",
+    epilog="overrides it reads: size=, model=, model.dtype=, model.glu=, model.* (the shapes), optim= (its state), "
+    "mesh.data=, mesh.fsdp=, mesh.model= (-1 counts as 1), trainer.batch_size=, trainer.grad_accum=, and data= "
+    "(image and vocabulary sizes, from the config alone). Example: dalle-ablate plan size=mega "
+    "model=normformer optim=adam mesh.data=32 mesh.model=8 trainer.batch_size=4224 --device tpu-v3",
+)
 def cmd_plan(args) -> None:
     """Per-device memory and FLOPs of a config on its mesh, from abstract shapes."""
     from dalle_ablate.parallel.plan import plan
@@ -57,12 +61,17 @@ def cmd_plan(args) -> None:
 
 
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder; "
-                                "local or in a bucket (gs://bucket/runs/x)")
+    p.add_argument(
+        "path",
+        help="a run dir (its latest checkpoint), its run/ or run/checkpoints/, or one step's folder; "
+        "local or in a bucket (gs://bucket/runs/x)",
+    )
     p.add_argument("overrides", nargs="*", help="e.g. eval=drawbench eval.guidance_scales=[1,3,5] eval.num_samples=128")
 
 
-@verb("eval", _eval_arguments, help="evaluate a checkpoint: metrics per guidance scale, caption sensitivity, prompt grids")
+@verb(
+    "eval", _eval_arguments, help="evaluate a checkpoint: metrics per guidance scale, caption sensitivity, prompt grids"
+)
 def cmd_eval(args) -> None:
     """Guidance-scale Pareto, caption sensitivity and prompt grids of a saved checkpoint."""
     from dalle_ablate import interrupts
@@ -76,8 +85,12 @@ def _train_scorer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="e.g. eval.scorer.seed=1 eval.scorer.steps=3000 data.cache_dir=...")
 
 
-@verb("train-scorer", _train_scorer_arguments, help="train (or load from data.cache_dir) the contrastive shapes scorer that "
-      "eval.rerank uses; prints its held-out retrieval accuracy")
+@verb(
+    "train-scorer",
+    _train_scorer_arguments,
+    help="train (or load from data.cache_dir) the contrastive shapes scorer that "
+    "eval.rerank uses; prints its held-out retrieval accuracy",
+)
 def cmd_train_scorer(args) -> None:
     """Train (or load from the cache) the contrastive shapes scorer of `eval.scorer` and print its
     held-out retrieval accuracy."""
@@ -91,11 +104,17 @@ def cmd_train_scorer(args) -> None:
     t = time.perf_counter()
     scorer = ContrastiveScorer(cfg.data.cache_dir, cfg.eval.scorer)
     r = scorer.retrieval
-    print(f"{'trained' if scorer.trained else 'loaded'} scorer {scorer.hash} in {time.perf_counter() - t:.1f} s: {scorer.path}")
-    print(f"held-out retrieval, top-1 among {r['group']} ({r['pairs']} pairs, seed {cfg.eval.scorer.seed + 2}; chance "
-          f"{1 / r['group']:.1%}): caption -> image {r['text_to_image']:.1%}, image -> caption {r['image_to_text']:.1%}")
-    print(f"binding: the true caption outscores it with two colours swapped in {r['binding']:.1%} of the held-out scenes "
-          f"with two colours (chance 50%)")
+    print(
+        f"{'trained' if scorer.trained else 'loaded'} scorer {scorer.hash} in {time.perf_counter() - t:.1f} s: {scorer.path}"
+    )
+    print(
+        f"held-out retrieval, top-1 among {r['group']} ({r['pairs']} pairs, seed {cfg.eval.scorer.seed + 2}; chance "
+        f"{1 / r['group']:.1%}): caption -> image {r['text_to_image']:.1%}, image -> caption {r['image_to_text']:.1%}"
+    )
+    print(
+        f"binding: the true caption outscores it with two colours swapped in {r['binding']:.1%} of the held-out scenes "
+        f"with two colours (chance 50%)"
+    )
 
 
 def _train_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,9 +122,13 @@ def _train_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="outputs/tokenizers", help="folder of the run stores (default: outputs/tokenizers)")
 
 
-@verb("train-tokenizer", _train_tokenizer_arguments, help="fit (or load from data.cache_dir) the built-in data's image tokenizer "
-      "(data.tokenizer=kmeans|dvae|vqgan) with its own run store and tracker run; "
-      "prints the shapes parser's score on its held-out reconstructions")
+@verb(
+    "train-tokenizer",
+    _train_tokenizer_arguments,
+    help="fit (or load from data.cache_dir) the built-in data's image tokenizer "
+    "(data.tokenizer=kmeans|dvae|vqgan) with its own run store and tracker run; "
+    "prints the shapes parser's score on its held-out reconstructions",
+)
 def cmd_train_tokenizer(args) -> None:
     """Fit (or load from data.cache_dir) the built-in data's image tokenizer, with its own run
     store and tracker run, and print its held-out reconstruction scores."""

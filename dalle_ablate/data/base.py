@@ -27,14 +27,19 @@ class DataConfig(OptionConfig):
     blank_caption_prob: float = 0.1  # empty captions train the unconditional branch
     tokenizer_path: Optional[str] = None  # a tokenizer.json; null = BPE trained on the captions
     text_vocab_size: int = 512  # BPE vocabulary when trained here
-    cache_dir: str = DEFAULT_CACHE  # rendered data, fitted tokenizers and scorers, reused across runs; or a bucket's (gs://...)
+    # rendered data, fitted tokenizers and scorers, reused across runs; or a bucket's (gs://...)
+    cache_dir: str = DEFAULT_CACHE
 
     def validate(self, run) -> None:
-        check(0.0 <= self.blank_caption_prob <= 1.0, f"data.blank_caption_prob={self.blank_caption_prob} must be in [0, 1]")
+        check(
+            0.0 <= self.blank_caption_prob <= 1.0,
+            f"data.blank_caption_prob={self.blank_caption_prob} must be in [0, 1]",
+        )
 
     def image_sizes(self) -> dict[str, Optional[int]]:
         """image_len and image_vocab as far as the config alone says (None: only the data knows)."""
         return {"image_len": None, "image_vocab": None}
+
 
 Batch = dict[str, np.ndarray]  # text [B, T] int32, text_mask [B, T] bool, codes [B, I] int32, weights [B] f32
 
@@ -114,7 +119,9 @@ class Dataset(ABC):
         decoded true codes (the image tokenizer's reconstructions); exact renders on shapes."""
         return self.decode_images(self.valid_examples(n)[1])
 
-    def make_batch(self, ids: np.ndarray, mask: np.ndarray, codes: np.ndarray, weights: np.ndarray | None = None) -> Batch:
+    def make_batch(
+        self, ids: np.ndarray, mask: np.ndarray, codes: np.ndarray, weights: np.ndarray | None = None
+    ) -> Batch:
         return {
             "text": ids.astype(np.int32),
             "text_mask": mask.astype(bool),
@@ -122,8 +129,13 @@ class Dataset(ABC):
             "weights": np.ones(len(codes), np.float32) if weights is None else weights.astype(np.float32),
         }
 
-    def blank_captions(self, batch: Batch, rng: np.random.Generator, rows: Optional[np.ndarray] = None,
-                       global_size: Optional[int] = None) -> Batch:
+    def blank_captions(
+        self,
+        batch: Batch,
+        rng: np.random.Generator,
+        rows: Optional[np.ndarray] = None,
+        global_size: Optional[int] = None,
+    ) -> Batch:
         """Replace a blank_caption_prob share of captions by the empty caption (the unconditional
         branch that super conditioning needs; DALL·E mini trained with 10%). With `rows` (this
         host's rows of a global batch of `global_size`) the draw is made for the global batch,

@@ -53,9 +53,19 @@ class DVAEConfig(OptionConfig):
     """data.dvae: the dVAE's shape and training (its hash, with the data's settings that shape the
     images and codes, names the cached weights)."""
 
-    RANGES = {"width": "[4, inf)", "blocks": "[1, inf)", "steps": "[1, inf)", "batch": "[1, inf)", "lr": "(0, inf)",
-              "kl_weight": "[0, inf)", "kl_warmup": "[0, 1]", "tau_anneal": "[0, 1]", "ema": "[0, 1)", "sigma": "(0, inf)",
-              "gain_power": "[0, inf)"}
+    RANGES = {
+        "width": "[4, inf)",
+        "blocks": "[1, inf)",
+        "steps": "[1, inf)",
+        "batch": "[1, inf)",
+        "lr": "(0, inf)",
+        "kl_weight": "[0, inf)",
+        "kl_warmup": "[0, 1]",
+        "tau_anneal": "[0, 1]",
+        "ema": "[0, 1)",
+        "sigma": "(0, inf)",
+        "gain_power": "[0, inf)",
+    }
 
     width: int = 16  # channels of the finest group; each coarser group doubles it (the paper: 256)
     blocks: int = 1  # resblocks per group (the paper: 2)
@@ -85,7 +95,9 @@ def groups(patch_size: int) -> int:
     halvings (the paper: 256 px to 32 x 32 in 4 groups, 3 poolings)."""
     n = int(round(math.log2(patch_size)))
     if patch_size < 2 or 2**n != patch_size:
-        raise ConfigError(f"data.patch_size={patch_size}: data.tokenizer=dvae halves the image per group, so it needs a power of 2 >= 2")
+        raise ConfigError(
+            f"data.patch_size={patch_size}: data.tokenizer=dvae halves the image per group, so it needs a power of 2 >= 2"
+        )
     return n + 1
 
 
@@ -115,13 +127,23 @@ class DVAE(nnx.Module):
         widths = [width * 2**g for g in range(n_groups)]
         conv = lambda a, b, k: nnx.Conv(a, b, (k, k), padding="SAME", rngs=rngs)  # noqa: E731
         self.enc_in = conv(3, widths[0], 3)
-        self.enc = nnx.List([ResBlock(widths[max(g - 1, 0)] if b == 0 else widths[g], widths[g], gain, False, rngs)
-                             for g in range(n_groups) for b in range(blocks)])
+        self.enc = nnx.List(
+            [
+                ResBlock(widths[max(g - 1, 0)] if b == 0 else widths[g], widths[g], gain, False, rngs)
+                for g in range(n_groups)
+                for b in range(blocks)
+            ]
+        )
         self.enc_out = conv(widths[-1], vocab, 1)  # 1 x 1 next to the relaxation
         self.dec_in = conv(vocab, widths[-1], 1)
         rev = widths[::-1]
-        self.dec = nnx.List([ResBlock(rev[max(g - 1, 0)] if b == 0 else rev[g], rev[g], gain, True, rngs)
-                             for g in range(n_groups) for b in range(blocks)])
+        self.dec = nnx.List(
+            [
+                ResBlock(rev[max(g - 1, 0)] if b == 0 else rev[g], rev[g], gain, True, rngs)
+                for g in range(n_groups)
+                for b in range(blocks)
+            ]
+        )
         self.dec_out = conv(widths[0], 3, 1)
         self.n_groups, self.blocks, self.vocab = n_groups, blocks, vocab
 
@@ -158,7 +180,9 @@ def create(vocab: int, patch_size: int, settings: DVAEConfig, abstract: bool = F
     """A freshly initialised DVAE, or its abstract shapes only. Kernels are drawn as the paper's
     dVAE draws them, N(0, 1 / (k^2 n_in)), biases 0, with NumPy: JAX's initialisers took 16-24 s
     to compile for these few dozen convolutions on this machine (eagerly or in one jit)."""
-    shapes = nnx.eval_shape(lambda: DVAE(vocab, groups(patch_size), settings.width, settings.blocks, settings.gain_power, nnx.Rngs(0)))
+    shapes = nnx.eval_shape(
+        lambda: DVAE(vocab, groups(patch_size), settings.width, settings.blocks, settings.gain_power, nnx.Rngs(0))
+    )
     if abstract:
         return shapes
     graphdef, state = nnx.split(shapes)
@@ -207,8 +231,14 @@ def perplexity(codes: np.ndarray, vocab: int) -> float:
     return float(np.exp(-(p * np.log(p)).sum()))
 
 
-def fit(images: np.ndarray, vocab: int, patch_size: int, settings: DVAEConfig,
-        log: Optional[Callable[[int, dict], None]] = None, log_every: int = 100) -> DVAE:
+def fit(
+    images: np.ndarray,
+    vocab: int,
+    patch_size: int,
+    settings: DVAEConfig,
+    log: Optional[Callable[[int, dict], None]] = None,
+    log_every: int = 100,
+) -> DVAE:
     """Train on uint8 [N, H, W, 3] images; returns the moving average of the weights. `log(step,
     metrics)` hears the loss, its two terms, τ, β and the batch's code perplexity."""
     model = create(vocab, patch_size, settings)
@@ -218,7 +248,9 @@ def fit(images: np.ndarray, vocab: int, patch_size: int, settings: DVAEConfig,
     mean = np.clip(images.reshape(-1, 3).mean(0) / 255.0, 0.01, 0.99)
     model.dec_out.bias[...] = jnp.asarray(np.log(mean / (1 - mean)), jnp.float32)
     graphdef, params = nnx.split(model, nnx.Param)
-    lr = optax.warmup_cosine_decay_schedule(0.0, settings.lr, min(100, settings.steps // 10), settings.steps, end_value=settings.lr / 100)
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, settings.lr, min(100, settings.steps // 10), settings.steps, end_value=settings.lr / 100
+    )
     tx = optax.adam(lr)
     opt_state = tx.init(params)
     dims = float(np.prod(images.shape[1:]))
@@ -234,9 +266,15 @@ def fit(images: np.ndarray, vocab: int, patch_size: int, settings: DVAEConfig,
         rec = jnp.sum((recon - target) ** 2, axis=(1, 2, 3)) / (2 * settings.sigma**2) / dims
         kl = jnp.sum(kl_to_uniform(logits), axis=(1, 2)) / dims
         total = jnp.mean(rec + beta * kl)
-        return total, {"tokenizer/loss": total, "tokenizer/recon": jnp.mean(rec), "tokenizer/kl": jnp.mean(kl),
-                       "tokenizer/mse": jnp.mean((recon - target) ** 2), "tokenizer/tau": tau, "tokenizer/beta": beta,
-                       "codes": jnp.argmax(logits, -1)}
+        return total, {
+            "tokenizer/loss": total,
+            "tokenizer/recon": jnp.mean(rec),
+            "tokenizer/kl": jnp.mean(kl),
+            "tokenizer/mse": jnp.mean((recon - target) ** 2),
+            "tokenizer/tau": tau,
+            "tokenizer/beta": beta,
+            "codes": jnp.argmax(logits, -1),
+        }
 
     @jax.jit
     def step_fn(p, ema, opt_state, x, key, step):
@@ -276,9 +314,13 @@ def fit(images: np.ndarray, vocab: int, patch_size: int, settings: DVAEConfig,
 
 
 def diverged(step: int, what: str, last_finite: Optional[tuple[int, float]]) -> RunFailed:
-    before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "no finite loss before it"
-    return RunFailed(f"data.tokenizer=dvae diverged at step {step}: {what}; {before}; nothing cached; "
-                     f"lower data.dvae.lr", RunFailed.DIVERGED)
+    before = (
+        f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "no finite loss before it"
+    )
+    return RunFailed(
+        f"data.tokenizer=dvae diverged at step {step}: {what}; {before}; nothing cached; lower data.dvae.lr",
+        RunFailed.DIVERGED,
+    )
 
 
 class DVAETokenizer:
@@ -311,7 +353,9 @@ def load(path: Path, vocab: int, patch_size: int, settings: DVAEConfig) -> DVAE:
     graphdef, state = nnx.split(create(vocab, patch_size, settings, abstract=True))
     leaves, treedef = jax.tree_util.tree_flatten(nnx.to_pure_dict(state))
     with np.load(path) as f:
-        nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(f[f"p{i}"]) for i in range(len(leaves))]))
+        nnx.replace_by_pure_dict(
+            state, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(f[f"p{i}"]) for i in range(len(leaves))])
+        )
     return nnx.merge(graphdef, state)
 
 
@@ -327,7 +371,13 @@ class DVAEOption(TokenizerOption):
         return 512
 
     def key(self, cfg, data_key: str) -> str:
-        fields = {"version": 3, "data": data_key, "vocab": cfg.vocab(), "patch_size": cfg.patch_size, **asdict(cfg.dvae)}
+        fields = {
+            "version": 3,
+            "data": data_key,
+            "vocab": cfg.vocab(),
+            "patch_size": cfg.patch_size,
+            **asdict(cfg.dvae),
+        }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     def build(self, cfg, images, data_key: str, log=None) -> DVAETokenizer:

@@ -31,8 +31,10 @@ def image_caption_pairs(folder: str | Path) -> list[tuple[Path, str]]:
         else:
             missing.append(img.name)
     if missing:
-        raise ConfigError(f"--images {folder}: {len(missing)} images have no caption file, e.g. {missing[0]} needs "
-                          f"{Path(missing[0]).with_suffix('.txt')}")
+        raise ConfigError(
+            f"--images {folder}: {len(missing)} images have no caption file, e.g. {missing[0]} needs "
+            f"{Path(missing[0]).with_suffix('.txt')}"
+        )
     if not pairs:
         raise ConfigError(f"--images {folder}: no images ({', '.join(IMAGE_SUFFIXES)}) with captions found")
     return pairs
@@ -52,8 +54,9 @@ def encode_folder(folder: str | Path, vqgan, out: str | Path, batch: int = 16, p
     pairs = image_caption_pairs(folder)
     size = vqgan.cfg.resolution
     codes = []
-    for start in tqdm(range(0, len(pairs), batch), total=-(-len(pairs) // batch), unit="batch", disable=not progress,
-                      desc="encoding"):
+    for start in tqdm(
+        range(0, len(pairs), batch), total=-(-len(pairs) // batch), unit="batch", disable=not progress, desc="encoding"
+    ):
         images = np.stack([load_square(p, size) for p, _ in pairs[start : start + batch]])
         codes.append(encode_images(vqgan, images, batch))
     out = Path(out).expanduser()

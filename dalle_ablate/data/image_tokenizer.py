@@ -52,8 +52,9 @@ class TokenizerOption(ABC):
     def key(self, cfg, data_key: str) -> str: ...
 
     @abstractmethod
-    def build(self, cfg, images: Callable[[], np.ndarray], data_key: str,
-              log: Optional[Callable[[int, dict], None]] = None) -> ImageTokenizer: ...
+    def build(
+        self, cfg, images: Callable[[], np.ndarray], data_key: str, log: Optional[Callable[[int, dict], None]] = None
+    ) -> ImageTokenizer: ...
 
     def path(self, cfg, data_key: str) -> Path:
         """Where the fitted tokenizer is cached."""
@@ -169,7 +170,9 @@ class PatchCodebook:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         extra = {} if self.image_size is None else {"image_size": self.image_size}
-        atomic_savez(path, codes=self.codes, patch_size=self.patch_size, **extra)  # a crash never leaves a half-written file
+        atomic_savez(
+            path, codes=self.codes, patch_size=self.patch_size, **extra
+        )  # a crash never leaves a half-written file
 
     @classmethod
     def load(cls, path: str | Path) -> "PatchCodebook":
@@ -207,7 +210,9 @@ class KMeansOption(TokenizerOption):
         path = self.path(cfg, data_key)
         if path.is_file():
             return PatchCodebook.load(path)
-        codebook = PatchCodebook.fit(images(), cfg.patch_size, cfg.vocab(), cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed)
+        codebook = PatchCodebook.fit(
+            images(), cfg.patch_size, cfg.vocab(), cfg.kmeans_patches, cfg.kmeans_iters, cfg.seed
+        )
         codebook.save(path)
         return codebook
 
@@ -225,7 +230,9 @@ class VQGANOption(TokenizerOption):
         from dalle_ablate.weights import file_hash
 
         if not cfg.vqgan_path:
-            raise ConfigError("data.tokenizer=vqgan needs data.vqgan_path (VQGAN weights .npz from dalle-ablate convert-vqgan)")
+            raise ConfigError(
+                "data.tokenizer=vqgan needs data.vqgan_path (VQGAN weights .npz from dalle-ablate convert-vqgan)"
+            )
         return file_hash(Path(cfg.vqgan_path).expanduser())
 
     def build(self, cfg, images, data_key, log=None):

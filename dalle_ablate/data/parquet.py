@@ -43,8 +43,13 @@ _SCAN_ROWS = 100_000  # rows the pre-flight scan reads (and a BPE tokenizer is t
 class ParquetDataConfig(DataConfig):
     """dalle-mini's format: parquet files with a caption column and a list-of-int code column."""
 
-    RANGES = {"valid_fraction": "[0, 1)", "image_vocab": "[1, inf)", "image_len": "[1, inf) or null",
-              "shuffle_buffer": "[1, inf)", "valid_max_rows": "[1, inf)"}
+    RANGES = {
+        "valid_fraction": "[0, 1)",
+        "image_vocab": "[1, inf)",
+        "image_len": "[1, inf) or null",
+        "shuffle_buffer": "[1, inf)",
+        "valid_max_rows": "[1, inf)",
+    }
 
     name: str = "parquet"
     path: str = MISSING  # a file, a folder or a glob of training files, local or in a bucket (gs://...)
@@ -117,12 +122,16 @@ class ParquetDataset(Dataset):
         self.vqgan = None
         if cfg.vqgan_path:
             if cfg.codebook_path:
-                raise ConfigError("data.codebook_path and data.vqgan_path are both set; the codes come from one image tokenizer")
+                raise ConfigError(
+                    "data.codebook_path and data.vqgan_path are both set; the codes come from one image tokenizer"
+                )
             from dalle_ablate.vqgan import load_vqgan
 
             self.vqgan = load_vqgan(cfg.vqgan_path, "data.vqgan_path")
             if self.vqgan.cfg.n_embed != self.image_vocab:
-                raise ConfigError(f"data.vqgan_path has {self.vqgan.cfg.n_embed} codes but data.image_vocab={self.image_vocab}")
+                raise ConfigError(
+                    f"data.vqgan_path has {self.vqgan.cfg.n_embed} codes but data.image_vocab={self.image_vocab}"
+                )
         if cfg.tokenizer_path:
             self.text = TextTokenizer.from_file(cfg.tokenizer_path, text_len)
         captions, scan = self._preflight()
@@ -149,22 +158,26 @@ class ParquetDataset(Dataset):
         schema = pf.schema_arrow
         for col, field in ((self.cfg.caption_column, "caption_column"), (self.cfg.encoding_column, "encoding_column")):
             if col not in schema.names:
-                raise ConfigError(
-                    f"{file}: no column {col!r} (columns: {', '.join(schema.names)}); set data.{field}"
-                )
+                raise ConfigError(f"{file}: no column {col!r} (columns: {', '.join(schema.names)}); set data.{field}")
         cap = schema.field(self.cfg.caption_column).type
         if not (pa.types.is_string(cap) or pa.types.is_large_string(cap)):
             # Binary captions would turn into "b'...'" reprs; other types are not text at all.
-            raise ConfigError(f"{file}: column {self.cfg.caption_column!r} has type {cap}; captions must be UTF-8 strings "
-                              f"(data.caption_column)")
+            raise ConfigError(
+                f"{file}: column {self.cfg.caption_column!r} has type {cap}; captions must be UTF-8 strings "
+                f"(data.caption_column)"
+            )
         enc = schema.field(self.cfg.encoding_column).type
         if not pa.types.is_list(enc) and not pa.types.is_large_list(enc) and not pa.types.is_fixed_size_list(enc):
-            raise ConfigError(f"{file}: column {self.cfg.encoding_column!r} has type {enc}; expected a list of integer "
-                              f"codes per row (data.encoding_column)")
+            raise ConfigError(
+                f"{file}: column {self.cfg.encoding_column!r} has type {enc}; expected a list of integer "
+                f"codes per row (data.encoding_column)"
+            )
         if not pa.types.is_integer(enc.value_type):
             # Floats would be truncated silently, strings fail deep inside numpy.
-            raise ConfigError(f"{file}: column {self.cfg.encoding_column!r} holds {enc.value_type} codes; codes must be "
-                              f"integers in [0, {self.image_vocab})")
+            raise ConfigError(
+                f"{file}: column {self.cfg.encoding_column!r} holds {enc.value_type} codes; codes must be "
+                f"integers in [0, {self.image_vocab})"
+            )
         return pf
 
     def _record_batches(self, file: Path, pf: pq.ParquetFile) -> Iterator[tuple[int, pa.RecordBatch]]:
@@ -173,16 +186,19 @@ class ParquetDataset(Dataset):
         row = 0
         for g in range(pf.num_row_groups):
             start, n = row, pf.metadata.row_group(g).num_rows
-            batches = pf.iter_batches(batch_size=_READ_ROWS, row_groups=[g],
-                                      columns=[self.cfg.caption_column, self.cfg.encoding_column])
+            batches = pf.iter_batches(
+                batch_size=_READ_ROWS, row_groups=[g], columns=[self.cfg.caption_column, self.cfg.encoding_column]
+            )
             while True:
                 try:
                     rb = next(batches)
                 except StopIteration:
                     break
                 except (pa.ArrowException, OSError) as e:
-                    raise ConfigError(f"{file}: rows {start}..{start + n - 1} (row group {g}) cannot be read (corrupt file?): "
-                                      f"{first_line(e)}") from e
+                    raise ConfigError(
+                        f"{file}: rows {start}..{start + n - 1} (row group {g}) cannot be read (corrupt file?): "
+                        f"{first_line(e)}"
+                    ) from e
                 yield row, rb
                 row += rb.num_rows
 
@@ -200,12 +216,16 @@ class ParquetDataset(Dataset):
         try:
             col.validate(full=True)  # parquet readers do not check that strings are UTF-8
         except pa.ArrowInvalid:
-            for r, raw in enumerate(col.view(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()):
+            for r, raw in enumerate(
+                col.view(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()
+            ):
                 try:
                     raw is None or raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise ConfigError(f"{file}: row {first_row + r}: column {self.cfg.caption_column!r} is not valid UTF-8 "
-                                      f"(byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+                    raise ConfigError(
+                        f"{file}: row {first_row + r}: column {self.cfg.caption_column!r} is not valid UTF-8 "
+                        f"(byte {e.start}: {raw[e.start : e.start + 1]!r})"
+                    ) from None
             raise
         return ["" if c is None else c for c in col.to_pylist()]
 
@@ -220,14 +240,15 @@ class ParquetDataset(Dataset):
         if len(bad):
             r = int(bad[0])
             raise ConfigError(
-                f"{file}: row {first_row + r}: column {enc!r} has {lengths[r]} codes, "
-                f"expected {self.image_len}"
+                f"{file}: row {first_row + r}: column {enc!r} has {lengths[r]} codes, expected {self.image_len}"
             )
         values = col.flatten()
         if values.null_count:
             i = int(np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))[0])
-            raise ConfigError(f"{file}: row {first_row + i // self.image_len}: column {enc!r} has a null code at "
-                              f"position {i % self.image_len}")
+            raise ConfigError(
+                f"{file}: row {first_row + i // self.image_len}: column {enc!r} has a null code at "
+                f"position {i % self.image_len}"
+            )
         codes = values.to_numpy(zero_copy_only=False).reshape(len(col), self.image_len)
         out = (codes < 0) | (codes >= self.image_vocab)
         if out.any():
@@ -265,17 +286,29 @@ class ParquetDataset(Dataset):
             if len(captions) >= _SCAN_ROWS:
                 break
         if not captions:
-            raise ConfigError(f"data.path={self.cfg.path}: no training rows ({rows} rows in {len(self.files)} files, all held out "
-                              f"by data.valid_fraction={self.cfg.valid_fraction}?)")
+            raise ConfigError(
+                f"data.path={self.cfg.path}: no training rows ({rows} rows in {len(self.files)} files, all held out "
+                f"by data.valid_fraction={self.cfg.valid_fraction}?)"
+            )
         blank = sum(not c.strip() for c in captions) / len(captions)
-        report = {"rows": rows, "scanned": len(captions), "blank_captions": blank, "code_min": lo, "code_max": hi,
-                  "codes_used": int(used.sum())}
-        log.info(f"data: {rows:,} rows in {len(self.files)} file(s); of the first {len(captions):,} training rows "
-                 f"{blank:.1%} have a blank caption; codes {lo}..{hi}, {report['codes_used']:,} of {self.image_vocab:,} used")
+        report = {
+            "rows": rows,
+            "scanned": len(captions),
+            "blank_captions": blank,
+            "code_min": lo,
+            "code_max": hi,
+            "codes_used": int(used.sum()),
+        }
+        log.info(
+            f"data: {rows:,} rows in {len(self.files)} file(s); of the first {len(captions):,} training rows "
+            f"{blank:.1%} have a blank caption; codes {lo}..{hi}, {report['codes_used']:,} of {self.image_vocab:,} used"
+        )
         if blank == 1.0 and not self.cfg.allow_blank_captions:
-            raise ConfigError(f"data.path={self.cfg.path}: every caption of the first {len(captions):,} training rows is blank "
-                              f"(column {self.cfg.caption_column!r}); a model trained on it never sees text. Set "
-                              f"data.caption_column, or data.allow_blank_captions=true to train unconditionally")
+            raise ConfigError(
+                f"data.path={self.cfg.path}: every caption of the first {len(captions):,} training rows is blank "
+                f"(column {self.cfg.caption_column!r}); a model trained on it never sees text. Set "
+                f"data.caption_column, or data.allow_blank_captions=true to train unconditionally"
+            )
         return captions, report
 
     def _load_valid(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
@@ -287,8 +320,10 @@ class ParquetDataset(Dataset):
             if len(caps) >= self.cfg.valid_max_rows:
                 break
         if not caps and self.valid_files:
-            raise ConfigError(f"data.valid_path={self.cfg.valid_path}: no rows in {', '.join(map(str, self.valid_files))}; "
-                              "give a split with rows, or drop data.valid_path to hold out data.valid_fraction of data.path")
+            raise ConfigError(
+                f"data.valid_path={self.cfg.valid_path}: no rows in {', '.join(map(str, self.valid_files))}; "
+                "give a split with rows, or drop data.valid_path to hold out data.valid_fraction of data.path"
+            )
         if not caps:
             raise ConfigError(
                 f"no validation rows: set data.valid_path or raise data.valid_fraction={self.cfg.valid_fraction}"
@@ -351,9 +386,16 @@ class ParquetDataset(Dataset):
         return None if self.codebook is None else self.codebook.decode(codes)
 
 
-def write_parquet(path: str | Path, captions: list[str], codes: np.ndarray, caption_column="caption", encoding_column="encoding") -> None:
+def write_parquet(
+    path: str | Path, captions: list[str], codes: np.ndarray, caption_column="caption", encoding_column="encoding"
+) -> None:
     """Write (caption, codes) rows in dalle-mini's format."""
-    table = pa.table({caption_column: pa.array(captions, pa.string()), encoding_column: pa.array(list(map(list, codes)), pa.list_(pa.int64()))})
+    table = pa.table(
+        {
+            caption_column: pa.array(captions, pa.string()),
+            encoding_column: pa.array(list(map(list, codes)), pa.list_(pa.int64())),
+        }
+    )
     pq.write_table(table, str(path))
 
 

@@ -34,9 +34,16 @@ class ShapesDataConfig(DataConfig):
     """Procedural scenes of coloured shapes, tokenised by an image tokenizer (data.tokenizer)."""
 
     RANGES = {
-        "image_size": "[1, inf)", "patch_size": "[1, inf)", "codebook_size": "[2, inf) or null", "num_train": "[1, inf)",
-        "num_valid": "[1, inf)", "num_test": "[1, inf)", "kmeans_patches": "[1, inf)", "kmeans_iters": "[1, inf)",
-        "min_objects": "[1, 9]", "max_objects": "[1, 9]",  # the scene grid has 9 cells
+        "image_size": "[1, inf)",
+        "patch_size": "[1, inf)",
+        "codebook_size": "[2, inf) or null",
+        "num_train": "[1, inf)",
+        "num_valid": "[1, inf)",
+        "num_test": "[1, inf)",
+        "kmeans_patches": "[1, inf)",
+        "kmeans_iters": "[1, inf)",
+        "min_objects": "[1, 9]",
+        "max_objects": "[1, 9]",  # the scene grid has 9 cells
     }
 
     name: str = "shapes"
@@ -71,17 +78,27 @@ class ShapesDataConfig(DataConfig):
 
     def validate(self, run) -> None:
         super().validate(run)
-        check(self.min_objects <= self.max_objects, f"data.min_objects={self.min_objects} exceeds data.max_objects={self.max_objects}")
-        check(self.max_objects <= 3,  # the captions and the evaluation's tiers know scenes of 1 to 3 objects
-              f"data.min_objects={self.min_objects}, data.max_objects={self.max_objects}: need 1 <= min <= max <= 3")
+        check(
+            self.min_objects <= self.max_objects,
+            f"data.min_objects={self.min_objects} exceeds data.max_objects={self.max_objects}",
+        )
+        check(
+            self.max_objects <= 3,  # the captions and the evaluation's tiers know scenes of 1 to 3 objects
+            f"data.min_objects={self.min_objects}, data.max_objects={self.max_objects}: need 1 <= min <= max <= 3",
+        )
         check(self.mix in MIXES, f"data.mix={self.mix!r} is not one of {', '.join(MIXES)}")
-        check(self.image_size % self.patch_size == 0, f"data.patch_size={self.patch_size} does not divide data.image_size={self.image_size}")
+        check(
+            self.image_size % self.patch_size == 0,
+            f"data.patch_size={self.patch_size} does not divide data.image_size={self.image_size}",
+        )
         IMAGE_TOKENIZERS.get(self.tokenizer)
         if self.tokenizer == "dvae":
             groups(self.patch_size)
             self.dvae.check_all(run, "data.dvae")
-        check(self.tokenizer != "vqgan" or bool(self.vqgan_path),
-              "data.tokenizer=vqgan needs data.vqgan_path (VQGAN weights .npz from dalle-ablate convert-vqgan)")
+        check(
+            self.tokenizer != "vqgan" or bool(self.vqgan_path),
+            "data.tokenizer=vqgan needs data.vqgan_path (VQGAN weights .npz from dalle-ablate convert-vqgan)",
+        )
         self.vocab()  # a tokenizer without a default size (vqgan) refuses a null data.codebook_size here
 
     def vocab(self) -> int:
@@ -100,7 +117,11 @@ def generate_split(cfg, split: str) -> tuple[list[dict], np.ndarray]:
     n = {"train": cfg.num_train, "valid": cfg.num_valid, "test": cfg.num_test}[split]
     rng = np.random.default_rng([cfg.seed, SPLITS.index(split)])
     scenes = [random_scene(rng, cfg.min_objects, cfg.max_objects, cfg.mix) for _ in range(n)]
-    images = np.stack([_render(s, cfg.image_size) for s in scenes]) if n else np.zeros((0, cfg.image_size, cfg.image_size, 3), np.uint8)
+    images = (
+        np.stack([_render(s, cfg.image_size) for s in scenes])
+        if n
+        else np.zeros((0, cfg.image_size, cfg.image_size, 3), np.uint8)
+    )
     return [s.to_dict() for s in scenes], images
 
 
@@ -132,7 +153,17 @@ def tier_prompt(rng: np.random.Generator, name: str) -> dict:
 
 def scenes_key(cfg) -> str:
     """The hash of the settings that determine the scenes and their renders."""
-    fields = [_VERSION, cfg.seed, cfg.image_size, cfg.num_train, cfg.num_valid, cfg.num_test, cfg.min_objects, cfg.max_objects, cfg.mix]
+    fields = [
+        _VERSION,
+        cfg.seed,
+        cfg.image_size,
+        cfg.num_train,
+        cfg.num_valid,
+        cfg.num_test,
+        cfg.min_objects,
+        cfg.max_objects,
+        cfg.mix,
+    ]
     return hashlib.sha256("|".join(map(str, fields)).encode()).hexdigest()[:16]
 
 

@@ -25,8 +25,12 @@ def _once(phrase: str, caption: str) -> bool:
 def _replace(caption: str, old: str, new: str) -> str:
     """`old` -> `new` once, with the article in front of it (if any) agreeing with `new`."""
     article = "an" if new[0] in "aeiou" else "a"
-    return re.sub(rf"\b(?:(?:a|an) )?{re.escape(old)}\b",
-                  lambda m: (f"{article} " if m.group(0) != old else "") + new, caption, count=1)
+    return re.sub(
+        rf"\b(?:(?:a|an) )?{re.escape(old)}\b",
+        lambda m: (f"{article} " if m.group(0) != old else "") + new,
+        caption,
+        count=1,
+    )
 
 
 def swap(spec: dict, kind: str, rng: np.random.Generator) -> Optional[str]:
@@ -73,9 +77,23 @@ def sensitivity(per_image_nll, encode, specs: list[dict], codes: np.ndarray, see
     return out
 
 
-@evaluator("caption_sensitivity", "model", needs_specs=True, metrics=[
-    Metric(kind, f"the rise in a valid image's NLL when its caption's {kind} is swapped", "nats per image", "higher",
-           headline=7) for kind in KINDS])
-def caption_sensitivity_evaluator(ctx: ModelContext, specs: list[dict], codes: np.ndarray, seed: int) -> dict[str, float]:
+@evaluator(
+    "caption_sensitivity",
+    "model",
+    needs_specs=True,
+    metrics=[
+        Metric(
+            kind,
+            f"the rise in a valid image's NLL when its caption's {kind} is swapped",
+            "nats per image",
+            "higher",
+            headline=7,
+        )
+        for kind in KINDS
+    ],
+)
+def caption_sensitivity_evaluator(
+    ctx: ModelContext, specs: list[dict], codes: np.ndarray, seed: int
+) -> dict[str, float]:
     """eval.metrics=[caption_sensitivity]: the model's loss under swapped captions of valid examples."""
     return sensitivity(ctx.per_image_nll, ctx.dataset.text.encode, specs, codes, seed)

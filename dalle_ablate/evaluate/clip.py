@@ -30,7 +30,15 @@ from flax import nnx
 from dalle_ablate.evaluate.evaluators import SamplesContext, evaluator
 from dalle_ablate.metrics import Metric
 from dalle_ablate.registry import ConfigError, OptionConfig, check
-from dalle_ablate.weights import apply_batched, existing, file_hash, from_state_dict, open_weights, save_weights, to_state_dict
+from dalle_ablate.weights import (
+    apply_batched,
+    existing,
+    file_hash,
+    from_state_dict,
+    open_weights,
+    save_weights,
+    to_state_dict,
+)
 from dalle_ablate.weights import with_arrays
 
 MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)  # OpenAI's preprocessing
@@ -58,10 +66,20 @@ class CLIPConfig:
 
 PRESETS = {
     "ViT-B/32": CLIPConfig(),
-    "ViT-L/14": CLIPConfig(embed_dim=768, patch_size=14, vision_width=1024, vision_layers=24, vision_heads=16,
-                           text_width=768, text_heads=12),
+    "ViT-L/14": CLIPConfig(
+        embed_dim=768,
+        patch_size=14,
+        vision_width=1024,
+        vision_layers=24,
+        vision_heads=16,
+        text_width=768,
+        text_heads=12,
+    ),
 }
-ACTIVATIONS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x), "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
 
 
 def _ln(w: int, rngs) -> nnx.LayerNorm:
@@ -92,7 +110,12 @@ class MLP(nnx.Module):
 
 class ResidualAttentionBlock(nnx.Module):
     def __init__(self, w: int, heads: int, act: str, rngs):
-        self.ln_1, self.attn, self.ln_2, self.mlp = _ln(w, rngs), Attention(w, heads, rngs), _ln(w, rngs), MLP(w, act, rngs)
+        self.ln_1, self.attn, self.ln_2, self.mlp = (
+            _ln(w, rngs),
+            Attention(w, heads, rngs),
+            _ln(w, rngs),
+            MLP(w, act, rngs),
+        )
 
     def __call__(self, x, causal: bool):
         x = x + self.attn(self.ln_1(x), causal)
@@ -118,11 +141,11 @@ class VisionTransformer(nnx.Module):
         w, p = cfg.vision_width, cfg.patch_size
         grid = cfg.image_size // p
         self.conv1 = nnx.Conv(3, w, (p, p), strides=p, padding="VALID", use_bias=False, rngs=rngs)
-        self.class_embedding = _param(rngs, (w,), w ** -0.5)
-        self.positional_embedding = _param(rngs, (grid * grid + 1, w), w ** -0.5)
+        self.class_embedding = _param(rngs, (w,), w**-0.5)
+        self.positional_embedding = _param(rngs, (grid * grid + 1, w), w**-0.5)
         self.ln_pre, self.ln_post = _ln(w, rngs), _ln(w, rngs)
         self.transformer = Transformer(w, cfg.vision_layers, cfg.vision_heads, cfg.act, rngs)
-        self.proj = _param(rngs, (w, cfg.embed_dim), w ** -0.5)
+        self.proj = _param(rngs, (w, cfg.embed_dim), w**-0.5)
 
     def __call__(self, x):
         x = self.conv1(x)
@@ -142,7 +165,7 @@ class CLIP(nnx.Module):
         self.positional_embedding = _param(rngs, (cfg.context_length, w), 0.01)
         self.transformer = Transformer(w, cfg.text_layers, cfg.text_heads, cfg.act, rngs)
         self.ln_final = _ln(w, rngs)
-        self.text_projection = _param(rngs, (w, cfg.embed_dim), w ** -0.5)
+        self.text_projection = _param(rngs, (w, cfg.embed_dim), w**-0.5)
 
     def encode_image(self, pixels: jax.Array) -> jax.Array:
         """Preprocessed float images [N, S, S, 3] -> embeddings [N, embed_dim] (not normalised)."""
@@ -177,12 +200,16 @@ def read_bpe(path: str | Path) -> list[str]:
     """The merges of CLIP's `bpe_simple_vocab_16e6.txt.gz` (or its uncompressed text)."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ConfigError(f"--bpe: {path} does not exist (CLIP's bpe_simple_vocab_16e6.txt.gz ships with the CLIP "
-                          "and open_clip packages)")
+        raise ConfigError(
+            f"--bpe: {path} does not exist (CLIP's bpe_simple_vocab_16e6.txt.gz ships with the CLIP "
+            "and open_clip packages)"
+        )
     raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
-    lines = raw.decode("utf-8").split("\n")[1:N_MERGES + 1]  # the first line is a version header
+    lines = raw.decode("utf-8").split("\n")[1 : N_MERGES + 1]  # the first line is a version header
     if len(lines) != N_MERGES or any(len(m.split()) != 2 for m in lines):
-        raise ConfigError(f"--bpe: {path} is not CLIP's BPE merges file (need {N_MERGES} lines of 'a b' after a header)")
+        raise ConfigError(
+            f"--bpe: {path} is not CLIP's BPE merges file (need {N_MERGES} lines of 'a b' after a header)"
+        )
     return lines
 
 
@@ -204,10 +231,12 @@ class CLIPTokenizer:
         self.context_length = context_length
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split()) for m in merges], end_of_word_suffix="</w>")
         self.tok = Tokenizer(bpe)
-        self.tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_PATTERN), behavior="removed", invert=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        self.tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PATTERN), behavior="removed", invert=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
 
     @staticmethod
     def clean(text: str) -> str:
@@ -246,18 +275,31 @@ def _torch_name(key: str) -> tuple[str, str]:
 def config_from_state_dict(sd: dict, act: str = "quick_gelu", head_width: int = 64) -> CLIPConfig:
     """The config a CLIP state dict implies (as OpenAI's `build_model` reads it)."""
     try:
+
         def layers(prefix):
-            return len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)})
+            return len({k[len(prefix) :].split(".")[0] for k in sd if k.startswith(prefix)})
 
         vw, tw = sd["visual.conv1.weight"].shape[0], sd["ln_final.weight"].shape[0]
         patch = sd["visual.conv1.weight"].shape[-1]
         grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
-        return CLIPConfig(embed_dim=sd["text_projection"].shape[1], image_size=patch * grid, patch_size=patch,
-                          vision_width=vw, vision_layers=layers("visual.transformer.resblocks."), vision_heads=vw // head_width,
-                          context_length=sd["positional_embedding"].shape[0], vocab_size=sd["token_embedding.weight"].shape[0],
-                          text_width=tw, text_heads=tw // head_width, text_layers=layers("transformer.resblocks."), act=act)
+        return CLIPConfig(
+            embed_dim=sd["text_projection"].shape[1],
+            image_size=patch * grid,
+            patch_size=patch,
+            vision_width=vw,
+            vision_layers=layers("visual.transformer.resblocks."),
+            vision_heads=vw // head_width,
+            context_length=sd["positional_embedding"].shape[0],
+            vocab_size=sd["token_embedding.weight"].shape[0],
+            text_width=tw,
+            text_heads=tw // head_width,
+            text_layers=layers("transformer.resblocks."),
+            act=act,
+        )
     except KeyError as e:
-        raise ConfigError(f"the checkpoint has no {e.args[0]}; is it a CLIP ViT (OpenAI or open_clip) state dict?") from e
+        raise ConfigError(
+            f"the checkpoint has no {e.args[0]}; is it a CLIP ViT (OpenAI or open_clip) state dict?"
+        ) from e
 
 
 def convert_state_dict(sd: dict, cfg: CLIPConfig) -> CLIP:
@@ -268,7 +310,9 @@ def torch_names(model: CLIP) -> dict:
     return to_state_dict(model, _torch_name)
 
 
-def save_clip(model: CLIP | dict[str, np.ndarray], merges: list[str], path: str | Path, cfg: CLIPConfig | None = None) -> None:
+def save_clip(
+    model: CLIP | dict[str, np.ndarray], merges: list[str], path: str | Path, cfg: CLIPConfig | None = None
+) -> None:
     """`model`: a CLIP, or its arrays by path with their `cfg`."""
     save_weights(model, path, config=asdict(cfg or model.cfg), bpe=merges, preprocess=PREPROCESS)
 
@@ -333,8 +377,10 @@ def clip_score(image_embeddings: np.ndarray, text_embeddings: np.ndarray) -> flo
 @lru_cache(maxsize=None)  # per config: every loaded copy of the same shape shares the compilations
 def _encoders(cfg: CLIPConfig):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: CLIP(cfg, nnx.Rngs(0))))
-    return (jax.jit(lambda state, x: nnx.merge(graphdef, state).encode_image(x)),
-            jax.jit(lambda state, ids: nnx.merge(graphdef, state).encode_text(ids)))
+    return (
+        jax.jit(lambda state, x: nnx.merge(graphdef, state).encode_image(x)),
+        jax.jit(lambda state, ids: nnx.merge(graphdef, state).encode_text(ids)),
+    )
 
 
 @dataclass
@@ -348,7 +394,10 @@ class ClipEvalConfig(OptionConfig):
     batch_size: int = 32  # images (or captions) per forward pass
 
     def validate(self, run: Any) -> None:
-        check(bool(self.weights), f"eval.metrics has clip but eval.clip.weights is not set: give CLIP weights (.npz; {HINT})")
+        check(
+            bool(self.weights),
+            f"eval.metrics has clip but eval.clip.weights is not set: give CLIP weights (.npz; {HINT})",
+        )
         existing(self.weights, "eval.clip.weights", HINT)
 
 
@@ -356,9 +405,15 @@ def clip_setup(settings: ClipEvalConfig, eval_cfg) -> dict:
     return {"scorer": CLIPScorer(settings.weights, "eval.clip.weights", settings.batch_size)}
 
 
-@evaluator("clip", "samples", settings=ClipEvalConfig, setup=clip_setup, metrics=[
-    Metric("score", "CLIP score of the images against their captions", "100 x cosine", "higher", headline=4),
-])
+@evaluator(
+    "clip",
+    "samples",
+    settings=ClipEvalConfig,
+    setup=clip_setup,
+    metrics=[
+        Metric("score", "CLIP score of the images against their captions", "100 x cosine", "higher", headline=4),
+    ],
+)
 def clip_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict:
     """eval.metrics=[clip]: CLIP score as torchmetrics': 100 * cos of image and caption
     embeddings, mean over the samples, the mean clamped at 0."""
@@ -366,5 +421,8 @@ def clip_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict:
     scorer = state["scorer"]
     if "text" not in state:  # the prompts are fixed for the Evaluation's life: encode them once
         state["text"] = scorer.text_embeddings(ctx.prompts)
-    return {"score": clip_score(scorer.image_embeddings(images), state["text"][: len(images)]),
-            "n": float(len(images)), "weights": scorer.hash}
+    return {
+        "score": clip_score(scorer.image_embeddings(images), state["text"][: len(images)]),
+        "n": float(len(images)),
+        "weights": scorer.hash,
+    }

@@ -25,9 +25,15 @@ class EvalConfig(OptionConfig):
     """Sampling evaluation: metrics per guidance scale (the Pareto curve) and prompt grids. Runs
     every `every` steps during training, at the end of a run, and with `dalle-ablate eval`."""
 
-    RANGES = {"every": "[0, inf)", "num_samples": "[1, inf)", "batch_size": "[1, inf)",
-              "sensitivity_examples": "[1, inf)", "grid_prompts": "[1, inf) or null", "grid_samples": "[1, inf)",
-              "rerank": "[1, inf)"}
+    RANGES = {
+        "every": "[0, inf)",
+        "num_samples": "[1, inf)",
+        "batch_size": "[1, inf)",
+        "sensitivity_examples": "[1, inf)",
+        "grid_prompts": "[1, inf) or null",
+        "grid_samples": "[1, inf)",
+        "rerank": "[1, inf)",
+    }
 
     name: str = "default"  # which conf/eval preset this came from
     every: int = 0  # steps between evaluations during training; 0 = only at the end of the run
@@ -45,7 +51,9 @@ class EvalConfig(OptionConfig):
     top_k: Optional[int] = None  # sample among the k likeliest codes only; null = all
     top_p: Optional[float] = None  # nucleus sampling: the likeliest codes holding this much probability; null = all
     sensitivity_examples: int = 64  # valid examples whose captions caption_sensitivity edits
-    grids: list[str] = field(default_factory=lambda: ["shapesbench"])  # prompt lists: shapesbench, drawbench, partiprompts
+    grids: list[str] = field(
+        default_factory=lambda: ["shapesbench"]
+    )  # prompt lists: shapesbench, drawbench, partiprompts
     grid_scales: list[float] = field(default_factory=lambda: [3.0])  # guidance scales the grids are drawn at
     grid_prompts: Optional[int] = 6  # prompts per category and grid (null = all)
     grid_samples: int = 4  # samples per prompt
@@ -81,16 +89,24 @@ class EvalConfig(OptionConfig):
         check_sampling(self.temperature, self.top_k, self.top_p, "eval")
         if self.rerank > 1:
             SCORERS.get(self.rerank_scorer)
-            check(bool(self.rerank_scales), "eval.rerank_scales is empty; give the guidance scales to rerank at, e.g. [1]")
+            check(
+                bool(self.rerank_scales), "eval.rerank_scales is empty; give the guidance scales to rerank at, e.g. [1]"
+            )
             bad = [s for s in self.rerank_scales if not s >= 0]
             check(not bad, f"eval.rerank_scales has {bad}; scales must be >= 0 (1 = unguided)")
             if self.rerank_scorer == "contrastive":
-                check(run.data.name == "shapes", f"eval.rerank_scorer=contrastive is trained on the shapes data's scenes; "
-                                                 f"with data={run.data.name} use eval.rerank_scorer=clip")
+                check(
+                    run.data.name == "shapes",
+                    f"eval.rerank_scorer=contrastive is trained on the shapes data's scenes; "
+                    f"with data={run.data.name} use eval.rerank_scorer=clip",
+                )
                 self.scorer.check_all(run, "eval.scorer")
             else:
-                check(bool(self.clip.weights), "eval.rerank_scorer=clip but eval.clip.weights is not set: give CLIP weights "
-                                               "(.npz from dalle-ablate convert-clip)")
+                check(
+                    bool(self.clip.weights),
+                    "eval.rerank_scorer=clip but eval.clip.weights is not set: give CLIP weights "
+                    "(.npz from dalle-ablate convert-clip)",
+                )
                 self.clip.check_all(run, "eval.clip")
 
 

@@ -38,8 +38,14 @@ MAX_WORDS = 24
 class ScorerConfig(OptionConfig):
     """eval.scorer: the contrastive shapes scorer's training (its hash names the cached weights)."""
 
-    RANGES = {"train_images": "[1, inf)", "steps": "[1, inf)", "batch": "[2, inf)", "lr": "(0, inf)", "width": "[8, inf)",
-              "held_out": "[2, inf)"}
+    RANGES = {
+        "train_images": "[1, inf)",
+        "steps": "[1, inf)",
+        "batch": "[2, inf)",
+        "lr": "(0, inf)",
+        "width": "[8, inf)",
+        "held_out": "[2, inf)",
+    }
 
     seed: int = 0  # the scorer's scenes, initialisation and batches
     train_images: int = 20000  # scenes drawn and rendered for training
@@ -59,7 +65,11 @@ def words(caption: str) -> list[str]:
 
 # Every word the scene grammar (data/scenes.py) can say; anything else is [unk].
 VOCAB = ["[pad]", "[unk]", ","] + sorted(
-    set(SHAPES) | set(PALETTE) | set(SIZES) | set(ROWS) | set(COLS)
+    set(SHAPES)
+    | set(PALETTE)
+    | set(SIZES)
+    | set(ROWS)
+    | set(COLS)
     | {w for phrase in REL_PHRASE.values() for w in phrase.split()}
     | set("a an and is in at the there on white background of".split())
 )
@@ -80,8 +90,14 @@ class TextEncoder(nnx.Module):
         self.pos = nnx.Embed(MAX_WORDS, width, rngs=rngs)
         self.attn = nnx.List([nnx.MultiHeadAttention(4, width, decode=False, rngs=rngs) for _ in range(2)])
         self.norms = nnx.List([nnx.LayerNorm(width, rngs=rngs) for _ in range(4)])
-        self.ffn = nnx.List([nnx.Sequential(nnx.Linear(width, 2 * width, rngs=rngs), jax.nn.gelu,
-                                            nnx.Linear(2 * width, width, rngs=rngs)) for _ in range(2)])
+        self.ffn = nnx.List(
+            [
+                nnx.Sequential(
+                    nnx.Linear(width, 2 * width, rngs=rngs), jax.nn.gelu, nnx.Linear(2 * width, width, rngs=rngs)
+                )
+                for _ in range(2)
+            ]
+        )
         self.out = nnx.Linear(width, width, rngs=rngs)
 
     def __call__(self, ids: jax.Array, mask: jax.Array) -> jax.Array:
@@ -96,8 +112,13 @@ class TextEncoder(nnx.Module):
 
 class ImageEncoder(nnx.Module):
     def __init__(self, width: int, rngs: nnx.Rngs):
-        self.convs = nnx.List([nnx.Conv(3, 32, (3, 3), strides=2, rngs=rngs), nnx.Conv(32, 64, (3, 3), strides=2, rngs=rngs),
-                               nnx.Conv(64, 64, (3, 3), strides=2, rngs=rngs)])
+        self.convs = nnx.List(
+            [
+                nnx.Conv(3, 32, (3, 3), strides=2, rngs=rngs),
+                nnx.Conv(32, 64, (3, 3), strides=2, rngs=rngs),
+                nnx.Conv(64, 64, (3, 3), strides=2, rngs=rngs),
+            ]
+        )
         self.fc = nnx.Linear(8 * 8 * 64, 2 * width, rngs=rngs)
         self.out = nnx.Linear(2 * width, width, rngs=rngs)
 
@@ -173,7 +194,9 @@ def resized(images: np.ndarray) -> np.ndarray:
         return images
     from PIL import Image
 
-    return np.stack([np.asarray(Image.fromarray(im).resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)) for im in images])
+    return np.stack(
+        [np.asarray(Image.fromarray(im).resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)) for im in images]
+    )
 
 
 def train(settings: ScorerConfig) -> Contrastive:
@@ -210,7 +233,9 @@ class ContrastiveScorer:
         leaves, treedef = jax.tree_util.tree_flatten(nnx.to_pure_dict(state))
         if path.exists():
             flat = np.load(path)
-            nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[f"p{i}"]) for i in range(len(leaves))]))
+            nnx.replace_by_pure_dict(
+                state, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[f"p{i}"]) for i in range(len(leaves))])
+            )
             self.model = nnx.merge(graphdef, state)
             self.retrieval = json.loads(str(flat["retrieval"]))
             self.trained = False
@@ -219,15 +244,24 @@ class ContrastiveScorer:
             self.retrieval = retrieval_accuracy(self, *scene_pairs(settings.held_out, settings.seed + 2))
             path.parent.mkdir(parents=True, exist_ok=True)
             leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(self.model)))
-            atomic_savez(path, retrieval=json.dumps(self.retrieval), **{f"p{i}": np.asarray(x) for i, x in enumerate(leaves)})
+            atomic_savez(
+                path, retrieval=json.dumps(self.retrieval), **{f"p{i}": np.asarray(x) for i, x in enumerate(leaves)}
+            )
             self.trained = True
         self.path = path
 
     def embeddings(self, images: np.ndarray, texts: list[str], batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
         ids, mask = encode_captions(texts)
         images = resized(np.asarray(images, np.uint8))
-        out = [self._embed(self.model, jnp.asarray(images[i : i + batch]), jnp.asarray(ids[i : i + batch]),
-                           jnp.asarray(mask[i : i + batch])) for i in range(0, len(images), batch)]
+        out = [
+            self._embed(
+                self.model,
+                jnp.asarray(images[i : i + batch]),
+                jnp.asarray(ids[i : i + batch]),
+                jnp.asarray(mask[i : i + batch]),
+            )
+            for i in range(0, len(images), batch)
+        ]
         return np.concatenate([np.asarray(a) for a, _ in out]), np.concatenate([np.asarray(b) for _, b in out])
 
     def scores(self, images: np.ndarray, texts: list[str]) -> np.ndarray:
@@ -235,7 +269,9 @@ class ContrastiveScorer:
         return 100.0 * (a * b).sum(-1)
 
 
-def retrieval_accuracy(scorer: ContrastiveScorer, images: np.ndarray, captions: list[str], group: int = 64) -> dict[str, Any]:
+def retrieval_accuracy(
+    scorer: ContrastiveScorer, images: np.ndarray, captions: list[str], group: int = 64
+) -> dict[str, Any]:
     """Top-1 retrieval in groups of `group` held-out pairs: each caption's image among the group's
     images, and each image's caption among its captions (chance 1 / group)."""
     a, b = scorer.embeddings(images, captions)
@@ -245,8 +281,13 @@ def retrieval_accuracy(scorer: ContrastiveScorer, images: np.ndarray, captions: 
         hits_t2i += int((sim.argmax(0) == np.arange(group)).sum())
         hits_i2t += int((sim.argmax(1) == np.arange(group)).sum())
         n += group
-    return {"text_to_image": hits_t2i / n, "image_to_text": hits_i2t / n, "pairs": n, "group": group,
-            "binding": binding_accuracy(scorer, images, captions)}
+    return {
+        "text_to_image": hits_t2i / n,
+        "image_to_text": hits_i2t / n,
+        "pairs": n,
+        "group": group,
+        "binding": binding_accuracy(scorer, images, captions),
+    }
 
 
 def binding_accuracy(scorer: ContrastiveScorer, images: np.ndarray, captions: list[str]) -> float:
@@ -263,7 +304,9 @@ def binding_accuracy(scorer: ContrastiveScorer, images: np.ndarray, captions: li
             swapped.append(neg)
     if not picked:
         return float("nan")
-    return float((scorer.scores(images[picked], [captions[i] for i in picked]) > scorer.scores(images[picked], swapped)).mean())
+    return float(
+        (scorer.scores(images[picked], [captions[i] for i in picked]) > scorer.scores(images[picked], swapped)).mean()
+    )
 
 
 _LOADED: dict[tuple[str, str], ContrastiveScorer] = {}

@@ -62,8 +62,15 @@ class Evaluator:
 EVALUATORS: Registry[Evaluator] = Registry("evaluator", "eval.metrics")
 
 
-def evaluator(name: str, kind: str, *, needs_specs: bool = False, settings: Optional[type] = None,
-              setup: Optional[Callable] = None, metrics: Sequence[Metric] = ()) -> Callable[[Callable], Callable]:
+def evaluator(
+    name: str,
+    kind: str,
+    *,
+    needs_specs: bool = False,
+    settings: Optional[type] = None,
+    setup: Optional[Callable] = None,
+    metrics: Sequence[Metric] = (),
+) -> Callable[[Callable], Callable]:
     """Decorator registering a scoring function as evaluator `name` of `eval.metrics`:
     `fn(images, ctx: SamplesContext)` for a `samples` evaluator, `fn(ctx: ModelContext, specs, codes,
     seed)` for a `model` one. `metrics`: the declarations of those of its metrics pages read, each

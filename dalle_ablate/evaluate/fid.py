@@ -34,8 +34,15 @@ class Reference:
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_savez(Path(path), mu=self.mu, sigma=self.sigma, n=self.n, weights=self.weights, resize=self.resize,
-                     source=self.source)
+        atomic_savez(
+            Path(path),
+            mu=self.mu,
+            sigma=self.sigma,
+            n=self.n,
+            weights=self.weights,
+            resize=self.resize,
+            source=self.source,
+        )
 
     @classmethod
     def load(cls, path: str | Path, field: str = "eval.reference") -> "Reference":
@@ -43,15 +50,19 @@ class Reference:
         d = np.load(path)
         missing = {"mu", "sigma", "n", "weights", "resize"} - set(d.files)
         if missing:
-            raise ConfigError(f"{field}: {path} is not FID reference statistics (missing {', '.join(sorted(missing))}; "
-                              f"{REFERENCE_HINT})")
+            raise ConfigError(
+                f"{field}: {path} is not FID reference statistics (missing {', '.join(sorted(missing))}; "
+                f"{REFERENCE_HINT})"
+            )
         return cls(d["mu"], d["sigma"], int(d["n"]), str(d["weights"]), str(d["resize"]), str(d.get("source", "")))
 
     def check(self, net: InceptionFeatures, field: str = "eval.reference") -> "Reference":
         """The statistics must come from these weights and this resize, or the distance is meaningless."""
         if self.weights != net.hash or self.resize != RESIZE:
-            raise ConfigError(f"{field}: statistics of Inception weights {self.weights} ({self.resize}), but eval.fid.weights "
-                              f"is {net.hash} ({RESIZE}); recompute them with `dalle-ablate fid-reference`")
+            raise ConfigError(
+                f"{field}: statistics of Inception weights {self.weights} ({self.resize}), but eval.fid.weights "
+                f"is {net.hash} ({RESIZE}); recompute them with `dalle-ablate fid-reference`"
+            )
         return self
 
 
@@ -70,7 +81,9 @@ def read_image_folder(folder: str | Path, limit: int | None = None) -> list[np.n
         raise ConfigError(f"--images: {folder} is not a folder")
     files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)[:limit]
     if len(files) < 2:
-        raise ConfigError(f"--images: {folder} has {len(files)} images ({', '.join(IMAGE_SUFFIXES)}); statistics need at least 2")
+        raise ConfigError(
+            f"--images: {folder} has {len(files)} images ({', '.join(IMAGE_SUFFIXES)}); statistics need at least 2"
+        )
     return [np.asarray(Image.open(p).convert("RGB")) for p in files]
 
 
@@ -97,8 +110,10 @@ class FidConfig(OptionConfig):
     batch_size: int = 32  # images per forward pass
 
     def validate(self, run: Any) -> None:
-        check(bool(self.weights),
-              f"eval.metrics has fid but eval.fid.weights is not set: give the FID Inception weights (.npz; {HINT})")
+        check(
+            bool(self.weights),
+            f"eval.metrics has fid but eval.fid.weights is not set: give the FID Inception weights (.npz; {HINT})",
+        )
         existing(self.weights, "eval.fid.weights", HINT)
         if run.eval.reference:
             existing(run.eval.reference, "eval.reference", REFERENCE_HINT)
@@ -109,16 +124,29 @@ def fid_setup(settings: FidConfig, eval_cfg) -> dict:
     return {"net": net, "reference": Reference.load(eval_cfg.reference).check(net) if eval_cfg.reference else None}
 
 
-@evaluator("fid", "samples", settings=FidConfig, setup=fid_setup, metrics=[
-    Metric("fid", "FID against the reference images", "FID", "lower", headline=5, pareto_against="clip/score"),
-])
+@evaluator(
+    "fid",
+    "samples",
+    settings=FidConfig,
+    setup=fid_setup,
+    metrics=[
+        Metric("fid", "FID against the reference images", "FID", "lower", headline=5, pareto_against="clip/score"),
+    ],
+)
 def fid_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict:
     """eval.metrics=[fid]: FID (Heusel et al. 2017) on pool3 features of the FID Inception, against
     eval.reference or, without one, the real images of the eval prompts (computed once per
     Evaluation)."""
     state = ctx.cache["fid"]
     if state["reference"] is None:
-        state["reference"] = reference_from_images(state["net"], ctx.reference_images(), f"{ctx.dataset.name} eval prompts")
+        state["reference"] = reference_from_images(
+            state["net"], ctx.reference_images(), f"{ctx.dataset.name} eval prompts"
+        )
     ref = state["reference"]
-    return {"fid": frechet_distance(*statistics(state["net"](images)), ref.mu, ref.sigma), "n": float(len(images)),
-            "reference_n": float(ref.n), "weights": ref.weights, "resize": ref.resize}
+    return {
+        "fid": frechet_distance(*statistics(state["net"](images)), ref.mu, ref.sigma),
+        "n": float(len(images)),
+        "reference_n": float(ref.n),
+        "weights": ref.weights,
+        "resize": ref.resize,
+    }

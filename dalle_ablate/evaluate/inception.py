@@ -22,7 +22,15 @@ import numpy as np
 from flax import linen, nnx
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.weights import apply_batched, file_hash, from_state_dict, open_weights, save_weights, to_state_dict, with_arrays
+from dalle_ablate.weights import (
+    apply_batched,
+    file_hash,
+    from_state_dict,
+    open_weights,
+    save_weights,
+    to_state_dict,
+    with_arrays,
+)
 
 SIZE = 299
 RESIZE = "tf1-bilinear-299"  # how images reach the network's input size, logged with each FID
@@ -61,12 +69,15 @@ class InceptionA(nnx.Module):
         self.branch_pool = BasicConv2d(c, pool_features, 1, rngs=rngs)
 
     def __call__(self, x):
-        return jnp.concatenate([
-            self.branch1x1(x),
-            self.branch5x5_2(self.branch5x5_1(x)),
-            self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
-            self.branch_pool(_avg3(x)),
-        ], -1)
+        return jnp.concatenate(
+            [
+                self.branch1x1(x),
+                self.branch5x5_2(self.branch5x5_1(x)),
+                self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
+                self.branch_pool(_avg3(x)),
+            ],
+            -1,
+        )
 
 
 class InceptionB(nnx.Module):
@@ -77,9 +88,14 @@ class InceptionB(nnx.Module):
         self.branch3x3dbl_3 = BasicConv2d(96, 96, 3, stride=2, rngs=rngs)
 
     def __call__(self, x):
-        return jnp.concatenate([
-            self.branch3x3(x), self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))), _max3s2(x),
-        ], -1)
+        return jnp.concatenate(
+            [
+                self.branch3x3(x),
+                self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x))),
+                _max3s2(x),
+            ],
+            -1,
+        )
 
 
 class InceptionC(nnx.Module):
@@ -98,7 +114,13 @@ class InceptionC(nnx.Module):
     def __call__(self, x):
         b7 = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
         d = x
-        for layer in (self.branch7x7dbl_1, self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
+        for layer in (
+            self.branch7x7dbl_1,
+            self.branch7x7dbl_2,
+            self.branch7x7dbl_3,
+            self.branch7x7dbl_4,
+            self.branch7x7dbl_5,
+        ):
             d = layer(d)
         return jnp.concatenate([self.branch1x1(x), b7, d, self.branch_pool(_avg3(x))], -1)
 
@@ -138,18 +160,24 @@ class InceptionE(nnx.Module):
         b3 = self.branch3x3_1(x)
         d = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
         pooled = linen.max_pool(x, (3, 3), strides=(1, 1), padding=((1, 1), (1, 1))) if self.last else _avg3(x)
-        return jnp.concatenate([
-            self.branch1x1(x),
-            self.branch3x3_2a(b3), self.branch3x3_2b(b3),
-            self.branch3x3dbl_3a(d), self.branch3x3dbl_3b(d),
-            self.branch_pool(pooled),
-        ], -1)
+        return jnp.concatenate(
+            [
+                self.branch1x1(x),
+                self.branch3x3_2a(b3),
+                self.branch3x3_2b(b3),
+                self.branch3x3dbl_3a(d),
+                self.branch3x3dbl_3b(d),
+                self.branch_pool(pooled),
+            ],
+            -1,
+        )
 
 
 def resize_tf1_bilinear(x: jax.Array, size: int) -> jax.Array:
     """TensorFlow 1.x `resize_bilinear(align_corners=False)`: source coordinate = destination x
     (in / out), computed in float32, neighbours clamped at the far edge -- not jax.image.resize's
     half-pixel-centred bilinear, which gives different pixels and a different FID."""
+
     def axis(n_in: int):
         grid = np.arange(size, dtype=np.float32) * np.float32(n_in / size)
         lo = grid.astype(np.int64)
@@ -190,8 +218,19 @@ class InceptionV3(nnx.Module):
         x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))
         x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(_max3s2(x)))
         x = _max3s2(x)
-        for block in (self.Mixed_5b, self.Mixed_5c, self.Mixed_5d, self.Mixed_6a, self.Mixed_6b, self.Mixed_6c,
-                      self.Mixed_6d, self.Mixed_6e, self.Mixed_7a, self.Mixed_7b, self.Mixed_7c):
+        for block in (
+            self.Mixed_5b,
+            self.Mixed_5c,
+            self.Mixed_5d,
+            self.Mixed_6a,
+            self.Mixed_6b,
+            self.Mixed_6c,
+            self.Mixed_6d,
+            self.Mixed_6e,
+            self.Mixed_7a,
+            self.Mixed_7b,
+            self.Mixed_7c,
+        ):
             x = block(x)
         return x.mean((1, 2))
 
@@ -206,8 +245,12 @@ def _torch_name(key: str) -> tuple[str, str]:
 def convert_state_dict(state_dict: dict[str, np.ndarray]) -> InceptionV3:
     """Our network with the weights of torch-fidelity's / pytorch-fid's FID Inception state dict
     (the classifier `fc` is not used for pool3 features and is ignored)."""
-    return from_state_dict(lambda: InceptionV3(nnx.Rngs(0)), state_dict, _torch_name,
-                           "the FID Inception (pt_inception-2015-12-05) state dict")
+    return from_state_dict(
+        lambda: InceptionV3(nnx.Rngs(0)),
+        state_dict,
+        _torch_name,
+        "the FID Inception (pt_inception-2015-12-05) state dict",
+    )
 
 
 def torch_names(model: InceptionV3) -> dict[str, np.ndarray]:

@@ -51,23 +51,58 @@ def shapesbench() -> list[Prompt]:
     def one(category: str, o: Obj, caption: str) -> None:
         out.append(Prompt(caption, category, _scene([o], caption)))
 
-    for color, shape in [("red", "circle"), ("blue", "square"), ("green", "triangle"), ("yellow", "square"),
-                         ("purple", "circle"), ("orange", "triangle")]:
-        one("color", Obj(shape, color, "large", 1, 1, ["shape", "color"]), f"{_np(Obj(shape, color, 'large', 1, 1), False)} on a white background")
-    for shape, color in [("circle", "blue"), ("square", "red"), ("triangle", "yellow"), ("circle", "green"),
-                         ("square", "orange"), ("triangle", "purple")]:
-        one("shape", Obj(shape, color, "large", 1, 1, ["shape", "color"]), f"there is {_np(Obj(shape, color, 'large', 1, 1), True)}")
-    for size, shape, color in [("small", "circle", "red"), ("large", "circle", "red"), ("small", "square", "blue"),
-                               ("large", "square", "blue"), ("small", "triangle", "green"), ("large", "triangle", "green")]:
+    for color, shape in [
+        ("red", "circle"),
+        ("blue", "square"),
+        ("green", "triangle"),
+        ("yellow", "square"),
+        ("purple", "circle"),
+        ("orange", "triangle"),
+    ]:
+        one(
+            "color",
+            Obj(shape, color, "large", 1, 1, ["shape", "color"]),
+            f"{_np(Obj(shape, color, 'large', 1, 1), False)} on a white background",
+        )
+    for shape, color in [
+        ("circle", "blue"),
+        ("square", "red"),
+        ("triangle", "yellow"),
+        ("circle", "green"),
+        ("square", "orange"),
+        ("triangle", "purple"),
+    ]:
+        one(
+            "shape",
+            Obj(shape, color, "large", 1, 1, ["shape", "color"]),
+            f"there is {_np(Obj(shape, color, 'large', 1, 1), True)}",
+        )
+    for size, shape, color in [
+        ("small", "circle", "red"),
+        ("large", "circle", "red"),
+        ("small", "square", "blue"),
+        ("large", "square", "blue"),
+        ("small", "triangle", "green"),
+        ("large", "triangle", "green"),
+    ]:
         o = Obj(shape, color, size, 1, 1, ["shape", "color", "size"])
         one("size", o, f"there is {_np(o, True)}")
-    for (row, col), shape, color in [((0, 0), "circle", "red"), ((0, 2), "square", "blue"), ((2, 0), "triangle", "green"),
-                                     ((2, 2), "circle", "yellow"), ((1, 1), "square", "purple"), ((0, 1), "triangle", "orange")]:
+    for (row, col), shape, color in [
+        ((0, 0), "circle", "red"),
+        ((0, 2), "square", "blue"),
+        ((2, 0), "triangle", "green"),
+        ((2, 2), "circle", "yellow"),
+        ((1, 1), "square", "purple"),
+        ((0, 1), "triangle", "orange"),
+    ]:
         o = Obj(shape, color, "large", row, col, ["shape", "color", "position"])
         one("position", o, f"{_np(o, False)} at the {position_name(row, col)}")
     lists = [
-        [("red", "circle")], [("blue", "square"), ("yellow", "circle")], [("green", "triangle"), ("purple", "square")],
-        [("red", "square"), ("green", "circle"), ("blue", "triangle")], [("orange", "circle"), ("blue", "circle"), ("red", "circle")],
+        [("red", "circle")],
+        [("blue", "square"), ("yellow", "circle")],
+        [("green", "triangle"), ("purple", "square")],
+        [("red", "square"), ("green", "circle"), ("blue", "triangle")],
+        [("orange", "circle"), ("blue", "circle"), ("red", "circle")],
         [("yellow", "triangle"), ("purple", "triangle")],
     ]
     for items in lists:
@@ -75,14 +110,25 @@ def shapesbench() -> list[Prompt]:
         parts = [_np(o, False) for o in objs]
         caption = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
         out.append(Prompt(caption, "count", _scene(objs, caption)))
-    for (c1, s1), (c2, s2) in [(("red", "circle"), ("blue", "square")), (("blue", "circle"), ("red", "square")),
-                               (("green", "triangle"), ("yellow", "circle")), (("yellow", "triangle"), ("green", "circle")),
-                               (("purple", "square"), ("orange", "triangle")), (("orange", "square"), ("purple", "triangle"))]:
+    for (c1, s1), (c2, s2) in [
+        (("red", "circle"), ("blue", "square")),
+        (("blue", "circle"), ("red", "square")),
+        (("green", "triangle"), ("yellow", "circle")),
+        (("yellow", "triangle"), ("green", "circle")),
+        (("purple", "square"), ("orange", "triangle")),
+        (("orange", "square"), ("purple", "triangle")),
+    ]:
         objs = [Obj(s1, c1, "large", 1, 0, ["shape", "color"]), Obj(s2, c2, "large", 1, 2, ["shape", "color"])]
         caption = f"{_np(objs[0], False)} and {_np(objs[1], False)}"
         out.append(Prompt(caption, "binding", _scene(objs, caption)))
-    for rel, (a_cell, b_cell) in [("left of", ((1, 0), (1, 2))), ("right of", ((1, 2), (1, 0))), ("above", ((0, 1), (2, 1))),
-                                  ("below", ((2, 1), (0, 1))), ("left of", ((0, 0), (2, 2))), ("above", ((0, 2), (2, 0)))]:
+    for rel, (a_cell, b_cell) in [
+        ("left of", ((1, 0), (1, 2))),
+        ("right of", ((1, 2), (1, 0))),
+        ("above", ((0, 1), (2, 1))),
+        ("below", ((2, 1), (0, 1))),
+        ("left of", ((0, 0), (2, 2))),
+        ("above", ((0, 2), (2, 0))),
+    ]:
         a = Obj("circle", "red", "large", *a_cell, ["shape", "color"])
         b = Obj("square", "blue", "large", *b_cell, ["shape", "color"])
         caption = f"{_np(a, False)} {REL_PHRASE[rel]} {_np(b, False)}"

@@ -58,14 +58,22 @@ def rerank_rows(ctx, scale: float, run_name: str, step: int) -> list[dict]:
     codes = ctx.sample(prompts, scale, repeats=n)  # prompt-major: draws of prompt i at i*n .. i*n + n - 1
     images = ctx.dataset.decode_images(codes)
     scorer = ctx.cache["rerank"]
-    scores = np.asarray(scorer.scores(images, [p for p in prompts for _ in range(n)]), np.float64).reshape(len(prompts), n)
+    scores = np.asarray(scorer.scores(images, [p for p in prompts for _ in range(n)]), np.float64).reshape(
+        len(prompts), n
+    )
     images = images.reshape(len(prompts), n, *images.shape[1:])
     rows = []
     for k in best_of_ks(n):
         pick = pick_best(scores, k)
         chosen = images[np.arange(len(prompts)), pick]
-        row = {"run": run_name, "step": int(step), "scale": float(scale), "best_of": k, "n": len(prompts),
-               "rerank/score": float(scores[np.arange(len(prompts)), pick].mean())}
+        row = {
+            "run": run_name,
+            "step": int(step),
+            "scale": float(scale),
+            "best_of": k,
+            "n": len(prompts),
+            "rerank/score": float(scores[np.arange(len(prompts)), pick].mean()),
+        }
         for name, ev in ctx.evaluators.items():
             if ev.kind == "samples":
                 row.update({f"{name}/{key}": v for key, v in ev.fn(chosen, ctx).items()})

@@ -39,8 +39,12 @@ def headline(result: dict) -> list[str]:
     sampled = [m.key for m in headlines("samples")]
     for key in sampled:
         if rows and key in rows[0]:
-            interval = lambda r: (f" [{number(r[key + '_lo'], '.2f')}, {number(r[key + '_hi'], '.2f')}]"  # noqa: E731
-                                  if key + "_lo" in r else "")
+
+            def interval(r: dict, key: str = key) -> str:
+                return (
+                    f" [{number(r[key + '_lo'], '.2f')}, {number(r[key + '_hi'], '.2f')}]" if key + "_lo" in r else ""
+                )
+
             cells = [f"s{r['scale']:g} {number(r[key], '.3g')}{interval(r)}" for r in rows]
             lines.append(f"{key} (n={rows[0]['n']} per scale): " + ", ".join(cells))
     reranked = result.get("rerank") or []
@@ -53,8 +57,10 @@ def headline(result: dict) -> list[str]:
         if m.logged() in model:
             by_evaluator.setdefault(m.key.split("/")[0], []).append(m)
     for name, found in by_evaluator.items():  # "caption sensitivity, nats per image: color 4.95, ..."
-        lines.append(f"{name.replace('_', ' ')}, {found[0].unit}: "
-                     + ", ".join(f"{m.key.split('/', 1)[1]} {number(model[m.logged()], '.2f')}" for m in found))
+        lines.append(
+            f"{name.replace('_', ' ')}, {found[0].unit}: "
+            + ", ".join(f"{m.key.split('/', 1)[1]} {number(model[m.logged()], '.2f')}" for m in found)
+        )
     return lines
 
 
@@ -135,30 +141,49 @@ class Evaluation:
                 self.cache[name] = ev.setup(self.e.settings(name), self.e)
         if self.e.rerank > 1 and self.can_draw:
             self.cache["rerank"] = SCORERS.get(self.e.rerank_scorer)(cfg)
-        self.sampler = make_sampler(graphdef, model_cfg.image_len, temperature=self.e.temperature, top_k=self.e.top_k,
-                                    top_p=self.e.top_p, guided=True, out_sharding=out_sharding)
+        self.sampler = make_sampler(
+            graphdef,
+            model_cfg.image_len,
+            temperature=self.e.temperature,
+            top_k=self.e.top_k,
+            top_p=self.e.top_p,
+            guided=True,
+            out_sharding=out_sharding,
+        )
         self.blank = dataset.empty_caption()
 
-        self._nll = jax.jit(lambda params, *batch: token_nll(nnx.merge(graphdef, params), *batch).sum(-1),
-                            out_shardings=out_sharding)
+        self._nll = jax.jit(
+            lambda params, *batch: token_nll(nnx.merge(graphdef, params), *batch).sum(-1), out_shardings=out_sharding
+        )
         self.params = None
         self.members: Optional[MemberEvaluations] = None  # set on a member's view: its draws are made for all members
         self.member = 0
         # The prompt grids, fixed for the Evaluation's life: (list, category, prompts).
-        self.grid_prompts = [(name, category, [p.text for p in prompts]) for name in self.e.grids
-                             for category, prompts in by_category(PROMPT_LISTS.get(name)(), self.e.grid_prompts).items()]
+        self.grid_prompts = [
+            (name, category, [p.text for p in prompts])
+            for name in self.e.grids
+            for category, prompts in by_category(PROMPT_LISTS.get(name)(), self.e.grid_prompts).items()
+        ]
         self.progress = tqdm(disable=True)  # one bar per run(), when cfg.trainer.progress (process 0)
 
     def _work(self) -> int:
         """Batches one run() samples, plus one per model evaluator: the progress bar's total."""
+
         def batches(n: int) -> int:
             return -(-n // self.e.batch_size)
 
         sampled = self.can_draw and self.prompts and any(ev.kind == "samples" for ev in self.evaluators.values())
         pareto = batches(len(self.prompts)) * len(self.e.guidance_scales) if sampled else 0
-        grids = sum(batches(len(texts) * self.e.grid_samples) for *_, texts in self.grid_prompts) if self.can_draw else 0
+        grids = (
+            sum(batches(len(texts) * self.e.grid_samples) for *_, texts in self.grid_prompts) if self.can_draw else 0
+        )
         reranked = batches(len(self.prompts) * self.e.rerank) * len(self.e.rerank_scales) if self.reranks() else 0
-        return pareto + reranked + grids * len(self.e.grid_scales) + sum(ev.kind == "model" for ev in self.evaluators.values())
+        return (
+            pareto
+            + reranked
+            + grids * len(self.e.grid_scales)
+            + sum(ev.kind == "model" for ev in self.evaluators.values())
+        )
 
     def reranks(self) -> bool:
         return self.e.rerank > 1 and self.can_draw and bool(self.prompts)
@@ -175,7 +200,11 @@ class Evaluation:
         for start in range(0, n, b):
             interrupts.check(DURING)
             idx = np.arange(start, min(start + b, n))
-            yield start // b, np.concatenate([idx, np.full(b - len(idx), idx[-1])]), len(idx)  # fixed shape: one compile
+            yield (
+                start // b,
+                np.concatenate([idx, np.full(b - len(idx), idx[-1])]),
+                len(idx),
+            )  # fixed shape: one compile
 
     def per_image_nll(self, ids: np.ndarray, mask: np.ndarray, codes: np.ndarray) -> np.ndarray:
         out = np.zeros(len(codes), np.float64)
@@ -192,15 +221,24 @@ class Evaluation:
             return self.members.sample(prompts, scale, repeats)[self.member]
         return self.draw(self.sampler, self.params, prompts, scale, repeats)
 
-    def draw(self, sampler, params, prompts: list[str], scale: float, repeats: int, lead: tuple[int, ...] = ()) -> np.ndarray:
+    def draw(
+        self, sampler, params, prompts: list[str], scale: float, repeats: int, lead: tuple[int, ...] = ()
+    ) -> np.ndarray:
         """`sample` with this sampler and parameters; `lead`: the sampler's leading output axes
         (the members of a job), codes [*lead, len(prompts) * repeats, image_len]."""
         ids, mask = self.dataset.text.encode([p for p in prompts for _ in range(repeats)])
         out = np.zeros((*lead, len(ids), self.model_cfg.image_len), np.int32)
         key = jax.random.key(self.e.seed)
         for j, idx, k in self._batches(len(ids)):
-            codes = sampler(params, jnp.asarray(ids[idx]), jnp.asarray(mask[idx]), jax.random.fold_in(key, j),
-                            jnp.asarray(self.blank[0]), jnp.asarray(self.blank[1]), jnp.asarray(scale, jnp.float32))
+            codes = sampler(
+                params,
+                jnp.asarray(ids[idx]),
+                jnp.asarray(mask[idx]),
+                jax.random.fold_in(key, j),
+                jnp.asarray(self.blank[0]),
+                jnp.asarray(self.blank[1]),
+                jnp.asarray(scale, jnp.float32),
+            )
             out[..., idx[:k], :] = np.asarray(codes)[..., :k, :]
             self.progress.update(1)
         return out
@@ -211,8 +249,9 @@ class Evaluation:
         self.params = params
         # Sampling at every scale and the grids take about a minute on a CPU: show how far it is.
         show = self.cfg.trainer.progress and jax.process_index() == 0
-        self.progress = tqdm(total=self._work(), desc=f"eval step {step}", unit="batch", disable=not show,
-                             dynamic_ncols=True)
+        self.progress = tqdm(
+            total=self._work(), desc=f"eval step {step}", unit="batch", disable=not show, dynamic_ncols=True
+        )
         rows: list[dict] = []
         sample_evals = {n: ev for n, ev in self.evaluators.items() if ev.kind == "samples"}
         if sample_evals and self.can_draw and self.prompts:
@@ -247,8 +286,14 @@ class Evaluation:
     def _log_pareto(self, rows: list[dict], step: int, run_name: str) -> None:
         columns = list(rows[0])
         for r in rows:  # scalars too, one series per scale, for W&B's own charts and reports
-            self.tracker.log({f"eval/pareto/s{r['scale']:g}/{k}": v for k, v in r.items()
-                              if k not in ("run", "step", "scale") and not isinstance(v, str)}, step)
+            self.tracker.log(
+                {
+                    f"eval/pareto/s{r['scale']:g}/{k}": v
+                    for k, v in r.items()
+                    if k not in ("run", "step", "scale") and not isinstance(v, str)
+                },
+                step,
+            )
         axes = pareto_axes(rows[0])
         self.tracker.log_table("eval/pareto", columns, [[r[c] for c in columns] for r in rows], step, line=axes)
         if axes is not None:
@@ -258,8 +303,14 @@ class Evaluation:
     def _log_rerank(self, rows: list[dict], step: int) -> None:
         scorer = self.cache["rerank"]
         for r in rows:
-            self.tracker.log({f"eval/rerank/s{r['scale']:g}/best_of{r['best_of']}/{k}": v for k, v in r.items()
-                              if k not in ("run", "step", "scale", "best_of") and not isinstance(v, str)}, step)
+            self.tracker.log(
+                {
+                    f"eval/rerank/s{r['scale']:g}/best_of{r['best_of']}/{k}": v
+                    for k, v in r.items()
+                    if k not in ("run", "step", "scale", "best_of") and not isinstance(v, str)
+                },
+                step,
+            )
         columns = list(rows[0])
         self.tracker.log_table("eval/rerank", columns, [[r[c] for c in columns] for r in rows], step)
         metric = next((m.key for m in headlines("samples") if m.key in rows[0]), "rerank/score")
@@ -278,7 +329,9 @@ class Evaluation:
                     for k in range(self.e.grid_samples):
                         table.append([list_name, category, t, float(scale), k, images[i * self.e.grid_samples + k]])
         if table:
-            self.tracker.log_table("eval/grids", ["list", "category", "prompt", "scale", "sample", "image"], table, step)
+            self.tracker.log_table(
+                "eval/grids", ["list", "category", "prompt", "scale", "sample", "image"], table, step
+            )
 
 
 class MemberEvaluations:
@@ -301,7 +354,9 @@ class MemberEvaluations:
         """Codes [members, len(prompts) * repeats, image_len], drawn on the first member's request."""
         key = (tuple(prompts), float(scale), repeats)
         if key not in self.drawn:
-            self.drawn[key] = self.base.draw(self.batched, self.params, prompts, scale, repeats, lead=(len(self.views),))
+            self.drawn[key] = self.base.draw(
+                self.batched, self.params, prompts, scale, repeats, lead=(len(self.views),)
+            )
         return self.drawn[key]
 
     def run(self, stacked_params, step: int, members: dict[int, tuple[Any, str]]) -> dict[int, dict]:

@@ -23,8 +23,17 @@ from dalle_ablate.evaluate.frechet import frechet_distance, kid, statistics
 from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.metrics import Metric
 
-SETTINGS = {"version": 1, "train_images": 4000, "steps": 400, "batch": 64, "lr": 3e-3, "features": 32, "seed": 0,
-            "reference_images": 2000, "image_size": 64}
+SETTINGS = {
+    "version": 1,
+    "train_images": 4000,
+    "steps": 400,
+    "batch": 64,
+    "lr": 3e-3,
+    "features": 32,
+    "seed": 0,
+    "reference_images": 2000,
+    "image_size": 64,
+}
 COLOR_IDS = {c: i + 1 for i, c in enumerate(PALETTE)}  # 0 = empty cell
 SHAPE_IDS = {s: i + 1 for i, s in enumerate(SHAPES)}
 SIZE_IDS = {s: i + 1 for i, s in enumerate(SIZES)}
@@ -36,8 +45,13 @@ def settings_hash(settings: dict = SETTINGS) -> str:
 
 class CellNet(nnx.Module):
     def __init__(self, features: int, rngs: nnx.Rngs):
-        self.convs = nnx.List([nnx.Conv(3, 16, (3, 3), strides=2, rngs=rngs), nnx.Conv(16, 32, (3, 3), strides=2, rngs=rngs),
-                               nnx.Conv(32, 32, (3, 3), strides=2, rngs=rngs)])
+        self.convs = nnx.List(
+            [
+                nnx.Conv(3, 16, (3, 3), strides=2, rngs=rngs),
+                nnx.Conv(16, 32, (3, 3), strides=2, rngs=rngs),
+                nnx.Conv(32, 32, (3, 3), strides=2, rngs=rngs),
+            ]
+        )
         self.feature = nnx.Linear(8 * 8 * 32, features, rngs=rngs)
         self.head = nnx.Linear(features, 9 * (len(COLOR_IDS) + 1 + len(SHAPE_IDS) + 1 + len(SIZE_IDS) + 1), rngs=rngs)
 
@@ -74,7 +88,9 @@ def _train(settings: dict) -> CellNet:
     def step(model, opt, x, y):
         def loss_fn(m):
             heads = jnp.split(m(x), splits, axis=-1)
-            return sum(optax.softmax_cross_entropy_with_integer_labels(h, y[..., k]).mean() for k, h in enumerate(heads))
+            return sum(
+                optax.softmax_cross_entropy_with_integer_labels(h, y[..., k]).mean() for k, h in enumerate(heads)
+            )
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         opt.update(model, grads)
@@ -120,11 +136,17 @@ class ShapesFeatures:
             return images
         from PIL import Image
 
-        return np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BILINEAR)) for im in images])
+        return np.stack(
+            [np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BILINEAR)) for im in images]
+        )
 
     def extract(self, images: np.ndarray, batch: int = 256) -> np.ndarray:
-        return np.concatenate([np.asarray(self._features(self.model, jnp.asarray(images[i : i + batch])))
-                               for i in range(0, len(images), batch)])
+        return np.concatenate(
+            [
+                np.asarray(self._features(self.model, jnp.asarray(images[i : i + batch])))
+                for i in range(0, len(images), batch)
+            ]
+        )
 
 
 @lru_cache(maxsize=4)
@@ -132,10 +154,21 @@ def shapes_features(cache_dir: str) -> ShapesFeatures:
     return ShapesFeatures(cache_dir)
 
 
-@evaluator("shapes_fd", "samples", needs_specs=True, metrics=[
-    Metric("fd", "Fréchet distance of the images' shapes features to real renders", "Fréchet distance", "lower",
-           headline=6, pareto_against="shapes/all"),
-])
+@evaluator(
+    "shapes_fd",
+    "samples",
+    needs_specs=True,
+    metrics=[
+        Metric(
+            "fd",
+            "Fréchet distance of the images' shapes features to real renders",
+            "Fréchet distance",
+            "lower",
+            headline=6,
+            pareto_against="shapes/all",
+        ),
+    ],
+)
 def shapes_fd_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict[str, float]:
     """eval.metrics=[shapes_fd]: Fréchet distance and KID of the images' features against real
     renders; `floor` is the distance of real renders of these same prompts, the value a perfect
@@ -145,6 +178,10 @@ def shapes_fd_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict[str, fl
     if "shapes_fd/floor" not in ctx.cache:  # the prompts are fixed for the Evaluation's life
         real = net.resized(ctx.reference_images())
         ctx.cache["shapes_fd/floor"] = frechet_distance(*statistics(net.extract(real)), *net.reference_stats)
-    return {"fd": frechet_distance(*statistics(feats), *net.reference_stats),
-            "kid": kid(feats, net.reference, subset_size=min(100, len(feats))),
-            "floor": ctx.cache["shapes_fd/floor"], "n": float(len(feats)), "features": net.hash}
+    return {
+        "fd": frechet_distance(*statistics(feats), *net.reference_stats),
+        "kid": kid(feats, net.reference, subset_size=min(100, len(feats))),
+        "floor": ctx.cache["shapes_fd/floor"],
+        "n": float(len(feats)),
+        "features": net.hash,
+    }

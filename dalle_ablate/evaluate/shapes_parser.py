@@ -130,7 +130,7 @@ def _window(cover: np.ndarray, mask: np.ndarray) -> np.ndarray:
     y0, x0 = ys.min() - m, xs.min() - m
     w = side + 2 * m
     pad = np.pad(cover, w)
-    return pad[y0 + w:y0 + 2 * w, x0 + w:x0 + 2 * w]
+    return pad[y0 + w : y0 + 2 * w, x0 + w : x0 + 2 * w]
 
 
 def fit(cover: np.ndarray) -> tuple[float, str, float]:
@@ -160,8 +160,14 @@ def fit(cover: np.ndarray) -> tuple[float, str, float]:
         # quarter-pixel grid, so a hill-climb stalls on its plateaus): rasterisation draws small
         # shapes larger than r^2 x const, a sample's shape may sit off its centroid
         for moves in (_R_MOVES, _XY_MOVES, _R_MOVES):
-            got, at = max(((iou(sh, at[0] + dr, at[1] + dx, at[2] + dy), (at[0] + dr, at[1] + dx, at[2] + dy))
-                           for dr, dx, dy in moves if at[0] + dr > 0), key=lambda t: t[0])
+            got, at = max(
+                (
+                    (iou(sh, at[0] + dr, at[1] + dx, at[2] + dy), (at[0] + dr, at[1] + dx, at[2] + dy))
+                    for dr, dx, dy in moves
+                    if at[0] + dr > 0
+                ),
+                key=lambda t: t[0],
+            )
         if got > best[0]:
             best = (got, sh, at[0])
     return best
@@ -210,8 +216,20 @@ def parse_image(image: np.ndarray, min_area: int = MIN_AREA, min_iou: float = MI
             extent = r / cell
             size = _SIZE_NAMES[0] if extent < _SIZE_CUT else _SIZE_NAMES[-1]
             cx, cy = xs.mean() + 0.5, ys.mean() + 0.5
-            found.append(Detected(color, shape, size, min(int(cy // cell), 2), min(int(cx // cell), 2),
-                                  float(cx), float(cy), area, float(iou), float(extent)))
+            found.append(
+                Detected(
+                    color,
+                    shape,
+                    size,
+                    min(int(cy // cell), 2),
+                    min(int(cx // cell), 2),
+                    float(cx),
+                    float(cy),
+                    area,
+                    float(iou),
+                    float(extent),
+                )
+            )
     ink = labels != 0
     stray = ndimage.binary_opening(ink & ~taken, structure=np.ones((2, 2)))
     return Parsed(found, int(stray.sum()), int(ink.sum()))
@@ -322,8 +340,10 @@ def score(detected: list[Detected], spec: dict, unparsed: bool = False) -> dict[
 def from_spec(spec: dict) -> list[Detected]:
     """The objects an exact render of `spec` parses into (tests/evaluate: renders parse exactly),
     without rendering."""
-    return [Detected(o["color"], o["shape"], o["size"], o["row"], o["col"], 0.0, 0.0, 0, 1.0, SIZES[o["size"]])
-            for o in spec["objects"]]
+    return [
+        Detected(o["color"], o["shape"], o["size"], o["row"], o["col"], 0.0, 0.0, 0, 1.0, SIZES[o["size"]])
+        for o in spec["objects"]
+    ]
 
 
 @lru_cache(maxsize=None)
@@ -416,14 +436,31 @@ def accuracy(images: np.ndarray, specs: list[dict], parsed: Optional[list[Parsed
     return out
 
 
-@evaluator("shapes", "samples", needs_specs=True, metrics=[
-    Metric("all", "shapes all-correct (every attribute, the count and the relation right)", "fraction of prompts",
-           "higher", headline=3, study="shapes_all",
-           # 5 points: about the 95 % Wilson half-width of one evaluation's rate over its prompts
-           margin="0.05", covers="the seed and the images' sampling noise; not the prompts: every run draws the same ones"),
-    Metric("clean", "the share of drawn pixels in well-formed objects", "fraction of drawn pixels", "higher",
-           pareto_against="shapes/all"),
-])
+@evaluator(
+    "shapes",
+    "samples",
+    needs_specs=True,
+    metrics=[
+        Metric(
+            "all",
+            "shapes all-correct (every attribute, the count and the relation right)",
+            "fraction of prompts",
+            "higher",
+            headline=3,
+            study="shapes_all",
+            # 5 points: about the 95 % Wilson half-width of one evaluation's rate over its prompts
+            margin="0.05",
+            covers="the seed and the images' sampling noise; not the prompts: every run draws the same ones",
+        ),
+        Metric(
+            "clean",
+            "the share of drawn pixels in well-formed objects",
+            "fraction of drawn pixels",
+            "higher",
+            pareto_against="shapes/all",
+        ),
+    ],
+)
 def shapes_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict[str, float]:
     """eval.metrics=[shapes]: the images parsed and scored against their captions' scene specs."""
     return accuracy(images, ctx.specs)

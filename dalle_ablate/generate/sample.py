@@ -36,7 +36,9 @@ def top_p_mask(logits: jax.Array, p: float) -> jax.Array:
     return jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
 
 
-def filter_logits(logits: jax.Array, valid: jax.Array, temperature: float, top_k: Optional[int], top_p: Optional[float]):
+def filter_logits(
+    logits: jax.Array, valid: jax.Array, temperature: float, top_k: Optional[int], top_p: Optional[float]
+):
     """Temperature, then top-k, then top-p; ids outside `valid` (BOS, padding rows) get -inf."""
     logits = jnp.where(valid, logits / temperature, -jnp.inf)
     if top_k is not None:

@@ -45,8 +45,9 @@ def lost(cfg: DictConfig, overrides: Sequence[str], why: str) -> JobReturn:
     return failed(overrides, WorkerLost(why, job_dir(cfg)))
 
 
-def sweep_configs(hydra_context, config: DictConfig, job_overrides: Sequence[Sequence[str]],
-                  initial_job_idx: int) -> list[DictConfig]:
+def sweep_configs(
+    hydra_context, config: DictConfig, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+) -> list[DictConfig]:
     """Each job's composed config, numbered from `initial_job_idx` (hydra.job.num/id), its sweep dir
     absolute so that a worker in another directory (or on another host, over a shared file system)
     writes where the sweep reads."""
@@ -72,8 +73,14 @@ def process_env(coordinator: str, processes: int, rank: int) -> dict[str, str]:
     return {"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(rank)}
 
 
-def run_one(hydra_context, task_function, sweep_config: DictConfig, singleton_state: dict[Any, Any], cwd: str,
-            env: dict[str, str]) -> JobReturn:
+def run_one(
+    hydra_context,
+    task_function,
+    sweep_config: DictConfig,
+    singleton_state: dict[Any, Any],
+    cwd: str,
+    env: dict[str, str],
+) -> JobReturn:
     """One process of a job, on a worker: Hydra's globals as the launching process had them, then
     the job as the basic launcher runs it (a task that raises returns a FAILED JobReturn)."""
     os.environ.update(env)
@@ -82,5 +89,10 @@ def run_one(hydra_context, task_function, sweep_config: DictConfig, singleton_st
     setup_globals()
     Singleton.set_state(singleton_state)
     HydraConfig.instance().set_config(sweep_config)
-    return run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
-                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    return run_job(
+        hydra_context=hydra_context,
+        task_function=task_function,
+        config=sweep_config,
+        job_dir_key="hydra.sweep.dir",
+        job_subdir_key="hydra.sweep.subdir",
+    )

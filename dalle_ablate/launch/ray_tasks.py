@@ -64,8 +64,11 @@ def reachable(address: Optional[str]) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
     except OSError as e:
         why = f"no answer in {CONNECT_TIMEOUT} s" if isinstance(e, socket.timeout) else first_line(e)
-        raise RunFailed(f"{field}={address}: no Ray cluster can be reached there ({why}); start one with `ray start --head`, "
-                        "or leave the address unset to start Ray on this machine", RunFailed.FAILED) from None
+        raise RunFailed(
+            f"{field}={address}: no Ray cluster can be reached there ({why}); start one with `ray start --head`, "
+            "or leave the address unset to start Ray on this machine",
+            RunFailed.FAILED,
+        ) from None
 
 
 def _free_address() -> str:
@@ -78,13 +81,24 @@ def _free_address() -> str:
 
 
 class RayLauncher(Launcher):
-    def __init__(self, address: Optional[str] = None, processes: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 strategy: str = "PACK", env: Optional[dict] = None, init: Optional[dict] = None):
+    def __init__(
+        self,
+        address: Optional[str] = None,
+        processes: int = 1,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        strategy: str = "PACK",
+        env: Optional[dict] = None,
+        init: Optional[dict] = None,
+    ):
         if processes < 1 or num_cpus < 0 or num_gpus < 0:
-            raise ConfigError(f"hydra.launcher.processes={processes} must be >= 1, hydra.launcher.num_cpus={num_cpus} "
-                              f"and num_gpus={num_gpus} >= 0")
+            raise ConfigError(
+                f"hydra.launcher.processes={processes} must be >= 1, hydra.launcher.num_cpus={num_cpus} "
+                f"and num_gpus={num_gpus} >= 0"
+            )
         if strategy not in STRATEGIES:
             raise ConfigError(f"hydra.launcher.strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
+
         def plain(d) -> dict:
             return OmegaConf.to_container(d, resolve=True) if OmegaConf.is_config(d) else dict(d or {})
 
@@ -107,8 +121,10 @@ class RayLauncher(Launcher):
                 ray.init(address=self.address, **self.init)
             except ConnectionError as e:  # e.g. address=auto with no cluster started on this machine
                 raise RunFailed(f"hydra/launcher=ray: {first_line(e)}", RunFailed.FAILED) from None
-            log.info(f"Ray cluster: {ray.cluster_resources().get('CPU', 0):g} CPUs on "
-                     f"{sum(n['Alive'] for n in ray.nodes())} nodes")
+            log.info(
+                f"Ray cluster: {ray.cluster_resources().get('CPU', 0):g} CPUs on "
+                f"{sum(n['Alive'] for n in ray.nodes())} nodes"
+            )
         return ray
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -126,20 +142,32 @@ class RayLauncher(Launcher):
             for job, cfg in enumerate(configs):
                 group = None
                 if self.processes > 1:
-                    bundle = {"CPU": self.resources["num_cpus"], **({"GPU": self.resources["num_gpus"]}
-                                                                    if self.resources["num_gpus"] else {})}
+                    bundle = {
+                        "CPU": self.resources["num_cpus"],
+                        **({"GPU": self.resources["num_gpus"]} if self.resources["num_gpus"] else {}),
+                    }
                     group = placement_group([bundle] * self.processes, strategy=self.strategy)
                     groups.append(group)
-                def at(rank: int, group=group) -> dict:
-                    return {} if group is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        placement_group=group, placement_group_bundle_index=rank)}
 
-                coordinator = "" if group is None else ray.get(
-                    ray.remote(_free_address).options(num_cpus=0, **at(0)).remote())
+                def at(rank: int, group=group) -> dict:
+                    return (
+                        {}
+                        if group is None
+                        else {
+                            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                                placement_group=group, placement_group_bundle_index=rank
+                            )
+                        }
+                    )
+
+                coordinator = (
+                    "" if group is None else ray.get(ray.remote(_free_address).options(num_cpus=0, **at(0)).remote())
+                )
                 for rank in range(self.processes):
                     env = {**self.env, **process_env(coordinator, self.processes, rank)}
-                    ref = task.options(**self.resources, **at(rank)).remote(self.hydra_context, self.task_function, cfg,
-                                                                            state, cwd, env)
+                    ref = task.options(**self.resources, **at(rank)).remote(
+                        self.hydra_context, self.task_function, cfg, state, cwd, env
+                    )
                     pending[ref] = (job, rank)
             self._collect(ray, pending, returns, configs, job_overrides)
         finally:
@@ -149,7 +177,9 @@ class RayLauncher(Launcher):
                 remove_placement_group(group)
         return returns
 
-    def _collect(self, ray, pending: dict, returns: list, configs: list, job_overrides: Sequence[Sequence[str]]) -> None:
+    def _collect(
+        self, ray, pending: dict, returns: list, configs: list, job_overrides: Sequence[Sequence[str]]
+    ) -> None:
         """Each job's return as its tasks finish: process 0's JobReturn, or WorkerLost when any of its
         processes died (its other processes are then stopped: they would wait for it forever)."""
         while pending:
@@ -162,8 +192,10 @@ class RayLauncher(Launcher):
             except ray.exceptions.RayTaskError as e:  # the launcher's own code on the worker failed
                 ret = failed(job_overrides[job], e.cause or e)
             except ray.exceptions.RayError as e:
-                why = (f"process {rank} of job #{configs[job].hydra.job.num} was lost: {type(e).__name__}: "
-                       f"{str(e).strip().splitlines()[0]}")
+                why = (
+                    f"process {rank} of job #{configs[job].hydra.job.num} was lost: {type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0]}"
+                )
                 log.warning(why)
                 returns[job] = lost(configs[job], job_overrides[job], why)
                 for other, (j, _) in list(pending.items()):

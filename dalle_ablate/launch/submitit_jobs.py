@@ -56,18 +56,28 @@ def run_task(hydra_context, task_function, sweep_config: DictConfig, singleton_s
 
     env = submitit.JobEnvironment()
     port = 20000 + zlib.crc32(env.job_id.encode()) % 20000
-    return run_one(hydra_context, task_function, sweep_config, singleton_state, cwd,
-                   process_env(f"{env.hostnames[0]}:{port}", env.num_tasks, env.global_rank))
+    return run_one(
+        hydra_context,
+        task_function,
+        sweep_config,
+        singleton_state,
+        cwd,
+        process_env(f"{env.hostnames[0]}:{port}", env.num_tasks, env.global_rank),
+    )
 
 
 class SubmititLauncher(Launcher):
     def __init__(self, executor: str, **params: Any):
         self.name = executor
-        self.params = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in params.items()}
+        self.params = {
+            k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in params.items()
+        }
         timeout = self.params.get("timeout_min")
         if timeout is not None and not timeout > 0:  # a job stopped as it starts: every trial lost
-            raise ConfigError(f"hydra.launcher.timeout_min={timeout} must be > 0 (the minutes a job may run before "
-                              f"{'SLURM stops' if executor == 'slurm' else 'it is stopped'})")
+            raise ConfigError(
+                f"hydra.launcher.timeout_min={timeout} must be > 0 (the minutes a job may run before "
+                f"{'SLURM stops' if executor == 'slurm' else 'it is stopped'})"
+            )
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
@@ -77,8 +87,11 @@ class SubmititLauncher(Launcher):
         import submitit
 
         if self.name == "slurm" and shutil.which("srun") is None:  # submitit would raise a RuntimeError of its own
-            raise RunFailed("hydra/launcher=slurm needs SLURM, and this machine has no srun on its PATH: start the sweep on "
-                            "a SLURM login node, or run its jobs here with hydra/launcher=slurm_local", RunFailed.FAILED)
+            raise RunFailed(
+                "hydra/launcher=slurm needs SLURM, and this machine has no srun on its PATH: start the sweep on "
+                "a SLURM login node, or run its jobs here with hydra/launcher=slurm_local",
+                RunFailed.FAILED,
+            )
         params = dict(self.params)
         init = {"folder": params.pop("submitit_folder")}
         if "max_num_timeout" in params:
@@ -94,8 +107,14 @@ class SubmititLauncher(Launcher):
         setup_globals()
         configs = sweep_configs(self.hydra_context, self.config, job_overrides, initial_job_idx)
         n = len(configs)
-        jobs = self.executor().map_array(run_task, [self.hydra_context] * n, [self.task_function] * n, configs,
-                                         [Singleton.get_state()] * n, [os.getcwd()] * n)
+        jobs = self.executor().map_array(
+            run_task,
+            [self.hydra_context] * n,
+            [self.task_function] * n,
+            configs,
+            [Singleton.get_state()] * n,
+            [os.getcwd()] * n,
+        )
         returns = []
         try:
             for idx, (job, cfg, overrides) in enumerate(zip(jobs, configs, job_overrides), start=initial_job_idx):
@@ -108,6 +127,6 @@ class SubmititLauncher(Launcher):
                 except FailedJobError as e:  # the launcher's own code on the worker failed
                     returns.append(failed(overrides, e))
         finally:
-            for job in jobs[len(returns):]:  # Ctrl-C: no job keeps running after the sweep
+            for job in jobs[len(returns) :]:  # Ctrl-C: no job keeps running after the sweep
                 job.cancel(check=False)
         return returns

@@ -41,11 +41,15 @@ def resolve(cfg, image_len: int, image_vocab: int, text_vocab: int):
     for name, value in (("image_len", image_len), ("image_vocab", image_vocab)):
         set_to = getattr(cfg, name)
         if set_to is not None and set_to != value:
-            raise ConfigError(f"model.{name}={set_to} but the data gives {value}; set model.{name}=null or change the data")
+            raise ConfigError(
+                f"model.{name}={set_to} but the data gives {value}; set model.{name}=null or change the data"
+            )
     # A preset may reserve more text rows than the tokenizer uses, never fewer.
     if cfg.text_vocab is not None and cfg.text_vocab < text_vocab:
         raise ConfigError(f"model.text_vocab={cfg.text_vocab} is smaller than the tokenizer's {text_vocab} tokens")
-    return dataclasses.replace(cfg, image_len=image_len, image_vocab=image_vocab, text_vocab=cfg.text_vocab or text_vocab)
+    return dataclasses.replace(
+        cfg, image_len=image_len, image_vocab=image_vocab, text_vocab=cfg.text_vocab or text_vocab
+    )
 
 
 def _family(cfg):
@@ -75,4 +79,15 @@ def param_count(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["BlockScale", "FAMILIES", "LAYOUTS", "ModelConfig", "abstract_model", "build_model", "param_count", "resolve", "stream_nll", "token_nll"]
+__all__ = [
+    "BlockScale",
+    "FAMILIES",
+    "LAYOUTS",
+    "ModelConfig",
+    "abstract_model",
+    "build_model",
+    "param_count",
+    "resolve",
+    "stream_nll",
+    "token_nll",
+]

@@ -49,10 +49,20 @@ class PositionBias(nnx.Module):
     offset alone, so a KV cache can use it (dalle-mini's full q x k table could not)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
-        self.fc1 = nnx.Linear(2, cfg.cpb_hidden, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "mlp")),
-                              bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)), rngs=rngs)
-        self.fc2 = nnx.Linear(cfg.cpb_hidden, cfg.heads, use_bias=False,
-                              kernel_init=nnx.with_partitioning(nnx.initializers.normal(cfg.init_std), ("mlp", "heads")), rngs=rngs)
+        self.fc1 = nnx.Linear(
+            2,
+            cfg.cpb_hidden,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "mlp")),
+            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)),
+            rngs=rngs,
+        )
+        self.fc2 = nnx.Linear(
+            cfg.cpb_hidden,
+            cfg.heads,
+            use_bias=False,
+            kernel_init=nnx.with_partitioning(nnx.initializers.normal(cfg.init_std), ("mlp", "heads")),
+            rngs=rngs,
+        )
 
     def table(self, offsets: jax.Array) -> jax.Array:
         """[..., 2] integer offsets -> [..., heads] float32 biases."""
@@ -134,8 +144,14 @@ class Attention(nnx.Module):
         """A cross-attention cache: the keys and values of `kv` (the encoder output), computed once."""
         return KVCache(self.split(self.k(kv)), self.split(self.v(kv)))
 
-    def __call__(self, x: jax.Array, kv: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
-                 rngs: Optional[nnx.Rngs] = None, cache: Optional[KVCache] = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        kv: Optional[jax.Array] = None,
+        mask: Optional[jax.Array] = None,
+        rngs: Optional[nnx.Rngs] = None,
+        cache: Optional[KVCache] = None,
+    ):
         """Queries of x [B, Tq, d] against the keys and values of `kv` (None: x itself) -> [B, Tq, d]:
         training and teacher-forced evaluation (dropout with `rngs`).
 
@@ -162,8 +178,15 @@ class Attention(nnx.Module):
         out = self._attend(q, keys[:, :end], values[:, :end], mask, row, None)
         return out, cache._replace(k=keys, v=values, pos=jnp.asarray(pos + t, jnp.int32))
 
-    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[jax.Array], bias: Optional[jax.Array],
-                rngs: Optional[nnx.Rngs]) -> jax.Array:
+    def _attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        mask: Optional[jax.Array],
+        bias: Optional[jax.Array],
+        rngs: Optional[nnx.Rngs],
+    ) -> jax.Array:
         """Heads [B, Tq, H, D] against keys and values [B, Tk, H, D] -> [B, Tq, d]. `bias`
         [H, Tq, Tk] or None."""
         b, t = q.shape[:2]

@@ -76,7 +76,15 @@ class ModelConfig(OptionConfig):
         LAYOUTS.get(self.layout)
         NORMS.get(self.norm)
         ACTIVATIONS.get(self.activation)
-        for name in ("d_model", "heads", "encoder_layers", "decoder_layers", "ffn_dim", "text_len", "vocab_pad_multiple"):
+        for name in (
+            "d_model",
+            "heads",
+            "encoder_layers",
+            "decoder_layers",
+            "ffn_dim",
+            "text_len",
+            "vocab_pad_multiple",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be positive")
         if self.d_model % self.heads:
@@ -89,14 +97,20 @@ class ModelConfig(OptionConfig):
         if self.tau_init <= 0 or self.tau_min <= 0:
             raise ConfigError(f"model.tau_init={self.tau_init} and model.tau_min={self.tau_min} must be positive")
         if self.learn_tau and not self.cosine_attention:
-            raise ConfigError("model.learn_tau=true conflicts with model.cosine_attention=false: tau is the cosine attention's temperature")
+            raise ConfigError(
+                "model.learn_tau=true conflicts with model.cosine_attention=false: tau is the cosine attention's temperature"
+            )
         if self.position_bias and self.image_len is not None and round(self.image_len**0.5) ** 2 != self.image_len:
-            raise ConfigError(f"model.position_bias=true needs a square image grid; model.image_len={self.image_len} is not a square")
+            raise ConfigError(
+                f"model.position_bias=true needs a square image grid; model.image_len={self.image_len} is not a square"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype={self.dtype!r} is not valid; valid: bfloat16, float16, float32")
         if self.remat not in ("none", "full", "dots_saveable"):
             raise ConfigError(f"model.remat={self.remat!r} is not valid; valid: dots_saveable, full, none")
         if self.scan_layers and self.swin_ln_every:
-            raise ConfigError(f"model.scan_layers=true conflicts with model.swin_ln_every={self.swin_ln_every}: "
-                              "a scanned stack has no room for norms between some of its layers")
+            raise ConfigError(
+                f"model.scan_layers=true conflicts with model.swin_ln_every={self.swin_ln_every}: "
+                "a scanned stack has no room for norms between some of its layers"
+            )
         check_layout(self)

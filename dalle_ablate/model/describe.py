@@ -33,7 +33,9 @@ def describe(model_cfg, new_state) -> str:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     state = jax.eval_shape(new_state, params)
-    opt_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)) - total
+    opt_count = (
+        sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)) - total
+    )
     fwd = forward_flops_per_example(model_cfg)
     c = model_cfg
     costs = FAMILIES.get(c.family).COSTS
@@ -55,9 +57,11 @@ def describe(model_cfg, new_state) -> str:
     if hasattr(costs, "attention_pairs"):  # sparse masks: what a kernel that skipped masked pairs would save
         pairs = costs.attention_pairs(c)
         per_pair = 4 * c.d_model  # scores and weighted values, 2 FLOPs per multiply-add each
-        lines.append(f"attention FLOPs per example (forward): {per_pair * pairs['square']:,} as computed (full square), "
-                     f"{per_pair * pairs['causal']:,} causal, {per_pair * pairs['pattern']:,} with "
-                     f"attention_pattern={c.attention_pattern} ({pairs['pattern'] / pairs['causal']:.1%} of causal)")
+        lines.append(
+            f"attention FLOPs per example (forward): {per_pair * pairs['square']:,} as computed (full square), "
+            f"{per_pair * pairs['causal']:,} causal, {per_pair * pairs['pattern']:,} with "
+            f"attention_pattern={c.attention_pattern} ({pairs['pattern'] / pairs['causal']:.1%} of causal)"
+        )
     lines += [
         "",
         f"{'memory':<28}{'fp32':>12}{'fp16/bf16':>12}",
@@ -69,5 +73,3 @@ def describe(model_cfg, new_state) -> str:
 
 def _gb(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
-
-

@@ -55,12 +55,19 @@ class Family(Protocol):
         cache with that input added; token by token equal to the teacher-forced logits."""
 
     # -- what the trainer and the evaluation read --
-    def __call__(self, text: jax.Array, text_mask: jax.Array, codes: jax.Array,
-                 dropout_key: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(
+        self, text: jax.Array, text_mask: jax.Array, codes: jax.Array, dropout_key: Optional[jax.Array] = None
+    ) -> jax.Array:
         """Teacher-forced image logits [B, I, logit_rows] (caption scores, the eval loss)."""
 
-    def nll(self, text: jax.Array, text_mask: jax.Array, codes: jax.Array, dropout_key: Optional[jax.Array] = None,
-            grad_scales: Optional[dict] = None) -> dict[str, jax.Array]:
+    def nll(
+        self,
+        text: jax.Array,
+        text_mask: jax.Array,
+        codes: jax.Array,
+        dropout_key: Optional[jax.Array] = None,
+        grad_scales: Optional[dict] = None,
+    ) -> dict[str, jax.Array]:
         """Per-token NLL of each stream the family predicts ({"image": [B, I], ...}), the
         training objective's input; `grad_scales` ({stack: BlockScale}) scales each block's
         gradients (model/grad_scale.py)."""
@@ -94,7 +101,9 @@ def missing(cls: type, protocol: type) -> list[str]:
     """The members of `protocol` that `cls` lacks: a method or class attribute it does not
     define, or an instance attribute it neither defines nor annotates."""
     bases = [base for base in cls.__mro__ if base is not object]  # object gives every class a __call__ etc.
-    return [n for n in members(protocol) if not any(n in vars(b) or n in vars(b).get("__annotations__", {}) for b in bases)]
+    return [
+        n for n in members(protocol) if not any(n in vars(b) or n in vars(b).get("__annotations__", {}) for b in bases)
+    ]
 
 
 def family(cls: type) -> type:

@@ -90,6 +90,8 @@ def keyed_draws(construct: Callable[[Draws], nnx.Module], key: jax.Array) -> Dra
     """The `rngs` under which `construct` gives every parameter a key that is a function of `key`
     and its own path alone: draw n gets fold_in(path_key(key, path), rank). Unused draws get
     fold_in(key, n) (their value does not matter)."""
-    keys = [jax.random.fold_in(key, n) if owner is None else jax.random.fold_in(path_key(key, owner[0]), owner[1])
-            for n, owner in enumerate(draw_owners(construct))]
+    keys = [
+        jax.random.fold_in(key, n) if owner is None else jax.random.fold_in(path_key(key, owner[0]), owner[1])
+        for n, owner in enumerate(draw_owners(construct))
+    ]
     return Draws(keys)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from dalle_ablate.registry import Registry
 
+
 def smelu(x: jax.Array, beta: float = 1.0) -> jax.Array:
     """SmeLU (Shamir et al. 2020, arXiv 2010.09458) of half-width beta: 0 for x <= -beta,
     (x + beta)^2 / (4 beta) for |x| < beta, x for x >= beta. Its derivative, which autodiff takes

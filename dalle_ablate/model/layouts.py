@@ -40,21 +40,80 @@ class Layout:
 
 
 LAYOUTS: Registry[Layout] = Registry("layout", "model")
-LAYOUTS.register("preln", Layout(pre=True, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=False,
-                                 doc="Pre-LN: x + f(LN(x))"))
-LAYOUTS.register("postln", Layout(pre=False, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=True,
-                                  doc="Post-LN (Vaswani et al. 2017): LN(x + f(x))"))
-LAYOUTS.register("deepnet", Layout(pre=False, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=True,
-                                   deepnet=True, doc="DeepNet, arXiv 2203.00555: LN(alpha x + f(x)), beta-scaled init"))
-LAYOUTS.register("normformer", Layout(pre=True, attn_post=True, ffn_post=False, ffn_mid=True, post_residual=False,
-                                      doc="NormFormer, arXiv 2110.09456: x + LN(attn(LN(x))), x + W2 LN(act(W1 LN(x)))"))
-LAYOUTS.register("sandwich", Layout(pre=True, attn_post=True, ffn_post=True, ffn_mid=False, post_residual=False,
-                                    doc="Sandwich-LN (CogView, arXiv 2105.13290): x + LN(f(LN(x)))"))
-LAYOUTS.register("swinv2", Layout(pre=False, attn_post=True, ffn_post=True, ffn_mid=False, post_residual=False,
-                                  swin=True, doc="Swin v2 res-post-norm, arXiv 2111.09883: x + LN(f(x))"))
-LAYOUTS.register("subln", Layout(pre=True, attn_post=False, ffn_post=False, ffn_mid=True, post_residual=False,
-                                 attn_sub=True, magneto=True,
-                                 doc="Sub-LN / Magneto, arXiv 2210.06423: x + W_o LN(attn(LN(x))), x + W2 LN(act(W1 LN(x)))"))
+LAYOUTS.register(
+    "preln",
+    Layout(pre=True, attn_post=False, ffn_post=False, ffn_mid=False, post_residual=False, doc="Pre-LN: x + f(LN(x))"),
+)
+LAYOUTS.register(
+    "postln",
+    Layout(
+        pre=False,
+        attn_post=False,
+        ffn_post=False,
+        ffn_mid=False,
+        post_residual=True,
+        doc="Post-LN (Vaswani et al. 2017): LN(x + f(x))",
+    ),
+)
+LAYOUTS.register(
+    "deepnet",
+    Layout(
+        pre=False,
+        attn_post=False,
+        ffn_post=False,
+        ffn_mid=False,
+        post_residual=True,
+        deepnet=True,
+        doc="DeepNet, arXiv 2203.00555: LN(alpha x + f(x)), beta-scaled init",
+    ),
+)
+LAYOUTS.register(
+    "normformer",
+    Layout(
+        pre=True,
+        attn_post=True,
+        ffn_post=False,
+        ffn_mid=True,
+        post_residual=False,
+        doc="NormFormer, arXiv 2110.09456: x + LN(attn(LN(x))), x + W2 LN(act(W1 LN(x)))",
+    ),
+)
+LAYOUTS.register(
+    "sandwich",
+    Layout(
+        pre=True,
+        attn_post=True,
+        ffn_post=True,
+        ffn_mid=False,
+        post_residual=False,
+        doc="Sandwich-LN (CogView, arXiv 2105.13290): x + LN(f(LN(x)))",
+    ),
+)
+LAYOUTS.register(
+    "swinv2",
+    Layout(
+        pre=False,
+        attn_post=True,
+        ffn_post=True,
+        ffn_mid=False,
+        post_residual=False,
+        swin=True,
+        doc="Swin v2 res-post-norm, arXiv 2111.09883: x + LN(f(x))",
+    ),
+)
+LAYOUTS.register(
+    "subln",
+    Layout(
+        pre=True,
+        attn_post=False,
+        ffn_post=False,
+        ffn_mid=True,
+        post_residual=False,
+        attn_sub=True,
+        magneto=True,
+        doc="Sub-LN / Magneto, arXiv 2210.06423: x + W_o LN(attn(LN(x))), x + W2 LN(act(W1 LN(x)))",
+    ),
+)
 
 
 class Gains(NamedTuple):
@@ -125,8 +184,13 @@ class Sublayer(nnx.Module):
         self.rate = cfg.dropout
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x: jax.Array, f: Callable[[jax.Array], jax.Array], rngs: Optional[nnx.Rngs] = None,
-                 scale: Optional[BlockScale] = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        f: Callable[[jax.Array], jax.Array],
+        rngs: Optional[nnx.Rngs] = None,
+        scale: Optional[BlockScale] = None,
+    ) -> jax.Array:
         """x + branch(x) under the layout. With a `scale` (per-resblock gradient scaling) x is the
         float32 residual stream and the branch runs in the compute dtype between the scale's
         two edges (model/grad_scale.py)."""

@@ -32,7 +32,9 @@ PATTERNS = ("dense", "row", "column", "conv")
 def grid_side(image_len: int) -> int:
     g = math.isqrt(image_len)
     if g * g != image_len:
-        raise ConfigError(f"model.family=single_stream needs a square image grid; model.image_len={image_len} is not a square")
+        raise ConfigError(
+            f"model.family=single_stream needs a square image grid; model.image_len={image_len} is not a square"
+        )
     return g
 
 
@@ -80,6 +82,8 @@ def layer_patterns(spec: str, layers: int) -> tuple[str, ...]:
     names = [s.strip() for s in spec.split(",")]
     for name in names:
         if name not in PATTERNS:
-            raise ConfigError(f"model.attention_pattern={spec!r}: {name!r} is not a pattern; valid: dalle, or "
-                              f"comma-separated names of {', '.join(PATTERNS)}")
+            raise ConfigError(
+                f"model.attention_pattern={spec!r}: {name!r} is not a pattern; valid: dalle, or "
+                f"comma-separated names of {', '.join(PATTERNS)}"
+            )
     return tuple(names[i % len(names)] for i in range(layers))

@@ -77,8 +77,14 @@ class EncoderLayer(nnx.Module):
         """The layer's decoding cache over `length` positions (see Attention.empty_cache)."""
         return {"attn": self.attn.empty_cache(batch, length, self.dtype, prefill)}
 
-    def __call__(self, x: jax.Array, mask: Optional[jax.Array], rngs: Optional[nnx.Rngs] = None,
-                 scales: Optional[BlockScale] = None, cache: Optional[dict[str, KVCache]] = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: Optional[jax.Array],
+        rngs: Optional[nnx.Rngs] = None,
+        scales: Optional[BlockScale] = None,
+        cache: Optional[dict[str, KVCache]] = None,
+    ):
         """The layer on x [B, T, d] (dropout with `rngs`, per-resblock gradient `scales`). With a
         `cache` (decoding: a prefix prefilled or one new token; no dropout) -> (x, updated cache)."""
         s = (lambda i: None) if scales is None else scales.row
@@ -100,16 +106,30 @@ class DecoderLayer(nnx.Module):
         self.ffn = FeedForward(cfg, rngs, mid_norm(layout, cfg, rngs), gain=g.ffn)
         self.dtype = jnp.dtype(cfg.dtype)
 
-    BRANCHES = {"self_attn": ("self_attn", "self_block"), "cross_attn": ("cross_attn", "cross_block"), "ffn": ("ffn", "ffn_block")}
+    BRANCHES = {
+        "self_attn": ("self_attn", "self_block"),
+        "cross_attn": ("cross_attn", "cross_block"),
+        "ffn": ("ffn", "ffn_block"),
+    }
 
     def empty_cache(self, enc: jax.Array, length: int) -> dict[str, KVCache]:
         """The layer's decoding cache: self-attention over `length` image positions, none filled,
         and cross-attention to the encoder output `enc` [B, T, d]."""
-        return {"self_attn": self.self_attn.empty_cache(enc.shape[0], length, self.dtype),
-                "cross_attn": self.cross_attn.fixed_cache(enc)}
+        return {
+            "self_attn": self.self_attn.empty_cache(enc.shape[0], length, self.dtype),
+            "cross_attn": self.cross_attn.fixed_cache(enc),
+        }
 
-    def __call__(self, x, enc, self_mask, cross_mask, rngs: Optional[nnx.Rngs] = None,
-                 scales: Optional[BlockScale] = None, cache: Optional[dict[str, KVCache]] = None):
+    def __call__(
+        self,
+        x,
+        enc,
+        self_mask,
+        cross_mask,
+        rngs: Optional[nnx.Rngs] = None,
+        scales: Optional[BlockScale] = None,
+        cache: Optional[dict[str, KVCache]] = None,
+    ):
         """The layer on x [B, I, d] after the encoder output `enc`. With a `cache` (decoding; `enc`
         and `self_mask` unused: the cache holds the encoder's keys and values, and the self-attention
         is causal) -> (x, updated cache)."""
@@ -118,7 +138,9 @@ class DecoderLayer(nnx.Module):
         x = self.self_block(x, lambda h: attention(self, "self_attn", h, None, self_mask, rngs, cache, new), rngs, s(0))
         if scales is not None:  # the encoder's output enters this branch too: its gradient leaves it unscaled
             enc = branch_input(enc, scales.scale[1], scales.probe_in[1], self.dtype)
-        x = self.cross_block(x, lambda h: attention(self, "cross_attn", h, enc, cross_mask, rngs, cache, new), rngs, s(1))
+        x = self.cross_block(
+            x, lambda h: attention(self, "cross_attn", h, enc, cross_mask, rngs, cache, new), rngs, s(1)
+        )
         x = self.ffn_block(x, lambda h: self.ffn(h, rngs), rngs, s(2))
         return x if cache is None else (x, new)
 
@@ -149,8 +171,18 @@ def _layer_rngs(key, i):
     return None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, i))
 
 
-def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = False, per_layer=None,
-              scales: Optional[BlockScale] = None, caches: Optional[tuple] = None):
+def run_stack(
+    layers,
+    norms,
+    x,
+    rngs,
+    *args,
+    remat: str = "none",
+    scan: bool = False,
+    per_layer=None,
+    scales: Optional[BlockScale] = None,
+    caches: Optional[tuple] = None,
+):
     """The layers in order on x, each called as layer(x, *args[, its per_layer array]), then its
     stream norm if it has one; `per_layer` has one leading row per layer (the single-stream
     family's mask of each layer), and so do `scales` ([layers, branches]: per-resblock gradient
@@ -178,8 +210,9 @@ def run_stack(layers, norms, x, rngs, *args, remat: str = "none", scan: bool = F
 
         def body(h, inputs):
             i, state, row, scale = inputs
-            return call(nnx.merge(graphdef, state), h, _layer_rngs(key, i), scale, *args,
-                        *(() if per_layer is None else (row,))), None
+            return call(
+                nnx.merge(graphdef, state), h, _layer_rngs(key, i), scale, *args, *(() if per_layer is None else (row,))
+            ), None
 
         return jax.lax.scan(body, x, (jnp.arange(len(layers)), stacked, rows, scales))[0]
     for i, (layer, norm) in enumerate(zip(layers, norms)):
@@ -272,34 +305,69 @@ class Seq2Seq(nnx.Module):
         self.decoder_norm = Norm(d, cfg, cfg.force_ln_scale, rngs) if cfg.final_ln_decoder else None
         self.lm_head = dense(d, self.logit_rows, ("embed", "vocab"), cfg, rngs, bias=False)
 
-    def encode(self, text: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None,
-               scales: Optional[BlockScale] = None) -> jax.Array:
+    def encode(
+        self,
+        text: jax.Array,
+        text_mask: jax.Array,
+        rngs: Optional[nnx.Rngs] = None,
+        scales: Optional[BlockScale] = None,
+    ) -> jax.Array:
         # per-resblock scaling: embeddings in float32 (appendix D), the residual stream float32
         f32 = scales is not None
-        x = outside(self.text_embed, text, f32) * self.embed_scale + outside(self.text_pos, jnp.arange(text.shape[1]), f32)[None]
+        x = (
+            outside(self.text_embed, text, f32) * self.embed_scale
+            + outside(self.text_pos, jnp.arange(text.shape[1]), f32)[None]
+        )
         x = dropout(self.rate, rngs)(x)
         mask = (text_mask[:, None, :] & text_mask[:, :, None])[:, None]  # [B, 1, T, T]
         # Padding queries would attend to nothing; let them see themselves so rows stay finite.
         mask = mask | jnp.eye(text.shape[1], dtype=bool)[None, None]
-        x = run_stack(self.encoder, self.encoder_stream_norms, x, rngs, mask, remat=self.cfg.remat, scan=self.cfg.scan_layers,
-                      scales=scales)
+        x = run_stack(
+            self.encoder,
+            self.encoder_stream_norms,
+            x,
+            rngs,
+            mask,
+            remat=self.cfg.remat,
+            scan=self.cfg.scan_layers,
+            scales=scales,
+        )
         return self.encoder_norm(x) if self.encoder_norm is not None else x
 
     def decoder_inputs(self, codes: jax.Array) -> jax.Array:
         bos = jnp.full((codes.shape[0], 1), self.bos_id, codes.dtype)
         return jnp.concatenate([bos, codes[:, :-1]], axis=1)
 
-    def decode(self, inputs: jax.Array, enc: jax.Array, text_mask: jax.Array, rngs: Optional[nnx.Rngs] = None,
-               scales: Optional[BlockScale] = None) -> jax.Array:
+    def decode(
+        self,
+        inputs: jax.Array,
+        enc: jax.Array,
+        text_mask: jax.Array,
+        rngs: Optional[nnx.Rngs] = None,
+        scales: Optional[BlockScale] = None,
+    ) -> jax.Array:
         """Logits [B, I, logit_rows] (float32, invalid rows masked) for decoder input ids."""
         t = inputs.shape[1]
         f32 = scales is not None  # per-resblock scaling: embeddings, stream and head in float32
-        x = outside(self.image_embed, inputs, f32) * self.embed_scale + outside(self.image_pos, jnp.arange(t), f32)[None]
+        x = (
+            outside(self.image_embed, inputs, f32) * self.embed_scale
+            + outside(self.image_pos, jnp.arange(t), f32)[None]
+        )
         x = dropout(self.rate, rngs)(x)
         self_mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
         cross_mask = text_mask[:, None, None, :]
-        x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, enc, self_mask, cross_mask, remat=self.cfg.remat,
-                      scan=self.cfg.scan_layers, scales=scales)
+        x = run_stack(
+            self.decoder,
+            self.decoder_stream_norms,
+            x,
+            rngs,
+            enc,
+            self_mask,
+            cross_mask,
+            remat=self.cfg.remat,
+            scan=self.cfg.scan_layers,
+            scales=scales,
+        )
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         logits = outside(self.lm_head, x, f32).astype(jnp.float32)
@@ -311,14 +379,24 @@ class Seq2Seq(nnx.Module):
         """An empty cache for decoding image tokens after the text encoded as `enc` [B, T, d]."""
         return DecodeCache(tuple(layer.empty_cache(enc, self.cfg.image_len) for layer in self.decoder))
 
-    def decode_step(self, token: jax.Array, pos: jax.Array, cache: DecodeCache, text_mask: jax.Array) -> tuple[jax.Array, DecodeCache]:
+    def decode_step(
+        self, token: jax.Array, pos: jax.Array, cache: DecodeCache, text_mask: jax.Array
+    ) -> tuple[jax.Array, DecodeCache]:
         """Logits [B, logit_rows] (float32, invalid rows masked) for the image token after decoder
         input `token` [B] at position `pos`, and the cache with that position added. Token by
         token this equals `decode` on the whole prefix (tests/generate/test_sampling.py)."""
         x = self.image_embed(token[:, None]) * self.embed_scale + self.image_pos(pos[None])[None]
         cross_mask = text_mask[:, None, None, :]
-        x, layers = run_stack(self.decoder, self.decoder_stream_norms, x, None, None, None, cross_mask,
-                              caches=tuple(at_position(c, pos) for c in cache.layers))
+        x, layers = run_stack(
+            self.decoder,
+            self.decoder_stream_norms,
+            x,
+            None,
+            None,
+            None,
+            cross_mask,
+            caches=tuple(at_position(c, pos) for c in cache.layers),
+        )
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         logits = self.lm_head(x[:, 0]).astype(jnp.float32)
@@ -329,17 +407,34 @@ class Seq2Seq(nnx.Module):
     STACKS = {"encoder": EncoderLayer, "decoder": DecoderLayer}
     COSTS = Seq2SeqCosts
 
-    def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None,
-                 grad_scales: Optional[dict[str, BlockScale]] = None) -> jax.Array:
+    def __call__(
+        self,
+        text,
+        text_mask,
+        codes,
+        dropout_key: Optional[jax.Array] = None,
+        grad_scales: Optional[dict[str, BlockScale]] = None,
+    ) -> jax.Array:
         """Teacher-forced logits. With a dropout_key the dropout layers are active (training);
         `grad_scales` ({stack: BlockScale [layers, branches]}) scales each block's gradients."""
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
         s = grad_scales or {}
-        return self.decode(self.decoder_inputs(codes), self.encode(text, text_mask, rngs, s.get("encoder")), text_mask, rngs,
-                           s.get("decoder"))
+        return self.decode(
+            self.decoder_inputs(codes),
+            self.encode(text, text_mask, rngs, s.get("encoder")),
+            text_mask,
+            rngs,
+            s.get("decoder"),
+        )
 
-    def nll(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None,
-            grad_scales: Optional[dict[str, BlockScale]] = None) -> dict[str, jax.Array]:
+    def nll(
+        self,
+        text,
+        text_mask,
+        codes,
+        dropout_key: Optional[jax.Array] = None,
+        grad_scales: Optional[dict[str, BlockScale]] = None,
+    ) -> dict[str, jax.Array]:
         """Per-token NLL of each stream the family predicts: here only the image codes [B, I]."""
         logits = self(text, text_mask, codes, dropout_key, grad_scales)
         return {"image": optax.softmax_cross_entropy_with_integer_labels(logits, codes)}

@@ -64,15 +64,21 @@ class SingleStreamConfig(ModelConfig):
         super().validate(run)
         layer_patterns(self.attention_pattern, self.depth)
         if self.conv_kernel % 2 == 0:
-            raise ConfigError(f"model.conv_kernel={self.conv_kernel} must be odd (a neighbourhood centred on its column)")
+            raise ConfigError(
+                f"model.conv_kernel={self.conv_kernel} must be odd (a neighbourhood centred on its column)"
+            )
         if self.position_bias:
-            raise ConfigError("model.position_bias=true is the seq2seq decoder's Swin v2 bias; model.family=single_stream "
-                              "has row and column position embeddings (set model.position_bias=false)")
+            raise ConfigError(
+                "model.position_bias=true is the seq2seq decoder's Swin v2 bias; model.family=single_stream "
+                "has row and column position embeddings (set model.position_bias=false)"
+            )
         if self.image_len is not None:
             g = grid_side(self.image_len)
             if self.conv_kernel // 2 >= g:
-                raise ConfigError(f"model.conv_kernel={self.conv_kernel} is wider than the {g}x{g} image grid "
-                                  f"allows; at most {2 * g - 1}")
+                raise ConfigError(
+                    f"model.conv_kernel={self.conv_kernel} is wider than the {g}x{g} image grid "
+                    f"allows; at most {2 * g - 1}"
+                )
 
 
 class StreamCache(NamedTuple):
@@ -100,7 +106,9 @@ class SingleStreamCosts:
     @staticmethod
     def logit_elements(cfg) -> int:
         m = cfg.vocab_pad_multiple
-        return cfg.image_len * padded(cfg.image_vocab, m) + (cfg.text_len - 1) * padded(cfg.text_vocab + cfg.text_len, m)
+        return cfg.image_len * padded(cfg.image_vocab, m) + (cfg.text_len - 1) * padded(
+            cfg.text_vocab + cfg.text_len, m
+        )
 
     @staticmethod
     def activation_elements(cfg, t: int) -> dict[str, float]:
@@ -119,8 +127,10 @@ class SingleStreamCosts:
         """(query, key) pairs one example's attention covers, summed over layers: the full square
         (what a dense kernel computes), the causal triangle, and the pattern's masks."""
         n, g = cfg.text_len + cfg.image_len - 1, grid_side(cfg.image_len)
-        pattern = sum(int(stream_mask(p, cfg.text_len, g, cfg.conv_kernel)[:n, :n].sum())
-                      for p in layer_patterns(cfg.attention_pattern, cfg.depth))
+        pattern = sum(
+            int(stream_mask(p, cfg.text_len, g, cfg.conv_kernel)[:n, :n].sum())
+            for p in layer_patterns(cfg.attention_pattern, cfg.depth)
+        )
         return {"square": cfg.depth * n * n, "causal": cfg.depth * n * (n + 1) // 2, "pattern": pattern}
 
 
@@ -174,7 +184,9 @@ class SingleStream(nnx.Module):
         where = outside(self.image_row, pos // self.grid, f32) + outside(self.image_col, pos % self.grid, f32)
         return outside(self.image_embed, codes, f32) * self.embed_scale + where[None]
 
-    def hidden(self, text, text_mask, codes, rngs: Optional[nnx.Rngs], scales: Optional[BlockScale] = None) -> jax.Array:
+    def hidden(
+        self, text, text_mask, codes, rngs: Optional[nnx.Rngs], scales: Optional[BlockScale] = None
+    ) -> jax.Array:
         """Final states [B, T + I - 1, d] of the teacher-forced stream."""
         # per-resblock scaling: embeddings in float32 (appendix D), the residual stream float32
         f32 = scales is not None
@@ -182,8 +194,16 @@ class SingleStream(nnx.Module):
         x = dropout(self.cfg.dropout, rngs)(x)
         n = x.shape[1]
         masks = np.stack([m[:n, :n] for m in self.masks()])[:, None, None]  # [layers, 1, 1, L, L]
-        x = run_stack(self.decoder, self.decoder_stream_norms, x, rngs, remat=self.cfg.remat, scan=self.cfg.scan_layers,
-                      per_layer=masks, scales=scales)
+        x = run_stack(
+            self.decoder,
+            self.decoder_stream_norms,
+            x,
+            rngs,
+            remat=self.cfg.remat,
+            scan=self.cfg.scan_layers,
+            per_layer=masks,
+            scales=scales,
+        )
         return self.decoder_norm(x) if self.decoder_norm is not None else x
 
     def image_logits(self, h: jax.Array, f32: bool = False) -> jax.Array:
@@ -196,10 +216,16 @@ class SingleStream(nnx.Module):
     def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
         """Teacher-forced image logits [B, I, logit_rows] (what caption scores and the eval loss read)."""
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
-        return self.image_logits(self.hidden(text, text_mask, codes, rngs)[:, text.shape[1] - 1:])
+        return self.image_logits(self.hidden(text, text_mask, codes, rngs)[:, text.shape[1] - 1 :])
 
-    def nll(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None,
-            grad_scales: Optional[dict[str, BlockScale]] = None) -> dict[str, jax.Array]:
+    def nll(
+        self,
+        text,
+        text_mask,
+        codes,
+        dropout_key: Optional[jax.Array] = None,
+        grad_scales: Optional[dict[str, BlockScale]] = None,
+    ) -> dict[str, jax.Array]:
         """Per-token NLL of both streams: text [B, T - 1] (padding included) and image [B, I];
         `grad_scales` ({"decoder": BlockScale [layers, branches]}) scales each block's gradients."""
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
@@ -210,7 +236,10 @@ class SingleStream(nnx.Module):
         text_logits = outside(self.text_head, h[:, : t - 1], f32).astype(jnp.float32)
         text_logits = jnp.where(jnp.arange(text_logits.shape[-1]) < self.text_rows, text_logits, NEG_INF)
         ce = optax.softmax_cross_entropy_with_integer_labels
-        return {"text": ce(text_logits, self.text_ids(text, text_mask)[:, 1:]), "image": ce(self.image_logits(h[:, t - 1:], f32), codes)}
+        return {
+            "text": ce(text_logits, self.text_ids(text, text_mask)[:, 1:]),
+            "image": ce(self.image_logits(h[:, t - 1 :], f32), codes),
+        }
 
     def start_decoding(self, x_text: jax.Array) -> StreamCache:
         """Run the text prefix (all but its last position) once and keep its keys and values."""
@@ -219,7 +248,7 @@ class SingleStream(nnx.Module):
         x = x_text[:, : t - 1].astype(jnp.dtype(self.cfg.dtype))
         masks = [jnp.asarray(m[: t - 1, : t - 1])[None, None] for m in self.masks()]
         _, layers = run_stack(self.decoder, self.decoder_stream_norms, x, None, per_layer=masks, caches=empty)
-        return StreamCache(layers, x_text[:, t - 1:])
+        return StreamCache(layers, x_text[:, t - 1 :])
 
     def decode_step(self, token: jax.Array, pos: jax.Array, cache: StreamCache, text_mask: jax.Array):
         """Logits [B, logit_rows] of code `pos` given code pos - 1 in `token` (ignored at pos 0,
@@ -230,9 +259,18 @@ class SingleStream(nnx.Module):
         code = self.embed_codes(token[:, None], jnp.maximum(pos - 1, 0))
         x = jnp.where(pos == 0, cache.first.astype(code.dtype), code)
         # each layer's mask row at p: the positions this input sees
-        visible = [jax.lax.dynamic_index_in_dim(jnp.asarray(m[:-1, :-1]), p, keepdims=False)[None, None, None] for m in self.masks()]
-        x, layers = run_stack(self.decoder, self.decoder_stream_norms, x, None, per_layer=visible,
-                              caches=tuple(at_position(c, p) for c in cache.layers))
+        visible = [
+            jax.lax.dynamic_index_in_dim(jnp.asarray(m[:-1, :-1]), p, keepdims=False)[None, None, None]
+            for m in self.masks()
+        ]
+        x, layers = run_stack(
+            self.decoder,
+            self.decoder_stream_norms,
+            x,
+            None,
+            per_layer=visible,
+            caches=tuple(at_position(c, p) for c in cache.layers),
+        )
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return self.image_logits(x[:, 0]), cache._replace(layers=layers)

@@ -14,8 +14,9 @@ from dalle_ablate.optim.scale_by_shampoo import scale_by_shampoo, shampoo_stats
 from dalle_ablate.optim.schedules import SCHEDULES, ScheduleConfig, build_schedule
 
 
-def build_optimizer(optim_cfg, schedule_cfg, total_steps: int,
-                    stack_sharding=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(
+    optim_cfg, schedule_cfg, total_steps: int, stack_sharding=None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(transformation, schedule): optional global-norm clipping, then the named optimizer.
     `stack_sharding`: where Shampoo's stacked state lives on the mesh (`parallel.stack_sharding`),
     so that each device refreshes its own blocks' roots; None on one device and for abstract
@@ -28,5 +29,20 @@ def build_optimizer(optim_cfg, schedule_cfg, total_steps: int,
     return opt, schedule
 
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "PowerSGDConfig", "PowerSGDState", "ScheduleConfig", "build_optimizer", "build_schedule", "decay_mask",
-           "path_str", "powersgd_init", "powersgd_mean", "scale_by_shampoo", "shampoo_stats", "traffic"]
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "OptimConfig",
+    "PowerSGDConfig",
+    "PowerSGDState",
+    "ScheduleConfig",
+    "build_optimizer",
+    "build_schedule",
+    "decay_mask",
+    "path_str",
+    "powersgd_init",
+    "powersgd_mean",
+    "scale_by_shampoo",
+    "shampoo_stats",
+    "traffic",
+]

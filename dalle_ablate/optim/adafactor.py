@@ -12,8 +12,14 @@ from dalle_ablate.optim.base import OPTIMIZERS, OptimConfig, decay_mask
 
 @dataclass
 class AdafactorConfig(OptimConfig):
-    RANGES = {"decay_rate": "(0, 1]", "decay_offset": "[0, inf)", "clipping_threshold": "(0, inf) or null",
-              "momentum": "[0, 1) or null", "min_dim_size_to_factor": "[1, inf)", "eps": "[0, inf)"}
+    RANGES = {
+        "decay_rate": "(0, 1]",
+        "decay_offset": "[0, inf)",
+        "clipping_threshold": "(0, inf) or null",
+        "momentum": "[0, 1) or null",
+        "min_dim_size_to_factor": "[1, inf)",
+        "eps": "[0, inf)",
+    }
 
     name: str = "adafactor"
     lr: float = 1e-2

@@ -15,7 +15,8 @@ class AdamConfig(OptimConfig):
     RANGES = {"b1": "[0, 1)", "b2": "[0, 1)", "eps": "[0, inf)", "eps_root": "[0, inf)"}
 
     name: str = "adam"
-    lr: float = 5e-4  # the quickstart: 1e-3 learned the captions later, 2e-3 and 3e-3 not at all (docs/results/default-job.md)
+    # the quickstart: 1e-3 learned the captions later, 2e-3 and 3e-3 not at all (docs/results/default-job.md)
+    lr: float = 5e-4
     b1: float = 0.9  # decay of the first moment (momentum)
     b2: float = 0.999  # decay of the second moment
     eps: float = 1e-8  # added to the second moment's square root in the denominator
@@ -25,5 +26,13 @@ class AdamConfig(OptimConfig):
 
 @OPTIMIZERS.option("adam", AdamConfig)
 def adam(cfg: AdamConfig, lr, stack_sharding) -> optax.GradientTransformation:
-    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, eps_root=cfg.eps_root, weight_decay=cfg.weight_decay,
-                       mask=decay_mask(cfg.wd_exclude), nesterov=cfg.nesterov)
+    return optax.adamw(
+        lr,
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        eps_root=cfg.eps_root,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask(cfg.wd_exclude),
+        nesterov=cfg.nesterov,
+    )

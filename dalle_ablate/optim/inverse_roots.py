@@ -44,8 +44,9 @@ def inverse_root(a: jax.Array, p: int, ridge_eps: float, dtype: str = "float32")
     return root[0], err[0]
 
 
-def batched_inverse_roots(mats: list[jax.Array], ps: list[int], ridge_eps: float,
-                          dtype: str = "float32") -> list[tuple[jax.Array, jax.Array]]:
+def batched_inverse_roots(
+    mats: list[jax.Array], ps: list[int], ridge_eps: float, dtype: str = "float32"
+) -> list[tuple[jax.Array, jax.Array]]:
     """Inverse ps[k]-th roots of every statistic stack mats[k], computed in `dtype`. Stacks of
     equal block size are concatenated, so there is one eigendecomposition loop per distinct size
     (no zero-padding to the largest size: eigh is O(b^3), padding a 256-block to 680 would cost
@@ -74,7 +75,8 @@ def batched_inverse_roots(mats: list[jax.Array], ps: list[int], ridge_eps: float
             batch = _symmetric(jnp.concatenate([mats[k] for k in ks]), dtype)
             lam, vec = jax.lax.map(jnp.linalg.eigh, batch)
             roots, errors = jax.vmap(lambda a, w, v, p: _root_from_eigh(a, w, v, p.astype(dtype), ridge_eps))(
-                batch, lam, vec, exps)
+                batch, lam, vec, exps
+            )
             roots, errors = roots.astype(jnp.float32), errors.astype(jnp.float32)
         start = 0
         for k in ks:

@@ -43,9 +43,11 @@ class PowerSGDConfig(OptionConfig):
         except re.error as e:
             raise ConfigError(f"optim.powersgd.exclude has an invalid regex: {e}") from e
         if self.rank is not None:
-            check(run.mesh.fsdp == 1 and run.mesh.model == 1,
-                  f"optim.powersgd.rank={self.rank} compresses data-parallel gradients and needs mesh.fsdp=1 and "
-                  f"mesh.model=1 (got mesh.fsdp={run.mesh.fsdp}, mesh.model={run.mesh.model})")
+            check(
+                run.mesh.fsdp == 1 and run.mesh.model == 1,
+                f"optim.powersgd.rank={self.rank} compresses data-parallel gradients and needs mesh.fsdp=1 and "
+                f"mesh.model=1 (got mesh.fsdp={run.mesh.fsdp}, mesh.model={run.mesh.model})",
+            )
 
 
 class PowerSGDState(NamedTuple):
@@ -99,8 +101,9 @@ def powersgd_init(params, rank: int, exclude: list[str], workers: int) -> PowerS
     q, err = {}, {}
     for i, (keys, x) in enumerate(leaves.items()):
         shape = tuple(x.shape)
-        q[keys] = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (*shape[:-2], shape[-1], _rank(shape, rank)),
-                                    jnp.float32)
+        q[keys] = jax.random.normal(
+            jax.random.fold_in(jax.random.key(0), i), (*shape[:-2], shape[-1], _rank(shape, rank)), jnp.float32
+        )
         err[keys] = jnp.zeros((workers, *shape), jnp.float32)
     return PowerSGDState(q=_nest(q), error=_nest(err))
 
@@ -135,7 +138,9 @@ def powersgd_mean(grads, state: PowerSGDState, exclude: list[str], axis_name: st
     psum = lambda x: jax.lax.psum(x, axis_name)  # noqa: E731
     new_q, new_err, approx_of = {}, {}, {}
     for keys, g in leaves.items():
-        m = workers * g.astype(jnp.float32) + _get(state.error, keys)[0]  # this worker's estimate of the mean, plus its residual
+        m = (
+            workers * g.astype(jnp.float32) + _get(state.error, keys)[0]
+        )  # this worker's estimate of the mean, plus its residual
         p_hat = _orthonormal(psum(m @ _get(state.q, keys)) / workers)
         q = psum(jnp.swapaxes(m, -1, -2) @ p_hat) / workers
         approx = p_hat @ jnp.swapaxes(q, -1, -2)
@@ -150,5 +155,6 @@ def powersgd_mean(grads, state: PowerSGDState, exclude: list[str], axis_name: st
 
     rel = jax.lax.cond(measure, exact_error, lambda: jnp.float32(jnp.nan)) if approx_of else jnp.float32(0.0)
     mean = jax.tree_util.tree_map_with_path(
-        lambda path, g: approx_of[_keys(path)].astype(g.dtype) if _keys(path) in approx_of else psum(g), grads)
+        lambda path, g: approx_of[_keys(path)].astype(g.dtype) if _keys(path) in approx_of else psum(g), grads
+    )
     return mean, PowerSGDState(q=_nest(new_q), error=_nest(new_err)), {"rel_error": rel}

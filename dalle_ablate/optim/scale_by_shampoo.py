@@ -78,8 +78,14 @@ class Plan:
         return sum(len(m) for _, m in self.stacks)
 
 
-def make_plan(shapes: list[tuple[int, ...]], precondition: list[bool], block_size: int, skip_dim_gt: int,
-              precondition_1d: bool = True, merge_max: int = MERGE_SMALL_DIMS) -> Plan:
+def make_plan(
+    shapes: list[tuple[int, ...]],
+    precondition: list[bool],
+    block_size: int,
+    skip_dim_gt: int,
+    precondition_1d: bool = True,
+    merge_max: int = MERGE_SMALL_DIMS,
+) -> Plan:
     shapes2d: list[Optional[tuple[int, int]]] = []
     groups: dict[tuple[int, int, int], list] = {}
     for i, (shape, pre) in enumerate(zip(shapes, precondition)):
@@ -148,8 +154,12 @@ class ShampooState(NamedTuple):
 # distributed_shampoo's keyword names, which callers of scale_by_shampoo (the parity test among
 # them) may use for the options that optim=shampoo names as its other optimizers do (optim.b1 ...).
 REFERENCE_NAMES = {"beta1": "b1", "beta2": "b2", "graft_beta2": "graft_b2"}
-CHOICES = {"graft": GRAFTS, "graft_scope": GRAFT_SCOPES, "statistics_dtype": STATISTICS_DTYPES,
-           "root_dtype": ("auto", *ROOT_DTYPES)}
+CHOICES = {
+    "graft": GRAFTS,
+    "graft_scope": GRAFT_SCOPES,
+    "statistics_dtype": STATISTICS_DTYPES,
+    "root_dtype": ("auto", *ROOT_DTYPES),
+}
 
 
 @dataclass(frozen=True)
@@ -160,10 +170,18 @@ class ShampooOptions:
     `distributed_shampoo`, matched step for step (tests/optim/test_shampoo_parity.py)."""
 
     RANGES: ClassVar[dict[str, str]] = {
-        "b1": "[0, 1)", "b2": "[0, 1]",  # b2 = 1: Adagrad-style sums
-        "block_size": "[1, inf)", "graft_b2": "[0, 1] or null", "graft_eps": "[0, inf)", "matrix_eps": "[0, inf)",
-        "exponent_override": "[0, inf)", "preconditioning_every": "[1, inf)", "start_preconditioning_step": "[0, inf)",
-        "inverse_failure_threshold": "(0, inf)", "skip_preconditioning_dim_size_gt": "[1, inf)", "merge_small_dims": "[0, inf)",
+        "b1": "[0, 1)",
+        "b2": "[0, 1]",  # b2 = 1: Adagrad-style sums
+        "block_size": "[1, inf)",
+        "graft_b2": "[0, 1] or null",
+        "graft_eps": "[0, inf)",
+        "matrix_eps": "[0, inf)",
+        "exponent_override": "[0, inf)",
+        "preconditioning_every": "[1, inf)",
+        "start_preconditioning_step": "[0, inf)",
+        "inverse_failure_threshold": "(0, inf)",
+        "skip_preconditioning_dim_size_gt": "[1, inf)",
+        "merge_small_dims": "[0, inf)",
     }
 
     block_size: int = 1024  # dimensions longer than this are split into blocks
@@ -231,8 +249,14 @@ def place(stacks: list[jax.Array], stack_sharding) -> list[jax.Array]:
 def plan_for(o: ShampooOptions, params, precondition_mask) -> Plan:
     leaves = jax.tree.leaves(params)
     mask = jax.tree.leaves(precondition_mask(params)) if precondition_mask else [True] * len(leaves)
-    return make_plan([x.shape for x in leaves], mask, o.block_size, o.skip_preconditioning_dim_size_gt, o.precondition_1d,
-                     o.merge_small_dims)
+    return make_plan(
+        [x.shape for x in leaves],
+        mask,
+        o.block_size,
+        o.skip_preconditioning_dim_size_gt,
+        o.precondition_1d,
+        o.merge_small_dims,
+    )
 
 
 def as_matrices(plan: Plan, xs: list[jax.Array]) -> list[Optional[jax.Array]]:
@@ -248,11 +272,27 @@ def init_state(o: ShampooOptions, plan: Plan, params) -> ShampooState:
         eye = lambda b: jnp.broadcast_to(jnp.eye(b, dtype=sdt), (n, b, b))  # noqa: E731
         # Statistics start at matrix_eps I, as the reference's (a first root is then defined
         # even for a block whose gradient is still zero).
-        stacks.append(StackState(o.matrix_eps * eye(b1), o.matrix_eps * eye(b2), eye(b1), eye(b2),
-                                 jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32)))
+        stacks.append(
+            StackState(
+                o.matrix_eps * eye(b1),
+                o.matrix_eps * eye(b2),
+                eye(b1),
+                eye(b2),
+                jnp.zeros((n,), jnp.float32),
+                jnp.zeros((n,), jnp.int32),
+                jnp.zeros((n,), jnp.int32),
+            )
+        )
     zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)  # noqa: E731
-    return ShampooState(jnp.zeros((), jnp.int32), None if o.graft == "sgd" else zeros(), zeros(), zeros(),
-                        tuple(stacks), jnp.zeros(()), jnp.zeros((), jnp.int32))
+    return ShampooState(
+        jnp.zeros((), jnp.int32),
+        None if o.graft == "sgd" else zeros(),
+        zeros(),
+        zeros(),
+        tuple(stacks),
+        jnp.zeros(()),
+        jnp.zeros((), jnp.int32),
+    )
 
 
 # -- the phases of one update, in order -----------------------------------------------------------
@@ -306,9 +346,15 @@ def refresh_roots(o: ShampooOptions, stacks, keys) -> tuple[StackState, ...]:
         ok = jnp.isfinite(err) & (err <= o.inverse_failure_threshold)
         ok &= jnp.all(jnp.isfinite(lr_), axis=(1, 2)) & jnp.all(jnp.isfinite(rr_), axis=(1, 2))
         keep = lambda new, old: jnp.where(ok[:, None, None], new.astype(sdt), old)  # noqa: E731
-        out.append(st._replace(left_root=keep(lr_, st.left_root), right_root=keep(rr_, st.right_root),
-                               error=jnp.where(ok, err, st.error), failed=st.failed + (~ok).astype(jnp.int32),
-                               last_failed=(~ok).astype(jnp.int32)))
+        out.append(
+            st._replace(
+                left_root=keep(lr_, st.left_root),
+                right_root=keep(rr_, st.right_root),
+                error=jnp.where(ok, err, st.error),
+                failed=st.failed + (~ok).astype(jnp.int32),
+                last_failed=(~ok).astype(jnp.int32),
+            )
+        )
     return tuple(out)
 
 
@@ -334,14 +380,18 @@ def refresh_if_due(o: ShampooOptions, stacks, keys, count, stack_sharding) -> tu
     return jax.lax.cond(refreshing, do_refresh, tuple, stacks), refreshing
 
 
-def precondition_and_graft(o: ShampooOptions, plan: Plan, stacks, g_stacks, graft_dirs, stack_sharding) -> list[jax.Array]:
+def precondition_and_graft(
+    o: ShampooOptions, plan: Plan, stacks, g_stacks, graft_dirs, stack_sharding
+) -> list[jax.Array]:
     """Phase 4, every step: each block's L^(-1/p) G R^(-1/p) (Gupta et al. 2018), rescaled to the
     graft direction's norm -- per parameter as the reference (Anil et al. 2020, sec. 3.4, grafts
     layer-wise), or per block -- as each parameter's Shampoo direction; graft-only parameters keep
     their graft direction. Computed from step 0 so that the Shampoo momentum is warm when it takes
     over at start_preconditioning_step, as the reference's."""
-    pre_stacks = [jnp.einsum("nij,njk,nkl->nil", st.left_root.astype(jnp.float32), gs, st.right_root.astype(jnp.float32))
-                  for st, gs in zip(stacks, g_stacks)]
+    pre_stacks = [
+        jnp.einsum("nij,njk,nkl->nil", st.left_root.astype(jnp.float32), gs, st.right_root.astype(jnp.float32))
+        for st, gs in zip(stacks, g_stacks)
+    ]
     if o.graft_scope == "parameter":
         owners = [np.array([m[0] for m in members]) for _, members in plan.stacks]  # each block's parameter
         graft_norms = jnp.stack([jnp.linalg.norm(d) for d in graft_dirs]) if graft_dirs else jnp.zeros((0,))
@@ -351,8 +401,10 @@ def precondition_and_graft(o: ShampooOptions, plan: Plan, stacks, g_stacks, graf
         scales = [graft_norms[idx] / (jnp.sqrt(pre_sq[idx]) + 1e-16) for idx in owners]
     else:
         graft_stacks = place(gather(plan, as_matrices(plan, graft_dirs)), stack_sharding)
-        scales = [jnp.linalg.norm(gr, axis=(1, 2)) / (jnp.linalg.norm(pre, axis=(1, 2)) + 1e-16)
-                  for gr, pre in zip(graft_stacks, pre_stacks)]
+        scales = [
+            jnp.linalg.norm(gr, axis=(1, 2)) / (jnp.linalg.norm(pre, axis=(1, 2)) + 1e-16)
+            for gr, pre in zip(graft_stacks, pre_stacks)
+        ]
     out_stacks = [pre * sc[:, None, None] for pre, sc in zip(pre_stacks, scales)]
     return [d if m is None else m.reshape(d.shape) for d, m in zip(graft_dirs, scatter(plan, out_stacks))]
 
@@ -371,9 +423,13 @@ def momentum(o: ShampooOptions, state: ShampooState, graft_dirs, shampoo_dirs, u
     return out, graft_m, shampoo_m
 
 
-def scale_by_shampoo(options: Optional[ShampooOptions] = None, *, precondition_mask: Optional[Callable[[Any], Any]] = None,
-                     stack_sharding: Optional[Callable[[tuple[int, ...]], NamedSharding]] = None,
-                     **changes) -> optax.GradientTransformation:
+def scale_by_shampoo(
+    options: Optional[ShampooOptions] = None,
+    *,
+    precondition_mask: Optional[Callable[[Any], Any]] = None,
+    stack_sharding: Optional[Callable[[tuple[int, ...]], NamedSharding]] = None,
+    **changes,
+) -> optax.GradientTransformation:
     """The grafted, momentum-averaged Shampoo direction (chain with weight decay and
     optax.scale_by_learning_rate), step for step Google's `distributed_shampoo` as DALL·E Mega
     configured it (tests/optim/test_shampoo_parity.py): statistics from matrix_eps I, grafting per
@@ -409,8 +465,15 @@ def scale_by_shampoo(options: Optional[ShampooOptions] = None, *, precondition_m
         covered = sum(g.size for g, s in zip(grads, plan.shapes2d) if s is not None)
         share = jnp.where(use_shampoo, covered / max(sum(g.size for g in grads), 1), 0.0).astype(jnp.float32)
         tree = functools.partial(jax.tree.unflatten, treedef)
-        new_state = ShampooState(state.count + 1, None if state.graft is None else tree(new_moments), tree(graft_m),
-                                 tree(shampoo_m), stacks, share, state.refreshes + refreshing.astype(jnp.int32))
+        new_state = ShampooState(
+            state.count + 1,
+            None if state.graft is None else tree(new_moments),
+            tree(graft_m),
+            tree(shampoo_m),
+            stacks,
+            share,
+            state.refreshes + refreshing.astype(jnp.int32),
+        )
         return tree([u.astype(x.dtype) for u, x in zip(out, leaves)]), new_state
 
     return optax.GradientTransformation(init, update)
@@ -420,7 +483,11 @@ def shampoo_stats(opt_state) -> dict[str, jax.Array]:
     """Logged every trainer.log_every steps: share of parameter elements preconditioned, share of
     blocks whose root the latest refresh rejected, share of all root refreshes so far rejected,
     and the mean error of the roots in use. Empty when no Shampoo state is present."""
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ShampooState)) if isinstance(s, ShampooState)]
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ShampooState))
+        if isinstance(s, ShampooState)
+    ]
     if not found:
         return {}
     state = found[0]

@@ -64,10 +64,12 @@ class ShampooConfig(OptimConfig):
         # select -- the roots recomputed at every step, by two batched eighs, the pattern that can
         # deadlock jaxlib's CPU eigh (inverse_roots.py) -- and the float64 roots do not compile (the
         # select's re-trace runs outside their enable_x64). lax.map keeps each member's own program.
-        check(not (run.seeds and run.members.impl == "vmap"),
-              "optim=shampoo with seeds=[...] runs only with members.impl=map: under vmap its root refresh would run "
-              "at every step as two batched eighs (the CPU deadlock of optim/inverse_roots.py), and float64 roots do "
-              "not compile")
+        check(
+            not (run.seeds and run.members.impl == "vmap"),
+            "optim=shampoo with seeds=[...] runs only with members.impl=map: under vmap its root refresh would run "
+            "at every step as two batched eighs (the CPU deadlock of optim/inverse_roots.py), and float64 roots do "
+            "not compile",
+        )
 
 
 def root_dtype(name: str) -> str:
@@ -104,8 +106,11 @@ def shampoo(cfg: ShampooConfig, lr, stack_sharding) -> optax.GradientTransformat
     if cfg.lapack_threads is not None and jax.default_backend() == "cpu":
         limit_lapack_threads(cfg.lapack_threads)
     # The grafted Shampoo direction with momentum, then decoupled weight decay, then the rate.
-    direction = scale_by_shampoo(cfg.options(), stack_sharding=stack_sharding,
-                                 precondition_mask=decay_mask(cfg.no_precondition, "optim.no_precondition"))
+    direction = scale_by_shampoo(
+        cfg.options(),
+        stack_sharding=stack_sharding,
+        precondition_mask=decay_mask(cfg.no_precondition, "optim.no_precondition"),
+    )
     return optax.chain(
         direction,
         optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask(cfg.wd_exclude)),

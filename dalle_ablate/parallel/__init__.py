@@ -36,18 +36,24 @@ class Placement:
         """(index, count): this process feeds rows [index * b / count, (index + 1) * b / count)
         of every global batch of b. Processes whose devices hold the same rows (the batch is not
         split over the model axis) read the same share."""
-        spans = {(s[0].start or 0, batch_size if s[0].stop is None else s[0].stop)
-                 for s in self.batch.addressable_devices_indices_map((batch_size,)).values()}
+        spans = {
+            (s[0].start or 0, batch_size if s[0].stop is None else s[0].stop)
+            for s in self.batch.addressable_devices_indices_map((batch_size,)).values()
+        }
         lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         covered = sum(b - a for a, b in spans)
         if covered != hi - lo or batch_size % (hi - lo) or lo % (hi - lo):
-            raise ValueError(f"this process's devices hold rows {sorted(spans)} of a batch of {batch_size}: not one block")
+            raise ValueError(
+                f"this process's devices hold rows {sorted(spans)} of a batch of {batch_size}: not one block"
+            )
         return lo // (hi - lo), batch_size // (hi - lo)
 
     def global_batch(self, local: dict, batch_size: int) -> dict:
         """This process's rows of a batch (numpy) -> global arrays sharded over data x fsdp."""
-        return {k: jax.make_array_from_process_local_data(self.batch, np.asarray(v), (batch_size, *np.shape(v)[1:]))
-                for k, v in local.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch, np.asarray(v), (batch_size, *np.shape(v)[1:]))
+            for k, v in local.items()
+        }
 
 
 def make_placement(mesh: Mesh, abstract_model: nnx.Module, new_state: Callable) -> Placement:
@@ -95,6 +101,20 @@ def abstract_state(graph_fn, new_state, placement: Placement):
 
 
 __all__ = [
-    "AXES", "BATCH_AXES", "LOGICAL_RULES", "Placement", "abstract_state", "build_mesh", "check_batch", "init_state", "layout_specs",
-    "make_placement", "mesh_shape", "over_data", "pad_vocab_for_mesh", "param_specs", "stack_sharding", "state_specs",
+    "AXES",
+    "BATCH_AXES",
+    "LOGICAL_RULES",
+    "Placement",
+    "abstract_state",
+    "build_mesh",
+    "check_batch",
+    "init_state",
+    "layout_specs",
+    "make_placement",
+    "mesh_shape",
+    "over_data",
+    "pad_vocab_for_mesh",
+    "param_specs",
+    "stack_sharding",
+    "state_specs",
 ]

@@ -19,7 +19,8 @@ def initialize(dist_cfg) -> None:
         if missing:
             raise ConfigError(
                 f"distributed.coordinator_address={dist_cfg.coordinator_address} needs "
-                + " and ".join(f"distributed.{k}" for k in missing) + " (or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+                + " and ".join(f"distributed.{k}" for k in missing)
+                + " (or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
             )
         if not 0 <= dist_cfg.process_id < dist_cfg.num_processes:
             raise ConfigError(f"distributed.process_id={dist_cfg.process_id} must be in [0, {dist_cfg.num_processes})")
@@ -28,6 +29,8 @@ def initialize(dist_cfg) -> None:
         try:
             jax.distributed.initialize()
         except ValueError as e:  # no cluster environment JAX knows: it finds no coordinator
-            raise ConfigError(f"distributed.auto=true, but JAX detects no cluster here (Cloud TPU, Slurm, Open MPI; it says: "
-                              f"{e}); on other machines set distributed.coordinator_address, distributed.num_processes and "
-                              "distributed.process_id instead") from None
+            raise ConfigError(
+                f"distributed.auto=true, but JAX detects no cluster here (Cloud TPU, Slurm, Open MPI; it says: "
+                f"{e}); on other machines set distributed.coordinator_address, distributed.num_processes and "
+                "distributed.process_id instead"
+            ) from None

@@ -26,7 +26,9 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
             raise ConfigError(f"mesh.{a}={s} must be a positive size or -1 (the remaining devices)")
     free = [a for a, s in zip(AXES, sizes) if s == -1]
     if len(free) > 1:
-        raise ConfigError(f"mesh.{free[0]} and mesh.{free[1]} are both -1; at most one axis can take the remaining devices")
+        raise ConfigError(
+            f"mesh.{free[0]} and mesh.{free[1]} are both -1; at most one axis can take the remaining devices"
+        )
     fixed = math.prod(s for s in sizes if s != -1)
     if free:
         if n_devices % fixed:

@@ -63,7 +63,9 @@ def shard_factor(spec: P, sizes: dict[str, int]) -> int:
 def per_device_bytes(tree, specs, sizes: dict[str, int]) -> int:
     leaves = jax.tree.leaves(tree)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    return sum(math.ceil(x.size / shard_factor(s, sizes)) * np.dtype(x.dtype).itemsize for x, s in zip(leaves, flat_specs))
+    return sum(
+        math.ceil(x.size / shard_factor(s, sizes)) * np.dtype(x.dtype).itemsize for x, s in zip(leaves, flat_specs)
+    )
 
 
 def full_bytes(tree) -> int:
@@ -74,8 +76,11 @@ def communication_bytes(cfg, model_cfg, params, pspecs, param_bytes: int, sizes:
     """Bytes one device sends per update over each mesh axis (module docstring)."""
     t, (n_d, n_f, n_t) = cfg.trainer, (sizes[a] for a in AXES)
     flat_specs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
-    gathered = sum(math.ceil(x.size / shard_factor(s, sizes)) * np.dtype(x.dtype).itemsize * n_f
-                   for x, s in zip(jax.tree.leaves(params), flat_specs) if "fsdp" in spec_axes(s))
+    gathered = sum(
+        math.ceil(x.size / shard_factor(s, sizes)) * np.dtype(x.dtype).itemsize * n_f
+        for x, s in zip(jax.tree.leaves(params), flat_specs)
+        if "fsdp" in spec_axes(s)
+    )
     reduced = FAMILIES.get(model_cfg.family).COSTS.model_axis_reductions(model_cfg)
     act_bytes = np.dtype(model_cfg.dtype).itemsize
     floats = traffic(params, cfg.optim.powersgd.rank, cfg.optim.powersgd.exclude)
@@ -162,10 +167,14 @@ def plan(cfg, model_cfg, new_state, device: str | None = None, mfu: float = 0.4)
     if spec:
         step = m["flops_per_update"] / m["devices"] / (spec.peak * mfu)
         tokens = t.batch_size * (model_cfg.text_len + model_cfg.image_len)
-        lines.append(f"step time on {m['devices']} x {device} at {mfu:.0%} MFU ({spec.peak / 1e12:g} TFLOP/s bf16 peak each): "
-                     f"{step:.3g} s, {tokens / step:,.0f} tokens/s")
-    lines.append("(activations and communication are estimates, and XLA needs working memory beyond these totals: "
-                 "see dalle_ablate/parallel/plan.py)")
+        lines.append(
+            f"step time on {m['devices']} x {device} at {mfu:.0%} MFU ({spec.peak / 1e12:g} TFLOP/s bf16 peak each): "
+            f"{step:.3g} s, {tokens / step:,.0f} tokens/s"
+        )
+    lines.append(
+        "(activations and communication are estimates, and XLA needs working memory beyond these totals: "
+        "see dalle_ablate/parallel/plan.py)"
+    )
     return "\n".join(lines)
 
 

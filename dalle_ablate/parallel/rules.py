@@ -113,8 +113,10 @@ def state_specs(state, params, specs, mesh_sizes: dict[str, int]):
         if isinstance(x, StackState):
             return StackState(*(stack_spec(int(v.shape[0]), v.ndim, mesh_sizes) for v in x))
         if isinstance(x, PowerSGDState):
-            return PowerSGDState(q=jax.tree.map(lambda _: P(), x.q),
-                                 error=jax.tree.map(lambda v: P("data", *([None] * (v.ndim - 1))), x.error))
+            return PowerSGDState(
+                q=jax.tree.map(lambda _: P(), x.q),
+                error=jax.tree.map(lambda v: P("data", *([None] * (v.ndim - 1))), x.error),
+            )
         keys = tuple(str(k) for k in path)
         for d in depths:
             hit = by_path.get(keys[-d:]) if len(keys) >= d else None
@@ -122,8 +124,9 @@ def state_specs(state, params, specs, mesh_sizes: dict[str, int]):
                 return hit[1]
         return P()
 
-    return jax.tree_util.tree_map_with_path(leaf_spec, state, is_leaf=lambda x: isinstance(x, (StackState, PowerSGDState)))
-
+    return jax.tree_util.tree_map_with_path(
+        leaf_spec, state, is_leaf=lambda x: isinstance(x, (StackState, PowerSGDState))
+    )
 
 
 def layout_specs(abstract_model, new_state, mesh_sizes: dict[str, int]):

@@ -19,17 +19,39 @@ from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
 from dalle_ablate.report import prose as P
-from dalle_ablate.report.tables import (FINAL_METRICS, ONE_SEED, SAME_PROMPTS, STABILITY_COLUMNS, _needs, final_table, fmt,
-                                        fmt3, paired_table, runs_csv, shapes_noise_table, shapes_tier_table,
-                                        stability_rows, tier_table)
+from dalle_ablate.report.tables import (
+    FINAL_METRICS,
+    ONE_SEED,
+    SAME_PROMPTS,
+    STABILITY_COLUMNS,
+    _needs,
+    final_table,
+    fmt,
+    fmt3,
+    paired_table,
+    runs_csv,
+    shapes_noise_table,
+    shapes_tier_table,
+    stability_rows,
+    tier_table,
+)
 from dalle_ablate.report.writers import Section, to_html, to_markdown
 from dalle_ablate.metrics import headlines, metric
 from dalle_ablate.track.wandb_api import report_spec, wandb_report
 
-TITLES = {"overview": "Summary", "final": "Final metrics", "noise": "Noise report", "optuna": "Optuna study",
-          "curves": "Loss and gradient norm across seeds", "stability": "Stability", "compute": "Equal-compute views",
-          "pareto": "Guidance-scale Pareto curves", "shapes": "Shapes evaluation by tier", "grids": "Prompt grids",
-          "config": "Config diff"}
+TITLES = {
+    "overview": "Summary",
+    "final": "Final metrics",
+    "noise": "Noise report",
+    "optuna": "Optuna study",
+    "curves": "Loss and gradient norm across seeds",
+    "stability": "Stability",
+    "compute": "Equal-compute views",
+    "pareto": "Guidance-scale Pareto curves",
+    "shapes": "Shapes evaluation by tier",
+    "grids": "Prompt grids",
+    "config": "Config diff",
+}
 FOLDED = ("noise", "stability", "shapes", "grids", "config")  # long: closed until clicked
 
 
@@ -90,40 +112,74 @@ def variant_sentence(variant: str, judged: dict, metrics=FINAL_METRICS) -> str:
             continue
         how = f"{int(j['n'])} seeds, {'paired' if j['paired'] else 'Welch'}"
         needs = f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["needed"] else ""
-        parts.append(P.JUDGEMENT.format(metric=m, verdict=j["verdict"], diff=diff, unit=unit, low=fmt3(j["low"]),
-                                        high=fmt3(j["high"]), how=how + needs))
+        parts.append(
+            P.JUDGEMENT.format(
+                metric=m,
+                verdict=j["verdict"],
+                diff=diff,
+                unit=unit,
+                low=fmt3(j["low"]),
+                high=fmt3(j["high"]),
+                how=how + needs,
+            )
+        )
     return P.VARIANT.format(variant=variant, judgements="; ".join(parts))
 
 
-def overview_section(by_variant: dict[str, list[Run]], left_out: list[Run], baseline: str, why: str,
-                     judged: dict, margins: Optional[dict[str, str]]) -> Section:
+def overview_section(
+    by_variant: dict[str, list[Run]],
+    left_out: list[Run],
+    baseline: str,
+    why: str,
+    judged: dict,
+    margins: Optional[dict[str, str]],
+) -> Section:
     """The answer first, a sentence per variant; then what was compared."""
     s = Section("overview", TITLES["overview"])
     given = P.ANSWER_MARGINS.format(margins=", ".join(f"{k} ±{v}" for k, v in margins.items())) if margins else ""
     s.text.append(P.ANSWER.format(baseline=baseline, margins=given))
     s.text += [variant_sentence(v, judged) for v in by_variant if v != baseline]
-    s.text.append(P.OVERVIEW.format(runs=sum(len(rs) for rs in by_variant.values()), variants=len(by_variant),
-                                    baseline=baseline, why=why))
+    s.text.append(
+        P.OVERVIEW.format(
+            runs=sum(len(rs) for rs in by_variant.values()), variants=len(by_variant), baseline=baseline, why=why
+        )
+    )
     if left_out:
         s.text.append(P.LEFT_OUT.format(runs=", ".join(f"{r.name} ({r.status})" for r in left_out)))
     if max(len(rs) for rs in by_variant.values()) == 1:
         s.text.append(P.ONE_SEED)
-    s.tables.append((["variant", "runs", "seeds", "status"],
-                     [[v, len(rs), ", ".join(str(r.seed) for r in rs), ", ".join(sorted({r.status for r in rs}))]
-                      for v, rs in by_variant.items()]))
+    s.tables.append(
+        (
+            ["variant", "runs", "seeds", "status"],
+            [
+                [v, len(rs), ", ".join(str(r.seed) for r in rs), ", ".join(sorted({r.status for r in rs}))]
+                for v, rs in by_variant.items()
+            ],
+        )
+    )
     return s
 
 
-def final_section(by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]]) -> tuple[Section, dict]:
+def final_section(
+    by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]]
+) -> tuple[Section, dict]:
     cols, rows, judged = final_table(by_variant, baseline, margins)
-    given = P.FINAL_MARGIN.format(margins=", ".join(f"{k} ±{v}" for k, v in margins.items())) if margins else P.FINAL_NO_MARGIN
+    given = (
+        P.FINAL_MARGIN.format(margins=", ".join(f"{k} ±{v}" for k, v in margins.items()))
+        if margins
+        else P.FINAL_NO_MARGIN
+    )
     return Section("final", TITLES["final"], [P.FINAL.format(margin=given, one_seed=ONE_SEED)], [(cols, rows)]), judged
 
 
 def curves_section(by_variant: dict[str, list[Run]], palette: dict) -> Section:
     s = Section("curves", TITLES["curves"], [P.CURVES])
-    s.images.append(("train/loss and train/grad_norm", figures.curves_figure(by_variant, ["train/loss", "train/grad_norm"],
-                                                                             palette)))
+    s.images.append(
+        (
+            "train/loss and train/grad_norm",
+            figures.curves_figure(by_variant, ["train/loss", "train/grad_norm"], palette),
+        )
+    )
     if any("eval/valid/loss" in r.metrics for rs in by_variant.values() for r in rs):
         s.images.append(("eval/valid/loss", figures.curves_figure(by_variant, ["eval/valid/loss"], palette)))
     return s
@@ -136,8 +192,12 @@ def stability_section(runs: list[Run]) -> tuple[Section, list[list]]:
 
 def compute_section(compared: list[Run], palette: dict) -> Section:
     column = "eval/valid/loss" if any("eval/valid/loss" in r.metrics for r in compared) else "train/loss"
-    return Section("compute", TITLES["compute"], [P.COMPUTE],
-                   images=[(f"{column} vs tokens, wall time, FLOPs", figures.compute_figure(compared, column, palette))])
+    return Section(
+        "compute",
+        TITLES["compute"],
+        [P.COMPUTE],
+        images=[(f"{column} vs tokens, wall time, FLOPs", figures.compute_figure(compared, column, palette))],
+    )
 
 
 def pareto_section(compared: list[Run], palette: dict) -> Section:
@@ -174,8 +234,14 @@ def shapes_section(by_variant: dict[str, list[Run]], baseline: str) -> Section:
         s.parts.append(Section("shapes-noise", "The evaluation's own noise", [P.SHAPES_NOISE], [noise]))
     paired = paired_table(by_variant, baseline)
     if paired is not None:
-        s.parts.append(Section("shapes-paired", "Prompt by prompt against the baseline",
-                               [P.SHAPES_PAIRED.format(same=", ".join(SAME_PROMPTS))], [paired]))
+        s.parts.append(
+            Section(
+                "shapes-paired",
+                "Prompt by prompt against the baseline",
+                [P.SHAPES_PAIRED.format(same=", ".join(SAME_PROMPTS))],
+                [paired],
+            )
+        )
     return s
 
 
@@ -198,16 +264,27 @@ def grids_section(by_variant: dict[str, list[Run]], compared: list[Run]) -> Sect
 
 def config_section(runs: list[Run]) -> Section:
     fields = differing_fields(runs, NOT_A_CHOICE)
-    return Section("config", TITLES["config"], [P.CONFIG.format(n=len(fields))],
-                   [(["run", *fields], [[r.name, *[fmt(r.config.get(f)) for f in fields]] for r in runs])], folded=True)
+    return Section(
+        "config",
+        TITLES["config"],
+        [P.CONFIG.format(n=len(fields))],
+        [(["run", *fields], [[r.name, *[fmt(r.config.get(f)) for f in fields]] for r in runs])],
+        folded=True,
+    )
 
 
 def optuna_section(study) -> Section:
     s = Section("optuna", TITLES["optuna"])
     metric, lower = objective(study)
     states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
-    s.text.append(P.OPTUNA.format(name=study.study_name, metric=metric, better="lower" if lower else "higher",
-                                  states=", ".join(f"{k} {v}" for k, v in states.items())))
+    s.text.append(
+        P.OPTUNA.format(
+            name=study.study_name,
+            metric=metric,
+            better="lower" if lower else "higher",
+            states=", ".join(f"{k} {v}" for k, v in states.items()),
+        )
+    )
     for name, img in figures.optuna_figures(study, metric).items():
         if isinstance(img, bytes):
             s.images.append((name, img))
@@ -216,8 +293,9 @@ def optuna_section(study) -> Section:
     return s
 
 
-def build_sections(runs: list[Run], baseline: Optional[str], study=None,
-                   margins: Optional[dict[str, str]] = None) -> tuple[list[Section], dict]:
+def build_sections(
+    runs: list[Run], baseline: Optional[str], study=None, margins: Optional[dict[str, str]] = None
+) -> tuple[list[Section], dict]:
     """The report's sections in order (section_keys), and what the files beside it need."""
     by_variant, left_out, why = group_variants(runs, study)
     if not by_variant:
@@ -229,23 +307,36 @@ def build_sections(runs: list[Run], baseline: Optional[str], study=None,
     noise = noise_report.section(by_variant, [(f"{v} vs {baseline}", v, baseline) for v in by_variant if v != baseline])
     noise.folded = True
     stability, stability_table = stability_section(runs)
-    sections = {"overview": overview_section(by_variant, left_out, baseline, why, judged, margins), "final": final,
-                "noise": noise, "curves": curves_section(by_variant, palette), "stability": stability,
-                "compute": compute_section(compared, palette), "pareto": pareto_section(compared, palette),
-                "shapes": shapes_section(by_variant, baseline), "grids": grids_section(by_variant, compared),
-                "config": config_section(runs)}
+    sections = {
+        "overview": overview_section(by_variant, left_out, baseline, why, judged, margins),
+        "final": final,
+        "noise": noise,
+        "curves": curves_section(by_variant, palette),
+        "stability": stability,
+        "compute": compute_section(compared, palette),
+        "pareto": pareto_section(compared, palette),
+        "shapes": shapes_section(by_variant, baseline),
+        "grids": grids_section(by_variant, compared),
+        "config": config_section(runs),
+    }
     if study is not None:
         sections["optuna"] = optuna_section(study)
     for key in FOLDED:
         sections[key].folded = True
     return [sections[k] for k in section_keys(study is not None)], {
-        "baseline": baseline, "variants": list(by_variant), "judged": judged, "stability": stability_table}
+        "baseline": baseline,
+        "variants": list(by_variant),
+        "judged": judged,
+        "stability": stability_table,
+    }
 
 
 # Logged keys the W&B report charts besides the losses: headline eval metrics by scale, caption
 # sensitivity, the optimizer's own statistics.
-REPORT_METRICS = re.compile(rf"eval/pareto/s[^/]+/({'|'.join(re.escape(m.key) for m in headlines('samples'))})"
-                            rf"|{'|'.join(re.escape(m.logged()) for m in headlines('model'))}|optim/.+")
+REPORT_METRICS = re.compile(
+    rf"eval/pareto/s[^/]+/({'|'.join(re.escape(m.key) for m in headlines('samples'))})"
+    rf"|{'|'.join(re.escape(m.logged()) for m in headlines('model'))}|optim/.+"
+)
 
 
 def wandb_panels(runs: list[Run]) -> tuple[list[str], list[str], list[str]]:
@@ -271,18 +362,27 @@ def sweep_study(db: Path):
             study.get_trials(deepcopy=False)  # every page the report reads, read now
         return study
     except sqlalchemy.exc.DatabaseError as e:
-        raise ConfigError(f"{db}: not a readable Optuna database, truncated or corrupt ({first_line(e.orig or e)})") from None
+        raise ConfigError(
+            f"{db}: not a readable Optuna database, truncated or corrupt ({first_line(e.orig or e)})"
+        ) from None
 
 
-def build_report(source: str, out_dir: str | Path = "reports", name: Optional[str] = None,
-                 baseline: Optional[str] = None, wandb_entity: str = "", wandb_project: str = "",
-                 skipped: Optional[list[str]] = None, margins: Optional[dict[str, str]] = None) -> Path:
+def build_report(
+    source: str,
+    out_dir: str | Path = "reports",
+    name: Optional[str] = None,
+    baseline: Optional[str] = None,
+    wandb_entity: str = "",
+    wandb_project: str = "",
+    skipped: Optional[list[str]] = None,
+    margins: Optional[dict[str, str]] = None,
+) -> Path:
     """The report's folder. A run store or sweep database that cannot be read is left out, named
     in the report and in `skipped` (one line each)."""
     skipped = [] if skipped is None else skipped
     runs = load_runs(source, skipped=skipped)
     if source.startswith("wandb:"):
-        src = Path(source[len("wandb:"):])
+        src = Path(source[len("wandb:") :])
     else:
         src = Path(source.split("*")[0]).resolve() if "*" in source else Path(source).resolve()
     name = name or "_".join(src.parts[-2:]) or "report"

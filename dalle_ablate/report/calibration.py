@@ -23,10 +23,10 @@ import numpy as np
 from dalle_ablate.report import verdicts as V
 
 
-
 @dataclass
 class Structure:
     """What a study judges: per metric the arms measured on it and their seeds, and its claims."""
+
     pools: dict[str, list[str]]  # metric -> the arms that have values of it
     seeds: dict[str, int]  # metric -> seeds per arm
     claims: list[tuple[str, str, str]]  # (metric, arm, against), in the study file's order
@@ -49,17 +49,22 @@ def structure(study_file: Path) -> Structure:
     plan = load_stress(study_file)
     given = {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}  # measured on the stress runs
     stress_only = {a for f in study.findings if f.metric in given for a in (f.arm, f.against)} - {
-        a for f in study.findings if f.metric not in given for a in (f.arm, f.against)}
+        a for f in study.findings if f.metric not in given for a in (f.arm, f.against)
+    }
     # the arms the study's own runs measure: its preset's, and any other its findings on them name
     arms = [a for a in study_arms(study, {}) if a not in stress_only or a == study.baseline]
     n = len(swept_seeds(study.experiment, []) or [0])
     pools, seeds = {}, {}
     for f in study.findings:
         elsewhere = STUDY[f.metric].reads == "given"
-        pools[f.metric] = (plan.arms if elsewhere and plan is not None else arms)
+        pools[f.metric] = plan.arms if elsewhere and plan is not None else arms
         seeds[f.metric] = len(plan.seeds) if elsewhere and plan is not None else n
-    return Structure(pools, seeds, [(f.metric, f.arm, f.against) for f in study.findings],
-                     tuple(m for m in pools if STUDY[m].reads != "given"))
+    return Structure(
+        pools,
+        seeds,
+        [(f.metric, f.arm, f.against) for f in study.findings],
+        tuple(m for m in pools if STUDY[m].reads != "given"),
+    )
 
 
 @dataclass
@@ -81,7 +86,9 @@ class Scenario:
         return m
 
 
-def simulate(rng, s: Structure, scenario: Scenario, studies: int, seeds: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+def simulate(
+    rng, s: Structure, scenario: Scenario, studies: int, seeds: dict[str, int] | None = None
+) -> dict[str, np.ndarray]:
     """metric -> values[study, arm, seed] of `studies` simulated studies (seeds per metric: the
     structure's, or `seeds`)."""
     seeds = {**s.seeds, **(seeds or {})}
@@ -127,7 +134,9 @@ def false_equivalence(outcome: np.ndarray, true: np.ndarray, margin: float) -> n
     return ((outcome == V.EQUIVALENT) & (np.abs(true) >= margin)).any(-1)
 
 
-def topped_up(rng, s: Structure, scenario: Scenario, studies: int, cap: int, margin: float = 1.0) -> tuple[dict, np.ndarray]:
+def topped_up(
+    rng, s: Structure, scenario: Scenario, studies: int, cap: int, margin: float = 1.0
+) -> tuple[dict, np.ndarray]:
     """Studies run at their structure's seeds, then topped up once by the rule (verdicts.topup_seeds:
     the largest seeds-needed over the claims of the study's own runs, from each claim's own noise
     at the first stage) to at most `cap` seeds per arm: (their tables, NaN past each study's seeds;
@@ -150,6 +159,7 @@ def topped_up(rng, s: Structure, scenario: Scenario, studies: int, cap: int, mar
 class Check:
     """One row of the calibration: a scenario, the seeds its studies run, what is measured and the
     range it must fall in (a rate per study, or per claim for `power`)."""
+
     scenario: Scenario
     measure: str  # "false difference" | "false equivalence" | "equivalence found" | "power" | "top-up"
     low: float
@@ -174,27 +184,56 @@ def checks(s: Structure) -> list[Check]:
     named = [a for _, arm, against in s.claims for a in (arm, against) if a != base]
     other = max(dict.fromkeys(named), key=named.count)  # the arm in the most claims (normformer in mega-variants)
     fd = "false difference"
-    out = [Check(Scenario(f"no effect, rho {rho:g}", rho=rho), fd, 0, NULL, seeds) for rho in (0.0, 0.5, 0.9)
-           for seeds in (None, 6)]
+    out = [
+        Check(Scenario(f"no effect, rho {rho:g}", rho=rho), fd, 0, NULL, seeds)
+        for rho in (0.0, 0.5, 0.9)
+        for seeds in (None, 6)
+    ]
     for rho in (0.5, 0.9):
-        out += [Check(Scenario(f"{base} 3x the others' spread, rho {rho:g}", rho=rho, noisier={base: 3.0}), fd, 0, NULL),
-                Check(Scenario(f"{other} 3x the others' spread, rho {rho:g}", rho=rho, noisier={other: 3.0}), fd, 0, NULL)]
+        out += [
+            Check(Scenario(f"{base} 3x the others' spread, rho {rho:g}", rho=rho, noisier={base: 3.0}), fd, 0, NULL),
+            Check(Scenario(f"{other} 3x the others' spread, rho {rho:g}", rho=rho, noisier={other: 3.0}), fd, 0, NULL),
+        ]
     for arm in (base, other):
-        out += [Check(Scenario(f"{arm}'s seed effect its own, rho 0.9", rho=0.9, unshared=(arm,)), fd, 0, NULL, seeds)
-                for seeds in (None, 5)]
-    out += [Check(Scenario(f"every arm's spread log-uniform on [1, 12], rho {rho:g}", rho=rho, spread=12.0), fd, 0, NULL)
-            for rho in (0.5, 0.9)]
+        out += [
+            Check(Scenario(f"{arm}'s seed effect its own, rho 0.9", rho=0.9, unshared=(arm,)), fd, 0, NULL, seeds)
+            for seeds in (None, 5)
+        ]
+    out += [
+        Check(Scenario(f"every arm's spread log-uniform on [1, 12], rho {rho:g}", rho=rho, spread=12.0), fd, 0, NULL)
+        for rho in (0.5, 0.9)
+    ]
     sides = np.where(np.arange(k) % 2, -1.0, 1.0)
     for seeds in (None, 10):
-        out.append(Check(Scenario("every claim's true difference exactly ±Δ", effects=tuple(sides * EQUIVALENCE_MARGIN)),
-                         "false equivalence", 0, NULL, seeds, EQUIVALENCE_MARGIN))
+        out.append(
+            Check(
+                Scenario("every claim's true difference exactly ±Δ", effects=tuple(sides * EQUIVALENCE_MARGIN)),
+                "false equivalence",
+                0,
+                NULL,
+                seeds,
+                EQUIVALENCE_MARGIN,
+            )
+        )
     out.append(Check(Scenario("no effect, rho 0.5"), "equivalence found", 0.5, 1.0, 10, EQUIVALENCE_MARGIN))
     first = tuple([POWER_MARGIN] + [0.0] * (k - 1))
-    out += [Check(Scenario("the first claim's difference exactly Δ, rho 0.5", effects=first), "power", 0.75, 0.85,
-                  margin=POWER_MARGIN),
-            Check(Scenario(f"the same, {s.claims[0][1]} 3x the others' spread", noisier={s.claims[0][1]: 3.0}, effects=first),
-                  "power", 0.75, 0.85, margin=POWER_MARGIN),
-            Check(Scenario("no effect, rho 0.5"), "top-up", 0, NULL, margin=TOPUP_MARGIN)]
+    out += [
+        Check(
+            Scenario("the first claim's difference exactly Δ, rho 0.5", effects=first),
+            "power",
+            0.75,
+            0.85,
+            margin=POWER_MARGIN,
+        ),
+        Check(
+            Scenario(f"the same, {s.claims[0][1]} 3x the others' spread", noisier={s.claims[0][1]: 3.0}, effects=first),
+            "power",
+            0.75,
+            0.85,
+            margin=POWER_MARGIN,
+        ),
+        Check(Scenario("no effect, rho 0.5"), "top-up", 0, NULL, margin=TOPUP_MARGIN),
+    ]
     return out
 
 

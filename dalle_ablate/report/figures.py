@@ -87,9 +87,17 @@ def curves_figure(by_variant: dict[str, list[Run]], columns: list[str], palette:
 def _legend_below(fig, palette: dict, counts: dict | None = None) -> None:
     """Variant labels can be long: one legend under the axes, not over the curves."""
     plt = _plt()
-    handles = [plt.Line2D([], [], color=c, label=v + (f" (n={counts[v]})" if counts else "")) for v, c in palette.items()]
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=MIN_PT, frameon=False,
-               ncol=max(1, min(3, len(handles))))
+    handles = [
+        plt.Line2D([], [], color=c, label=v + (f" (n={counts[v]})" if counts else "")) for v, c in palette.items()
+    ]
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        fontsize=MIN_PT,
+        frameon=False,
+        ncol=max(1, min(3, len(handles))),
+    )
 
 
 def compute_figure(runs: list[Run], column: str, palette: dict) -> bytes:
@@ -107,8 +115,9 @@ def compute_figure(runs: list[Run], column: str, palette: dict) -> bytes:
         flops = steps * float(r.meta.get("flops_per_step") or np.nan)
         for ax, xs in zip(axes, (tokens, wall, flops)):
             ax.plot(xs, values, "-o", ms=2, color=palette[r.variant], lw=1, alpha=0.8)
-    for ax, xlabel in zip(axes, ("tokens seen", "training wall time (s, steps only;\nincludes machine load)",
-                                 "training FLOPs")):
+    for ax, xlabel in zip(
+        axes, ("tokens seen", "training wall time (s, steps only;\nincludes machine load)", "training FLOPs")
+    ):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(label(column))
@@ -149,13 +158,21 @@ def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | No
         xs, ys = [row[c[x]] for row in rows], [row[c[y]] for row in rows]
         ax.plot(xs, ys, "-o", ms=3, color=palette[r.variant], alpha=0.8)
         if f"{y}_lo" in c:  # the rate's 95% Wilson interval
-            err = [[v - row[c[f"{y}_lo"]] for v, row in zip(ys, rows)], [row[c[f"{y}_hi"]] - v for v, row in zip(ys, rows)]]
+            err = [
+                [v - row[c[f"{y}_lo"]] for v, row in zip(ys, rows)],
+                [row[c[f"{y}_hi"]] - v for v, row in zip(ys, rows)],
+            ]
             ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor=palette[r.variant], alpha=0.4, capsize=2)
         if r.variant not in labelled:  # the scales once per variant, at its ends: labels of every run overlap
             labelled.add(r.variant)
             for row in rows[:: max(1, len(rows) - 1)]:
-                ax.annotate(f"s={row[c['scale']]:g}", (row[c[x]], row[c[y]]), fontsize=MIN_PT, xytext=(3, 3),
-                            textcoords="offset points")
+                ax.annotate(
+                    f"s={row[c['scale']]:g}",
+                    (row[c[x]], row[c[y]]),
+                    fontsize=MIN_PT,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     ax.set_title("guidance-scale Pareto curves, one line per run (error bars: 95% interval)", fontsize=MIN_PT)
@@ -178,12 +195,15 @@ def optuna_figures(study, metric: str = "Objective Value") -> dict[str, bytes | 
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
     if len(study.directions) != 1 or not complete:
         return out
-    plots = {"slice": lambda: ov.plot_slice(study, target_name=metric),
-             "history": lambda: ov.plot_optimization_history(study, target_name=metric),
-             "parallel coordinates": lambda: ov.plot_parallel_coordinate(study, target_name=metric)}
+    plots = {
+        "slice": lambda: ov.plot_slice(study, target_name=metric),
+        "history": lambda: ov.plot_optimization_history(study, target_name=metric),
+        "parallel coordinates": lambda: ov.plot_parallel_coordinate(study, target_name=metric),
+    }
     if len(complete) >= 2 and complete[0].params:
         plots["importances"] = lambda: ov.plot_param_importances(
-            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(), target_name=metric)
+            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(), target_name=metric
+        )
     for name, make in plots.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental
@@ -206,8 +226,10 @@ def side_by_side(panels: list[tuple[str, Path]], border: int = 3, gap: int = 12)
 
     images = [Image.open(path).convert("RGB") for _, path in panels]
     height = max(im.height for im in images)
-    images = [im if im.height == height else im.resize((round(im.width * height / im.height), height), Image.NEAREST)
-              for im in images]
+    images = [
+        im if im.height == height else im.resize((round(im.width * height / im.height), height), Image.NEAREST)
+        for im in images
+    ]
     font = ImageFont.load_default(size=14)
     title = 24
     width = sum(im.width + 2 * border for im in images) + gap * (len(images) - 1)
@@ -261,8 +283,10 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
     right.set_yticks(range(len(rows)))
     right.set_yticklabels([_short_verdict(r) for r in reversed(rows)], fontsize=MIN_PT)
     ax.tick_params(axis="x", labelsize=MIN_PT)
-    ax.set_xlabel("paired difference (arm − vs) in units of its margin Δ, shaded: ±Δ;\n"
-                  "right: the side the claim predicts", fontsize=MIN_PT)
+    ax.set_xlabel(
+        "paired difference (arm − vs) in units of its margin Δ, shaded: ±Δ;\nright: the side the claim predicts",
+        fontsize=MIN_PT,
+    )
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return png(fig)
@@ -271,13 +295,15 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
 def _short_verdict(r: dict) -> str:
     """A verdict in a few words, for a figure's margin (the page's table has it in full)."""
     v = r["verdict"]
-    for long, short in (("reproduced, possibly smaller than Δ", "reproduced, maybe < Δ"),
-                        ("no meaningful effect (equivalent within ±Δ)", "equivalent within ±Δ"),
-                        ("contradicted (reversed)", "contradicted")):
+    for long, short in (
+        ("reproduced, possibly smaller than Δ", "reproduced, maybe < Δ"),
+        ("no meaningful effect (equivalent within ±Δ)", "equivalent within ±Δ"),
+        ("contradicted (reversed)", "contradicted"),
+    ):
         if v == long:
             return short
     if v.startswith("not resolved: needs "):
-        return v[len("not resolved: "):]
+        return v[len("not resolved: ") :]
     if v.startswith("not resolved at "):
         return "not resolved, likely < Δ"
     if v.startswith("untestable here"):
@@ -291,7 +317,7 @@ def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 3) -> by
     plt = _plt()
     nrows = max(1, -(-len(courses) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(FIT_IN, 2.7 * nrows), squeeze=False)
-    for ax in axes.flat[len(courses):]:
+    for ax in axes.flat[len(courses) :]:
         ax.axis("off")
     for ax, (name, margin, (steps, d, lo, hi)) in zip(axes.flat, courses):
         ax.axhspan(-margin, margin, color="#dde8f3", zorder=0)

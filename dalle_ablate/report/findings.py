@@ -40,9 +40,18 @@ VERDICTS = V.VERDICTS
 # scenes right (docs/quickstart.md; guidance beyond 2-3 hurts).
 STUDY_SCALE = 2.0
 
-declare(Metric("loss_spikes", "steps whose train/loss exceeds 1.5x the median of the 20 before", "spikes per run",
-               "lower", source="report", study="loss_spikes", margin="1",  # one loss spike per run
-               value=lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5))))
+declare(
+    Metric(
+        "loss_spikes",
+        "steps whose train/loss exceeds 1.5x the median of the 20 before",
+        "spikes per run",
+        "lower",
+        source="report",
+        study="loss_spikes",
+        margin="1",  # one loss spike per run
+        value=lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5)),
+    )
+)
 
 
 def reading(m: Metric) -> str:
@@ -53,7 +62,9 @@ def reading(m: Metric) -> str:
         return "the median over the run's steps"
     if m.value is not None:
         return "over the run's log"
-    return f"at guidance scale {STUDY_SCALE:g}, the last evaluation" if m.source == "samples" else "the last logged value"
+    return (
+        f"at guidance scale {STUDY_SCALE:g}, the last evaluation" if m.source == "samples" else "the last logged value"
+    )
 
 
 def _pareto_by_step(run: Run, key: str) -> dict[float, float]:
@@ -105,7 +116,8 @@ class Finding:
     against: str  # the arm it is compared with
     metric: str  # a study metric's name (dalle_ablate/metrics.py: STUDY)
     expect: str  # "lower" | "higher": the arm's value against the other's, if the claim holds
-    margin: Optional[str] = None  # Δ: "N%" of the baseline's mean or an absolute value; None: the metric's declared margin
+    # Δ: "N%" of the baseline's mean or an absolute value; None: the metric's declared margin
+    margin: Optional[str] = None
     note: Optional[str] = None  # what a reader needs to know to read its verdict (how this study tests the claim)
 
 
@@ -132,8 +144,10 @@ def load_study(path: Path) -> Study:
     raw = read_yaml(Path(path)) or {}
     where = str(path)
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: not a study file (a YAML mapping with name, title, source, experiment, baseline, "
-                          f"findings); it holds a {type(raw).__name__}")
+        raise ConfigError(
+            f"{where}: not a study file (a YAML mapping with name, title, source, experiment, baseline, "
+            f"findings); it holds a {type(raw).__name__}"
+        )
     for key in ("name", "title", "source", "experiment", "baseline", "findings"):
         if key not in raw:
             raise ConfigError(f"{where}: missing '{key}'")
@@ -144,30 +158,50 @@ def load_study(path: Path) -> Study:
         if missing:
             raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
         if f["metric"] not in STUDY:
-            raise ConfigError(f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: {', '.join(sorted(STUDY))}")
+            raise ConfigError(
+                f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: {', '.join(sorted(STUDY))}"
+            )
         if f["expect"] not in ("lower", "higher"):
             raise ConfigError(f"{where}: finding {f['id']!r} has expect {f['expect']!r}; valid: lower, higher")
         margin = f.get("margin", STUDY[f["metric"]].margin or None)
         if margin is None:
-            raise ConfigError(f"{where}: finding {f['id']!r} has no margin and metric {f['metric']!r} no default one; "
-                              "give margin: a positive number in the metric's units (0.01) or a percentage of the "
-                              "baseline's mean (2%)")
+            raise ConfigError(
+                f"{where}: finding {f['id']!r} has no margin and metric {f['metric']!r} no default one; "
+                "give margin: a positive number in the metric's units (0.01) or a percentage of the "
+                "baseline's mean (2%)"
+            )
         if parse_margin(margin) is None:
-            raise ConfigError(f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
-                              f"metric's units (0.01) or a percentage of the baseline's mean (2%)")
+            raise ConfigError(
+                f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
+                f"metric's units (0.01) or a percentage of the baseline's mean (2%)"
+            )
         if not isinstance(f.get("note", ""), str):
             raise ConfigError(f"{where}: finding {f['id']!r} has note {f['note']!r}; give a sentence of text")
-        findings.append(Finding(**{k: f[k] for k in keys if k not in ("margin", "note")}, margin=str(margin),
-                                note=f.get("note")))
-    stressed = {a for f in raw["findings"] if f["id"] in ((raw.get("stress") or {}).get("claims") or [])
-                for a in (f["arm"], f["against"])}
+        findings.append(
+            Finding(**{k: f[k] for k in keys if k not in ("margin", "note")}, margin=str(margin), note=f.get("note"))
+        )
+    stressed = {
+        a
+        for f in raw["findings"]
+        if f["id"] in ((raw.get("stress") or {}).get("claims") or [])
+        for a in (f["arm"], f["against"])
+    }
     for f in findings:  # a percentage of the baseline's mean needs the baseline measured on that metric
         if STUDY[f.metric].reads == "given" and parse_margin(f.margin)[1] and raw["baseline"] not in stressed:
-            raise ConfigError(f"{where}: finding {f.id!r} has margin {f.margin} of the baseline's {f.metric}, but the "
-                              f"baseline {raw['baseline']!r} is in no stress claim, so it has none; give an absolute "
-                              "margin (0.05) or a stress claim with the baseline")
-    return Study(raw["name"], raw["title"], raw["source"], raw["experiment"], raw["baseline"], findings,
-                 raw.get("scale_note", ""))
+            raise ConfigError(
+                f"{where}: finding {f.id!r} has margin {f.margin} of the baseline's {f.metric}, but the "
+                f"baseline {raw['baseline']!r} is in no stress claim, so it has none; give an absolute "
+                "margin (0.05) or a stress claim with the baseline"
+            )
+    return Study(
+        raw["name"],
+        raw["title"],
+        raw["source"],
+        raw["experiment"],
+        raw["baseline"],
+        findings,
+        raw.get("scale_note", ""),
+    )
 
 
 def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
@@ -176,8 +210,16 @@ def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
     preset = resources.files("dalle_ablate.conf") / "experiment" / f"{study.experiment}.yaml"
     raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
     swept = str((((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params", {}).get("+arm") or "")
-    return list(dict.fromkeys([study.baseline, *(a.strip() for a in swept.split(",") if a.strip()), *by_arm,
-                               *(a for f in study.findings for a in (f.arm, f.against))]))
+    return list(
+        dict.fromkeys(
+            [
+                study.baseline,
+                *(a.strip() for a in swept.split(",") if a.strip()),
+                *by_arm,
+                *(a for f in study.findings for a in (f.arm, f.against)),
+            ]
+        )
+    )
 
 
 parse_margin = V.parse_margin
@@ -191,8 +233,9 @@ def arm_of(run: Run) -> Optional[str]:
     return None
 
 
-def claims_tables(study: Study, by_arm: dict[str, list[Run]],
-                  extra: Optional[dict[str, dict[str, dict]]] = None) -> tuple[list[str], list, dict[str, np.ndarray]]:
+def claims_tables(
+    study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict[str, dict[str, dict]]] = None
+) -> tuple[list[str], list, dict[str, np.ndarray]]:
     """(arms, seeds, metric -> values[arm, seed]) of the finished runs, NaN where an arm has no
     finished run of a seed. `extra` (metric -> arm -> seed -> value) adds or replaces tables: the
     seam for values measured elsewhere, e.g. a stability claim's per-seed learning-rate
@@ -200,8 +243,9 @@ def claims_tables(study: Study, by_arm: dict[str, list[Run]],
     arms = list(dict.fromkeys([*by_arm, *(a for f in study.findings for a in (f.arm, f.against))]))
     done = {a: {r.seed: r for r in by_arm.get(a, []) if r.status == "finished"} for a in arms}
     extra = extra or {}
-    seeds = sorted({s for d in done.values() for s in d} | {s for t in extra.values() for d in t.values() for s in d},
-                   key=str)
+    seeds = sorted(
+        {s for d in done.values() for s in d} | {s for t in extra.values() for d in t.values() for s in d}, key=str
+    )
     tables = {}
     for m in dict.fromkeys(f.metric for f in study.findings):
         if m in extra or STUDY[m].reads == "given":
@@ -209,7 +253,9 @@ def claims_tables(study: Study, by_arm: dict[str, list[Run]],
             tables[m] = np.array([[float(given.get(a, {}).get(s, math.nan)) for s in seeds] for a in arms])
         else:
             read = STUDY[m]
-            tables[m] = np.array([[study_value(read, done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms])
+            tables[m] = np.array(
+                [[study_value(read, done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms]
+            )
     return arms, seeds, tables
 
 
@@ -229,12 +275,16 @@ def comparisons(study: Study, arms: list[str], tables: dict[str, np.ndarray]) ->
     return out
 
 
-def judge(study: Study, arms: list[str], tables: dict[str, np.ndarray], alpha: float = V.ALPHA) -> tuple[list[V.Comparison], dict]:
+def judge(
+    study: Study, arms: list[str], tables: dict[str, np.ndarray], alpha: float = V.ALPHA
+) -> tuple[list[V.Comparison], dict]:
     """The findings of `study` judged on these tables: verdicts.analyse's results, each finding's
     verdict (read against the side it predicts) and seeds-needed from its own noise."""
     comps = comparisons(study, arms, tables)
     r = V.analyse(tables, comps, alpha)
-    r["verdict"] = np.array([V.verdict(int(o), 1 if f.expect == "higher" else -1) for o, f in zip(r["outcome"], study.findings)])
+    r["verdict"] = np.array(
+        [V.verdict(int(o), 1 if f.expect == "higher" else -1) for o, f in zip(r["outcome"], study.findings)]
+    )
     r["needed"] = V.seeds_needed(r["sd"], r["margin"], len(comps), alpha, paired=r["paired"], va=r["va"], vb=r["vb"])
     return comps, r
 
@@ -254,8 +304,13 @@ def verdict_text(code: int, needed: int, seeds: int = 0, why: str = "") -> str:
     return f"not resolved: needs {more}{min(needed, V.MAX_SEEDS)} seeds"
 
 
-def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95,
-            extra: Optional[dict[str, dict[str, dict]]] = None, untestable: Optional[dict[str, str]] = None) -> list[dict]:
+def compare(
+    study: Study,
+    by_arm: dict[str, list[Run]],
+    level: float = 0.95,
+    extra: Optional[dict[str, dict[str, dict]]] = None,
+    untestable: Optional[dict[str, str]] = None,
+) -> list[dict]:
     """One row per finding: both arms' means, the difference over the seeds both ran (paired; Welch's
     where they share fewer than two) with its `level` interval and its family-wise one
     (Bonferroni over the findings), rho, the sd of one seed's difference it is judged on, Welch's
@@ -273,14 +328,41 @@ def compare(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95,
         _, wlo, whi = diff_ci(a, b, level) if len(a) and len(b) else (math.nan,) * 3
         both = np.isfinite(t[c.arm]) & np.isfinite(t[c.against])
         code = V.UNTESTABLE if f.id in untestable else int(r["verdict"][i])
-        rows.append({"finding": f, "n": (len(a), len(b)), "seeds": [s for s, ok in zip(seeds, both) if ok],
-                     "arm_mean": float(a.mean()) if len(a) else math.nan,
-                     "against_mean": float(b.mean()) if len(b) else math.nan,
-                     **{k: float(r[k][i]) for k in ("d", "low", "high", "fw_low", "fw_high", "rho", "sd", "df", "margin",
-                                                   "p_zero", "p_beyond", "p_tost")},
-                     "diff": float(r["d"][i]), "fw_level": 1 - V.ALPHA / len(comps), "welch_low": wlo, "welch_high": whi,
-                     "paired": bool(r["paired"][i]), "needed": int(r["needed"][i]), "outcome": int(r["outcome"][i]),
-                     "code": code, "verdict": verdict_text(code, int(r["needed"][i]), int(r["n"][i]), untestable.get(f.id, ""))})
+        rows.append(
+            {
+                "finding": f,
+                "n": (len(a), len(b)),
+                "seeds": [s for s, ok in zip(seeds, both) if ok],
+                "arm_mean": float(a.mean()) if len(a) else math.nan,
+                "against_mean": float(b.mean()) if len(b) else math.nan,
+                **{
+                    k: float(r[k][i])
+                    for k in (
+                        "d",
+                        "low",
+                        "high",
+                        "fw_low",
+                        "fw_high",
+                        "rho",
+                        "sd",
+                        "df",
+                        "margin",
+                        "p_zero",
+                        "p_beyond",
+                        "p_tost",
+                    )
+                },
+                "diff": float(r["d"][i]),
+                "fw_level": 1 - V.ALPHA / len(comps),
+                "welch_low": wlo,
+                "welch_high": whi,
+                "paired": bool(r["paired"][i]),
+                "needed": int(r["needed"][i]),
+                "outcome": int(r["outcome"][i]),
+                "code": code,
+                "verdict": verdict_text(code, int(r["needed"][i]), int(r["n"][i]), untestable.get(f.id, "")),
+            }
+        )
     return rows
 
 
@@ -299,8 +381,9 @@ def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> d
         steps = sorted({x for d in done.values() for c in d.values() for x in c})
         if not steps or not seeds:
             continue
-        t = np.array([[[done[a][s].get(x, math.nan) if s in done[a] else math.nan for s in seeds] for a in arms]
-                      for x in steps])
+        t = np.array(
+            [[[done[a][s].get(x, math.nan) if s in done[a] else math.nan for s in seeds] for a in arms] for x in steps]
+        )
         # the intervals only: no margin
         r = V.analyse({m: t}, [V.Comparison(m, arms.index(f.arm), arms.index(f.against)) for f in found], level=level)
         for j, f in enumerate(found):
@@ -341,16 +424,20 @@ def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> 
     log = Path(folder) / TOPUPS
     done = json.loads(log.read_text()) if seeds == "auto" and log.exists() else []
     if any(t.get("how", "").startswith("--seeds auto") for t in done):  # its error rate is simulated for one look
-        raise ConfigError(f"--seeds auto: study {study.name} was topped up by the rule already; the rule tops up once "
-                          "(a second look at the same data would spend its error rate again)")
+        raise ConfigError(
+            f"--seeds auto: study {study.name} was topped up by the rule already; the rule tops up once "
+            "(a second look at the same data would spend its error rate again)"
+        )
     try:
         runs = load_runs(str(folder))
     except ConfigError:
         runs = []
     by_arm = _arms_by(runs)
     if not by_arm:
-        raise ConfigError(f"--seeds tops up a study that has run: no runs of study {study.name} under {folder}; run "
-                          f"dalle-ablate study {study.name} first")
+        raise ConfigError(
+            f"--seeds tops up a study that has run: no runs of study {study.name} under {folder}; run "
+            f"dalle-ablate study {study.name} first"
+        )
     now, rule = topup_target(study, runs)
     target = rule if seeds == "auto" else int(seeds)
     if target < now:
@@ -358,8 +445,13 @@ def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> 
     have = sorted({r.seed for rs in by_arm.values() for r in rs if r.seed is not None}, key=str)
     extra = [s for s in range(target + len(have)) if s not in have][: max(0, target - len(have))]
     chosen = [*have, *extra][: max(target, len(have))]
-    entry = {"from": now, "to": target, "rule": rule, "seeds": chosen,
-             "how": "--seeds auto (the rule)" if seeds == "auto" else f"--seeds {seeds}"}
+    entry = {
+        "from": now,
+        "to": target,
+        "rule": rule,
+        "seeds": chosen,
+        "how": "--seeds auto (the rule)" if seeds == "auto" else f"--seeds {seeds}",
+    }
     return "seed=" + ",".join(str(s) for s in chosen), entry
 
 

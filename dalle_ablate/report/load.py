@@ -26,7 +26,16 @@ from dalle_ablate.track.wandb_api import group_runs
 SEEDS = ("seed", "data_seed", "init_seed")
 # How runs were made is not what they compare: seeds trained as members of one job
 # (train/members.py) are their separate runs.
-NOT_A_VARIANT = (*SEEDS, "resume", "optuna.", "tracker.", "trainer.progress", "distributed.", "data.cache_dir", *MEMBER_ONLY)
+NOT_A_VARIANT = (
+    *SEEDS,
+    "resume",
+    "optuna.",
+    "tracker.",
+    "trainer.progress",
+    "distributed.",
+    "data.cache_dir",
+    *MEMBER_ONLY,
+)
 NOT_A_CHOICE = tuple(e for e in NOT_A_VARIANT if e not in SEEDS)  # the config diff shows seeds
 
 
@@ -73,12 +82,19 @@ def find_stores(source: str) -> list[Path]:
             stores.append(p)
         elif p.is_dir():
             # not a checkpoint's evaluations (<store>/evals/) nor a job's stage-1 tokenizer (<job>/tokenizer/)
-            stores += sorted((m.parent for m in p.rglob("metrics.jsonl")
-                              if "evals" not in m.parent.parts and m.parent.name != "tokenizer"),
-                             key=lambda s: (len(s.parts), str(s)))
+            stores += sorted(
+                (
+                    m.parent
+                    for m in p.rglob("metrics.jsonl")
+                    if "evals" not in m.parent.parts and m.parent.name != "tokenizer"
+                ),
+                key=lambda s: (len(s.parts), str(s)),
+            )
     if not stores:
-        raise ConfigError(f"report: no run stores (folders with metrics.jsonl) under {source!r}; give a multirun or sweep "
-                          "folder, or a glob such as 'outputs/*/*/run'")
+        raise ConfigError(
+            f"report: no run stores (folders with metrics.jsonl) under {source!r}; give a multirun or sweep "
+            "folder, or a glob such as 'outputs/*/*/run'"
+        )
     return stores
 
 
@@ -109,10 +125,13 @@ def read_json(path: Path, kind: type = dict) -> Any:
     try:
         value = json.loads(_text(path))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON, half-written or corrupt ({e.msg}: line {e.lineno} column {e.colno})") \
-            from None
+        raise ConfigError(
+            f"{path}: not valid JSON, half-written or corrupt ({e.msg}: line {e.lineno} column {e.colno})"
+        ) from None
     if not isinstance(value, kind):
-        raise ConfigError(f"{path}: holds a JSON {type(value).__name__}, not a{'n' if kind is dict else ''} {kind.__name__}")
+        raise ConfigError(
+            f"{path}: holds a JSON {type(value).__name__}, not a{'n' if kind is dict else ''} {kind.__name__}"
+        )
     return value
 
 
@@ -125,8 +144,9 @@ def read_jsonl(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: line {n} is not valid JSON, half-written or corrupt ({e.msg}: column {e.colno})") \
-                from None
+            raise ConfigError(
+                f"{path}: line {n} is not valid JSON, half-written or corrupt ({e.msg}: column {e.colno})"
+            ) from None
         if not isinstance(row, dict):
             raise ConfigError(f"{path}: line {n} holds a JSON {type(row).__name__}, not an object")
         rows.append(row)
@@ -169,7 +189,7 @@ def load_run(store: Path) -> Run:
     for c in sorted(paths):
         last = frame[c].dropna()
         if len(last):
-            key = c[len("grids/"):-len("/path")]
+            key = c[len("grids/") : -len("/path")]
             run.grids.append((key, store / str(last.iloc[-1]), prompts.get(key, [])))
     return run
 
@@ -179,14 +199,16 @@ def load_wandb_group(source: str, api=None) -> list[Run]:
     config (with the run's `meta`, as the tracker logged it), summary and full history. Pareto
     tables and grids are read from run stores only."""
     try:
-        entity, project, group = source[len("wandb:"):].split("/", 2)
+        entity, project, group = source[len("wandb:") :].split("/", 2)
     except ValueError as e:
         raise ConfigError(f"report: {source!r} is not wandb:ENTITY/PROJECT/GROUP") from e
     runs = []
     for r in group_runs(entity, project, group, api):
         config = dict(r.config)
         meta = config.pop("meta", {}) or {}
-        runs.append(Run(r.name, Path(f"wandb:{entity}/{project}/{r.id}"), flatten(config), meta, r.summary, by_step(r.history)))
+        runs.append(
+            Run(r.name, Path(f"wandb:{entity}/{project}/{r.id}"), flatten(config), meta, r.summary, by_step(r.history))
+        )
     if not runs:
         raise ConfigError(f"report: W&B group {group!r} of {entity}/{project} has no runs")
     return runs
@@ -214,7 +236,9 @@ def load_runs(source: str, api=None, skipped: Optional[list[str]] = None) -> lis
                     raise
                 broken.append(str(e))
         if broken and not runs:
-            raise ConfigError(f"report: every run store under {source!r} is unreadable ({len(broken)}); the first: {broken[0]}")
+            raise ConfigError(
+                f"report: every run store under {source!r} is unreadable ({len(broken)}); the first: {broken[0]}"
+            )
         if skipped is not None:
             skipped += broken
     runs.sort(key=job_order)

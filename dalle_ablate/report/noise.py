@@ -117,8 +117,16 @@ def pair_eval_set_share(pairs: list[tuple[Run, Run]]) -> tuple[float, float]:
     return var / table.shape[1], (var / table.shape[1] / total if total > 0 else math.nan)
 
 
-ARM_COLUMNS = ["arm", "seeds", "final eval loss: mean", "sd of one run", "its 95% CI", "of its variance: the evaluation set",
-               "scenes", f"sd of the mean of the last {LAST} evaluations"]
+ARM_COLUMNS = [
+    "arm",
+    "seeds",
+    "final eval loss: mean",
+    "sd of one run",
+    "its 95% CI",
+    "of its variance: the evaluation set",
+    "scenes",
+    f"sd of the mean of the last {LAST} evaluations",
+]
 
 
 def arm_rows(by_arm: dict[str, list[Run]]) -> list[list]:
@@ -140,8 +148,14 @@ def _ci(lo: float, hi: float) -> str:
     return f"[{fmt3(lo)}, {fmt3(hi)}]" if np.isfinite(lo) and np.isfinite(hi) else "–"
 
 
-PAIR_COLUMNS = ["comparison", "seeds", "sd of a seed's difference", "rho", "of its variance: the evaluation set",
-                f"sd of the difference of the last {LAST} evaluations' means"]
+PAIR_COLUMNS = [
+    "comparison",
+    "seeds",
+    "sd of a seed's difference",
+    "rho",
+    "of its variance: the evaluation set",
+    f"sd of the difference of the last {LAST} evaluations' means",
+]
 
 
 def pair_row(name: str, a: list[Run], b: list[Run]) -> list:
@@ -161,8 +175,9 @@ def pair_row(name: str, a: list[Run], b: list[Run]) -> list:
     return [name, len(seeds), sd, rho, share, sd_interval(last)[0]]
 
 
-def section(by_arm: dict[str, list[Run]], pairs: list[tuple[str, str, str]], key: str = "noise",
-            title: str = "Noise report"):
+def section(
+    by_arm: dict[str, list[Run]], pairs: list[tuple[str, str, str]], key: str = "noise", title: str = "Noise report"
+):
     """The noise report as a page section: the arms' table and the comparisons' (`pairs`: (name,
     arm, against)); the text alone where no run logged an eval loss."""
     from dalle_ablate.report.writers import Section

@@ -25,8 +25,20 @@ from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import (TOPUPS, Study, _arms_by, claims_tables, compare, course,
-                                          noise_sources, parse_margin, reading, study_arms, study_value, unit_of)
+from dalle_ablate.report.findings import (
+    TOPUPS,
+    Study,
+    _arms_by,
+    claims_tables,
+    compare,
+    course,
+    noise_sources,
+    parse_margin,
+    reading,
+    study_arms,
+    study_value,
+    unit_of,
+)
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
@@ -78,8 +90,13 @@ def arms_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
         found = arm_definition(arm)
         what, overrides = found if found is not None else (f"(no conf/arm/{arm}.yaml in this package)", [])
         none = "none: the defaults as they are" if arm == study.baseline else "none"
-        rows.append([arm + (" (baseline)" if arm == study.baseline else ""), what,
-                     ", ".join(f"`{o}`" for o in overrides) or none])
+        rows.append(
+            [
+                arm + (" (baseline)" if arm == study.baseline else ""),
+                what,
+                ", ".join(f"`{o}`" for o in overrides) or none,
+            ]
+        )
     s.tables.append((["arm", "what it is", "overrides"], rows))
     return s
 
@@ -93,13 +110,18 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
     rows = []
     for arm, runs in by_arm.items():
         done = [r for r in runs if r.status == "finished"]
-        row = [arm + (" (baseline)" if arm == study.baseline else ""), ", ".join(str(r.seed) for r in runs),
-               f"{len(done)}/{len(runs)}"]
+        row = [
+            arm + (" (baseline)" if arm == study.baseline else ""),
+            ", ".join(str(r.seed) for r in runs),
+            f"{len(done)}/{len(runs)}",
+        ]
         for m in ("eval_loss", "shapes_all", "step_time"):
             mean, lo, hi = mean_ci([study_value(STUDY[m], r) for r in done])
             row += [mean, _interval(lo, hi)]
-        row += [" / ".join(str(int(study_value(STUDY["loss_spikes"], r))) for r in runs),
-                sum(diverged(series(r, "train/loss")[1], r.status) for r in runs)]
+        row += [
+            " / ".join(str(int(study_value(STUDY["loss_spikes"], r))) for r in runs),
+            sum(diverged(series(r, "train/loss")[1], r.status) for r in runs),
+        ]
         rows.append(row)
     return cols, rows
 
@@ -125,9 +147,16 @@ def summary_row(r: dict) -> list:
     diff = "–" if not np.isfinite(d) else ("+" if d > 0 else "") + fmt3(d) + " " + _interval(low, high)
     verdict = r["verdict"].removesuffix(" (equivalent within ±Δ)")  # the table's lead says what ±Δ means
     if verdict.startswith("not resolved"):
-        verdict = "not resolved" + (", the effect likely smaller than Δ" if verdict.startswith("not resolved at ") else "")
-    needed = ("–" if r["needed"] == 0 or r["code"] == V.UNTESTABLE
-              else f"> {V.MAX_SEEDS}" if r["needed"] > V.MAX_SEEDS else str(r["needed"]))
+        verdict = "not resolved" + (
+            ", the effect likely smaller than Δ" if verdict.startswith("not resolved at ") else ""
+        )
+    needed = (
+        "–"
+        if r["needed"] == 0 or r["code"] == V.UNTESTABLE
+        else f"> {V.MAX_SEEDS}"
+        if r["needed"] > V.MAX_SEEDS
+        else str(r["needed"])
+    )
     return [f.id, f"{f.claim} ({f.metric})", verdict, diff, f"{len(r['seeds'])} / {needed}"]
 
 
@@ -137,7 +166,9 @@ def summary_section(study: Study, rows: list[dict], statistics: str) -> Section:
     counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(V.VERDICTS)}  # in VERDICTS' order
     settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
     s = Section(f"{study.name}_summary", "Summary")  # key: the forest plot's file name, the study's as the others
-    s.text.append(P.SETTLED.format(k=len(rows), settled=settled, counts=", ".join(f"{n} {v}" for v, n in counts.items() if n)))
+    s.text.append(
+        P.SETTLED.format(k=len(rows), settled=settled, counts=", ".join(f"{n} {v}" for v, n in counts.items() if n))
+    )
     s.text.append(P.HOW_TO_READ.format(k=len(rows), statistics=statistics))
     s.tables.append((P.SUMMARY_COLUMNS, [summary_row(r) for r in rows]))
     s.images.append((P.FOREST, figures.forest_figure(rows)))
@@ -152,14 +183,26 @@ def method_section(study: Study, by_arm: dict[str, list[Run]], provenance: list[
     s.text += provenance
     s.text.append(P.METHOD.format(statistics=statistics))
     used = [STUDY[m] for m in dict.fromkeys(f.metric for f in study.findings)]
-    s.text.append(P.METRICS_LINE.format(metrics="; ".join(
-        P.METRIC.format(name=m.study, key=m.key, what=m.what, reading=reading(m), unit=m.unit) for m in used)))
+    s.text.append(
+        P.METRICS_LINE.format(
+            metrics="; ".join(
+                P.METRIC.format(name=m.study, key=m.key, what=m.what, reading=reading(m), unit=m.unit) for m in used
+            )
+        )
+    )
     base = by_arm.get(study.baseline) or next(iter(by_arm.values()))
     c, m = base[0].config, base[0].meta
-    s.text.append(P.RUNS_LINE.format(steps=c.get("trainer.steps"), batch=c.get("trainer.batch_size"),
-                                     d_model=c.get("model.d_model"), enc=c.get("model.encoder_layers"),
-                                     dec=c.get("model.decoder_layers"), params=m.get("params", "?"),
-                                     seeds=max(len(rs) for rs in by_arm.values())))
+    s.text.append(
+        P.RUNS_LINE.format(
+            steps=c.get("trainer.steps"),
+            batch=c.get("trainer.batch_size"),
+            d_model=c.get("model.d_model"),
+            enc=c.get("model.encoder_layers"),
+            dec=c.get("model.decoder_layers"),
+            params=m.get("params", "?"),
+            seeds=max(len(rs) for rs in by_arm.values()),
+        )
+    )
     if study.scale_note:
         s.text.append(study.scale_note)
     return s
@@ -181,12 +224,25 @@ def claim_row(r: dict, over_training: str) -> list:
     """A finding's row of the full table: every number in its metric's unit, to 3 digits."""
     f, u = r["finding"], unit_of(r["finding"].metric)
     value, relative = parse_margin(f.margin)
-    return [f.id, f.claim, f"{f.arm} vs {f.against}", f"{f.metric} ({f.expect} if the claim holds)",
-            f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
-            fmt3(r["arm_mean"], u), fmt3(r["against_mean"], u), fmt3(r["diff"], u), _interval(r["low"], r["high"], u),
-            _interval(r["fw_low"], r["fw_high"], u), STUDY[f.metric].covers, fmt3(r["rho"]), _noise_note(r),
-            _interval(r["welch_low"], r["welch_high"], u), ", ".join(str(s) for s in r["seeds"]) or "–", over_training,
-            r["verdict"]]
+    return [
+        f.id,
+        f.claim,
+        f"{f.arm} vs {f.against}",
+        f"{f.metric} ({f.expect} if the claim holds)",
+        f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
+        fmt3(r["arm_mean"], u),
+        fmt3(r["against_mean"], u),
+        fmt3(r["diff"], u),
+        _interval(r["low"], r["high"], u),
+        _interval(r["fw_low"], r["fw_high"], u),
+        STUDY[f.metric].covers,
+        fmt3(r["rho"]),
+        _noise_note(r),
+        _interval(r["welch_low"], r["welch_high"], u),
+        ", ".join(str(s) for s in r["seeds"]) or "–",
+        over_training,
+        r["verdict"],
+    ]
 
 
 def _noise_note(r: dict) -> str:
@@ -224,20 +280,56 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[di
         with np.errstate(invalid="ignore"):
             sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
         least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
-        nrows.append([name, unit_of(name), float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), least or "–",
-                      sds.get(least, math.nan), most or "–", sds.get(most, math.nan), float(blocked_residual(t)[2])])
-    spreads.tables.append((["metric", "unit", "baseline's sd across seeds", "baseline seeds", "least spread arm", "its sd",
-                            "most spread arm", "its sd", "seed share (fraction of one run's variance)"], nrows))
+        nrows.append(
+            [
+                name,
+                unit_of(name),
+                float(b.std(ddof=1)) if len(b) > 1 else math.nan,
+                len(b),
+                least or "–",
+                sds.get(least, math.nan),
+                most or "–",
+                sds.get(most, math.nan),
+                float(blocked_residual(t)[2]),
+            ]
+        )
+    spreads.tables.append(
+        (
+            [
+                "metric",
+                "unit",
+                "baseline's sd across seeds",
+                "baseline seeds",
+                "least spread arm",
+                "its sd",
+                "most spread arm",
+                "its sd",
+                "seed share (fraction of one run's variance)",
+            ],
+            nrows,
+        )
+    )
     base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
-    sources = [[m, unit_of(m), k, sd, df] for m in tables if STUDY[m].reads != "given"
-               for k, sd, df in noise_sources(base_runs, lambda r, m=m: study_value(STUDY[m], r))]
-    noise.parts += [spreads, Section("noise-sources", "Data order and initialisation",
-                                     [P.NOISE_SOURCES if sources else P.NOISE_ONE_SOURCE],
-                                     [(["metric", "unit", "source (config field)", "sd", "df"], sources)] if sources else [])]
+    sources = [
+        [m, unit_of(m), k, sd, df]
+        for m in tables
+        if STUDY[m].reads != "given"
+        for k, sd, df in noise_sources(base_runs, lambda r, m=m: study_value(STUDY[m], r))
+    ]
+    noise.parts += [
+        spreads,
+        Section(
+            "noise-sources",
+            "Data order and initialisation",
+            [P.NOISE_SOURCES if sources else P.NOISE_ONE_SOURCE],
+            [(["metric", "unit", "source (config field)", "sd", "df"], sources)] if sources else [],
+        ),
+    ]
     evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
     if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
-        noise.parts.append(Section("noise-evaluation", "The shapes evaluation's own noise", [P.NOISE_EVALUATION],
-                                   [evaluation]))
+        noise.parts.append(
+            Section("noise-evaluation", "The shapes evaluation's own noise", [P.NOISE_EVALUATION], [evaluation])
+        )
     return noise
 
 
@@ -246,12 +338,15 @@ def topup_section(by_arm: dict[str, list[Run]], rows: list[dict], topups: list[d
     s.text.append(P.TOPUP_RULE.format(statistics=statistics))
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
     # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
-    target = V.topup_seeds([r["needed"] for r in rows if r["needed"] > 0 and STUDY[r["finding"].metric].reads != "given"],
-                           now)
-    s.text.append(P.TOPUP_NOW.format(now=now, target=target,
-                                     cap=f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else ""))
-    s.text += [P.TOPPED_UP.format(from_=t.get("from"), to=t.get("to"), how=t.get("how"), rule=t.get("rule"))
-               for t in topups]
+    target = V.topup_seeds(
+        [r["needed"] for r in rows if r["needed"] > 0 and STUDY[r["finding"].metric].reads != "given"], now
+    )
+    s.text.append(
+        P.TOPUP_NOW.format(now=now, target=target, cap=f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "")
+    )
+    s.text += [
+        P.TOPPED_UP.format(from_=t.get("from"), to=t.get("to"), how=t.get("how"), rule=t.get("rule")) for t in topups
+    ]
     return s
 
 
@@ -266,25 +361,49 @@ def figures_section(study: Study, by_arm: dict[str, list[Run]], rows: list[dict]
     """The findings' courses over training, then each finding's two arms' curves."""
     s = Section(study.name, "The figures behind the findings")  # key: the figures' file names
     if courses:
-        s.images.append((P.COURSE, figures.course_figure([(r["finding"].id, r["margin"], courses[r["finding"].id])
-                                                          for r in rows if r["finding"].id in courses])))
+        s.images.append(
+            (
+                P.COURSE,
+                figures.course_figure(
+                    [
+                        (r["finding"].id, r["margin"], courses[r["finding"].id])
+                        for r in rows
+                        if r["finding"].id in courses
+                    ]
+                ),
+            )
+        )
     for r in rows:
         f = r["finding"]
         pair = {a: by_arm[a] for a in (f.arm, f.against) if a in by_arm}
         if len(pair) < 2:
-            s.text.append(P.NO_RUNS.format(id=f.id, missing=", ".join(a for a in (f.arm, f.against) if a not in by_arm)))
+            s.text.append(
+                P.NO_RUNS.format(id=f.id, missing=", ".join(a for a in (f.arm, f.against) if a not in by_arm))
+            )
             continue
         columns = ["train/loss", "eval/valid/loss"] if f.metric != "step_time" else ["train/loss", "perf/step_time"]
-        caption = P.FINDING_CURVES.format(id=f.id, claim=f.claim, verdict=r["verdict"], arm=f.arm, against=f.against,
-                                          columns=" and ".join(f"{c} ({metric(c).unit})" for c in columns))
+        caption = P.FINDING_CURVES.format(
+            id=f.id,
+            claim=f.claim,
+            verdict=r["verdict"],
+            arm=f.arm,
+            against=f.against,
+            columns=" and ".join(f"{c} ({metric(c).unit})" for c in columns),
+        )
         # two colours per figure, the same roles in every one: 16 arms would repeat a 10-colour cycle
         s.images.append((caption, figures.curves_figure(pair, columns, figures.colors([f.against, f.arm]))))
     return s
 
 
-def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: Optional[list[dict]] = None,
-                  extra: Optional[dict[str, dict[str, dict]]] = None, untestable: Optional[dict[str, str]] = None,
-                  statistics: str = "../statistics.md") -> tuple[list[Section], list[dict]]:
+def page_sections(
+    study: Study,
+    runs: list[Run],
+    provenance: list[str],
+    topups: Optional[list[dict]] = None,
+    extra: Optional[dict[str, dict[str, dict]]] = None,
+    untestable: Optional[dict[str, str]] = None,
+    statistics: str = "../statistics.md",
+) -> tuple[list[Section], list[dict]]:
     """The results page as report sections, and the comparison rows: the answer first (the summary
     and its forest plot), then the noise report, then the details. `topups`: the study's top-up log
     (study_runs.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
@@ -292,14 +411,23 @@ def page_sections(study: Study, runs: list[Run], provenance: list[str], topups: 
     more seeds could not settle, and why (findings.compare)."""
     by_arm = _arms_by(runs)
     if not by_arm:
-        raise ConfigError(f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
-                          f"experiment={study.experiment}")
+        raise ConfigError(
+            f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
+            f"experiment={study.experiment}"
+        )
     rows = compare(study, by_arm, extra=extra, untestable=untestable)
     courses = course(study, by_arm)
-    return [summary_section(study, rows, statistics), noise_section(study, by_arm, extra),
-            method_section(study, by_arm, provenance, statistics), notes_section(study), arms_section(study, by_arm),
-            claims_section(rows, courses), topup_section(by_arm, rows, topups or [], statistics),
-            every_arm_section(study, by_arm), figures_section(study, by_arm, rows, courses)], rows
+    return [
+        summary_section(study, rows, statistics),
+        noise_section(study, by_arm, extra),
+        method_section(study, by_arm, provenance, statistics),
+        notes_section(study),
+        arms_section(study, by_arm),
+        claims_section(rows, courses),
+        topup_section(by_arm, rows, topups or [], statistics),
+        every_arm_section(study, by_arm),
+        figures_section(study, by_arm, rows, courses),
+    ], rows
 
 
 def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:
@@ -321,8 +449,14 @@ def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[
     return sections, values, {c["id"]: c["untestable"] for c in claims if c["untestable"]}
 
 
-def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
-               extra: Optional[dict[str, dict[str, dict]]] = None, study_file: Optional[Path] = None) -> Path:
+def write_page(
+    study: Study,
+    source: str,
+    page_dir: Path,
+    provenance: list[str],
+    extra: Optional[dict[str, dict[str, dict]]] = None,
+    study_file: Optional[Path] = None,
+) -> Path:
     """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from the run stores
     under `source` (the study's multirun folder) and, where `study_file` declares stress runs,
     those beside it (their claims judged on them). Written whole or not at all."""
@@ -336,8 +470,15 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
     topups = json.loads(log.read_text()) if log.exists() else []
     stress_part, measured, untestable = stress_measures(study_file, source) if study_file is not None else ([], {}, {})
     statistics = os.path.relpath(STATISTICS, page_dir.resolve()) if STATISTICS.is_file() else "../statistics.md"
-    sections, _ = page_sections(study, load_runs(source), provenance, topups, {**measured, **(extra or {})},
-                                statistics=Path(statistics).as_posix(), untestable=untestable)
+    sections, _ = page_sections(
+        study,
+        load_runs(source),
+        provenance,
+        topups,
+        {**measured, **(extra or {})},
+        statistics=Path(statistics).as_posix(),
+        untestable=untestable,
+    )
     sections[-1:-1] = stress_part  # before the per-finding figures
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise
         old.unlink()
@@ -346,8 +487,16 @@ def write_page(study: Study, source: str, page_dir: Path, provenance: list[str],
     return path
 
 
-def provenance(study_arg: str, seeds: Optional[str], overrides: list[str], command: list[str], runs: list[Run],
-               elapsed: float, ran: bool, stress_line: Optional[str] = None) -> list[str]:
+def provenance(
+    study_arg: str,
+    seeds: Optional[str],
+    overrides: list[str],
+    command: list[str],
+    runs: list[Run],
+    elapsed: float,
+    ran: bool,
+    stress_line: Optional[str] = None,
+) -> list[str]:
     """The page's provenance lines (`dalle-ablate study`): the command as typed (`study_arg`, the
     `--seeds` given, the `overrides`) and the multirun `command` it ran; the commit of this page
     and those the runs were trained at, each with its run count (a study resumed across commits
@@ -361,16 +510,26 @@ def provenance(study_arg: str, seeds: Optional[str], overrides: list[str], comma
 
     summaries = [r.summary for r in runs]
     commit = git_commit()
-    trained = Counter(f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
-                      for m in (r.meta for r in runs) if m.get("git"))
-    typed = " ".join(shlex.quote(a) for a in ["dalle-ablate", "study", study_arg, *(["--seeds", seeds] if seeds else []),
-                                               *overrides])
-    invocation = ("this invocation ran nothing (--no-run)" if not ran else
-                  f"this invocation took {fmt3(elapsed / 60, 'min')} (runs finished before it are skipped, not repeated)")
-    lines = [f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
-             f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
-             f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
-             + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common()) + ".",
-             f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
-             f"time adds up to {fmt3(sum(float(s.get('wall_time', 0)) for s in summaries) / 60, 'min')}; {invocation}."]
+    trained = Counter(
+        f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
+        for m in (r.meta for r in runs)
+        if m.get("git")
+    )
+    typed = " ".join(
+        shlex.quote(a) for a in ["dalle-ablate", "study", study_arg, *(["--seeds", seeds] if seeds else []), *overrides]
+    )
+    invocation = (
+        "this invocation ran nothing (--no-run)"
+        if not ran
+        else f"this invocation took {fmt3(elapsed / 60, 'min')} (runs finished before it are skipped, not repeated)"
+    )
+    lines = [
+        f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
+        f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
+        f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
+        + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common())
+        + ".",
+        f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
+        f"time adds up to {fmt3(sum(float(s.get('wall_time', 0)) for s in summaries) / 60, 'min')}; {invocation}.",
+    ]
     return lines + ([stress_line] if stress_line is not None else [])

@@ -55,7 +55,7 @@ def spikes(values: np.ndarray, window: int = 20, factor: float = 1.5) -> int:
     v = np.asarray(values, np.float64)
     count = 0
     for i in range(window, len(v)):
-        ref = np.median(v[i - window:i])
+        ref = np.median(v[i - window : i])
         if np.isfinite(v[i]) and np.isfinite(ref) and ref > 0 and v[i] > factor * ref:
             count += 1
     return count
@@ -66,6 +66,7 @@ def diverged(values: np.ndarray, status: str) -> bool:
 
 
 # ---- What the verdict engine (report/verdicts.py) and a study's noise floor use ----
+
 
 def blocked_residual(values) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The additive model value ~ arm + seed fitted to values[..., arm, seed] (NaN: no value):
@@ -91,8 +92,11 @@ def blocked_residual(values) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         d = ((arms - 1) * (seeds - 1))[:, 0, 0]
         with np.errstate(invalid="ignore", divide="ignore"):
             ms_res = np.where(d > 0, (resid**2).sum((1, 2)) / d, np.nan)
-            ms_seed = arms[:, 0, 0] * np.where(cols[complete][:, None, :], (seed_mean - grand) ** 2, 0.0).sum((1, 2)) \
+            ms_seed = (
+                arms[:, 0, 0]
+                * np.where(cols[complete][:, None, :], (seed_mean - grand) ** 2, 0.0).sum((1, 2))
                 / (seeds[:, 0, 0] - 1)
+            )
             seed_var = np.maximum((ms_seed - ms_res) / arms[:, 0, 0], 0.0)  # E[MS_seed] = s_res^2 + arms s_seed^2
             s2[complete], df[complete] = ms_res, d
             share[complete] = seed_var / (seed_var + ms_res)

@@ -51,22 +51,46 @@ from dalle_ablate.report.writers import Section
 STABILITY_METRICS = ("lr_sensitivity",)
 # measure -> (what it is, for the page; which way is more stable)
 MEASURES = {
-    "lr_sensitivity": ("mean over the rates of min(final eval loss, L0) minus the best of them (Wortsman et al. 2023, "
-                       "§2.2; nats per image token)", "lower"),
-    "log10_max_lr": ("log10 of the largest rate that trains: a final eval loss below the entropy of the image codes' "
-                     "frequencies (a model that learned only those ends there), -inf if none does", "higher"),
+    "lr_sensitivity": (
+        "mean over the rates of min(final eval loss, L0) minus the best of them (Wortsman et al. 2023, "
+        "§2.2; nats per image token)",
+        "lower",
+    ),
+    "log10_max_lr": (
+        "log10 of the largest rate that trains: a final eval loss below the entropy of the image codes' "
+        "frequencies (a model that learned only those ends there), -inf if none does",
+        "higher",
+    ),
     "divergences": ("rates at which the loss stopped being finite", "lower"),
 }
-declare(Metric(
-    "lr_sensitivity", "learning-rate sensitivity over the stress runs (Wortsman et al. 2023 §2.2)", "nats per image token",
-    "lower", source="report", study="lr_sensitivity", reads="given",
-    # a tenth of the baseline's degradation over the stress rates: a variant that moves how much the
-    # loss degrades across a 100x range of rates by less than that is no stabler in a way that would
-    # change which rate or variant one picks (Wortsman et al. 2023 compare variants whose
-    # sensitivities differ by factors, not percents)
-    margin="10%", covers="the stress runs' seeds (initialisation and data order at every rate)"))
+declare(
+    Metric(
+        "lr_sensitivity",
+        "learning-rate sensitivity over the stress runs (Wortsman et al. 2023 §2.2)",
+        "nats per image token",
+        "lower",
+        source="report",
+        study="lr_sensitivity",
+        reads="given",
+        # a tenth of the baseline's degradation over the stress rates: a variant that moves how much the
+        # loss degrades across a 100x range of rates by less than that is no stabler in a way that would
+        # change which rate or variant one picks (Wortsman et al. 2023 compare variants whose
+        # sensitivities differ by factors, not percents)
+        margin="10%",
+        covers="the stress runs' seeds (initialisation and data order at every rate)",
+    )
+)
 # Keys a stress run sets itself: a study command's own overrides of these are not passed on.
-CONTROLLED = ("arm", "optim.lr", "seed", "seeds", "trainer.steps", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+CONTROLLED = (
+    "arm",
+    "optim.lr",
+    "seed",
+    "seeds",
+    "trainer.steps",
+    "hydra.run.dir",
+    "hydra.sweep.dir",
+    "hydra.sweep.subdir",
+)
 
 
 @dataclass(frozen=True)
@@ -114,11 +138,15 @@ def load_stress(path: Path) -> Optional[StressPlan]:
     for cid in s["claims"]:
         f = findings.get(cid)
         if f is None:
-            raise ConfigError(f"{where}.claims names {cid!r}, not a finding of the study; valid: {', '.join(map(str, findings))}")
+            raise ConfigError(
+                f"{where}.claims names {cid!r}, not a finding of the study; valid: {', '.join(map(str, findings))}"
+            )
         if f.get("metric") not in STABILITY_METRICS:
-            raise ConfigError(f"{where}.claims: finding {cid!r} has metric {f.get('metric')!r}; a stress claim's metric "
-                              f"must be {' or '.join(STABILITY_METRICS)} (lower is more stable): it is judged on the "
-                              "stress runs")
+            raise ConfigError(
+                f"{where}.claims: finding {cid!r} has metric {f.get('metric')!r}; a stress claim's metric "
+                f"must be {' or '.join(STABILITY_METRICS)} (lower is more stable): it is judged on the "
+                "stress runs"
+            )
         claims.append(StressClaim(cid, str(f.get("claim", cid)), f["arm"], f["against"], f["expect"]))
     try:
         rates = [float(x) for x in s["lr"]]
@@ -159,8 +187,17 @@ def settled(store: Path, steps: int) -> bool:
     return s.get("status") == "diverged" or (s.get("status") == "finished" and int(s.get("steps", -1)) >= steps)
 
 
-def job_command(python: str, experiment: str, folder: Path, arm: str, lr: float, seed: int, plan: StressPlan,
-                overrides: list[str], members: list[int] | None = None) -> list[str]:
+def job_command(
+    python: str,
+    experiment: str,
+    folder: Path,
+    arm: str,
+    lr: float,
+    seed: int,
+    plan: StressPlan,
+    overrides: list[str],
+    members: list[int] | None = None,
+) -> list[str]:
     """One stress run as a single `dalle_ablate.job` process: the study's preset and arm at this
     rate, seed and budget, the plan's overrides, then the study command's own (less CONTROLLED).
     `members`: the seeds of this arm and rate trained as members of the one job (train/members.py,
@@ -171,13 +208,36 @@ def job_command(python: str, experiment: str, folder: Path, arm: str, lr: float,
     own = [o for o in overrides if key_of(o) not in CONTROLLED]
     if members and len(members) > 1:
         impl = [] if any(o.startswith("members.impl=") for o in own) else ["members.impl=map"]
-        return [python, "-m", "dalle_ablate.job", f"experiment={experiment}", f"+arm={arm}", f"optim.lr={lr!r}",
-                f"seed={members[0]}", f"seeds=[{','.join(map(str, members))}]", *impl, f"trainer.steps={plan.steps}",
-                "resume=auto", *plan.overrides, *own,
-                f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed).replace(f'-seed{seed}', '-seed${seed}')}"]
-    return [python, "-m", "dalle_ablate.job", f"experiment={experiment}", f"+arm={arm}", f"optim.lr={lr!r}", f"seed={seed}",
-            f"trainer.steps={plan.steps}", "resume=auto", *plan.overrides, *own,
-            f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed)}"]
+        return [
+            python,
+            "-m",
+            "dalle_ablate.job",
+            f"experiment={experiment}",
+            f"+arm={arm}",
+            f"optim.lr={lr!r}",
+            f"seed={members[0]}",
+            f"seeds=[{','.join(map(str, members))}]",
+            *impl,
+            f"trainer.steps={plan.steps}",
+            "resume=auto",
+            *plan.overrides,
+            *own,
+            f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed).replace(f'-seed{seed}', '-seed${seed}')}",
+        ]
+    return [
+        python,
+        "-m",
+        "dalle_ablate.job",
+        f"experiment={experiment}",
+        f"+arm={arm}",
+        f"optim.lr={lr!r}",
+        f"seed={seed}",
+        f"trainer.steps={plan.steps}",
+        "resume=auto",
+        *plan.overrides,
+        *own,
+        f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed)}",
+    ]
 
 
 def _arm(run: Run) -> Optional[str]:
@@ -248,6 +308,7 @@ def unigram_floor(run: Optional[Run]) -> float:
 @dataclass
 class Curve:
     """One arm at one seed across the plan's rates."""
+
     arm: str
     seed: int
     finals: list[float]  # per rate: final eval loss, inf diverged, NaN missing
@@ -264,10 +325,14 @@ def curves(plan: StressPlan, runs: list[Run]) -> dict[tuple[str, int], Curve]:
             rs = [by.get((arm, lr, seed)) for lr in plan.rates]
             l0s = [initial_loss(r) for r in rs if r is not None]
             floors = [unigram_floor(r) for r in rs if r is not None]
-            out[(arm, seed)] = Curve(arm, seed, [final_loss(r) for r in rs],
-                                     float(np.nanmedian(l0s)) if any(np.isfinite(l0s)) else math.nan,
-                                     float(np.nanmedian(floors)) if any(np.isfinite(floors)) else math.nan,
-                                     [spikes(series(r, "train/loss")[1], factor=1.5) if r is not None else 0 for r in rs])
+            out[(arm, seed)] = Curve(
+                arm,
+                seed,
+                [final_loss(r) for r in rs],
+                float(np.nanmedian(l0s)) if any(np.isfinite(l0s)) else math.nan,
+                float(np.nanmedian(floors)) if any(np.isfinite(floors)) else math.nan,
+                [spikes(series(r, "train/loss")[1], factor=1.5) if r is not None else 0 for r in rs],
+            )
     return out
 
 
@@ -277,9 +342,13 @@ def measures(plan: StressPlan, runs: list[Run]) -> dict[tuple[str, int], dict[st
     for key, c in curves(plan, runs).items():
         complete = not np.isnan(c.finals).any()
         ok = [lr for lr, f in zip(plan.rates, c.finals) if trains(f, c.floor)]
-        out[key] = {"lr_sensitivity": lr_sensitivity(c.finals, c.l0),
-                    "log10_max_lr": (math.log10(max(ok)) if ok else -math.inf) if complete and np.isfinite(c.floor) else math.nan,
-                    "divergences": float(sum(np.isinf(c.finals))) if complete else math.nan}
+        out[key] = {
+            "lr_sensitivity": lr_sensitivity(c.finals, c.l0),
+            "log10_max_lr": (math.log10(max(ok)) if ok else -math.inf)
+            if complete and np.isfinite(c.floor)
+            else math.nan,
+            "divergences": float(sum(np.isinf(c.finals))) if complete else math.nan,
+        }
     return out
 
 
@@ -296,9 +365,18 @@ def claim_values(plan: StressPlan, runs: list[Run], measure: str = "lr_sensitivi
     out = []
     for c in plan.claims:
         expect = c.expect if not flip else {"lower": "higher", "higher": "lower"}[c.expect]
-        out.append({"id": c.id, "claim": c.claim, "arm": c.arm, "against": c.against, "measure": measure, "expect": expect,
-                    "values": {a: {s: m[(a, s)][measure] for s in plan.seeds} for a in (c.arm, c.against)},
-                    "untestable": untrained(plan, m, c)})
+        out.append(
+            {
+                "id": c.id,
+                "claim": c.claim,
+                "arm": c.arm,
+                "against": c.against,
+                "measure": measure,
+                "expect": expect,
+                "values": {a: {s: m[(a, s)][measure] for s in plan.seeds} for a in (c.arm, c.against)},
+                "untestable": untrained(plan, m, c),
+            }
+        )
     return out
 
 
@@ -309,8 +387,10 @@ def untrained(plan: StressPlan, m: dict[tuple[str, int], dict[str, float]], c: S
     top = [m[(a, s)]["log10_max_lr"] for a in (c.arm, c.against) for s in plan.seeds]
     if not top or not all(v == -math.inf for v in top):
         return ""
-    return (f"neither {c.arm} nor {c.against} trains at any rate of the stress grid "
-            f"({', '.join(f'{lr:g}' for lr in plan.rates)}) on any seed: both end at or above the code-frequency floor")
+    return (
+        f"neither {c.arm} nor {c.against} trains at any rate of the stress grid "
+        f"({', '.join(f'{lr:g}' for lr in plan.rates)}) on any seed: both end at or above the code-frequency floor"
+    )
 
 
 # -- the page ----------------------------------------------------------------------------------
@@ -365,39 +445,65 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
     done = [by[j] for j in plan.jobs() if by.get(j) is not None and by[j].status in ("finished", "diverged")]
     wall = sum(float(r.summary.get("wall_time", 0)) for r in done) / 60
     s = Section("stress", "Stability under stress")
-    s.text.append(f"The arms of the stability claims ({', '.join(c.id for c in plan.claims)}) trained at learning rates "
-                  f"{', '.join(f'{lr:g}' for lr in plan.rates)} for {plan.steps} steps each, seeds "
-                  f"{', '.join(map(str, plan.seeds))}: {len(done)} of {len(plan.jobs())} runs done (finished or diverged); "
-                  f"their wall time adds up to {wall:.3g} min (each run's from its trainer's start, as the study's runs "
-                  f"above: its process's imports and config composition not counted)."
-                  + (f" The range: {plan.source}" if plan.source else ""))
-    s.text.append("Following Wortsman et al. 2023, \"Small-scale proxies for large-scale Transformer training "
-                  "instabilities\" (§2.2), a variant's stability is how its final loss degrades as the rate rises. "
-                  + " ".join(f"{name}: {what}." for name, (what, _) in MEASURES.items())
-                  + " L0 is the loss at initialisation (step 1's train loss); a diverged run counts as L0. The "
-                  "dashed lines: L0 and the code frequencies' entropy (below it a run trains).")
-    cols = ["arm", "seed", *MEASURES, "loss spikes (per rate)",
-            *[f"final eval loss at lr {lr:g} ({unit})" for lr in plan.rates]]
+    s.text.append(
+        f"The arms of the stability claims ({', '.join(c.id for c in plan.claims)}) trained at learning rates "
+        f"{', '.join(f'{lr:g}' for lr in plan.rates)} for {plan.steps} steps each, seeds "
+        f"{', '.join(map(str, plan.seeds))}: {len(done)} of {len(plan.jobs())} runs done (finished or diverged); "
+        f"their wall time adds up to {wall:.3g} min (each run's from its trainer's start, as the study's runs "
+        f"above: its process's imports and config composition not counted)."
+        + (f" The range: {plan.source}" if plan.source else "")
+    )
+    s.text.append(
+        'Following Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training '
+        "instabilities\" (§2.2), a variant's stability is how its final loss degrades as the rate rises. "
+        + " ".join(f"{name}: {what}." for name, (what, _) in MEASURES.items())
+        + " L0 is the loss at initialisation (step 1's train loss); a diverged run counts as L0. The "
+        "dashed lines: L0 and the code frequencies' entropy (below it a run trains)."
+    )
+    cols = [
+        "arm",
+        "seed",
+        *MEASURES,
+        "loss spikes (per rate)",
+        *[f"final eval loss at lr {lr:g} ({unit})" for lr in plan.rates],
+    ]
     rows = []
     for arm in plan.arms:
         for seed in plan.seeds:
             c = cs[(arm, seed)]
-            rows.append([arm, seed, *[_fmt(m[(arm, seed)][k]) for k in MEASURES], " / ".join(map(str, c.spikes)),
-                         *[_fmt(f) for f in c.finals]])
+            rows.append(
+                [
+                    arm,
+                    seed,
+                    *[_fmt(m[(arm, seed)][k]) for k in MEASURES],
+                    " / ".join(map(str, c.spikes)),
+                    *[_fmt(f) for f in c.finals],
+                ]
+            )
     s.tables.append((cols, rows))
     summary = []
     for arm in plan.arms:
         mean, lo, hi = mean_ci([m[(arm, seed)]["lr_sensitivity"] for seed in plan.seeds])
         diverged = [m[(arm, seed)]["divergences"] for seed in plan.seeds]
-        summary.append([arm, _fmt(mean), "–" if not np.isfinite(lo) else f"[{fmt3(lo)}, {fmt3(hi)}]",
-                        sum(int(d) for d in diverged if np.isfinite(d))])
-    s.tables.append((["arm", f"LR sensitivity, mean over seeds ({unit})", f"95% t interval ({unit})",
-                      "diverged runs"], summary))
-    how = (f"the final eval loss ({unit}, at most L0) against the learning rate: per arm the mean over its "
-           "seeds as a line, each seed a dot, a diverged run an x at L0")
+        summary.append(
+            [
+                arm,
+                _fmt(mean),
+                "–" if not np.isfinite(lo) else f"[{fmt3(lo)}, {fmt3(hi)}]",
+                sum(int(d) for d in diverged if np.isfinite(d)),
+            ]
+        )
+    s.tables.append(
+        (["arm", f"LR sensitivity, mean over seeds ({unit})", f"95% t interval ({unit})", "diverged runs"], summary)
+    )
+    how = (
+        f"the final eval loss ({unit}, at most L0) against the learning rate: per arm the mean over its "
+        "seeds as a line, each seed a dot, a diverged run an x at L0"
+    )
     s.images.append((f"Every stress arm: {how}", lr_figure(plan, cs, plan.arms)))
     values = claim_values(plan, runs)
     for c, v in zip(plan.claims, values):
-        s.images.append((f"{c.id} ({c.claim}), {c.arm} against {c.against}: {how}",
-                         lr_figure(plan, cs, [c.against, c.arm])))
+        s.images.append(
+            (f"{c.id} ({c.claim}), {c.arm} against {c.against}: {how}", lr_figure(plan, cs, [c.against, c.arm]))
+        )
     return [s], values

@@ -45,8 +45,9 @@ def dies_with_this_process() -> Optional[Callable[[], None]]:
     return preexec
 
 
-def call_child(command: list[str], env: dict, preexec: Optional[Callable[[], None]] = None,
-               grace: float = 120.0) -> int:
+def call_child(
+    command: list[str], env: dict, preexec: Optional[Callable[[], None]] = None, grace: float = 120.0
+) -> int:
     """subprocess.call, but a Ctrl-C lets the child finish what it does on one: Ctrl-C reaches the
     whole foreground process group, and a run saves its last whole step before it exits (exit
     130). subprocess.call would SIGKILL it 0.25 s after the interrupt. A second Ctrl-C, or
@@ -88,8 +89,15 @@ def _wait_or_kill(child, grace: float) -> None:
     child.wait()
 
 
-def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[str], env: dict,
-               preexec: Optional[Callable[[], None]] = None, members: bool = True) -> Optional[StressOutcome]:
+def run_stress(
+    study_file: Path,
+    experiment: str,
+    folder: Path,
+    overrides: list[str],
+    env: dict,
+    preexec: Optional[Callable[[], None]] = None,
+    members: bool = True,
+) -> Optional[StressOutcome]:
     """The study's stress runs (report/stress.py), if its file declares them: each arm of its
     stability claims at each rate and seed into `<folder>-stress/`, the seeds of an arm and rate
     as members of one job (`members`; else one process per run); a run that finished or diverged
@@ -103,23 +111,31 @@ def run_stress(study_file: Path, experiment: str, folder: Path, overrides: list[
         return None
     where = stress_folder(folder)
     t, ran, failed = time.perf_counter(), 0, []
-    groups = [(arm, lr, plan.seeds) for arm in plan.arms for lr in plan.rates] if members else \
-        [(arm, lr, [seed]) for arm, lr, seed in plan.jobs()]
+    groups = (
+        [(arm, lr, plan.seeds) for arm in plan.arms for lr in plan.rates]
+        if members
+        else [(arm, lr, [seed]) for arm, lr, seed in plan.jobs()]
+    )
     for i, (arm, lr, seeds) in enumerate(groups, 1):
         todo = [s for s in seeds if not settled(where / run_name(arm, lr, s) / "run", plan.steps)]
         if not todo:
             continue
-        print(f"stress job {i} of {len(groups)}: {', '.join(str(where / run_name(arm, lr, s)) for s in todo)}", flush=True)
+        print(
+            f"stress job {i} of {len(groups)}: {', '.join(str(where / run_name(arm, lr, s)) for s in todo)}", flush=True
+        )
         # every seed of the group, settled ones too: a members job leaves a finished or diverged member as it is
-        code = call_child(job_command(sys.executable, experiment, where, arm, lr, seeds[0], plan, overrides, seeds),
-                          env, preexec)
+        code = call_child(
+            job_command(sys.executable, experiment, where, arm, lr, seeds[0], plan, overrides, seeds), env, preexec
+        )
         ran += len(todo)
         if code not in (0, RunFailed.DIVERGED):  # a diverged run is a measurement of its rate
             failed.append(f"{', '.join(run_name(arm, lr, s) for s in todo)} (exit {code})")
     how = "; the seeds of each arm and rate as members of one job" if members and len(plan.seeds) > 1 else ""
-    line = (f"Stress runs: {len(plan.jobs())} in {where} ({len(plan.arms)} arms x {len(plan.rates)} rates x "
-            f"{len(plan.seeds)} seeds, {plan.steps} steps{how}); this invocation started {ran} of them in "
-            f"{(time.perf_counter() - t) / 60:.1f} min (those that finished or diverged before are not rerun).")
+    line = (
+        f"Stress runs: {len(plan.jobs())} in {where} ({len(plan.arms)} arms x {len(plan.rates)} rates x "
+        f"{len(plan.seeds)} seeds, {plan.steps} steps{how}); this invocation started {ran} of them in "
+        f"{(time.perf_counter() - t) / 60:.1f} min (those that finished or diverged before are not rerun)."
+    )
     return StressOutcome(line, failed)
 
 
@@ -134,7 +150,9 @@ def swept_seeds(experiment: str, overrides: list[str]) -> Optional[list[int]]:
     given = [o for o in overrides if o.split("=", 1)[0] == "seed"]
     if not given:
         preset = files("dalle_ablate.conf").joinpath("experiment", f"{experiment}.yaml")
-        params = (((yaml.safe_load(preset.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+        params = (((yaml.safe_load(preset.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get(
+            "params"
+        ) or {}
         if "seed" not in params:
             return None
         given = [f"seed={params['seed']}"]
@@ -160,8 +178,18 @@ def as_members(experiment: str, overrides: list[str]) -> list[str]:
     return [*kept, f"seed={seeds[0]}", f"seeds=[{','.join(map(str, seeds))}]", *impl]
 
 
-def run_study(study_arg: str, out: str, report_out: str, page_out: str, overrides: list[str], seeds: Optional[str] = None,
-              no_run: bool = False, no_stress: bool = False, members: bool = True, again: str = "") -> None:
+def run_study(
+    study_arg: str,
+    out: str,
+    report_out: str,
+    page_out: str,
+    overrides: list[str],
+    seeds: Optional[str] = None,
+    no_run: bool = False,
+    no_stress: bool = False,
+    members: bool = True,
+    again: str = "",
+) -> None:
     """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
     a stopped one continues from its checkpoint) and its stress runs, then write its report and
     its results page. `study_arg` is a study's name or its file; `seeds` tops it up (N or 'auto');
@@ -185,35 +213,53 @@ def run_study(study_arg: str, out: str, report_out: str, page_out: str, override
     with _one_line_on_ctrl_c(study.name, again, stages):
         if not no_run:  # what its runs would meet, before any of them starts: one line and exit 2
             check_before_running(study, study_file, folder, jobs, overrides, stress=not no_stress)
-        command = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}",
-                   f"hydra.sweep.dir={shown(folder)}", *jobs]
+        command = [
+            sys.executable,
+            "-m",
+            "dalle_ablate.job",
+            "-m",
+            f"experiment={study.experiment}",
+            f"hydra.sweep.dir={shown(folder)}",
+            *jobs,
+        ]
         t = time.perf_counter()
         # The seeds of an arm compile the same programs: JAX's persistent compilation cache
         # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
-        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache"))}
+        env = {
+            **os.environ,
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache")),
+        }
         preexec = dies_with_this_process()
         stages.append("during its runs (the multirun of its arms)")
         code = 0 if no_run else call_child(command, env, preexec)
         if topup is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
             _log_topup(folder, topup)
         stages.append("during its stress runs")  # not after a multirun that refused its config (exit 2)
-        stress = (None if no_run or no_stress or code == 2 else
-                  run_stress(study_file, study.experiment, folder, overrides, env, preexec, members))
+        stress = (
+            None
+            if no_run or no_stress or code == 2
+            else run_stress(study_file, study.experiment, folder, overrides, env, preexec, members)
+        )
         elapsed = time.perf_counter() - t
         stages.append("while writing its report and page")
         runs = _study_runs(study.name, folder, code)
-        lines = provenance(study_arg, seeds, overrides, command, runs, elapsed, not no_run,
-                           stress.line if stress is not None else None)
+        lines = provenance(
+            study_arg, seeds, overrides, command, runs, elapsed, not no_run, stress.line if stress is not None else None
+        )
         if any(r.meta.get("members") for r in runs):
-            lines.append(f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job "
-                         "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
-                         "overrides and its numbers; their step time is their share of the job's.")
+            lines.append(
+                f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job "
+                "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
+                "overrides and its numbers; their step time is their share of the job's."
+            )
         report = build_report(str(folder), report_out, study.name, study.baseline)
         interrupts.check()
         page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
     print(f"wrote {report}/index.html and {page}")
     if code:
-        raise RunFailed(f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code)
+        raise RunFailed(
+            f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code
+        )
     if stress is not None and stress.failed:
         raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(stress.failed)}")
 
@@ -234,8 +280,10 @@ def _one_line_on_ctrl_c(name: str, again: str, stages: list[str]):
     try:
         yield
     except KeyboardInterrupt:
-        raise Interrupted(f"study {name} interrupted {stages[-1]}; the runs that finished are kept, a stopped one "
-                          f"continues from its checkpoint; resume with: {again or 'the same command'}") from None
+        raise Interrupted(
+            f"study {name} interrupted {stages[-1]}; the runs that finished are kept, a stopped one "
+            f"continues from its checkpoint; resume with: {again or 'the same command'}"
+        ) from None
 
 
 # -- checked before anything runs -----------------------------------------------------------------
@@ -243,8 +291,11 @@ def known_arms() -> list[str]:
     """The arms a study can run: the options of the `arm` config group (dalle_ablate/conf/arm/)."""
     from importlib.resources import files
 
-    return sorted(p.name[: -len(".yaml")] for p in files("dalle_ablate.conf").joinpath("arm").iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(
+        p.name[: -len(".yaml")]
+        for p in files("dalle_ablate.conf").joinpath("arm").iterdir()
+        if p.name.endswith(".yaml")
+    )
 
 
 def check_arm(what: str, name, arms: list[str]) -> None:
@@ -271,18 +322,30 @@ def multirun_jobs(experiment: str, jobs: list[str]) -> list[list[str]]:
     arm = [o for o in parsed if o.key_or_group == "arm"]
     if not arm:
         preset = files("dalle_ablate.conf").joinpath("experiment", f"{experiment}.yaml")
-        params = (((yaml.safe_load(preset.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+        params = (((yaml.safe_load(preset.read_text()) or {}).get("hydra") or {}).get("sweeper") or {}).get(
+            "params"
+        ) or {}
         arm = parse([f"+arm={params['+arm']}"]) if "+arm" in params else []
-    arms = [str(a) for a in (list(arm[-1].sweep_iterator()) if arm and arm[-1].is_sweep_override()
-                             else [arm[-1].value()] if arm else [])]
+    arms = [
+        str(a)
+        for a in (
+            list(arm[-1].sweep_iterator()) if arm and arm[-1].is_sweep_override() else [arm[-1].value()] if arm else []
+        )
+    ]
     # Hydra's own settings (hydra.*, hydra/launcher=) shape how jobs run, not what a job composes
-    fixed = [(o.input_line.split(o.key_or_group)[0] + f"{o.key_or_group}={next(iter(o.sweep_iterator()))}")
-             if o.is_sweep_override() else o.input_line for o in parsed
-             if o.key_or_group != "arm" and not o.key_or_group.startswith("hydra")]
+    fixed = [
+        (o.input_line.split(o.key_or_group)[0] + f"{o.key_or_group}={next(iter(o.sweep_iterator()))}")
+        if o.is_sweep_override()
+        else o.input_line
+        for o in parsed
+        if o.key_or_group != "arm" and not o.key_or_group.startswith("hydra")
+    ]
     return [[f"experiment={experiment}", *fixed, f"+arm={a}"] for a in arms] or [[f"experiment={experiment}", *fixed]]
 
 
-def check_before_running(study, study_file: Path, folder: Path, jobs: list[str], overrides: list[str], stress: bool) -> None:
+def check_before_running(
+    study, study_file: Path, folder: Path, jobs: list[str], overrides: list[str], stress: bool
+) -> None:
     """What a study's runs would meet, checked before any starts (ConfigError, one line): every
     arm its file names (baseline, each finding's arm and against) and its command line gives is an
     arm; each arm's job of the multirun composes and passes a run's checks, and so does its stress
@@ -307,8 +370,13 @@ def check_before_running(study, study_file: Path, folder: Path, jobs: list[str],
         probes = {(a, plan.rates[0]) for a in plan.arms} | {(plan.arms[0], lr) for lr in plan.rates}
         for arm, lr in sorted(probes):
             try:
-                to_run_config(compose(job_command("python", study.experiment, Path("."), arm, lr, plan.seeds[0], plan,
-                                                  overrides)[3:-1]))
+                to_run_config(
+                    compose(
+                        job_command("python", study.experiment, Path("."), arm, lr, plan.seeds[0], plan, overrides)[
+                            3:-1
+                        ]
+                    )
+                )
             except Exception as e:  # noqa: BLE001 - re-raised unless it is a user mistake
                 if format_error(e) is None:
                     raise
@@ -345,8 +413,10 @@ def _plan_topup(study, folder: Path, seeds: str, overrides: list[str]) -> tuple[
     from dalle_ablate.report.findings import plan_topup
 
     seed_override, topup = plan_topup(study, folder, seeds, overrides)
-    print(f"study {study.name}: topping up from {topup['from']} to {topup['to']} seeds per arm ({seed_override}; the "
-          f"rule asks for {topup['rule']})")
+    print(
+        f"study {study.name}: topping up from {topup['from']} to {topup['to']} seeds per arm ({seed_override}; the "
+        f"rule asks for {topup['rule']})"
+    )
     return seed_override, topup
 
 
@@ -359,8 +429,16 @@ def _log_topup(folder: Path, topup: dict) -> None:
     from dalle_ablate.report.findings import TOPUPS
 
     log = folder / TOPUPS
-    atomic_write(log, json.dumps([*(json.loads(log.read_text()) if log.exists() else []),
-                                  {**topup, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}], indent=1))
+    atomic_write(
+        log,
+        json.dumps(
+            [
+                *(json.loads(log.read_text()) if log.exists() else []),
+                {**topup, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            ],
+            indent=1,
+        ),
+    )
 
 
 def _study_runs(name: str, folder: Path, code: int) -> list:
@@ -380,5 +458,7 @@ def _study_runs(name: str, folder: Path, code: int) -> list:
 def _check_meta(store: Path) -> None:
     """A run store's meta.json is there: its overrides say which arm the run is (report/findings.py arm_of)."""
     if not (store / "meta.json").is_file():
-        raise ConfigError(f"{store / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
-                          f"{store.parent} and run the study again to train it anew")
+        raise ConfigError(
+            f"{store / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "
+            f"{store.parent} and run the study again to train it anew"
+        )

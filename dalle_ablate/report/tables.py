@@ -49,8 +49,9 @@ def final_value(run: Run, column: str) -> float:
     return float(v[-1]) if len(v) else math.nan
 
 
-def against_baseline(by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None,
-                     metrics=FINAL_METRICS) -> dict[tuple[str, str], dict]:
+def against_baseline(
+    by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None, metrics=FINAL_METRICS
+) -> dict[tuple[str, str], dict]:
     """(variant, metric) -> the verdict engine's judgement (report/verdicts.py) of the variant's
     final value against the baseline's: paired by seed where the two share seeds, else Welch's,
     Holm over every comparison of the table (variants x metrics), a margin where `margins` gives
@@ -81,18 +82,32 @@ def against_baseline(by_variant: dict[str, list[Run]], baseline: str, margins: O
     out = {}
     for j, (v, m) in enumerate(keys):
         row = {k: float(res[k][j]) for k in ("d", "low", "high", "fw_low", "fw_high", "rho", "sd", "df", "margin", "n")}
-        row.update(paired=bool(res["paired"][j]), outcome=int(res["outcome"][j]), needed=int(needed[j]),
-                   verdict=V.against_baseline(int(res["outcome"][j]), metric(m).better == "lower"))
+        row.update(
+            paired=bool(res["paired"][j]),
+            outcome=int(res["outcome"][j]),
+            needed=int(needed[j]),
+            verdict=V.against_baseline(int(res["outcome"][j]), metric(m).better == "lower"),
+        )
         out[(v, m)] = row
     return out
 
 
-FINAL_COLUMNS = ["variant", "metric", "verdict against the baseline", "Δ vs baseline", "Δ 95% CI", "mean", "mean 95% CI",
-                 "seeds", "rho"]
+FINAL_COLUMNS = [
+    "variant",
+    "metric",
+    "verdict against the baseline",
+    "Δ vs baseline",
+    "Δ 95% CI",
+    "mean",
+    "mean 95% CI",
+    "seeds",
+    "rho",
+]
 
 
-def final_table(by_variant: dict[str, list[Run]], baseline: str,
-                margins: Optional[dict[str, str]] = None) -> tuple[list[str], list[list], dict]:
+def final_table(
+    by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None
+) -> tuple[list[str], list[list], dict]:
     """A row per variant and metric, the answer first: the verdict engine's judgement of the
     difference from the baseline (against_baseline), the difference with its 95 % interval (paired,
     or Welch's where seeds are not shared), then the variant's mean over seeds with its 95% t
@@ -141,9 +156,20 @@ def stability_rows(runs: list[Run]) -> list[list]:
         steps, gnorm = series(r, "train/grad_norm")
         after = (steps > warmup_steps(r)) & np.isfinite(gnorm)
         peak = int(np.argmax(np.where(after, gnorm, -np.inf))) if after.any() else None
-        rows.append([r.name, r.variant, r.seed, r.status, spikes(loss, factor=1.5), spikes(gnorm, factor=5.0),
-                     float(gnorm[peak]) if peak is not None else math.nan, int(steps[peak]) if peak is not None else "",
-                     "yes" if diverged(loss, r.status) else "no", _count(final_value(r, "train/skipped_steps"))])
+        rows.append(
+            [
+                r.name,
+                r.variant,
+                r.seed,
+                r.status,
+                spikes(loss, factor=1.5),
+                spikes(gnorm, factor=5.0),
+                float(gnorm[peak]) if peak is not None else math.nan,
+                int(steps[peak]) if peak is not None else "",
+                "yes" if diverged(loss, r.status) else "no",
+                _count(final_value(r, "train/skipped_steps")),
+            ]
+        )
     return rows
 
 
@@ -152,8 +178,18 @@ def _count(v: float):
     return int(v) if np.isfinite(v) else "–"
 
 
-STABILITY_COLUMNS = ["run", "variant", "seed", "status", "loss spikes", "grad-norm peaks", "max grad norm after warm-up",
-                     "at step", "diverged", "skipped steps"]
+STABILITY_COLUMNS = [
+    "run",
+    "variant",
+    "seed",
+    "status",
+    "loss spikes",
+    "grad-norm peaks",
+    "max grad norm after warm-up",
+    "at step",
+    "diverged",
+    "skipped steps",
+]
 
 
 def tier_table(runs: list[Run]) -> Optional[tuple[list[str], list[list]]]:
@@ -166,13 +202,17 @@ def tier_table(runs: list[Run]) -> Optional[tuple[list[str], list[list]]]:
         found = [t for t in TIERS if f"shapes/{t}/all" in c]
         tiers += [t for t in found if t not in tiers]
         for row in sorted(r.pareto["rows"], key=lambda row: row[c["scale"]]) if found else []:
-            cells = {t: f"{row[c[f'shapes/{t}/all']]:.1%} [{row[c[f'shapes/{t}/all_lo']]:.1%}, "
-                        f"{row[c[f'shapes/{t}/all_hi']]:.1%}] N={int(row[c[f'shapes/{t}/n']])}" for t in found}
+            cells = {
+                t: f"{row[c[f'shapes/{t}/all']]:.1%} [{row[c[f'shapes/{t}/all_lo']]:.1%}, "
+                f"{row[c[f'shapes/{t}/all_hi']]:.1%}] N={int(row[c[f'shapes/{t}/n']])}"
+                for t in found
+            }
             rows.append((r, row[c["scale"]], cells))
     if not rows:
         return None
-    return ["run", "variant", "scale", *tiers], [[r.name, r.variant, f"{scale:g}", *[cells.get(t, "") for t in tiers]]
-                                                for r, scale, cells in rows]
+    return ["run", "variant", "scale", *tiers], [
+        [r.name, r.variant, f"{scale:g}", *[cells.get(t, "") for t in tiers]] for r, scale, cells in rows
+    ]
 
 
 def headline_values(run: Run) -> dict[str, float]:
@@ -186,7 +226,7 @@ def headline_values(run: Run) -> dict[str, float]:
     prefix = "eval/caption_sensitivity/"
     for col in run.metrics.columns:
         if col.startswith(prefix) and not col.endswith("_n"):
-            out[col[len("eval/"):]] = final_value(run, col)
+            out[col[len("eval/") :]] = final_value(run, col)
     return out
 
 
@@ -196,15 +236,29 @@ def runs_csv(runs: list[Run], stability: list[list]) -> pd.DataFrame:
     fields = differing_fields(runs, NOT_A_CHOICE)
     rows = []
     for r, stab in zip(runs, stability):
-        row = {"run": r.name, "store": shown(r.root), "variant": r.variant, "seed": r.seed, "status": r.status,
-               "optimizer": r.config.get("optim.name"), "parameters": r.meta.get("params"),
-               "steps": r.summary.get("steps"), "wall_time_s": r.summary.get("wall_time")}
+        row = {
+            "run": r.name,
+            "store": shown(r.root),
+            "variant": r.variant,
+            "seed": r.seed,
+            "status": r.status,
+            "optimizer": r.config.get("optim.name"),
+            "parameters": r.meta.get("params"),
+            "steps": r.summary.get("steps"),
+            "wall_time_s": r.summary.get("wall_time"),
+        }
         row.update({m: final_value(r, m) for m in FINAL_METRICS})
         row.update(headline_values(r))
-        row.update({"loss_spikes": stab[4], "grad_norm_peaks": stab[5], "max_grad_norm_after_warmup": stab[6],
-                    "skipped_steps": stab[9] if isinstance(stab[9], int) else math.nan,
-                    # PowerSGD (optim.powersgd.rank): floats all-reduced without / with compression
-                    "compression": final_value(r, "comm/compression")})
+        row.update(
+            {
+                "loss_spikes": stab[4],
+                "grad_norm_peaks": stab[5],
+                "max_grad_norm_after_warmup": stab[6],
+                "skipped_steps": stab[9] if isinstance(stab[9], int) else math.nan,
+                # PowerSGD (optim.powersgd.rank): floats all-reduced without / with compression
+                "compression": final_value(r, "comm/compression"),
+            }
+        )
         row.update({f: r.config.get(f) for f in fields})
         rows.append(row)
     return pd.DataFrame(rows)
@@ -250,8 +304,20 @@ def shapes_tier_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[s
     """Per variant, guidance scale and tier, means over seeds: all-correct; objects found; each
     attribute asked only of found objects (DSG) / over all checks; the relation where both its
     objects were found (VISOR) / over all images, with the share where they were; unparsed."""
-    cols = ["variant", "scale", "tier", "seeds", "all", "found", "color if found / all", "shape if found / all",
-            "size if found / all", "position if found / all", "relation if found / all (coverage)", "unparsed"]
+    cols = [
+        "variant",
+        "scale",
+        "tier",
+        "seeds",
+        "all",
+        "found",
+        "color if found / all",
+        "shape if found / all",
+        "size if found / all",
+        "position if found / all",
+        "relation if found / all (coverage)",
+        "unparsed",
+    ]
     rows = []
     for variant, scale, group, p, have in _by_scale_and_tier(by_variant):
         if not any(f"{p}all" in row for row in have):
@@ -260,12 +326,18 @@ def shapes_tier_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[s
         def m(key: str) -> float:
             return _mean(row.get(p + key) for row in have)
 
-        pair = [f"{_pct(m(a + '_if_found'))} / {_pct(m(a))}" if not math.isnan(m(a)) else "–"
-                for a in ("color", "shape", "size", "position")]
-        rel = (f"{_pct(m('relation_if_found'))} / {_pct(m('relation'))} ({_pct(m('relation_coverage'))})"
-               if not math.isnan(m("relation")) else "–")
-        rows.append([variant, f"{scale:g}", group, len(have), _pct(m("all")), _pct(m("found")), *pair, rel,
-                     _pct(m("unparsed"))])
+        pair = [
+            f"{_pct(m(a + '_if_found'))} / {_pct(m(a))}" if not math.isnan(m(a)) else "–"
+            for a in ("color", "shape", "size", "position")
+        ]
+        rel = (
+            f"{_pct(m('relation_if_found'))} / {_pct(m('relation'))} ({_pct(m('relation_coverage'))})"
+            if not math.isnan(m("relation"))
+            else "–"
+        )
+        rows.append(
+            [variant, f"{scale:g}", group, len(have), _pct(m("all")), _pct(m("found")), *pair, rel, _pct(m("unparsed"))]
+        )
     return (cols, rows) if rows else None
 
 
@@ -284,8 +356,18 @@ def shapes_noise_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[
         rates = np.array([v for v, _ in vals])
         noise = _mean(math.sqrt(v * (1 - v) / n) for v, n in vals if n > 0)
         seed_sd = float(rates.std(ddof=1)) if len(rates) > 1 else math.nan
-        rows.append([variant, f"{scale:g}", group, len(vals), float(rates.mean()),
-                     ONE_SEED if len(rates) < 2 else seed_sd, noise, int(vals[0][1])])
+        rows.append(
+            [
+                variant,
+                f"{scale:g}",
+                group,
+                len(vals),
+                float(rates.mean()),
+                ONE_SEED if len(rates) < 2 else seed_sd,
+                noise,
+                int(vals[0][1]),
+            ]
+        )
     return (cols, rows) if rows else None
 
 
@@ -319,15 +401,29 @@ def paired_table(by_variant: dict[str, list[Run]], baseline: str) -> Optional[tu
     (`shapes/<tier>/verdicts`): runs paired by seed, their prompt-level all-correct verdicts
     compared per scale and tier. Δ with a paired bootstrap interval over prompts and McNemar's
     exact p over the discordant prompts (pooled over the seed pairs)."""
-    cols = ["variant", "scale", "tier", "seed pairs", "prompts", "baseline", "variant rate", "Δ", "Δ 95% CI (prompts)",
-            "right only in variant / only in baseline", "McNemar p"]
+    cols = [
+        "variant",
+        "scale",
+        "tier",
+        "seed pairs",
+        "prompts",
+        "baseline",
+        "variant rate",
+        "Δ",
+        "Δ 95% CI (prompts)",
+        "right only in variant / only in baseline",
+        "McNemar p",
+    ]
     rows = []
     base_runs = {r.seed: r for r in by_variant.get(baseline, [])}
     for variant, runs in by_variant.items():
         if variant == baseline:
             continue
-        pairs = [(base_runs[r.seed], r) for r in runs if r.seed in base_runs
-                 and all(base_runs[r.seed].config.get(k) == r.config.get(k) for k in SAME_PROMPTS)]
+        pairs = [
+            (base_runs[r.seed], r)
+            for r in runs
+            if r.seed in base_runs and all(base_runs[r.seed].config.get(k) == r.config.get(k) for k in SAME_PROMPTS)
+        ]
         if not pairs:
             continue
         scales = sorted(set.intersection(*[set(_last_rows(a)) & set(_last_rows(b)) for a, b in pairs]))
@@ -343,6 +439,19 @@ def paired_table(by_variant: dict[str, list[Run]], baseline: str) -> Optional[tu
                 diffs = var.astype(float) - base
                 b, c = int((var & ~base).sum()), int((base & ~var).sum())
                 lo, hi = paired_bootstrap(diffs)
-                rows.append([variant, f"{scale:g}", group, len(got), base.shape[1], float(base.mean()), float(var.mean()),
-                             float(diffs.mean()), f"[{fmt3(lo)}, {fmt3(hi)}]", f"{b} / {c}", mcnemar_p(b, c)])
+                rows.append(
+                    [
+                        variant,
+                        f"{scale:g}",
+                        group,
+                        len(got),
+                        base.shape[1],
+                        float(base.mean()),
+                        float(var.mean()),
+                        float(diffs.mean()),
+                        f"[{fmt3(lo)}, {fmt3(hi)}]",
+                        f"{b} / {c}",
+                        mcnemar_p(b, c),
+                    ]
+                )
     return (cols, rows) if rows else None

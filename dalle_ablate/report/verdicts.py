@@ -37,13 +37,26 @@ MAX_SEEDS = 200
 
 # What the engine finds, whichever side a claim predicts (a comparison without a margin has no
 # "by more than Δ" and no "equivalent").
-OUTCOMES = ("higher by more than Δ", "higher", "equivalent within ±Δ", "lower", "lower by more than Δ", "not resolved",
-            "identical on every seed")
+OUTCOMES = (
+    "higher by more than Δ",
+    "higher",
+    "equivalent within ±Δ",
+    "lower",
+    "lower by more than Δ",
+    "not resolved",
+    "identical on every seed",
+)
 HIGHER_BEYOND, HIGHER, EQUIVALENT, LOWER, LOWER_BEYOND, UNRESOLVED, IDENTICAL = range(7)
 
 # A study's claim predicts a side; its verdict is the outcome read against that side.
-VERDICTS = ("reproduced", "reproduced, possibly smaller than Δ", "no meaningful effect (equivalent within ±Δ)",
-            "contradicted (reversed)", "not resolved", "untestable here")
+VERDICTS = (
+    "reproduced",
+    "reproduced, possibly smaller than Δ",
+    "no meaningful effect (equivalent within ±Δ)",
+    "contradicted (reversed)",
+    "not resolved",
+    "untestable here",
+)
 REPRODUCED, SMALLER, NO_EFFECT, CONTRADICTED, NOT_RESOLVED, UNTESTABLE = range(6)
 
 
@@ -98,11 +111,16 @@ def tests(d, se, df, margin) -> dict[str, np.ndarray]:
         beyond = np.minimum(2 * st.t.sf((np.abs(d) - margin) / se, df), 1.0)
         tost = np.maximum(st.t.sf((d + margin) / se, df), st.t.cdf((d - margin) / se, df))
     has = ok & np.isfinite(margin) & (margin > 0)
-    return {"zero": np.where(ok, zero, np.nan), "beyond": np.where(has, beyond, np.nan), "tost": np.where(has, tost, np.nan)}
+    return {
+        "zero": np.where(ok, zero, np.nan),
+        "beyond": np.where(has, beyond, np.nan),
+        "tost": np.where(has, tost, np.nan),
+    }
 
 
-def analyse(tables: dict[str, np.ndarray], comparisons: list[Comparison], alpha: float = ALPHA,
-            level: float = 0.95) -> dict[str, np.ndarray]:
+def analyse(
+    tables: dict[str, np.ndarray], comparisons: list[Comparison], alpha: float = ALPHA, level: float = 0.95
+) -> dict[str, np.ndarray]:
     """Every comparison's difference (arm - against), paired where the two arms share two seeds
     or more, else Welch's; its standard error, degrees of freedom and `level` interval, the
     family-wise interval (Bonferroni over the comparisons, the strictest level Holm's first step
@@ -140,8 +158,17 @@ def analyse(tables: dict[str, np.ndarray], comparisons: list[Comparison], alpha:
     # smaller than Δ is no meaningful effect in either direction.
     out[tost] = EQUIVALENT
     out[(r["sd"] == 0) & (r["d"] == 0) & (r["n"] >= 2)] = IDENTICAL
-    r.update(low=r["d"] - half, high=r["d"] + half, fw_low=r["d"] - fw, fw_high=r["d"] + fw,
-             p_zero=p["zero"], p_beyond=p["beyond"], p_tost=p["tost"], differs=zero, outcome=out)
+    r.update(
+        low=r["d"] - half,
+        high=r["d"] + half,
+        fw_low=r["d"] - fw,
+        fw_high=r["d"] + fw,
+        p_zero=p["zero"],
+        p_beyond=p["beyond"],
+        p_tost=p["tost"],
+        differs=zero,
+        outcome=out,
+    )
     return r
 
 
@@ -164,15 +191,27 @@ def against_baseline(outcome: int, lower_is_better: bool) -> str:
     """The outcome of a variant against its baseline in words, for a metric whose better side is
     known: better / worse (by more than Δ), equivalent within ±Δ, not resolved."""
     if outcome in (EQUIVALENT, UNRESOLVED, IDENTICAL):
-        return {EQUIVALENT: "equivalent to the baseline within ±Δ", UNRESOLVED: "not resolved",
-                IDENTICAL: "identical to the baseline on every seed"}[outcome]
+        return {
+            EQUIVALENT: "equivalent to the baseline within ±Δ",
+            UNRESOLVED: "not resolved",
+            IDENTICAL: "identical to the baseline on every seed",
+        }[outcome]
     better = (outcome in (LOWER, LOWER_BEYOND)) == lower_is_better
     beyond = " by more than Δ" if outcome in (HIGHER_BEYOND, LOWER_BEYOND) else ""
     return f"{'better' if better else 'worse'} than the baseline{beyond}"
 
 
-def seeds_needed(sd, margin, comparisons: int, alpha: float = ALPHA, target: float = POWER, paired=True, va=None, vb=None,
-                 max_seeds: int = MAX_SEEDS) -> np.ndarray:
+def seeds_needed(
+    sd,
+    margin,
+    comparisons: int,
+    alpha: float = ALPHA,
+    target: float = POWER,
+    paired=True,
+    va=None,
+    vb=None,
+    max_seeds: int = MAX_SEEDS,
+) -> np.ndarray:
     """Seeds per arm at which a true difference of exactly `margin` is told from 0 with
     probability `target` by the test this engine judges the comparison with: two-sided at
     alpha / comparisons (Holm's first step, the strictest it asks), its standard error the sd

@@ -44,14 +44,20 @@ def _cell(v, number: Callable = fmt) -> str:
 
 def to_html(title: str, sections: list[Section], number: Callable = fmt) -> str:
     """The page; `number` prints the table cells."""
-    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{CSS}</style>"
-           "</head><body>", f"<h1>{html.escape(title)}</h1>", "<nav>"]
+    out = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{CSS}</style>"
+        "</head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        "<nav>",
+    ]
     out.append(" · ".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in sections))
     out.append("</nav>")
     for s in sections:
         # <details> folds a section without a script; the summary line stays as its heading.
-        out.append(f'<section id="{s.key}"><details{"" if s.folded else " open"}><summary><h2>{html.escape(s.title)}</h2>'
-                   "</summary>")
+        out.append(
+            f'<section id="{s.key}"><details{"" if s.folded else " open"}><summary><h2>{html.escape(s.title)}</h2>'
+            "</summary>"
+        )
         out += _html_body(s, number)
         out.append("</details></section>")
     out.append("</body></html>")
@@ -63,13 +69,17 @@ def _html_body(s: Section, number: Callable, level: int = 2) -> list[str]:
     out = [f"<p>{html.escape(t)}</p>" for t in s.text]
     for cols, rows in s.tables:
         # a table wider than the page (many columns) scrolls in its own box, not the page
-        out.append('<div class="scroll"><table><tr>' + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr>")
+        out.append(
+            '<div class="scroll"><table><tr>' + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr>"
+        )
         out += ["<tr>" + "".join(_cell(v, number) for v in row) + "</tr>" for row in rows]
         out.append("</table></div>")
     for caption, img in s.images:
         data = base64.b64encode(img).decode()
-        out.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-                   f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+        out.append(
+            f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
     for p in s.parts:
         out.append(f'<h{level + 1} id="{p.key}">{html.escape(p.title)}</h{level + 1}>')
         out += _html_body(p, number, level + 1)

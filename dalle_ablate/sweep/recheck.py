@@ -27,7 +27,8 @@ FOLDER = "recheck"  # under the sweep folder: recheck/trial<N>, one members job 
 @dataclass
 class RecheckConf:
     top: int = 0  # the best N complete trials re-checked at the end of the sweep; 0 = none, else >= 2
-    seeds: Optional[list[int]] = None  # the fresh seeds; null = as many as a trial trained (at least 3), after the sweep's
+    # the fresh seeds; null = as many as a trial trained (at least 3), after the sweep's
+    seeds: Optional[list[int]] = None
     margin: Optional[float] = None  # Δ: also say whether the best wins by more than Δ, or is equivalent within ±Δ
 
 
@@ -38,8 +39,10 @@ def fresh_seeds(conf: RecheckConf, used: list[int]) -> list[int]:
         seeds = [int(s) for s in conf.seeds]
         clash = sorted(set(seeds) & set(used))
         if clash or len(seeds) < 2 or len(set(seeds)) != len(seeds):
-            raise ConfigError(f"hydra.sweeper.recheck.seeds={seeds}: give at least 2 different seeds the sweep did not "
-                              f"use (it used {sorted(set(used))})")
+            raise ConfigError(
+                f"hydra.sweeper.recheck.seeds={seeds}: give at least 2 different seeds the sweep did not "
+                f"use (it used {sorted(set(used))})"
+            )
         return seeds
     start = max(used) + 1
     return list(range(start, start + max(3, len(set(used)) if len(used) > 1 else 3)))
@@ -49,8 +52,12 @@ def job_overrides(trial_overrides: list[str], seeds: list[int], number: int) -> 
     """A re-checked trial's job: its parameters and the sweep's fixed overrides, without the
     study's `optuna.*` (it is not a trial) and with the fresh seeds as members, in its own folder."""
     kept = [o for o in trial_overrides if key_of(o) not in ("seed", "seeds") and not key_of(o).startswith("optuna.")]
-    return [*kept, f"seeds=[{','.join(map(str, seeds))}]", f"seed={seeds[0]}",
-            f"hydra.sweep.subdir={FOLDER}/trial{number}"]
+    return [
+        *kept,
+        f"seeds=[{','.join(map(str, seeds))}]",
+        f"seed={seeds[0]}",
+        f"hydra.sweep.subdir={FOLDER}/trial{number}",
+    ]
 
 
 def member_values(job_dir: Path, seeds: list[int], objective: str) -> np.ndarray:
@@ -67,8 +74,7 @@ def member_values(job_dir: Path, seeds: list[int], objective: str) -> np.ndarray
     return np.array(out)
 
 
-def judge(trials: list[optuna.trial.FrozenTrial], values: np.ndarray, minimize: bool,
-          margin: Optional[float]) -> dict:
+def judge(trials: list[optuna.trial.FrozenTrial], values: np.ndarray, minimize: bool, margin: Optional[float]) -> dict:
     """The re-check's record: `values[trial, seed]` of the re-checked trials (best of the sweep
     first); the best against each other one by the verdict engine (difference = best - other,
     paired by seed, Holm over the comparisons), and each trial's selection bias: its sweep value
@@ -78,17 +84,31 @@ def judge(trials: list[optuna.trial.FrozenTrial], values: np.ndarray, minimize: 
     out = {"trials": [], "against": []}
     for t, row in zip(trials, values):
         mean = float(np.nanmean(row)) if np.isfinite(row).any() else math.nan
-        out["trials"].append({"number": t.number, "params": dict(t.params), "sweep_value": float(t.value),
-                              "recheck_values": [float(v) for v in row], "recheck_mean": mean,
-                              "selection_bias": float(t.value) - mean})
+        out["trials"].append(
+            {
+                "number": t.number,
+                "params": dict(t.params),
+                "sweep_value": float(t.value),
+                "recheck_values": [float(v) for v in row],
+                "recheck_mean": mean,
+                "selection_bias": float(t.value) - mean,
+            }
+        )
     for j, c in enumerate(comparisons):
         words = verdicts.against_baseline(int(r["outcome"][j]), minimize)
-        out["against"].append({
-            "trial": trials[c.against].number, "difference": float(r["d"][j]), "low": float(r["low"][j]),
-            "high": float(r["high"][j]), "p": float(r["p_zero"][j]), "seeds": int(r["n"][j]),
-            "paired": bool(r["paired"][j]),
-            # the engine's words for the best against another: "better than trial N (by more than Δ)"
-            "outcome": words.replace("the baseline", f"trial {trials[c.against].number}")})
+        out["against"].append(
+            {
+                "trial": trials[c.against].number,
+                "difference": float(r["d"][j]),
+                "low": float(r["low"][j]),
+                "high": float(r["high"][j]),
+                "p": float(r["p_zero"][j]),
+                "seeds": int(r["n"][j]),
+                "paired": bool(r["paired"][j]),
+                # the engine's words for the best against another: "better than trial N (by more than Δ)"
+                "outcome": words.replace("the baseline", f"trial {trials[c.against].number}"),
+            }
+        )
     return out
 
 
@@ -98,8 +118,10 @@ def summary_line(record: dict, objective: str) -> str:
     best = record["trials"][0]
     first = record["against"][0]
     n = first["seeds"]
-    return (f"re-check on {n} fresh seeds: trial {best['number']} (the sweep's best) is {first['outcome']} -- "
-            f"{objective} difference {first['difference']:+.3g} [{first['low']:+.3g}, {first['high']:+.3g}] (95 %, "
-            f"{'paired' if first['paired'] else 'unpaired'}, Holm over {len(record['against'])}); its sweep value "
-            f"{best['sweep_value']:.4g}, re-checked {best['recheck_mean']:.4g} (selection bias "
-            f"{best['selection_bias']:+.3g})")
+    return (
+        f"re-check on {n} fresh seeds: trial {best['number']} (the sweep's best) is {first['outcome']} -- "
+        f"{objective} difference {first['difference']:+.3g} [{first['low']:+.3g}, {first['high']:+.3g}] (95 %, "
+        f"{'paired' if first['paired'] else 'unpaired'}, Holm over {len(record['against'])}); its sweep value "
+        f"{best['sweep_value']:.4g}, re-checked {best['recheck_mean']:.4g} (selection bias "
+        f"{best['selection_bias']:+.3g})"
+    )

@@ -40,8 +40,10 @@ class Space:
             elif isinstance(d, D.IntDistribution) and not d.log:
                 out[name] = list(range(d.low, d.high + 1, d.step))
             else:
-                raise ConfigError(f"hydra.sweeper.sampler.name=grid needs discrete parameters; {name} is {_describe(d)} "
-                                  "(use choice(...) or range(...), or another sampler: tpe, random, cmaes, nsgaii)")
+                raise ConfigError(
+                    f"hydra.sweeper.sampler.name=grid needs discrete parameters; {name} is {_describe(d)} "
+                    "(use choice(...) or range(...), or another sampler: tpe, random, cmaes, nsgaii)"
+                )
         return out
 
 
@@ -84,7 +86,9 @@ def distribution(override: Override) -> tuple[D.BaseDistribution, dict | None]:
         if "log" in tags:
             raise ConfigError(f"{key}: tag(log, ...) applies to interval(...) and range(...), not to choice(...)")
         return _categorical(key, list(override.sweep_iterator()), list(override.sweep_string_iterator()))
-    raise ConfigError(f"{key}: {override.input_line} is not a search space; use interval, tag(log, interval), choice or range")
+    raise ConfigError(
+        f"{key}: {override.input_line} is not a search space; use interval, tag(log, interval), choice or range"
+    )
 
 
 def _categorical(key: str, values: list, texts: list[str]):

@@ -23,6 +23,8 @@ SAMPLERS.register("tpe", lambda seed, space, kw: optuna.samplers.TPESampler(seed
 SAMPLERS.register("random", lambda seed, space, kw: optuna.samplers.RandomSampler(seed=seed, **kw))
 SAMPLERS.register("cmaes", lambda seed, space, kw: optuna.samplers.CmaEsSampler(seed=seed, **kw))
 SAMPLERS.register("nsgaii", lambda seed, space, kw: optuna.samplers.NSGAIISampler(seed=seed, **kw))
+
+
 class GridSampler(optuna.samplers.GridSampler):
     """Optuna's grid sampler without its end-of-grid `study.stop()`, which works only inside
     `study.optimize` (and, raised from `tell`, would lose the last trial's state): the sweeper
@@ -102,13 +104,21 @@ def default_storage(sweep_dir: str | Path) -> str:
     return f"sqlite:///{path}"
 
 
-def storage(url: str, heartbeat_interval: Optional[int] = None, grace_period: Optional[int] = None,
-            on_stale: Optional[Callable] = None) -> optuna.storages.RDBStorage:
+def storage(
+    url: str,
+    heartbeat_interval: Optional[int] = None,
+    grace_period: Optional[int] = None,
+    on_stale: Optional[Callable] = None,
+) -> optuna.storages.RDBStorage:
     """The study's storage; with heartbeats, a RUNNING trial whose heartbeat is older than the
     grace period is one whose process died (optuna.storages.fail_stale_trials)."""
     try:
-        return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                                          heartbeat_stale_trial_callback=on_stale)
+        return optuna.storages.RDBStorage(
+            url,
+            heartbeat_interval=heartbeat_interval,
+            grace_period=grace_period,
+            heartbeat_stale_trial_callback=on_stale,
+        )
     except Exception as e:  # noqa: BLE001 - SQLAlchemy's errors name the driver or the server
         raise ConfigError(f"hydra.sweeper.storage={url!r} cannot be opened: {str(e).splitlines()[0]}") from e
 
@@ -141,7 +151,7 @@ def trial_lock(url: str, study_name: str) -> Iterator[bool]:
     study never create more than n_trials: an advisory lock on PostgreSQL, a file lock beside a
     sqlite database. Yields False (no lock) for other backends."""
     if url.startswith("sqlite:///"):
-        with open(f"{url[len('sqlite:///'):]}.lock", "a+") as f:
+        with open(f"{url[len('sqlite:///') :]}.lock", "a+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield True

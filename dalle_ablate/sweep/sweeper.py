@@ -30,9 +30,22 @@ from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import recheck as rechecks
 from dalle_ablate.sweep import space as spaces
-from dalle_ablate.sweep.study import (MEMBERS_ATTR, NEEDS_SPREAD, PRUNER_ATTR, RUN_DIR_ATTR, STARTS_ATTR, STATISTICS,
-                                      WANDB_ATTR, default_storage, heartbeats, make_pruner, make_sampler, sampler_seed,
-                                      storage, trial_lock)
+from dalle_ablate.sweep.study import (
+    MEMBERS_ATTR,
+    NEEDS_SPREAD,
+    PRUNER_ATTR,
+    RUN_DIR_ATTR,
+    STARTS_ATTR,
+    STATISTICS,
+    WANDB_ATTR,
+    default_storage,
+    heartbeats,
+    make_pruner,
+    make_sampler,
+    sampler_seed,
+    storage,
+    trial_lock,
+)
 from dalle_ablate.track.naming import short
 from dalle_ablate.track.runstore import mark_failed
 
@@ -126,7 +139,8 @@ class OptunaSweeperConf:
     retry_failed: int = 0  # run such a trial again (same parameters, from its last checkpoint), up to N times
     # Seeds per trial (`seeds=[0,1,2]` on the command line: each trial trains them as members of one job):
     statistic: str = "mean"  # a trial's value over its members: mean, median, upper or lower (one-sided 90 % t bound)
-    common_seeds: bool = True  # every trial on the same seeds (paired); false: trial i on seeds shifted by i * len(seeds)
+    # every trial on the same seeds (paired); false: trial i on seeds shifted by i * len(seeds)
+    common_seeds: bool = True
     recheck: rechecks.RecheckConf = field(default_factory=rechecks.RecheckConf)  # the best trials again on fresh seeds
 
 
@@ -151,68 +165,109 @@ def outcome(ret: JobReturn, n_objectives: int) -> tuple[optuna.trial.TrialState,
 
 
 class OptunaSweeper(Sweeper):
-    def __init__(self, study_name: str, storage: Optional[str], direction: Any, n_trials: int, n_jobs: int,
-                 sampler: DictConfig, pruner: DictConfig, params: DictConfig, heartbeat_interval: int = 60,
-                 grace_period: Optional[int] = None, retry_failed: int = 0, statistic: str = "mean",
-                 common_seeds: bool = True, recheck: Optional[DictConfig] = None):
+    def __init__(
+        self,
+        study_name: str,
+        storage: Optional[str],
+        direction: Any,
+        n_trials: int,
+        n_jobs: int,
+        sampler: DictConfig,
+        pruner: DictConfig,
+        params: DictConfig,
+        heartbeat_interval: int = 60,
+        grace_period: Optional[int] = None,
+        retry_failed: int = 0,
+        statistic: str = "mean",
+        common_seeds: bool = True,
+        recheck: Optional[DictConfig] = None,
+    ):
         self.study_name, self.storage_url = study_name, storage
-        self.directions = [str(d) for d in direction] if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction) \
+        self.directions = (
+            [str(d) for d in direction]
+            if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction)
             else [str(direction)]
+        )
         bad = [d for d in self.directions if d not in ("minimize", "maximize")]
         if bad:
             raise ConfigError(f"hydra.sweeper.direction has {bad}; valid: minimize, maximize (or a list of them)")
         if n_trials < 1 or n_jobs < 1:
             raise ConfigError(f"hydra.sweeper.n_trials={n_trials} and hydra.sweeper.n_jobs={n_jobs} must be >= 1")
         self.n_trials, self.n_jobs = n_trials, n_jobs
-        self.sampler_conf = OmegaConf.to_container(sampler, resolve=True) if OmegaConf.is_config(sampler) else dict(sampler)
+        self.sampler_conf = (
+            OmegaConf.to_container(sampler, resolve=True) if OmegaConf.is_config(sampler) else dict(sampler)
+        )
         self.pruner_conf = OmegaConf.to_container(pruner, resolve=True) if OmegaConf.is_config(pruner) else dict(pruner)
         self.params = {str(k): str(v) for k, v in (params or {}).items()}
-        if heartbeat_interval < 1 or (grace_period is not None and grace_period <= heartbeat_interval) or retry_failed < 0:
-            raise ConfigError(f"hydra.sweeper.heartbeat_interval={heartbeat_interval} must be >= 1, hydra.sweeper.grace_period="
-                              f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0")
+        if (
+            heartbeat_interval < 1
+            or (grace_period is not None and grace_period <= heartbeat_interval)
+            or retry_failed < 0
+        ):
+            raise ConfigError(
+                f"hydra.sweeper.heartbeat_interval={heartbeat_interval} must be >= 1, hydra.sweeper.grace_period="
+                f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0"
+            )
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period or 2 * heartbeat_interval
         self.retry = optuna.storages.RetryFailedTrialCallback(max_retry=retry_failed) if retry_failed else None
         STATISTICS.get(statistic)  # a name it does not know: one line naming hydra.sweeper.statistic
         self.statistic, self.common_seeds = statistic, common_seeds
-        self.recheck = rechecks.RecheckConf(**(OmegaConf.to_container(recheck, resolve=True) if OmegaConf.is_config(recheck)
-                                               else dict(recheck or {})))
+        self.recheck = rechecks.RecheckConf(
+            **(OmegaConf.to_container(recheck, resolve=True) if OmegaConf.is_config(recheck) else dict(recheck or {}))
+        )
         if self.recheck.top == 1 or self.recheck.top < 0:
-            raise ConfigError(f"hydra.sweeper.recheck.top={self.recheck.top}: 0 (no re-check) or the best N >= 2 trials "
-                              "(the best is judged against the others)")
+            raise ConfigError(
+                f"hydra.sweeper.recheck.top={self.recheck.top}: 0 (no re-check) or the best N >= 2 trials "
+                "(the best is judged against the others)"
+            )
         if self.recheck.top and len(self.directions) > 1:
-            raise ConfigError("hydra.sweeper.recheck.top needs one objective: a Pareto front has no single best to re-check")
+            raise ConfigError(
+                "hydra.sweeper.recheck.top needs one objective: a Pareto front has no single best to re-check"
+            )
         self.process = this_process()
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
 
         self.hydra_context, self.config = hydra_context, config
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function,
-                                                                config=config)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
         self.sweep_dir = Path(config.hydra.sweep.dir)
         self.process["local"] = type(self.launcher).__name__ in LOCAL_LAUNCHERS
         self.objectives = [str(o) for o in config.get("objectives", [])]  # what the jobs return (RunConfig.objectives)
         seeds = config.get("seeds")
         self.seeds = [int(k) for k in seeds] if seeds is not None else None  # each trial's members, as given
         if self.statistic in NEEDS_SPREAD and (self.seeds is None or len(self.seeds) < 2):
-            raise ConfigError(f"hydra.sweeper.statistic={self.statistic} is a bound on the members' mean: give each trial "
-                              f"at least 2 seeds (seeds=[0,1,2]), or hydra.sweeper.statistic=mean")
+            raise ConfigError(
+                f"hydra.sweeper.statistic={self.statistic} is a bound on the members' mean: give each trial "
+                f"at least 2 seeds (seeds=[0,1,2]), or hydra.sweeper.statistic=mean"
+            )
 
     def study(self, space) -> tuple[optuna.Study, str]:
         url = self.storage_url or default_storage(self.sweep_dir)
         pruner_spec = {"name": self.pruner_conf.get("name", "none"), **(self.pruner_conf.get("kwargs") or {})}
         with trial_lock(url, self.study_name):  # processes starting together: one creates the tables and the study
             store = storage(url, self.heartbeat_interval, self.grace_period, self._stale)
-            study = optuna.create_study(storage=store, study_name=self.study_name, directions=self.directions,
-                                        pruner=make_pruner(pruner_spec), load_if_exists=True)
+            study = optuna.create_study(
+                storage=store,
+                study_name=self.study_name,
+                directions=self.directions,
+                pruner=make_pruner(pruner_spec),
+                load_if_exists=True,
+            )
             start = study.user_attrs.get(STARTS_ATTR, 0)
             study.set_user_attr(STARTS_ATTR, start + 1)
         seed = sampler_seed(self.sampler_conf.get("seed"), start)
-        study.sampler = make_sampler(self.sampler_conf.get("name", "tpe"), seed, space, self.sampler_conf.get("kwargs") or {})
+        study.sampler = make_sampler(
+            self.sampler_conf.get("name", "tpe"), seed, space, self.sampler_conf.get("kwargs") or {}
+        )
         have = [d.name.lower() for d in study.directions]
         if have != self.directions:
-            raise ConfigError(f"hydra.sweeper.direction={self.directions} but study {self.study_name!r} in {url} was "
-                              f"created with {have}; use another hydra.sweeper.study_name")
+            raise ConfigError(
+                f"hydra.sweeper.direction={self.directions} but study {self.study_name!r} in {url} was "
+                f"created with {have}; use another hydra.sweeper.study_name"
+            )
         study.set_user_attr(PRUNER_ATTR, pruner_spec)
         if len(self.objectives) == len(self.directions):
             study.set_metric_names(self.objectives)  # optuna-dashboard's axes name the metric
@@ -221,8 +276,10 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> list[optuna.trial.FrozenTrial]:
         space = spaces.parse(arguments, self.params)
         if not space.distributions:
-            raise ConfigError("hydra/sweeper=optuna has nothing to search: give interval(...), choice(...) or range(...) "
-                              "overrides, or hydra.sweeper.params")
+            raise ConfigError(
+                "hydra/sweeper=optuna has nothing to search: give interval(...), choice(...) or range(...) "
+                "overrides, or hydra.sweeper.params"
+            )
         n_trials = self.n_trials
         if self.sampler_conf.get("name") == "grid":
             size = math.prod(len(v) for v in space.grid().values())
@@ -231,49 +288,68 @@ class OptunaSweeper(Sweeper):
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")  # as Hydra's sweepers do: jobs read what varies
         push(self.sweep_dir / "multirun.yaml")  # a sweep folder in a bucket: there for trials on other hosts
-        log.info(f"Optuna study {self.study_name!r} in {url}: {n_trials} trials in all, sampler "
-                 f"{self.sampler_conf.get('name')}, pruner {self.pruner_conf.get('name')}")
+        log.info(
+            f"Optuna study {self.study_name!r} in {url}: {n_trials} trials in all, sampler "
+            f"{self.sampler_conf.get('name')}, pruner {self.pruner_conf.get('name')}"
+        )
         warned = False
         while True:
             with trial_lock(url, self.study_name) as locked:
                 if not locked and not warned:
                     warned = True
-                    log.warning(f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
-                                f"than n_trials={n_trials} trials")
+                    log.warning(
+                        f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
+                        f"than n_trials={n_trials} trials"
+                    )
                 self._fail_gone(study)  # trials whose sweep process on this host is gone: at once
                 optuna.storages.fail_stale_trials(study)  # trials of processes that died (self._stale)
                 died = study.user_attrs.get(STALE_ATTR, {})  # read from the storage: other processes add to it
-                asked = study.get_trials(deepcopy=False, states=[s for s in optuna.trial.TrialState if s.name != "WAITING"])
+                asked = study.get_trials(
+                    deepcopy=False, states=[s for s in optuna.trial.TrialState if s.name != "WAITING"]
+                )
                 done = len(asked) - len(died)  # a WAITING trial (a retry) is yet to be asked
                 trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, n_trials - done))]
                 for trial in trials:
                     trial.set_user_attr(OWNER_ATTR, self.process)
             if not trials:
                 break
-            batch = [space.overrides(t.params) + self._resume(study, t) + self._seeds(t.number) + [
-                f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'", f"optuna.trial={t.number}"] for t in trials]
+            batch = [
+                space.overrides(t.params)
+                + self._resume(study, t)
+                + self._seeds(t.number)
+                + [f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'", f"optuna.trial={t.number}"]
+                for t in trials
+            ]
             try:
                 self.validate_batch_is_legal(batch)
                 with heartbeats(study._storage, [t._trial_id for t in trials], self.heartbeat_interval):
                     returns = self.launcher.launch(batch, initial_job_idx=trials[0].number)
             except BaseException as e:  # a bad override, Ctrl-C: never leave the asked trials RUNNING
                 for trial in trials:
-                    trial.set_user_attr("why", f"sweep stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    trial.set_user_attr(
+                        "why", f"sweep stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    )
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
             for trial, ret in zip(trials, returns):
                 if ret.status == JobStatus.FAILED and isinstance(ret._return_value, WorkerLost):
                     trial.set_user_attr("why", str(ret._return_value))
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)  # as a trial found dead by its heartbeat
-                    self._died(study, study._storage.get_trial(trial._trial_id), str(ret._return_value),
-                               ret._return_value.job_dir)
+                    self._died(
+                        study,
+                        study._storage.get_trial(trial._trial_id),
+                        str(ret._return_value),
+                        ret._return_value.job_dir,
+                    )
                     continue
                 state, values, why = outcome(ret, len(self.directions))
                 if why:
                     trial.set_user_attr("why", why)
                     log.warning(f"trial {trial.number} {state.name}: {why}")
                 else:
-                    log.info(f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}")
+                    log.info(
+                        f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}"
+                    )
                 study.tell(trial, values, state=state)
         recheck = self._recheck(study, space)
         self._write_results(study, recheck)
@@ -306,7 +382,7 @@ class OptunaSweeper(Sweeper):
             return None
         complete = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
         minimize = self.directions[0] == "minimize"
-        best = sorted(complete, key=lambda t: t.value if minimize else -t.value)[:self.recheck.top]
+        best = sorted(complete, key=lambda t: t.value if minimize else -t.value)[: self.recheck.top]
         if len(best) < 2:
             log.warning(f"re-check skipped: {len(best)} complete trial(s), it needs 2")
             return None
@@ -316,8 +392,9 @@ class OptunaSweeper(Sweeper):
         self.validate_batch_is_legal(batch)
         returns = self.launcher.launch(batch, initial_job_idx=len(study.trials))
         objective = self.objectives[0] if self.objectives else "eval/valid/loss"
-        values = np.array([rechecks.member_values(Path(r.hydra_cfg.hydra.runtime.output_dir), seeds, objective)
-                           for r in returns])
+        values = np.array(
+            [rechecks.member_values(Path(r.hydra_cfg.hydra.runtime.output_dir), seeds, objective) for r in returns]
+        )
         record = rechecks.judge(best, values, minimize, self.recheck.margin)
         record["seeds"], record["objective"] = seeds, objective
         log.info(rechecks.summary_line(record, objective))
@@ -335,16 +412,24 @@ class OptunaSweeper(Sweeper):
                     continue
             except optuna.exceptions.UpdateFinishedTrialError:  # another process got there first
                 continue
-            self._died(study, study._storage.get_trial(trial._trial_id),
-                       f"its process died: its sweep (pid {owner['pid']}) on this host is gone, found by a later "
-                       "sweep start")
+            self._died(
+                study,
+                study._storage.get_trial(trial._trial_id),
+                f"its process died: its sweep (pid {owner['pid']}) on this host is gone, found by a later sweep start",
+            )
 
     def _stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """A trial whose process died unseen (the sweep's own process with it)."""
-        self._died(study, trial, f"its process died: no heartbeat for over {self.grace_period} s "
-                                 f"(hydra.sweeper.grace_period), found by a later sweep start")
+        self._died(
+            study,
+            trial,
+            f"its process died: no heartbeat for over {self.grace_period} s "
+            f"(hydra.sweeper.grace_period), found by a later sweep start",
+        )
 
-    def _died(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, why: str, job_dir: Optional[str] = None) -> None:
+    def _died(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial, why: str, job_dir: Optional[str] = None
+    ) -> None:
         """A FAILED trial whose process died (found by its heartbeat, or a launcher's lost worker):
         say why, mark its run store, and queue a retry if asked; it does not count toward n_trials.
         A job lost before it recorded its run store on the trial has it in its folder (`run`, as
@@ -361,7 +446,9 @@ class OptunaSweeper(Sweeper):
     def _resume(self, study: optuna.Study, trial: optuna.trial.Trial) -> list[str]:
         """For a retried trial: continue from the last checkpoint of the trial it retries (a trial of
         several seeds, which records no one run store, trains again from the start)."""
-        number = optuna.storages.RetryFailedTrialCallback.retried_trial_number(study._storage.get_trial(trial._trial_id))
+        number = optuna.storages.RetryFailedTrialCallback.retried_trial_number(
+            study._storage.get_trial(trial._trial_id)
+        )
         if number is None:
             return []
         run_dir = study.get_trials(deepcopy=False)[number].user_attrs.get(RUN_DIR_ATTR)
@@ -376,7 +463,11 @@ class OptunaSweeper(Sweeper):
     def _write_results(self, study: optuna.Study, recheck: Optional[dict] = None) -> None:
         trials = study.get_trials(deepcopy=False)
         counts = {s.name: sum(t.state == s for t in trials) for s in optuna.trial.TrialState}
-        out = {"study": self.study_name, "directions": self.directions, "trials": {k: v for k, v in counts.items() if v}}
+        out = {
+            "study": self.study_name,
+            "directions": self.directions,
+            "trials": {k: v for k, v in counts.items() if v},
+        }
         died = study.user_attrs.get(STALE_ATTR)
         if died:
             out["died"] = {int(k): v for k, v in died.items()}  # FAILED, not counted, replaced
@@ -385,14 +476,21 @@ class OptunaSweeper(Sweeper):
         if complete and len(self.directions) == 1:
             best = study.best_trial
             out["best"] = {"number": best.number, "value": best.value, "params": best.params, **self._where(best)}
-            where = (f"run store {best.user_attrs.get(RUN_DIR_ATTR)}" if MEMBERS_ATTR not in best.user_attrs else
-                     f"{self.statistic} of {len(best.user_attrs[MEMBERS_ATTR].get('seeds', []))} seeds, run stores "
-                     f"{', '.join(best.user_attrs[MEMBERS_ATTR].get('run_dirs', []))}")
-            log.info(f"best of {len(complete)} complete trials: trial {best.number}, {self._values(best.values)} at "
-                     f"{_short_params(best.params)}, {where}")
+            where = (
+                f"run store {best.user_attrs.get(RUN_DIR_ATTR)}"
+                if MEMBERS_ATTR not in best.user_attrs
+                else f"{self.statistic} of {len(best.user_attrs[MEMBERS_ATTR].get('seeds', []))} seeds, run stores "
+                f"{', '.join(best.user_attrs[MEMBERS_ATTR].get('run_dirs', []))}"
+            )
+            log.info(
+                f"best of {len(complete)} complete trials: trial {best.number}, {self._values(best.values)} at "
+                f"{_short_params(best.params)}, {where}"
+            )
         elif complete:
-            out["pareto_front"] = [{"number": t.number, "values": t.values, "params": t.params, **self._where(t)}
-                                   for t in study.best_trials]
+            out["pareto_front"] = [
+                {"number": t.number, "values": t.values, "params": t.params, **self._where(t)}
+                for t in study.best_trials
+            ]
             log.info(f"Pareto front of {len(complete)} complete trials: trials {[t.number for t in study.best_trials]}")
         if recheck is not None:
             out["recheck"] = recheck

@@ -50,8 +50,14 @@ class TrialHooks(RunHooks):
             record_run_dir(self.link, run_dir)
         else:  # a job of several members starts one run store each, in the order of its seeds
             self.run_dirs.append(Path(run_dir))
-            record_members(self.link, {"seeds": list(self.seeds), "run_dirs": [shown(d) for d in self.run_dirs],
-                                       "wandb_ids": [_wandb_id(d) for d in self.run_dirs]})
+            record_members(
+                self.link,
+                {
+                    "seeds": list(self.seeds),
+                    "run_dirs": [shown(d) for d in self.run_dirs],
+                    "wandb_ids": [_wandb_id(d) for d in self.run_dirs],
+                },
+            )
         if processes == 1 and self.pruning is None:
             self.pruning = pruning_for(self.link)
 
@@ -71,10 +77,12 @@ def trial_value(link, seeds: list[int], values: np.ndarray, objectives: list[str
         study = optuna.load_study(study_name=link.study, storage=link.storage)
         trial_id = _trial_id(study, link.trial)
         record = dict(study._storage.get_trial(trial_id).user_attrs.get(MEMBERS_ATTR, {}))
-        record.update(seeds=list(seeds), statistic=link.statistic,
-                      values={o: [float(v) for v in values[:, k]] for k, o in enumerate(objectives)},
-                      sd={o: float(np.std(values[:, k], ddof=1)) if len(seeds) > 1 else None
-                          for k, o in enumerate(objectives)})
+        record.update(
+            seeds=list(seeds),
+            statistic=link.statistic,
+            values={o: [float(v) for v in values[:, k]] for k, o in enumerate(objectives)},
+            sd={o: float(np.std(values[:, k], ddof=1)) if len(seeds) > 1 else None for k, o in enumerate(objectives)},
+        )
         study._storage.set_trial_user_attr(trial_id, MEMBERS_ATTR, record)
     return out
 

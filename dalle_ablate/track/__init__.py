@@ -31,7 +31,9 @@ def build_tracker(
         return NullTracker()
     store = RunStore(run_dir, config, meta, resume_step=resume_step)
     try:
-        backends = TRACKERS.get(tracker_cfg.backend)(tracker_cfg, store, config, meta, name=name, group=group, job_type=job_type)
+        backends = TRACKERS.get(tracker_cfg.backend)(
+            tracker_cfg, store, config, meta, name=name, group=group, job_type=job_type
+        )
     except BaseException as e:  # the run store still says how the run ended
         store.log_summary({"reason": first_line(e)})
         store.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")

@@ -66,7 +66,9 @@ class Tracker(ABC):
         """An [H, W, 3] uint8 image."""
 
     @abstractmethod
-    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, line: Optional[tuple[str, str]] = None) -> None:
+    def log_table(
+        self, key: str, columns: list[str], rows: list[list], step: int, line: Optional[tuple[str, str]] = None
+    ) -> None:
         """A table at a step; cells are scalars, strings or [H, W, 3] uint8 images. `line`:
         (x, y) columns to also draw as a line chart, rows joined in order."""
 

@@ -56,8 +56,12 @@ def _jsonable(v: Any) -> Any:
 def unwritable(root: Path, e: OSError) -> RunFailed:
     """The one line for a run store that cannot be written (a full disk, a read-only folder)."""
     what = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}" if e.errno else str(e)
-    where = f" ({re.sub(r'[.][0-9]+[.]tmp$', '', Path(e.filename).name)})" if e.filename else ""  # atomic_write's temporary name
-    return RunFailed(f"run store {root} cannot be written{where}: {what}; free space or fix the folder, then resume=auto")
+    where = (
+        f" ({re.sub(r'[.][0-9]+[.]tmp$', '', Path(e.filename).name)})" if e.filename else ""
+    )  # atomic_write's temporary name
+    return RunFailed(
+        f"run store {root} cannot be written{where}: {what}; free space or fix the folder, then resume=auto"
+    )
 
 
 def _writes(method):
@@ -101,7 +105,9 @@ class RunStore(Tracker):
             metrics.unlink()
         self._metrics = open(metrics, "a")
         summary = self.root / "summary.json"
-        self.summary: dict[str, Any] = json.loads(summary.read_text()) if resume_step is not None and summary.exists() else {}
+        self.summary: dict[str, Any] = (
+            json.loads(summary.read_text()) if resume_step is not None and summary.exists() else {}
+        )
         self.summary.pop("reason", None)
         self.log_summary({"status": "running"})  # until finish(); a killed run keeps saying so
 
@@ -184,8 +190,10 @@ class StoreLock:
             self._file.seek(0)
             holder = self._file.read().strip() or "a process that has not said who it is yet"
             self._file.close()
-            raise RunFailed(f"run store {self.root} is being written by another process ({holder}); wait for it to end or "
-                            f"stop it, then run again (one writer per run store)") from None
+            raise RunFailed(
+                f"run store {self.root} is being written by another process ({holder}); wait for it to end or "
+                f"stop it, then run again (one writer per run store)"
+            ) from None
         holder = f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}"[:500]
         self._file.seek(0)
         self._file.truncate()
@@ -238,9 +246,15 @@ def _rows(path: Path) -> list[dict]:
                 raise ValueError("not a row with a step")
         except ValueError as e:
             if i == len(lines) and not text.endswith("\n"):
-                print(f"{path}: its last line (line {i}) was cut off mid-write; dropped it and resuming", file=sys.stderr, flush=True)
+                print(
+                    f"{path}: its last line (line {i}) was cut off mid-write; dropped it and resuming",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 break
-            raise RunFailed(f"{path}: line {i} is not a metrics row ({e}); remove that line (or the run folder) and resume again") from e
+            raise RunFailed(
+                f"{path}: line {i} is not a metrics row ({e}); remove that line (or the run folder) and resume again"
+            ) from e
         rows.append(row)
     return rows
 

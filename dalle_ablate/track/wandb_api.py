@@ -22,13 +22,22 @@ def group_runs(entity: str, project: str, group: str, api=None) -> Iterator[Grou
 
         api = wandb.Api(timeout=60)
     for r in api.runs(f"{entity}/{project}", filters={"group": group}):
-        rows = [{("step" if k == "_step" else k): v for k, v in row.items() if not k.startswith("_") or k == "_step"}
-                for row in r.scan_history()]
+        rows = [
+            {("step" if k == "_step" else k): v for k, v in row.items() if not k.startswith("_") or k == "_step"}
+            for row in r.scan_history()
+        ]
         yield GroupRun(r.name, r.id, dict(r.config), dict(r.summary), rows)
 
 
-def wandb_report(title: str, group: str | None, groupby: list[str], metrics: list[str], media: list[str], entity: str = "",
-                 project: str = ""):
+def wandb_report(
+    title: str,
+    group: str | None,
+    groupby: list[str],
+    metrics: list[str],
+    media: list[str],
+    entity: str = "",
+    project: str = "",
+):
     """The report's structure as a W&B report (wandb-workspaces): a run set filtered by the W&B
     group and grouped by the config fields that vary apart from the seed (so each variant's seeds
     make one line with its spread), then panels over tokens: the losses and the gradient norm,
@@ -49,10 +58,15 @@ def wandb_report(title: str, group: str | None, groupby: list[str], metrics: lis
 
     evals = [m for m in metrics if m.startswith("eval/")]
     optim = [m for m in metrics if m.startswith("optim/")]
-    blocks = [wr.H1(title), wr.P("Built by dalle-ablate report from the same run stores as the HTML report; each line is "
-                                 f"a variant ({', '.join(groupby) or 'all runs'}), its band the spread of its seeds."),
-              wr.H2("Loss and gradient norm"),
-              grid(line("train/loss"), line("eval/valid/loss"), line("train/grad_norm", log_y=True))]
+    blocks = [
+        wr.H1(title),
+        wr.P(
+            "Built by dalle-ablate report from the same run stores as the HTML report; each line is "
+            f"a variant ({', '.join(groupby) or 'all runs'}), its band the spread of its seeds."
+        ),
+        wr.H2("Loss and gradient norm"),
+        grid(line("train/loss"), line("eval/valid/loss"), line("train/grad_norm", log_y=True)),
+    ]
     if evals:
         blocks += [wr.H2("Evaluation by guidance scale"), grid(*(line(m) for m in evals))]
     if media:

@@ -120,7 +120,10 @@ class WandbTrackerConfig(TrackerConfig):
 
     def validate(self, run) -> None:
         mode, fallback = self.wandb.mode, self.wandb.fallback
-        check(mode in ("offline", "online", "disabled"), f"tracker.wandb.mode={mode!r} is not valid; valid: disabled, offline, online")
+        check(
+            mode in ("offline", "online", "disabled"),
+            f"tracker.wandb.mode={mode!r} is not valid; valid: disabled, offline, online",
+        )
         check(fallback in (None, "offline"), f"tracker.wandb.fallback={fallback!r} is not valid; valid: offline, null")
 
 
@@ -165,15 +168,19 @@ class WandbTracker(Tracker):
         import wandb
 
         self._wandb, self.cfg = wandb, cfg
-        if not cfg.banner:  # its info lines (an artifact's files, ...) off for the process; warnings and errors still show
+        if (
+            not cfg.banner
+        ):  # its info lines (an artifact's files, ...) off for the process; warnings and errors still show
             wandb.setup(settings=wandb.Settings(show_info=False))
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
         mode = cfg.mode
         if mode == "online":
             problem = online_problem()
             if problem and cfg.fallback != "offline":
-                raise RunFailed(f"tracker.wandb.mode=online: {problem}; run offline with tracker.wandb.mode=offline "
-                                f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline")
+                raise RunFailed(
+                    f"tracker.wandb.mode=online: {problem}; run offline with tracker.wandb.mode=offline "
+                    f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline"
+                )
             if problem:
                 log.warning(f"W&B online: {problem}; logging offline instead (tracker.wandb.fallback=offline)")
                 mode = "offline"
@@ -205,11 +212,17 @@ class WandbTracker(Tracker):
         # run store's metrics.jsonl: the W&B history holds each step once.
         sent = 0
         if run_id:
-            sent = self.run.step - 1 if mode == "online" else last_step_written([store.meta.get("wandb_dir"), self.run.dir], run_id)
+            sent = (
+                self.run.step - 1
+                if mode == "online"
+                else last_step_written([store.meta.get("wandb_dir"), self.run.dir], run_id)
+            )
         self.first_new_step = sent + 1 if run_id else 0  # a new run logs from step 0 (a cached tokenizer's metrics)
         replay = [r for r in store.resumed_rows if r["step"] >= self.first_new_step]
         store.meta["wandb_id"] = self.run.id
-        store.meta["wandb_group"] = self.run.group  # tracker.wandb.group if set: `dalle-ablate eval` files its jobs there
+        store.meta["wandb_group"] = (
+            self.run.group
+        )  # tracker.wandb.group if set: `dalle-ablate eval` files its jobs there
         store.meta["wandb_dir"] = self.run.dir
         store.write_meta()
         self._done = False
@@ -263,7 +276,9 @@ class WandbTracker(Tracker):
     def log_checkpoint(self, step, path):
         if self.cfg.log_checkpoints and not self._logged(step):
             artifact = self._wandb.Artifact(f"checkpoint-{self.run.id}", type="model", metadata={"step": int(step)})
-            if "://" in str(path):  # in a bucket: W&B records its objects by reference (not a copy: rotated out, it is gone)
+            if "://" in str(
+                path
+            ):  # in a bucket: W&B records its objects by reference (not a copy: rotated out, it is gone)
                 artifact.add_reference(str(path))
             else:
                 artifact.add_dir(str(path))  # staged (copied) now: the checkpoint may be rotated out later

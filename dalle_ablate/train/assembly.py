@@ -18,7 +18,15 @@ from dalle_ablate.config import RunConfig, init_seed
 from dalle_ablate.data import Dataset, abstract_sizes, build_dataset
 from dalle_ablate.model import abstract_model, build_model, resolve
 from dalle_ablate.optim import build_optimizer
-from dalle_ablate.parallel import Placement, abstract_state, build_mesh, check_batch, init_state, make_placement, pad_vocab_for_mesh
+from dalle_ablate.parallel import (
+    Placement,
+    abstract_state,
+    build_mesh,
+    check_batch,
+    init_state,
+    make_placement,
+    pad_vocab_for_mesh,
+)
 from dalle_ablate.parallel import stack_sharding
 from dalle_ablate.train.grad_scaling import block_names, scaler_init
 from dalle_ablate.train.gradients import GradientOptions
@@ -62,12 +70,20 @@ class Assembly:
 
     def train_step(self):
         """The jitted step (state, global batch) -> (state, metrics)."""
-        return make_train_step(self.graphdef, self.optimizer, self.schedule, self.gradient_options, self.cfg.seed,
-                               self.placement)
+        return make_train_step(
+            self.graphdef, self.optimizer, self.schedule, self.gradient_options, self.cfg.seed, self.placement
+        )
 
 
-def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Optional[dict] = None, devices=None,
-             model_axis: Optional[int] = None, dtype: Optional[str] = None) -> Assembly:
+def assemble(
+    cfg: RunConfig,
+    *,
+    dataset: Optional[Dataset] = None,
+    sizes: Optional[dict] = None,
+    devices=None,
+    model_axis: Optional[int] = None,
+    dtype: Optional[str] = None,
+) -> Assembly:
     """The run of `cfg` on `devices` (default: all). Its data: `dataset` if given, else the
     `sizes` (image_len, image_vocab, text_vocab; no data read: `data.abstract_sizes` gives them
     from the config), else the dataset the config names, built here. `model_axis`: pad the
@@ -78,8 +94,14 @@ def assemble(cfg: RunConfig, *, dataset: Optional[Dataset] = None, sizes: Option
     check_batch(cfg.trainer, tuple(mesh.shape.values()))
     if sizes is None:
         dataset = dataset if dataset is not None else build_dataset(cfg.data, cfg.model)
-        sizes = {"image_len": dataset.image_len, "image_vocab": dataset.image_vocab, "text_vocab": dataset.text.vocab_size}
-    model_cfg = pad_vocab_for_mesh(resolve(cfg.model, **sizes), mesh.shape["model"] if model_axis is None else model_axis)
+        sizes = {
+            "image_len": dataset.image_len,
+            "image_vocab": dataset.image_vocab,
+            "text_vocab": dataset.text.vocab_size,
+        }
+    model_cfg = pad_vocab_for_mesh(
+        resolve(cfg.model, **sizes), mesh.shape["model"] if model_axis is None else model_axis
+    )
     if dtype is not None:
         model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
     abstract = abstract_model(model_cfg)

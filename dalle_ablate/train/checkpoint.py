@@ -66,7 +66,9 @@ class Checkpointer:
     def __init__(self, directory: Path, keep: int, on_saved: Optional[Callable[[int, Path], None]] = None):
         """`on_saved(step, folder)` is called once each save is complete on disk."""
         self.directory = location(directory)
-        self.metrics = Path(directory).parent / "metrics.jsonl" if url_of(directory) else None  # its store's, in a bucket
+        self.metrics = (
+            Path(directory).parent / "metrics.jsonl" if url_of(directory) else None
+        )  # its store's, in a bucket
         self.on_saved = on_saved
         if self.metrics is not None:
             check_bucket(str(self.directory))
@@ -95,7 +97,9 @@ class Checkpointer:
             if step in self.manager.all_steps():
                 return  # e.g. a run interrupted just after its scheduled save of this step
             if self.metrics is not None and jax.process_index() == 0 and self.metrics.exists():
-                push(self.metrics)  # the rows up to this step (process 0 writes them), in the bucket before the checkpoint can be
+                push(
+                    self.metrics
+                )  # the rows up to this step (process 0 writes them), in the bucket before the checkpoint can be
             self.saving = step
             self.manager.save(step, args=ocp.args.StandardSave(state))
         except RunFailed:
@@ -144,9 +148,12 @@ class Checkpointer:
         code = _os_error_code(e)
         cause = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}" if code else first_line(e)
         done = [s for s in self.manager.all_steps() if s != self.saving]
-        kept = f"checkpoints {done} are intact, resume=auto continues from step {max(done)}" if done else "no earlier checkpoint"
+        kept = (
+            f"checkpoints {done} are intact, resume=auto continues from step {max(done)}"
+            if done
+            else "no earlier checkpoint"
+        )
         return RunFailed(f"checkpoint of step {self.saving} could not be written to {self.directory} ({cause}); {kept}")
-
 
     def _abandon(self) -> None:
         """After a failed save: cancel the writes orbax still waits on. Its commit threads would
@@ -222,15 +229,21 @@ def _closed_loop_callback(kind, value, tb) -> bool:
     """Whether an error is asyncio's "Event loop is closed" raised by a call into a loop that is gone."""
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return (kind is RuntimeError and str(value) == "Event loop is closed" and tb is not None
-            and tb.tb_frame.f_code.co_name == "_check_closed")
+    return (
+        kind is RuntimeError
+        and str(value) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"
+    )
 
 
 def _stray_read(args) -> bool:
     """Whether an unraisable error (sys.unraisablehook's argument) is a stray read's of a failed
     restore: its callback into the closed loop, or orbax's read coroutine dropped with its error."""
-    return (_closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback)
-            or getattr(args.object, "__name__", None) == "_read_array_index_and_device_put")
+    return (
+        _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback)
+        or getattr(args.object, "__name__", None) == "_read_array_index_and_device_put"
+    )
 
 
 def _quiet_stray_reads() -> None:
@@ -272,9 +285,11 @@ def _as_written(mngr, step: int, folder: Path, abstract):
     fields = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)}
     missing = [k for k, v in fields.items() if k not in tree and v is not None]
     if missing and isinstance(tree.get("opt_state"), (list, tuple)):
-        raise RunFailed(f"checkpoint {folder} was written by dalle-ablate 0.1.0, whose train state kept the "
-                        f"{' and '.join(missing)} state inside opt_state by position; this release names them and cannot "
-                        f"restore it: resume it with 0.1.0, or remove the run folder to start over")
+        raise RunFailed(
+            f"checkpoint {folder} was written by dalle-ablate 0.1.0, whose train state kept the "
+            f"{' and '.join(missing)} state inside opt_state by position; this release names them and cannot "
+            f"restore it: resume it with 0.1.0, or remove the run folder to start over"
+        )
     if all(k in tree for k in fields):
         return abstract, lambda restored: restored
     present = {k: v for k, v in fields.items() if k in tree or v is not None}
@@ -323,8 +338,9 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
     earlier one was. A checkpoint that cannot be restored, and no earlier one, is one line."""
     directory = location(directory)
     # the handler named, so that item_metadata reads a step's tree before anything is restored
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                 item_handlers=ocp.StandardCheckpointHandler())
+    mngr = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=ocp.StandardCheckpointHandler()
+    )
     try:
         steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
         if not steps:
@@ -342,17 +358,27 @@ def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Ca
                     break  # could resume from another step than the others; stop, naming it, instead
                 continue
             if broken:
-                print(f"warning: checkpoint {step_folder(directory, broken[0][0])} cannot be restored ({broken[0][1]}); "
-                      f"resuming from step {s}, the newest intact one", file=sys.stderr, flush=True)
+                print(
+                    f"warning: checkpoint {step_folder(directory, broken[0][0])} cannot be restored ({broken[0][1]}); "
+                    f"resuming from step {s}, the newest intact one",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for b, _, _ in broken:
                     if on_broken is not None:
                         on_broken(step_folder(directory, b))
             return s, state
         newest, cause, error = broken[0]
-        earlier = ("no earlier checkpoint" if len(steps) == 1 else
-                   "a run of several processes does not fall back to an earlier one" if len(broken) < len(steps) else
-                   f"nor can any earlier one ({', '.join(str(b[0]) for b in broken[1:])})")
-        raise RunFailed(f"checkpoint {step_folder(directory, newest)} cannot be restored ({cause}); {earlier}: "
-                        f"remove the run folder to start over, or resume= another checkpoint") from error
+        earlier = (
+            "no earlier checkpoint"
+            if len(steps) == 1
+            else "a run of several processes does not fall back to an earlier one"
+            if len(broken) < len(steps)
+            else f"nor can any earlier one ({', '.join(str(b[0]) for b in broken[1:])})"
+        )
+        raise RunFailed(
+            f"checkpoint {step_folder(directory, newest)} cannot be restored ({cause}); {earlier}: "
+            f"remove the run folder to start over, or resume= another checkpoint"
+        ) from error
     finally:
         mngr.close()

@@ -43,8 +43,10 @@ def restore(ckpt_dir: Path, step: Optional[int], target):
         cause = e
         while cause.__cause__ is not None:
             cause = cause.__cause__
-        raise ConfigError(f"{ckpt_dir / str(step)}: the checkpoint of step {step} cannot be restored (truncated or "
-                          f"corrupt?): {first_line(cause)}") from e
+        raise ConfigError(
+            f"{ckpt_dir / str(step)}: the checkpoint of step {step} cannot be restored (truncated or "
+            f"corrupt?): {first_line(cause)}"
+        ) from e
 
 
 # Sections that describe the machine evaluating, not the run: from today's composition, never
@@ -65,8 +67,12 @@ def changed_keys(base: DictConfig, want: DictConfig) -> list[str]:
         for key, wv in w.items():
             full = f"{path}.{key}" if path else str(key)
             bv = b.get(key, _ABSENT)
-            if (isinstance(wv, dict) and isinstance(bv, dict) and wv.keys() == bv.keys()
-                    and OmegaConf.get_type(bnode, key) is OmegaConf.get_type(wnode, key)):
+            if (
+                isinstance(wv, dict)
+                and isinstance(bv, dict)
+                and wv.keys() == bv.keys()
+                and OmegaConf.get_type(bnode, key) is OmegaConf.get_type(wnode, key)
+            ):
                 walk(bv, wv, bnode[key], wnode[key], full)
             elif bv != wv:
                 out.append(full)
@@ -131,11 +137,17 @@ def run_config_for_eval(store: Path, recorded: list[str], overrides: list[str]) 
     try:
         cfg = OmegaConf.merge(want, kept)
     except ConfigKeyError as e:
-        raise ConfigError(f"{file}: {e.full_key} is not a field of today's config (removed or renamed since the run)") from None
+        raise ConfigError(
+            f"{file}: {e.full_key} is not a field of today's config (removed or renamed since the run)"
+        ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{file}: {e.full_key}: {str(e).splitlines()[0]}") from None
     ours = [*changed, *THIS_MACHINE]
-    new = [k for k in _new_fields(saved, OmegaConf.to_container(want)) if not any(k == c or k.startswith(f"{c}.") for c in ours)]
+    new = [
+        k
+        for k in _new_fields(saved, OmegaConf.to_container(want))
+        if not any(k == c or k.startswith(f"{c}.") for c in ours)
+    ]
     if new:
         print(f"note: {file} predates {', '.join(new)}: evaluated with today's default", file=sys.stderr, flush=True)
     return to_run_config(cfg)
@@ -164,15 +176,24 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     # under it would rename that run and overwrite its summary on a sync).
     own = {k: v for k, v in meta.items() if k not in ("wandb_id", "wandb_dir", "wandb_fallback")}
     own["trained_wandb_id"] = meta.get("wandb_id")
-    tracker = build_tracker(cfg.tracker, out, dataclasses.asdict(cfg), {**own, "evaluated_step": step, "checkpoint": str(ckpt_dir)},
-                            name=f"eval {cfg.eval.name} {run_name} step {step}", group=meta.get("wandb_group"), job_type="eval",
-                            is_main_process=jax.process_index() == 0)
+    tracker = build_tracker(
+        cfg.tracker,
+        out,
+        dataclasses.asdict(cfg),
+        {**own, "evaluated_step": step, "checkpoint": str(ckpt_dir)},
+        name=f"eval {cfg.eval.name} {run_name} step {step}",
+        group=meta.get("wandb_group"),
+        job_type="eval",
+        is_main_process=jax.process_index() == 0,
+    )
     status = "failed"
     try:
         ev = evaluation_or_none(cfg, run.dataset, run.model_cfg, run.graphdef, tracker, run.placement.replicated)
         if ev is None:
-            raise ConfigError(f"nothing to evaluate: eval.metrics={list(cfg.eval.metrics)} need scene specs or are empty, and "
-                              f"eval.grids={list(cfg.eval.grids)} need an image decoder (data.codebook_path or data.vqgan_path)")
+            raise ConfigError(
+                f"nothing to evaluate: eval.metrics={list(cfg.eval.metrics)} need scene specs or are empty, and "
+                f"eval.grids={list(cfg.eval.grids)} need an image decoder (data.codebook_path or data.vqgan_path)"
+            )
         result = ev.run(state.params, step, run_name)
         tracker.log_summary({"evaluated_step": step, **result["model"]})
         status = "finished"
@@ -181,7 +202,10 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     for row in result["pareto"]:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "run"))
     for row in result["rerank"]:
-        print("rerank  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "run"))
+        print(
+            "rerank  "
+            + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "run")
+        )
     for k, v in result["model"].items():
         print(f"{k}={v:.4g}")
     print(f"wrote {out}")

@@ -85,7 +85,9 @@ def unscale(mode: str, grads, state: ScalerState, model):
     return jax.tree_util.tree_map_with_path(one, grads)
 
 
-def advance(mode: str, state: ScalerState, grads, counts, model, growth_every: int) -> tuple[ScalerState, jax.Array, dict]:
+def advance(
+    mode: str, state: ScalerState, grads, counts, model, growth_every: int
+) -> tuple[ScalerState, jax.Array, dict]:
     """(the next state, whether this step is skipped, metrics) from the unscaled gradients and
     the probes' counts (per_block)."""
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
@@ -102,7 +104,9 @@ def advance(mode: str, state: ScalerState, grads, counts, model, growth_every: i
 
     def rule(scale, good, overflow):
         grow = ~overflow & (good + 1 >= growth_every)
-        scale = jnp.where(overflow, jnp.maximum(scale / 2, MIN_SCALE), jnp.where(grow, jnp.minimum(scale * 2, MAX_SCALE), scale))
+        scale = jnp.where(
+            overflow, jnp.maximum(scale / 2, MIN_SCALE), jnp.where(grow, jnp.minimum(scale * 2, MAX_SCALE), scale)
+        )
         return scale, jnp.where(overflow | grow, 0, good + 1)
 
     if mode == "global":
@@ -112,8 +116,12 @@ def advance(mode: str, state: ScalerState, grads, counts, model, growth_every: i
         new = {k: rule(state.scale[k], state.good[k], bad[k]) for k in state.scale}
         scale, good = {k: v[0] for k, v in new.items()}, {k: v[1] for k, v in new.items()}
         names = block_names(model)
-        metrics = {f"train/grad_scale/{k}/{layer}/{branch}": scale[k][layer, b]
-                   for k, (n, branches) in names.items() for layer in range(n) for b, branch in enumerate(branches)}
+        metrics = {
+            f"train/grad_scale/{k}/{layer}/{branch}": scale[k][layer, b]
+            for k, (n, branches) in names.items()
+            for layer in range(n)
+            for b, branch in enumerate(branches)
+        }
         metrics["train/grad_scale"] = jnp.min(jnp.stack([jnp.min(s) for s in scale.values()]))
         metrics["train/grad_filtered"] = sum(jnp.sum(c[0]) for c in counts.values())
         metrics["train/grad_underflow"] = sum(jnp.sum(c[1]) for c in counts.values())

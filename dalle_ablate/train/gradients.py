@@ -47,8 +47,14 @@ class GradientOptions:
     def of(cls, cfg) -> "GradientOptions":
         t, powersgd = cfg.trainer, cfg.optim.powersgd
         added = tuple((name, on) for name in STAGES.names() if (on := STAGES.get(name)[0](cfg)) is not None)
-        return cls(t.grad_accum, t.grad_scaling, t.grad_scale_growth_every, powersgd if powersgd.rank is not None else None,
-                   t.log_every, added)
+        return cls(
+            t.grad_accum,
+            t.grad_scaling,
+            t.grad_scale_growth_every,
+            powersgd if powersgd.rank is not None else None,
+            t.log_every,
+            added,
+        )
 
 
 # Stages registered from outside this module: name -> (setting(cfg) -> the stage's setting for a
@@ -77,7 +83,9 @@ class Gradients(NamedTuple):
     metrics: dict  # the stage's own (PowerSGD's error and traffic)
 
 
-def objective(model: nnx.Module, batch: dict, dropout_key=None, grad_scales=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def objective(
+    model: nnx.Module, batch: dict, dropout_key=None, grad_scales=None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective summed over examples (weight x the family's `loss_weights()` mix
     of each stream's mean per-token NLL; DALL·E normalises text and image separately, arXiv
     2102.12092 section 2.2), and each stream's weighted NLL sum, for logging. `grad_scales`:
@@ -97,13 +105,17 @@ def differentiate(graphdef, scaling: str) -> Callable:
         scales = block_scales(scaler, probe_values) if scaling == "per_block" else None
         total, streams = objective(nnx.merge(graphdef, params), micro, key, scales)
         loss = total / total_weight
-        return loss * (scaler.scale if scaling == "global" else 1.0), (loss, {n: v / total_weight for n, v in streams.items()})
+        return loss * (scaler.scale if scaling == "global" else 1.0), (
+            loss,
+            {n: v / total_weight for n, v in streams.items()},
+        )
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
     def one(params, scaler, micro, total_weight, key):
-        (_, aux), (grads, counts) = grad_fn(params, probes(scaler) if scaling == "per_block" else None, micro, total_weight, key,
-                                            scaler)
+        (_, aux), (grads, counts) = grad_fn(
+            params, probes(scaler) if scaling == "per_block" else None, micro, total_weight, key, scaler
+        )
         return aux, grads, counts
 
     return one
@@ -126,8 +138,9 @@ def accumulate(one: Callable, grad_accum: int, micro_sharding=None, varying: Opt
             return jax.tree.map(jnp.add, carry, one(params, scaler, mb, total_weight, jax.random.fold_in(key, i))), None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             jax.eval_shape(lambda: one(params, scaler, first, total_weight, key)))
+        zeros = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda: one(params, scaler, first, total_weight, key))
+        )
         if varying is not None:  # the carry has the per-worker type of what is added to it
             zeros = jax.lax.pcast(zeros, varying, to="varying")
         return jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))[0]
@@ -171,17 +184,31 @@ def compressed(graphdef, batch_grads: Callable, scaling: str, powersgd, placemen
     # replicated: parameters, weight, key, scaler, losses, the mean gradient, Q, stats; split:
     # the batch and each worker's residuals
     split = PowerSGDState(q=False, error=True)
-    run = over_data(local, placement.mesh, in_split=(False, True, split, False, False, False, False),
-                    out_split=(False, False, split, False))
+    run = over_data(
+        local,
+        placement.mesh,
+        in_split=(False, True, split, False, False, False, False),
+        out_split=(False, False, split, False),
+    )
 
     def path(state, batch, total_weight, key) -> Gradients:
         logged = (state.step + 1) % log_every == 0  # the step the logger fetches in full
-        (loss, streams, counts), grads, psgd, stats = run(state.params, batch, state.compression, total_weight, key, logged,
-                                                          state.scaler)
+        (loss, streams, counts), grads, psgd, stats = run(
+            state.params, batch, state.compression, total_weight, key, logged, state.scaler
+        )
         floats = traffic(state.params, powersgd.rank, powersgd.exclude)
-        return Gradients(loss, streams, grads, counts, psgd, {
-            "comm/powersgd_rel_error": stats["rel_error"], "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
-            "comm/bytes_per_step": jnp.float32(4 * floats["sent"])})
+        return Gradients(
+            loss,
+            streams,
+            grads,
+            counts,
+            psgd,
+            {
+                "comm/powersgd_rel_error": stats["rel_error"],
+                "comm/compression": jnp.float32(floats["full"] / floats["sent"]),
+                "comm/bytes_per_step": jnp.float32(4 * floats["sent"]),
+            },
+        )
 
     return path
 
@@ -193,8 +220,9 @@ def gradient_path(graphdef, o: GradientOptions, placement=None) -> Callable:
         micro = None if placement is None else placement.micro_batch
         path = whole(graphdef, accumulate(one, o.grad_accum, micro), o.scaling)
     else:
-        path = compressed(graphdef, accumulate(one, o.grad_accum, varying="data"), o.scaling, o.powersgd, placement,
-                          o.log_every)
+        path = compressed(
+            graphdef, accumulate(one, o.grad_accum, varying="data"), o.scaling, o.powersgd, placement, o.log_every
+        )
     for name, on in o.added:
         path = STAGES.get(name)[1](path, on)
 

@@ -50,8 +50,9 @@ class Hooks:
         return stop
 
 
-def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[int],
-             placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+def evaluate(
+    eval_step, params, dataset, batch_size: int, max_batches: Optional[int], placement: Placement
+) -> tuple[np.ndarray, np.ndarray]:
     """(weighted mean NLL over the valid split, summed in float64; each example's NLL, in the
     split's order, the padding of the last batch dropped). Every host reads the same eval batches
     and feeds its own rows of each. An eval step over the members of a job (program.py) returns
@@ -60,7 +61,9 @@ def evaluate(eval_step, params, dataset, batch_size: int, max_batches: Optional[
     rows = host_share(np.arange(batch_size), *placement.host_rows(batch_size))
     for batch in dataset.eval_batches(batch_size, max_batches):
         interrupts.check("during the validation")
-        s, w, nll = jax.device_get(eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size)))
+        s, w, nll = jax.device_get(
+            eval_step(params, placement.global_batch({k: v[rows] for k, v in batch.items()}, batch_size))
+        )
         total, weight = total + np.asarray(s, np.float64), weight + np.asarray(w, np.float64)
         examples.append(np.asarray(nll)[..., batch["weights"] > 0])
     return total / np.maximum(weight, 1.0), np.concatenate(examples, -1)
@@ -101,8 +104,14 @@ def periodic_hooks(cfg, program, members: list, caller) -> Hooks:
         losses, examples = program.validate(state.params)
         for m in due(step, "validation"):
             m.seen.eval_loss = float(program.member(losses, m.index))
-            m.tracker.log({"eval/valid/loss": m.seen.eval_loss, "samples": step * t.batch_size,
-                           "tokens": step * program.run.tokens_per_step}, step)
+            m.tracker.log(
+                {
+                    "eval/valid/loss": m.seen.eval_loss,
+                    "samples": step * t.batch_size,
+                    "tokens": step * program.run.tokens_per_step,
+                },
+                step,
+            )
             log_examples(m.tracker, program.member(examples, m.index), step)
 
     def save(step, state):  # before the sampling evaluation: a failure there never costs a checkpoint

@@ -37,8 +37,10 @@ class RunLog:
             return True
         self.diverged_at = step
         self.reason = f"diverged at step {step}: train/loss={self.last_loss}; " + (
-            f"last finite loss {self.last_finite[1]:.4f} at step {self.last_finite[0]}" if self.last_finite
-            else "no finite loss before it")
+            f"last finite loss {self.last_finite[1]:.4f} at step {self.last_finite[0]}"
+            if self.last_finite
+            else "no finite loss before it"
+        )
         return False
 
 
@@ -54,8 +56,17 @@ class StepLogger:
     (and the step after it) queued, and the interrupted job's last `flush()` logs both -- untimed
     (`timed` False): the time since the step before is no step time once a Ctrl-C came between."""
 
-    def __init__(self, members: list, member: Callable, on_diverged: Callable, bar, t, flops_per_step: float,
-                 tokens_per_step: int, peak_all: float):
+    def __init__(
+        self,
+        members: list,
+        member: Callable,
+        on_diverged: Callable,
+        bar,
+        t,
+        flops_per_step: float,
+        tokens_per_step: int,
+        peak_all: float,
+    ):
         self.members, self.member, self.on_diverged = members, member, on_diverged
         self.bar, self.t = bar, t
         self.flops_per_step, self.tokens_per_step, self.peak_all = flops_per_step, tokens_per_step, peak_all
@@ -101,8 +112,9 @@ class StepLogger:
                 self.on_diverged(m, step)  # where its separate run ends: the step whose loss was not finite
         running = [m for m in self.members if m.status == "running"]
         if running and "perf/tokens_per_s" in perf:
-            self.bar.set_postfix(loss=f"{running[0].log.last_loss:.3f}", tok_s=f"{perf['perf/tokens_per_s']:,.0f}",
-                                 refresh=False)
+            self.bar.set_postfix(
+                loss=f"{running[0].log.last_loss:.3f}", tok_s=f"{perf['perf/tokens_per_s']:,.0f}", refresh=False
+            )
         self.bar.update(1)
         return bool(running)
 
@@ -119,8 +131,13 @@ class StepLogger:
         if self.share > 1:
             perf["perf/job_step_time"] = dt  # the whole program's step, all its members
             dt /= self.share
-        perf.update({"perf/step_time": dt, "perf/tokens_per_s": self.tokens_per_step / dt,
-                     "perf/mfu": self.flops_per_step / (dt * self.peak_all)})
+        perf.update(
+            {
+                "perf/step_time": dt,
+                "perf/tokens_per_s": self.tokens_per_step / dt,
+                "perf/mfu": self.flops_per_step / (dt * self.peak_all),
+            }
+        )
         return perf
 
     def restart_clock(self) -> None:

@@ -29,8 +29,17 @@ from dalle_ablate.train.hooks import Hooks, periodic_hooks
 from dalle_ablate.train.logger import RunLog, StepLogger
 from dalle_ablate.train.perf import device_peak_flops
 from dalle_ablate.train.program import grid_captions, program_for
-from dalle_ablate.train.records import (JobInfo, Member, Result, RunHooks, closing_lines, run_summary, run_tracker,
-                                        settled_result, write_members_file)
+from dalle_ablate.train.records import (
+    JobInfo,
+    Member,
+    Result,
+    RunHooks,
+    closing_lines,
+    run_summary,
+    run_tracker,
+    settled_result,
+    write_members_file,
+)
 from dalle_ablate.train.resume import restore_common_step, resume_point, settled_before, undone_at_resume, with_logged
 
 __all__ = ["JobInfo", "Result", "RunHooks", "train", "train_members"]  # the trainer, as its callers see it
@@ -61,8 +70,11 @@ def train_job(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]
         if done is not None:
             m.status, m.result = done["status"], settled_result(done, m.run_dir)
             if pi == 0:
-                print(f"{m.run_dir}: {m.status} before at step {done['steps']} of {cfg.trainer.steps}; left as it is "
-                      "(resume=auto)", flush=True)
+                print(
+                    f"{m.run_dir}: {m.status} before at step {done['steps']} of {cfg.trainer.steps}; left as it is "
+                    "(resume=auto)",
+                    flush=True,
+                )
     live = [m for m in members if m.result is None]
     for i, m in enumerate(live):
         m.index = i
@@ -91,8 +103,18 @@ def _train(cfg: RunConfig, job: JobInfo, members: list[Member], everyone: list[M
 
     with ends_each_on_error(members, record):
         for m in members:
-            place = None if cfg.seeds is None else {"members": {"seeds": cfg.seeds, "index": cfg.seeds.index(m.seed),
-                                                                "job_dir": str(job.job_dir), "impl": cfg.members.impl}}
+            place = (
+                None
+                if cfg.seeds is None
+                else {
+                    "members": {
+                        "seeds": cfg.seeds,
+                        "index": cfg.seeds.index(m.seed),
+                        "job_dir": str(job.job_dir),
+                        "impl": cfg.members.impl,
+                    }
+                }
+            )
             m.tracker = run_tracker(m, run, flops_per_step, (peak, peak_source), place)
             m.point = with_logged(m.point, m.run_dir)
             m.t_start = t_start - m.point.wall_time  # a run's wall time counts its earlier processes'
@@ -124,7 +146,9 @@ def _run(cfg: RunConfig, job: JobInfo, program, members: list[Member], record, f
     state = program.init([m.point for m in members])
     for m in members:
         # Every process saves (each writes its own shards; orbax's primary process writes the metadata).
-        m.ckpt = checkpoint.Checkpointer(m.run_dir / "checkpoints", t.keep_checkpoints, on_saved=m.tracker.log_checkpoint)
+        m.ckpt = checkpoint.Checkpointer(
+            m.run_dir / "checkpoints", t.keep_checkpoints, on_saved=m.tracker.log_checkpoint
+        )
         m.log = RunLog(m.tracker, t.batch_size, program.run.tokens_per_step)
         m.log.first_loss, m.log.last_loss = m.point.first_loss, m.point.last_loss
         m.seen.eval_loss = m.point.eval_loss
@@ -137,16 +161,31 @@ def _run(cfg: RunConfig, job: JobInfo, program, members: list[Member], record, f
         m.status = status
         if pi == 0:
             print(closing_lines(status, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
-        m.result = Result(eval_loss=m.seen.eval_loss, train_loss=m.log.last_loss, steps=final_step, run_dir=m.run_dir,
-                          status=status, summary=summary, reason=m.log.reason,
-                          saved=status == "interrupted" and final_step > m.point.step)
+        m.result = Result(
+            eval_loss=m.seen.eval_loss,
+            train_loss=m.log.last_loss,
+            steps=final_step,
+            run_dir=m.run_dir,
+            status=status,
+            summary=summary,
+            reason=m.log.reason,
+            saved=status == "interrupted" and final_step > m.point.step,
+        )
         record()
 
     hooks = periodic_hooks(cfg, program, members, job.hooks)
     job.hooks.add_hooks(hooks)
     bar = tqdm(total=t.steps, initial=start, disable=not t.progress or pi != 0, unit="step", dynamic_ncols=True)
-    log = StepLogger(members, program.member, lambda m, step: end(m, "diverged", step), bar, t, flops_per_step,
-                     program.run.tokens_per_step, peak_all)
+    log = StepLogger(
+        members,
+        program.member,
+        lambda m, step: end(m, "diverged", step),
+        bar,
+        t,
+        flops_per_step,
+        program.run.tokens_per_step,
+        peak_all,
+    )
     left = undone_at_resume(members, hooks)
     if pi == 0:
         for m in members:
@@ -157,8 +196,9 @@ def _run(cfg: RunConfig, job: JobInfo, program, members: list[Member], record, f
     finish(cfg, program, members, status, state, reason, end)
 
 
-def run_steps(state, steps: range, program, log: StepLogger, hooks: Hooks, members: list[Member],
-              left: tuple[str, ...] = ()) -> tuple[str, object, str]:
+def run_steps(
+    state, steps: range, program, log: StepLogger, hooks: Hooks, members: list[Member], left: tuple[str, ...] = ()
+) -> tuple[str, object, str]:
     """The steps, with the hooks due after each: (status, the state after the last whole step,
     why it stopped early: pruned or interrupted). First the hooks `left` undone at the step before them (a resumed run's
     evaluations). Stops early when no member is left running (each diverged), when a hook says
@@ -200,7 +240,11 @@ def run_steps(state, steps: range, program, log: StepLogger, hooks: Hooks, membe
             log.newest = done
         log.timed = False
         stopped = interrupts.stage_of(e, "")  # what it stopped, if not a step (e.g. an evaluation)
-        return "interrupted", state, f"interrupted at step {done} of {steps.stop - 1}" + (f", {stopped}" if stopped else "")
+        return (
+            "interrupted",
+            state,
+            f"interrupted at step {done} of {steps.stop - 1}" + (f", {stopped}" if stopped else ""),
+        )
 
 
 def finish(cfg: RunConfig, program, members: list[Member], status: str, state, reason: str, end) -> None:

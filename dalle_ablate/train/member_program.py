@@ -105,9 +105,14 @@ def member_slice(tree, i: int):
     one small program per leaf, each with a collective and all in flight at once, was seen to
     deadlock (one device's thread never joining an all-gather; XLA aborts after 40 s)."""
     leaves, treedef = jax.tree.flatten(tree)
-    inner = tuple(NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
-                  if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.spec and x.sharding.spec[0] == "member"
-                  else None for x in leaves)
+    inner = tuple(
+        NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
+        if isinstance(getattr(x, "sharding", None), NamedSharding)
+        and x.sharding.spec
+        and x.sharding.spec[0] == "member"
+        else None
+        for x in leaves
+    )
     if not leaves or None in inner:  # not a members' stack (host arrays): plain indexing
         return jax.tree.map(lambda x: x[i], tree)
     return jax.tree.unflatten(treedef, jax.block_until_ready(_slicer(inner)(leaves, i)))
@@ -133,8 +138,9 @@ def members_step(run: Assembly, seeds: list[int], impl: str, mp: MemberPlacement
         return MembersState(kept, ok), metrics
 
     shardings = MembersState(mp.state, mp.vector)
-    jitted = jax.jit(step, in_shardings=(shardings, mp.batch, mp.vector), out_shardings=(shardings, mp.replicated),
-                     donate_argnums=0)
+    jitted = jax.jit(
+        step, in_shardings=(shardings, mp.batch, mp.vector), out_shardings=(shardings, mp.replicated), donate_argnums=0
+    )
     return lambda ms, batch: jitted(ms, batch, keys)
 
 

@@ -10,14 +10,31 @@ from pathlib import Path
 
 import jax
 
-LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "hydra-core", "omegaconf", "wandb", "numpy", "tokenizers")
+LIBRARIES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "hydra-core",
+    "omegaconf",
+    "wandb",
+    "numpy",
+    "tokenizers",
+)
 
 
 def git_commit() -> dict:
     root = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
     if commit.returncode != 0:

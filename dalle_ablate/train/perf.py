@@ -43,8 +43,14 @@ def machine_key(kind: str) -> str:
     model = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                      if line.startswith("model name")), model)
+        model = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            model,
+        )
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux only
     flags = os.environ.get("XLA_FLAGS", "")
     return f"{kind}|{model}|{os.cpu_count()} cores|{usable} usable|jax {jax.__version__}|XLA_FLAGS={flags}"

@@ -22,8 +22,15 @@ from dalle_ablate.model import build_model
 from dalle_ablate.parallel import init_state
 from dalle_ablate.train.assembly import Assembly, assemble
 from dalle_ablate.train.hooks import eval_graph, evaluate
-from dalle_ablate.train.member_program import (MembersState, member_placement, member_slice, members_eval_step, members_step,
-                                               over_members, stacked)
+from dalle_ablate.train.member_program import (
+    MembersState,
+    member_placement,
+    member_slice,
+    members_eval_step,
+    members_step,
+    over_members,
+    stacked,
+)
 from dalle_ablate.train.step import make_eval_step
 
 
@@ -39,8 +46,13 @@ def grid_captions(dataset, cfg: RunConfig) -> Optional[tuple[list[str], Any, Any
 
 def grid_sampler(graphdef, model_cfg, cfg: RunConfig, out_sharding=None):
     """sample(params, ids, mask, key) -> codes, as the sample grid draws them."""
-    return make_sampler(graphdef, model_cfg.image_len, temperature=cfg.samples.temperature, top_k=cfg.samples.top_k,
-                        out_sharding=out_sharding)
+    return make_sampler(
+        graphdef,
+        model_cfg.image_len,
+        temperature=cfg.samples.temperature,
+        top_k=cfg.samples.top_k,
+        out_sharding=out_sharding,
+    )
 
 
 def grid_key(seed: int):
@@ -83,9 +95,12 @@ class OneState:
     def evaluation(self, trackers: list) -> Optional[Callable]:
         """evaluate(params, step, {i: run name}) -> {i: result} (evaluate/runner.py), or None
         when nothing is left to evaluate on this data."""
-        ev = evaluation_or_none(self.cfg, self.run.dataset, self.run.model_cfg, self.graph, trackers[0],
-                                self.placement.replicated)
-        return None if ev is None else lambda params, step, names: {i: ev.run(params, step, n) for i, n in names.items()}
+        ev = evaluation_or_none(
+            self.cfg, self.run.dataset, self.run.model_cfg, self.graph, trackers[0], self.placement.replicated
+        )
+        return (
+            None if ev is None else lambda params, step, names: {i: ev.run(params, step, n) for i, n in names.items()}
+        )
 
     def grid(self, params, ids, mask):
         """The end-of-run sample grid's codes, drawn with the run's grid key."""
@@ -123,10 +138,15 @@ class Stacked:
 
     def init(self, points: list) -> MembersState:
         run = self.run
-        states = [p.state if p.state is not None else
-                  init_state(lambda s=init_seed(c): build_model(run.model_cfg, s), run.new_state, run.placement)
-                  for p, c in zip(points, self.cfgs)]
-        return MembersState(stacked(states, self.placement), jax.device_put(np.ones(len(states), bool), self.placement.vector))
+        states = [
+            p.state
+            if p.state is not None
+            else init_state(lambda s=init_seed(c): build_model(run.model_cfg, s), run.new_state, run.placement)
+            for p, c in zip(points, self.cfgs)
+        ]
+        return MembersState(
+            stacked(states, self.placement), jax.device_put(np.ones(len(states), bool), self.placement.vector)
+        )
 
     def batches(self, start: int) -> MemberBatches:
         return MemberBatches(self.run, self.cfgs, start)
@@ -146,19 +166,25 @@ class Stacked:
     def evaluation(self, trackers: list) -> Optional[Callable]:
         """As OneState's: each member's evaluation logged to its tracker, every draw made once for
         all members, each with the noise its separate run draws (evaluate/runner.py MemberEvaluations)."""
-        base = evaluation_or_none(self.cfgs[0], self.run.dataset, self.run.model_cfg, self.graph, None,
-                                  self.placement.replicated)
+        base = evaluation_or_none(
+            self.cfgs[0], self.run.dataset, self.run.model_cfg, self.graph, None, self.placement.replicated
+        )
         if base is None:
             return None
-        evaluations = MemberEvaluations(base, trackers, jax.jit(over_members(base.sampler, self.impl, (0, *(None,) * 6))))
-        return lambda params, step, names: evaluations.run(params, step, {i: (member_slice(params, i), n)
-                                                                           for i, n in names.items()})
+        evaluations = MemberEvaluations(
+            base, trackers, jax.jit(over_members(base.sampler, self.impl, (0, *(None,) * 6)))
+        )
+        return lambda params, step, names: evaluations.run(
+            params, step, {i: (member_slice(params, i), n) for i, n in names.items()}
+        )
 
     def grid(self, params, ids, mask):
         """Every member's sample grid, drawn at once, each with its own grid key: [members, ...]."""
         run = self.run
-        sampler = jax.jit(over_members(grid_sampler(run.graphdef, run.model_cfg, self.cfgs[0]), self.impl, (0, None, None, 0)),
-                          out_shardings=self.placement.replicated)
+        sampler = jax.jit(
+            over_members(grid_sampler(run.graphdef, run.model_cfg, self.cfgs[0]), self.impl, (0, None, None, 0)),
+            out_shardings=self.placement.replicated,
+        )
         return sampler(params, ids, mask, jnp.stack([grid_key(c.seed) for c in self.cfgs]))
 
 
@@ -170,6 +196,8 @@ def program_for(cfg: RunConfig, cfgs: list[RunConfig]) -> OneState | Stacked:
     if cfg.seeds is None:
         return OneState(assemble(cfg), cfgs)
     devices = jax.devices()
-    groups = math.gcd(cfg.mesh.member, len(cfgs))  # mesh.member divides the job's members; those left to train it may not
-    run = assemble(cfgs[0], devices=devices[:len(devices) // groups])
+    groups = math.gcd(
+        cfg.mesh.member, len(cfgs)
+    )  # mesh.member divides the job's members; those left to train it may not
+    run = assemble(cfgs[0], devices=devices[: len(devices) // groups])
     return Stacked(run, member_placement(run, devices, groups), cfgs, cfg.members.impl)

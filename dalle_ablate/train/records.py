@@ -76,9 +76,15 @@ class Result:
 
 def settled_result(summary: dict, run_dir: Path) -> Result:
     """The Result of a run store that ended before (resume.settled_before), from its summary."""
-    return Result(eval_loss=float(summary.get("eval/valid/loss", math.nan)),
-                  train_loss=float(summary.get("train/loss", math.nan)), steps=int(summary["steps"]), run_dir=run_dir,
-                  status=summary["status"], summary=summary, reason=summary.get("reason", ""))
+    return Result(
+        eval_loss=float(summary.get("eval/valid/loss", math.nan)),
+        train_loss=float(summary.get("train/loss", math.nan)),
+        steps=int(summary["steps"]),
+        run_dir=run_dir,
+        status=summary["status"],
+        summary=summary,
+        reason=summary.get("reason", ""),
+    )
 
 
 @dataclass
@@ -129,17 +135,32 @@ def run_tracker(m: Member, run, flops_per_step: float, peak: tuple, extra: Optio
     `extra` added to it, e.g. a member's place in its job); `run`: the Assembly it trains;
     `peak`: (FLOP/s of one device, its source)."""
     cfg, job = m.cfg, m.job
-    meta = run_meta(job.overrides, param_count(run.abstract), flops_per_step, *peak, asdict(run.model_cfg), run.dataset.info,
-                    resumed_from=m.point.step)
+    meta = run_meta(
+        job.overrides,
+        param_count(run.abstract),
+        flops_per_step,
+        *peak,
+        asdict(run.model_cfg),
+        run.dataset.info,
+        resumed_from=m.point.step,
+    )
     meta["mesh"] = dict(run.mesh.shape)
     stages = [name for name, _ in run.gradient_options.added]
     if stages:  # a caller's own gradient stages (train/gradients.py gradient_stage) changed what trained
         meta["gradient_stages"] = stages
     meta["wandb_group"] = job.group  # `dalle-ablate eval` files its eval jobs under the same group
     meta.update(extra or {})
-    return build_tracker(cfg.tracker, m.run_dir, job.config if job.config is not None else asdict(cfg), meta, name=job.name,
-                         group=job.group, job_type=job.job_type or cfg.model.layout, resume_step=m.point.tracker_step,
-                         is_main_process=jax.process_index() == 0)
+    return build_tracker(
+        cfg.tracker,
+        m.run_dir,
+        job.config if job.config is not None else asdict(cfg),
+        meta,
+        name=job.name,
+        group=job.group,
+        job_type=job.job_type or cfg.model.layout,
+        resume_step=m.point.tracker_step,
+        is_main_process=jax.process_index() == 0,
+    )
 
 
 def run_summary(m: Member, dataset_info: dict, final_step: int) -> dict:
@@ -147,8 +168,11 @@ def run_summary(m: Member, dataset_info: dict, final_step: int) -> dict:
     loss not measured yet (no step logged, no validation run: e.g. a Ctrl-C before them) is left
     out, not written as NaN; a diverged run's train/loss is the value that was not finite."""
     log = m.log
-    summary = {"data/code_unigram_entropy": dataset_info.get("code_unigram_entropy"), "steps": final_step,
-               "wall_time": time.perf_counter() - m.t_start}
+    summary = {
+        "data/code_unigram_entropy": dataset_info.get("code_unigram_entropy"),
+        "steps": final_step,
+        "wall_time": time.perf_counter() - m.t_start,
+    }
     if not math.isnan(log.first_loss):
         summary.update({"train/loss": log.last_loss, "train/first_loss": log.first_loss})
     if not math.isnan(m.seen.eval_loss):
@@ -162,9 +186,14 @@ def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_d
     """What a run prints last (after W&B's own block): its losses, the headline metrics of its last
     evaluation by guidance scale, and where its run store is."""
     s = summary
-    train = (f"train/loss {s['train/loss']:.4g} (first {s['train/first_loss']:.4g})" if "train/first_loss" in s
-             else "train/loss not measured yet")
-    valid = f"eval/valid/loss {s['eval/valid/loss']:.4g}" if "eval/valid/loss" in s else "eval/valid/loss not measured yet"
+    train = (
+        f"train/loss {s['train/loss']:.4g} (first {s['train/first_loss']:.4g})"
+        if "train/first_loss" in s
+        else "train/loss not measured yet"
+    )
+    valid = (
+        f"eval/valid/loss {s['eval/valid/loss']:.4g}" if "eval/valid/loss" in s else "eval/valid/loss not measured yet"
+    )
     lines = [f"{status} at step {s['steps']} of {steps} in {s['wall_time']:.0f} s: {train}, {valid}"]
     lines += [f"  {line}" for line in headline(last_eval)]
     lines.append(f"  run store {shown(run_dir)}")
@@ -174,7 +203,17 @@ def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_d
 def write_members_file(job_dir: Path, members: list[Member], impl: str) -> None:
     """`<job>/members.json`: the members' seeds, folders and how each stands (rewritten at each change)."""
     Path(job_dir).mkdir(parents=True, exist_ok=True)
-    atomic_write(Path(job_dir) / MEMBERS_FILE, json.dumps({
-        "seeds": [m.seed for m in members], "impl": impl,
-        "members": [{"seed": m.seed, "job_dir": str(m.job.job_dir), "status": m.status, "reason": m.reason}
-                    for m in members]}, indent=2))
+    atomic_write(
+        Path(job_dir) / MEMBERS_FILE,
+        json.dumps(
+            {
+                "seeds": [m.seed for m in members],
+                "impl": impl,
+                "members": [
+                    {"seed": m.seed, "job_dir": str(m.job.job_dir), "status": m.status, "reason": m.reason}
+                    for m in members
+                ],
+            },
+            indent=2,
+        ),
+    )

@@ -101,13 +101,21 @@ def restore_common_step(members: list, target) -> None:
         if common == 0:
             m.point = ResumePoint(continues_store=True)
             continue
-        if common not in checkpoint.finished_steps(m.run_dir / "checkpoints"):  # kept no longer (trainer.keep_checkpoints)
-            raise RunFailed(f"members resume from step {common}, the newest every member has, but {m.run_dir} no longer "
-                            f"keeps it; resume seed={m.seed} as a run of its own, or raise trainer.keep_checkpoints")
+        if common not in checkpoint.finished_steps(
+            m.run_dir / "checkpoints"
+        ):  # kept no longer (trainer.keep_checkpoints)
+            raise RunFailed(
+                f"members resume from step {common}, the newest every member has, but {m.run_dir} no longer "
+                f"keeps it; resume seed={m.seed} as a run of its own, or raise trainer.keep_checkpoints"
+            )
         step, state = checkpoint.restore(m.run_dir / "checkpoints", common, target)
         m.point = ResumePoint(step, state, continues_store=True)
-    print(f"members {', '.join(f'seed={m.seed}' for m in moved)} resume from step {common}, the newest step every member "
-          "has a checkpoint of", file=sys.stderr, flush=True)
+    print(
+        f"members {', '.join(f'seed={m.seed}' for m in moved)} resume from step {common}, the newest step every member "
+        "has a checkpoint of",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def with_logged(point: ResumePoint, run_dir: Path) -> ResumePoint:
@@ -120,19 +128,29 @@ def with_logged(point: ResumePoint, run_dir: Path) -> ResumePoint:
     eval_losses = [float(r["eval/valid/loss"]) for r in rows if "eval/valid/loss" in r]
     saved = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     first, last = (train_losses[0], train_losses[-1]) if train_losses else (math.nan, math.nan)
-    done = {"validation": any(r["step"] == point.step and "eval/valid/loss" in r for r in rows),
-            # evaluated at this step, or later: a process got past this step's hooks (a resume
-            # from an earlier checkpoint than the newest, e.g. the members' common step)
-            "evaluation": int(saved.get("evaluated_step", -1)) >= point.step}
-    return dataclasses.replace(point, wall_time=float(saved.get("wall_time", 0.0)), first_loss=first, last_loss=last,
-                               eval_loss=eval_losses[-1] if eval_losses else math.nan, done_at_step=done)
+    done = {
+        "validation": any(r["step"] == point.step and "eval/valid/loss" in r for r in rows),
+        # evaluated at this step, or later: a process got past this step's hooks (a resume
+        # from an earlier checkpoint than the newest, e.g. the members' common step)
+        "evaluation": int(saved.get("evaluated_step", -1)) >= point.step,
+    }
+    return dataclasses.replace(
+        point,
+        wall_time=float(saved.get("wall_time", 0.0)),
+        first_loss=first,
+        last_loss=last,
+        eval_loss=eval_losses[-1] if eval_losses else math.nan,
+        done_at_step=done,
+    )
 
 
 def undone_at_resume(members: list, hooks: Hooks) -> tuple[str, ...]:
     """The hooks due at the resumed step that a member's earlier process did not finish, in the
     order they run (process 0 read the run stores; the evaluations run on every process, so it
     tells the others). A member that finished one is skipped by it (`Member.done_at`)."""
-    left = {name for m in members if m.point.done_at_step for name in left_at(hooks, m.point.step, m.point.done_at_step)}
+    left = {
+        name for m in members if m.point.done_at_step for name in left_at(hooks, m.point.step, m.point.done_at_step)
+    }
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

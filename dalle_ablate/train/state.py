@@ -23,15 +23,24 @@ class TrainState:
     compression: Any = None  # PowerSGDState under optim.powersgd.rank (optim/powersgd.py)
 
 
-def state_maker(optimizer: optax.GradientTransformation, scaler: Optional[ScalerState] = None,
-                powersgd: Optional[PowerSGDConfig] = None, workers: int = 1) -> Callable[[Any], TrainState]:
+def state_maker(
+    optimizer: optax.GradientTransformation,
+    scaler: Optional[ScalerState] = None,
+    powersgd: Optional[PowerSGDConfig] = None,
+    workers: int = 1,
+) -> Callable[[Any], TrainState]:
     """params -> the state at step 0 of a run with this optimizer, the gradient scaler's initial
     state (None: no scaling) and PowerSGD (None: gradients all-reduced whole; `workers`: the
     data-parallel workers, each keeping its own residual)."""
 
     def new_state(params) -> TrainState:
         compression = None if powersgd is None else powersgd_init(params, powersgd.rank, powersgd.exclude, workers)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), scaler=scaler,
-                          compression=compression)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            scaler=scaler,
+            compression=compression,
+        )
 
     return new_state

@@ -50,8 +50,13 @@ def group_norms(tree) -> dict[str, jax.Array]:
     return {g: jnp.sqrt(v) for g, v in sq.items()}
 
 
-def train_step_core(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, options: GradientOptions,
-                    placement=None) -> Callable:
+def train_step_core(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    options: GradientOptions,
+    placement=None,
+) -> Callable:
     """core(state, batch, base_key) -> (state, metrics), not compiled: the batch's gradient along
     the run's gradient path (gradients.py: micro-batch accumulation, PowerSGD, float16 scaling, as
     `options` say), then the optax update. A step's dropout keys are derived from (`base_key`, step,
@@ -62,15 +67,28 @@ def train_step_core(graphdef, optimizer: optax.GradientTransformation, schedule:
     def core(state: TrainState, batch: dict, base_key: jax.Array):
         g = gradients(state, batch, jax.random.fold_in(base_key, state.step))
         updates, opt_state = optimizer.update(g.grads, state.opt_state, state.params)
-        new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state,
-                            compression=g.compression)
+        new = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            compression=g.compression,
+        )
         extra = g.metrics
         if options.scaling != "none":
-            scaler, skip, scale_metrics = advance(options.scaling, state.scaler, g.grads, g.counts,
-                                                  nnx.merge(graphdef, state.params), options.growth_every)
+            scaler, skip, scale_metrics = advance(
+                options.scaling,
+                state.scaler,
+                g.grads,
+                g.counts,
+                nnx.merge(graphdef, state.params),
+                options.growth_every,
+            )
             # a step that overflowed changes nothing but the scales and the step count
-            kept = jax.tree.map(lambda n, o: jnp.where(skip, o, n), (new.params, new.opt_state, new.compression),
-                                (state.params, state.opt_state, state.compression))
+            kept = jax.tree.map(
+                lambda n, o: jnp.where(skip, o, n),
+                (new.params, new.opt_state, new.compression),
+                (state.params, state.opt_state, state.compression),
+            )
             new = new.replace(params=kept[0], opt_state=kept[1], compression=kept[2], scaler=scaler)
             extra = {**extra, **scale_metrics}
         return new, train_metrics(g, new, schedule(state.step), extra)
@@ -83,8 +101,14 @@ def dropout_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), 2)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule, options: GradientOptions,
-                    seed: int = 0, placement=None) -> Callable:
+def make_train_step(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    options: GradientOptions,
+    seed: int = 0,
+    placement=None,
+) -> Callable:
     """step(state, batch) -> (state, metrics): `train_step_core` with the run's dropout key, from
     its `seed`, compiled. With a `dalle_ablate.parallel.Placement` the step is compiled for its
     mesh: state in and out with the placement's shardings, the batch split over data x fsdp."""
@@ -96,8 +120,12 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
 
     if placement is None:
         return jax.jit(step, donate_argnums=0)
-    return jax.jit(step, in_shardings=(placement.state, placement.batch), out_shardings=(placement.state, placement.replicated),
-                   donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(placement.state, placement.batch),
+        out_shardings=(placement.state, placement.replicated),
+        donate_argnums=0,
+    )
 
 
 def train_metrics(g: Gradients, state: TrainState, lr, extra: dict) -> dict:

@@ -56,19 +56,34 @@ def side_by_side(originals: np.ndarray, recons: np.ndarray, n: int = 8) -> np.nd
     return out
 
 
-def train_tokenizer(cfg, run_dir: Path, name: Optional[str] = None, group: Optional[str] = None,
-                    overrides: Optional[list[str]] = None) -> TokenizerResult:
+def train_tokenizer(
+    cfg, run_dir: Path, name: Optional[str] = None, group: Optional[str] = None, overrides: Optional[list[str]] = None
+) -> TokenizerResult:
     data = cfg.data
     if data.name != "shapes":
-        raise ConfigError(f"train-tokenizer fits the built-in data's image tokenizer (data=shapes); data={data.name} comes encoded")
+        raise ConfigError(
+            f"train-tokenizer fits the built-in data's image tokenizer (data=shapes); data={data.name} comes encoded"
+        )
     option = IMAGE_TOKENIZERS.get(data.tokenizer)
     scenes = scenes_key(data)
     key = option.key(data, scenes)
     trained = not tokenizer_cached(data)
-    meta = {"overrides": list(overrides or []), "git": git_commit(), "tokenizer": data.tokenizer, "tokenizer_key": key,
-            "scenes_key": scenes}
-    tracker = build_tracker(cfg.tracker, run_dir, dataclasses.asdict(cfg), meta, name=name or f"tokenizer {data.tokenizer} {key}",
-                            group=group, job_type="tokenizer")
+    meta = {
+        "overrides": list(overrides or []),
+        "git": git_commit(),
+        "tokenizer": data.tokenizer,
+        "tokenizer_key": key,
+        "scenes_key": scenes,
+    }
+    tracker = build_tracker(
+        cfg.tracker,
+        run_dir,
+        dataclasses.asdict(cfg),
+        meta,
+        name=name or f"tokenizer {data.tokenizer} {key}",
+        group=group,
+        job_type="tokenizer",
+    )
     t0, last = time.perf_counter(), [0]
 
     def log(step: int, row: dict) -> None:
@@ -82,18 +97,26 @@ def train_tokenizer(cfg, run_dir: Path, name: Optional[str] = None, group: Optio
         recons = tokenizer.decode(codes)
         parsed = accuracy(recons, specs)
         summary = {
-            "tokenizer/parser_all": parsed["all"], "tokenizer/parser_all_lo": parsed["all_lo"],
+            "tokenizer/parser_all": parsed["all"],
+            "tokenizer/parser_all_lo": parsed["all_lo"],
             "tokenizer/parser_all_hi": parsed["all_hi"],
             **{f"tokenizer/parser_{k}": parsed[k] for k in ("color", "shape", "size", "position", "count")},
             "tokenizer/valid_mse": float(((recons.astype(np.float64) - images) ** 2).mean() / 255.0**2),
             "tokenizer/valid_perplexity": perplexity(codes, tokenizer.size),
-            "tokenizer/codes_used": int(len(np.unique(codes))), "tokenizer/codebook_size": tokenizer.size,
-            "tokenizer/grid": list(tokenizer.grid), "tokenizer/valid_n": len(images), "tokenizer/trained": trained,
+            "tokenizer/codes_used": int(len(np.unique(codes))),
+            "tokenizer/codebook_size": tokenizer.size,
+            "tokenizer/grid": list(tokenizer.grid),
+            "tokenizer/valid_n": len(images),
+            "tokenizer/trained": trained,
             "wall_time": time.perf_counter() - t0,
         }
         tracker.log({k: v for k, v in summary.items() if isinstance(v, float)}, last[0])
-        tracker.log_image("tokenizer/reconstructions", side_by_side(images, recons), last[0],
-                          caption="valid renders (top) and their reconstructions (bottom)")
+        tracker.log_image(
+            "tokenizer/reconstructions",
+            side_by_side(images, recons),
+            last[0],
+            caption="valid renders (top) and their reconstructions (bottom)",
+        )
         tracker.log_summary(summary)
         tracker.finish("finished")
     return TokenizerResult(run_dir, option.path(data, scenes), trained, summary)
@@ -101,12 +124,14 @@ def train_tokenizer(cfg, run_dir: Path, name: Optional[str] = None, group: Optio
 
 def closing_lines(cfg, result: TokenizerResult) -> str:
     s = result.summary
-    return "\n".join([
-        f"{'trained' if result.trained else 'loaded'} data.tokenizer={cfg.data.tokenizer} in {s['wall_time']:.1f} s: {result.path}",
-        f"  held-out reconstructions ({s['tokenizer/valid_n']} valid renders): shapes parser all-correct "
-        f"{s['tokenizer/parser_all']:.1%} [{s['tokenizer/parser_all_lo']:.1%}, {s['tokenizer/parser_all_hi']:.1%}], "
-        f"MSE {s['tokenizer/valid_mse']:.2e}",
-        f"  codebook: perplexity {s['tokenizer/valid_perplexity']:.1f} of {s['tokenizer/codebook_size']} codes "
-        f"({s['tokenizer/codes_used']} used), grid {s['tokenizer/grid'][0]}x{s['tokenizer/grid'][1]}",
-        f"  run store {result.run_dir}",
-    ])
+    return "\n".join(
+        [
+            f"{'trained' if result.trained else 'loaded'} data.tokenizer={cfg.data.tokenizer} in {s['wall_time']:.1f} s: {result.path}",
+            f"  held-out reconstructions ({s['tokenizer/valid_n']} valid renders): shapes parser all-correct "
+            f"{s['tokenizer/parser_all']:.1%} [{s['tokenizer/parser_all_lo']:.1%}, {s['tokenizer/parser_all_hi']:.1%}], "
+            f"MSE {s['tokenizer/valid_mse']:.2e}",
+            f"  codebook: perplexity {s['tokenizer/valid_perplexity']:.1f} of {s['tokenizer/codebook_size']} codes "
+            f"({s['tokenizer/codes_used']} used), grid {s['tokenizer/grid'][0]}x{s['tokenizer/grid'][1]}",
+            f"  run store {result.run_dir}",
+        ]
+    )

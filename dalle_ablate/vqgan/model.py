@@ -117,7 +117,11 @@ class Encoder(nnx.Module):
             res = res if last else res // 2
         self.down = nnx.List(levels)
         c = cfg.ch * cfg.ch_mult[-1]
-        self.mid_block_1, self.mid_attn_1, self.mid_block_2 = ResnetBlock(c, c, rngs), AttnBlock(c, rngs), ResnetBlock(c, c, rngs)
+        self.mid_block_1, self.mid_attn_1, self.mid_block_2 = (
+            ResnetBlock(c, c, rngs),
+            AttnBlock(c, rngs),
+            ResnetBlock(c, c, rngs),
+        )
         self.norm_out, self.conv_out = _norm(c, rngs), _conv(c, cfg.z_channels, 3, rngs)
 
     def __call__(self, x):
@@ -133,12 +137,18 @@ class Decoder(nnx.Module):
         c = cfg.ch * cfg.ch_mult[-1]
         res = cfg.resolution // cfg.factor
         self.conv_in = _conv(cfg.z_channels, c, 3, rngs)
-        self.mid_block_1, self.mid_attn_1, self.mid_block_2 = ResnetBlock(c, c, rngs), AttnBlock(c, rngs), ResnetBlock(c, c, rngs)
+        self.mid_block_1, self.mid_attn_1, self.mid_block_2 = (
+            ResnetBlock(c, c, rngs),
+            AttnBlock(c, rngs),
+            ResnetBlock(c, c, rngs),
+        )
         levels = {}
         for i in reversed(range(len(cfg.ch_mult))):
             cout = cfg.ch * cfg.ch_mult[i]
             blocks = [ResnetBlock(c if j == 0 else cout, cout, rngs) for j in range(cfg.num_res_blocks + 1)]
-            attns = [AttnBlock(cout, rngs) for _ in range(cfg.num_res_blocks + 1)] if res in cfg.attn_resolutions else []
+            attns = (
+                [AttnBlock(cout, rngs) for _ in range(cfg.num_res_blocks + 1)] if res in cfg.attn_resolutions else []
+            )
             levels[i] = Level(blocks, attns, Upsample(cout, rngs) if i != 0 else None)
             c = cout
             res = res * 2 if i != 0 else res
@@ -219,8 +229,9 @@ def _torch_name(key: str) -> tuple[str, str]:
 def convert_state_dict(state_dict: dict[str, np.ndarray], cfg: VQGANConfig) -> VQGAN:
     """A VQGAN with the weights of a taming-transformers state dict (name -> array). Extra
     entries (the loss's discriminator, LPIPS) are ignored."""
-    return from_state_dict(lambda: VQGAN(cfg, nnx.Rngs(0)), state_dict, _torch_name,
-                           "a taming-transformers VQGAN with this config")
+    return from_state_dict(
+        lambda: VQGAN(cfg, nnx.Rngs(0)), state_dict, _torch_name, "a taming-transformers VQGAN with this config"
+    )
 
 
 def torch_names(model: VQGAN) -> dict[str, np.ndarray]:
@@ -237,9 +248,17 @@ def config_from_taming_yaml(path: str | Path) -> VQGANConfig:
     try:
         params = raw["model"]["params"]
         dd = params["ddconfig"]
-        return VQGANConfig(ch=dd["ch"], ch_mult=tuple(dd["ch_mult"]), num_res_blocks=dd["num_res_blocks"],
-                           attn_resolutions=tuple(dd["attn_resolutions"]), resolution=dd["resolution"],
-                           z_channels=dd["z_channels"], embed_dim=params["embed_dim"], n_embed=params["n_embed"],
-                           in_channels=dd["in_channels"], out_ch=dd["out_ch"])
+        return VQGANConfig(
+            ch=dd["ch"],
+            ch_mult=tuple(dd["ch_mult"]),
+            num_res_blocks=dd["num_res_blocks"],
+            attn_resolutions=tuple(dd["attn_resolutions"]),
+            resolution=dd["resolution"],
+            z_channels=dd["z_channels"],
+            embed_dim=params["embed_dim"],
+            n_embed=params["n_embed"],
+            in_channels=dd["in_channels"],
+            out_ch=dd["out_ch"],
+        )
     except (KeyError, TypeError) as e:
         raise ConfigError(f"--config {path}: not a taming-transformers VQGAN config (missing {e})") from e

@@ -7,7 +7,9 @@ from hydra.core.config_store import ConfigStore
 
 from dalle_ablate.launch import ray_tasks
 
-ConfigStore.instance().store(group="hydra/launcher", name="ray", node=ray_tasks.RayLauncherConf, provider="dalle-ablate")
+ConfigStore.instance().store(
+    group="hydra/launcher", name="ray", node=ray_tasks.RayLauncherConf, provider="dalle-ablate"
+)
 
 
 class RayLauncher(ray_tasks.RayLauncher):
@@ -19,8 +21,11 @@ try:
 except ImportError:  # no hydra-submitit-launcher: pip install -c constraints.txt -e '.[cluster]'
     pass
 else:
-    for name, node in (("slurm", submitit_jobs.SlurmConf), ("slurm_tpu", submitit_jobs.SlurmTpuConf),
-                       ("slurm_local", submitit_jobs.LocalConf)):
+    for name, node in (
+        ("slurm", submitit_jobs.SlurmConf),
+        ("slurm_tpu", submitit_jobs.SlurmTpuConf),
+        ("slurm_local", submitit_jobs.LocalConf),
+    ):
         ConfigStore.instance().store(group="hydra/launcher", name=name, node=node, provider="dalle-ablate")
 
     class SubmititLauncher(submitit_jobs.SubmititLauncher):

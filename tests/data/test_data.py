@@ -52,17 +52,25 @@ def test_captions_state_what_the_scene_holds(mix):
         if scene.relation:
             a, b = scene.objects[scene.relation["subject"]], scene.objects[scene.relation["object"]]
             rel = scene.relation["rel"]
-            assert {"left of": a.col < b.col, "right of": a.col > b.col, "above": a.row < b.row, "below": a.row > b.row}[rel]
+            assert {
+                "left of": a.col < b.col,
+                "right of": a.col > b.col,
+                "above": a.row < b.row,
+                "below": a.row > b.row,
+            }[rel]
             assert re.search(rel.split()[0], cap)
 
 
-@pytest.mark.parametrize("mix, low, high, expected", [
-    ("tiers", 1, 3, {"one": 1 / 4, "two": 1 / 4, "three": 1 / 4, "relation": 1 / 4}),
-    ("tiers", 2, 3, {"two": 1 / 3, "three": 1 / 3, "relation": 1 / 3}),
-    ("tiers", 2, 2, {"two": 1 / 2, "relation": 1 / 2}),
-    # counts: the object count uniform, two objects in a relation 60% of the time
-    ("counts", 1, 3, {"one": 1 / 3, "two": 0.4 / 3, "three": 1 / 3, "relation": 0.6 / 3}),
-])
+@pytest.mark.parametrize(
+    "mix, low, high, expected",
+    [
+        ("tiers", 1, 3, {"one": 1 / 4, "two": 1 / 4, "three": 1 / 4, "relation": 1 / 4}),
+        ("tiers", 2, 3, {"two": 1 / 3, "three": 1 / 3, "relation": 1 / 3}),
+        ("tiers", 2, 2, {"two": 1 / 2, "relation": 1 / 2}),
+        # counts: the object count uniform, two objects in a relation 60% of the time
+        ("counts", 1, 3, {"one": 1 / 3, "two": 0.4 / 3, "three": 1 / 3, "relation": 0.6 / 3}),
+    ],
+)
 def test_scene_mixes_draw_each_tier_at_its_share(mix, low, high, expected):
     from scipy.stats import binomtest
 
@@ -168,8 +176,14 @@ def parquet_cfg(path, **kw):
 
 def test_parquet_round_trip(parquet_dir, small_dataset):
     ds = small_dataset
-    cfg = parquet_cfg(parquet_dir / "train.parquet", valid_path=str(parquet_dir / "valid.parquet"), tokenizer_path=str(parquet_dir / "tokenizer.json"),
-                      codebook_path=str(parquet_dir / "codebook.npz"), shuffle_buffer=1, blank_caption_prob=0.0)
+    cfg = parquet_cfg(
+        parquet_dir / "train.parquet",
+        valid_path=str(parquet_dir / "valid.parquet"),
+        tokenizer_path=str(parquet_dir / "tokenizer.json"),
+        codebook_path=str(parquet_dir / "codebook.npz"),
+        shuffle_buffer=1,
+        blank_caption_prob=0.0,
+    )
     pds = ParquetDataset(cfg, text_len=24, image_len=None)
     assert pds.image_len == ds.image_len
     ids, mask, codes, caps = pds.valid
@@ -182,7 +196,9 @@ def test_parquet_round_trip(parquet_dir, small_dataset):
 
 
 def test_parquet_hash_split_and_hosts_are_disjoint_and_complete(parquet_dir):
-    cfg = parquet_cfg(parquet_dir / "train.parquet", valid_fraction=0.1, tokenizer_path=str(parquet_dir / "tokenizer.json"))
+    cfg = parquet_cfg(
+        parquet_dir / "train.parquet", valid_fraction=0.1, tokenizer_path=str(parquet_dir / "tokenizer.json")
+    )
     pds = ParquetDataset(cfg, text_len=24, image_len=None)
     f = pds.files
     train_rows = [r for r, _, _ in pds._rows(f, "train")]
@@ -204,13 +220,23 @@ def test_parquet_errors_name_file_and_row(tmp_path, parquet_dir):
     tok = str(parquet_dir / "tokenizer.json")
     good = [[1] * 64, [2] * 64, [3] * 64]
     f = _write(tmp_path / "nocol.parquet", pa.table({"caption": ["a", "b", "c"], "codes": good}))
-    with pytest.raises(ConfigError, match=re.escape(f"{f}: no column 'encoding' (columns: caption, codes); set data.encoding_column")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{f}: no column 'encoding' (columns: caption, codes); set data.encoding_column")
+    ):
         ParquetDataset(parquet_cfg(f, tokenizer_path=tok), 24, 64)
-    f = _write(tmp_path / "len.parquet", pa.table({"caption": ["a", "b", "c"], "encoding": [[1] * 64, [2] * 64, [3] * 60]}))
+    f = _write(
+        tmp_path / "len.parquet", pa.table({"caption": ["a", "b", "c"], "encoding": [[1] * 64, [2] * 64, [3] * 60]})
+    )
     with pytest.raises(ConfigError, match=re.escape(f"{f}: row 2: column 'encoding' has 60 codes, expected 64")):
         list(ParquetDataset(parquet_cfg(f, tokenizer_path=tok, valid_fraction=0.0), 24, 64)._rows([f], "train"))
-    f = _write(tmp_path / "range.parquet", pa.table({"caption": ["a", "b", "c"], "encoding": [[1] * 64, [2] * 63 + [145], [3] * 64]}))
-    with pytest.raises(ConfigError, match=re.escape(f"{f}: row 1: code 145 at position 63 is outside the codebook [0, 145) (data.image_vocab)")):
+    f = _write(
+        tmp_path / "range.parquet",
+        pa.table({"caption": ["a", "b", "c"], "encoding": [[1] * 64, [2] * 63 + [145], [3] * 64]}),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"{f}: row 1: code 145 at position 63 is outside the codebook [0, 145) (data.image_vocab)"),
+    ):
         ParquetDataset(parquet_cfg(f, tokenizer_path=tok), 24, 64)
     with pytest.raises(ConfigError, match=re.escape(f"data.path={tmp_path}/none*.parquet matches no parquet file")):
         ParquetDataset(parquet_cfg(f"{tmp_path}/none*.parquet"), 24, 64)
@@ -226,7 +252,7 @@ def _corrupt_middle(path):
     rg = meta.row_group(1).column(0)
     start = rg.dictionary_page_offset or rg.data_page_offset
     data = bytearray(path.read_bytes())
-    data[start:start + 64] = b"\xff" * 64
+    data[start : start + 64] = b"\xff" * 64
     path.write_bytes(bytes(data))
     return path
 
@@ -237,20 +263,35 @@ def _malformed(tmp_path, name):
     caps = ["a red circle", "a blue square", "a green triangle"]
     enc = pa.list_(pa.int64())
     tables = {
-        "binary_captions": pa.table({"caption": pa.array([c.encode() for c in caps], pa.binary()), "encoding": pa.array(codes, enc)}),
-        "bad_utf8": pa.table({"caption": pa.array([b"ok", b"caf\xe9", b"ok"], pa.binary()).view(pa.string()), "encoding": pa.array(codes, enc)}),
-        "null_code": pa.table({"caption": caps, "encoding": pa.array([[1] * 64, [2] * 30 + [None] + [2] * 33, [3] * 64], enc)}),
+        "binary_captions": pa.table(
+            {"caption": pa.array([c.encode() for c in caps], pa.binary()), "encoding": pa.array(codes, enc)}
+        ),
+        "bad_utf8": pa.table(
+            {
+                "caption": pa.array([b"ok", b"caf\xe9", b"ok"], pa.binary()).view(pa.string()),
+                "encoding": pa.array(codes, enc),
+            }
+        ),
+        "null_code": pa.table(
+            {"caption": caps, "encoding": pa.array([[1] * 64, [2] * 30 + [None] + [2] * 33, [3] * 64], enc)}
+        ),
         "null_list": pa.table({"caption": caps, "encoding": pa.array([[1] * 64, [2] * 64, None], enc)}),
         "float_codes": pa.table({"caption": caps, "encoding": pa.array([[1.5] * 64] * 3, pa.list_(pa.float64()))}),
         "string_codes": pa.table({"caption": caps, "encoding": pa.array([["1"] * 64] * 3, pa.list_(pa.string()))}),
         "scalar_codes": pa.table({"caption": caps, "encoding": pa.array([1, 2, 3], pa.int64())}),
         "all_blank": pa.table({"caption": pa.array([None, "", "  "], pa.string()), "encoding": pa.array(codes, enc)}),
-        "negative_code": pa.table({"caption": caps, "encoding": pa.array([[1] * 64, [2] * 64, [3] * 10 + [-1] + [3] * 53], enc)}),
+        "negative_code": pa.table(
+            {"caption": caps, "encoding": pa.array([[1] * 64, [2] * 64, [3] * 10 + [-1] + [3] * 53], enc)}
+        ),
     }
     f = tmp_path / f"{name}.parquet"
     if name == "corrupt_middle":
-        big = pa.table({"caption": [f"a red circle {i}" for i in range(3000)],
-                        "encoding": pa.array([[i % 145] * 64 for i in range(3000)], enc)})
+        big = pa.table(
+            {
+                "caption": [f"a red circle {i}" for i in range(3000)],
+                "encoding": pa.array([[i % 145] * 64 for i in range(3000)], enc),
+            }
+        )
         pq.write_table(big, str(f), row_group_size=1000)
         return _corrupt_middle(f)
     return _write(f, tables[name])
@@ -266,7 +307,7 @@ MALFORMED = {
     "scalar_codes": "{f}: column 'encoding' has type int64; expected a list of integer codes per row (data.encoding_column)",
     "negative_code": "{f}: row 2: code -1 at position 10 is outside the codebook [0, 145) (data.image_vocab)",
     "all_blank": "data.path={f}: every caption of the first 3 training rows is blank (column 'caption'); a model trained on it "
-                 "never sees text. Set data.caption_column, or data.allow_blank_captions=true to train unconditionally",
+    "never sees text. Set data.caption_column, or data.allow_blank_captions=true to train unconditionally",
     "corrupt_middle": "{f}: rows 1000..1999 (row group 1) cannot be read (corrupt file?): ",
 }
 
@@ -274,7 +315,9 @@ MALFORMED = {
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_parquet_fails_in_one_line_naming_file_row_and_column(tmp_path, parquet_dir, name):
     f = _malformed(tmp_path, name)
-    cfg = parquet_cfg(f, tokenizer_path=str(parquet_dir / "tokenizer.json"), valid_path=str(parquet_dir / "valid.parquet"))
+    cfg = parquet_cfg(
+        f, tokenizer_path=str(parquet_dir / "tokenizer.json"), valid_path=str(parquet_dir / "valid.parquet")
+    )
     with pytest.raises(ConfigError) as err:
         ParquetDataset(cfg, 24, 64)
     msg = str(err.value)
@@ -283,12 +326,28 @@ def test_malformed_parquet_fails_in_one_line_naming_file_row_and_column(tmp_path
 
 def test_blank_captions_allowed_when_asked_and_the_preflight_report(tmp_path, parquet_dir):
     f = _malformed(tmp_path, "all_blank")
-    cfg = parquet_cfg(f, tokenizer_path=str(parquet_dir / "tokenizer.json"), valid_path=str(f), allow_blank_captions=True)
+    cfg = parquet_cfg(
+        f, tokenizer_path=str(parquet_dir / "tokenizer.json"), valid_path=str(f), allow_blank_captions=True
+    )
     pds = ParquetDataset(cfg, 24, 64)
-    assert pds.info["preflight"] == {"rows": 3, "scanned": 3, "blank_captions": 1.0, "code_min": 1, "code_max": 3, "codes_used": 3}
+    assert pds.info["preflight"] == {
+        "rows": 3,
+        "scanned": 3,
+        "blank_captions": 1.0,
+        "code_min": 1,
+        "code_max": 3,
+        "codes_used": 3,
+    }
     # On real data: the counts of the file written from the shapes set.
-    pds = ParquetDataset(parquet_cfg(parquet_dir / "train.parquet", tokenizer_path=str(parquet_dir / "tokenizer.json"),
-                                     valid_path=str(parquet_dir / "valid.parquet")), 24, None)
+    pds = ParquetDataset(
+        parquet_cfg(
+            parquet_dir / "train.parquet",
+            tokenizer_path=str(parquet_dir / "tokenizer.json"),
+            valid_path=str(parquet_dir / "valid.parquet"),
+        ),
+        24,
+        None,
+    )
     codes = pq.read_table(parquet_dir / "train.parquet").column("encoding").combine_chunks().flatten().to_numpy()
     rep = pds.info["preflight"]
     assert rep["rows"] == rep["scanned"] == pq.ParquetFile(parquet_dir / "train.parquet").metadata.num_rows
@@ -306,8 +365,12 @@ def test_scene_specs_are_kept_as_json(small_dataset):
 def test_an_empty_valid_split_is_named(tmp_path, parquet_dir):
     empty = tmp_path / "valid.parquet"
     write_parquet(empty, [], np.zeros((0, 64), np.int64))
-    cfg = parquet_cfg(parquet_dir / "train.parquet", valid_path=str(empty), tokenizer_path=str(parquet_dir / "tokenizer.json"))
+    cfg = parquet_cfg(
+        parquet_dir / "train.parquet", valid_path=str(empty), tokenizer_path=str(parquet_dir / "tokenizer.json")
+    )
     with pytest.raises(ConfigError) as err:
         ParquetDataset(cfg, 24, None)
-    assert str(err.value) == (f"data.valid_path={empty}: no rows in {empty}; give a split with rows, or drop data.valid_path "
-                              "to hold out data.valid_fraction of data.path")
+    assert str(err.value) == (
+        f"data.valid_path={empty}: no rows in {empty}; give a split with rows, or drop data.valid_path "
+        "to hold out data.valid_fraction of data.path"
+    )

@@ -54,7 +54,10 @@ def test_temperature_and_kl_weight_schedules():
 
 def test_encoder_and_decoder_shapes_and_the_grid():
     assert dvae.groups(8) == 4 and dvae.groups(2) == 2
-    with pytest.raises(ConfigError, match=r"^data.patch_size=6: data.tokenizer=dvae halves the image per group, so it needs a power of 2 >= 2$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.patch_size=6: data.tokenizer=dvae halves the image per group, so it needs a power of 2 >= 2$",
+    ):
         dvae.groups(6)
     model = dvae.create(7, 4, dvae.DVAEConfig(width=4))
     images = np.random.default_rng(0).integers(0, 256, (3, 24, 24, 3), dtype=np.uint8)
@@ -81,9 +84,19 @@ def test_each_resblock_branch_enters_with_the_small_gain():
 
 
 # 16 px renders on a 4 x 4 grid: three groups to compile, not four, and 16 image tokens.
-TINY_DVAE = ["data.tokenizer=dvae", "data.image_size=16", "data.patch_size=4", "data.num_train=64", "data.num_valid=16",
-             "data.num_test=16", "data.codebook_size=16", "data.dvae.steps=4", "data.dvae.width=4", "data.dvae.batch=8",
-             "tracker=none"]
+TINY_DVAE = [
+    "data.tokenizer=dvae",
+    "data.image_size=16",
+    "data.patch_size=4",
+    "data.num_train=64",
+    "data.num_valid=16",
+    "data.num_test=16",
+    "data.codebook_size=16",
+    "data.dvae.steps=4",
+    "data.dvae.width=4",
+    "data.dvae.batch=8",
+    "tracker=none",
+]
 
 
 @pytest.mark.slow
@@ -101,9 +114,19 @@ def test_stage_1_runs_in_a_store_of_its_own_once_per_settings_then_loads_from_th
     job = tmp_path / "outputs" / "run"
     summary = json.loads((job / "tokenizer" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["tokenizer/trained"] is True
-    assert summary["tokenizer/codebook_size"] == 16 and summary["tokenizer/grid"] == [4, 4] and summary["tokenizer/valid_n"] == 16
+    assert (
+        summary["tokenizer/codebook_size"] == 16
+        and summary["tokenizer/grid"] == [4, 4]
+        and summary["tokenizer/valid_n"] == 16
+    )
     assert 1.0 <= summary["tokenizer/valid_perplexity"] <= summary["tokenizer/codes_used"] <= 16
-    assert 0.0 <= summary["tokenizer/parser_all_lo"] <= summary["tokenizer/parser_all"] <= summary["tokenizer/parser_all_hi"] <= 1.0
+    assert (
+        0.0
+        <= summary["tokenizer/parser_all_lo"]
+        <= summary["tokenizer/parser_all"]
+        <= summary["tokenizer/parser_all_hi"]
+        <= 1.0
+    )
     rows = [json.loads(x) for x in (job / "tokenizer" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "tokenizer/perplexity" in r] == [4]
     assert list((job / "tokenizer" / "media").glob("tokenizer_reconstructions_*.png"))
@@ -125,9 +148,15 @@ def test_stage_1_runs_in_a_store_of_its_own_once_per_settings_then_loads_from_th
     assert list((tmp_path / "cache" / "dvae").glob("*.npz")) == [weights]
     # any other setting of data.dvae, or of the images, is another tokenizer
     option, scenes = IMAGE_TOKENIZERS.get("dvae"), scenes_key(cfg.data)
-    others = [run_config(*TINY_DVAE, *cache, o, data=()).data for o in ("data.dvae.seed=1", "data.dvae.kl_weight=2", "data.codebook_size=32")]
-    keys = {option.key(cfg.data, scenes), *(option.key(o, scenes) for o in others),
-            option.key(cfg.data, scenes_key(run_config(*TINY_DVAE, *cache, "data.num_train=65", data=()).data))}
+    others = [
+        run_config(*TINY_DVAE, *cache, o, data=()).data
+        for o in ("data.dvae.seed=1", "data.dvae.kl_weight=2", "data.codebook_size=32")
+    ]
+    keys = {
+        option.key(cfg.data, scenes),
+        *(option.key(o, scenes) for o in others),
+        option.key(cfg.data, scenes_key(run_config(*TINY_DVAE, *cache, "data.num_train=65", data=()).data)),
+    }
     assert len(keys) == 5
 
 
@@ -139,8 +168,14 @@ def test_a_diverging_stage_1_stops_like_stage_2_and_caches_nothing(tmp_path):
     from conftest import TINY_TRAIN, run_py
     from dalle_ablate.registry import RunFailed
 
-    proc = run_py(*TINY_DVAE, f"data.cache_dir={tmp_path / 'cache'}", *TINY_TRAIN, "data.dvae.lr=1e4", "data.dvae.steps=4",
-                  cwd=tmp_path)
+    proc = run_py(
+        *TINY_DVAE,
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *TINY_TRAIN,
+        "data.dvae.lr=1e4",
+        "data.dvae.steps=4",
+        cwd=tmp_path,
+    )
     assert proc.returncode == RunFailed.DIVERGED, proc.stderr[-3000:]
     job = tmp_path / "outputs" / "run"
     rows = [json.loads(x) for x in (job / "tokenizer" / "metrics.jsonl").read_text().splitlines()]
@@ -184,13 +219,21 @@ def test_a_null_codebook_size_is_the_tokenizers_own_default():
         return abstract_sizes(cfg.data, cfg.model)["image_vocab"]
 
     # kmeans: the 145 distinct patches of the 48 px renders; dvae: room for synonyms (data/dvae.py)
-    assert (vocab(), vocab("data.tokenizer=dvae"), vocab("data.tokenizer=dvae", "data.codebook_size=64")) == (145, 512, 64)
-    with pytest.raises(ConfigError, match=r"^data.tokenizer=vqgan needs data.codebook_size: its VQGAN's codebook size \(n_embed\)$"):
+    assert (vocab(), vocab("data.tokenizer=dvae"), vocab("data.tokenizer=dvae", "data.codebook_size=64")) == (
+        145,
+        512,
+        64,
+    )
+    with pytest.raises(
+        ConfigError, match=r"^data.tokenizer=vqgan needs data.codebook_size: its VQGAN's codebook size \(n_embed\)$"
+    ):
         run_config("data.tokenizer=vqgan", "data.vqgan_path=vqgan.npz", data=())
 
 
 def test_a_bad_tokenizer_is_named_with_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"^data.tokenizer='dvea' is not a known image tokenizer; valid: dvae, kmeans, vqgan$"):
+    with pytest.raises(
+        ConfigError, match=r"^data.tokenizer='dvea' is not a known image tokenizer; valid: dvae, kmeans, vqgan$"
+    ):
         run_config("data.tokenizer=dvea")
     with pytest.raises(ConfigError, match=r"^data.tokenizer=vqgan needs data.vqgan_path"):
         run_config("data.tokenizer=vqgan")

@@ -17,7 +17,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def test_generated_references_are_current():
-    proc = subprocess.run([sys.executable, "-m", "dalle_ablate.docs", "--check"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dalle_ablate.docs", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
 
 
@@ -127,7 +129,12 @@ def test_every_run_py_command_shown_composes(page, cmd):
         if tok.startswith("-") or tok.startswith("hydra") or tok.startswith("+hydra"):
             continue
         key, sep, value = tok.partition("=")
-        if sep and not value.startswith(("[", "'[", "{")) and "," in value and not value.startswith(("glob(", "range(", "choice(", "interval(")):
+        if (
+            sep
+            and not value.startswith(("[", "'[", "{"))
+            and "," in value
+            and not value.startswith(("glob(", "range(", "choice(", "interval("))
+        ):
             value = value.split(",")[0]
         if "(" in value:  # a sweep function (choice, interval, tag, range, glob): the sweeper's
             continue
@@ -145,8 +152,9 @@ def test_every_run_py_command_shown_composes(page, cmd):
 def test_every_reference_from_code_to_a_page_or_heading_resolves():
     """`docs/x.md` in a comment or docstring names a page that exists, and `docs/x.md, "Heading"`
     (or `docs/x.md "Heading"`, `docs/x.md ("Heading"`) a heading that page has (or one it starts)."""
-    tracked = subprocess.run(["git", "ls-files", "*.py", "*.yaml", "*.toml", "*.md", ".ci/*"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py", "*.yaml", "*.toml", "*.md", ".ci/*"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     broken = []
     for f in tracked:
         if f == "tests/docs/test_docs.py":  # its own examples
@@ -157,7 +165,7 @@ def test_every_reference_from_code_to_a_page_or_heading_resolves():
             if not page.is_file():
                 broken.append(f"{f}: {m.group(1)}")
             elif heading and not any(h.startswith(_slug(heading)) for h in _anchors(page)):  # a heading's start
-                broken.append(f"{f}: {m.group(1)}, \"{heading}\"")
+                broken.append(f'{f}: {m.group(1)}, "{heading}"')
     assert broken == [], broken
 
 

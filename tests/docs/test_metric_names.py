@@ -47,7 +47,9 @@ def test_every_metric_a_short_run_writes_is_documented(tmp_path):
     keys = set()
     for line in (tmp_path / "outputs" / "run" / "run" / "metrics.jsonl").read_text().splitlines():
         keys |= set(json.loads(line))
-    assert {"train/loss", "eval/valid/loss", "perf/step_time"} <= keys and any(k.startswith("eval/pareto/") for k in keys), sorted(keys)
+    assert {"train/loss", "eval/valid/loss", "perf/step_time"} <= keys and any(
+        k.startswith("eval/pareto/") for k in keys
+    ), sorted(keys)
     names = documented_patterns()
     undocumented = sorted(k for k in keys if k not in ("step",) and not any(p.fullmatch(k) for p in names))
     assert undocumented == [], f"metrics written but not named in docs/architecture.md: {undocumented}"

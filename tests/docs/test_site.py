@@ -32,8 +32,13 @@ def site(tmp_path_factory):
         pytest.skip("no chromium (apt-get install chromium)")
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -c constraints.txt -e '.[docs]'")
     out = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)], cwd=ROOT,
-                   check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=600,
+    )
     return out
 
 
@@ -57,8 +62,11 @@ def test_the_guides_code_blocks_fit_or_scroll(site, browser):
     for page in pages:
         browser.open(page.as_uri(), WIDTH)
         blocks = browser.evaluate(CODE)
-        cut += [(page.parent.name, first) for first, content, box, overflow in blocks
-                if content > box and overflow not in ("auto", "scroll")]
+        cut += [
+            (page.parent.name, first)
+            for first, content, box, overflow in blocks
+            if content > box and overflow not in ("auto", "scroll")
+        ]
         if page.parent.name == "members":  # the block issue 53 found cut off on the right: it fits
             first, content, box, _ = blocks[0]
             assert content <= box, (first, content, box)

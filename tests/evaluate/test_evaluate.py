@@ -86,8 +86,20 @@ def test_wrong_captions_score_at_chance_and_right_ones_perfectly_on_every_tier()
     right = accuracy(images, specs, parsed)
     wrong = accuracy(images, _deranged_within_tiers(specs, 8), parsed)
     for t in TIERS:
-        keys = [k for k in (*ATTRIBUTES, *(f"{a}_if_found" for a in ATTRIBUTES), "found", "count", "relation",
-                            "relation_if_found", "relation_coverage", "all") if f"{t}/{k}" in right]
+        keys = [
+            k
+            for k in (
+                *ATTRIBUTES,
+                *(f"{a}_if_found" for a in ATTRIBUTES),
+                "found",
+                "count",
+                "relation",
+                "relation_if_found",
+                "relation_coverage",
+                "all",
+            )
+            if f"{t}/{k}" in right
+        ]
         assert all(right[f"{t}/{k}"] == 1.0 for k in keys) and right[f"{t}/unparsed"] == 0.0, (t, right)
         expect = chance(t, 5000)
         mine = [s for s in specs if tier(s) == t]
@@ -107,8 +119,16 @@ def test_wrong_captions_score_at_chance_and_right_ones_perfectly_on_every_tier()
 def test_clutter_never_raises_a_rate():
     """Nine large shapes of every colour against "a large red circle in the top left": before,
     the best of nine matched and every attribute read 1.0; extras now count as wrong checks."""
-    objs = [Obj(["circle", "square", "triangle"][i % 3], ["red", "green", "blue", "yellow", "purple", "orange"][i % 6],
-                "large", i // 3, i % 3) for i in range(9)]
+    objs = [
+        Obj(
+            ["circle", "square", "triangle"][i % 3],
+            ["red", "green", "blue", "yellow", "purple", "orange"][i % 6],
+            "large",
+            i // 3,
+            i % 3,
+        )
+        for i in range(9)
+    ]
     target = Obj("circle", "red", "large", 0, 0, ["shape", "color", "size", "position"])
     got = score(parse(render(Scene(objs, ""))), Scene([target], "a large red circle in the top left").to_dict())
     assert got["all"] == (0, 1) and got["count"] == (0, 1)
@@ -139,7 +159,9 @@ def test_every_shape_is_named_at_every_size_down_to_the_smallest_object(size):
 
     cell, cut = size / 3, np.sqrt(SIZES["small"] * SIZES["large"])
     for shape in SHAPES:
-        r = next(r for r in np.arange(1, 8, 0.125) if shape_mask_r(shape, r, size / 2, size / 2, size).sum() >= MIN_AREA)
+        r = next(
+            r for r in np.arange(1, 8, 0.125) if shape_mask_r(shape, r, size / 2, size / 2, size).sum() >= MIN_AREA
+        )
         radii = np.arange(r, 1.15 * SIZES["large"] * cell, 0.25)
         assert radii[0] < 0.8 * SIZES["small"] * cell  # well below the data's small size
         for r in radii:
@@ -153,7 +175,7 @@ def test_every_shape_is_named_at_every_size_down_to_the_smallest_object(size):
                     assert found[0].size == ("small" if r / cell < cut else "large"), (size, shape, r, found[0])
     for n in range(4, int(2 * 1.15 * SIZES["large"] * cell) + 1):
         block = np.full((size, size, 3), 255, np.uint8)
-        block[size // 2 - n // 2:size // 2 - n // 2 + n, 20:20 + n] = PALETTE["green"]
+        block[size // 2 - n // 2 : size // 2 - n // 2 + n, 20 : 20 + n] = PALETTE["green"]
         assert [(d.shape, d.color) for d in parse(block)] == [("square", "green")], (size, n)
 
 
@@ -169,17 +191,29 @@ def _malformed(size: int, frac: float) -> dict:
     white = (255, 255, 255)
     out = {
         "semicircle": lambda d, k, col: d.pieslice(box(k, -r, -r, r, r), 180, 360, fill=col),
-        "arch": lambda d, k, col: (d.rectangle(box(k, -r, -r, r, r), fill=col), d.rectangle(box(k, -r / 2.5, 0, r / 2.5, r), fill=white)),
-        "round-topped square": lambda d, k, col: (d.pieslice(box(k, -r, -r, r, r), 180, 360, fill=col),
-                                                  d.rectangle(box(k, -r, 0, r, r), fill=col)),
+        "arch": lambda d, k, col: (
+            d.rectangle(box(k, -r, -r, r, r), fill=col),
+            d.rectangle(box(k, -r / 2.5, 0, r / 2.5, r), fill=white),
+        ),
+        "round-topped square": lambda d, k, col: (
+            d.pieslice(box(k, -r, -r, r, r), 180, 360, fill=col),
+            d.rectangle(box(k, -r, 0, r, r), fill=col),
+        ),
         "bar": lambda d, k, col: d.rectangle(box(k, -r, -r / 3, r, r / 3), fill=col),
-        "L-shape": lambda d, k, col: (d.rectangle(box(k, -r, -r, -r / 3, r), fill=col), d.rectangle(box(k, -r, r / 3, r, r), fill=col)),
+        "L-shape": lambda d, k, col: (
+            d.rectangle(box(k, -r, -r, -r / 3, r), fill=col),
+            d.rectangle(box(k, -r, r / 3, r, r), fill=col),
+        ),
     }
     for deg in (45, 60, 90):
-        out[f"circle less {deg} degrees"] = lambda d, k, col, deg=deg: d.pieslice(box(k, -r, -r, r, r), deg, 360, fill=col)
+        out[f"circle less {deg} degrees"] = lambda d, k, col, deg=deg: d.pieslice(
+            box(k, -r, -r, r, r), deg, 360, fill=col
+        )
     for f in (0.3, 0.4, 0.5):
-        out[f"circle with a {f} bite"] = lambda d, k, col, f=f: (d.ellipse(box(k, -r, -r, r, r), fill=col),
-                                                                d.rectangle(box(k, r * (1 - 2 * f), -f * r, r, f * r), fill=white))
+        out[f"circle with a {f} bite"] = lambda d, k, col, f=f: (
+            d.ellipse(box(k, -r, -r, r, r), fill=col),
+            d.rectangle(box(k, r * (1 - 2 * f), -f * r, r, f * r), fill=white),
+        )
     return out
 
 
@@ -203,10 +237,14 @@ def test_malformed_shapes_and_stray_ink_are_unparsed_and_never_all_correct():
 
     for size in (48, 64):
         cell = size / 3
-        right = (lambda d, k, col: draw_shape(d, "square", 0.5 * cell * k, 0.5 * cell * k, SIZES["large"] * cell * k, col),
-                 PALETTE["red"])
-        spec = Scene([Obj("square", "red", "large", 0, 0, ["shape", "color", "size", "position"])],
-                     "a large red square in the top left").to_dict()
+        right = (
+            lambda d, k, col: draw_shape(d, "square", 0.5 * cell * k, 0.5 * cell * k, SIZES["large"] * cell * k, col),
+            PALETTE["red"],
+        )
+        spec = Scene(
+            [Obj("square", "red", "large", 0, 0, ["shape", "color", "size", "position"])],
+            "a large red square in the top left",
+        ).to_dict()
         for frac in (0.22, 0.29, 0.36):
             for name, fn in _malformed(size, frac).items():
                 parsed = parse_image(_canvas(size, (fn, PALETTE["blue"])))
@@ -231,11 +269,18 @@ def test_touching_shapes_of_different_colours_are_separated_or_unparsed():
         return lambda d, k, col: draw_shape(d, name, cx * k, cy * k, r * k, col)
 
     size = 48
-    touching = _canvas(size, (shape("square", 6, 18, 24), PALETTE["red"]), (shape("square", 3.5, 27.5, 24), PALETTE["yellow"]))
+    touching = _canvas(
+        size, (shape("square", 6, 18, 24), PALETTE["red"]), (shape("square", 3.5, 27.5, 24), PALETTE["yellow"])
+    )
     parsed = parse_image(touching)
-    assert sorted((d.color, d.shape, d.size) for d in parsed.objects) == [("red", "square", "large"), ("yellow", "square", "small")]
+    assert sorted((d.color, d.shape, d.size) for d in parsed.objects) == [
+        ("red", "square", "large"),
+        ("yellow", "square", "small"),
+    ]
     assert not parsed.unparsed
-    hidden = _canvas(size, (shape("circle", 6, 27, 24), PALETTE["yellow"]), (shape("square", 6, 18, 24), PALETTE["red"]))
+    hidden = _canvas(
+        size, (shape("circle", 6, 27, 24), PALETTE["yellow"]), (shape("square", 6, 18, 24), PALETTE["red"])
+    )
     parsed = parse_image(hidden)
     assert [(d.color, d.shape) for d in parsed.objects] == [("red", "square")] and parsed.unparsed, parsed
 
@@ -246,7 +291,9 @@ def test_colours_are_judged_by_their_blend_with_white_and_capped():
     rng = np.random.default_rng(0)
     for _ in range(40):
         red = np.clip(np.array([230, 25, 45]) + rng.integers(-15, 16, 3), 0, 255)
-        found = parse(_draw("square", tuple(int(v) for v in red), 0.3 * 64 / 3, 32 + rng.uniform(-2, 2), 32 + rng.uniform(-2, 2)))
+        found = parse(
+            _draw("square", tuple(int(v) for v in red), 0.3 * 64 / 3, 32 + rng.uniform(-2, 2), 32 + rng.uniform(-2, 2))
+        )
         assert [d.color for d in found] == ["red"], (red, found)
     for dark in ((0, 0, 0), (60, 60, 60), (120, 80, 40)):
         assert parse(_draw("circle", dark, 7.0, 32, 32)) == [], dark
@@ -269,7 +316,9 @@ def test_tiers_and_wilson_intervals():
         picked.setdefault(tier(s.to_dict()), s)
     assert set(picked) == set(TIERS)
     # the one-object and the relation scene drawn right, the other two drawn empty
-    images = np.stack([render(picked[t]) if t in ("one", "relation") else np.full((64, 64, 3), 255, np.uint8) for t in TIERS])
+    images = np.stack(
+        [render(picked[t]) if t in ("one", "relation") else np.full((64, 64, 3), 255, np.uint8) for t in TIERS]
+    )
     acc = accuracy(images, [picked[t].to_dict() for t in TIERS])
     assert [acc[f"{t}/all"] for t in TIERS] == [1.0, 0.0, 0.0, 1.0]
     assert all(acc[f"{t}/n"] == 1.0 for t in TIERS) and acc["all"] == 0.5
@@ -289,7 +338,9 @@ def test_tiers_and_wilson_intervals():
 def test_score_checks_count_relation_and_binding():
     a = Obj("circle", "red", "large", 1, 0, ["shape", "color"])
     b = Obj("square", "blue", "large", 1, 2, ["shape", "color"])
-    spec = Scene([a, b], "a red circle to the left of a blue square", {"subject": 0, "object": 1, "rel": "left of"}).to_dict()
+    spec = Scene(
+        [a, b], "a red circle to the left of a blue square", {"subject": 0, "object": 1, "rel": "left of"}
+    ).to_dict()
     assert score(parse(render(Scene([a, b], ""))), spec)["all"] == (1, 1)
     # relation flipped: objects right, relation wrong
     flipped = Scene([Obj("circle", "red", "large", 1, 2), Obj("square", "blue", "large", 1, 0)], "")
@@ -344,7 +395,9 @@ def test_sensitivity_is_the_mean_nll_rise_of_edited_captions():
 
     def nll(captions, mask, codes):
         words = lambda c: set(re.findall(r"[a-z]+", c))  # noqa: E731
-        return np.array([5.0 * len((words(c) & vocab) - words(specs[int(k)]["caption"])) for c, k in zip(captions, codes)])
+        return np.array(
+            [5.0 * len((words(c) & vocab) - words(specs[int(k)]["caption"])) for c, k in zip(captions, codes)]
+        )
 
     out = sensitivity(nll, encode, specs, np.arange(len(specs)), seed=0)
     assert min(out[f"{k}_n"] for k in KINDS) > 0, out
@@ -370,9 +423,14 @@ def test_bad_eval_config_names_the_field():
     from conftest import run_config
     from dalle_ablate.registry import ConfigError
 
-    with pytest.raises(ConfigError, match=r"eval.metrics='fidd' is not a known evaluator; valid: caption_sensitivity, clip, fid, shapes, shapes_fd"):
+    with pytest.raises(
+        ConfigError,
+        match=r"eval.metrics='fidd' is not a known evaluator; valid: caption_sensitivity, clip, fid, shapes, shapes_fd",
+    ):
         run_config("eval.metrics=[fidd]")
-    with pytest.raises(ConfigError, match=r"eval.grids='coco' is not a known prompt list; valid: drawbench, partiprompts, shapesbench"):
+    with pytest.raises(
+        ConfigError, match=r"eval.grids='coco' is not a known prompt list; valid: drawbench, partiprompts, shapesbench"
+    ):
         run_config("eval.grids=[coco]")
     with pytest.raises(ConfigError, match=r"eval.guidance_scales has \[-1.0\]; scales must be >= 0"):
         run_config("eval.guidance_scales=[1,-1]")
@@ -399,12 +457,16 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     assert len(grids) == 7
     # The run's closing lines lead with its losses and the last evaluation's headline metrics.
     summary = json.loads((store / "summary.json").read_text())
-    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6"):].splitlines()
-    assert closing[0].endswith(f"train/loss {summary['train/loss']:.4g} (first {summary['train/first_loss']:.4g}), "
-                               f"eval/valid/loss {summary['eval/valid/loss']:.4g}")
+    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6") :].splitlines()
+    assert closing[0].endswith(
+        f"train/loss {summary['train/loss']:.4g} (first {summary['train/first_loss']:.4g}), "
+        f"eval/valid/loss {summary['eval/valid/loss']:.4g}"
+    )
     col = {c: table["columns"].index(c) for c in table["columns"]}
-    cells = [f"s{r[col['scale']]:g} {r[col['shapes/all']]:.3g} [{r[col['shapes/all_lo']]:.2f}, {r[col['shapes/all_hi']]:.2f}]"
-             for r in table["rows"]]
+    cells = [
+        f"s{r[col['scale']]:g} {r[col['shapes/all']]:.3g} [{r[col['shapes/all_lo']]:.2f}, {r[col['shapes/all_hi']]:.2f}]"
+        for r in table["rows"]
+    ]
     assert closing[1] == "  shapes/all (n=8 per scale): " + ", ".join(cells)
     assert closing[2].startswith("  shapes_fd/fd (n=8 per scale): s1 ")
     assert closing[3].startswith("  caption sensitivity, nats per image: color ")
@@ -417,12 +479,12 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     assert docs_examples.closing(docs_examples.run_record(store, str(store))) == "\n".join(closing)
     # The README shows a default run's closing lines: the same lines, each led by the same words.
     readme = (ROOT / "README.md").read_text()
-    shown = readme[readme.index("    finished at step "):].split("\n\n")[0].splitlines()
+    shown = readme[readme.index("    finished at step ") :].split("\n\n")[0].splitlines()
 
     def lead(line: str) -> str:
         return re.match(r"\s*[a-z_/ ,:]*", line.strip("\n")).group()
 
-    assert [lead(x[4:]) for x in shown[:-1]] == [lead(x) for x in closing[:len(shown) - 1]]
+    assert [lead(x[4:]) for x in shown[:-1]] == [lead(x) for x in closing[: len(shown) - 1]]
     assert len(shown) == len(closing) and shown[-1].startswith("      run store ")
     # Standalone on the last checkpoint, more scales, and FID / CLIP score with weights files made
     # here: a store of its own, the same metrics at the scales both evaluated (same prompts,
@@ -435,12 +497,31 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     inception, clip = inception_file(tmp_path / "inception.npz"), clip_file(tmp_path / "clip.npz")
     Reference(np.zeros(2048), np.eye(2048), 100, file_hash(inception), RESIZE, "test").save(tmp_path / "stats.npz")
     env = {**os.environ}
-    out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(tmp_path / "outputs" / "run"),
-                          "eval.guidance_scales=[1,3,5]", "tracker=none", f"eval.metrics=[{','.join(METRICS)},fid,clip]",
-                          f"eval.fid.weights={inception}", f"eval.clip.weights={clip}", f"eval.reference={tmp_path / 'stats.npz'}",
-                          "eval.fid.batch_size=8", "trainer.progress=true", "eval.rerank=4", "eval.rerank_scorer=clip",
-                          "eval.rerank_scales=[3]"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dalle_ablate.cli",
+            "eval",
+            str(tmp_path / "outputs" / "run"),
+            "eval.guidance_scales=[1,3,5]",
+            "tracker=none",
+            f"eval.metrics=[{','.join(METRICS)},fid,clip]",
+            f"eval.fid.weights={inception}",
+            f"eval.clip.weights={clip}",
+            f"eval.reference={tmp_path / 'stats.npz'}",
+            "eval.fid.batch_size=8",
+            "trainer.progress=true",
+            "eval.rerank=4",
+            "eval.rerank_scorer=clip",
+            "eval.rerank_scales=[3]",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # The evaluation's progress bar ran to its total (sampling batches and model evaluators).
     done = re.findall(r"eval step 6: 100%\|[^|]*\| (\d+)/(\d+) ", out.stderr)
@@ -450,8 +531,9 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     col = {c: again["columns"].index(c) for c in again["columns"]}
     assert [r[col["scale"]] for r in again["rows"]] == [1.0, 3.0, 5.0]
     for before, after in zip(table["rows"], again["rows"][:2]):
-        assert {c: v for c, v in zip(table["columns"], before) if c != "run"} == \
-            {c: after[col[c]] for c in table["columns"] if c != "run"}
+        assert {c: v for c, v in zip(table["columns"], before) if c != "run"} == {
+            c: after[col[c]] for c in table["columns"] if c != "run"
+        }
     assert again["line"] == ["fid/fid", "clip/score"]
     for r in again["rows"]:
         assert r[col["fid/n"]] == r[col["clip/n"]] == 8 and r[col["fid/reference_n"]] == 100
@@ -460,7 +542,11 @@ def test_training_writes_the_pareto_table_and_eval_reevaluates_a_checkpoint(tmp_
     # best of 1, 2 and 4 draws per prompt, reranked by the CLIP scorer: never worse under it
     rerank = json.loads((ev / "tables" / "eval_rerank_6.json").read_text())
     col = {c: rerank["columns"].index(c) for c in rerank["columns"]}
-    assert [(r[col["scale"]], r[col["best_of"]], r[col["n"]]) for r in rerank["rows"]] == [(3.0, 1, 8), (3.0, 2, 8), (3.0, 4, 8)]
+    assert [(r[col["scale"]], r[col["best_of"]], r[col["n"]]) for r in rerank["rows"]] == [
+        (3.0, 1, 8),
+        (3.0, 2, 8),
+        (3.0, 4, 8),
+    ]
     scores = [r[col["rerank/score"]] for r in rerank["rows"]]
     assert scores == sorted(scores) and all(r[col["clip/n"]] == 8 for r in rerank["rows"])
     assert (ev / "media" / "eval_rerank_plot_6.png").exists()
@@ -541,10 +627,22 @@ def test_a_short_run_binds_colour_and_shape_words(tmp_path):
     from dalle_ablate.track.runstore import read_metrics
     from dalle_ablate.train.loop import JobInfo, train
 
-    cfg = run_config("trainer.steps=1000", "trainer.batch_size=32", "trainer.eval_every=1000", "trainer.save_every=1000",
-                     "data.max_objects=1", "model.d_model=128", "model.heads=4", "model.ffn_dim=344",
-                     "model.encoder_layers=2", "model.decoder_layers=2", "optim.lr=5e-4",
-                     "eval.metrics=[caption_sensitivity]", "eval.sensitivity_examples=48", "tracker=none")
+    cfg = run_config(
+        "trainer.steps=1000",
+        "trainer.batch_size=32",
+        "trainer.eval_every=1000",
+        "trainer.save_every=1000",
+        "data.max_objects=1",
+        "model.d_model=128",
+        "model.heads=4",
+        "model.ffn_dim=344",
+        "model.encoder_layers=2",
+        "model.decoder_layers=2",
+        "optim.lr=5e-4",
+        "eval.metrics=[caption_sensitivity]",
+        "eval.sensitivity_examples=48",
+        "tracker=none",
+    )
     res = train(cfg, JobInfo(tmp_path))
     got = {k: v for r in read_metrics(res.run_dir) for k, v in r.items() if k.startswith("eval/caption_sensitivity/")}
     assert got["eval/caption_sensitivity/color_n"] == 48 and got["eval/caption_sensitivity/shape_n"] == 48

@@ -29,8 +29,13 @@ def test_tf1_bilinear_resize_equals_torch_fidelitys():
     from torch_fidelity.interpolate_compat_tensorflow import interpolate_bilinear_2d_like_tensorflow1x
 
     x = images(2, 37, 50).astype(np.float32)
-    theirs = interpolate_bilinear_2d_like_tensorflow1x(torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), size=(299, 299),
-                                                       align_corners=False).numpy().transpose(0, 2, 3, 1)
+    theirs = (
+        interpolate_bilinear_2d_like_tensorflow1x(
+            torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), size=(299, 299), align_corners=False
+        )
+        .numpy()
+        .transpose(0, 2, 3, 1)
+    )
     np.testing.assert_allclose(np.asarray(inception.resize_tf1_bilinear(x, 299)), theirs, atol=1e-4, rtol=0)
 
 
@@ -51,7 +56,9 @@ def test_inception_equals_torch_fidelitys_extractor_with_the_same_weights(tmp_pa
             sd[name] = torch.randn(s.shape, generator=g) * (2.0 / np.prod(s.shape[1:])) ** 0.5
     sd["fc.weight"], sd["fc.bias"] = 0.01 * torch.randn(1008, 2048, generator=g), torch.zeros(1008)
     torch.save(sd, tmp_path / "random.pth")
-    net = tf.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(tmp_path / "random.pth"))
+    net = tf.FeatureExtractorInceptionV3(
+        "inception-v3-compat", ["2048"], feature_extractor_weights_path=str(tmp_path / "random.pth")
+    )
     for m in net.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.momentum = 1.0
@@ -75,7 +82,12 @@ def test_clip_tokenizer_equals_open_clips_on_every_shipped_prompt():
 
     ours = clip.CLIPTokenizer(clip.read_bpe(octok.default_bpe()))
     texts = [p.text for name in ("drawbench", "partiprompts", "shapesbench") for p in PROMPT_LISTS.get(name)()]
-    texts += ["a \u201cquoted\u201d caf\u00e9 &amp;amp; 12 dogs' toys!!  ", "word " * 100, "\ufb01ne \uff46\uff55\uff4c\uff4c width", ""]
+    texts += [
+        "a \u201cquoted\u201d caf\u00e9 &amp;amp; 12 dogs' toys!!  ",
+        "word " * 100,
+        "\ufb01ne \uff46\uff55\uff4c\uff4c width",
+        "",
+    ]
     np.testing.assert_array_equal(ours(texts), octok.SimpleTokenizer()(texts).numpy())
     assert ours(["word " * 100])[0, -1] == ours.eot  # truncated to 77 with end-of-text kept last
 
@@ -86,12 +98,26 @@ def test_clip_equals_open_clips_model_with_the_same_weights(tmp_path, act):
 
     ocm, octok = open_clip_modules()
     torch.manual_seed(0)
-    ref = ocm.CLIP(embed_dim=32, quick_gelu=act == "quick_gelu",
-                   vision_cfg=ocm.CLIPVisionCfg(layers=2, width=64, patch_size=16, image_size=64, head_width=32),
-                   text_cfg=ocm.CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=2, layers=2)).eval()
+    ref = ocm.CLIP(
+        embed_dim=32,
+        quick_gelu=act == "quick_gelu",
+        vision_cfg=ocm.CLIPVisionCfg(layers=2, width=64, patch_size=16, image_size=64, head_width=32),
+        text_cfg=ocm.CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=2, layers=2),
+    ).eval()
     torch.save(ref.state_dict(), tmp_path / "clip.pt")
-    main(["convert-clip", str(tmp_path / "clip.pt"), str(tmp_path / "clip.npz"), "--bpe", octok.default_bpe(),
-          "--act", act, "--head-width", "32"])
+    main(
+        [
+            "convert-clip",
+            str(tmp_path / "clip.pt"),
+            str(tmp_path / "clip.npz"),
+            "--bpe",
+            octok.default_bpe(),
+            "--act",
+            act,
+            "--head-width",
+            "32",
+        ]
+    )
     scorer = clip.CLIPScorer(tmp_path / "clip.npz", batch_size=3)
     x = images(3, 64, 80)
     captions = ["a red circle", "two blue squares left of a green triangle", "A photo of a cat &amp; a dog"]
@@ -128,7 +154,10 @@ def test_presets_have_open_clips_parameter_shapes(name, preset):
     cfg = json.loads((importlib.resources.files("open_clip") / "model_configs" / f"{name}.json").read_text())
     with torch.device("meta"):
         theirs = {k: tuple(v.shape) for k, v in ocm.CLIP(**cfg).state_dict().items() if k != "logit_scale"}
-    ours = {k: tuple(v.shape) for k, v in clip.torch_names(nnx.eval_shape(lambda: clip.CLIP(clip.PRESETS[preset], nnx.Rngs(0)))).items()}
+    ours = {
+        k: tuple(v.shape)
+        for k, v in clip.torch_names(nnx.eval_shape(lambda: clip.CLIP(clip.PRESETS[preset], nnx.Rngs(0)))).items()
+    }
     assert ours == theirs
     assert clip.config_from_state_dict({k: np.empty(s, np.int8) for k, s in theirs.items()}) == clip.PRESETS[preset]
 
@@ -161,14 +190,20 @@ def test_fid_reference_is_tagged_with_its_weights_and_checked(tmp_path):
     from dalle_ablate.evaluate.evaluators import EVALUATORS
 
     calls = []
-    ctx = SimpleNamespace(cache={"fid": {"net": net, "reference": None}}, dataset=SimpleNamespace(name="shapes"),
-                          reference_images=lambda: calls.append(1) or x)
+    ctx = SimpleNamespace(
+        cache={"fid": {"net": net, "reference": None}},
+        dataset=SimpleNamespace(name="shapes"),
+        reference_images=lambda: calls.append(1) or x,
+    )
     same, other = EVALUATORS.get("fid").fn(x, ctx), EVALUATORS.get("fid").fn(x[::-1] // 2, ctx)
     assert same["fid"] == pytest.approx(0.0, abs=1e-4 * np.trace(sigma)) and other["fid"] > 100 * abs(same["fid"])
     assert (same["n"], same["reference_n"], same["weights"], calls) == (5, 5, net.hash, [1])
     stale = Reference(ref.mu, ref.sigma, ref.n, "0123456789abcdef", ref.resize, ref.source)
-    with pytest.raises(ConfigError, match=rf"eval.reference: statistics of Inception weights 0123456789abcdef \({inception.RESIZE}\), "
-                                          rf"but eval.fid.weights is {net.hash} \({inception.RESIZE}\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"eval.reference: statistics of Inception weights 0123456789abcdef \({inception.RESIZE}\), "
+        rf"but eval.fid.weights is {net.hash} \({inception.RESIZE}\)",
+    ):
         stale.check(net)
     with pytest.raises(ConfigError, match=r"eval.fid.weights: .*clip.npz is not FID Inception weights"):
         inception.InceptionFeatures(clip_file(tmp_path / "clip.npz"))
@@ -178,9 +213,13 @@ def test_evaluators_name_their_missing_weights(tmp_path):
     # Checked with the run config, before any data is built or any weights are read.
     from conftest import run_config
 
-    with pytest.raises(ConfigError, match=r"^eval.metrics has fid but eval.fid.weights is not set: give the FID Inception"):
+    with pytest.raises(
+        ConfigError, match=r"^eval.metrics has fid but eval.fid.weights is not set: give the FID Inception"
+    ):
         run_config("eval.metrics=[fid]")
-    with pytest.raises(ConfigError, match=r"^eval.metrics has clip but eval.clip.weights is not set: give CLIP weights"):
+    with pytest.raises(
+        ConfigError, match=r"^eval.metrics has clip but eval.clip.weights is not set: give CLIP weights"
+    ):
         run_config("eval.metrics=[shapes,clip]")
     with pytest.raises(ConfigError, match=rf"^eval.clip.weights: {tmp_path}/nope.npz does not exist \(convert a CLIP"):
         run_config("eval.metrics=[clip]", f"eval.clip.weights={tmp_path}/nope.npz")

@@ -37,8 +37,12 @@ class FakeContext:
         self.prompts = [f"p{i}" for i in range(prompts)]
         self.table = np.random.default_rng(seed).normal(size=(prompts, n))
         self.dataset = SimpleNamespace(decode_images=lambda codes: codes.astype(np.float64))
-        self.cache = {"rerank": SimpleNamespace(scores=lambda images, texts: self.table.reshape(-1)[images[:, 0].astype(int)])}
-        self.evaluators = {"probe": Evaluator("samples", lambda images, ctx: {"mean_index": float(images[:, 0].mean())})}
+        self.cache = {
+            "rerank": SimpleNamespace(scores=lambda images, texts: self.table.reshape(-1)[images[:, 0].astype(int)])
+        }
+        self.evaluators = {
+            "probe": Evaluator("samples", lambda images, ctx: {"mean_index": float(images[:, 0].mean())})
+        }
         self.seen = []
 
     def sample(self, prompts, scale, repeats=1):
@@ -82,14 +86,19 @@ def test_the_contrastive_scorer_is_seeded_cached_and_retrieves_held_out_pairs(tm
 
     images, captions = scene_pairs(16, 99)
     np.testing.assert_allclose(first.scores(images, captions), again.scores(images, captions), rtol=1e-6)
-    assert ScorerConfig(seed=1).digest() != settings.digest() != ScorerConfig(steps=121, train_images=2000, batch=64,
-                                                                            held_out=256).digest()
+    assert (
+        ScorerConfig(seed=1).digest()
+        != settings.digest()
+        != ScorerConfig(steps=121, train_images=2000, batch=64, held_out=256).digest()
+    )
 
 
 def test_rerank_config_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"^eval.rerank=0 must be in \[1, inf\)"):
         run_config("eval.rerank=0")
-    with pytest.raises(ConfigError, match=r"^eval.rerank_scorer='blip' is not a known scorer; valid: clip, contrastive"):
+    with pytest.raises(
+        ConfigError, match=r"^eval.rerank_scorer='blip' is not a known scorer; valid: clip, contrastive"
+    ):
         run_config("eval.rerank=4", "eval.rerank_scorer=blip")
     with pytest.raises(ConfigError, match=r"^eval.rerank_scorer=clip but eval.clip.weights is not set"):
         run_config("eval.rerank=4", "eval.rerank_scorer=clip")

@@ -28,8 +28,10 @@ def small_model(*overrides: str, image_len: int = IMAGE_LEN):
 def text_batch(b: int, t: int = 24, seed: int = 0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, t, b)
-    return (jnp.asarray(rng.integers(4, TEXT_VOCAB, (b, t)), jnp.int32),
-            jnp.asarray(np.arange(t)[None] < lengths[:, None]))
+    return (
+        jnp.asarray(rng.integers(4, TEXT_VOCAB, (b, t)), jnp.int32),
+        jnp.asarray(np.arange(t)[None] < lengths[:, None]),
+    )
 
 
 def test_every_layout_is_covered():
@@ -98,7 +100,8 @@ def test_guided_sampling_follows_the_guided_distribution():
     want = np.asarray(jax.nn.softmax(u + s * (c - u)))[0, :IMAGE_VOCAB]
     guided = make_sampler(graphdef, 1, guided=True)
     first = jax.vmap(lambda k: guided(params, text, mask, k, blank, blank_mask, jnp.asarray(s))[0, 0])(
-        jax.random.split(jax.random.key(0), n))
+        jax.random.split(jax.random.key(0), n)
+    )
     got = np.bincount(np.asarray(first), minlength=IMAGE_VOCAB) / n
     assert got.shape == (IMAGE_VOCAB,)  # BOS and padding rows never drawn
     assert np.abs(got - want).max() < 4 * np.sqrt(want.max() / n) + 1e-3
@@ -111,8 +114,11 @@ def test_bos_and_padding_ids_are_never_sampled_even_if_their_logits_win():
     graphdef, params = nnx.split(model, nnx.Param)
     text, mask = text_batch(4)
     blank, blank_mask = text_batch(1, seed=5)
-    codes = np.asarray(make_sampler(graphdef, IMAGE_LEN, guided=True, top_p=0.9)(
-        params, text, mask, jax.random.key(0), blank, blank_mask, jnp.asarray(3.0)))
+    codes = np.asarray(
+        make_sampler(graphdef, IMAGE_LEN, guided=True, top_p=0.9)(
+            params, text, mask, jax.random.key(0), blank, blank_mask, jnp.asarray(3.0)
+        )
+    )
     assert codes.max() < IMAGE_VOCAB
 
 
@@ -154,9 +160,13 @@ def test_image_grid_puts_captions_above_framed_nearest_neighbour_images():
         r, c = divmod(k, 3)
         y, x = r * (label + ih) + label, c * iw
         # the image, each pixel repeated 3x3 (nearest neighbour), inside a grey frame
-        np.testing.assert_array_equal(grid[y + pad: y + ih - pad, x + pad: x + iw - pad], img.repeat(3, 0).repeat(3, 1))
-        frame = np.concatenate([grid[y, x: x + iw], grid[y + ih - 1, x: x + iw], grid[y: y + ih, x], grid[y: y + ih, x + iw - 1]])
+        np.testing.assert_array_equal(
+            grid[y + pad : y + ih - pad, x + pad : x + iw - pad], img.repeat(3, 0).repeat(3, 1)
+        )
+        frame = np.concatenate(
+            [grid[y, x : x + iw], grid[y + ih - 1, x : x + iw], grid[y : y + ih, x], grid[y : y + ih, x + iw - 1]]
+        )
         assert (frame == 170).all()
     for r in range(2):  # the caption band: text (dark) on white, and some text drawn
-        band = grid[r * (label + ih): r * (label + ih) + label]
+        band = grid[r * (label + ih) : r * (label + ih) + label]
         assert (band.min(-1) == band.max(-1)).all() and (band < 128).any()

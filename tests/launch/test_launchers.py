@@ -24,15 +24,30 @@ ray = pytest.importorskip("ray", reason="the cluster extra: pip install -c const
 pytest.importorskip("submitit", reason="the cluster extra: pip install -c constraints.txt -e '.[cluster]'")
 
 pytestmark = pytest.mark.slow  # end-to-end sweeps
-SWEEP = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant", "hydra/sweeper=optuna", "optim.lr=interval(1e-4,1e-2)",
-         "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", "mesh.data=2"]
+SWEEP = [
+    *SMALL_DATA,
+    *TINY_TRAIN,
+    "schedule=constant",
+    "hydra/sweeper=optuna",
+    "optim.lr=interval(1e-4,1e-2)",
+    "hydra.sweeper.sampler.seed=0",
+    "hydra.sweeper.n_trials=4",
+    "hydra.sweeper.n_jobs=2",
+    "mesh.data=2",
+]
 
 
 def sweep(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "run.py"), "-m", *SWEEP, *args, f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     one_device = {"XLA_FLAGS": ""}  # each process its own CPU device: the mesh spans the two processes
-    return subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, **one_device, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env={**os.environ, **one_device, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def stores(tmp_path: Path) -> dict[str, dict]:
@@ -51,7 +66,9 @@ def wandb_groups(trials: list[optuna.trial.FrozenTrial]) -> list[str]:
     run file; other tests' runs share WANDB_DIR."""
     from wandb_records import run_info
 
-    files = {f.stem.removeprefix("run-"): f for f in Path(os.environ["WANDB_DIR"]).glob("wandb/offline-run-*/run-*.wandb")}
+    files = {
+        f.stem.removeprefix("run-"): f for f in Path(os.environ["WANDB_DIR"]).glob("wandb/offline-run-*/run-*.wandb")
+    }
     return [run_info(files[t.user_attrs["wandb_id"]])["group"] for t in trials]
 
 
@@ -77,15 +94,24 @@ def postgres_url() -> str:
     url = os.environ.get("DALLE_ABLATE_TEST_POSTGRES")
     if not url:
         if os.environ.get("CI"):
-            pytest.fail("CI must provide a PostgreSQL server: .ci/run sets DALLE_ABLATE_TEST_POSTGRES from .ci/postgres.sh")
+            pytest.fail(
+                "CI must provide a PostgreSQL server: .ci/run sets DALLE_ABLATE_TEST_POSTGRES from .ci/postgres.sh"
+            )
         pytest.skip("no PostgreSQL server: set DALLE_ABLATE_TEST_POSTGRES (see .ci/postgres.sh)")
     return url
 
 
 def test_a_ray_sweep_on_postgresql_runs_its_trials_and_a_killed_worker_fails_only_its_trial(tmp_path, ray_cluster):
     url, name = postgres_url(), f"ray-{uuid.uuid4().hex[:8]}"
-    proc = sweep(tmp_path, "hydra/launcher=ray", "hydra.launcher.processes=2", "hydra.launcher.strategy=STRICT_SPREAD",
-                 f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}", env={"RAY_ADDRESS": ray_cluster.address})
+    proc = sweep(
+        tmp_path,
+        "hydra/launcher=ray",
+        "hydra.launcher.processes=2",
+        "hydra.launcher.strategy=STRICT_SPREAD",
+        f"hydra.sweeper.storage={url}",
+        f"hydra.sweeper.study_name={name}",
+        env={"RAY_ADDRESS": ray_cluster.address},
+    )
     killed = None
     deadline = time.time() + 300
     while killed is None and proc.poll() is None and time.time() < deadline:
@@ -116,7 +142,9 @@ def test_a_ray_sweep_on_postgresql_runs_its_trials_and_a_killed_worker_fails_onl
 
 
 def test_a_slurm_local_sweep_on_sqlite_runs_four_trials_each_a_submitit_job_of_two_tasks(tmp_path):
-    proc = sweep(tmp_path, "hydra/launcher=slurm_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10")
+    proc = sweep(
+        tmp_path, "hydra/launcher=slurm_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10"
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     study = optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
@@ -131,12 +159,24 @@ def test_a_slurm_local_sweep_on_sqlite_runs_four_trials_each_a_submitit_job_of_t
         assert t.value == json.loads((Path(t.user_attrs["run_dir"]) / "summary.json").read_text())["eval/valid/loss"]
 
 
-
 def launch_error(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, str]:
     """(exit code, stderr) of a multirun of one job through a launcher that cannot start it."""
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", *SMALL_DATA, *TINY_TRAIN, *args,
-                           f"hydra.sweep.dir={tmp_path / 'multirun'}"], cwd=tmp_path, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=120)  # a launcher that hung would fail here
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "-m",
+            *SMALL_DATA,
+            *TINY_TRAIN,
+            *args,
+            f"hydra.sweep.dir={tmp_path / 'multirun'}",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # a launcher that hung would fail here
     return proc.returncode, proc.stderr
 
 
@@ -147,15 +187,21 @@ def test_ray_at_an_address_nothing_answers_fails_at_once_in_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     assert launch_error(tmp_path, "hydra/launcher=ray", f"hydra.launcher.address={address}") == (
-        4, f"error: hydra.launcher.address={address}: no Ray cluster can be reached there (ConnectionRefusedError: [Errno "
-           "111] Connection refused); start one with `ray start --head`, or leave the address unset to start Ray on this "
-           "machine\n")
+        4,
+        f"error: hydra.launcher.address={address}: no Ray cluster can be reached there (ConnectionRefusedError: [Errno "
+        "111] Connection refused); start one with `ray start --head`, or leave the address unset to start Ray on this "
+        "machine\n",
+    )
 
 
 def test_slurm_without_slurm_and_a_zero_timeout_are_one_line(tmp_path):
     no_slurm = {"PATH": str(Path(sys.executable).parent)}  # python, and no srun
     assert launch_error(tmp_path, "hydra/launcher=slurm", env=no_slurm) == (
-        4, "error: hydra/launcher=slurm needs SLURM, and this machine has no srun on its PATH: start the sweep on a SLURM "
-           "login node, or run its jobs here with hydra/launcher=slurm_local\n")
+        4,
+        "error: hydra/launcher=slurm needs SLURM, and this machine has no srun on its PATH: start the sweep on a SLURM "
+        "login node, or run its jobs here with hydra/launcher=slurm_local\n",
+    )
     assert launch_error(tmp_path, "hydra/launcher=slurm_local", "hydra.launcher.timeout_min=0") == (
-        2, "error: hydra.launcher.timeout_min=0 must be > 0 (the minutes a job may run before it is stopped)\n")
+        2,
+        "error: hydra.launcher.timeout_min=0 must be > 0 (the minutes a job may run before it is stopped)\n",
+    )

@@ -11,9 +11,24 @@ from dalle_ablate.model.family import Family, FamilyCosts, family, members, miss
 
 
 def test_the_protocols_list_what_the_sampler_trainer_and_cost_accounting_read():
-    assert set(members(Family)) == {"bos_id", "image_vocab", "logit_rows", "encode", "start_decoding", "decode_step",
-                                    "__call__", "nll", "STACKS", "COSTS"}
-    assert set(members(FamilyCosts)) == {"forward_flops", "activation_elements", "logit_elements", "model_axis_reductions"}
+    assert set(members(Family)) == {
+        "bos_id",
+        "image_vocab",
+        "logit_rows",
+        "encode",
+        "start_decoding",
+        "decode_step",
+        "__call__",
+        "nll",
+        "STACKS",
+        "COSTS",
+    }
+    assert set(members(FamilyCosts)) == {
+        "forward_flops",
+        "activation_elements",
+        "logit_elements",
+        "model_axis_reductions",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES.names()))
@@ -23,7 +38,9 @@ def test_every_registered_family_implements_every_member(name):
     assert family(cls) is cls
     for stack, layer in cls.STACKS.items():
         assert layer.BRANCHES, stack  # per-resblock gradient scaling reads each layer's branches
-    preset = {"seq2seq": ["model=preln"], "single_stream": ["model=dalle", "model.conv_kernel=3"]}.get(name, [f"model.family={name}"])
+    preset = {"seq2seq": ["model=preln"], "single_stream": ["model=dalle", "model.conv_kernel=3"]}.get(
+        name, [f"model.family={name}"]
+    )
     model = abstract_model(resolve(run_config(*preset).model, image_len=16, image_vocab=30, text_vocab=40))
     for attribute in ("bos_id", "image_vocab", "logit_rows"):  # instance attributes: the built model has them
         assert isinstance(getattr(model, attribute), int), attribute
@@ -46,7 +63,9 @@ def test_a_family_missing_a_member_is_refused_naming_it():
         nll = seq2seq.nll
 
     assert missing(Partial, Family) == ["decode_step"]
-    with pytest.raises(TypeError, match=r"model family Partial does not provide decode_step \(model/family.py: Family\)"):
+    with pytest.raises(
+        TypeError, match=r"model family Partial does not provide decode_step \(model/family.py: Family\)"
+    ):
         family(Partial)
 
     class Costs:

@@ -25,8 +25,12 @@ def params(model) -> dict[tuple, np.ndarray]:
 # (layout, the other arm's changes): a sublayer more or less (GLU's gate, NormFormer's extra norms,
 # Swin's head scale and tau), or a bias on every dense layer, each adding parameters in the middle
 # of the construction order.
-ARMS = [("preln", dict(glu=True), dict(glu=False)), ("preln", dict(bias=False), dict(bias=True)),
-        ("preln", {}, "normformer"), ("preln", dict(head_scale=False), dict(head_scale=True))]
+ARMS = [
+    ("preln", dict(glu=True), dict(glu=False)),
+    ("preln", dict(bias=False), dict(bias=True)),
+    ("preln", {}, "normformer"),
+    ("preln", dict(head_scale=False), dict(head_scale=True)),
+]
 
 
 @pytest.mark.parametrize("layout,a,b", ARMS)
@@ -61,8 +65,10 @@ def digest(cfg, seed) -> str:
 def test_the_keys_do_not_depend_on_the_process():
     """Path hashes are blake2b, not Python's salted `hash`: another process, another hash seed, the
     same parameters."""
-    code = ("import sys; sys.path[:0] = ['tests', 'tests/model']; from test_model import tiny_model_cfg; "
-            "from test_init_keys import digest; print(digest(tiny_model_cfg('preln'), 5))")
+    code = (
+        "import sys; sys.path[:0] = ['tests', 'tests/model']; from test_model import tiny_model_cfg; "
+        "from test_init_keys import digest; print(digest(tiny_model_cfg('preln'), 5))"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

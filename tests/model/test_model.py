@@ -38,7 +38,9 @@ def batch(cfg, b=3, seed=0):
 @pytest.mark.parametrize("glu", [True, False])
 def test_every_layout_builds_forward_backward_finite(layout, norm, activation, glu):
     extra = {"swin_ln_every": 1} if layout == "swinv2" else {}  # exercise the stream norm too
-    cfg = tiny_model_cfg(layout, norm=norm, activation=activation, glu=glu, encoder_layers=1, d_model=16, ffn_dim=32, **extra)
+    cfg = tiny_model_cfg(
+        layout, norm=norm, activation=activation, glu=glu, encoder_layers=1, d_model=16, ffn_dim=32, **extra
+    )
     model = build_model(cfg, 0)
     graphdef, params = nnx.split(model, nnx.Param)
     text, mask, codes = batch(cfg)

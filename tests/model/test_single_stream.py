@@ -31,20 +31,46 @@ def seen(mask: np.ndarray) -> dict[int, set[int]]:
 #                               3 4 5
 #                               6 7 8
 def test_row_mask_sees_back_to_the_same_column_of_the_previous_row():
-    assert seen(image_pairs("row", 3, 0)) == {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 1, 2, 3}, 4: {1, 2, 3, 4},
-                                              5: {2, 3, 4, 5}, 6: {3, 4, 5, 6}, 7: {4, 5, 6, 7}, 8: {5, 6, 7, 8}}
+    assert seen(image_pairs("row", 3, 0)) == {
+        0: {0},
+        1: {0, 1},
+        2: {0, 1, 2},
+        3: {0, 1, 2, 3},
+        4: {1, 2, 3, 4},
+        5: {2, 3, 4, 5},
+        6: {3, 4, 5, 6},
+        7: {4, 5, 6, 7},
+        8: {5, 6, 7, 8},
+    }
 
 
 def test_column_mask_sees_the_earlier_tokens_of_its_column():
-    assert seen(image_pairs("column", 3, 0)) == {0: {0}, 1: {1}, 2: {2}, 3: {0, 3}, 4: {1, 4}, 5: {2, 5},
-                                                 6: {0, 3, 6}, 7: {1, 4, 7}, 8: {2, 5, 8}}
+    assert seen(image_pairs("column", 3, 0)) == {
+        0: {0},
+        1: {1},
+        2: {2},
+        3: {0, 3},
+        4: {1, 4},
+        5: {2, 5},
+        6: {0, 3, 6},
+        7: {1, 4, 7},
+        8: {2, 5, 8},
+    }
 
 
 def test_conv_mask_is_a_causal_3x3_neighbourhood_that_wraps_like_the_row_mask():
     # 4: rows 0-1, columns 0-2 up to itself; 3 (left edge) wraps to 2, the end of the row above
-    assert seen(image_pairs("conv", 3, 3)) == {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 1, 2, 3}, 4: {0, 1, 2, 3, 4},
-                                               5: {1, 2, 3, 4, 5}, 6: {2, 3, 4, 5, 6}, 7: {3, 4, 5, 6, 7},
-                                               8: {4, 5, 6, 7, 8}}
+    assert seen(image_pairs("conv", 3, 3)) == {
+        0: {0},
+        1: {0, 1},
+        2: {0, 1, 2},
+        3: {0, 1, 2, 3},
+        4: {0, 1, 2, 3, 4},
+        5: {1, 2, 3, 4, 5},
+        6: {2, 3, 4, 5, 6},
+        7: {3, 4, 5, 6, 7},
+        8: {4, 5, 6, 7, 8},
+    }
 
 
 def test_dense_mask_is_causal():
@@ -59,13 +85,22 @@ def test_stream_mask_text_is_causal_and_every_image_token_sees_all_text():
 def test_the_papers_layer_rule_and_explicit_cycles():
     assert layer_patterns("dalle", 8) == ("row", "column", "row", "row", "row", "column", "row", "conv")
     assert layer_patterns("row,conv", 3) == ("row", "conv", "row")
-    with pytest.raises(ConfigError, match=r"^model.attention_pattern='row,diag': 'diag' is not a pattern; valid: dalle"):
+    with pytest.raises(
+        ConfigError, match=r"^model.attention_pattern='row,diag': 'diag' is not a pattern; valid: dalle"
+    ):
         layer_patterns("row,diag", 3)
 
 
 def model_cfg(*overrides: str, image_len: int = 9):
-    cfg = run_config("model=dalle", "model.conv_kernel=3", "model.d_model=32", "model.heads=2", "model.ffn_dim=48",
-                     "model.text_len=6", *overrides).model
+    cfg = run_config(
+        "model=dalle",
+        "model.conv_kernel=3",
+        "model.d_model=32",
+        "model.heads=2",
+        "model.ffn_dim=48",
+        "model.text_len=6",
+        *overrides,
+    ).model
     return resolve(cfg, image_len=image_len, image_vocab=IMAGE_VOCAB, text_vocab=TEXT_VOCAB)
 
 
@@ -97,7 +132,7 @@ def test_learned_padding_changes_the_loss_only_through_the_padding_positions():
     other = jnp.where(mask, text, 7)
     np.testing.assert_allclose(loss(params, text), loss(params, other), rtol=1e-6)
     grad = jax.grad(loss)(params, text)["text_embed"]["embedding"][...]
-    pad_rows = np.abs(np.asarray(grad[TEXT_VOCAB:TEXT_VOCAB + cfg.text_len])).sum(-1)
+    pad_rows = np.abs(np.asarray(grad[TEXT_VOCAB : TEXT_VOCAB + cfg.text_len])).sum(-1)
     empty = ~np.asarray(mask).all(0)  # slots 2..5 are empty in some caption, 0 and 1 in none
     assert np.all(pad_rows[~empty] == 0) and np.all(pad_rows[empty] > 0), pad_rows
 
@@ -132,7 +167,9 @@ def test_dalle12b_has_the_papers_shapes_and_about_12_billion_parameters():
     assert n == layers * per_layer + embeddings + heads + d  # + the final norm's bias
     assert 12.2e9 < n < 12.4e9
     # docs/variants.md states the untied heads' share (issue #43: it said 131 M)
-    assert f"untied from the embeddings ({heads / 1e6:.1f} M of the total" in (ROOT / "docs" / "variants.md").read_text()
+    assert (
+        f"untied from the embeddings ({heads / 1e6:.1f} M of the total" in (ROOT / "docs" / "variants.md").read_text()
+    )
 
 
 def test_config_errors_name_the_flag():

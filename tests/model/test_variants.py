@@ -59,10 +59,25 @@ def test_init_gains_reach_exactly_the_kernels_variants_md_names(layout):
         cross = 1.0  # Magneto scales self-attention only
     e, d = model.encoder[0], model.decoder[0]
     for lin, gain in [
-        (e.attn.q, 1), (e.attn.k, 1), (e.attn.v, enc), (e.attn.o, enc), (e.ffn.wi, enc), (e.ffn.wv, enc), (e.ffn.wo, enc),
-        (d.self_attn.q, 1), (d.self_attn.k, 1), (d.self_attn.v, dec), (d.self_attn.o, dec),
-        (d.cross_attn.q, 1), (d.cross_attn.k, 1), (d.cross_attn.v, cross), (d.cross_attn.o, cross),
-        (d.ffn.wi, dec), (d.ffn.wv, dec), (d.ffn.wo, dec), (model.lm_head, 1),
+        (e.attn.q, 1),
+        (e.attn.k, 1),
+        (e.attn.v, enc),
+        (e.attn.o, enc),
+        (e.ffn.wi, enc),
+        (e.ffn.wv, enc),
+        (e.ffn.wo, enc),
+        (d.self_attn.q, 1),
+        (d.self_attn.k, 1),
+        (d.self_attn.v, dec),
+        (d.self_attn.o, dec),
+        (d.cross_attn.q, 1),
+        (d.cross_attn.k, 1),
+        (d.cross_attn.v, cross),
+        (d.cross_attn.o, cross),
+        (d.ffn.wi, dec),
+        (d.ffn.wv, dec),
+        (d.ffn.wo, dec),
+        (model.lm_head, 1),
     ]:
         assert std(lin) == pytest.approx(s * gain, rel=0.03)
     assert float(np.std(np.asarray(model.text_embed.embedding[...]))) == pytest.approx(s, rel=0.03)
@@ -134,7 +149,12 @@ def test_cosine_attention_logits_are_bounded_by_one_over_tau():
     diag = np.diagonal(same, axis1=2, axis2=3)
     assert np.allclose(diag, 1 / np.asarray(tau)[None, :, None], rtol=1e-5)
     dot = np.asarray(attention_logits(q, k))  # and the plain path is q.k / sqrt(d)
-    assert np.allclose(dot, np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64)) / 4.0, rtol=1e-5, atol=1e-3)
+    assert np.allclose(
+        dot,
+        np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64)) / 4.0,
+        rtol=1e-5,
+        atol=1e-3,
+    )
 
 
 def test_learned_tau_is_clamped():
@@ -190,7 +210,8 @@ def test_glu_at_two_thirds_width_has_the_dense_ffn_parameter_count():
     dense = tiny_model_cfg("preln", d_model=192, heads=4, ffn_dim=768, glu=False)
     glu = dataclasses.replace(dense, glu=True, ffn_dim=512)
     count = lambda cfg: sum(  # noqa: E731
-        int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract_model(cfg).encoder[0].ffn, nnx.Param)))
+        int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract_model(cfg).encoder[0].ffn, nnx.Param))
+    )
     assert count(glu) == pytest.approx(count(dense), rel=0.01)
 
 
@@ -211,14 +232,20 @@ def test_mega_parameter_count_equals_an_analytic_count():
 
 
 # -- validation -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides,message", [
-    (["model=preln", "model.swin_ln_every=6"], "model.swin_ln_every=6 conflicts with model.layout=preln"),
-    (["model=postln", "model.final_ln_decoder=true"], "model.final_ln_decoder=true conflicts with model.layout=postln"),
-    (["model=swinv2", "model.tau_init=0"], "model.tau_init=0.0 and model.tau_min=0.01 must be positive"),
-    (["model=preln", "model.learn_tau=true"], "model.learn_tau=true conflicts with model.cosine_attention=false"),
-    (["model.dropout=1.0"], "model.dropout=1.0 must be in [0, 1)"),
-    (["model.smelu_beta=-1"], "model.smelu_beta=-1.0 must be positive"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model=preln", "model.swin_ln_every=6"], "model.swin_ln_every=6 conflicts with model.layout=preln"),
+        (
+            ["model=postln", "model.final_ln_decoder=true"],
+            "model.final_ln_decoder=true conflicts with model.layout=postln",
+        ),
+        (["model=swinv2", "model.tau_init=0"], "model.tau_init=0.0 and model.tau_min=0.01 must be positive"),
+        (["model=preln", "model.learn_tau=true"], "model.learn_tau=true conflicts with model.cosine_attention=false"),
+        (["model.dropout=1.0"], "model.dropout=1.0 must be in [0, 1)"),
+        (["model.smelu_beta=-1"], "model.smelu_beta=-1.0 must be positive"),
+    ],
+)
 def test_illegal_variant_combinations_fail_before_compilation_naming_the_flags(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         run_config(*overrides)
@@ -227,8 +254,15 @@ def test_illegal_variant_combinations_fail_before_compilation_naming_the_flags(o
 # -- end to end ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["postln", "swinv2", "subln"])
 def test_layouts_train_three_steps(tmp_path, small_dataset, layout):
-    cfg = run_config(f"model={layout}", "tracker=none", "trainer.steps=3", "model.dropout=0.1",
-                     "model.attention_dropout=0.1", "model.activation_dropout=0.1", "model.scale_embedding=true")
+    cfg = run_config(
+        f"model={layout}",
+        "tracker=none",
+        "trainer.steps=3",
+        "model.dropout=0.1",
+        "model.attention_dropout=0.1",
+        "model.activation_dropout=0.1",
+        "model.scale_embedding=true",
+    )
     res = train(cfg, JobInfo(tmp_path))
     assert res.status == "finished" and math.isfinite(res.eval_loss)
 
@@ -245,8 +279,12 @@ def test_dropout_is_active_in_training_only():
 
 
 def test_describe_prints_counts_flops_and_memory_for_mega_without_allocating():
-    proc = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "describe", "model=normformer", "size=mega"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dalle_ablate.cli", "describe", "model=normformer", "size=mega"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     total = mega_normformer_count()

@@ -22,8 +22,13 @@ from dalle_ablate.registry import ConfigError
 
 @functools.lru_cache
 def _vmapped(w: int, exclude: tuple[str, ...]):
-    return jax.jit(jax.vmap(lambda g, q, e: powersgd_mean(g, PowerSGDState(q=q, error=e), list(exclude), "data", w),
-                            axis_name="data", in_axes=(0, None, 0)))
+    return jax.jit(
+        jax.vmap(
+            lambda g, q, e: powersgd_mean(g, PowerSGDState(q=q, error=e), list(exclude), "data", w),
+            axis_name="data",
+            in_axes=(0, None, 0),
+        )
+    )
 
 
 def simulate(grads: dict, state: PowerSGDState, exclude: list[str]):
@@ -31,8 +36,11 @@ def simulate(grads: dict, state: PowerSGDState, exclude: list[str]):
     w = len(next(iter(grads.values())))
     err = jax.tree.map(lambda e: e[:, None], state.error)  # each worker sees its own row as [1, ...]
     mean, new, stats = _vmapped(w, tuple(exclude))(grads, state.q, err)
-    return (jax.tree.map(lambda x: x[0], mean), PowerSGDState(q=jax.tree.map(lambda x: x[0], new.q),
-                                                             error=jax.tree.map(lambda e: e[:, 0], new.error)), stats)
+    return (
+        jax.tree.map(lambda x: x[0], mean),
+        PowerSGDState(q=jax.tree.map(lambda x: x[0], new.q), error=jax.tree.map(lambda e: e[:, 0], new.error)),
+        stats,
+    )
 
 
 def test_full_rank_gives_the_uncompressed_mean_gradient():
@@ -77,7 +85,12 @@ def test_error_feedback_makes_the_accumulated_update_unbiased_on_a_fixed_gradien
 
 
 def test_traffic_counts_factors_for_compressed_matrices_and_whole_arrays_for_the_rest():
-    params = {"w": jnp.zeros((12, 10)), "s": jnp.zeros((2, 6, 5)), "b": jnp.zeros((10,)), "text_embed": jnp.zeros((20, 6))}
+    params = {
+        "w": jnp.zeros((12, 10)),
+        "s": jnp.zeros((2, 6, 5)),
+        "b": jnp.zeros((10,)),
+        "text_embed": jnp.zeros((20, 6)),
+    }
     full = 120 + 60 + 10 + 120
     assert traffic(params, None, ["embed"]) == {"full": full, "sent": full}
     # rank 2: (12 + 10) x 2 for w, 2 x (6 + 5) x 2 for the stack; b and the embedding whole
@@ -89,8 +102,10 @@ def test_traffic_counts_factors_for_compressed_matrices_and_whole_arrays_for_the
 def test_powersgd_needs_a_data_only_mesh_and_a_positive_rank():
     with pytest.raises(ConfigError) as e:
         run_config("optim.powersgd.rank=4", "mesh.fsdp=2")
-    assert str(e.value) == ("optim.powersgd.rank=4 compresses data-parallel gradients and needs mesh.fsdp=1 and mesh.model=1 "
-                            "(got mesh.fsdp=2, mesh.model=1)")
+    assert str(e.value) == (
+        "optim.powersgd.rank=4 compresses data-parallel gradients and needs mesh.fsdp=1 and mesh.model=1 "
+        "(got mesh.fsdp=2, mesh.model=1)"
+    )
     with pytest.raises(ConfigError) as e:
         run_config("optim.powersgd.rank=0")
     assert str(e.value) == "optim.powersgd.rank=0 must be in [1, inf) or null"
@@ -99,10 +114,16 @@ def test_powersgd_needs_a_data_only_mesh_and_a_positive_rank():
 @pytest.mark.slow
 def test_on_eight_devices_powersgd_equals_the_one_device_algorithm_and_full_rank_equals_plain_training():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "powersgd_worker.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "powersgd_worker.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
     assert out["devices"] == 8
     assert out["oracle"] < 1e-5  # shard_map + psum over 8 devices vs the NumPy loop over 8 workers
     np.testing.assert_allclose(out["losses_full"], out["losses_plain"], rtol=1e-6)

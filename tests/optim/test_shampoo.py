@@ -13,7 +13,14 @@ import pytest
 from conftest import run_config
 from dalle_ablate.optim import build_optimizer, build_schedule, decay_mask
 from dalle_ablate.optim.inverse_roots import batched_inverse_roots, inverse_root
-from dalle_ablate.optim.scale_by_shampoo import gather, make_plan, merged_shape, scale_by_shampoo, scatter, shampoo_stats
+from dalle_ablate.optim.scale_by_shampoo import (
+    gather,
+    make_plan,
+    merged_shape,
+    scale_by_shampoo,
+    scatter,
+    shampoo_stats,
+)
 
 
 def np_root(a: np.ndarray, p: int, eps: float) -> np.ndarray:
@@ -26,8 +33,15 @@ def np_root(a: np.ndarray, p: int, eps: float) -> np.ndarray:
 def test_one_block_one_step_equals_the_numpy_formula_then_grafted(shape):
     rng = np.random.default_rng(0)
     g = rng.normal(size=shape).astype(np.float32)
-    tx = scale_by_shampoo(block_size=128, beta1=0.0, beta2=0.5, graft="sgd", start_preconditioning_step=0,
-                          preconditioning_every=1, matrix_eps=1e-3)
+    tx = scale_by_shampoo(
+        block_size=128,
+        beta1=0.0,
+        beta2=0.5,
+        graft="sgd",
+        start_preconditioning_step=0,
+        preconditioning_every=1,
+        matrix_eps=1e-3,
+    )
     params = {"w": jnp.zeros(shape)}
     update, _ = tx.update({"w": jnp.asarray(g)}, tx.init(params))
     g64 = g.astype(np.float64)
@@ -43,8 +57,15 @@ def test_a_vector_is_preconditioned_by_the_square_root_of_its_one_statistic():
     # sum of g g^T, and exponent 2: full-matrix AdaGrad on each block (distributed_shampoo).
     rng = np.random.default_rng(1)
     gs = [rng.normal(size=(6, 5)).astype(np.float32) for _ in range(3)]
-    tx = scale_by_shampoo(block_size=64, beta1=0.0, beta2=1.0, graft="sgd", start_preconditioning_step=0,
-                          preconditioning_every=1, matrix_eps=1e-4)
+    tx = scale_by_shampoo(
+        block_size=64,
+        beta1=0.0,
+        beta2=1.0,
+        graft="sgd",
+        start_preconditioning_step=0,
+        preconditioning_every=1,
+        matrix_eps=1e-4,
+    )
     state = tx.init({"w": jnp.zeros((6, 5))})
     for g in gs:
         update, state = tx.update({"w": jnp.asarray(g)}, state)
@@ -125,8 +146,16 @@ def test_a_nan_in_the_statistics_keeps_the_previous_root():
 def test_before_the_start_step_the_update_is_the_graft_optimizers(graft):
     rng = np.random.default_rng(1)
     params = {"w": jnp.zeros((64, 72)), "b": jnp.zeros((72,))}
-    tx = scale_by_shampoo(block_size=32, beta1=0.0, graft=graft, start_preconditioning_step=3, preconditioning_every=1,
-                          graft_beta2=0.9, graft_eps=1e-8, precondition_1d=False)
+    tx = scale_by_shampoo(
+        block_size=32,
+        beta1=0.0,
+        graft=graft,
+        start_preconditioning_step=3,
+        preconditioning_every=1,
+        graft_beta2=0.9,
+        graft_eps=1e-8,
+        precondition_1d=False,
+    )
     state = tx.init(params)
     v = {k: np.zeros(p.shape) for k, p in params.items()}
     for t in range(3):
@@ -202,7 +231,9 @@ def test_blocking_reassembles_every_parameter_exactly():
 def test_checkpointed_state_continues_with_identical_updates(tmp_path):
     from dalle_ablate.train import checkpoint
 
-    tx = scale_by_shampoo(block_size=8, start_preconditioning_step=2, preconditioning_every=2, statistics_dtype="bfloat16")
+    tx = scale_by_shampoo(
+        block_size=8, start_preconditioning_step=2, preconditioning_every=2, statistics_dtype="bfloat16"
+    )
     params = {"a": jnp.zeros((12, 6)), "b": jnp.zeros((6,))}
     rng = np.random.default_rng(5)
     grads = [{k: jnp.asarray(rng.normal(size=p.shape), jnp.float32) for k, p in params.items()} for _ in range(8)]
@@ -218,7 +249,9 @@ def test_checkpointed_state_continues_with_identical_updates(tmp_path):
     for g in grads[4:]:
         ua, a = step(g, a)
         ub, b = step(g, b)
-        assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(ua), jax.tree.leaves(ub)))
+        assert all(
+            np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(ua), jax.tree.leaves(ub))
+        )
 
 
 def test_shampoo_beats_adam_on_an_ill_conditioned_least_squares_problem():
@@ -254,8 +287,20 @@ def test_shampoo_beats_adam_on_an_ill_conditioned_least_squares_problem():
     lrs = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
     adam = min(steps_to_target(optax.adam(lr)) for lr in lrs)
     shampoo = min(
-        steps_to_target(optax.chain(scale_by_shampoo(block_size=64, beta1=0.9, beta2=1.0, graft="adagrad", start_preconditioning_step=1,
-                                                     preconditioning_every=1, moving_average_for_momentum=False), optax.scale_by_learning_rate(lr)))
+        steps_to_target(
+            optax.chain(
+                scale_by_shampoo(
+                    block_size=64,
+                    beta1=0.9,
+                    beta2=1.0,
+                    graft="adagrad",
+                    start_preconditioning_step=1,
+                    preconditioning_every=1,
+                    moving_average_for_momentum=False,
+                ),
+                optax.scale_by_learning_rate(lr),
+            )
+        )
         for lr in lrs
     )
     assert shampoo * 2.5 <= adam, (shampoo, adam)
@@ -267,8 +312,13 @@ def test_shampoo_from_config_trains_and_logs_its_stats(tmp_path, small_dataset):
 
     # merge_small_dims=0: the test model's 32 x 32 matrices stay matrices (merged into vectors
     # they would need 1024 x 1024 roots, most of this test's time).
-    cfg = run_config("optim=shampoo", "optim.start_preconditioning_step=2", "optim.preconditioning_every=2",
-                     "optim.merge_small_dims=0", "tracker=none")
+    cfg = run_config(
+        "optim=shampoo",
+        "optim.start_preconditioning_step=2",
+        "optim.preconditioning_every=2",
+        "optim.merge_small_dims=0",
+        "tracker=none",
+    )
     res = train(cfg, JobInfo(tmp_path))
     assert res.status == "finished" and np.isfinite(res.eval_loss)
     rows = [r for r in read_metrics(res.run_dir) if "optim/shampoo/preconditioned_fraction" in r]
@@ -278,24 +328,35 @@ def test_shampoo_from_config_trains_and_logs_its_stats(tmp_path, small_dataset):
     # Found inside the optimizer's chain; a fresh state has preconditioned and rejected nothing.
     opt, _ = build_optimizer(cfg.optim, cfg.schedule, 10)
     fresh = {k: float(v) for k, v in shampoo_stats(opt.init({"w": jnp.zeros((4, 4))})).items()}
-    assert fresh == {f"optim/shampoo/{k}": 0.0 for k in
-                     ("preconditioned_fraction", "failed_roots_last_refresh", "failed_root_rate", "root_error")}
+    assert fresh == {
+        f"optim/shampoo/{k}": 0.0
+        for k in ("preconditioned_fraction", "failed_roots_last_refresh", "failed_root_rate", "root_error")
+    }
     adam, _ = build_optimizer(run_config("optim=adam").optim, cfg.schedule, 10)
     assert shampoo_stats(adam.init({"w": jnp.zeros((4, 4))})) == {}
 
 
 def test_schedules_warmup_decay_cosine_and_offset():
-    cfg = run_config("schedule=cosine", "schedule.warmup_steps=10", "schedule.end_factor=0.1", "trainer.steps=110").schedule
+    cfg = run_config(
+        "schedule=cosine", "schedule.warmup_steps=10", "schedule.end_factor=0.1", "trainer.steps=110"
+    ).schedule
     s = build_schedule(cfg, 1.0, total_steps=110)
     assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5) and float(s(10)) == pytest.approx(1.0)
     assert float(s(60)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.5)), rel=1e-5)
     assert float(s(110)) == pytest.approx(0.1, rel=1e-5)
-    off = run_config("schedule=linear", "schedule.warmup_steps=10", "schedule.lr_offset=20", "trainer.steps=130").schedule
+    off = run_config(
+        "schedule=linear", "schedule.warmup_steps=10", "schedule.lr_offset=20", "trainer.steps=130"
+    ).schedule
     s = build_schedule(off, 1.0, total_steps=130)
     assert float(s(0)) == 0.0 and float(s(19)) == 0.0 and float(s(25)) == pytest.approx(0.5)
     assert float(s(30)) == pytest.approx(1.0) and float(s(130)) == pytest.approx(0.0, abs=1e-6)
-    exp = run_config("schedule=exponential", "schedule.warmup_steps=0", "schedule.transition_steps=10",
-                     "schedule.decay_rate=0.5", "schedule.staircase=true").schedule
+    exp = run_config(
+        "schedule=exponential",
+        "schedule.warmup_steps=0",
+        "schedule.transition_steps=10",
+        "schedule.decay_rate=0.5",
+        "schedule.staircase=true",
+    ).schedule
     s = build_schedule(exp, 1.0, total_steps=100)
     assert [float(s(t)) for t in (0, 9, 10, 25)] == pytest.approx([1.0, 1.0, 0.5, 0.25])
 
@@ -312,16 +373,20 @@ def test_building_shampoo_caps_the_blas_under_jaxs_eigh_and_only_it():
     scipy_dir = str(Path(scipy.__file__).resolve().parent)  # its wheel's BLAS sits in the sibling scipy.libs
     limit_lapack_threads(2)
     before = threads()
-    assert any(path.startswith(scipy_dir) for path in before) and all(n == 2 for path, n in before.items()
-                                                                      if path.startswith(scipy_dir))
+    assert any(path.startswith(scipy_dir) for path in before) and all(
+        n == 2 for path, n in before.items() if path.startswith(scipy_dir)
+    )
     try:
         build_optimizer(run_config("optim=shampoo", "optim.lapack_threads=null").optim, run_config().schedule, 10)
         assert threads() == before
         build_optimizer(run_config("optim=shampoo").optim, run_config().schedule, 10)  # the preset: 1
         after = threads()
-        assert {p: n for p, n in after.items() if p.startswith(scipy_dir)} == {p: 1 for p in before if p.startswith(scipy_dir)}
+        assert {p: n for p, n in after.items() if p.startswith(scipy_dir)} == {
+            p: 1 for p in before if p.startswith(scipy_dir)
+        }
         # NumPy's own BLAS (the data pipeline's) is not touched.
-        assert {p: n for p, n in after.items() if not p.startswith(scipy_dir)} == \
-            {p: n for p, n in before.items() if not p.startswith(scipy_dir)}
+        assert {p: n for p, n in after.items() if not p.startswith(scipy_dir)} == {
+            p: n for p, n in before.items() if not p.startswith(scipy_dir)
+        }
     finally:
         limit_lapack_threads(1)

@@ -77,13 +77,23 @@ def toy_capped_shampoo(cfg: CappedShampooConfig, lr, stack_sharding) -> optax.Gr
 def conf_dir(tmp_path: Path) -> Path:
     (tmp_path / "optim").mkdir()
     (tmp_path / "optim" / "toy_capped_shampoo.yaml").write_text(
-        "defaults:\n  - /schema/optim_toy_capped_shampoo@_here_\n  - _self_\n")
+        "defaults:\n  - /schema/optim_toy_capped_shampoo@_here_\n  - _self_\n"
+    )
     return tmp_path
 
 
 def toy_config(conf_dir: Path, *overrides: str):
-    return to_run_config(compose(f"hydra.searchpath=[file://{conf_dir}]", *SMALL_DATA, *TINY_TRAIN,
-                                 "optim=toy_capped_shampoo", "schedule=constant", "schedule.warmup_steps=0", *overrides))
+    return to_run_config(
+        compose(
+            f"hydra.searchpath=[file://{conf_dir}]",
+            *SMALL_DATA,
+            *TINY_TRAIN,
+            "optim=toy_capped_shampoo",
+            "schedule=constant",
+            "schedule.warmup_steps=0",
+            *overrides,
+        )
+    )
 
 
 def test_a_toy_option_from_this_file_is_composed_checked_and_reaches_the_record(conf_dir):

@@ -77,21 +77,47 @@ def worst_differences(start: int, graft: str, ema: bool, **ours_kw) -> tuple[lis
     x = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(64, 70)), jnp.float32)
     ours = optax.chain(
-        scale_by_shampoo(block_size=BLOCK, beta1=0.9, beta2=0.99, graft=graft, graft_eps=1e-10, matrix_eps=1e-6,
-                         preconditioning_every=EVERY, start_preconditioning_step=start, moving_average_for_momentum=ema,
-                         **ours_kw),
+        scale_by_shampoo(
+            block_size=BLOCK,
+            beta1=0.9,
+            beta2=0.99,
+            graft=graft,
+            graft_eps=1e-10,
+            matrix_eps=1e-6,
+            preconditioning_every=EVERY,
+            start_preconditioning_step=start,
+            moving_average_for_momentum=ema,
+            **ours_kw,
+        ),
         optax.scale_by_learning_rate(LR),
     )
-    graft_type = {"rmsprop_normalized": ds.GraftingType.RMSPROP_NORMALIZED, "sgd": ds.GraftingType.SGD,
-                  "adagrad": ds.GraftingType.ADAGRAD}[graft]
+    graft_type = {
+        "rmsprop_normalized": ds.GraftingType.RMSPROP_NORMALIZED,
+        "sgd": ds.GraftingType.SGD,
+        "adagrad": ds.GraftingType.ADAGRAD,
+    }[graft]
     with old_jax():
         # DALL·E Mega's call (dalle-mini tools/train/train.py), at this test's sizes and rates.
         ref = ds.distributed_shampoo(
-            LR, block_size=BLOCK, beta1=0.9, beta2=0.99, diagonal_epsilon=1e-10, matrix_epsilon=1e-6, weight_decay=0.0,
-            start_preconditioning_step=start, preconditioning_compute_steps=EVERY, statistics_compute_steps=1,
-            best_effort_shape_interpretation=True, graft_type=graft_type, nesterov=False, exponent_override=0,
-            inverse_failure_threshold=0.1, moving_average_for_momentum=ema, skip_preconditioning_dim_size_gt=4096,
-            clip_by_scaled_gradient_norm=None, precision=jax.lax.Precision.HIGHEST,
+            LR,
+            block_size=BLOCK,
+            beta1=0.9,
+            beta2=0.99,
+            diagonal_epsilon=1e-10,
+            matrix_epsilon=1e-6,
+            weight_decay=0.0,
+            start_preconditioning_step=start,
+            preconditioning_compute_steps=EVERY,
+            statistics_compute_steps=1,
+            best_effort_shape_interpretation=True,
+            graft_type=graft_type,
+            nesterov=False,
+            exponent_override=0,
+            inverse_failure_threshold=0.1,
+            moving_average_for_momentum=ema,
+            skip_preconditioning_dim_size_gt=4096,
+            clip_by_scaled_gradient_norm=None,
+            precision=jax.lax.Precision.HIGHEST,
         )
         ref_update = jax.jit(ref.update)
         ref_state = ref.init(params)
@@ -111,8 +137,13 @@ def worst_differences(start: int, graft: str, ema: bool, **ours_kw) -> tuple[lis
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "start, graft, ema",
-    [(0, "rmsprop_normalized", True), (21, "rmsprop_normalized", True), (21, "sgd", False), (0, "adagrad", False),
-     (21, "adagrad", True)],
+    [
+        (0, "rmsprop_normalized", True),
+        (21, "rmsprop_normalized", True),
+        (21, "sgd", False),
+        (0, "adagrad", False),
+        (21, "adagrad", True),
+    ],
 )
 def test_updates_match_distributed_shampoo_step_for_step(start, graft, ema):
     worst, u, g = worst_differences(start, graft, ema)

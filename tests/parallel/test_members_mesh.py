@@ -18,20 +18,28 @@ from conftest import ROOT
 WORKER = str(Path(__file__).resolve().parents[1] / "members_worker.py")
 SEEDS = list(range(8))
 # (a) every member on its own device; (b) members x data: each member's batch split over 2 devices.
-JOBS = {"a": ["seeds=[0,1,2,3,4,5,6,7]", "mesh.member=8", "mesh.data=1"],
-        "b": ["seeds=[0,1,2,3]", "mesh.member=4", "mesh.data=2"]}
+JOBS = {
+    "a": ["seeds=[0,1,2,3,4,5,6,7]", "mesh.member=8", "mesh.data=1"],
+    "b": ["seeds=[0,1,2,3]", "mesh.member=4", "mesh.data=2"],
+}
 
 
 def start(n_devices: int, out: Path, kind: str, jobs: dict) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}"}
-    return subprocess.Popen([sys.executable, WORKER, str(out), kind, json.dumps(jobs)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, WORKER, str(out), kind, json.dumps(jobs)],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def result(proc: subprocess.Popen) -> dict:
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
-    return json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    return json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
 
 
 def logged(run_dir, key: str) -> list[tuple[int, float]]:
@@ -77,7 +85,9 @@ def test_members_on_a_member_mesh_axis_match_their_separate_runs(tmp_path, small
                 mine, theirs = logged(run_dir, key), logged(ref["run_dir"], key)
                 assert [s for s, _ in mine] == [s for s, _ in theirs] == ([1, 2, 3] if key.startswith("train") else [3])
                 assert [v for _, v in mine] == pytest.approx([v for _, v in theirs], abs=1e-5), (name, k, key)
-                worst[name, key] = max([worst.get((name, key), 0.0)] + [abs(a - b) for (_, a), (_, b) in zip(mine, theirs)])
+                worst[name, key] = max(
+                    [worst.get((name, key), 0.0)] + [abs(a - b) for (_, a), (_, b) in zip(mine, theirs)]
+                )
             assert eval_loss == pytest.approx(ref["eval_loss"], abs=1e-5)
             assert (Path(run_dir) / "checkpoints" / "3").is_dir()
         # Not one member trained n times: the members' losses differ.

@@ -30,11 +30,17 @@ EXPECTED_RULES = {"vocab": "model", "embed": "fsdp", "heads": "model", "mlp": "m
 
 def worker(n_devices: int, meshes: list[list[int]], optims: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "mesh_worker.py"), json.dumps(meshes), optims],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "mesh_worker.py"), json.dumps(meshes), optims],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def expected_spec(logical, shape, sizes: dict[str, int]) -> list:
@@ -64,7 +70,9 @@ def test_every_mesh_gives_the_one_device_losses_and_places_parameters_by_the_rul
     results = worker(8, MESHES, "adam,shampoo")
     model = worker_model()
     logical = jax.tree_util.tree_flatten_with_path(
-        nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param))), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+        nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param))),
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )[0]
     shapes = [x.shape for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
     for mesh in MESHES:
         sizes = dict(zip(("data", "fsdp", "model"), mesh))
@@ -100,7 +108,8 @@ def test_mesh_sizes_must_multiply_to_the_device_count():
     with pytest.raises(ConfigError) as e:
         mesh_shape(mesh, 8)
     assert str(e.value) == (
-        "mesh.data x mesh.fsdp x mesh.model = 2 x 2 x 3 = 12, but there are 8 devices; make the product 8 or set one axis to -1")
+        "mesh.data x mesh.fsdp x mesh.model = 2 x 2 x 3 = 12, but there are 8 devices; make the product 8 or set one axis to -1"
+    )
     assert mesh_shape(SimpleNamespace(data=-1, fsdp=2, model=2), 8) == (2, 2, 2)
     with pytest.raises(ConfigError, match=r"the fixed axes \(3 devices\) do not divide the 8 devices"):
         mesh_shape(SimpleNamespace(data=-1, fsdp=1, model=3), 8)
@@ -114,7 +123,10 @@ def test_batch_must_divide_over_data_and_fsdp():
     trainer = SimpleNamespace(batch_size=12, grad_accum=1)
     with pytest.raises(ConfigError) as e:
         check_batch(trainer, (2, 4, 1))
-    assert str(e.value) == "trainer.batch_size=12 is not divisible by the data-parallel size mesh.data x mesh.fsdp = 2 x 4 = 8"
+    assert (
+        str(e.value)
+        == "trainer.batch_size=12 is not divisible by the data-parallel size mesh.data x mesh.fsdp = 2 x 4 = 8"
+    )
     with pytest.raises(ConfigError, match=r"trainer.batch_size / trainer.grad_accum=4 is not divisible"):
         check_batch(SimpleNamespace(batch_size=16, grad_accum=4), (8, 1, 1))
     check_batch(SimpleNamespace(batch_size=16, grad_accum=2), (8, 1, 1))
@@ -124,14 +136,18 @@ def test_a_dimension_not_divisible_by_its_mesh_axis_names_the_parameter():
     model = abstract_model(resolve(run_config("model.heads=4", "model.head_scale=true").model, 16, 50, 40))
     state = nnx.state(model, nnx.Param)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
-    with pytest.raises(ConfigError, match=r"parameter .*head_scale.* \(4,\): its 'heads' dimension 4 is not divisible by mesh.model=8"):
+    with pytest.raises(
+        ConfigError, match=r"parameter .*head_scale.* \(4,\): its 'heads' dimension 4 is not divisible by mesh.model=8"
+    ):
         param_specs(logical, nnx.to_pure_dict(state), {"data": 1, "fsdp": 1, "model": 8})
 
 
 def test_a_parameter_without_a_rule_is_named():
     shapes = {"enc": {"w": jax.ShapeDtypeStruct((4, 6), "float32")}}
     with pytest.raises(ConfigError, match=r"parameter enc/w: logical axis 'channels' matches no rule"):
-        param_specs({"enc": {"w": jax.sharding.PartitionSpec("embed", "channels")}}, shapes, {"data": 1, "fsdp": 2, "model": 2})
+        param_specs(
+            {"enc": {"w": jax.sharding.PartitionSpec("embed", "channels")}}, shapes, {"data": 1, "fsdp": 2, "model": 2}
+        )
     with pytest.raises(ConfigError, match=r"parameter enc/w \(4, 6\) has logical axes \(\); every dimension needs one"):
         param_specs({"enc": {"w": jax.sharding.PartitionSpec()}}, shapes, {"data": 1, "fsdp": 2, "model": 2})
 
@@ -140,8 +156,11 @@ def test_plan_for_mega_on_32_by_8_matches_an_analytic_per_device_count():
     from dalle_ablate.parallel.plan import memory_plan
     from dalle_ablate.train.assembly import abstract_run
 
-    cfg = to_run_config(compose("size=mega", "model=normformer", "optim=adam", "mesh.data=32", "mesh.model=8",
-                                "trainer.batch_size=4224"))
+    cfg = to_run_config(
+        compose(
+            "size=mega", "model=normformer", "optim=adam", "mesh.data=32", "mesh.model=8", "trainer.batch_size=4224"
+        )
+    )
     mcfg, opt = abstract_run(cfg)
     got = memory_plan(cfg, mcfg, opt)
     # Written out from the architecture: matrices, vocabularies and the FFN's mid norm (its
@@ -173,7 +192,9 @@ def forward_flops(c) -> int:
     """Matmul FLOPs of one forward pass, written out again for the plan test."""
     d, f, t, i, v = c.d_model, c.ffn_dim, c.text_len, c.image_len, -(-(c.image_vocab + 1) // 8) * 8
     enc = c.encoder_layers * (4 * t * d * d + 2 * t * t * d + 3 * t * d * f)
-    dec = c.decoder_layers * (4 * i * d * d + 2 * i * i * d + 2 * i * d * d + 2 * t * d * d + 2 * i * t * d + 3 * i * d * f)
+    dec = c.decoder_layers * (
+        4 * i * d * d + 2 * i * i * d + 2 * i * d * d + 2 * t * d * d + 2 * i * t * d + 3 * i * d * f
+    )
     return 2 * (enc + dec + i * d * v)
 
 
@@ -182,8 +203,11 @@ def test_plan_says_which_remat_fits_a_device_and_its_step_time():
     from dalle_ablate.parallel.plan import memory_plan, plan
     from dalle_ablate.train.assembly import abstract_run
 
-    cfg = to_run_config(compose("size=mega", "model=normformer", "optim=adam", "mesh.data=32", "mesh.model=8",
-                                "trainer.batch_size=4224"))
+    cfg = to_run_config(
+        compose(
+            "size=mega", "model=normformer", "optim=adam", "mesh.data=32", "mesh.model=8", "trainer.batch_size=4224"
+        )
+    )
     mcfg, opt = abstract_run(cfg)
     m = memory_plan(cfg, mcfg, opt)
     fixed = 2 * m["param_bytes"] + m["optimizer_bytes"]
@@ -193,7 +217,9 @@ def test_plan_says_which_remat_fits_a_device_and_its_step_time():
         over = fixed + act - 16 * 2**30
         assert ("does not fit" in line) == (over > 0), line
         if over > 0:
-            assert f"({over / 2**30:.2f} GiB over 16.00 GiB)" in line or f"({over / 2**20:.2f} MiB over 16.00 GiB)" in line
+            assert (
+                f"({over / 2**30:.2f} GiB over 16.00 GiB)" in line or f"({over / 2**20:.2f} MiB over 16.00 GiB)" in line
+            )
     # Full remat: 16.1 GiB, just over a v3 core's 16 GiB; a v4 chip's 32 GiB holds it.
     assert "tpu-v3: does not fit" in text.split("total, remat=full")[1].splitlines()[0]
     assert "tpu-v4: fits" in plan(cfg, mcfg, opt, device="tpu-v4").split("total, remat=full")[1].splitlines()[0]
@@ -207,15 +233,42 @@ def test_plan_says_which_remat_fits_a_device_and_its_step_time():
 
 
 def test_plan_verb_prints_the_table_without_devices():
-    proc = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "plan", "size=mega", "optim=shampoo", "mesh.data=32",
-                           "mesh.model=8", "trainer.batch_size=4224"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dalle_ablate.cli",
+            "plan",
+            "size=mega",
+            "optim=shampoo",
+            "mesh.data=32",
+            "mesh.model=8",
+            "trainer.batch_size=4224",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "(256 devices)" in proc.stdout and "parameters 2,586,906,624" in proc.stdout
-    for row in ("optimizer state", "activations, remat=none", "activations, remat=full", "activations, remat=dots_saveable",
-                "over data (32)", "over model (8)", "checkpoint size"):
+    for row in (
+        "optimizer state",
+        "activations, remat=none",
+        "activations, remat=full",
+        "activations, remat=dots_saveable",
+        "over data (32)",
+        "over model (8)",
+        "checkpoint size",
+    ):
         assert row in proc.stdout
-    helped = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "plan", "--help"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    helped = subprocess.run(
+        [sys.executable, "-m", "dalle_ablate.cli", "plan", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert helped.returncode == 0
     for text in ("--device", "tpu-v3", "h100", "--mfu", "mesh.fsdp=", "trainer.grad_accum=", "model.dtype="):
         assert text in helped.stdout, text
@@ -240,18 +293,35 @@ def test_two_processes_reproduce_the_single_process_run_and_only_process_0_write
     def result(proc) -> dict:
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-3000:]
-        return json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+        return json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
 
-    single = subprocess.Popen([sys.executable, script, str(tmp_path / "single")], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    single = subprocess.Popen(
+        [sys.executable, script, str(tmp_path / "single")],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
     reference = result(single)
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, script, str(tmp_path / "multi")], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-                                   "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
-                                   "JAX_PROCESS_ID": str(i)}) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(tmp_path / "multi")],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={
+                **base,
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i),
+            },
+        )
+        for i in range(2)
+    ]
     multi = [result(p) for p in procs]
     assert [(m["process"], m["processes"], m["devices"]) for m in multi] == [(0, 2, 8), (1, 2, 8)]
     assert reference["devices"] == 8 and reference["status"] == "finished"
@@ -270,11 +340,21 @@ def test_run_py_trains_shampoo_on_a_2x2x2_mesh(tmp_path, monkeypatch):
     from conftest import SMALL_DATA, TINY_TRAIN, run_py
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    proc = run_py("mesh.data=2", "mesh.fsdp=2", "mesh.model=2", "optim=shampoo", "optim.start_preconditioning_step=2",
-                  # d_model=32: merged into vectors (the reference's merge_small_dims), its 32 x 32
-                  # matrices would need 1024 x 1024 roots on 8 fake devices sharing two cores.
-                  "optim.preconditioning_every=2", "optim.merge_small_dims=0", "tracker=none", *SMALL_DATA, *TINY_TRAIN,
-                  cwd=tmp_path)
+    proc = run_py(
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.model=2",
+        "optim=shampoo",
+        "optim.start_preconditioning_step=2",
+        # d_model=32: merged into vectors (the reference's merge_small_dims), its 32 x 32
+        # matrices would need 1024 x 1024 roots on 8 fake devices sharing two cores.
+        "optim.preconditioning_every=2",
+        "optim.merge_small_dims=0",
+        "tracker=none",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "outputs" / "run" / "run" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 6
@@ -286,4 +366,5 @@ def test_a_bad_mesh_is_one_error_line_before_anything_runs(tmp_path):
     proc = run_py("mesh.data=2", "mesh.model=3", cwd=tmp_path, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: mesh.data x mesh.fsdp x mesh.model = 2 x 1 x 3 = 6, but there are 1 devices; make the product 1 or set one axis to -1")
+        "error: mesh.data x mesh.fsdp x mesh.model = 2 x 1 x 3 = 6, but there are 1 devices; make the product 1 or set one axis to -1"
+    )

@@ -64,9 +64,25 @@ def write_store(root: Path, arm: str, seed: int, final: float) -> None:
 
 
 def study_file(tmp_path: Path, **changes) -> Path:
-    spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "base",
-            "findings": [{"id": i, "claim": f"claim {i}", "arm": a, "against": b, "metric": "eval_loss", "expect": e,
-                          **({"margin": m} if m else {})} for i, a, b, e, m, _ in FINDINGS]}
+    spec = {
+        "name": "synthetic",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "base",
+        "findings": [
+            {
+                "id": i,
+                "claim": f"claim {i}",
+                "arm": a,
+                "against": b,
+                "metric": "eval_loss",
+                "expect": e,
+                **({"margin": m} if m else {}),
+            }
+            for i, a, b, e, m, _ in FINDINGS
+        ],
+    }
     spec.update(changes)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -106,16 +122,26 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
         assert r["rho"] == pytest.approx(np.corrcoef(x, y)[0, 1])
         p_zero.append(test.pvalue)
         side = "greater" if (x - y).mean() > 0 else "less"  # beyond Δ on the side the difference lies, both sides open
-        p_beyond.append(min(1.0, 2 * st.ttest_rel(x, y + (delta if side == "greater" else -delta), alternative=side).pvalue))
+        p_beyond.append(
+            min(1.0, 2 * st.ttest_rel(x, y + (delta if side == "greater" else -delta), alternative=side).pvalue)
+        )
         p_tost.append(ttost_paired(x, y, -delta, delta)[0])
         assert r["p_zero"] == pytest.approx(p_zero[-1]) and r["p_tost"] == pytest.approx(p_tost[-1])
         assert r["p_beyond"] == pytest.approx(p_beyond[-1])
     zero, beyond, tost = (multipletests(p, 0.05, method="holm")[0] for p in (p_zero, p_beyond, p_tost))
     for i, (r, f) in enumerate(zip(rows, FINDINGS)):
         d, side = r["diff"], 1 if f[3] == "higher" else -1
-        want = ("no meaningful effect (equivalent within ±Δ)" if tost[i] else
-                "contradicted (reversed)" if zero[i] and np.sign(d) != side else
-                "reproduced" if zero[i] and beyond[i] else "reproduced, possibly smaller than Δ" if zero[i] else "not resolved")
+        want = (
+            "no meaningful effect (equivalent within ±Δ)"
+            if tost[i]
+            else "contradicted (reversed)"
+            if zero[i] and np.sign(d) != side
+            else "reproduced"
+            if zero[i] and beyond[i]
+            else "reproduced, possibly smaller than Δ"
+            if zero[i]
+            else "not resolved"
+        )
         assert r["verdict"].startswith(want)
     # seeds-needed of the unresolved finding: from its own noise and margin, statsmodels' power for
     # a paired t test at Holm's first step, 80 %
@@ -123,16 +149,26 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     effect = noisy["margin"] / np.std(np.array(ARMS["noisy"]) - ARMS["base"], ddof=1)
     assert noisy["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / k, 0.8))
     summary = sections[0]
-    assert (f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
-            "(equivalent within ±Δ), 1 contradicted (reversed), 1 not resolved.") in summary.text
+    assert (
+        f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
+        "(equivalent within ±Δ), 1 contradicted (reversed), 1 not resolved."
+    ) in summary.text
     assert "provenance line" in next(s for s in sections if s.key == "method").text
     # the verdict, its seeds apart and without the gloss on ±Δ
-    assert [row[2] for row in summary.tables[0][1]] == [f[5].split(":")[0].removesuffix(" (equivalent within ±Δ)")
-                                                        for f in FINDINGS]
+    assert [row[2] for row in summary.tables[0][1]] == [
+        f[5].split(":")[0].removesuffix(" (equivalent within ±Δ)") for f in FINDINGS
+    ]
     full = next(s for s in sections if s.key == "claims").tables[0]
     assert full[0][-1] == "verdict" and [row[-1] for row in full[1]] == [f[5] for f in FINDINGS]
     # over training: the one evaluation of these stores is the end, judged as the end is
-    assert [row[-2] for row in full[1]] == ["1 / 0 of 1", "0 / 1 of 1", "1 / 0 of 1", "0 / 0 of 1", "0 / 0 of 1", "1 / 0 of 1"]
+    assert [row[-2] for row in full[1]] == [
+        "1 / 0 of 1",
+        "0 / 1 of 1",
+        "1 / 0 of 1",
+        "0 / 0 of 1",
+        "0 / 0 of 1",
+        "1 / 0 of 1",
+    ]
     # the noise floor: the baseline's own spread, the least and most spread arms and the seed's share
     # (ANOVA mean squares of loss ~ arm + seed)
     frame = pd.DataFrame([{"y": v, "arm": a, "seed": s} for a, vs in ARMS.items() for s, v in enumerate(vs)])
@@ -141,8 +177,19 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     sds = {a: np.std(v, ddof=1) for a, v in ARMS.items()}
     noise = next(t for t in next(s for s in sections if s.key == "noise").all_tables() if t[0][0] == "metric")[1]
     least, most = min(sds, key=sds.get), max(sds, key=sds.get)
-    assert noise == [["eval_loss", "nats per image token", pytest.approx(sds["base"]), 3, least, pytest.approx(sds[least]), most,
-                      pytest.approx(sds[most]), pytest.approx(seed_var / (seed_var + fit.mse_resid))]]
+    assert noise == [
+        [
+            "eval_loss",
+            "nats per image token",
+            pytest.approx(sds["base"]),
+            3,
+            least,
+            pytest.approx(sds[least]),
+            most,
+            pytest.approx(sds[most]),
+            pytest.approx(seed_var / (seed_var + fit.mse_resid)),
+        ]
+    ]
     topup = next(s for s in sections if s.key == "topup")
     assert f"Now 3 seeds per arm at most; the rule asks for {max(r['needed'] for r in rows)}." in topup.text
 
@@ -153,15 +200,34 @@ def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):
     for arm in ("base", "worse"):
         for seed, final in enumerate(ARMS[arm]):
             write_store(tmp_path / "runs", arm, seed, final)
-    study = load_study(study_file(tmp_path, findings=[
-        {"id": "x", "claim": "c", "arm": "worse", "against": "base", "metric": "loss_spikes", "expect": "higher",
-         "margin": "0.5"}]))
-    by_arm = {a: [r for r in load_runs(str(tmp_path / "runs")) if f"+arm={a}" in r.meta["overrides"]]
-              for a in ("base", "worse")}
-    rows = compare(study, by_arm, extra={"loss_spikes": {"base": {0: 1.0, 1: 2.0, 2: 0.0}, "worse": {0: 5.0, 1: 6.5, 2: 4.0}}})
+    study = load_study(
+        study_file(
+            tmp_path,
+            findings=[
+                {
+                    "id": "x",
+                    "claim": "c",
+                    "arm": "worse",
+                    "against": "base",
+                    "metric": "loss_spikes",
+                    "expect": "higher",
+                    "margin": "0.5",
+                }
+            ],
+        )
+    )
+    by_arm = {
+        a: [r for r in load_runs(str(tmp_path / "runs")) if f"+arm={a}" in r.meta["overrides"]]
+        for a in ("base", "worse")
+    }
+    rows = compare(
+        study, by_arm, extra={"loss_spikes": {"base": {0: 1.0, 1: 2.0, 2: 0.0}, "worse": {0: 5.0, 1: 6.5, 2: 4.0}}}
+    )
     d = np.array([5.0, 6.5, 4.0]) - np.array([1.0, 2.0, 0.0])
     ci = st.ttest_rel([5.0, 6.5, 4.0], [1.0, 2.0, 0.0]).confidence_interval(0.95)
-    assert rows[0]["diff"] == pytest.approx(d.mean()) and (rows[0]["low"], rows[0]["high"]) == pytest.approx((ci.low, ci.high))
+    assert rows[0]["diff"] == pytest.approx(d.mean()) and (rows[0]["low"], rows[0]["high"]) == pytest.approx(
+        (ci.low, ci.high)
+    )
 
 
 def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
@@ -172,18 +238,44 @@ def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
     assert find_stores(str(tmp_path)) == [tmp_path / "base-seed0" / "run"]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "fid", "expect": "lower"}]},
-     "finding 'x' has metric 'fid'; valid: eval_loss, loss_spikes, lr_sensitivity, shapes_all, step_time, train_loss"),
-    ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "lower",
-                    "margin": "-3%"}]},
-     "finding 'x' has margin '-3%'; valid: a positive number in the metric's units (0.01) or a percentage of the "
-     "baseline's mean (2%)"),
-    ({"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "worse"}]},
-     "finding 'x' has expect 'worse'; valid: lower, higher"),
-    ({"findings": [{"id": "x", "claim": "c", "arm": "a", "metric": "eval_loss", "expect": "lower"}]},
-     "finding 0 lacks against"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"findings": [{"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "fid", "expect": "lower"}]},
+            "finding 'x' has metric 'fid'; valid: eval_loss, loss_spikes, lr_sensitivity, shapes_all, step_time, train_loss",
+        ),
+        (
+            {
+                "findings": [
+                    {
+                        "id": "x",
+                        "claim": "c",
+                        "arm": "a",
+                        "against": "b",
+                        "metric": "eval_loss",
+                        "expect": "lower",
+                        "margin": "-3%",
+                    }
+                ]
+            },
+            "finding 'x' has margin '-3%'; valid: a positive number in the metric's units (0.01) or a percentage of the "
+            "baseline's mean (2%)",
+        ),
+        (
+            {
+                "findings": [
+                    {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "eval_loss", "expect": "worse"}
+                ]
+            },
+            "finding 'x' has expect 'worse'; valid: lower, higher",
+        ),
+        (
+            {"findings": [{"id": "x", "claim": "c", "arm": "a", "metric": "eval_loss", "expect": "lower"}]},
+            "finding 0 lacks against",
+        ),
+    ],
+)
 def test_a_bad_study_file_is_named_in_one_line(tmp_path, change, message):
     path = study_file(tmp_path, **change)
     with pytest.raises(ConfigError) as err:
@@ -217,11 +309,26 @@ def test_the_mega_study_names_only_arms_its_preset_or_its_stress_runs_run():
 def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_path):
     """Each arm's seeds run as members of one job (the default, under members.impl=map): bit for bit
     the separate runs, so the page of `--no-members` is this page but for how its runs were made."""
+
     def study(*how: str, where: Path = tmp_path) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(where / "studies"),
-               "--report-out", str(where / "reports"), "--page-out", str(where / "results"),
-               "--no-stress",  # the study's stress runs: tests/report/test_stress.py
-               "+arm=baseline,bias", *how, *SMALL_DATA, *TINY_TRAIN]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dalle_ablate.cli",
+            "study",
+            "mega-variants",
+            "--out",
+            str(where / "studies"),
+            "--report-out",
+            str(where / "reports"),
+            "--page-out",
+            str(where / "results"),
+            "--no-stress",  # the study's stress runs: tests/report/test_stress.py
+            "+arm=baseline,bias",
+            *how,
+            *SMALL_DATA,
+            *TINY_TRAIN,
+        ]
         # the study's own compilation cache (in its folder), not the suite's (conftest.py)
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
@@ -229,19 +336,34 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     first = study("seed=0")  # a study stopped after its seed-0 jobs
     assert first.returncode == 0, first.stderr[-2000:]
     folder = tmp_path / "studies" / "mega-variants"
-    done = {p: p.read_bytes() for d in ("baseline-seed0", "bias-seed0") for p in (folder / d / "run").rglob("*") if p.is_file()}
+    done = {
+        p: p.read_bytes()
+        for d in ("baseline-seed0", "bias-seed0")
+        for p in (folder / d / "run").rglob("*")
+        if p.is_file()
+    }
     second = study("--seeds", "2")  # topped up to 2 seeds per arm: members 0 (settled) and 1
     assert second.returncode == 0, second.stderr[-2000:]
     assert "topping up from 1 to 2 seeds per arm (seed=0,1; the rule asks for" in second.stdout
     assert second.stdout.count("left as it is (resume=auto)") == 2
     assert {p: p.read_bytes() for p in done} == done  # the finished runs untouched
-    assert sorted(p.name for p in folder.iterdir() if (p / "run").is_dir()) == ["baseline-seed0", "baseline-seed1", "bias-seed0", "bias-seed1"]
+    assert sorted(p.name for p in folder.iterdir() if (p / "run").is_dir()) == [
+        "baseline-seed0",
+        "baseline-seed1",
+        "bias-seed0",
+        "bias-seed1",
+    ]
     page = (tmp_path / "results" / "mega-variants.md").read_text()
     assert "| baseline (baseline) | 0, 1 | 2/2 |" in page and "| bias | 0, 1 | 2/2 |" in page
     assert "| bias-convergence | dense biases hurt convergence | bias vs baseline |" in page
     assert "Runs: 4 (4 finished)" in page and "Commit of this page: " in page
-    assert "Topped up from 1 to 2 seeds per arm (--seeds 2)" in page and "`dalle-ablate study mega-variants --seeds 2 " in page
-    assert re.search(r"runs trained at [0-9a-f]{40}( \+ uncommitted changes)? \(4 runs\)\.", page)  # one commit trained all four
+    assert (
+        "Topped up from 1 to 2 seeds per arm (--seeds 2)" in page
+        and "`dalle-ablate study mega-variants --seeds 2 " in page
+    )
+    assert re.search(
+        r"runs trained at [0-9a-f]{40}( \+ uncommitted changes)? \(4 runs\)\.", page
+    )  # one commit trained all four
     figures = sorted(p.name for p in (tmp_path / "results" / "figures").iterdir())
     assert figures and all(f.startswith("mega-variants_") for f in figures)
     assert (tmp_path / "reports" / "mega-variants" / "index.html").is_file()
@@ -249,16 +371,21 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     assert "runs were trained as members of one job per arm" in page
     members_json = json.loads((folder / "baseline-seed0" / "members.json").read_text())
     assert [(m["seed"], Path(m["job_dir"]).name, m["status"]) for m in members_json["members"]] == [
-        (0, "baseline-seed0", "finished"), (1, "baseline-seed1", "finished")]
+        (0, "baseline-seed0", "finished"),
+        (1, "baseline-seed1", "finished"),
+    ]
 
     separate = study("--no-members", "seed=0,1", where=tmp_path / "separate")
     assert separate.returncode == 0, separate.stderr[-2000:]
     alone = tmp_path / "separate" / "studies" / "mega-variants"
     assert sorted(p.name for p in alone.iterdir() if (p / "run").is_dir()) == sorted(
-        p.name for p in folder.iterdir() if (p / "run").is_dir())
+        p.name for p in folder.iterdir() if (p / "run").is_dir()
+    )
     for store in alone.glob("*/run"):
-        assert (json.loads((store / "meta.json").read_text())["overrides"]
-                == json.loads((folder / store.parent.name / "run" / "meta.json").read_text())["overrides"])
+        assert (
+            json.loads((store / "meta.json").read_text())["overrides"]
+            == json.loads((folder / store.parent.name / "run" / "meta.json").read_text())["overrides"]
+        )
     # the page, but for its provenance and the runs' timing (and the top-up this study had)
     assert untimed(page) == untimed((tmp_path / "separate" / "results" / "mega-variants.md").read_text())
 
@@ -269,8 +396,10 @@ def untimed(page: str) -> list[str]:
     every line naming step_time (its table rows, its figures' captions with their verdicts), the
     step_time columns of the arms' table, and blank lines."""
     # ("Now N seeds per arm": the rule's N is the largest seeds-needed of all findings, step time's among them)
-    skip = re.compile(r"^(Command:|Commit of this page|Runs: |\d+ of the runs were trained as members|Topped up|How a verdict|"
-                      r"Now \d+ seeds per arm at most)")
+    skip = re.compile(
+        r"^(Command:|Commit of this page|Runs: |\d+ of the runs were trained as members|Topped up|How a verdict|"
+        r"Now \d+ seeds per arm at most)"
+    )
     out, timed = [], []
     for line in page.splitlines():
         cells = line.split("|")
@@ -304,8 +433,10 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
     override, entry = plan_topup(study, folder, "auto", [])
     assert entry["to"] == entry["rule"] == rule and override == "seed=" + ",".join(map(str, range(rule)))
     sections, _ = page_sections(study, load_runs(str(folder)), [], topups=[{**entry, "at": "t"}])
-    assert f"Topped up from 3 to {rule} seeds per arm (--seeds auto (the rule)); the rule then asked for {rule}." in \
-        next(s for s in sections if s.key == "topup").text
+    assert (
+        f"Topped up from 3 to {rule} seeds per arm (--seeds auto (the rule)); the rule then asked for {rule}."
+        in next(s for s in sections if s.key == "topup").text
+    )
     for seeds, overrides, message in [
         ("2", [], "--seeds 2: study synthetic already has 3 seeds per arm; a top-up only adds"),
         ("x", [], "--seeds 'x': give a number of seeds per arm (2 or more) or auto (the top-up rule)"),
@@ -319,12 +450,17 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
     (folder / "topups.json").write_text(json.dumps([{**entry, "at": "t"}]))  # the rule has topped it up once
     with pytest.raises(ConfigError) as err:
         plan_topup(study, folder, "auto", [])
-    assert str(err.value) == ("--seeds auto: study synthetic was topped up by the rule already; the rule tops up once (a "
-                              "second look at the same data would spend its error rate again)")
+    assert str(err.value) == (
+        "--seeds auto: study synthetic was topped up by the rule already; the rule tops up once (a "
+        "second look at the same data would spend its error rate again)"
+    )
     assert plan_topup(study, folder, "40", [])[1]["to"] == 40  # a number fixed beforehand is the user's to give
     with pytest.raises(SystemExit) as ex:
         main(["study", str(study_file(tmp_path)), "--out", str(tmp_path / "studies"), "--seeds", "5", "--no-run"])
-    assert ex.value.code == 2 and capsys.readouterr().err == "error: --seeds runs the added seeds; it cannot go with --no-run\n"
+    assert (
+        ex.value.code == 2
+        and capsys.readouterr().err == "error: --seeds runs the added seeds; it cannot go with --no-run\n"
+    )
 
 
 def test_an_unresolved_finding_says_what_more_seeds_would_do():
@@ -332,8 +468,10 @@ def test_an_unresolved_finding_says_what_more_seeds_would_do():
 
     assert verdict_text(V.NOT_RESOLVED, 12, 3) == "not resolved: needs 12 seeds"
     assert verdict_text(V.NOT_RESOLVED, V.MAX_SEEDS + 1, 3) == f"not resolved: needs more than {V.MAX_SEEDS} seeds"
-    assert verdict_text(V.NOT_RESOLVED, 3, 5) == \
-        "not resolved at 5 seeds, enough for an effect of Δ: the effect is likely smaller"
+    assert (
+        verdict_text(V.NOT_RESOLVED, 3, 5)
+        == "not resolved at 5 seeds, enough for an effect of Δ: the effect is likely smaller"
+    )
     assert verdict_text(V.NOT_RESOLVED, 0, 3) == "not resolved: no seed spread to judge it on"
     assert verdict_text(V.CONTRADICTED, 12, 3) == "contradicted (reversed)"
     assert verdict_text(V.UNTESTABLE, 12, 3, "neither arm trains") == "untestable here: neither arm trains"
@@ -351,8 +489,14 @@ def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path)
         for seed, final in enumerate(finals):
             write_store(tmp_path / "runs", arm, seed, final)
     _, rows = page_sections(load_study(study_file(tmp_path)), load_runs(str(tmp_path / "runs")), [])
-    assert [_short_verdict(r) for r in rows] == ["reproduced", "contradicted", "reproduced", "needs 62 seeds",
-                                                 "equivalent within ±Δ", "reproduced, maybe < Δ"]
+    assert [_short_verdict(r) for r in rows] == [
+        "reproduced",
+        "contradicted",
+        "reproduced",
+        "needs 62 seeds",
+        "equivalent within ±Δ",
+        "reproduced, maybe < Δ",
+    ]
     small, large = (Image.open(io.BytesIO(forest_figure(rows[:k]))) for k in (2, 6))
     assert large.height > small.height  # a line per finding: the figure grows with the study
 
@@ -368,10 +512,24 @@ def test_a_caption_finding_s_course_reads_every_evaluation_s_pareto_table(tmp_pa
             tables.mkdir()
             for step, values in by_step.items():
                 rows = [["r", step, scale, 32, values[seed] if scale == 2 else 0.0] for scale in (1, 2)]
-                (tables / f"eval_pareto_{step}.json").write_text(json.dumps(
-                    {"columns": ["run", "step", "scale", "n", "shapes/all"], "line": None, "rows": rows}))
-    study = load_study(study_file(tmp_path, findings=[
-        {"id": "cap", "claim": "c", "arm": "worse", "against": "base", "metric": "shapes_all", "expect": "lower"}]))
+                (tables / f"eval_pareto_{step}.json").write_text(
+                    json.dumps({"columns": ["run", "step", "scale", "n", "shapes/all"], "line": None, "rows": rows})
+                )
+    study = load_study(
+        study_file(
+            tmp_path,
+            findings=[
+                {
+                    "id": "cap",
+                    "claim": "c",
+                    "arm": "worse",
+                    "against": "base",
+                    "metric": "shapes_all",
+                    "expect": "lower",
+                }
+            ],
+        )
+    )
     steps, d, lo, hi = course(study, _arms_by(load_runs(str(tmp_path / "runs"))))["cap"]
     assert list(steps) == [5.0, 10.0]
     for i, step in enumerate((5, 10)):
@@ -390,10 +548,26 @@ def test_the_noise_floor_shows_the_shapes_evaluations_own_noise_apart_from_the_s
             tables = tmp_path / "runs" / f"{arm}-seed{seed}" / "run" / "tables"
             tables.mkdir()
             rows = [["r", 10, 2, 100, 400, values[seed]]]
-            (tables / "eval_pareto_10.json").write_text(json.dumps(
-                {"columns": ["run", "step", "scale", "shapes/n", "n", "shapes/all"], "line": None, "rows": rows}))
-    study = load_study(study_file(tmp_path, findings=[
-        {"id": "cap", "claim": "c", "arm": "worse", "against": "base", "metric": "shapes_all", "expect": "lower"}]))
+            (tables / "eval_pareto_10.json").write_text(
+                json.dumps(
+                    {"columns": ["run", "step", "scale", "shapes/n", "n", "shapes/all"], "line": None, "rows": rows}
+                )
+            )
+    study = load_study(
+        study_file(
+            tmp_path,
+            findings=[
+                {
+                    "id": "cap",
+                    "claim": "c",
+                    "arm": "worse",
+                    "against": "base",
+                    "metric": "shapes_all",
+                    "expect": "lower",
+                }
+            ],
+        )
+    )
     sections, _ = page_sections(study, load_runs(str(tmp_path / "runs")), [])
     cols, rows = next(s for s in sections if s.key == "noise").all_tables()[-1]
     (row,) = [r for r in rows if r[2] == "all tiers"]
@@ -410,13 +584,18 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
     from dalle_ablate.report.findings import _arms_by, noise_sources
 
     plan = {  # (data_seed, init_seed) -> final loss
-        (0, 0): 1.00, (1, 0): 1.10, (2, 0): 0.96,  # data order alone
-        (0, 1): 1.04, (0, 2): 1.01,  # initialisation alone (with (0, 0))
+        (0, 0): 1.00,
+        (1, 0): 1.10,
+        (2, 0): 0.96,  # data order alone
+        (0, 1): 1.04,
+        (0, 2): 1.01,  # initialisation alone (with (0, 0))
     }
     for i, ((data, init), final) in enumerate(plan.items()):
         write_store(tmp_path / "runs", "base", i, final)
         cfg = tmp_path / "runs" / f"base-seed{i}" / "run" / "config.yaml"
-        cfg.write_text(yaml.safe_dump({"seed": 0, "data_seed": data, "model": {"init_seed": init}, "eval": {"seed": 7}}))
+        cfg.write_text(
+            yaml.safe_dump({"seed": 0, "data_seed": data, "model": {"init_seed": init}, "eval": {"seed": 7}})
+        )
     runs = _arms_by(load_runs(str(tmp_path / "runs")))["base"]
     got = noise_sources(runs, lambda r: float(r.metrics["eval/valid/loss"].dropna().iloc[-1]))
     # data_seed varies within init 0 (three runs); init_seed within data 0 (three runs); the others are singletons
@@ -433,15 +612,27 @@ def test_the_noise_floor_splits_the_spread_by_the_source_each_run_varies(tmp_pat
 def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp_path, monkeypatch):
     from dalle_ablate import metrics
 
-    monkeypatch.setitem(metrics.STUDY, "max_trainable_lr", metrics.Metric(
-        "max_trainable_lr", "the largest rate that trains, per seed", "log10 lr", "higher", source="report",
-        study="max_trainable_lr", reads="given"))
+    monkeypatch.setitem(
+        metrics.STUDY,
+        "max_trainable_lr",
+        metrics.Metric(
+            "max_trainable_lr",
+            "the largest rate that trains, per seed",
+            "log10 lr",
+            "higher",
+            source="report",
+            study="max_trainable_lr",
+            reads="given",
+        ),
+    )
     spec = {"id": "x", "claim": "c", "arm": "a", "against": "b", "metric": "max_trainable_lr", "expect": "lower"}
     path = study_file(tmp_path, findings=[spec])
     with pytest.raises(ConfigError) as err:
         load_study(path)
-    assert str(err.value) == (f"{path}: finding 'x' has no margin and metric 'max_trainable_lr' no default one; give margin: "
-                              "a positive number in the metric's units (0.01) or a percentage of the baseline's mean (2%)")
+    assert str(err.value) == (
+        f"{path}: finding 'x' has no margin and metric 'max_trainable_lr' no default one; give margin: "
+        "a positive number in the metric's units (0.01) or a percentage of the baseline's mean (2%)"
+    )
     assert load_study(study_file(tmp_path, findings=[{**spec, "margin": "0.05"}])).findings[0].margin == "0.05"
 
 
@@ -457,19 +648,31 @@ def test_a_missing_or_non_yaml_study_file_is_named_in_one_line(tmp_path):
     bad.write_text("just some words\n")
     with pytest.raises(ConfigError) as err:
         load_study(bad)
-    assert str(err.value) == (f"{bad}: not a study file (a YAML mapping with name, title, source, experiment, baseline, "
-                              "findings); it holds a str")
+    assert str(err.value) == (
+        f"{bad}: not a study file (a YAML mapping with name, title, source, experiment, baseline, "
+        "findings); it holds a str"
+    )
 
 
 # A study's run store torn or incomplete: `dalle-ablate study` names the file in one line (exit 2).
 BROKEN = [
-    ("summary.json", '{"status": "fin', "not valid JSON, half-written or corrupt (Unterminated string starting at: line 1 "
-                                        "column 12)"),
-    ("metrics.jsonl", '{"step": 1}\n{"step": 2, "train/lo', "line 2 is not valid JSON, half-written or corrupt "
-                                                          "(Unterminated string starting at: column 13)"),
+    (
+        "summary.json",
+        '{"status": "fin',
+        "not valid JSON, half-written or corrupt (Unterminated string starting at: line 1 column 12)",
+    ),
+    (
+        "metrics.jsonl",
+        '{"step": 1}\n{"step": 2, "train/lo',
+        "line 2 is not valid JSON, half-written or corrupt (Unterminated string starting at: column 13)",
+    ),
     ("config.yaml", "seed: [0\n", "not valid YAML (line 2 column 1: expected ',' or ']', but got '<stream end>')"),
-    ("meta.json", None, "no such file, so the study cannot tell which arm the run is; delete {job} and run the study again "
-                        "to train it anew"),
+    (
+        "meta.json",
+        None,
+        "no such file, so the study cannot tell which arm the run is; delete {job} and run the study again "
+        "to train it anew",
+    ),
 ]
 
 
@@ -489,8 +692,20 @@ def test_the_study_command_names_a_broken_run_store_in_one_line(tmp_path, capsys
     path.unlink() if text is None else path.write_text(text)
     monkeypatch.setattr(study_runs, "call_child", nothing_starts)
     with pytest.raises(SystemExit) as exit_:
-        main(["study", str(real_study(tmp_path)), *([mode] if mode == "--no-run" else ["+arm=baseline,bias"]), "--no-stress",
-              "--out", str(tmp_path / "studies"), "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results")])
+        main(
+            [
+                "study",
+                str(real_study(tmp_path)),
+                *([mode] if mode == "--no-run" else ["+arm=baseline,bias"]),
+                "--no-stress",
+                "--out",
+                str(tmp_path / "studies"),
+                "--report-out",
+                str(tmp_path / "reports"),
+                "--page-out",
+                str(tmp_path / "results"),
+            ]
+        )
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"error: {path}: {why.format(job=path.parents[1])}\n"
 
@@ -504,12 +719,33 @@ ARM_NAMES = sorted(p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/co
 
 def real_study(tmp_path: Path, **changes) -> Path:
     """A study file of arms that exist (conf/arm/), one finding, and a stress claim with its runs."""
-    spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "baseline",
-            "findings": [{"id": "bias", "claim": "biases hurt", "arm": "bias", "against": "baseline", "metric": "eval_loss",
-                          "expect": "higher"},
-                         {"id": "st", "claim": "swish is stabler", "arm": "swish", "against": "baseline",
-                          "metric": "lr_sensitivity", "expect": "lower", "margin": 0.05}],
-            "stress": {"claims": ["st"], "lr": [1e-3, 3e-3, 1e-2], "seeds": [0], "steps": 6}}
+    spec = {
+        "name": "synthetic",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "baseline",
+        "findings": [
+            {
+                "id": "bias",
+                "claim": "biases hurt",
+                "arm": "bias",
+                "against": "baseline",
+                "metric": "eval_loss",
+                "expect": "higher",
+            },
+            {
+                "id": "st",
+                "claim": "swish is stabler",
+                "arm": "swish",
+                "against": "baseline",
+                "metric": "lr_sensitivity",
+                "expect": "lower",
+                "margin": 0.05,
+            },
+        ],
+        "stress": {"claims": ["st"], "lr": [1e-3, 3e-3, 1e-2], "seeds": [0], "steps": 6},
+    }
     spec.update(changes)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -517,27 +753,52 @@ def real_study(tmp_path: Path, **changes) -> Path:
 
 
 def _finding(**f) -> list[dict]:
-    return [{"id": "x", "claim": "c", "arm": "bias", "against": "baseline", "metric": "eval_loss", "expect": "higher", **f}]
+    return [
+        {"id": "x", "claim": "c", "arm": "bias", "against": "baseline", "metric": "eval_loss", "expect": "higher", **f}
+    ]
 
 
 VALID_ARMS = f"valid: {', '.join(ARM_NAMES)}"
 BEFORE = [  # (the study file's changes, the command's overrides, the line less "error: " with {file})
-    ({"findings": _finding(arm="no_gluu")}, [],
-     f"{{file}}: finding 'x' has arm 'no_gluu': not an arm (dalle_ablate/conf/arm/); did you mean 'no_glu'? {VALID_ARMS}"),
-    ({"findings": _finding(against="baselne")}, [],
-     f"{{file}}: finding 'x' has against 'baselne': not an arm (dalle_ablate/conf/arm/); did you mean 'baseline'? "
-     f"{VALID_ARMS}"),
-    ({"baseline": "baselne"}, [],
-     f"{{file}}: baseline 'baselne': not an arm (dalle_ablate/conf/arm/); did you mean 'baseline'? {VALID_ARMS}"),
+    (
+        {"findings": _finding(arm="no_gluu")},
+        [],
+        f"{{file}}: finding 'x' has arm 'no_gluu': not an arm (dalle_ablate/conf/arm/); did you mean 'no_glu'? {VALID_ARMS}",
+    ),
+    (
+        {"findings": _finding(against="baselne")},
+        [],
+        f"{{file}}: finding 'x' has against 'baselne': not an arm (dalle_ablate/conf/arm/); did you mean 'baseline'? "
+        f"{VALID_ARMS}",
+    ),
+    (
+        {"baseline": "baselne"},
+        [],
+        f"{{file}}: baseline 'baselne': not an arm (dalle_ablate/conf/arm/); did you mean 'baseline'? {VALID_ARMS}",
+    ),
     ({}, ["+arm=baseline,nosuch"], f"+arm=nosuch: not an arm (dalle_ablate/conf/arm/); {VALID_ARMS}"),
     ({}, ["+arm=baseline", "trainer.stepz=5"], "unknown field 'trainer.stepz'; valid fields of trainer: "),
-    ({"stress": {"claims": ["st"], "lr": [1e-3, 3e-3, 1e-2], "seeds": [0], "steps": 6, "overrides": ["optim.betaz=1"]}},
-     ["+arm=baseline"], "{file}: stress run of baseline at lr 0.001: unknown field 'optim.betaz'; valid fields of optim: "),
+    (
+        {
+            "stress": {
+                "claims": ["st"],
+                "lr": [1e-3, 3e-3, 1e-2],
+                "seeds": [0],
+                "steps": 6,
+                "overrides": ["optim.betaz=1"],
+            }
+        },
+        ["+arm=baseline"],
+        "{file}: stress run of baseline at lr 0.001: unknown field 'optim.betaz'; valid fields of optim: ",
+    ),
 ]
 
 
-@pytest.mark.parametrize("change, overrides, message", BEFORE, ids=["arm", "against", "baseline", "command-line arm",
-                                                                      "bad override", "stress plan"])
+@pytest.mark.parametrize(
+    "change, overrides, message",
+    BEFORE,
+    ids=["arm", "against", "baseline", "command-line arm", "bad override", "stress plan"],
+)
 def test_a_study_is_checked_before_anything_runs(tmp_path, capsys, monkeypatch, change, overrides, message):
     """Every arm the study file and the command line name exists (a typo names the closest), each
     job of its multirun and each stress run composes: otherwise one line, exit 2, and nothing has
@@ -548,8 +809,19 @@ def test_a_study_is_checked_before_anything_runs(tmp_path, capsys, monkeypatch, 
     monkeypatch.setattr(study_runs, "call_child", nothing_starts)
     path = real_study(tmp_path, **change)
     with pytest.raises(SystemExit) as exit_:
-        main(["study", str(path), "--out", str(tmp_path / "studies"), "--report-out", str(tmp_path / "reports"),
-              "--page-out", str(tmp_path / "results"), *overrides])
+        main(
+            [
+                "study",
+                str(path),
+                "--out",
+                str(tmp_path / "studies"),
+                "--report-out",
+                str(tmp_path / "reports"),
+                "--page-out",
+                str(tmp_path / "results"),
+                *overrides,
+            ]
+        )
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message.format(file=path)}") and err.count("\n") == 1, err
@@ -563,8 +835,15 @@ def _study_until(cmd: list[str], cwd: Path, marker: str) -> tuple[int, str]:
     import signal
 
     with open(cwd / "stderr.txt", "w+") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             seen = []
             for line in proc.stdout:
@@ -589,9 +868,22 @@ def test_ctrl_c_stops_a_study_between_its_arms_and_in_its_stress_runs_with_the_c
     process -- and exit 130. The command it gives leaves the first arm as it is, trains the second
     and goes on to the stress runs; Ctrl-C as the first of those starts says so, with the same command."""
     out = tmp_path / "studies"
-    argv = ["study", str(real_study(tmp_path)), "--out", str(out), "--report-out", str(tmp_path / "reports"),
-            "--page-out", str(tmp_path / "results"), "--no-members", "+arm=baseline,bias", "seed=0", *SMALL_DATA,
-            *TINY_TRAIN, "tracker=none"]
+    argv = [
+        "study",
+        str(real_study(tmp_path)),
+        "--out",
+        str(out),
+        "--report-out",
+        str(tmp_path / "reports"),
+        "--page-out",
+        str(tmp_path / "results"),
+        "--no-members",
+        "+arm=baseline,bias",
+        "seed=0",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        "tracker=none",
+    ]
     cmd = [sys.executable, "-m", "dalle_ablate.cli", *argv]
     again = f"resume with: dalle-ablate {shlex.join(argv)}"
     kept = "the runs that finished are kept, a stopped one continues from its checkpoint"
@@ -606,33 +898,60 @@ def test_ctrl_c_stops_a_study_between_its_arms_and_in_its_stress_runs_with_the_c
     assert code == 130, err[-3000:]
     assert err.strip() == f"study synthetic interrupted during its stress runs; {kept}; {again}"
     assert json.loads((out / "synthetic" / "bias-seed0" / "run" / "summary.json").read_text())["status"] == "finished"
-    assert json.loads((out / "synthetic" / "baseline-seed0" / "run" / "summary.json").read_text()) == summary  # left as it is
+    assert (
+        json.loads((out / "synthetic" / "baseline-seed0" / "run" / "summary.json").read_text()) == summary
+    )  # left as it is
 
 
 def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stress_arms(tmp_path):
-    spec = {"id": "st", "claim": "worse is stabler", "arm": "worse", "against": "better", "metric": "lr_sensitivity",
-            "expect": "lower"}
+    spec = {
+        "id": "st",
+        "claim": "worse is stabler",
+        "arm": "worse",
+        "against": "better",
+        "metric": "lr_sensitivity",
+        "expect": "lower",
+    }
     stress = {"claims": ["st"], "lr": [1e-3, 1e-2, 1e-1], "seeds": [0], "steps": 10}
     path = study_file(tmp_path, findings=[spec], stress=stress)
     with pytest.raises(ConfigError) as err:
         load_study(path)
-    assert str(err.value) == (f"{path}: finding 'st' has margin 10% of the baseline's lr_sensitivity, but the baseline "
-                              "'base' is in no stress claim, so it has none; give an absolute margin (0.05) or a stress "
-                              "claim with the baseline")
-    assert load_study(study_file(tmp_path, findings=[{**spec, "margin": 0.05}], stress=stress)).findings[0].margin == "0.05"
-    assert load_study(study_file(tmp_path, findings=[{**spec, "against": "base"}], stress=stress)).findings[0].margin == "10%"
+    assert str(err.value) == (
+        f"{path}: finding 'st' has margin 10% of the baseline's lr_sensitivity, but the baseline "
+        "'base' is in no stress claim, so it has none; give an absolute margin (0.05) or a stress "
+        "claim with the baseline"
+    )
+    assert (
+        load_study(study_file(tmp_path, findings=[{**spec, "margin": 0.05}], stress=stress)).findings[0].margin
+        == "0.05"
+    )
+    assert (
+        load_study(study_file(tmp_path, findings=[{**spec, "against": "base"}], stress=stress)).findings[0].margin
+        == "10%"
+    )
 
 
 def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     from dalle_ablate.report.study_runs import as_members
 
     # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 3000-3003), or those a seed= override sweeps
-    assert as_members("study_mega", ["+arm=baseline"]) == ["+arm=baseline", "seed=3000", "seeds=[3000,3001,3002,3003]",
-                                                          "members.impl=map"]
+    assert as_members("study_mega", ["+arm=baseline"]) == [
+        "+arm=baseline",
+        "seed=3000",
+        "seeds=[3000,3001,3002,3003]",
+        "members.impl=map",
+    ]
     assert as_members("study_mega", ["seed=3,1,4", "trainer.steps=5"]) == [
-        "trainer.steps=5", "seed=3", "seeds=[3,1,4]", "members.impl=map"]
+        "trainer.steps=5",
+        "seed=3",
+        "seeds=[3,1,4]",
+        "members.impl=map",
+    ]
     assert as_members("study_mega", ["seed=range(0,2)", "members.impl=vmap"]) == [
-        "members.impl=vmap", "seed=0", "seeds=[0,1]"]
+        "members.impl=vmap",
+        "seed=0",
+        "seeds=[0,1]",
+    ]
     assert as_members("study_mega", ["seed=5"]) == ["seed=5"]  # one seed: a job of its own
     assert as_members("quick", ["x=1"]) == ["x=1"]  # a preset that sweeps no seed
     for arms in ("baseline", "shampoo"):  # what the study launches composes and passes the checks, Shampoo's arm too

@@ -27,12 +27,32 @@ from dalle_ablate.report.tables import fmt3
 # Final eval losses per arm and seed; the arms are the package's own (conf/arm/).
 FINALS = {"baseline": [1.0, 1.1, 0.9], "bias": [1.21, 1.33, 1.04], "swish": [0.987, 1.12, 0.884]}
 FINDINGS = [
-    {"id": "bias-hurts", "claim": "biases hurt", "arm": "bias", "against": "baseline", "metric": "eval_loss",
-     "expect": "higher", "note": "the arm's biases are in every dense layer"},
-    {"id": "swish-loss", "claim": "swish is no worse", "arm": "swish", "against": "baseline", "metric": "eval_loss",
-     "expect": "lower", "margin": "0.05"},
-    {"id": "swish-time", "claim": "swish is faster", "arm": "swish", "against": "baseline", "metric": "step_time",
-     "expect": "lower"},
+    {
+        "id": "bias-hurts",
+        "claim": "biases hurt",
+        "arm": "bias",
+        "against": "baseline",
+        "metric": "eval_loss",
+        "expect": "higher",
+        "note": "the arm's biases are in every dense layer",
+    },
+    {
+        "id": "swish-loss",
+        "claim": "swish is no worse",
+        "arm": "swish",
+        "against": "baseline",
+        "metric": "eval_loss",
+        "expect": "lower",
+        "margin": "0.05",
+    },
+    {
+        "id": "swish-time",
+        "claim": "swish is faster",
+        "arm": "swish",
+        "against": "baseline",
+        "metric": "step_time",
+        "expect": "lower",
+    },
 ]
 
 
@@ -50,8 +70,14 @@ def page(tmp_path_factory):
                 if "perf/step_time" in r:
                     r["perf/step_time"] = 0.1 + 0.013 * seed + {"bias": 0.0071, "swish": -0.0043}.get(arm, 0.0)
             metrics.write_text("\n".join(json.dumps(r) for r in rows))
-    spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "baseline",
-            "findings": FINDINGS}
+    spec = {
+        "name": "synthetic",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "baseline",
+        "findings": FINDINGS,
+    }
     (root / "study.yaml").write_text(yaml.safe_dump(spec))
     study = load_study(root / "study.yaml")
     path = write_page(study, str(root / "runs"), root / "docs" / "results", ["a provenance line"])
@@ -127,8 +153,9 @@ def test_the_summary_gives_each_claim_its_verdict_its_difference_in_margins_and_
         side = 1 if f.expect == "higher" else -1
         d, low, high = (float(x) for x in re.findall(NUMBER, cells["difference in Δ (95% CI)"]))
         assert d == pytest.approx(side * r["diff"] / r["margin"], rel=0.5e-2, abs=1e-9)
-        assert (low, high) == pytest.approx(sorted((side * r["low"] / r["margin"], side * r["high"] / r["margin"])),
-                                            rel=0.5e-2, abs=1e-9)
+        assert (low, high) == pytest.approx(
+            sorted((side * r["low"] / r["margin"], side * r["high"] / r["margin"])), rel=0.5e-2, abs=1e-9
+        )
         assert cells["difference in Δ (95% CI)"].startswith("+") == (d > 0)
         used, needed = cells["seeds used / needed"].split(" / ")
         assert int(used) == len(r["seeds"]) == 3 and needed == (str(r["needed"]) if r["needed"] else "–")
@@ -161,7 +188,7 @@ def test_each_figure_has_its_caption_under_it(page):
     assert len(figures) == 2 + len(FINDINGS)  # the forest plot, the courses, one per finding
     for i in figures:
         alt, target = re.fullmatch(r"!\[(.*)\]\((.*)\)", lines[i]).groups()
-        following = next(line for line in lines[i + 1:] if line.strip())
+        following = next(line for line in lines[i + 1 :] if line.strip())
         assert following == f"*{alt}*" and len(alt.split()) > 8  # a sentence saying what it shows
         assert (path.parent / target).is_file()
     curves = [lines[i] for i in figures[2:]]
@@ -177,8 +204,18 @@ def test_the_claims_notes_and_the_statistics_link_are_on_the_page(page, tmp_path
     # written in docs/results/, the page links the statistics page next to it
     assert (ROOT / "docs" / "results" / page_sections.__defaults__[-1]).resolve() == ROOT / "docs" / "statistics.md"
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"name": "x", "title": "t", "source": "s", "experiment": "study_mega",
-                                   "baseline": "baseline", "findings": [{**FINDINGS[0], "note": ["a", "list"]}]}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "name": "x",
+                "title": "t",
+                "source": "s",
+                "experiment": "study_mega",
+                "baseline": "baseline",
+                "findings": [{**FINDINGS[0], "note": ["a", "list"]}],
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="finding 'bias-hurts' has note"):
         load_study(bad)
 
@@ -192,17 +229,22 @@ def test_the_mega_study_s_shampoo_note_names_the_rate_its_arm_runs_at():
 
 def test_the_provenance_lines_name_the_command_the_commits_and_the_runs():
     def run(status, wall, commit, dirty=False):
-        return types.SimpleNamespace(summary={"status": status, "wall_time": wall},
-                                     meta={"git": {"commit": commit, "dirty": dirty}})
+        return types.SimpleNamespace(
+            summary={"status": status, "wall_time": wall}, meta={"git": {"commit": commit, "dirty": dirty}}
+        )
 
     runs = [run("finished", 60.0, "aaa"), run("finished", 90.0, "aaa"), run("stopped", 30.0, "bbb", dirty=True)]
     command = ["python", "-m", "dalle_ablate.job", "-m", "experiment=study_mega", "hydra.sweep.dir=out dir"]
     lines = provenance("mega-variants", "5", ["seed=0,1", "x=a b"], command, runs, 125.0, True, "stress line")
-    assert lines[0] == ("Command: `dalle-ablate study mega-variants --seeds 5 seed=0,1 'x=a b'` "
-                        "(runs: `-m dalle_ablate.job -m experiment=study_mega 'hydra.sweep.dir=out dir'`).")
+    assert lines[0] == (
+        "Command: `dalle-ablate study mega-variants --seeds 5 seed=0,1 'x=a b'` "
+        "(runs: `-m dalle_ablate.job -m experiment=study_mega 'hydra.sweep.dir=out dir'`)."
+    )
     assert lines[1].endswith("runs trained at aaa (2 runs), bbb + uncommitted changes (1 runs).")
-    assert lines[2] == ("Runs: 3 (2 finished); their wall time adds up to 3.00 min; this invocation took 2.08 min (runs "
-                        "finished before it are skipped, not repeated).")
+    assert lines[2] == (
+        "Runs: 3 (2 finished); their wall time adds up to 3.00 min; this invocation took 2.08 min (runs "
+        "finished before it are skipped, not repeated)."
+    )
     assert lines[3] == "stress line"
     quiet = provenance("s.yaml", None, [], command, runs[:1], 0.0, False)
     assert len(quiet) == 3 and quiet[0].startswith("Command: `dalle-ablate study s.yaml` ")
@@ -246,7 +288,9 @@ def test_the_summary_and_its_figures_read_at_1400_px_on_the_site(tmp_path, monke
     smallest, drawn = [], figures.png
 
     def spy(fig) -> bytes:  # the smallest text each figure draws, as it is saved
-        sizes = [t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+        sizes = [
+            t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()
+        ]
         smallest.append(min(sizes))
         return drawn(fig)
 
@@ -254,8 +298,14 @@ def test_the_summary_and_its_figures_read_at_1400_px_on_the_site(tmp_path, monke
     for arm, finals in FINALS.items():
         for seed, final in enumerate(finals):
             write_store(tmp_path / "runs", arm, seed, final)
-    spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "baseline",
-            "findings": FINDINGS}
+    spec = {
+        "name": "synthetic",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "baseline",
+        "findings": FINDINGS,
+    }
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
     docs = tmp_path / "docs"
     write_page(load_study(tmp_path / "study.yaml"), str(tmp_path / "runs"), docs / "results", ["provenance"])
@@ -264,9 +314,15 @@ def test_the_summary_and_its_figures_read_at_1400_px_on_the_site(tmp_path, monke
     shutil.copy(ROOT / "docs" / "stylesheets" / "extra.css", docs / "stylesheets")
     (tmp_path / "mkdocs.yml").write_text(  # the site's theme and CSS (mkdocs.yml), this page alone
         "site_name: t\ntheme:\n  name: material\n  features: [navigation.sections]\nextra_css: [stylesheets/extra.css]\n"
-        "markdown_extensions: [tables, attr_list, {toc: {permalink: true}}]\nnav:\n  - Results:\n    - Study: results/synthetic.md\n")
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(tmp_path / "site")], cwd=tmp_path,
-                   check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
+        "markdown_extensions: [tables, attr_list, {toc: {permalink: true}}]\nnav:\n  - Results:\n    - Study: results/synthetic.md\n"
+    )
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir", str(tmp_path / "site")],
+        cwd=tmp_path,
+        check=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=600,
+    )
     with Browser() as browser:
         browser.open((tmp_path / "site" / "results" / "synthetic" / "index.html").as_uri(), 1400, 1000)
         got = browser.evaluate(LAYOUT)
@@ -276,5 +332,9 @@ def test_the_summary_and_its_figures_read_at_1400_px_on_the_site(tmp_path, monke
     assert [Path(src).name for src, *_ in got["imgs"]][0] == "synthetic_summary_0.png"  # the forest plot first
     assert got["forest"] < 1000  # of three findings: on the first screen, under the table
     for src, shown, natural in got["imgs"]:
-        assert shown >= 0.8 * natural and figures.MIN_PT * figures.DPI / 72 * shown / natural >= 10, (src, shown, natural)
+        assert shown >= 0.8 * natural and figures.MIN_PT * figures.DPI / 72 * shown / natural >= 10, (
+            src,
+            shown,
+            natural,
+        )
     assert got["content"] >= figures.FIT_IN * figures.DPI * 0.95  # what FIT_IN stands for

@@ -38,30 +38,55 @@ def write_store(root: Path, layout: str, seed: int, final: float, spike: bool = 
     for s in STEPS:
         loss = final + 2.0 / s
         # The first step's gradient norm (fresh initialisation) is the largest, as in real runs.
-        rows.append({"step": int(s), "train/loss": loss * (3 if spike and s == 30 else 1),
-                     "train/grad_norm": 100.0 if s == 1 else 1.0 + 0.01 * s,
-                     "perf/step_time": 0.1 * (2 if layout == "deepnet" else 1), "tokens": int(s) * 100})
+        rows.append(
+            {
+                "step": int(s),
+                "train/loss": loss * (3 if spike and s == 30 else 1),
+                "train/grad_norm": 100.0 if s == 1 else 1.0 + 0.01 * s,
+                "perf/step_time": 0.1 * (2 if layout == "deepnet" else 1),
+                "tokens": int(s) * 100,
+            }
+        )
         if s % 10 == 0:
             optim = {"optim/shampoo/failed_root_rate": 0.1} if layout == "deepnet" else {}
             rows.append({"step": int(s), "eval/valid/loss": loss, **optim})
     grid = f"media/grids_shapesbench_color_s3_{STEPS[-1]}.png"
     Image.fromarray(np.full((8, 8, 3), 40 * seed, np.uint8)).save(store / grid)
-    rows.append({"step": int(STEPS[-1]), "grids/shapesbench/color/s3/path": grid, "grids/shapesbench/color/s3/caption": "c",
-                 **{f"eval/pareto/s{s:g}/{k}": v for s in (1.0, 3.0) for k, v in
-                    (("n", 8), ("fid/fid", 10.0 / s + seed), ("clip/score", 20.0 + s))}})
+    rows.append(
+        {
+            "step": int(STEPS[-1]),
+            "grids/shapesbench/color/s3/path": grid,
+            "grids/shapesbench/color/s3/caption": "c",
+            **{
+                f"eval/pareto/s{s:g}/{k}": v
+                for s in (1.0, 3.0)
+                for k, v in (("n", 8), ("fid/fid", 10.0 / s + seed), ("clip/score", 20.0 + s))
+            },
+        }
+    )
     (store / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    config = {"model": {"layout": layout, "d_model": 32}, "optim": {"name": "adam", "lr": lr}, "seed": seed,
-              "schedule": {"warmup_steps": 5},
-              "tracker": {"wandb": {"name": f"job{seed}"}}, "samples": {"captions": [EVIL]}}
+    config = {
+        "model": {"layout": layout, "d_model": 32},
+        "optim": {"name": "adam", "lr": lr},
+        "seed": seed,
+        "schedule": {"warmup_steps": 5},
+        "tracker": {"wandb": {"name": f"job{seed}"}},
+        "samples": {"captions": [EVIL]},
+    }
     (store / "config.yaml").write_text(yaml.safe_dump(config))
     typed = [f"model={layout}", f"seed={seed}"] + ([f"optim.lr={lr}"] if lr != 1e-3 else [])
     (store / "meta.json").write_text(json.dumps({"flops_per_step": 1e9, "wandb_group": str(root), "overrides": typed}))
     (store / "summary.json").write_text(json.dumps({"status": "finished"}))
-    pareto = {"columns": ["run", "step", "scale", "n", "fid/fid", "clip/score"], "line": ["fid/fid", "clip/score"],
-              "rows": [["r", 40, s, 8, 10.0 / s + seed, 20.0 + s] for s in (1.0, 3.0)]}
+    pareto = {
+        "columns": ["run", "step", "scale", "n", "fid/fid", "clip/score"],
+        "line": ["fid/fid", "clip/score"],
+        "rows": [["r", 40, s, 8, 10.0 / s + seed, 20.0 + s] for s in (1.0, 3.0)],
+    }
     (store / "tables" / "eval_pareto_40.json").write_text(json.dumps(pareto))
-    grids = {"columns": ["list", "category", "prompt", "scale", "sample", "image"],
-             "rows": [["shapesbench", "color", f"a red circle {EVIL}", 3.0, 0, "x.png"]]}
+    grids = {
+        "columns": ["list", "category", "prompt", "scale", "sample", "image"],
+        "rows": [["shapesbench", "color", f"a red circle {EVIL}", 3.0, 0, "x.png"]],
+    }
     (store / "tables" / "eval_grids_40.json").write_text(json.dumps(grids))
     return store
 
@@ -77,8 +102,14 @@ def synthetic(tmp_path):
     root = tmp_path / "multirun"
     for layout, finals in FINAL.items():
         for seed, final in enumerate(finals):
-            write_store(root, layout, seed, final, spike=(layout == "preln" and seed == 2),
-                        lr=2e-3 if (layout == "sandwich" and seed == 1) else 1e-3)
+            write_store(
+                root,
+                layout,
+                seed,
+                final,
+                spike=(layout == "preln" and seed == 2),
+                lr=2e-3 if (layout == "sandwich" and seed == 1) else 1e-3,
+            )
     return root
 
 
@@ -86,7 +117,9 @@ def test_interval_statistics_are_the_textbook_ones():
     mean, lo, hi = t_interval(np.array([[1.0], [2.0], [3.0]]))
     half = st.t.ppf(0.975, 2) / np.sqrt(3)
     assert (mean[0], lo[0], hi[0]) == pytest.approx((2.0, 2.0 - half, 2.0 + half))
-    assert mean_ci([1.0, 2.0, 3.0]) == pytest.approx((2.0, 2.0 - half, 2.0 + half))  # the table's interval is the curves'
+    assert mean_ci([1.0, 2.0, 3.0]) == pytest.approx(
+        (2.0, 2.0 - half, 2.0 + half)
+    )  # the table's interval is the curves'
     assert np.isnan(mean_ci([4.0])[1]) and mean_ci([4.0])[0] == 4.0
     # Welch: (a - b) +- t(df) * se, df by Welch-Satterthwaite, written out by hand.
     a, b = np.array([2.0, 2.3, 1.9, 2.2]), np.array([1.0, 1.1, 0.9])
@@ -104,13 +137,21 @@ def test_report_on_known_runs(synthetic, tmp_path):
     out = tmp_path / "reports" / "r"
     rows = list(csv.DictReader((out / "runs.csv").open()))
     # What differs apart from the seed, as typed: model=... and the one run's optim.lr override.
-    assert len(rows) == 9 and {r["variant"] for r in rows} == {"model=preln", "model=deepnet", "model=sandwich",
-                                                               "model=sandwich optim.lr=0.002"}
-    assert {r["run"].split(":")[0]: float(r["eval/valid/loss"]) for r in rows}["deepnet_1"] == pytest.approx(2.1 + 2.0 / 40)
+    assert len(rows) == 9 and {r["variant"] for r in rows} == {
+        "model=preln",
+        "model=deepnet",
+        "model=sandwich",
+        "model=sandwich optim.lr=0.002",
+    }
+    assert {r["run"].split(":")[0]: float(r["eval/valid/loss"]) for r in rows}["deepnet_1"] == pytest.approx(
+        2.1 + 2.0 / 40
+    )
     html = (out / "index.html").read_text()
     for key in section_keys(sweep=False):
         assert f'<section id="{key}"><details' in html and f"<summary><h2>{TITLES[key]}</h2></summary>" in html
-    assert html.count("<details open>") == 5 and html.count("<details>") == 5  # noise, stability, shapes, grids, config folded
+    assert (
+        html.count("<details open>") == 5 and html.count("<details>") == 5
+    )  # noise, stability, shapes, grids, config folded
     assert "<script>" not in html and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html  # the prompt, escaped
     assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html  # self-contained
     md = (out / "report.md").read_text()
@@ -120,20 +161,40 @@ def test_report_on_known_runs(synthetic, tmp_path):
     assert spec["group"] == str(synthetic) and len(spec["runs"]) == 9
     blocks = spec["report"]["spec"]["blocks"]
     headings = [b["children"][0]["text"] for b in blocks if b["type"] == "heading"]
-    assert headings == [f"dalle-ablate report: {synthetic}", "Loss and gradient norm", "Evaluation by guidance scale",
-                        "Pareto plots and grids", "Optimizer", "Final metrics"]
+    assert headings == [
+        f"dalle-ablate report: {synthetic}",
+        "Loss and gradient norm",
+        "Evaluation by guidance scale",
+        "Pareto plots and grids",
+        "Optimizer",
+        "Final metrics",
+    ]
     grids = [b["metadata"] for b in blocks if b["type"] == "panel-grid"]
     run_filters = [f for g in grids for rs in g["runSets"] for f in rs["filters"]["filters"]]
-    assert len(run_filters) == 5 and all(f["key"]["name"] == "group" and f["value"] == str(synthetic) for f in run_filters)
+    assert len(run_filters) == 5 and all(
+        f["key"]["name"] == "group" and f["value"] == str(synthetic) for f in run_filters
+    )
     # Each variant (what varies apart from the seed) one line with its seeds' spread.
-    assert all(rs["grouping"] == [{"section": "model", "name": "layout"}, {"section": "optim", "name": "lr"}]
-               for g in grids for rs in g["runSets"])
-    panels = [[(p["viewType"], p["config"].get("metrics") or p["config"].get("mediaKeys")) for p in
-               g["panelBankSectionConfig"]["panels"]] for g in grids]
+    assert all(
+        rs["grouping"] == [{"section": "model", "name": "layout"}, {"section": "optim", "name": "lr"}]
+        for g in grids
+        for rs in g["runSets"]
+    )
+    panels = [
+        [
+            (p["viewType"], p["config"].get("metrics") or p["config"].get("mediaKeys"))
+            for p in g["panelBankSectionConfig"]["panels"]
+        ]
+        for g in grids
+    ]
     line = "Run History Line Plot"
     assert panels[0] == [(line, ["train/loss"]), (line, ["eval/valid/loss"]), (line, ["train/grad_norm"])]
-    assert panels[1] == [(line, [f"eval/pareto/s{s}/{k}"]) for s in (1, 3) for k in ("clip/score", "fid/fid")]  # no counts
-    assert panels[2] == [("Media Browser", [k]) for k in ("eval/pareto_plot", "samples/grid", "grids/shapesbench/color/s3")]
+    assert panels[1] == [
+        (line, [f"eval/pareto/s{s}/{k}"]) for s in (1, 3) for k in ("clip/score", "fid/fid")
+    ]  # no counts
+    assert panels[2] == [
+        ("Media Browser", [k]) for k in ("eval/pareto_plot", "samples/grid", "grids/shapesbench/color/s3")
+    ]
     assert panels[3] == [(line, ["optim/shampoo/failed_root_rate"])]
     assert all(p["config"]["xAxis"] == "tokens" for g in grids[:2] for p in g["panelBankSectionConfig"]["panels"])
 
@@ -150,21 +211,33 @@ def test_final_table_judges_each_variant_against_the_baseline(synthetic):
     verdicts = {k: j["verdict"] for k, j in info["judged"].items()}
     # deepnet is 1.0 worse on every seed (a difference without spread is exact); sandwich's two
     # seeds straddle the baseline's
-    assert verdicts == {("model.layout=deepnet", "eval/valid/loss"): "worse than the baseline",
-                        ("model.layout=deepnet", "train/loss"): "worse than the baseline",
-                        ("model.layout=sandwich", "eval/valid/loss"): "not resolved",
-                        ("model.layout=sandwich", "train/loss"): "not resolved"}
+    assert verdicts == {
+        ("model.layout=deepnet", "eval/valid/loss"): "worse than the baseline",
+        ("model.layout=deepnet", "train/loss"): "worse than the baseline",
+        ("model.layout=sandwich", "eval/valid/loss"): "not resolved",
+        ("model.layout=sandwich", "train/loss"): "not resolved",
+    }
     final = next(s for s in sections if s.key == "final")
     cols, rows = final.tables[0]
-    assert cols[:5] == ["variant", "metric", "verdict against the baseline", "Δ vs baseline", "Δ 95% CI"]  # the answer first
+    assert cols[:5] == [
+        "variant",
+        "metric",
+        "verdict against the baseline",
+        "Δ vs baseline",
+        "Δ 95% CI",
+    ]  # the answer first
     row = final_rows(final)
-    assert row["model.layout=deepnet", "eval/valid/loss"]["mean"] == pytest.approx(2.0 + 2.0 / 40)  # last eval at step 40
+    assert row["model.layout=deepnet", "eval/valid/loss"]["mean"] == pytest.approx(
+        2.0 + 2.0 / 40
+    )  # last eval at step 40
     assert row["model.layout=deepnet", "eval/valid/loss"]["Δ vs baseline"] == pytest.approx(1.0)
     assert row["model.layout=sandwich", "eval/valid/loss"]["Δ 95% CI"].endswith("(2 seeds, paired)")
     assert row["model.layout=sandwich", "eval/valid/loss"]["rho"] == "–"  # rho needs 3 shared seeds
     assert row["model.layout=preln (baseline)", "eval/valid/loss"]["seeds"] == 3
     stability = next(s for s in sections if s.key == "stability").tables[0][1]
-    assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [("model.layout=preln", 2, 1)]  # the one spike, in its run
+    assert [(r[1], r[2], r[4]) for r in stability if r[4]] == [
+        ("model.layout=preln", 2, 1)
+    ]  # the one spike, in its run
     # The largest gradient norm after the 5 warm-up steps, not step 1's 100.
     assert [(r[6], r[7]) for r in stability] == [(pytest.approx(1.4), 40)] * len(stability)
 
@@ -215,7 +288,8 @@ def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tm
     effect = 0.05 / np.std(np.array(finals["sandwich"]) - finals["preln"], ddof=1)
     assert sandwich["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / 4, 0.8))
     assert row["sandwich", "eval/valid/loss"]["verdict against the baseline"] == (
-        f"not resolved; needs {sandwich['needed']} seeds for a difference of Δ")
+        f"not resolved; needs {sandwich['needed']} seeds for a difference of Δ"
+    )
     assert judged[("deepnet", "train/loss")]["verdict"] == "worse than the baseline"  # no margin for train/loss
 
 
@@ -227,8 +301,12 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.report import verdicts as V
 
-    finals = {"preln": [1.0, 1.1, 0.9, 1.05], "deepnet": [1.32, 1.38, 1.21, 1.4], "sandwich": [0.97, 1.12, 0.93, 1.04],
-              "swinv2": [0.5, 0.62, 0.38, 0.57]}
+    finals = {
+        "preln": [1.0, 1.1, 0.9, 1.05],
+        "deepnet": [1.32, 1.38, 1.21, 1.4],
+        "sandwich": [0.97, 1.12, 0.93, 1.04],
+        "swinv2": [0.5, 0.62, 0.38, 0.57],
+    }
     for layout, values in finals.items():
         for seed, f in enumerate(values):
             store = write_store(tmp_path / "m", layout, seed, f)
@@ -239,9 +317,18 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
         r.variant = r.config["model.layout"]
     _, info = build_sections(runs, "preln", margins={"eval/valid/loss": "2%"})
     others = ["deepnet", "sandwich", "swinv2"]
-    spec = {"name": "same", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "preln",
-            "findings": [{"id": v, "claim": v, "arm": v, "against": "preln", "metric": m, "expect": "higher",
-                          "margin": "2%"} for v in others for m in ("eval_loss", "train_loss")]}
+    spec = {
+        "name": "same",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "preln",
+        "findings": [
+            {"id": v, "claim": v, "arm": v, "against": "preln", "metric": m, "expect": "higher", "margin": "2%"}
+            for v in others
+            for m in ("eval_loss", "train_loss")
+        ],
+    }
     (tmp_path / "same.yaml").write_text(yaml.safe_dump(spec))
     by_arm = {a: [r for r in runs if r.variant == a] for a in finals}
     rows = compare(load_study(tmp_path / "same.yaml"), by_arm)
@@ -251,20 +338,40 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
         if metric == "train/loss":  # the report gave train/loss no margin: the difference test alone
             continue
         assert (j["d"], j["low"], j["high"], j["fw_low"], j["fw_high"]) == pytest.approx(
-            (r["d"], r["low"], r["high"], r["fw_low"], r["fw_high"]))
+            (r["d"], r["low"], r["high"], r["fw_low"], r["fw_high"])
+        )
         assert j["outcome"] == r["outcome"] and j["needed"] == r["needed"]
         assert r["code"] == V.verdict(j["outcome"], 1)
     outcomes = {r["finding"].arm: V.OUTCOMES[r["outcome"]] for r in rows if r["finding"].metric == "eval_loss"}
-    assert outcomes == {"deepnet": "higher by more than Δ", "sandwich": "not resolved", "swinv2": "lower by more than Δ"}
+    assert outcomes == {
+        "deepnet": "higher by more than Δ",
+        "sandwich": "not resolved",
+        "swinv2": "lower by more than Δ",
+    }
 
 
 def test_the_pareto_section_shows_all_correct_per_tier_with_intervals(tmp_path):
     store = write_store(tmp_path / "m", "preln", 0, 1.0)
     # Hand-made verdicts: tier one 30 of 32 right, tier two 12 of 32, three tier-less columns.
-    cols = ["run", "step", "scale", "n", "shapes/all", "shapes/one/all", "shapes/one/all_lo", "shapes/one/all_hi",
-            "shapes/one/n", "shapes/two/all", "shapes/two/all_lo", "shapes/two/all_hi", "shapes/two/n"]
-    rows = [["r", 40, 2.0, 64, 0.65, 30 / 32, 0.80, 0.98, 32, 12 / 32, 0.23, 0.55, 32],
-            ["r", 40, 1.0, 64, 0.5, 0.75, 0.58, 0.87, 32, 0.25, 0.13, 0.42, 32]]
+    cols = [
+        "run",
+        "step",
+        "scale",
+        "n",
+        "shapes/all",
+        "shapes/one/all",
+        "shapes/one/all_lo",
+        "shapes/one/all_hi",
+        "shapes/one/n",
+        "shapes/two/all",
+        "shapes/two/all_lo",
+        "shapes/two/all_hi",
+        "shapes/two/n",
+    ]
+    rows = [
+        ["r", 40, 2.0, 64, 0.65, 30 / 32, 0.80, 0.98, 32, 12 / 32, 0.23, 0.55, 32],
+        ["r", 40, 1.0, 64, 0.5, 0.75, 0.58, 0.87, 32, 0.25, 0.13, 0.42, 32],
+    ]
     (store / "tables" / "eval_pareto_40.json").write_text(json.dumps({"columns": cols, "line": None, "rows": rows}))
     main(["report", str(tmp_path / "m"), "--out", str(tmp_path / "reports"), "--name", "t"])
     md = (tmp_path / "reports" / "t" / "report.md").read_text()
@@ -272,7 +379,8 @@ def test_the_pareto_section_shows_all_correct_per_tier_with_intervals(tmp_path):
     lines = [line for line in md.splitlines() if line.startswith("| preln_0") and "N=32" in line]
     assert [line.split(" | ")[2:] for line in lines] == [
         ["1", "75.0% [58.0%, 87.0%] N=32", "25.0% [13.0%, 42.0%] N=32 |"],  # scales in order; N a count
-        ["2", "93.8% [80.0%, 98.0%] N=32", "37.5% [23.0%, 55.0%] N=32 |"]]
+        ["2", "93.8% [80.0%, 98.0%] N=32", "37.5% [23.0%, 55.0%] N=32 |"],
+    ]
 
 
 def test_config_diff_lists_exactly_the_differing_fields(synthetic):
@@ -307,23 +415,39 @@ def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
         pytest.skip("no chromium (apt-get install chromium)")
     main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r"])
     page = (tmp_path / "reports" / "r" / "index.html").resolve()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     shot = tmp_path / "shot.png"
-    subprocess.run([exe, *flags, f"--screenshot={shot}", "--window-size=1280,12000", page.as_uri()],
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [exe, *flags, f"--screenshot={shot}", "--window-size=1280,12000", page.as_uri()],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     img = np.asarray(Image.open(shot).convert("L"), np.float64)
     assert img.shape == (12000, 1280) and img[:2000].std() > 10  # not a blank page
     # The whole page fits the window (white below its end), with the long sections folded: a
     # screenshot at full-page height, short enough to read (18 grids once made 16,000 px).
     drawn = np.flatnonzero((img < 250).any(axis=1))
     assert 1500 < drawn[-1] < 11500, drawn[-1]
-    dom = subprocess.run([exe, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True).stdout
+    dom = subprocess.run(
+        [exe, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     for key in section_keys(sweep=False):  # every section made it into the rendered document
         assert f'id="{key}"' in dom
     # The summary first, in order; variants as typed; the long sections folded.
-    assert [dom.index(f'id="{k}"') for k in section_keys(sweep=False)] == sorted(dom.index(f'id="{k}"')
-                                                                                 for k in section_keys(sweep=False))
+    assert [dom.index(f'id="{k}"') for k in section_keys(sweep=False)] == sorted(
+        dom.index(f'id="{k}"') for k in section_keys(sweep=False)
+    )
     for label in ("model=deepnet (baseline)", "model=preln", "model=sandwich optim.lr=0.002"):
         assert f"<td>{label}</td>" in dom, label
     assert dom.count("<details open") == 5 and dom.count("<details>") == 5
@@ -343,11 +467,18 @@ def test_a_wandb_group_reads_like_run_stores(synthetic, tmp_path):
     class Api:
         def runs(self, path, filters):
             assert path == "me/dalle-ablate" and filters == {"group": "g"}
-            return [SimpleNamespace(name=r.name, id=f"id{i}", summary=r.summary,
-                                    config={**yaml.safe_load((r.root / "config.yaml").read_text()), "meta": r.meta},
-                                    scan_history=lambda r=r: [{"_step": row.pop("step"), "_runtime": 1.0, **row}
-                                                              for row in r.metrics.to_dict("records")])
-                    for i, r in enumerate(stores)]
+            return [
+                SimpleNamespace(
+                    name=r.name,
+                    id=f"id{i}",
+                    summary=r.summary,
+                    config={**yaml.safe_load((r.root / "config.yaml").read_text()), "meta": r.meta},
+                    scan_history=lambda r=r: [
+                        {"_step": row.pop("step"), "_runtime": 1.0, **row} for row in r.metrics.to_dict("records")
+                    ],
+                )
+                for i, r in enumerate(stores)
+            ]
 
     got = load_runs("wandb:me/dalle-ablate/g", api=Api())
     assert [r.variant for r in got] == [r.variant for r in stores]
@@ -399,8 +530,11 @@ def test_a_sweep_compares_completed_trials_best_first(tmp_path):
         (store / "summary.json").write_text(json.dumps({"status": status, "eval/valid/loss": loss}))
         store.parent.rename(tmp_path / "s" / str(job))
         state = optuna.trial.TrialState.COMPLETE if status == "finished" else optuna.trial.TrialState.PRUNED
-        study.add_trial(optuna.trial.create_trial(params={"optim.lr": lr}, distributions=dist, state=state,
-                                                  value=loss if status == "finished" else None))
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"optim.lr": lr}, distributions=dist, state=state, value=loss if status == "finished" else None
+            )
+        )
     sections, info = build_sections(load_runs(str(tmp_path / "s")), None, study)
     assert [s.key for s in sections] == section_keys(sweep=True) and sections[1].key == "optuna"
     # The pruned trial is left out; the others ranked by eval loss, the best the baseline.
@@ -421,7 +555,7 @@ def test_grids_put_the_variants_side_by_side_framed_and_titled(synthetic):
     from dalle_ablate.report.load import load_runs
 
     sections, info = build_sections(load_runs(str(synthetic)), None)
-    (caption, png), = next(s for s in sections if s.key == "grids").images  # one grid key: one image
+    ((caption, png),) = next(s for s in sections if s.key == "grids").images  # one grid key: one image
     assert caption == f"shapesbench/color/s3: a red circle {EVIL}"
     img = np.asarray(Image.open(BytesIO(png)).convert("RGB"))
     border, gap, title, n = 3, 12, 24, len(info["variants"])
@@ -429,15 +563,18 @@ def test_grids_put_the_variants_side_by_side_framed_and_titled(synthetic):
     for i, variant in enumerate(info["variants"]):  # each panel is its variant's first seed's grid, in a dark frame
         x = i * (8 + 2 * border + gap)
         seed = 1 if variant == "model=sandwich optim.lr=0.002" else 0
-        assert (img[title + border: title + border + 8, x + border: x + border + 8] == 40 * seed).all(), variant
-        assert (img[title, x: x + 8 + 2 * border] == 0x44).all()
-        assert (img[title // 2, x: x + 8 + 2 * border] < 255).any()  # the variant's name above it
+        assert (img[title + border : title + border + 8, x + border : x + border + 8] == 40 * seed).all(), variant
+        assert (img[title, x : x + 8 + 2 * border] == 0x44).all()
+        assert (img[title // 2, x : x + 8 + 2 * border] < 255).any()  # the variant's name above it
 
 
 # A run store's files torn as a kill mid-write leaves them: each named in one line, the run left out.
 TORN = [
-    ("summary.json", lambda text: text[:9], "not valid JSON, half-written or corrupt (Expecting ':' delimiter: line 1 "
-                                            "column 10)"),
+    (
+        "summary.json",
+        lambda text: text[:9],
+        "not valid JSON, half-written or corrupt (Expecting ':' delimiter: line 1 column 10)",
+    ),
     ("metrics.jsonl", lambda text: text[:-7], "line 45 is not valid JSON, half-written or corrupt (Expecting "),
     ("config.yaml", lambda text: text + "\n  - [unclosed", "not valid YAML (line "),
 ]
@@ -462,9 +599,11 @@ def test_report_with_every_run_store_torn_is_one_line(synthetic, tmp_path, capsy
         main(["report", str(synthetic), "--out", str(tmp_path / "reports")])
     assert exit_.value.code == 2
     first = sorted(synthetic.glob("*/run/summary.json"))[0]
-    assert capsys.readouterr().err == (f"error: report: every run store under {str(synthetic)!r} is unreadable (9); the first: "
-                                       f"{first}: not valid JSON, half-written or corrupt (Expecting value: line 1 column "
-                                       f"12)\n")
+    assert capsys.readouterr().err == (
+        f"error: report: every run store under {str(synthetic)!r} is unreadable (9); the first: "
+        f"{first}: not valid JSON, half-written or corrupt (Expecting value: line 1 column "
+        f"12)\n"
+    )
 
 
 @pytest.mark.parametrize("size", [0, 4096])
@@ -482,10 +621,15 @@ def test_report_on_a_truncated_optuna_db_names_it_and_compares_the_runs(syntheti
         optuna.logging.set_verbosity(verbosity)
     db.write_bytes(db.read_bytes()[:size])
     main(["report", str(synthetic), "--out", str(tmp_path / "reports"), "--name", "r"])
-    why = "empty, not an Optuna database" if size == 0 else \
-        "not a readable Optuna database, truncated or corrupt (DatabaseError: database disk image is malformed)"
-    assert capsys.readouterr().err == (f"warning: left out, unreadable: {db}: {why}; the runs are compared as a multirun's, "
-                                       "without the sweep's trials\n")
+    why = (
+        "empty, not an Optuna database"
+        if size == 0
+        else "not a readable Optuna database, truncated or corrupt (DatabaseError: database disk image is malformed)"
+    )
+    assert capsys.readouterr().err == (
+        f"warning: left out, unreadable: {db}: {why}; the runs are compared as a multirun's, "
+        "without the sweep's trials\n"
+    )
     assert len(list(csv.DictReader((tmp_path / "reports" / "r" / "runs.csv").open()))) == 9
     assert db.stat().st_size == size  # read, never written
 
@@ -508,13 +652,59 @@ def test_shapes_section_shows_conditional_rates_evaluation_noise_and_a_paired_co
             v = "".join("1" if x else "0" for x in rng.random(40) < p)
             verdicts[layout, seed] = v
             rate = v.count("1") / 40
-            cols = ["run", "step", "scale", "n", "shapes/all", "shapes/n", "shapes/verdicts", "shapes/one/all", "shapes/one/n",
-                    "shapes/one/verdicts", "shapes/one/found", "shapes/one/color", "shapes/one/color_if_found",
-                    "shapes/relation/all", "shapes/relation/n", "shapes/relation/relation", "shapes/relation/relation_if_found",
-                    "shapes/relation/relation_coverage", "shapes/one/unparsed", "shapes/one/all_lo", "shapes/one/all_hi",
-                    "shapes/relation/all_lo", "shapes/relation/all_hi"]
-            row = ["r", 40, 2.0, 40, rate, 40, v, rate, 40, v, 0.8, 0.6, 0.75, 0.5, 20, 0.3, 0.6, 0.5, 0.1, 0.0, 1.0, 0.0, 1.0]
-            (store / "tables" / "eval_pareto_40.json").write_text(json.dumps({"columns": cols, "line": None, "rows": [row]}))
+            cols = [
+                "run",
+                "step",
+                "scale",
+                "n",
+                "shapes/all",
+                "shapes/n",
+                "shapes/verdicts",
+                "shapes/one/all",
+                "shapes/one/n",
+                "shapes/one/verdicts",
+                "shapes/one/found",
+                "shapes/one/color",
+                "shapes/one/color_if_found",
+                "shapes/relation/all",
+                "shapes/relation/n",
+                "shapes/relation/relation",
+                "shapes/relation/relation_if_found",
+                "shapes/relation/relation_coverage",
+                "shapes/one/unparsed",
+                "shapes/one/all_lo",
+                "shapes/one/all_hi",
+                "shapes/relation/all_lo",
+                "shapes/relation/all_hi",
+            ]
+            row = [
+                "r",
+                40,
+                2.0,
+                40,
+                rate,
+                40,
+                v,
+                rate,
+                40,
+                v,
+                0.8,
+                0.6,
+                0.75,
+                0.5,
+                20,
+                0.3,
+                0.6,
+                0.5,
+                0.1,
+                0.0,
+                1.0,
+                0.0,
+                1.0,
+            ]
+            (store / "tables" / "eval_pareto_40.json").write_text(
+                json.dumps({"columns": cols, "line": None, "rows": [row]})
+            )
     sections, _ = build_sections(load_runs(str(tmp_path / "m")), "preln")
     s = next(s for s in sections if s.key == "shapes")
     assert s.folded
@@ -575,14 +765,20 @@ def test_the_report_opens_with_its_answer_and_reads_at_1400_px(synthetic, tmp_pa
         got = browser.evaluate(REPORT_LAYOUT)
     _, info = build_sections(load_runs(str(synthetic)), "model=preln")
     others = [v for v in info["variants"] if v != "model=preln"]
-    assert got["first"][1:1 + len(others)] == [variant_sentence(v, info["judged"]) for v in others]
+    assert got["first"][1 : 1 + len(others)] == [variant_sentence(v, info["judged"]) for v in others]
     deepnet = info["judged"][("model=deepnet", "eval/valid/loss")]
-    assert got["first"][1].startswith("model=deepnet — eval/valid/loss worse than the baseline (difference "
-                                      f"+{fmt3(deepnet['d'])} nats per image token, 95% CI [{fmt3(deepnet['low'])}, ")
+    assert got["first"][1].startswith(
+        "model=deepnet — eval/valid/loss worse than the baseline (difference "
+        f"+{fmt3(deepnet['d'])} nats per image token, 95% CI [{fmt3(deepnet['low'])}, "
+    )
     assert got["page"][0] <= got["page"][1] and got["final"][0] <= got["final"][1], got  # nothing scrolls sideways
     assert len(got["imgs"]) >= 4
     for alt, shown, natural in got["imgs"]:
-        assert shown >= 0.8 * natural and figures.MIN_PT * figures.DPI / 72 * shown / natural >= 10, (alt, shown, natural)
+        assert shown >= 0.8 * natural and figures.MIN_PT * figures.DPI / 72 * shown / natural >= 10, (
+            alt,
+            shown,
+            natural,
+        )
     text = page.read_text()
     assert not re.search(r"(?<![\w.])[-−]0(?:\.0+)?(?![\d.])", text)  # no negative zero
     assert not re.search(r"N=\d+\.0\b", text)  # a count is an integer
@@ -598,17 +794,30 @@ def test_a_flat_pareto_curve_is_a_line_saying_why_not_a_plot(tmp_path):
         for seed in (0, 1):
             store = write_store(tmp_path / "m", layout, seed, 1.0)
             rows = [["r", 40, s, 32, 23.0 + 0.1 * s + seed, 0.0] for s in (1.0, 3.0)]
-            (store / "tables" / "eval_pareto_40.json").write_text(json.dumps(
-                {"columns": ["run", "step", "scale", "n", "shapes_fd/fd", "shapes/all"], "line": ["shapes_fd/fd", "shapes/all"],
-                 "rows": rows}))
+            (store / "tables" / "eval_pareto_40.json").write_text(
+                json.dumps(
+                    {
+                        "columns": ["run", "step", "scale", "n", "shapes_fd/fd", "shapes/all"],
+                        "line": ["shapes_fd/fd", "shapes/all"],
+                        "rows": rows,
+                    }
+                )
+            )
     sections, _ = build_sections(load_runs(str(tmp_path / "m")), None)
     pareto = next(s for s in sections if s.key == "pareto")
     assert pareto.images == [] and pareto.text == [
         "Nothing to plot: shapes/all is 0 at every guidance scale in every run, so no scale trades one axis for the other "
-        "(runs.csv gives each run's values at every scale)."]
+        "(runs.csv gives each run's values at every scale)."
+    ]
     # one point off the line: a curve again
-    (tmp_path / "m" / "preln_0" / "run" / "tables" / "eval_pareto_40.json").write_text(json.dumps(
-        {"columns": ["run", "step", "scale", "n", "shapes_fd/fd", "shapes/all"], "line": ["shapes_fd/fd", "shapes/all"],
-         "rows": [["r", 40, 1.0, 32, 23.0, 0.0], ["r", 40, 3.0, 32, 23.5, 0.03]]}))
+    (tmp_path / "m" / "preln_0" / "run" / "tables" / "eval_pareto_40.json").write_text(
+        json.dumps(
+            {
+                "columns": ["run", "step", "scale", "n", "shapes_fd/fd", "shapes/all"],
+                "line": ["shapes_fd/fd", "shapes/all"],
+                "rows": [["r", 40, 1.0, 32, 23.0, 0.0], ["r", 40, 3.0, 32, 23.5, 0.03]],
+            }
+        )
+    )
     sections, _ = build_sections(load_runs(str(tmp_path / "m")), None)
     assert [c for c, _ in next(s for s in sections if s.key == "pareto").images] == ["shapes/all vs shapes_fd/fd"]

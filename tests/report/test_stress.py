@@ -19,8 +19,16 @@ from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.findings import study_path
 from dalle_ablate.report.load import load_runs
-from dalle_ablate.report.stress import (claim_values, job_command, load_stress, measures, run_name, settled, stress_folder,
-                                        stress_sections)
+from dalle_ablate.report.stress import (
+    claim_values,
+    job_command,
+    load_stress,
+    measures,
+    run_name,
+    settled,
+    stress_folder,
+    stress_sections,
+)
 from dalle_ablate.validate import compose, to_run_config
 
 RATES = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -48,18 +56,46 @@ def write_store(root: Path, arm: str, lr: float, seed: int, final: float) -> Non
     (store / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "optim": {"lr": lr}}))
     (store / "meta.json").write_text(json.dumps({"overrides": [f"+arm={arm}", f"optim.lr={lr}", f"seed={seed}"]}))
     status = "finished" if np.isfinite(final) else "diverged"
-    (store / "summary.json").write_text(json.dumps({"status": status, "steps": 30 if status == "finished" else 25,
-                                                    "train/first_loss": L0, "data/code_unigram_entropy": FLOOR,
-                                                    "wall_time": 15.0 * (1 + seed)}))
+    (store / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": status,
+                "steps": 30 if status == "finished" else 25,
+                "train/first_loss": L0,
+                "data/code_unigram_entropy": FLOOR,
+                "wall_time": 15.0 * (1 + seed),
+            }
+        )
+    )
 
 
 def study_file(tmp_path: Path, **stress) -> Path:
-    spec = {"name": "synthetic", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "steady",
-            "findings": [{"id": "steady-stabler", "claim": "steady is more stable than fragile", "arm": "fragile",
-                          "against": "steady", "metric": "lr_sensitivity", "expect": "higher"},
-                         {"id": "captions", "claim": "c", "arm": "fragile", "against": "steady", "metric": "shapes_all",
-                          "expect": "lower"}],
-            "stress": {"claims": ["steady-stabler"], "lr": RATES, "seeds": [0, 1], "steps": 30, **stress}}
+    spec = {
+        "name": "synthetic",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "steady",
+        "findings": [
+            {
+                "id": "steady-stabler",
+                "claim": "steady is more stable than fragile",
+                "arm": "fragile",
+                "against": "steady",
+                "metric": "lr_sensitivity",
+                "expect": "higher",
+            },
+            {
+                "id": "captions",
+                "claim": "c",
+                "arm": "fragile",
+                "against": "steady",
+                "metric": "shapes_all",
+                "expect": "lower",
+            },
+        ],
+        "stress": {"claims": ["steady-stabler"], "lr": RATES, "seeds": [0, 1], "steps": 30, **stress},
+    }
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -97,7 +133,9 @@ def test_claim_values_per_arm_and_seed_for_a_verdict(tmp_path):
     # A stabler arm trains at higher rates: the claim's direction flips for that measure.
     (w,) = claim_values(plan, runs, "log10_max_lr")
     assert w["expect"] == "lower" and w["values"]["steady"][0] == pytest.approx(math.log10(3e-2))
-    with pytest.raises(ConfigError, match="^stress measure 'spikes' is not one of: lr_sensitivity, log10_max_lr, divergences$"):
+    with pytest.raises(
+        ConfigError, match="^stress measure 'spikes' is not one of: lr_sensitivity, log10_max_lr, divergences$"
+    ):
         claim_values(plan, runs, "spikes")
 
 
@@ -123,15 +161,30 @@ def test_the_page_section_has_the_figures_and_every_arm_and_seed(tmp_path):
     assert values == claim_values(plan, runs)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(lr=[1e-3, 1e-2]), "stress.lr=[0.001, 0.01] must be at least 3 distinct positive rates in increasing order"),
-    (dict(lr=[1e-2, 1e-3, 1e-1]), "stress.lr=[0.01, 0.001, 0.1] must be at least 3 distinct positive rates in increasing order"),
-    (dict(claims=["nosuch"]), "stress.claims names 'nosuch', not a finding of the study; valid: steady-stabler, captions"),
-    (dict(claims=["captions"]), "stress.claims: finding 'captions' has metric 'shapes_all'; a stress claim's metric must be "
-                                "lr_sensitivity (lower is more stable): it is judged on the stress runs"),
-    (dict(seeds=[0, 0]), "stress.seeds=[0, 0] must be a non-empty list of distinct integers >= 0"),
-    (dict(steps=0), "stress.steps=0 must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(lr=[1e-3, 1e-2]),
+            "stress.lr=[0.001, 0.01] must be at least 3 distinct positive rates in increasing order",
+        ),
+        (
+            dict(lr=[1e-2, 1e-3, 1e-1]),
+            "stress.lr=[0.01, 0.001, 0.1] must be at least 3 distinct positive rates in increasing order",
+        ),
+        (
+            dict(claims=["nosuch"]),
+            "stress.claims names 'nosuch', not a finding of the study; valid: steady-stabler, captions",
+        ),
+        (
+            dict(claims=["captions"]),
+            "stress.claims: finding 'captions' has metric 'shapes_all'; a stress claim's metric must be "
+            "lr_sensitivity (lower is more stable): it is judged on the stress runs",
+        ),
+        (dict(seeds=[0, 0]), "stress.seeds=[0, 0] must be a non-empty list of distinct integers >= 0"),
+        (dict(steps=0), "stress.steps=0 must be an integer >= 1"),
+    ],
+)
 def test_a_bad_stress_section_is_named_in_one_line(tmp_path, change, message):
     path = study_file(tmp_path, **change)
     with pytest.raises(ConfigError) as err:
@@ -152,9 +205,15 @@ def test_every_stress_run_of_the_mega_study_composes():
     assert plan is not None and plan.source
     arms = {p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml")}
     assert set(plan.arms) <= arms and len(plan.jobs()) == len(plan.arms) * len(plan.rates) * len(plan.seeds)
-    user = ["seed=0,1,2", "trainer.steps=1500", "data.num_train=1500"]  # the study command's own: seeds and budget not passed on
-    commands = {job: job_command(sys.executable, "study_mega", Path("/x/mega-variants-stress"), *job, plan, user)
-                for job in plan.jobs()}
+    user = [
+        "seed=0,1,2",
+        "trainer.steps=1500",
+        "data.num_train=1500",
+    ]  # the study command's own: seeds and budget not passed on
+    commands = {
+        job: job_command(sys.executable, "study_mega", Path("/x/mega-variants-stress"), *job, plan, user)
+        for job in plan.jobs()
+    }
     for (arm, lr, seed), cmd in commands.items():
         assert cmd[:3] == [sys.executable, "-m", "dalle_ablate.job"]
         assert cmd[-1] == f"hydra.run.dir=/x/mega-variants-stress/{run_name(arm, lr, seed)}"
@@ -165,12 +224,16 @@ def test_every_stress_run_of_the_mega_study_composes():
             continue
         cfg = to_run_config(compose(cmd[3:-1]))
         assert (cfg.optim.lr, cfg.seed, cfg.trainer.steps, cfg.resume) == (lr, seed, plan.steps, "auto")
-        assert cfg.data.num_train == 1500 and cfg.eval.metrics == [] and cfg.eval.grids == []  # the plan's own overrides
+        assert (
+            cfg.data.num_train == 1500 and cfg.eval.metrics == [] and cfg.eval.grids == []
+        )  # the plan's own overrides
         # the seeds of an arm and rate as members of one job, each in its own run's folder
-        members = job_command(sys.executable, "study_mega", Path("/x/mega-variants-stress"), arm, lr, seed, plan, user,
-                              plan.seeds)
+        members = job_command(
+            sys.executable, "study_mega", Path("/x/mega-variants-stress"), arm, lr, seed, plan, user, plan.seeds
+        )
         assert members[-1] == f"hydra.run.dir=/x/mega-variants-stress/{run_name(arm, lr, seed)}".replace(
-            f"-seed{seed}", "-seed${seed}")
+            f"-seed{seed}", "-seed${seed}"
+        )
         cfg = to_run_config(compose(members[3:-1]))
         assert (cfg.seed, cfg.seeds, cfg.members.impl) == (plan.seeds[0], plan.seeds, "map")
 
@@ -193,7 +256,8 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
     assert first.failed == [] and "started 12 of them" in first.line and "as members of one job" in first.line
     where = stress_folder(folder)
     assert sorted(p.name for p in where.iterdir()) == sorted(
-        run_name(a, lr, s) for a in ("swish", "baseline") for lr in (1e-3, 3e-3, 1e30) for s in (0, 1))
+        run_name(a, lr, s) for a in ("swish", "baseline") for lr in (1e-3, 3e-3, 1e30) for s in (0, 1)
+    )
     status = {p.parent.name: json.loads((p / "summary.json").read_text())["status"] for p in where.glob("*/run")}
     assert status[run_name("baseline", 1e30, 1)] == "diverged" and status[run_name("swish", 1e-3, 1)] == "finished"
     assert all(settled(where / name / "run", 6) for name in status)
@@ -208,7 +272,10 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
     alone = run_stress(path, "study_mega", tmp_path / "alone" / "synthetic", overrides, env, members=False)
     assert alone.failed == [] and "as members" not in alone.line
     for name in status:
-        a, b = (json.loads((w / name / "run" / "summary.json").read_text()) for w in (where, stress_folder(tmp_path / "alone" / "synthetic")))
+        a, b = (
+            json.loads((w / name / "run" / "summary.json").read_text())
+            for w in (where, stress_folder(tmp_path / "alone" / "synthetic"))
+        )
         assert (a["status"], a.get("eval/valid/loss")) == (b["status"], b.get("eval/valid/loss"))
 
 
@@ -228,7 +295,9 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
     spec["findings"] = spec["findings"][:1]  # the stability claim alone
     path.write_text(yaml.safe_dump(spec))
     sections, extra, untestable = stress_measures(path, str(tmp_path / "synthetic"))
-    assert [s.title for s in sections] == ["Stability under stress"] and untestable == {}  # both arms train at some rate
+    assert [s.title for s in sections] == [
+        "Stability under stress"
+    ] and untestable == {}  # both arms train at some rate
 
     def sens(finals):
         capped = [min(f, L0) for f in finals]
@@ -251,8 +320,10 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
     from dalle_ablate.report.findings import compare, load_study
     from dalle_ablate.report.page import stress_measures
 
-    stuck = {"steady": {0: [2.1, 2.0, 2.2, 2.4], 1: [2.05, 2.0, 2.3, 2.6]},
-             "fragile": {0: [2.0, 2.1, 2.2, DIV], 1: [2.2, 2.0, 2.5, DIV]}}
+    stuck = {
+        "steady": {0: [2.1, 2.0, 2.2, 2.4], 1: [2.05, 2.0, 2.3, 2.6]},
+        "fragile": {0: [2.0, 2.1, 2.2, DIV], 1: [2.2, 2.0, 2.5, DIV]},
+    }
     for arm, seeds in stuck.items():
         for seed, finals in seeds.items():
             for lr, final in zip(RATES, finals):
@@ -262,12 +333,18 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
     spec["findings"] = spec["findings"][:1]
     path.write_text(yaml.safe_dump(spec))
     _, extra, untestable = stress_measures(path, str(tmp_path / "synthetic"))
-    assert untestable == {"steady-stabler": "neither fragile nor steady trains at any rate of the stress grid (0.001, 0.003, "
-                                            "0.01, 0.03) on any seed: both end at or above the code-frequency floor"}
+    assert untestable == {
+        "steady-stabler": "neither fragile nor steady trains at any rate of the stress grid (0.001, 0.003, "
+        "0.01, 0.03) on any seed: both end at or above the code-frequency floor"
+    }
     (row,) = compare(load_study(path), {}, extra=extra, untestable=untestable)
     assert row["verdict"] == "untestable here: " + untestable["steady-stabler"] and row["code"] == 5
     # one arm that trains at one rate on one seed makes the claim testable again
     (stress_folder(tmp_path / "synthetic") / run_name("steady", RATES[1], 1) / "run" / "metrics.jsonl").write_text(
-        "\n".join(json.dumps(r) for r in [{"step": s, "train/loss": L0 if s == 1 else 2.0 + 1.0 / s} for s in range(1, 31)]
-                  + [{"step": 30, "eval/valid/loss": 1.5}]))
+        "\n".join(
+            json.dumps(r)
+            for r in [{"step": s, "train/loss": L0 if s == 1 else 2.0 + 1.0 / s} for s in range(1, 31)]
+            + [{"step": 30, "eval/valid/loss": 1.5}]
+        )
+    )
     assert stress_measures(path, str(tmp_path / "synthetic"))[2] == {}

@@ -57,7 +57,9 @@ def test_a_comparison_on_shared_seeds_is_scipy_s_paired_t_test_and_statsmodels_t
     ci, fw = test.confidence_interval(0.95), test.confidence_interval(1 - 0.05 / 2)
     assert r["paired"][0] and r["n"][0] == 4 and r["df"][0] == 3
     assert (r["d"][0], r["sd"][0]) == pytest.approx(((x - z).mean(), np.std(x - z, ddof=1)))
-    assert (r["low"][0], r["high"][0], r["fw_low"][0], r["fw_high"][0]) == pytest.approx((ci.low, ci.high, fw.low, fw.high))
+    assert (r["low"][0], r["high"][0], r["fw_low"][0], r["fw_high"][0]) == pytest.approx(
+        (ci.low, ci.high, fw.low, fw.high)
+    )
     assert r["p_zero"][0] == pytest.approx(test.pvalue)
     assert r["p_tost"][0] == pytest.approx(ttost_paired(x, z, -0.4, 0.4)[0])
     assert r["rho"][0] == pytest.approx(np.corrcoef(x, z)[0, 1])
@@ -76,7 +78,9 @@ def test_arms_that_share_fewer_than_two_seeds_are_compared_by_welch():
     test = st.ttest_ind(y[0, :3], y[1, 3:], equal_var=False)
     ci = test.confidence_interval(0.95)
     assert not r["paired"][0] and r["df"][0] == pytest.approx(test.df)
-    assert (r["low"][0], r["high"][0]) == pytest.approx((ci.low, ci.high)) and r["p_zero"][0] == pytest.approx(test.pvalue)
+    assert (r["low"][0], r["high"][0]) == pytest.approx((ci.low, ci.high)) and r["p_zero"][0] == pytest.approx(
+        test.pvalue
+    )
     assert r["sd"][0] == pytest.approx(math.hypot(np.std(y[0, :3], ddof=1), np.std(y[1, 3:], ddof=1)))
 
 
@@ -110,8 +114,14 @@ def test_holm_power_and_seeds_needed_agree_with_statsmodels():
 
 def test_outcomes_read_as_claims_and_as_a_variant_against_its_baseline():
     assert [V.VERDICTS[V.verdict(o, +1)] for o in range(len(V.OUTCOMES))] == [
-        "reproduced", "reproduced, possibly smaller than Δ", "no meaningful effect (equivalent within ±Δ)",
-        "contradicted (reversed)", "contradicted (reversed)", "not resolved", "untestable here"]
+        "reproduced",
+        "reproduced, possibly smaller than Δ",
+        "no meaningful effect (equivalent within ±Δ)",
+        "contradicted (reversed)",
+        "contradicted (reversed)",
+        "not resolved",
+        "untestable here",
+    ]
     assert V.verdict(V.LOWER_BEYOND, -1) == V.REPRODUCED and V.verdict(V.HIGHER_BEYOND, -1) == V.CONTRADICTED
     assert V.against_baseline(V.LOWER_BEYOND, lower_is_better=True) == "better than the baseline by more than Δ"
     assert V.against_baseline(V.LOWER, lower_is_better=False) == "worse than the baseline"
@@ -143,7 +153,9 @@ def test_the_study_structure_is_the_study_file_s():
     study = yaml.safe_load(study_path("mega-variants").read_text())
     swept = preset["hydra"]["sweeper"]["params"]
     assert len(s.claims) == 16 and set(s.pools) == {"eval_loss", "step_time", "shapes_all", "lr_sensitivity"}
-    assert set(s.pools["eval_loss"]) == set(swept["+arm"].split(",")) and s.seeds["eval_loss"] == len(swept["seed"].split(","))
+    assert set(s.pools["eval_loss"]) == set(swept["+arm"].split(",")) and s.seeds["eval_loss"] == len(
+        swept["seed"].split(",")
+    )
     assert set(s.pools["lr_sensitivity"]) == {"sandwich", "normformer", "swish", "baseline", "deepnet", "postln"}
     assert s.seeds["lr_sensitivity"] == len(study["stress"]["seeds"])
     assert s.topped == ("eval_loss", "step_time", "shapes_all")
@@ -153,7 +165,9 @@ def test_the_study_structure_is_the_study_file_s():
     t = cal.simulate(rng, s, sc, 20000)
     for i, (m, a, b) in enumerate(s.claims):
         d = t[m][:, s.pools[m].index(a)] - t[m][:, s.pools[m].index(b)]
-        assert d.mean() == pytest.approx(i, abs=0.05) and d.std() == pytest.approx(cal.difference_sd(s, sc, i), rel=0.03)
+        assert d.mean() == pytest.approx(i, abs=0.05) and d.std() == pytest.approx(
+            cal.difference_sd(s, sc, i), rel=0.03
+        )
 
 
 STUDY = cal.structure(study_path("mega-variants"))

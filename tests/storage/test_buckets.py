@@ -28,11 +28,21 @@ def job(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = ""
     """`python run.py <TINY> hydra.run.dir=<run_dir>` on a "host" (a staging root of its own);
     with `kill`, tests/kill_worker.py sends itself SIGKILL there."""
     script = ROOT / "tests" / "kill_worker.py" if kill else ROOT / "run.py"
-    env = {**os.environ, "DALLE_ABLATE_STAGING": str(tmp_path / host), "KILL_AT": kill,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    env = {
+        **os.environ,
+        "DALLE_ABLATE_STAGING": str(tmp_path / host),
+        "KILL_AT": kill,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
     tracker = [] if any(o.startswith("tracker=") for o in overrides) else ["tracker=none"]
-    return subprocess.run([sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def rows(gcs, store_url: str) -> list[dict]:
@@ -62,8 +72,15 @@ def whole(gcs, tmp_path_factory) -> str:
 def test_a_run_to_a_bucket_writes_its_store_and_checkpoints_there(gcs, whole):
     fs = gcs.fs()
     names = {f.split("/runs/whole/", 1)[1] for f in fs.find(whole)}
-    assert {"run/config.yaml", "run/meta.json", "run/metrics.jsonl", "run/summary.json", ".hydra/config.yaml",
-            "run/checkpoints/3/commit_success.txt", "run/checkpoints/6/commit_success.txt"} <= names
+    assert {
+        "run/config.yaml",
+        "run/meta.json",
+        "run/metrics.jsonl",
+        "run/summary.json",
+        ".hydra/config.yaml",
+        "run/checkpoints/3/commit_success.txt",
+        "run/checkpoints/6/commit_success.txt",
+    } <= names
     assert not any(n.endswith(fileio.LOCK) for n in names)  # released at the end
     assert json.loads(fs.cat(f"{whole}/run/summary.json"))["status"] == "finished"
     assert [r["step"] for r in rows(gcs, f"{whole}/run") if "train/loss" in r] == list(range(1, 7))
@@ -74,7 +91,9 @@ def test_a_run_to_a_bucket_writes_its_store_and_checkpoints_there(gcs, whole):
     (f,) = Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*/run-{wandb_id}.wandb")
     logged = [a for a in artifacts(f) if a["type"] == "model"]
     assert [a["metadata"] for a in logged] == [{"step": 3}, {"step": 6}]
-    assert logged[-1]["files"] == sorted(n.split("run/checkpoints/6/", 1)[1] for n in names if "run/checkpoints/6/" in n)
+    assert logged[-1]["files"] == sorted(
+        n.split("run/checkpoints/6/", 1)[1] for n in names if "run/checkpoints/6/" in n
+    )
 
 
 def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit(gcs, whole, tmp_path):
@@ -97,7 +116,9 @@ def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit
     proc = job(tmp_path, url, "host-b", "resume=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(fs.cat(f"{url}/run/meta.json"))["resumed_from_step"] == 3
-    timeless = [[{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(gcs, f"{u}/run")] for u in (whole, url)]
+    timeless = [
+        [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(gcs, f"{u}/run")] for u in (whole, url)
+    ]
     assert timeless[0] == timeless[1]  # every row once, each loss and norm the same float
     a, b = saved_state(f"{whole}/run/checkpoints/6"), saved_state(f"{ckpt}/6")
     import jax
@@ -137,11 +158,14 @@ def test_eval_and_report_read_a_run_from_the_bucket_as_from_a_local_copy(gcs, wh
     remote = json.loads(gcs.fs().cat(f"{fileio.url_of(out)}/summary.json"))
     assert fileio.url_of(out) == f"{whole}/run/evals/{out.name}" and out.name == here.name
     assert {k: v for k, v in remote.items() if k != "wall_time"} == {
-        k: v for k, v in json.loads((here / "summary.json").read_text()).items() if k != "wall_time"}
+        k: v for k, v in json.loads((here / "summary.json").read_text()).items() if k != "wall_time"
+    }
     a = build_report(f"{gcs.url}/runs/whole*/run", str(tmp_path / "reports"), "bucket", None, "", "")
     b = build_report(str(tmp_path / "copy" / "whole*" / "run"), str(tmp_path / "reports"), "local", None, "", "")
     # the same table, each run store named where it is
-    assert (Path(a) / "runs.csv").read_text().replace(f"{whole}/run", str(local / "run")) == (Path(b) / "runs.csv").read_text()
+    assert (Path(a) / "runs.csv").read_text().replace(f"{whole}/run", str(local / "run")) == (
+        Path(b) / "runs.csv"
+    ).read_text()
     assert f"{whole}/run," in (Path(a) / "runs.csv").read_text()
 
 
@@ -151,7 +175,9 @@ def write_store(root: Path, arm: str, seed: int, final: float) -> None:
 
     store = root / f"{arm}-seed{seed}" / "run"
     store.mkdir(parents=True)
-    lines = [{"step": s, "train/loss": final + 1.0 / s} for s in range(1, 11)] + [{"step": 10, "eval/valid/loss": final}]
+    lines = [{"step": s, "train/loss": final + 1.0 / s} for s in range(1, 11)] + [
+        {"step": 10, "eval/valid/loss": final}
+    ]
     (store / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (store / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "arm_marker": arm}))
     (store / "meta.json").write_text(json.dumps({"overrides": [f"+arm={arm}", f"seed={seed}"]}))
@@ -169,12 +195,41 @@ def test_a_study_page_is_built_from_stores_in_a_bucket_as_from_local_ones(gcs, t
             write_store(local, arm, seed, final)
     gcs.fs().put(str(local), f"{gcs.url}/studies/", recursive=True)
     study = tmp_path / "tiny.yaml"
-    study.write_text(yaml.safe_dump({"name": "tiny", "title": "t", "source": "s", "experiment": "study_mega", "baseline": "base",
-                                     "findings": [{"id": "w", "claim": "worse is worse", "arm": "worse", "against": "base",
-                                                   "metric": "eval_loss", "expect": "higher"}]}))
+    study.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny",
+                "title": "t",
+                "source": "s",
+                "experiment": "study_mega",
+                "baseline": "base",
+                "findings": [
+                    {
+                        "id": "w",
+                        "claim": "worse is worse",
+                        "arm": "worse",
+                        "against": "base",
+                        "metric": "eval_loss",
+                        "expect": "higher",
+                    }
+                ],
+            }
+        )
+    )
     for out, page in ((f"{gcs.url}/studies", "bucket"), (str(tmp_path / "studies"), "local")):
-        main(["study", str(study), "--no-run", "--out", out, "--report-out", str(tmp_path / "reports" / page),
-              "--page-out", str(tmp_path / page)])
+        main(
+            [
+                "study",
+                str(study),
+                "--no-run",
+                "--out",
+                out,
+                "--report-out",
+                str(tmp_path / "reports" / page),
+                "--page-out",
+                str(tmp_path / page),
+            ]
+        )
     pages = [(tmp_path / p / "tiny.md").read_text().splitlines() for p in ("bucket", "local")]
     differ = [(a, b) for a, b in zip(*pages) if a != b]
     assert len(pages[0]) == len(pages[1]) and len(differ) == 1  # the command it ran, alone: its folder
@@ -200,16 +255,22 @@ def test_parquet_shards_stream_from_a_bucket_as_from_a_disk(gcs, tmp_path, small
 
     def dataset(path):
         base = run_config("data=parquet", f"data.path={path}", "data.image_vocab=145", data=()).data
-        cfg = dataclasses.replace(base, tokenizer_path=str(tmp_path / "tokenizer.json"), shuffle_buffer=64, valid_fraction=0.05)
+        cfg = dataclasses.replace(
+            base, tokenizer_path=str(tmp_path / "tokenizer.json"), shuffle_buffer=64, valid_fraction=0.05
+        )
         return ParquetDataset(cfg, text_len=24, image_len=None)
 
     remote, here = dataset(f"{gcs.url}/data/shards/*.parquet"), dataset(f"{shards}/*.parquet")
     assert remote.files == [f"{gcs.url}/data/shards/part-{i}.parquet" for i in range(3)]
     assert remote.info == here.info
-    assert all(np.array_equal(a, b) for a, b in zip(remote.valid[:3], here.valid[:3])) and remote.valid[3] == here.valid[3]
+    assert (
+        all(np.array_equal(a, b) for a, b in zip(remote.valid[:3], here.valid[:3])) and remote.valid[3] == here.valid[3]
+    )
     for host in range(2):
-        a, b = remote.train_batches(8, seed=1, start_step=2, process_index=host, process_count=2), \
-            here.train_batches(8, seed=1, start_step=2, process_index=host, process_count=2)
+        a, b = (
+            remote.train_batches(8, seed=1, start_step=2, process_index=host, process_count=2),
+            here.train_batches(8, seed=1, start_step=2, process_index=host, process_count=2),
+        )
         for _ in range(3):
             x, y = next(a), next(b)
             assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
@@ -225,7 +286,12 @@ def test_a_tokenizer_cached_in_a_bucket_is_found_there_by_another_host(gcs, tmp_
 
     ds = small_dataset
     write_parquet(tmp_path / "train.parquet", ds.captions["train"][:200], ds.codes["train"][:200])
-    overrides = ("data=parquet", f"data.path={tmp_path}/train.parquet", "data.image_vocab=145", f"data.cache_dir={gcs.url}/cache")
+    overrides = (
+        "data=parquet",
+        f"data.path={tmp_path}/train.parquet",
+        "data.image_vocab=145",
+        f"data.cache_dir={gcs.url}/cache",
+    )
     first = ParquetDataset(run_config(*overrides, data=()).data, text_len=24, image_len=None)
     (cached,) = [f for f in gcs.fs().find(f"{gcs.url}/cache/tokenizers")]
     monkeypatch.setattr(fileio, "_pulled", {})
@@ -247,7 +313,8 @@ def test_a_missing_unreachable_or_foreign_store_is_one_line(gcs, tmp_path, monke
     assert proc.returncode == RunFailed.FAILED
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
         "error: gs://no-such-bucket: no such bucket; create it (gcloud storage buckets create gs://no-such-bucket) or fix "
-        "the URL"]
+        "the URL"
+    ]
     assert "Traceback" not in proc.stderr and not list(tmp_path.rglob("gs:*"))
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -260,9 +327,13 @@ def test_a_missing_unreachable_or_foreign_store_is_one_line(gcs, tmp_path, monke
 
     with pytest.raises(ConfigError) as e:
         bucket_dirs(["trainer.steps=3", "hydra.run.dir=s3://b/runs/x"])
-    assert str(e.value).startswith("hydra.run.dir=s3://b/runs/x: not a bucket URL this tool can use; give gs://<bucket>/<path>")
+    assert str(e.value).startswith(
+        "hydra.run.dir=s3://b/runs/x: not a bucket URL this tool can use; give gs://<bucket>/<path>"
+    )
     assert bucket_dirs(["hydra.run.dir=gs://bkt/runs/x", "hydra.sweep.dir=/tmp/m"]) == [
-        f"hydra.run.dir={gcs.staging}/gs/bkt/runs/x", "hydra.sweep.dir=/tmp/m"]
+        f"hydra.run.dir={gcs.staging}/gs/bkt/runs/x",
+        "hydra.sweep.dir=/tmp/m",
+    ]
 
 
 def dead_pid() -> int:
@@ -285,8 +356,9 @@ def test_one_writer_per_bucket_store_a_dead_or_expired_holder_is_taken_over(gcs)
     assert str(e.value).startswith(f"run store {url} is being written by another process (first; its lease runs to ")
     assert str(e.value).endswith("); wait for it to end or stop it, then run again (one writer per run store)")
     # a holder of this host whose process is gone (kill -9): taken over at once
-    blob.upload_from_string(json.dumps({"holder": "dead", "host": socket.gethostname(), "pid": dead_pid(),
-                                        "expires": 4e9}))
+    blob.upload_from_string(
+        json.dumps({"holder": "dead", "host": socket.gethostname(), "pid": dead_pid(), "expires": 4e9})
+    )
     fileio.BucketLock(url, "second")
     assert json.loads(blob.download_as_bytes())["holder"] == "second"
     with pytest.raises(RunFailed, match="its lock was taken over by another process"):
@@ -314,7 +386,11 @@ def test_a_sweeps_run_link_in_a_bucket_marks_and_resumes_there(gcs, whole):
     store = f"{gcs.url}/sweep/0/run"
     fs.pipe_file(f"{store}/summary.json", json.dumps({"status": "running", "steps": 3}).encode())
     mark_failed(store, "killed: its process died")
-    assert json.loads(fs.cat(f"{store}/summary.json")) == {"status": "failed", "steps": 3, "reason": "killed: its process died"}
+    assert json.loads(fs.cat(f"{store}/summary.json")) == {
+        "status": "failed",
+        "steps": 3,
+        "reason": "killed: its process died",
+    }
     assert find_checkpoints(whole) == (fileio.staged(f"{whole}/run/checkpoints"), None)
     assert find_checkpoints(f"{whole}/run/checkpoints/3") == (fileio.staged(f"{whole}/run/checkpoints"), 3)
     with pytest.raises(ConfigError, match=f"^resume={gcs.url}/sweep/0: no finished orbax checkpoint found there$"):

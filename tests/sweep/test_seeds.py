@@ -24,8 +24,13 @@ from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
 from dalle_ablate.registry import ConfigError
 
 S = optuna.trial.TrialState
-SWEEP = ["hydra/sweeper=optuna", "hydra.sweeper.sampler.name=random", "hydra.sweeper.sampler.seed=0",
-         "optim.lr=tag(log, interval(1e-4, 1e-2))", "tracker=none"]
+SWEEP = [
+    "hydra/sweeper=optuna",
+    "hydra.sweeper.sampler.name=random",
+    "hydra.sweeper.sampler.seed=0",
+    "optim.lr=tag(log, interval(1e-4, 1e-2))",
+    "tracker=none",
+]
 
 
 def study_of(folder: Path) -> optuna.Study:
@@ -44,8 +49,16 @@ def config_seed(run_dir) -> int:
 def swept(tmp_path_factory):
     """Three trials of seeds [0, 1] each, the best two re-checked (default: fresh seeds 2, 3, 4)."""
     tmp = tmp_path_factory.mktemp("seeds")
-    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=3",
-                  "hydra.sweeper.recheck.top=2", cwd=tmp)
+    proc = run_py(
+        "-m",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        *SWEEP,
+        "seeds=[0,1]",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.recheck.top=2",
+        cwd=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "multirun", proc.stdout + proc.stderr
 
@@ -96,7 +109,11 @@ def test_the_best_trials_are_rechecked_on_unused_seeds_by_the_verdict_engine(swe
     low, high = test.confidence_interval(0.95)
     assert vs["trial"] == second.number and vs["paired"] and vs["seeds"] == 3
     assert (vs["difference"], vs["p"], vs["low"], vs["high"]) == (
-        pytest.approx((a - b).mean()), pytest.approx(test.pvalue), pytest.approx(low), pytest.approx(high))
+        pytest.approx((a - b).mean()),
+        pytest.approx(test.pvalue),
+        pytest.approx(low),
+        pytest.approx(high),
+    )
     side = "better" if (a - b).mean() < 0 else "worse"
     assert vs["outcome"] == (f"{side} than trial {second.number}" if test.pvalue < 0.05 else "not resolved")
     assert f"re-check on 3 fresh seeds: trial {best.number} (the sweep's best) is {vs['outcome']}" in out
@@ -106,17 +123,36 @@ def test_the_best_trials_are_rechecked_on_unused_seeds_by_the_verdict_engine(swe
 def test_a_sweep_run_again_after_its_recheck_trains_nothing_more(swept):
     folder, _ = swept
     before = yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"]
-    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=3",
-                  "hydra.sweeper.recheck.top=2", cwd=folder.parent)  # the same sweep folder
+    proc = run_py(
+        "-m",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        *SWEEP,
+        "seeds=[0,1]",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.recheck.top=2",
+        cwd=folder.parent,
+    )  # the same sweep folder
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (proc.stdout + proc.stderr).count("finished before at step 6 of 6; left as it is (resume=auto)") == 6, proc.stdout
+    assert (proc.stdout + proc.stderr).count("finished before at step 6 of 6; left as it is (resume=auto)") == 6, (
+        proc.stdout
+    )
     assert yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"] == before
 
 
 @pytest.mark.slow
 def test_pruning_acts_on_the_members_mean_and_stops_every_member(tmp_path):
-    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=1",
-                  "hydra.sweeper.pruner.name=threshold", "+hydra.sweeper.pruner.kwargs.upper=0.0", cwd=tmp_path)
+    proc = run_py(
+        "-m",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        *SWEEP,
+        "seeds=[0,1]",
+        "hydra.sweeper.n_trials=1",
+        "hydra.sweeper.pruner.name=threshold",
+        "+hydra.sweeper.pruner.kwargs.upper=0.0",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (t,) = study_of(tmp_path / "multirun").get_trials()
     assert t.state == S.PRUNED and list(t.intermediate_values) == [3]
@@ -130,8 +166,17 @@ def test_pruning_acts_on_the_members_mean_and_stops_every_member(tmp_path):
 
 @pytest.mark.slow
 def test_an_upper_bound_statistic_on_seeds_of_each_trial_s_own(tmp_path):
-    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=2",
-                  "hydra.sweeper.statistic=upper", "hydra.sweeper.common_seeds=false", cwd=tmp_path)
+    proc = run_py(
+        "-m",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        *SWEEP,
+        "seeds=[0,1]",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.statistic=upper",
+        "hydra.sweeper.common_seeds=false",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for t in study_of(tmp_path / "multirun").get_trials():
         dirs = t.user_attrs["members"]["run_dirs"]
@@ -146,16 +191,31 @@ def test_an_upper_bound_statistic_on_seeds_of_each_trial_s_own(tmp_path):
 def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path):
     """Killed (SIGKILL) while trial 0's members save step 3: the next start finds its process gone,
     marks the trial FAILED and each member's run store failed, and runs the trials it still owes."""
-    args = ["-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "seeds=[0,1]", "hydra.sweeper.n_trials=2",
-            f"hydra.sweep.dir={tmp_path / 'multirun'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        "-m",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        *SWEEP,
+        "seeds=[0,1]",
+        "hydra.sweeper.n_trials=2",
+        f"hydra.sweep.dir={tmp_path / 'multirun'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     env = {**os.environ, "KILL_AT": "save:3", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
-    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
+    killed = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     (t,) = study_of(tmp_path / "multirun").get_trials()
     assert t.state == S.RUNNING and len(t.user_attrs["members"]["run_dirs"]) == 2
-    again = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=600)
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     got = study_of(tmp_path / "multirun").get_trials()
     assert [t.state for t in got] == [S.FAIL, S.COMPLETE, S.COMPLETE]
@@ -166,7 +226,9 @@ def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path)
 def test_a_statistic_the_sweeper_does_not_know_and_a_recheck_of_one_trial_are_refused():
     from dalle_ablate.sweep.sweeper import OptunaSweeper
 
-    base = dict(study_name="s", storage=None, direction="minimize", n_trials=2, n_jobs=1, sampler={}, pruner={}, params={})
+    base = dict(
+        study_name="s", storage=None, direction="minimize", n_trials=2, n_jobs=1, sampler={}, pruner={}, params={}
+    )
     with pytest.raises(ConfigError, match="hydra.sweeper.statistic"):
         OptunaSweeper(**base, statistic="mode")
     with pytest.raises(ConfigError, match=r"hydra.sweeper.recheck.top=1: 0 \(no re-check\) or the best N >= 2 trials"):
@@ -182,8 +244,11 @@ def test_recheck_seeds_are_new_to_the_sweep():
     assert fresh_seeds(RecheckConf(top=2), [5, 0, 1, 2, 3]) == [6, 7, 8, 9, 10]  # as many as a trial trained
     assert fresh_seeds(RecheckConf(top=2), [0]) == [1, 2, 3]  # a one-seed sweep
     assert fresh_seeds(RecheckConf(top=2, seeds=[9, 7]), [0, 1]) == [9, 7]
-    with pytest.raises(ConfigError, match=r"hydra.sweeper.recheck.seeds=\[1, 7\]: give at least 2 different seeds the "
-                                          r"sweep did not use \(it used \[0, 1\]\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"hydra.sweeper.recheck.seeds=\[1, 7\]: give at least 2 different seeds the "
+        r"sweep did not use \(it used \[0, 1\]\)",
+    ):
         fresh_seeds(RecheckConf(top=2, seeds=[1, 7]), [0, 1])
 
 
@@ -191,5 +256,7 @@ def test_recheck_seeds_are_new_to_the_sweep():
 def test_a_bound_needs_two_seeds_per_trial(tmp_path):
     proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, "hydra.sweeper.statistic=upper", cwd=tmp_path)
     assert proc.returncode != 0
-    assert ("hydra.sweeper.statistic=upper is a bound on the members' mean: give each trial at least 2 seeds "
-            "(seeds=[0,1,2]), or hydra.sweeper.statistic=mean") in proc.stderr
+    assert (
+        "hydra.sweeper.statistic=upper is a bound on the members' mean: give each trial at least 2 seeds "
+        "(seeds=[0,1,2]), or hydra.sweeper.statistic=mean"
+    ) in proc.stderr

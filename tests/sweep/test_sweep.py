@@ -30,9 +30,18 @@ S = optuna.trial.TrialState
 
 
 def test_each_override_form_becomes_its_distribution():
-    space = parse(["optim.lr=tag(log, interval(1e-4, 1e-2))", "model=choice(normformer,deepnet)", "seed=0,1,2",
-                   "k=range(1,7,2)", "w=tag(int, interval(2, 9))", "x=interval(0, 1)", "trainer.steps=3"],
-                  {"optim.b1": "interval(0.8, 0.95)", "x": "choice(5,6)"})
+    space = parse(
+        [
+            "optim.lr=tag(log, interval(1e-4, 1e-2))",
+            "model=choice(normformer,deepnet)",
+            "seed=0,1,2",
+            "k=range(1,7,2)",
+            "w=tag(int, interval(2, 9))",
+            "x=interval(0, 1)",
+            "trainer.steps=3",
+        ],
+        {"optim.b1": "interval(0.8, 0.95)", "x": "choice(5,6)"},
+    )
     d = space.distributions
     assert d["optim.lr"] == D.FloatDistribution(1e-4, 1e-2, log=True)
     assert d["model"] == D.CategoricalDistribution(["normformer", "deepnet"])
@@ -43,9 +52,15 @@ def test_each_override_form_becomes_its_distribution():
     assert d["optim.b1"] == D.FloatDistribution(0.8, 0.95)
     assert space.fixed == ["trainer.steps=3"]
     assert space.overrides({"optim.lr": 0.001, "model": "deepnet", "k": 3}) == [
-        "trainer.steps=3", "optim.lr=0.001", "model=deepnet", "k=3"]
+        "trainer.steps=3",
+        "optim.lr=0.001",
+        "model=deepnet",
+        "k=3",
+    ]
     assert parse(["seed=0,1", "k=range(1,4)"]).grid() == {"seed": [0, 1], "k": [1, 2, 3]}
-    assert parse(["+extra.rate=interval(0, 1)"]).overrides({"extra.rate": 0.5}) == ["+extra.rate=0.5"]  # a new field keeps its +
+    assert parse(["+extra.rate=interval(0, 1)"]).overrides({"extra.rate": 0.5}) == [
+        "+extra.rate=0.5"
+    ]  # a new field keeps its +
     # A field fixed with + in the params block and searched on the command line is searched only
     # (the job must not get both `+extra.rate=0.1` and `+extra.rate=...`), and the other way round.
     searched = parse(["+extra.rate=interval(0, 1)"], {"+extra.rate": "0.1"})
@@ -54,21 +69,30 @@ def test_each_override_form_becomes_its_distribution():
     assert fixed.distributions == {} and fixed.fixed == ["+extra.rate=0.1"]
 
 
-@pytest.mark.parametrize("override,message", [
-    ("x=tag(log, interval(0, 1))", r"x: tag\(log, interval\(0.0, 1.0\)\) needs a positive lower bound"),
-    ("x=interval(2, 1)", r"x: interval\(2.0, 1.0\) is empty"),
-    ("x=tag(sqrt, interval(1, 2))", r"x: unknown tag sqrt; valid tags: log, int"),
-    ("x=tag(log, choice(1, 2))", r"x: tag\(log, \.\.\.\) applies to interval\(\.\.\.\) and range\(\.\.\.\), not to choice"),
-    ("x=interval(1,", r"cannot parse sweep override"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("x=tag(log, interval(0, 1))", r"x: tag\(log, interval\(0.0, 1.0\)\) needs a positive lower bound"),
+        ("x=interval(2, 1)", r"x: interval\(2.0, 1.0\) is empty"),
+        ("x=tag(sqrt, interval(1, 2))", r"x: unknown tag sqrt; valid tags: log, int"),
+        (
+            "x=tag(log, choice(1, 2))",
+            r"x: tag\(log, \.\.\.\) applies to interval\(\.\.\.\) and range\(\.\.\.\), not to choice",
+        ),
+        ("x=interval(1,", r"cannot parse sweep override"),
+    ],
+)
 def test_bad_search_spaces_name_the_parameter(override, message):
     with pytest.raises(ConfigError, match=message):
         parse([override])
 
 
 def test_grid_needs_discrete_parameters():
-    with pytest.raises(ConfigError, match=r"hydra.sweeper.sampler.name=grid needs discrete parameters; x is an interval "
-                                          r"\[0.0, 1.0\] \(use choice"):
+    with pytest.raises(
+        ConfigError,
+        match=r"hydra.sweeper.sampler.name=grid needs discrete parameters; x is an interval "
+        r"\[0.0, 1.0\] \(use choice",
+    ):
         parse(["x=interval(0, 1)"]).grid()
 
 
@@ -104,7 +128,9 @@ def trials(url: str, name: str = "dalle-ablate") -> list[optuna.trial.FrozenTria
 def test_a_resumed_study_counts_its_total_and_does_not_repeat_trials(tmp_path):
     sweep(tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0")
     first = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
-    proc = sweep(tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0")
+    proc = sweep(
+        tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0"
+    )
     assert (proc.stdout + proc.stderr).count("Launching 1 jobs") == 1  # 3 in all: one more, not three more
     after = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.number for t in after] == [0, 1, 2] and all(t.state == S.COMPLETE for t in after)
@@ -117,24 +143,51 @@ def test_a_resumed_study_counts_its_total_and_does_not_repeat_trials(tmp_path):
 
 
 def test_a_failing_job_is_a_failed_trial_and_the_sweep_goes_on(tmp_path):
-    proc = sweep(tmp_path, "mode=choice(raise, nonfinite, ok)", "hydra.sweeper.sampler.name=grid", "hydra.sweeper.n_trials=10")
-    got = {t.params["mode"]: (t.state, t.user_attrs.get("why")) for t in trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")}
-    assert got == {"raise": (S.FAIL, "raised RuntimeError: job failed on purpose"),
-                   "nonfinite": (S.FAIL, "returned [nan] (not finite)"), "ok": (S.COMPLETE, None)}  # grid: 3 points, not 10
+    proc = sweep(
+        tmp_path, "mode=choice(raise, nonfinite, ok)", "hydra.sweeper.sampler.name=grid", "hydra.sweeper.n_trials=10"
+    )
+    got = {
+        t.params["mode"]: (t.state, t.user_attrs.get("why"))
+        for t in trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    }
+    assert got == {
+        "raise": (S.FAIL, "raised RuntimeError: job failed on purpose"),
+        "nonfinite": (S.FAIL, "returned [nan] (not finite)"),
+        "ok": (S.COMPLETE, None),
+    }  # grid: 3 points, not 10
     assert "FAIL: raised RuntimeError: job failed on purpose" in proc.stdout + proc.stderr
 
 
 def test_a_bad_override_fails_the_asked_trials_instead_of_leaving_them_running(tmp_path):
-    proc = subprocess.run([sys.executable, str(APP), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "x=interval(0, 1)",
-                           "no_such_field=choice(1, 2)"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(APP),
+            "-m",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            "x=interval(0, 1)",
+            "no_such_field=choice(1, 2)",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "no_such_field" in proc.stderr
     (t,) = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert t.state == S.FAIL and t.user_attrs["why"].startswith("sweep stopped: ConfigCompositionException")
 
 
 def test_the_pruner_stops_a_job_and_records_it_pruned(tmp_path):
-    sweep(tmp_path, "x=interval(0, 1)", "mode=report", "steps=5", "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner.name=threshold",
-          "+hydra.sweeper.pruner.kwargs.upper=0.5")
+    sweep(
+        tmp_path,
+        "x=interval(0, 1)",
+        "mode=report",
+        "steps=5",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.pruner.name=threshold",
+        "+hydra.sweeper.pruner.kwargs.upper=0.5",
+    )
     got = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.state for t in got] == [S.PRUNED, S.PRUNED]
     # the job reported value + 1/step > 0.5 at step 1 and stopped there
@@ -143,9 +196,18 @@ def test_the_pruner_stops_a_job_and_records_it_pruned(tmp_path):
 
 
 def test_parallel_jobs_through_joblib_and_several_objectives(tmp_path):
-    sweep(tmp_path, "x=interval(0, 1)", "two_objectives=true", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-          "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=4", "hydra.sweeper.direction=[minimize,maximize]",
-          "hydra.sweeper.sampler.name=nsgaii", "hydra.sweeper.sampler.seed=1")
+    sweep(
+        tmp_path,
+        "x=interval(0, 1)",
+        "two_objectives=true",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.direction=[minimize,maximize]",
+        "hydra.sweeper.sampler.name=nsgaii",
+        "hydra.sweeper.sampler.seed=1",
+    )
     got = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.number for t in got] == [0, 1, 2, 3] and all(t.state == S.COMPLETE for t in got)
     assert all(t.values == pytest.approx([(t.params["x"] - 0.3) ** 2 + 0.01, t.params["x"]]) for t in got)
@@ -153,8 +215,20 @@ def test_parallel_jobs_through_joblib_and_several_objectives(tmp_path):
 
 
 def two_processes(tmp_path: Path, url: str, name: str, n: int, *args: str) -> list[optuna.trial.FrozenTrial]:
-    procs = [sweep(tmp_path, "x=interval(0, 1)", "sleep=0.3", f"hydra.sweeper.n_trials={n}", f"hydra.sweeper.storage='{url}'",
-                   f"hydra.sweeper.study_name={name}", *args, sweep_dir=tmp_path / f"p{i}", wait=False) for i in range(2)]
+    procs = [
+        sweep(
+            tmp_path,
+            "x=interval(0, 1)",
+            "sleep=0.3",
+            f"hydra.sweeper.n_trials={n}",
+            f"hydra.sweeper.storage='{url}'",
+            f"hydra.sweeper.study_name={name}",
+            *args,
+            sweep_dir=tmp_path / f"p{i}",
+            wait=False,
+        )
+        for i in range(2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -163,8 +237,14 @@ def two_processes(tmp_path: Path, url: str, name: str, n: int, *args: str) -> li
 
 def test_two_processes_on_one_sqlite_study_run_exactly_n_trials(tmp_path):
     # Both seeded alike: each process draws from its own seed (study.sampler_seed), 6 points, not 3 twice.
-    got = two_processes(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", "shared", 6, "hydra.sweeper.sampler.name=random",
-                        "hydra.sweeper.sampler.seed=0")
+    got = two_processes(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'shared.db'}",
+        "shared",
+        6,
+        "hydra.sweeper.sampler.name=random",
+        "hydra.sweeper.sampler.seed=0",
+    )
     assert sorted(t.number for t in got) == list(range(6)) and all(t.state == S.COMPLETE for t in got)
     assert len({t.params["x"] for t in got}) == 6
     ran = sorted(p.name for d in ("p0", "p1") for p in (tmp_path / d).iterdir() if p.is_dir())
@@ -174,9 +254,22 @@ def test_two_processes_on_one_sqlite_study_run_exactly_n_trials(tmp_path):
 def killed_sweep(tmp_path: Path, *args: str) -> optuna.trial.FrozenTrial:
     """A sweep killed (its whole process group, as kill -9 of a terminal's job) while trial 0 runs:
     the trial it leaves RUNNING."""
-    proc = subprocess.Popen([sys.executable, str(APP), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "x=interval(0, 1)",
-                             "sleep=120", "hydra.sweeper.n_trials=2", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(APP),
+            "-m",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            "x=interval(0, 1)",
+            "sleep=120",
+            "hydra.sweeper.n_trials=2",
+            *args,
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (tmp_path / "sweep" / "0").is_dir():  # trial 0's job has started
@@ -196,8 +289,9 @@ def test_a_trial_whose_sweep_was_killed_on_another_host_is_failed_after_its_grac
     beat = ["hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2"]
     t = killed_sweep(tmp_path, *beat)
     # As the sweep of another machine sharing the study records it: its pid means nothing here.
-    optuna.storages.RDBStorage(url).set_trial_user_attr(t._trial_id, "dalle_ablate.sweep_process",
-                                                        {"host": "elsewhere", "pid": 1, "start": "0"})
+    optuna.storages.RDBStorage(url).set_trial_user_attr(
+        t._trial_id, "dalle_ablate.sweep_process", {"host": "elsewhere", "pid": 1, "start": "0"}
+    )
     time.sleep(2.5)  # past the grace period
     proc = sweep(tmp_path, "x=interval(0, 1)", "hydra.sweeper.n_trials=2", *beat)
     got = trials(url)
@@ -237,7 +331,9 @@ def test_two_processes_on_one_postgresql_study_run_exactly_n_trials(tmp_path):
     url = os.environ.get("DALLE_ABLATE_TEST_POSTGRES")
     if not url:
         if os.environ.get("CI"):
-            pytest.fail("CI must provide a PostgreSQL server: .ci/run sets DALLE_ABLATE_TEST_POSTGRES from .ci/postgres.sh")
+            pytest.fail(
+                "CI must provide a PostgreSQL server: .ci/run sets DALLE_ABLATE_TEST_POSTGRES from .ci/postgres.sh"
+            )
         pytest.skip("no PostgreSQL server: set DALLE_ABLATE_TEST_POSTGRES (see .ci/postgres.sh)")
     name = f"shared-{uuid.uuid4().hex[:8]}"
     got = two_processes(tmp_path, url, name, 6)
@@ -275,29 +371,51 @@ def test_an_experiment_preset_applies_over_a_sweep_preset(capsys):
     with pytest.raises(SystemExit) as e:
         run_hydra(lambda: compose(["+sweeps=lr_adam"]))
     assert e.value.code == 2
-    assert capsys.readouterr().err == ("error: sweeps is already in the defaults list: choose it with sweeps=lr_adam, "
-                                       "without the '+'\n")
+    assert capsys.readouterr().err == (
+        "error: sweeps is already in the defaults list: choose it with sweeps=lr_adam, without the '+'\n"
+    )
 
 
 @pytest.mark.slow
 def test_the_trainer_reports_eval_loss_and_stops_when_pruned(tmp_path):
-    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1",
-                  "optim.lr=tag(log, interval(1e-4, 1e-2))", "model=choice(normformer,deepnet)", "tracker=none",
-                  "hydra.sweeper.pruner.name=threshold", "+hydra.sweeper.pruner.kwargs.upper=0.0", cwd=tmp_path)
+    proc = run_py(
+        "-m",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=1",
+        "optim.lr=tag(log, interval(1e-4, 1e-2))",
+        "model=choice(normformer,deepnet)",
+        "tracker=none",
+        "hydra.sweeper.pruner.name=threshold",
+        "+hydra.sweeper.pruner.kwargs.upper=0.0",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (t,) = trials(f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
-    assert t.state == S.PRUNED and list(t.intermediate_values) == [3]  # first evaluation (trainer.eval_every=3) of 6 steps
+    assert t.state == S.PRUNED and list(t.intermediate_values) == [
+        3
+    ]  # first evaluation (trainer.eval_every=3) of 6 steps
     store = tmp_path / "multirun" / "0" / "run"
     rows = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()]
     (evaluated,) = [row for row in rows if "eval/valid/loss" in row]  # beside it, its per-example table's line
-    assert max(row["step"] for row in rows) == 3 and t.intermediate_values[3] == pytest.approx(evaluated["eval/valid/loss"])
+    assert max(row["step"] for row in rows) == 3 and t.intermediate_values[3] == pytest.approx(
+        evaluated["eval/valid/loss"]
+    )
     assert json.loads((store / "summary.json").read_text())["status"] == "pruned"
 
 
 @pytest.mark.slow
 def test_a_sweep_of_the_trainer_says_what_it_found(tmp_path):
-    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1",
-                  "optim.lr=tag(log, interval(1e-4, 1e-2))", cwd=tmp_path)
+    proc = run_py(
+        "-m",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=1",
+        "optim.lr=tag(log, interval(1e-4, 1e-2))",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     study = optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
     (t,) = study.get_trials()

@@ -30,8 +30,15 @@ tracker.finish()
 def tracked(tmp_path: Path, banner: bool) -> tuple[list[str], dict]:
     """(the lines the process wrote, stdout and stderr together; the run store's meta.json)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_SILENT", "WANDB_QUIET")}
-    proc = subprocess.run([sys.executable, "-c", TRACKED, str(tmp_path / "run"), str(banner).lower()], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACKED, str(tmp_path / "run"), str(banner).lower()],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout.splitlines(), json.loads((tmp_path / "run" / "meta.json").read_text())
 
@@ -41,7 +48,7 @@ def test_wandb_says_one_line_by_default_where_its_run_is(tmp_path):
     assert len(lines) == 1, lines
     prefix, suffix = "W&B run (offline): ", "; upload it with wandb sync"
     assert lines[0].startswith(prefix) and lines[0].endswith(suffix), lines[0]
-    folder = Path(lines[0][len(prefix):-len(suffix)])
+    folder = Path(lines[0][len(prefix) : -len(suffix)])
     # The folder `wandb sync` takes: this run's, holding its record file.
     assert (folder / f"run-{meta['wandb_id']}.wandb").is_file()
 

@@ -50,7 +50,9 @@ def interrupt_line(stderr: str) -> str:
     KeyboardInterrupt that Python dropped ("Exception ignored in")."""
     lines = [line for line in stderr.splitlines() if line.startswith("interrupted")]
     assert len(lines) == 1, stderr[-3000:]
-    assert not any(bad in stderr for bad in ("error:", "Traceback", "Exception ignored", "Segmentation")), stderr[-3000:]
+    assert not any(bad in stderr for bad in ("error:", "Traceback", "Exception ignored", "Segmentation")), stderr[
+        -3000:
+    ]
     return lines[0]
 
 
@@ -90,8 +92,10 @@ def filesystem(path: Path, size: str, readonly: bool = False):
 
 def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues(tmp_path, reference, monkeypatch):
     ckpt = job_dir(tmp_path) / "run" / "checkpoints"
-    expected = (f"checkpoint of step 6 could not be written to {ckpt} (ENOSPC: No space left on device); "
-                f"checkpoints [3] are intact, resume=auto continues from step 3")
+    expected = (
+        f"checkpoint of step 6 could not be written to {ckpt} (ENOSPC: No space left on device); "
+        f"checkpoints [3] are intact, resume=auto continues from step 3"
+    )
     with filesystem(ckpt, "1200k") as mounted:  # room for one checkpoint, not two
         if mounted:
             proc = run_py(*TINY, "tracker=none", cwd=tmp_path)
@@ -111,7 +115,7 @@ def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues
 
             monkeypatch.setattr(ocp.CheckpointManager, "save", save)
             with pytest.raises(RunFailed) as err:
-                train(run_config(*TINY[len(SMALL_DATA):], "tracker=none"), JobInfo(job_dir(tmp_path)))
+                train(run_config(*TINY[len(SMALL_DATA) :], "tracker=none"), JobInfo(job_dir(tmp_path)))
             assert str(err.value) == expected
             monkeypatch.undo()
         run = job_dir(tmp_path) / "run"
@@ -131,7 +135,10 @@ def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 3
     assert losses(run) == losses(reference)
     assert spent < summary(run)["wall_time"] < spent + time.perf_counter() - t0  # both processes' time
-    assert summary(run)["status"] == "finished" and summary(run)["train/first_loss"] == summary(reference)["train/first_loss"]
+    assert (
+        summary(run)["status"] == "finished"
+        and summary(run)["train/first_loss"] == summary(reference)["train/first_loss"]
+    )
 
 
 def test_a_failed_background_save_stops_the_run_at_the_next_step(tmp_path):
@@ -144,8 +151,10 @@ def test_a_failed_background_save_stops_the_run_at_the_next_step(tmp_path):
             pytest.skip("needs root to mount a small tmpfs (CI runs as root)")
         proc = killed(tmp_path, "settle:6", "tracker=none", "trainer.steps=30")
         assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
-        expected = (f"checkpoint of step 6 could not be written to {ckpt} (ENOSPC: No space left on device); "
-                    f"checkpoints [3] are intact, resume=auto continues from step 3")
+        expected = (
+            f"checkpoint of step 6 could not be written to {ckpt} (ENOSPC: No space left on device); "
+            f"checkpoints [3] are intact, resume=auto continues from step 3"
+        )
         assert error_line(proc) == f"error: {expected}"
         run = job_dir(tmp_path) / "run"
         assert max(losses(run)) == 6  # no step after the failure was known
@@ -194,7 +203,8 @@ def test_a_checkpoint_that_cannot_be_restored_is_named_and_resume_falls_back_to_
     assert proc.returncode == RunFailed.FAILED
     line = error_line(proc)
     assert line.startswith(f"error: checkpoint {ckpt / '6'} cannot be restored (") and line.endswith(
-        "); nor can any earlier one (3): remove the run folder to start over, or resume= another checkpoint")
+        "); nor can any earlier one (3): remove the run folder to start over, or resume= another checkpoint"
+    )
     assert "line 1 column" in line  # the JSON decoder's own words on where the file ends
     assert sorted(p.name for p in ckpt.iterdir()) == ["3", "6"]
     shutil.rmtree(ckpt / "3")
@@ -229,15 +239,19 @@ def test_a_second_writer_on_a_run_store_is_refused_in_one_line_naming_the_holder
     shutil.copytree(reference.parent, job_dir(tmp_path))
     run = job_dir(tmp_path) / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".writer.lock"}
         proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
         assert proc.returncode == RunFailed.FAILED
-        assert error_line(proc) == (f"error: run store {run} is being written by another process (pid {holder.pid} on "
-                                    f"{socket.gethostname()}: -c {run}); wait for it to end or stop it, then run again "
-                                    f"(one writer per run store)")
+        assert error_line(proc) == (
+            f"error: run store {run} is being written by another process (pid {holder.pid} on "
+            f"{socket.gethostname()}: -c {run}); wait for it to end or stop it, then run again "
+            f"(one writer per run store)"
+        )
         assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".writer.lock"} == before
     finally:
         holder.kill()
@@ -260,9 +274,25 @@ def lock_free(run: Path) -> bool:
 def test_kill_9_of_the_study_process_ends_its_multirun_too(tmp_path):
     """`dalle-ablate study` killed with -9 while its multirun trains: the multirun's process dies
     with it (its run store's lock is free for the next writer), not training on beside a rerun."""
-    cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", "mega-variants", "--out", str(tmp_path / "studies"),
-           "--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results"), "+arm=baseline", "seed=0",
-           *SMALL_DATA, *TINY_TRAIN, "trainer.steps=100000", "tracker=none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dalle_ablate.cli",
+        "study",
+        "mega-variants",
+        "--out",
+        str(tmp_path / "studies"),
+        "--report-out",
+        str(tmp_path / "reports"),
+        "--page-out",
+        str(tmp_path / "results"),
+        "+arm=baseline",
+        "seed=0",
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        "trainer.steps=100000",
+        "tracker=none",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = tmp_path / "studies" / "mega-variants" / "baseline-seed0" / "run"
     with open(tmp_path / "study.log", "w") as log:
@@ -298,15 +328,31 @@ def test_a_run_store_unwritable_from_the_start_is_one_line(tmp_path):
         subprocess.run([*unlock, str(run)], check=True)
     assert proc.returncode == RunFailed.FAILED
     why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
-    assert error_line(proc) == (f"error: run store {run} cannot be written (.writer.lock): {why}; free space or fix the folder, "
-                                "then resume=auto")
+    assert error_line(proc) == (
+        f"error: run store {run} cannot be written (.writer.lock): {why}; free space or fix the folder, "
+        "then resume=auto"
+    )
     assert list(run.iterdir()) == []
 
 
-def killed(tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL", env: dict = {}) -> subprocess.CompletedProcess:  # noqa: B006
+def killed(
+    tmp_path: Path, at: str, *overrides: str, sig: str = "SIGKILL", env: dict = {}
+) -> subprocess.CompletedProcess:  # noqa: B006
     """Run the tiny job until it sends itself `sig` at `at` (tests/kill_worker.py)."""
-    cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *TINY, *overrides, f"hydra.run.dir={job_dir(tmp_path)}"]
-    env = {**os.environ, "KILL_AT": at, "KILL_SIGNAL": sig, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **env}
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "kill_worker.py"),
+        *TINY,
+        *overrides,
+        f"hydra.run.dir={job_dir(tmp_path)}",
+    ]
+    env = {
+        **os.environ,
+        "KILL_AT": at,
+        "KILL_SIGNAL": sig,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+        **env,
+    }
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -320,19 +366,28 @@ def test_a_folder_made_unwritable_mid_run_stops_it_at_once_in_one_line(tmp_path,
     target = job_dir(tmp_path) / folder
     lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
     try:
-        proc = killed(tmp_path, "shell:3", "tracker=none", "trainer.steps=30",
-                      env={"AFTER_SAVE": shlex.join([*lock, str(target)])})
+        proc = killed(
+            tmp_path,
+            "shell:3",
+            "tracker=none",
+            "trainer.steps=30",
+            env={"AFTER_SAVE": shlex.join([*lock, str(target)])},
+        )
     finally:
         subprocess.run([*unlock, str(target)], check=True)
     assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
     why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
     ckpt = run / "checkpoints"
     if folder == "run/checkpoints":
-        expected = (f"checkpoint of step 6 could not be written to {ckpt} ({why}); "
-                    f"checkpoints [3] are intact, resume=auto continues from step 3")
+        expected = (
+            f"checkpoint of step 6 could not be written to {ckpt} ({why}); "
+            f"checkpoints [3] are intact, resume=auto continues from step 3"
+        )
         assert (summary(run)["status"], summary(run)["reason"]) == ("failed", f"RunFailed: {expected}")
     else:
-        expected = f"run store {run} cannot be written (summary.json): {why}; free space or fix the folder, then resume=auto"
+        expected = (
+            f"run store {run} cannot be written (summary.json): {why}; free space or fix the folder, then resume=auto"
+        )
         assert summary(run)["status"] == "running"  # what it said before the folder became unwritable
     assert error_line(proc) == f"error: {expected}"
     assert "was never awaited" not in proc.stderr
@@ -349,14 +404,23 @@ def test_a_run_store_made_unwritable_between_checkpoints_is_noticed_within_secon
     run = job_dir(tmp_path) / "run"
     lock, unlock = (["chattr", "+i"], ["chattr", "-i"]) if os.geteuid() == 0 else (["chmod", "555"], ["chmod", "755"])
     try:
-        proc = killed(tmp_path, "shell_step:4", "tracker=none", "trainer.steps=20000", "trainer.save_every=20000",
-                      "trainer.eval_every=20000", env={"AFTER_SAVE": shlex.join([*lock, str(run)])})
+        proc = killed(
+            tmp_path,
+            "shell_step:4",
+            "tracker=none",
+            "trainer.steps=20000",
+            "trainer.save_every=20000",
+            "trainer.eval_every=20000",
+            env={"AFTER_SAVE": shlex.join([*lock, str(run)])},
+        )
     finally:
         subprocess.run([*unlock, str(run)], check=True)
     assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
     why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
-    assert error_line(proc) == (f"error: run store {run} cannot be written (summary.json): {why}; free space or fix the "
-                                "folder, then resume=auto")
+    assert error_line(proc) == (
+        f"error: run store {run} cannot be written (summary.json): {why}; free space or fix the "
+        "folder, then resume=auto"
+    )
     assert "was never awaited" not in proc.stderr and "Logging error" not in proc.stderr
     assert 3 < max(losses(run)) < 20000
 
@@ -374,8 +438,10 @@ def test_a_job_folder_read_only_from_the_start_fails_in_one_line_before_anything
         subprocess.run([*unlock, str(job)], check=True)
     assert proc.returncode == RunFailed.FAILED, proc.stderr[-3000:]
     why = "EPERM: Operation not permitted" if os.geteuid() == 0 else "EACCES: Permission denied"
-    assert error_line(proc) == (f"error: folder {job} cannot be written (run.log: {why}); fix it, or, for the job's own "
-                                "folder, choose another with hydra.run.dir= (hydra.sweep.dir= for a multirun)")
+    assert error_line(proc) == (
+        f"error: folder {job} cannot be written (run.log: {why}); fix it, or, for the job's own "
+        "folder, choose another with hydra.run.dir= (hydra.sweep.dir= for a multirun)"
+    )
     assert proc.stderr.count("\n") == 1 and list(job.iterdir()) == []
 
 
@@ -398,7 +464,10 @@ def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_
     proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert f"{run / 'metrics.jsonl'}: its last line (line {torn}) was cut off mid-write; dropped it and resuming" in proc.stderr
+    assert (
+        f"{run / 'metrics.jsonl'}: its last line (line {torn}) was cut off mid-write; dropped it and resuming"
+        in proc.stderr
+    )
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
     for key in ("train/first_loss", "train/loss", "eval/valid/loss"):
@@ -433,7 +502,9 @@ def test_kill_9_during_the_first_save_then_resume_starts_again_in_the_same_wandb
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     runs = new_wandb_runs(before)
     assert len(runs) == 2 and {d.name.rsplit("-", 1)[1] for d in runs} == {first_id}
-    assert [row["_step"] for d in runs for row in history(next(d.glob("run-*.wandb"))) if "train/loss" in row] == list(range(1, 7))
+    assert [row["_step"] for d in runs for row in history(next(d.glob("run-*.wandb"))) if "train/loss" in row] == list(
+        range(1, 7)
+    )
 
 
 def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130(tmp_path, reference):
@@ -452,8 +523,9 @@ def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130
     assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, "interrupted at step 4 of 6")
     assert s["train/loss"] == pytest.approx(losses(reference)[4], rel=1e-6)
     assert s["train/first_loss"] == pytest.approx(losses(reference)[1], rel=1e-6)
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 4
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
@@ -493,7 +565,13 @@ def test_ctrl_c_in_the_fetch_of_a_step_loses_neither_it_nor_the_step_after_it(tm
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 5]
     runs = new_wandb_runs(before)
     assert len(runs) == 1
-    assert [row["_step"] for row in history(next(runs[0].glob("run-*.wandb"))) if "train/loss" in row] == [1, 2, 3, 4, 5]
+    assert [row["_step"] for row in history(next(runs[0].glob("run-*.wandb"))) if "train/loss" in row] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
 
 
 # Ctrl-C at each stage before and around the steps, sent by the process itself at that point
@@ -502,8 +580,10 @@ STAGES = [
     ("compose:1", "interrupted while starting; no step trained; "),
     # in a garbage-collection callback, where Python drops the KeyboardInterrupt it raises: the run
     # trained on to the end (issue 54); three iterations of the fit, three tries
-    *((f"fit:{n}", "interrupted while fitting the image tokenizer (data.tokenizer=kmeans); no step trained; ")
-      for n in (2, 5, 9)),
+    *(
+        (f"fit:{n}", "interrupted while fitting the image tokenizer (data.tokenizer=kmeans); no step trained; ")
+        for n in (2, 5, 9)
+    ),
     ("render:10", "interrupted while rendering the data; no step trained; "),
     ("compile:1", "interrupted at step 1 of 6; checkpoint saved; "),
     ("save:3", "interrupted at step 3 of 6; checkpoint saved; "),
@@ -538,9 +618,23 @@ def test_ctrl_c_while_python_imports_is_taken_once_they_have(tmp_path):
     """SIGINT while `python run.py` imports jax (Python's own import-time log says so): the
     imports finish, then the run stops before anything is composed or built: one line, exit 130
     -- not a traceback out of the middle of an import."""
-    cmd = [sys.executable, "-X", "importtime", str(ROOT / "run.py"), *TINY, "tracker=none", f"hydra.run.dir={job_dir(tmp_path)}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = [
+        sys.executable,
+        "-X",
+        "importtime",
+        str(ROOT / "run.py"),
+        *TINY,
+        "tracker=none",
+        f"hydra.run.dir={job_dir(tmp_path)}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         for line in proc.stderr:
             if line.rstrip().split("|")[-1].strip() == "jax":  # jax's import ended; the rest of the imports go on
@@ -561,9 +655,20 @@ def test_ctrl_c_between_the_jobs_of_a_multirun_gives_the_command_that_continues_
     trains job 1."""
     sweep = tmp_path / "multirun"
     args = ["-m", *TINY, "tracker=none", "seed=0,1", f"hydra.sweep.dir={sweep}"]
-    env = {**os.environ, "KILL_AT": "job:2", "KILL_SIGNAL": "SIGINT", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "KILL_AT": "job:2",
+        "KILL_SIGNAL": "SIGINT",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 130, proc.stderr[-3000:]
     head = "interrupted before job 1 of the multirun started; no step trained; resume with: python run.py "
     line = interrupt_line(proc.stderr)
@@ -571,8 +676,9 @@ def test_ctrl_c_between_the_jobs_of_a_multirun_gives_the_command_that_continues_
     again = shlex.split(line.removeprefix(head))
     assert again == [*args[:-1], "resume=auto", f"hydra.sweep.dir={sweep}"]
     assert summary(sweep / "0" / "run")["status"] == "finished" and not (sweep / "1" / "run").exists()
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{sweep / '0' / 'run'}: finished before at step 6 of 6; left as it is (resume=auto)" in proc.stdout
     assert summary(sweep / "1" / "run")["status"] == "finished"
@@ -587,16 +693,18 @@ def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
     proc = killed(tmp_path, "plot:6", "tracker=none", "eval.metrics=[shapes]", sig="SIGINT")
     assert proc.returncode == 130, proc.stderr[-3000:]
     line = interrupt_line(proc.stderr)
-    assert line.startswith("interrupted at step 6 of 6, during the sampling evaluation; checkpoint saved; resume with: "
-                           "python run.py ")
+    assert line.startswith(
+        "interrupted at step 6 of 6, during the sampling evaluation; checkpoint saved; resume with: python run.py "
+    )
     assert summary(run)["status"] == "interrupted" and "evaluated_step" not in summary(run)
     again = shlex.split(line.split("resume with: python run.py ", 1)[1])
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "tables" / "eval_pareto_6.json").exists() and (run / "media" / "eval_pareto_plot_6.png").exists()
     assert summary(run)["status"] == "finished" and summary(run)["evaluated_step"] == 6
-    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6"):].splitlines()
+    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6") :].splitlines()
     assert closing[1].startswith("  shapes/all (n=8 per scale): s1 ")
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
 
@@ -614,9 +722,21 @@ def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_g
     (trained,) = [d for d in new_wandb_runs(before) if d.name.endswith(trained_id)]
     before = set(new_wandb_runs(set()))
     trained_bytes = next(trained.glob("run-*.wandb")).read_bytes()
-    out = subprocess.run([sys.executable, "-m", "dalle_ablate.cli", "eval", str(job_dir(tmp_path)), "eval.metrics=[caption_sensitivity]"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dalle_ablate.cli",
+            "eval",
+            str(job_dir(tmp_path)),
+            "eval.metrics=[caption_sensitivity]",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (ev,) = new_wandb_runs(before)
     info = run_info(next(ev.glob("run-*.wandb")))
@@ -628,7 +748,15 @@ def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_g
 
 
 def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
-    proc = run_py(*TINY, "tracker=none", "optim.lr=1e9", "optim.clip_grad_norm=null", "schedule.warmup_steps=0", "trainer.steps=20", cwd=tmp_path)
+    proc = run_py(
+        *TINY,
+        "tracker=none",
+        "optim.lr=1e9",
+        "optim.clip_grad_norm=null",
+        "schedule.warmup_steps=0",
+        "trainer.steps=20",
+        cwd=tmp_path,
+    )
     assert proc.returncode == RunFailed.DIVERGED
     line = error_line(proc)
     run = job_dir(tmp_path) / "run"
@@ -637,7 +765,10 @@ def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_pat
     finite = [r for r in rows if isinstance(r["train/loss"], float)]
     assert bad["train/loss"] in ("nan", "inf", "-inf")
     reason = f"diverged at step {bad['step']}: train/loss={bad['train/loss']}; " + (
-        f"last finite loss {finite[-1]['train/loss']:.4f} at step {finite[-1]['step']}" if finite else "no finite loss before it")
+        f"last finite loss {finite[-1]['train/loss']:.4f} at step {finite[-1]['step']}"
+        if finite
+        else "no finite loss before it"
+    )
     assert line.startswith("error: ") and f": {reason} (run store {run})" in line
     assert summary(run)["status"] == "diverged" and summary(run)["reason"] == reason
     # one step number for it everywhere: the error line's, the closing line's, the summary's
@@ -648,8 +779,14 @@ def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_pat
 def _online(tmp_path, env_extra: dict, *overrides):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env.update({"HOME": str(tmp_path / "home"), **env_extra})  # no ~/.netrc with a key
-    cmd = [sys.executable, str(ROOT / "run.py"), *TINY, "tracker.wandb.mode=online", *overrides,
-           f"hydra.run.dir={job_dir(tmp_path)}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        *TINY,
+        "tracker.wandb.mode=online",
+        *overrides,
+        f"hydra.run.dir={job_dir(tmp_path)}",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     return proc, time.perf_counter() - t0
@@ -659,15 +796,20 @@ def _online(tmp_path, env_extra: dict, *overrides):
 OFFLINE_SERVER = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "0" * 40}
 
 
-@pytest.mark.parametrize("case,env,why", [
-    ("no key", {}, "no W&B API key (run `wandb login` or set WANDB_API_KEY)"),
-    ("no network", OFFLINE_SERVER, "cannot reach http://127.0.0.1:9 (Connection refused)"),
-])
+@pytest.mark.parametrize(
+    "case,env,why",
+    [
+        ("no key", {}, "no W&B API key (run `wandb login` or set WANDB_API_KEY)"),
+        ("no network", OFFLINE_SERVER, "cannot reach http://127.0.0.1:9 (Connection refused)"),
+    ],
+)
 def test_wandb_online_that_cannot_connect_fails_fast_in_one_line(tmp_path, case, env, why):
     proc, elapsed = _online(tmp_path, env)
     assert proc.returncode == RunFailed.FAILED
-    assert error_line(proc) == (f"error: tracker.wandb.mode=online: {why}; run offline with tracker.wandb.mode=offline "
-                                f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline")
+    assert error_line(proc) == (
+        f"error: tracker.wandb.mode=online: {why}; run offline with tracker.wandb.mode=offline "
+        f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline"
+    )
     assert elapsed < 60  # the check itself takes at most 25 s; the rest is starting Python and JAX
     assert summary(job_dir(tmp_path) / "run")["status"] == "failed"
 
@@ -705,16 +847,28 @@ def test_wandb_online_falls_back_to_offline_when_asked(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = job_dir(tmp_path) / "run"
     assert summary(run)["status"] == "finished"
-    assert json.loads((run / "meta.json").read_text())["wandb_fallback"] == "cannot reach http://127.0.0.1:9 (Connection refused)"
+    assert (
+        json.loads((run / "meta.json").read_text())["wandb_fallback"]
+        == "cannot reach http://127.0.0.1:9 (Connection refused)"
+    )
 
 
 def test_a_sweep_killed_mid_trial_retries_it_from_its_checkpoint(tmp_path, reference):
     """The sweep process dies with its trial at step 5; the next start finds the trial by its
     heartbeat, marks it and its run store failed, and (retry_failed=1) runs the same parameters
     again from the dead trial's checkpoint of step 3: the same losses as the uninterrupted run."""
-    args = ["-m", *TINY, "tracker=none", "hydra/sweeper=optuna", "seed=choice(0)", "hydra.sweeper.n_trials=1",
-            "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2", "hydra.sweeper.retry_failed=1",
-            f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    args = [
+        "-m",
+        *TINY,
+        "tracker=none",
+        "hydra/sweeper=optuna",
+        "seed=choice(0)",
+        "hydra.sweeper.n_trials=1",
+        "hydra.sweeper.heartbeat_interval=1",
+        "hydra.sweeper.grace_period=2",
+        "hydra.sweeper.retry_failed=1",
+        f"hydra.sweep.dir={tmp_path / 'multirun'}",
+    ]
     cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args]
     env = {**os.environ, "KILL_AT": "step:5", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     assert subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300).returncode == -signal.SIGKILL
@@ -757,8 +911,9 @@ def test_after_a_failed_restore_only_the_stray_reads_errors_are_dropped(monkeypa
     checkpoint._quiet_stray_reads()  # once is enough: not wrapped twice
 
     def unraisable(error, obj=None):
-        return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=error.__traceback__,
-                                     err_msg=None, object=obj)
+        return types.SimpleNamespace(
+            exc_type=type(error), exc_value=error, exc_traceback=error.__traceback__, err_msg=None, object=obj
+        )
 
     async def _read_array_index_and_device_put():  # orbax's read coroutine, dropped with its error
         pass

@@ -147,12 +147,21 @@ def test_train_step_with_per_block_scaling_matches_float32_and_a_skipped_step_ch
     from dalle_ablate.train.assembly import assemble
 
     def setup(dtype, mode):
-        cfg = run_config(f"model.dtype={dtype}", f"trainer.grad_scaling={mode}", "schedule=constant", "schedule.warmup_steps=0",
-                         "trainer.batch_size=8")
+        cfg = run_config(
+            f"model.dtype={dtype}",
+            f"trainer.grad_scaling={mode}",
+            "schedule=constant",
+            "schedule.warmup_steps=0",
+            "trainer.batch_size=8",
+        )
         r = assemble(cfg, sizes={"image_len": 16, "image_vocab": 50, "text_vocab": 40})
         rng, mc = np.random.default_rng(0), r.model_cfg
-        b = {"text": rng.integers(4, mc.text_vocab, (8, mc.text_len)).astype(np.int32), "text_mask": np.ones((8, mc.text_len), bool),
-             "codes": rng.integers(0, mc.image_vocab, (8, mc.image_len)).astype(np.int32), "weights": np.ones(8, np.float32)}
+        b = {
+            "text": rng.integers(4, mc.text_vocab, (8, mc.text_len)).astype(np.int32),
+            "text_mask": np.ones((8, mc.text_len), bool),
+            "codes": rng.integers(0, mc.image_vocab, (8, mc.image_len)).astype(np.int32),
+            "weights": np.ones(8, np.float32),
+        }
         return r, r.train_step(), r.placement.global_batch(b, 8)
 
     def one_step(r, step, batch, state=None):
@@ -190,8 +199,11 @@ def layout_model_cfg(family: str, layout: str, dtype: str = "float32"):
     # tiny sums of cancelling terms, whose float32 rounding differs between two compiled programs
     # by ~1e-4 relative even with every scale 1
     over = ["model.init_std=0.1", "model.decoder_layers=1"]
-    over += (["model=dalle", f"model.layout={layout}", "model.conv_kernel=3"] if family == "single_stream"
-             else [f"model={layout}"])
+    over += (
+        ["model=dalle", f"model.layout={layout}", "model.conv_kernel=3"]
+        if family == "single_stream"
+        else [f"model={layout}"]
+    )
     if LAYOUTS.get(layout).post_residual:  # blocks that end in a norm have no final norm
         over += ["model.final_ln_encoder=false", "model.final_ln_decoder=false"]
     if layout == "swinv2":  # a norm on the residual stream between the layers
@@ -203,10 +215,12 @@ def layout_model_cfg(family: str, layout: str, dtype: str = "float32"):
 def model_batch(cfg, b=4, seed=0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(2, cfg.text_len, b)
-    return {"text": jnp.asarray(rng.integers(4, cfg.text_vocab, (b, cfg.text_len)), jnp.int32),
-            "text_mask": jnp.asarray(np.arange(cfg.text_len)[None] < lengths[:, None]),
-            "codes": jnp.asarray(rng.integers(0, cfg.image_vocab, (b, cfg.image_len)), jnp.int32),
-            "weights": jnp.ones(b, jnp.float32)}
+    return {
+        "text": jnp.asarray(rng.integers(4, cfg.text_vocab, (b, cfg.text_len)), jnp.int32),
+        "text_mask": jnp.asarray(np.arange(cfg.text_len)[None] < lengths[:, None]),
+        "codes": jnp.asarray(rng.integers(0, cfg.image_vocab, (b, cfg.image_len)), jnp.int32),
+        "weights": jnp.ones(b, jnp.float32),
+    }
 
 
 def grad_fn(mode: str, model, batch):
@@ -243,8 +257,11 @@ def leaf_errors(g, ref) -> dict[str, float]:
     return out
 
 
-FAMILY_LAYOUTS = [(f, layout) for f in ("seq2seq", "single_stream")
-                  for layout in ("preln", "postln", "deepnet", "normformer", "sandwich", "swinv2", "subln")]
+FAMILY_LAYOUTS = [
+    (f, layout)
+    for f in ("seq2seq", "single_stream")
+    for layout in ("preln", "postln", "deepnet", "normformer", "sandwich", "swinv2", "subln")
+]
 
 
 @pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
@@ -261,7 +278,9 @@ def test_float32_with_random_per_block_scales_gives_every_parameter_its_plain_gr
     model, batch = build_model(cfg, 0), model_batch(cfg)
     state = scaler_init("per_block", block_names(model), 1.0)
     rng = np.random.default_rng(1)
-    state = state._replace(scale={k: jnp.asarray(2.0 ** rng.integers(0, 21, s.shape), jnp.float32) for k, s in state.scale.items()})
+    state = state._replace(
+        scale={k: jnp.asarray(2.0 ** rng.integers(0, 21, s.shape), jnp.float32) for k, s in state.scale.items()}
+    )
     params = nnx.split(model, nnx.Param)[1]
     plain, _ = grad_fn("none", model, batch)(params, None, 1.0)
     scaled, _ = grad_fn("per_block", model, batch)(params, state, 1.0)
@@ -279,7 +298,11 @@ def group_errors(g, ref, model) -> dict[str, float]:
     sq: dict[str, list[float]] = {}
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(ref)):
         where = param_block(path, model)
-        name = "/".join(map(str, where)) if where is not None else layer_group(path) + ("/res_norm" if "res_norm" in path_str(path) else "")
+        name = (
+            "/".join(map(str, where))
+            if where is not None
+            else layer_group(path) + ("/res_norm" if "res_norm" in path_str(path) else "")
+        )
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         e = sq.setdefault(name, [0.0, 0.0])
         e[0] += float(np.sum((a - b) ** 2))
@@ -315,7 +338,10 @@ def test_float16_per_block_is_as_accurate_as_global_for_every_parameter_group(fa
     0.09%)."""
     from dalle_ablate.model import build_model
 
-    model32, model16 = build_model(layout_model_cfg(family, layout), 0), build_model(layout_model_cfg(family, layout, "float16"), 0)
+    model32, model16 = (
+        build_model(layout_model_cfg(family, layout), 0),
+        build_model(layout_model_cfg(family, layout, "float16"), 0),
+    )
     params, batch, blocks = nnx.split(model32, nnx.Param)[1], model_batch(model32.cfg, b=8), block_names(model16)
     ref_run, runs = grad_fn("none", model32, batch), {m: grad_fn(m, model16, batch) for m in ("global", "per_block")}
     worse = {}
@@ -323,6 +349,14 @@ def test_float16_per_block_is_as_accurate_as_global_for_every_parameter_group(fa
         ref = ref_run(params, None, magnitude)[0]
         err = {m: settled_errors(m, run, params, ref, model16, magnitude, blocks) for m, run in runs.items()}
         assert err["global"].keys() == err["per_block"].keys()
-        assert {"text_embed", "lm_head", "decoder"} < {k.split("/")[0] for k in err["global"]}  # outside groups are measured
-        worse.update({(magnitude, k): (e, err["global"][k]) for k, e in err["per_block"].items() if e > err["global"][k] + 2.0**-11})
+        assert {"text_embed", "lm_head", "decoder"} < {
+            k.split("/")[0] for k in err["global"]
+        }  # outside groups are measured
+        worse.update(
+            {
+                (magnitude, k): (e, err["global"][k])
+                for k, e in err["per_block"].items()
+                if e > err["global"][k] + 2.0**-11
+            }
+        )
     assert not worse, worse  # {(magnitude, group): (per_block's error, global's)}

@@ -43,7 +43,12 @@ def members_job(root: Path, impl: str, *extra: str) -> list:
 
 def rows(store: Path) -> dict[tuple[int, str], object]:
     """(step, key) -> value of a run store's metrics, timing left out (it never reproduces)."""
-    return {(r["step"], k): v for r in read_metrics(store) for k, v in r.items() if k != "step" and not k.startswith("perf/")}
+    return {
+        (r["step"], k): v
+        for r in read_metrics(store)
+        for k, v in r.items()
+        if k != "step" and not k.startswith("perf/")
+    }
 
 
 def params_at(store: Path, step: int) -> dict:
@@ -51,7 +56,9 @@ def params_at(store: Path, step: int) -> dict:
     restored = ocp.StandardCheckpointer().restore((store / "checkpoints" / str(step) / "default").absolute())
     import jax
 
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(restored["params"])[0]}
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(restored["params"])[0]
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +66,10 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("members")
     results = {impl: members_job(root / impl, impl) for impl in ("map", "vmap")}
     for s in SEEDS:
-        train(run_config(*CFG, f"seed={s}"), JobInfo(root / "separate" / f"seed{s}", name=f"seed={s}", overrides=[f"seed={s}"]))
+        train(
+            run_config(*CFG, f"seed={s}"),
+            JobInfo(root / "separate" / f"seed{s}", name=f"seed={s}", overrides=[f"seed={s}"]),
+        )
     return root, results
 
 
@@ -101,7 +111,9 @@ def test_a_members_run_store_is_the_separate_runs_store(trained):
     for s in SEEDS:
         member, alone = root / "map" / f"seed{s}" / "run", root / "separate" / f"seed{s}" / "run"
         # the resolved config of `seed=k` itself: seeds unset, members and mesh.member at their defaults
-        assert yaml.safe_load((member / "config.yaml").read_text()) == yaml.safe_load((alone / "config.yaml").read_text())
+        assert yaml.safe_load((member / "config.yaml").read_text()) == yaml.safe_load(
+            (alone / "config.yaml").read_text()
+        )
         m_meta, a_meta = (json.loads((p / "meta.json").read_text()) for p in (member, alone))
         assert m_meta["members"] == {"seeds": SEEDS, "index": s, "job_dir": str(root / "map"), "impl": "map"}
         assert m_meta.keys() - {"members"} == a_meta.keys() and m_meta["mesh"] == a_meta["mesh"]
@@ -114,7 +126,8 @@ def test_a_members_run_store_is_the_separate_runs_store(trained):
     assert len(wandb_ids) == 3  # a W&B run of its own each
     record = json.loads((root / "map" / "members.json").read_text())
     assert [(m["seed"], m["job_dir"], m["status"]) for m in record["members"]] == [
-        (s, str(root / "map" / f"seed{s}"), "finished") for s in SEEDS]
+        (s, str(root / "map" / f"seed{s}"), "finished") for s in SEEDS
+    ]
     # the report reads members as runs: one variant, its three seeds
     runs = load_runs(str(root / "map"))
     assert sorted(r.seed for r in runs) == SEEDS and len({r.variant for r in runs}) == 1
@@ -145,7 +158,9 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
     wandb_id = json.loads((tmp_path / "seed1" / "run" / "meta.json").read_text())["wandb_id"]
     run_file = next(Path(os.environ["WANDB_DIR"]).glob(f"wandb/offline-run-*-{wandb_id}/run-{wandb_id}.wandb"))
     assert wandb_summary(run_file)["steps"] == 4
-    assert results[1].reason.endswith(f"last finite loss {rows(tmp_path / 'seed1' / 'run')[3, 'train/loss']:.4f} at step 3")
+    assert results[1].reason.endswith(
+        f"last finite loss {rows(tmp_path / 'seed1' / 'run')[3, 'train/loss']:.4f} at step 3"
+    )
     diverged = tmp_path / "seed1" / "run"
     assert sorted(int(p.name) for p in (diverged / "checkpoints").iterdir() if p.name.isdigit()) == [3]
     logged = rows(diverged)
@@ -168,7 +183,9 @@ def test_a_member_that_diverges_is_frozen_and_ended_while_the_others_finish(trai
     assert {s: rows(tmp_path / f"seed{s}" / "run") for s in SEEDS} == before
 
 
-def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_step(trained, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_step(
+    trained, tmp_path, monkeypatch, capsys
+):
     root, _ = trained
     batches = program.MemberBatches.__next__
     drawn = []
@@ -192,8 +209,10 @@ def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_s
     job = JobInfo(tmp_path, overrides=["seeds=[0,1,2]", "trainer.steps=6"])
     with pytest.raises(Interrupted) as err:
         outcome(cfg, job, results)
-    assert str(err.value) == (f"interrupted at step 4 of 6 (members seed=0, seed=1, seed=2); checkpoints saved; resume "
-                              f"with: python run.py 'seeds=[0,1,2]' trainer.steps=6 resume=auto hydra.run.dir={tmp_path}")
+    assert str(err.value) == (
+        f"interrupted at step 4 of 6 (members seed=0, seed=1, seed=2); checkpoints saved; resume "
+        f"with: python run.py 'seeds=[0,1,2]' trainer.steps=6 resume=auto hydra.run.dir={tmp_path}"
+    )
     ids = [json.loads((tmp_path / f"seed{s}" / "run" / "meta.json").read_text())["wandb_id"] for s in SEEDS]
     # a kill -9 between the members' saves of step 4: member 0's never made it to disk
     shutil.rmtree(tmp_path / "seed0" / "run" / "checkpoints" / "4")
@@ -201,7 +220,10 @@ def test_ctrl_c_saves_every_member_and_resume_continues_each_from_their_common_s
     capsys.readouterr()
     results = members_job(tmp_path, "map", "resume=auto")
     assert [r.status for r in results] == ["finished"] * 3
-    assert "members seed=1, seed=2 resume from step 3, the newest step every member has a checkpoint of" in capsys.readouterr().err
+    assert (
+        "members seed=1, seed=2 resume from step 3, the newest step every member has a checkpoint of"
+        in capsys.readouterr().err
+    )
     for s, wandb_id in zip(SEEDS, ids):
         store = tmp_path / f"seed{s}" / "run"
         assert rows(store) == rows(root / "map" / f"seed{s}" / "run")  # each step once, as if never stopped
@@ -213,10 +235,17 @@ def test_shampoo_members_under_map_match_their_separate_runs_within_float32_roun
     # Its roots refreshed every 2 steps and used from step 2: the refresh's cond and eighs run in the
     # members' loop. Not bit for bit, unlike Adam's (XLA compiles the preconditioned update inside
     # the loop differently; seen: 1e-7 relative from the first preconditioned step).
-    shampoo = ["optim=shampoo", "optim.preconditioning_every=2", "optim.start_preconditioning_step=2", "tracker=none",
-               "trainer.steps=4"]
+    shampoo = [
+        "optim=shampoo",
+        "optim.preconditioning_every=2",
+        "optim.start_preconditioning_step=2",
+        "tracker=none",
+        "trainer.steps=4",
+    ]
     cfg = run_config(*shampoo, "seeds=[0,1]", "members.impl=map")
-    results = train_members(cfg, JobInfo(tmp_path / "members"), [JobInfo(tmp_path / "members" / f"seed{s}") for s in (0, 1)])
+    results = train_members(
+        cfg, JobInfo(tmp_path / "members"), [JobInfo(tmp_path / "members" / f"seed{s}") for s in (0, 1)]
+    )
     assert [r.status for r in results] == ["finished"] * 2
     for s in (0, 1):
         train(run_config(*shampoo, f"seed={s}"), JobInfo(tmp_path / "separate" / f"seed{s}"))
@@ -237,8 +266,14 @@ def test_kill_9_between_the_members_saves_then_resume_continues_every_member(tra
     args = [*SMALL_DATA, *TINY_TRAIN, *CFG, "seeds=[0,1,2]", "members.impl=map", f"hydra.run.dir={job}"]
     env = dict(os.environ)
     env.update(KILL_AT="save:6", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
-    proc = subprocess.run([sys.executable, str(tests / "kill_worker.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(tests / "kill_worker.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     stores = [job / f"seed{s}" / "run" for s in SEEDS]
     ids = [json.loads((store / "meta.json").read_text())["wandb_id"] for store in stores]
@@ -246,8 +281,14 @@ def test_kill_9_between_the_members_saves_then_resume_continues_every_member(tra
     # (each member's save is waited for at its next one): their newest complete steps differ or are none
     saved = [{int(p.name) for p in (store / "checkpoints").iterdir() if p.name.isdigit()} for store in stores]
     assert all(s <= {3} for s in saved[1:]) and 6 not in saved[0], saved
-    proc = subprocess.run([sys.executable, str(tests.parent / "run.py"), *args, "resume=auto"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(tests.parent / "run.py"), *args, "resume=auto"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for s, store, wandb_id in zip(SEEDS, stores, ids):
         assert rows(store) == rows(root / "map" / f"seed{s}" / "run"), s  # each step once, the uninterrupted values

@@ -79,15 +79,23 @@ def test_a_bfloat16_run_is_evaluated_in_float32(tmp_path, small_dataset):
     from dalle_ablate.train.state import TrainState
     from dalle_ablate.train.loop import JobInfo, train
 
-    cfg = run_config("model.dtype=bfloat16", "tracker=none", "trainer.steps=2", "trainer.eval_every=2",
-                     "trainer.save_every=2", "trainer.eval_batches=2")
+    cfg = run_config(
+        "model.dtype=bfloat16",
+        "tracker=none",
+        "trainer.steps=2",
+        "trainer.eval_every=2",
+        "trainer.save_every=2",
+        "trainer.eval_batches=2",
+    )
     result = train(cfg, JobInfo(tmp_path))
     mcfg = resolve(cfg.model, small_dataset.image_len, small_dataset.image_vocab, small_dataset.text.vocab_size)
     model = abstract_model(dataclasses.replace(mcfg, dtype="float32"))
     graphdef, shapes = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(shapes)
     opt, _ = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
-    target = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(opt.init, params))
+    target = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(opt.init, params)
+    )
     _, restored = checkpoint.restore(tmp_path / "run" / "checkpoints", None, target)
     total = weight = 0.0
     for b in small_dataset.eval_batches(cfg.trainer.batch_size, 2):

@@ -11,8 +11,13 @@ from dalle_ablate.train import perf
 
 def test_accelerators_come_from_the_table_by_device_kind():
     assert perf.device_peak_flops(SimpleNamespace(device_kind="TPU v3")) == (61.5e12, "table:TPU v3")
-    assert perf.device_peak_flops(SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")) == (989e12, "table:NVIDIA H100 80GB HBM3")
-    assert perf.device_peak_flops(SimpleNamespace(device_kind="TPU v5 lite pod"))[0] == 197e12  # a longer kind, by prefix
+    assert perf.device_peak_flops(SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")) == (
+        989e12,
+        "table:NVIDIA H100 80GB HBM3",
+    )
+    assert (
+        perf.device_peak_flops(SimpleNamespace(device_kind="TPU v5 lite pod"))[0] == 197e12
+    )  # a longer kind, by prefix
 
 
 def test_the_cpu_probe_is_measured_once_per_machine_and_settings(tmp_path, monkeypatch):

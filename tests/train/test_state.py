@@ -43,7 +43,9 @@ def test_the_scaler_is_saved_and_restored_by_its_name(tmp_path):
     saver.save(5, state)
     saver.close()
     tree = ocp.CheckpointManager(tmp_path / "ckpt", item_handlers=ocp.StandardCheckpointHandler()).item_metadata(5).tree
-    assert set(tree) == {"step", "params", "opt_state", "scaler", "compression"} and not jax.tree.leaves(tree["compression"])
+    assert set(tree) == {"step", "params", "opt_state", "scaler", "compression"} and not jax.tree.leaves(
+        tree["compression"]
+    )
     step, restored = checkpoint.restore(tmp_path / "ckpt", None, r.abstract_state())
     assert step == 5 and int(restored.scaler.skipped) == 7 and restored.compression is None
     assert _equal(restored, state)
@@ -60,7 +62,8 @@ def test_a_checkpoint_of_the_positional_layout_is_refused_in_one_line_and_kept(t
     assert str(e.value) == (
         f"checkpoint {tmp_path / 'ckpt' / '4'} was written by dalle-ablate 0.1.0, whose train state kept the scaler state "
         f"inside opt_state by position; this release names them and cannot restore it: resume it with 0.1.0, or remove "
-        f"the run folder to start over")
+        f"the run folder to start over"
+    )
     assert broken == [] and (tmp_path / "ckpt" / "4").is_dir()
 
 

@@ -35,12 +35,18 @@ def setup(small_dataset, *overrides, batch_size=8):
 
 def fresh_state(cfg, params):
     opt, sched = build_optimizer(cfg.optim, cfg.schedule, cfg.trainer.steps)
-    return opt, sched, TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, params), opt_state=opt.init(params))
+    return (
+        opt,
+        sched,
+        TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, params), opt_state=opt.init(params)),
+    )
 
 
 @pytest.mark.parametrize("optim", ["adam", "adafactor"])
 def test_a_few_steps_on_a_fixed_batch_lower_the_loss(small_dataset, optim):
-    cfg, graphdef, params, batch = setup(small_dataset, f"optim={optim}", "optim.lr=3e-3", "schedule=constant", "schedule.warmup_steps=0")
+    cfg, graphdef, params, batch = setup(
+        small_dataset, f"optim={optim}", "optim.lr=3e-3", "schedule=constant", "schedule.warmup_steps=0"
+    )
     opt, sched, state = fresh_state(cfg, params)
     step = make_train_step(graphdef, opt, sched, GradientOptions.of(cfg))
     losses = []
@@ -77,14 +83,17 @@ def test_a_gradient_stage_registered_from_a_test_file_joins_the_path(small_datas
     def scaled(path, factor):
         def stage(state, batch, total_weight, key):
             g = path(state, batch, total_weight, key)
-            return g._replace(grads=jax.tree.map(lambda x: factor * x, g.grads),
-                              metrics={**g.metrics, "train/toy_factor": jnp.float32(factor)})
+            return g._replace(
+                grads=jax.tree.map(lambda x: factor * x, g.grads),
+                metrics={**g.metrics, "train/toy_factor": jnp.float32(factor)},
+            )
 
         return stage
 
     for seed, on in ((7, True), (0, False)):
-        cfg, graphdef, params, batch = setup(small_dataset, f"seed={seed}", "optim.weight_decay=0", "schedule=constant",
-                                             "schedule.warmup_steps=0")
+        cfg, graphdef, params, batch = setup(
+            small_dataset, f"seed={seed}", "optim.weight_decay=0", "schedule=constant", "schedule.warmup_steps=0"
+        )
         options = GradientOptions.of(cfg)
         assert options.added == ((("scaled", 0.0),) if on else ())
         opt, sched, state = fresh_state(cfg, params)
@@ -163,7 +172,9 @@ def test_data_seed_moves_the_data_order_and_init_seed_the_parameters(tmp_path, s
     p0 = init(cfg)
     assert same(p0, init(dataclasses.replace(cfg, data_seed=1)))  # the data seed leaves the parameters
     assert same(p0, init(dataclasses.replace(cfg, seed=1, init_seed=0)))
-    assert not any(np.array_equal(a, b) for a, b in zip(p0, init(dataclasses.replace(cfg, init_seed=1))) if np.std(a) > 0)
+    assert not any(
+        np.array_equal(a, b) for a, b in zip(p0, init(dataclasses.replace(cfg, init_seed=1))) if np.std(a) > 0
+    )
     first = lambda c: [b["codes"] for b in itertools.islice(small_dataset.train_batches(8, data_seed(c)), 3)]  # noqa: E731
     assert same(first(cfg), first(dataclasses.replace(cfg, init_seed=1)))  # the init seed leaves the data order
     assert not same(first(cfg), first(dataclasses.replace(cfg, data_seed=1)))
@@ -191,11 +202,16 @@ def test_resume_auto_continues_step_data_and_rng(tmp_path, small_dataset):
     again = train(dataclasses.replace(cfg, resume="auto"), JobInfo(tmp_path / "resumed"))
     assert again.status == "finished" and again.steps == 6 and again.eval_loss == resumed.eval_loss
     assert {p: p.read_bytes() for p in resumed.run_dir.rglob("*") if p.is_file()} == files
-    longer = train(dataclasses.replace(cfg, resume="auto", trainer=dataclasses.replace(cfg.trainer, steps=7)),
-                   JobInfo(tmp_path / "resumed"))
+    longer = train(
+        dataclasses.replace(cfg, resume="auto", trainer=dataclasses.replace(cfg.trainer, steps=7)),
+        JobInfo(tmp_path / "resumed"),
+    )
     assert longer.steps == 7 and max(losses(longer.run_dir)) == 7
     # And from a path: a new job dir restoring another run's checkpoints.
-    other = train(dataclasses.replace(cfg, resume=str(tmp_path / "full" / "run" / "checkpoints" / "3")), JobInfo(tmp_path / "other"))
+    other = train(
+        dataclasses.replace(cfg, resume=str(tmp_path / "full" / "run" / "checkpoints" / "3")),
+        JobInfo(tmp_path / "other"),
+    )
     assert losses(other.run_dir) == pytest.approx({k: v for k, v in losses(full.run_dir).items() if k > 3}, rel=1e-6)
 
 
@@ -212,9 +228,20 @@ def test_run_store_records_config_meta_metrics_and_samples(tmp_path, small_datas
     assert {"jax", "flax", "optax", "wandb"} <= set(meta["versions"]) and meta["device"]["kind"]
     rows = read_metrics(store)
     names = set().union(*rows)
-    for name in ("train/loss", "train/grad_norm", "train/param_norm", "train/lr", "eval/valid/loss",
-                 "perf/step_time", "perf/tokens_per_s", "perf/mfu", "samples", "tokens",
-                 "train/grad_norm/decoder/0", "train/param_norm/encoder/0"):
+    for name in (
+        "train/loss",
+        "train/grad_norm",
+        "train/param_norm",
+        "train/lr",
+        "eval/valid/loss",
+        "perf/step_time",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "samples",
+        "tokens",
+        "train/grad_norm/decoder/0",
+        "train/param_norm/encoder/0",
+    ):
         assert name in names, name
     per_layer_steps = [r["step"] for r in rows if "train/grad_norm/decoder/0" in r]
     assert per_layer_steps == [2, 4, 6]  # every trainer.log_every=2 steps
@@ -226,8 +253,16 @@ def test_run_store_records_config_meta_metrics_and_samples(tmp_path, small_datas
 
 def test_a_diverging_run_stops_and_is_marked(tmp_path, small_dataset):
     # A learning rate of 1e9 without clipping throws the weights to infinity within a step or two.
-    cfg = run_config("tracker=none", "optim.lr=1e9", "optim.clip_grad_norm=null", "schedule=constant",
-                     "schedule.warmup_steps=0", "trainer.steps=20", "trainer.save_every=1", "trainer.eval_every=100")
+    cfg = run_config(
+        "tracker=none",
+        "optim.lr=1e9",
+        "optim.clip_grad_norm=null",
+        "schedule=constant",
+        "schedule.warmup_steps=0",
+        "trainer.steps=20",
+        "trainer.save_every=1",
+        "trainer.eval_every=100",
+    )
     res = train(cfg, JobInfo(tmp_path))
     assert res.status == "diverged" and res.steps < 20
     assert not np.isfinite(res.train_loss)

@@ -15,8 +15,9 @@ from dalle_ablate.vqgan import VQGAN, VQGANConfig, convert_state_dict, load_vqga
 from dalle_ablate.vqgan.codes import decode_codes
 from dalle_ablate.vqgan.model import torch_names
 
-TINY = VQGANConfig(ch=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), resolution=16, z_channels=4, embed_dim=4,
-                   n_embed=32)
+TINY = VQGANConfig(
+    ch=8, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), resolution=16, z_channels=4, embed_dim=4, n_embed=32
+)
 
 
 def images(n: int, size: int = 16, seed: int = 0) -> np.ndarray:
@@ -78,7 +79,8 @@ def test_convert_vqgan_verb_reads_a_state_dict_npz(tmp_path, capsys):
     (tmp_path / "model.yaml").write_text(
         "model:\n  params:\n    embed_dim: 4\n    n_embed: 32\n    ddconfig:\n      ch: 8\n      ch_mult: [1, 2]\n"
         "      num_res_blocks: 1\n      attn_resolutions: [8]\n      resolution: 16\n      z_channels: 4\n"
-        "      in_channels: 3\n      out_ch: 3\n      double_z: false\n      dropout: 0.0\n")
+        "      in_channels: 3\n      out_ch: 3\n      double_z: false\n      dropout: 0.0\n"
+    )
     main(["convert-vqgan", str(tmp_path / "sd.npz"), str(tmp_path / "w.npz"), "--config", str(tmp_path / "model.yaml")])
     assert "32 codes, f2, 16 px" in capsys.readouterr().out
     x = images(2)
@@ -98,10 +100,29 @@ def test_encode_a_folder_of_captioned_images_into_parquet_the_trainer_reads(tmp_
     for i, (p, c) in enumerate(zip(pics, captions)):
         Image.fromarray(p[:, :20]).save(folder / f"{i:03d}.png")
         (folder / f"{i:03d}.txt").write_text(c)
-    main(["encode", "--images", str(folder), "--vqgan", str(tmp_path / "vq.npz"), "--out", str(tmp_path / "pq"), "--batch", "4"])
+    main(
+        [
+            "encode",
+            "--images",
+            str(folder),
+            "--vqgan",
+            str(tmp_path / "vq.npz"),
+            "--out",
+            str(tmp_path / "pq"),
+            "--batch",
+            "4",
+        ]
+    )
     assert "data.vqgan_path=" in capsys.readouterr().out
-    cfg = run_config("data=parquet", f"data.path={tmp_path / 'pq' / 'data.parquet'}", "data.image_vocab=32",
-                     f"data.vqgan_path={tmp_path / 'vq.npz'}", "data.valid_fraction=0.3", "data.text_vocab_size=60", data=())
+    cfg = run_config(
+        "data=parquet",
+        f"data.path={tmp_path / 'pq' / 'data.parquet'}",
+        "data.image_vocab=32",
+        f"data.vqgan_path={tmp_path / 'vq.npz'}",
+        "data.valid_fraction=0.3",
+        "data.text_vocab_size=60",
+        data=(),
+    )
     ds = build_dataset(cfg.data, cfg.model)
     assert ds.image_len == 64 and ds.has_image_decoder()
     batch = next(ds.train_batches(4, seed=0))
@@ -130,8 +151,14 @@ def test_the_shapes_data_tokenized_by_a_vqgan_are_its_codes_of_the_renders(tmp_p
 
     model = VQGAN(TINY, nnx.Rngs(2))
     save_vqgan(model, tmp_path / "vq.npz")
-    base = ["data.tokenizer=vqgan", f"data.vqgan_path={tmp_path / 'vq.npz'}", "data.num_train=16", "data.num_valid=8",
-            "data.num_test=8", f"data.cache_dir={tmp_path / 'cache'}"]
+    base = [
+        "data.tokenizer=vqgan",
+        f"data.vqgan_path={tmp_path / 'vq.npz'}",
+        "data.num_train=16",
+        "data.num_valid=8",
+        "data.num_test=8",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
     cfg = run_config(*base, "data.image_size=16", "data.patch_size=2", "data.codebook_size=32", data=())
     ds = ShapesDataset(cfg.data, 24)
     assert (ds.image_len, ds.image_vocab, ds.tokenizer.grid) == (64, 32, (8, 8))
