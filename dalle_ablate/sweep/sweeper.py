@@ -50,9 +50,17 @@ from dalle_ablate.track.naming import short
 from dalle_ablate.track.runstore import mark_failed
 
 log = logging.getLogger(__name__)
-# Heartbeats (RDBStorage's heartbeat_interval, fail_stale_trials) have carried optuna's
-# "experimental" label since v2.9; the warning would print at every sweep start.
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def quiet_optuna() -> None:
+    """Heartbeats (RDBStorage's heartbeat_interval, fail_stale_trials, the retry callback) have
+    carried optuna's "experimental" label since v2.9, and a heartbeat outside `Study.optimize`
+    (ask-and-tell, as here) draws a UserWarning: each would print at every sweep start. Set when
+    the sweeper is made, not at import: Hydra imports its plugins inside `warnings.catch_warnings`,
+    which drops a filter set then."""
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
 
 # The study's record of FAILED trials whose process died, {number: why} (a finished trial takes no
 # more attributes): they do not count toward n_trials.
@@ -225,6 +233,7 @@ class OptunaSweeper(Sweeper):
                 "hydra.sweeper.recheck.top needs one objective: a Pareto front has no single best to re-check"
             )
         self.process = this_process()
+        quiet_optuna()
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins

@@ -433,3 +433,5 @@ def test_a_sweep_of_the_trainer_says_what_it_found(tmp_path):
     lr = f"optim.lr={t.params['optim.lr']:.3g}"
     assert f"trial 0 COMPLETE: eval/valid/loss={t.value:.6g} at {lr}" in out
     assert f"best of 1 complete trials: trial 0, eval/valid/loss={t.value:.6g} at {lr}, run store {store}" in out
+    # optuna's notes on its heartbeat (experimental; meant for Study.optimize) are not the user's business
+    assert "ExperimentalWarning" not in out and "Heartbeat of storage" not in out
