@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -62,6 +63,13 @@ def headline(result: dict) -> list[str]:
             + ", ".join(f"{m.key.split('/', 1)[1]} {number(model[m.logged()], '.2f')}" for m in found)
         )
     return lines
+
+
+def table_columns(rows: list[dict]) -> list[str]:
+    """A table's columns: every key any row has, in first-seen order. A rate over no checks is left
+    out of its row (shapes_parser._rates: e.g. a tier none of whose objects was found at one guidance
+    scale), so the first row alone may lack a column a later one has; the table shows NaN there."""
+    return list(dict.fromkeys(k for r in rows for k in r))
 
 
 def pareto_png(rows: list[dict], x: str, y: str, title: str) -> np.ndarray:
@@ -284,7 +292,7 @@ class Evaluation:
         return {"pareto": rows, "model": model_metrics, "rerank": reranked}
 
     def _log_pareto(self, rows: list[dict], step: int, run_name: str) -> None:
-        columns = list(rows[0])
+        columns = table_columns(rows)
         for r in rows:  # scalars too, one series per scale, for W&B's own charts and reports
             self.tracker.log(
                 {
@@ -295,7 +303,9 @@ class Evaluation:
                 step,
             )
         axes = pareto_axes(rows[0])
-        self.tracker.log_table("eval/pareto", columns, [[r[c] for c in columns] for r in rows], step, line=axes)
+        self.tracker.log_table(
+            "eval/pareto", columns, [[r.get(c, math.nan) for c in columns] for r in rows], step, line=axes
+        )
         if axes is not None:
             title = f"step {step}, N={rows[0]['n']} per scale: {axes[1]} vs {axes[0]}"
             self.tracker.log_image("eval/pareto_plot", pareto_png(rows, *axes, title), step, caption=title)
@@ -311,8 +321,8 @@ class Evaluation:
                 },
                 step,
             )
-        columns = list(rows[0])
-        self.tracker.log_table("eval/rerank", columns, [[r[c] for c in columns] for r in rows], step)
+        columns = table_columns(rows)
+        self.tracker.log_table("eval/rerank", columns, [[r.get(c, math.nan) for c in columns] for r in rows], step)
         metric = next((m.key for m in headlines("samples") if m.key in rows[0]), "rerank/score")
         title = f"step {step}: {metric}, best of N by {self.e.rerank_scorer} {scorer.hash}"
         self.tracker.log_image("eval/rerank_plot", rerank_png(rows, metric, title), step, caption=title)

@@ -647,3 +647,40 @@ def test_a_short_run_binds_colour_and_shape_words(tmp_path):
     got = {k: v for r in read_metrics(res.run_dir) for k, v in r.items() if k.startswith("eval/caption_sensitivity/")}
     assert got["eval/caption_sensitivity/color_n"] == 48 and got["eval/caption_sensitivity/shape_n"] == 48
     assert got["eval/caption_sensitivity/color"] > 1.0 and got["eval/caption_sensitivity/shape"] > 1.0, got
+
+
+def test_a_rate_one_guidance_scale_has_and_another_lacks_is_nan_in_the_pareto_table():
+    """A rate over no checks is left out of its row (no three-object image had a colour found at
+    s1, say): the Pareto table has the column, NaN where a scale lacks it (it was a KeyError
+    that failed the run at its final evaluation)."""
+    from types import SimpleNamespace
+
+    from dalle_ablate.evaluate.runner import Evaluation
+
+    class Tables:
+        def __init__(self):
+            self.tables = {}
+
+        def log(self, metrics, step):
+            pass
+
+        def log_table(self, key, columns, rows, step, line=None):
+            self.tables[key] = (columns, rows)
+
+        def log_image(self, key, image, step, caption=None):
+            pass
+
+    base = {"run": "r", "step": 6, "n": 8, "shapes/all": 0.25, "shapes/all_lo": 0.1, "shapes/all_hi": 0.5}
+    has = {"shapes/three/color_if_found": 0.5}
+    for rows in (
+        [{**base, "scale": 1.0, **has}, {**base, "scale": 3.0}],
+        [{**base, "scale": 1.0}, {**base, "scale": 3.0, **has}],
+    ):
+        tracker = Tables()
+        Evaluation._log_pareto(SimpleNamespace(tracker=tracker), rows, 6, "r")
+        columns, table = tracker.tables["eval/pareto"]
+        k = columns.index("shapes/three/color_if_found")
+        assert [v[k] for v in table] == [0.5, pytest.approx(np.nan, nan_ok=True)][
+            :: 1 if has.items() <= rows[0].items() else -1
+        ]
+        assert columns[: len(base) + 1] == [*base, "scale"]
