@@ -404,8 +404,21 @@ class OptunaSweeper(Sweeper):
         values = np.array(
             [rechecks.member_values(Path(r.hydra_cfg.hydra.runtime.output_dir), seeds, objective) for r in returns]
         )
-        record = rechecks.judge(best, values, minimize, self.recheck.margin)
-        record["seeds"], record["objective"] = seeds, objective
+        # A re-check job that failed (or whose members did not finish) is named, not judged: the
+        # others are judged without it while the best and one more have two values or more.
+        failed = {
+            t.number: outcome(r, 1)[2] or "its members did not finish"
+            for t, r, v in zip(best, returns, values)
+            if np.isfinite(v).sum() < 2
+        }
+        kept = [i for i, t in enumerate(best) if t.number not in failed]
+        for number, why in failed.items():
+            log.warning(f"re-check of trial {number} failed: {why} (run the sweep again to retry it)")
+        if len(kept) < 2 or kept[0] != 0:
+            log.warning("re-check: the sweep's best could not be judged against another trial")
+            return {"seeds": seeds, "objective": objective, "failed": failed}
+        record = rechecks.judge([best[i] for i in kept], values[kept], minimize, self.recheck.margin)
+        record.update(seeds=seeds, objective=objective, **({"failed": failed} if failed else {}))
         log.info(rechecks.summary_line(record, objective))
         return record
 

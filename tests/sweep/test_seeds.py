@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import optuna
@@ -260,3 +261,63 @@ def test_a_bound_needs_two_seeds_per_trial(tmp_path):
         "hydra.sweeper.statistic=upper is a bound on the members' mean: give each trial at least 2 seeds "
         "(seeds=[0,1,2]), or hydra.sweeper.statistic=mean"
     ) in proc.stderr
+
+
+def test_a_recheck_job_that_fails_is_named_and_the_others_still_judged(tmp_path):
+    """Three trials re-checked; the third's job fails (as a run's final evaluation once did): the
+    best is judged against the second alone, and the failure is on the record with its reason."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from dalle_ablate.sweep.sweeper import OptunaSweeper
+
+    study = optuna.create_study()
+    for x, v in ((0.1, 1.0), (0.2, 1.1), (0.3, 1.2)):
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"x": x}, distributions={"x": optuna.distributions.FloatDistribution(0, 1)}, value=v
+            )
+        )
+    seeds, rng = [2, 3, 4], np.random.default_rng(0)
+    recheck = {0: 1.0 + rng.normal(0, 0.01, 3), 1: 1.1 + rng.normal(0, 0.01, 3)}
+
+    def launch(batch, initial_job_idx):
+        out = []
+        for number, overrides in enumerate(batch):
+            job = tmp_path / f"trial{number}"
+            members = []
+            for k, s in enumerate(seeds):
+                (job / f"seed{s}" / "run").mkdir(parents=True)
+                status = "finished" if number in recheck else "failed"
+                if number in recheck:
+                    (job / f"seed{s}" / "run" / "summary.json").write_text(
+                        json.dumps({"eval/valid/loss": recheck[number][k]})
+                    )
+                members.append({"seed": s, "job_dir": str(job / f"seed{s}"), "status": status, "reason": ""})
+            (job / "members.json").write_text(json.dumps({"seeds": seeds, "members": members}))
+            ret = JobReturn(
+                overrides=overrides, hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(job)}}})
+            )
+            ret.status = JobStatus.COMPLETED if number in recheck else JobStatus.FAILED
+            ret._return_value = 1.0 if number in recheck else RuntimeError("KeyError: 'shapes/three/color_if_found'")
+            out.append(ret)
+        return out
+
+    sweeper = OptunaSweeper(
+        study_name="s",
+        storage=None,
+        direction="minimize",
+        n_trials=3,
+        n_jobs=1,
+        sampler={},
+        pruner={},
+        params={},
+        recheck={"top": 3, "seeds": seeds},
+    )
+    sweeper.launcher = SimpleNamespace(launch=launch)
+    sweeper.validate_batch_is_legal = lambda batch: None
+    sweeper.objectives, sweeper.seeds, sweeper.config = ["eval/valid/loss"], [0, 1], {}
+    record = sweeper._recheck(study, SimpleNamespace(overrides=lambda p: [f"x={p['x']}"]))
+    assert record["failed"] == {2: "raised RuntimeError: KeyError: 'shapes/three/color_if_found'"}
+    assert [t["number"] for t in record["trials"]] == [0, 1] and [a["trial"] for a in record["against"]] == [1]
+    assert record["against"][0]["p"] == pytest.approx(stats.ttest_rel(recheck[0], recheck[1]).pvalue)
