@@ -32,9 +32,10 @@ class RecheckConf:
     margin: Optional[float] = None  # Δ: also say whether the best wins by more than Δ, or is equivalent within ±Δ
 
 
-def fresh_seeds(conf: RecheckConf, used: list[int]) -> list[int]:
+def fresh_seeds(conf: RecheckConf, used: list[int], per_trial: int = 1) -> list[int]:
     """The re-check's seeds: the ones given, which must be new to the sweep, or as many as a trial
-    trained (at least 3: the paired test needs spread) starting after the largest seed it used."""
+    trained (`per_trial`; at least 3: the paired test needs spread) starting after the largest seed
+    the sweep used (`used`: every trial's)."""
     if conf.seeds is not None:
         seeds = [int(s) for s in conf.seeds]
         clash = sorted(set(seeds) & set(used))
@@ -45,7 +46,7 @@ def fresh_seeds(conf: RecheckConf, used: list[int]) -> list[int]:
             )
         return seeds
     start = max(used) + 1
-    return list(range(start, start + max(3, len(set(used)) if len(used) > 1 else 3)))
+    return list(range(start, start + max(3, per_trial)))
 
 
 def job_overrides(trial_overrides: list[str], seeds: list[int], number: int) -> list[str]:

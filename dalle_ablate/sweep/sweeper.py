@@ -395,7 +395,7 @@ class OptunaSweeper(Sweeper):
         if len(best) < 2:
             log.warning(f"re-check skipped: {len(best)} complete trial(s), it needs 2")
             return None
-        seeds = rechecks.fresh_seeds(self.recheck, self.used_seeds(study))
+        seeds = rechecks.fresh_seeds(self.recheck, self.used_seeds(study), len(self.seeds or [0]))
         batch = [rechecks.job_overrides(space.overrides(t.params), seeds, t.number) + ["resume=auto"] for t in best]
         log.info(f"re-check: trials {[t.number for t in best]} on fresh seeds {seeds}")
         self.validate_batch_is_legal(batch)

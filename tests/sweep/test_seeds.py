@@ -241,9 +241,11 @@ def test_a_statistic_the_sweeper_does_not_know_and_a_recheck_of_one_trial_are_re
 def test_recheck_seeds_are_new_to_the_sweep():
     from dalle_ablate.sweep.recheck import RecheckConf, fresh_seeds
 
-    assert fresh_seeds(RecheckConf(top=2), [0, 1]) == [2, 3, 4]  # at least 3
-    assert fresh_seeds(RecheckConf(top=2), [5, 0, 1, 2, 3]) == [6, 7, 8, 9, 10]  # as many as a trial trained
+    assert fresh_seeds(RecheckConf(top=2), [0, 1], 2) == [2, 3, 4]  # at least 3
+    assert fresh_seeds(RecheckConf(top=2), [5, 0, 1, 2, 3], 5) == [6, 7, 8, 9, 10]  # as many as a trial trained
     assert fresh_seeds(RecheckConf(top=2), [0]) == [1, 2, 3]  # a one-seed sweep
+    # trials on seeds of their own (common_seeds=false): after all of them, as many as one trial's
+    assert fresh_seeds(RecheckConf(top=2), [0, 1, 2, 3, 4, 5, 6, 7], 4) == [8, 9, 10, 11]
     assert fresh_seeds(RecheckConf(top=2, seeds=[9, 7]), [0, 1]) == [9, 7]
     with pytest.raises(
         ConfigError,
