@@ -3,7 +3,11 @@ again on seeds the sweep never used, each as one job of members, and judged agai
 the verdict engine that judges studies (report/verdicts.py: paired by seed, Holm over the
 comparisons). A sweep's best value is the best of many noisy values, so it is biased toward luck
 (the winner's curse); the re-check's values are not, and their difference is the selection bias
-measured."""
+measured.
+
+Imports here stay light: Hydra imports the sweeper plugin (and so this module) at every start of
+`run.py`, `--help` included; the verdict engine (scipy) and the trainer's records (jax) are imported
+when a re-check runs."""
 
 from __future__ import annotations
 
@@ -17,9 +21,7 @@ import numpy as np
 import optuna
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report import verdicts
 from dalle_ablate.track.naming import key_of
-from dalle_ablate.train.records import MEMBERS_FILE
 
 FOLDER = "recheck"  # under the sweep folder: recheck/trial<N>, one members job per re-checked trial
 
@@ -63,8 +65,14 @@ def job_overrides(trial_overrides: list[str], seeds: list[int], number: int) -> 
 
 def member_values(job_dir: Path, seeds: list[int], objective: str) -> np.ndarray:
     """Each member's value of `objective` (its run store's summary), NaN where a member did not
-    finish, in the order of `seeds`."""
-    record = json.loads((job_dir / MEMBERS_FILE).read_text())
+    finish -- all NaN where the job recorded no members (it failed before training) -- in the order
+    of `seeds`."""
+    from dalle_ablate.train.records import MEMBERS_FILE
+
+    path = job_dir / MEMBERS_FILE
+    if not path.exists():
+        return np.full(len(seeds), math.nan)
+    record = json.loads(path.read_text())
     where = {m["seed"]: (Path(m["job_dir"]), m["status"]) for m in record["members"]}
     out = []
     for s in seeds:
@@ -75,24 +83,40 @@ def member_values(job_dir: Path, seeds: list[int], objective: str) -> np.ndarray
     return np.array(out)
 
 
-def judge(trials: list[optuna.trial.FrozenTrial], values: np.ndarray, minimize: bool, margin: Optional[float]) -> dict:
+def sweep_mean(trial: optuna.trial.FrozenTrial, objective: str) -> float:
+    """A trial's mean value in the sweep: its members' mean (the trial's value may be another
+    statistic of them: a bound, the median), or its one run's value."""
+    members = trial.user_attrs.get("members", {}).get("values", {}).get(objective)
+    return float(np.mean(members)) if members else float(trial.value)
+
+
+def judge(
+    trials: list[optuna.trial.FrozenTrial], values: np.ndarray, minimize: bool, margin: Optional[float], objective: str
+) -> dict:
     """The re-check's record: `values[trial, seed]` of the re-checked trials (best of the sweep
     first); the best against each other one by the verdict engine (difference = best - other,
-    paired by seed, Holm over the comparisons), and each trial's selection bias: its sweep value
-    minus its re-check mean (for a loss, > 0 would be bad luck, < 0 the winner's curse)."""
+    paired by seed, Holm over the comparisons; the interval printed is the family-wise one,
+    Bonferroni over them, the strictest level Holm's first step asks), and each trial's selection
+    bias: its mean in the sweep minus its re-check mean (for a loss, < 0 is the winner's curse),
+    with the re-check mean's standard error (the bias is itself one noisy number)."""
+    from dalle_ablate.report import verdicts
+
     comparisons = [verdicts.Comparison("v", 0, j, margin if margin else math.nan) for j in range(1, len(trials))]
     r = verdicts.analyse({"v": values}, comparisons)
     out = {"trials": [], "against": []}
     for t, row in zip(trials, values):
-        mean = float(np.nanmean(row)) if np.isfinite(row).any() else math.nan
+        finite = row[np.isfinite(row)]
+        mean = float(finite.mean()) if len(finite) else math.nan
         out["trials"].append(
             {
                 "number": t.number,
                 "params": dict(t.params),
                 "sweep_value": float(t.value),
+                "sweep_mean": sweep_mean(t, objective),
                 "recheck_values": [float(v) for v in row],
                 "recheck_mean": mean,
-                "selection_bias": float(t.value) - mean,
+                "recheck_se": float(finite.std(ddof=1) / math.sqrt(len(finite))) if len(finite) > 1 else math.nan,
+                "selection_bias": sweep_mean(t, objective) - mean,
             }
         )
     for j, c in enumerate(comparisons):
@@ -103,6 +127,8 @@ def judge(trials: list[optuna.trial.FrozenTrial], values: np.ndarray, minimize: 
                 "difference": float(r["d"][j]),
                 "low": float(r["low"][j]),
                 "high": float(r["high"][j]),
+                "fw_low": float(r["fw_low"][j]),
+                "fw_high": float(r["fw_high"][j]),
                 "p": float(r["p_zero"][j]),
                 "seeds": int(r["n"][j]),
                 "paired": bool(r["paired"][j]),
@@ -118,11 +144,11 @@ def summary_line(record: dict, objective: str) -> str:
     noise, by how much, and the winner's curse."""
     best = record["trials"][0]
     first = record["against"][0]
-    n = first["seeds"]
+    k = len(record["against"])
+    level = "95 %" if k == 1 else f"95 % family-wise over {k} comparisons"
     return (
-        f"re-check on {n} fresh seeds: trial {best['number']} (the sweep's best) is {first['outcome']} -- "
-        f"{objective} difference {first['difference']:+.3g} [{first['low']:+.3g}, {first['high']:+.3g}] (95 %, "
-        f"{'paired' if first['paired'] else 'unpaired'}, Holm over {len(record['against'])}); its sweep value "
-        f"{best['sweep_value']:.4g}, re-checked {best['recheck_mean']:.4g} (selection bias "
-        f"{best['selection_bias']:+.3g})"
+        f"re-check on {first['seeds']} fresh seeds: trial {best['number']} (the sweep's best) is {first['outcome']} "
+        f"-- {objective} difference {first['difference']:+.3g} [{first['fw_low']:+.3g}, {first['fw_high']:+.3g}] "
+        f"({level}, {'paired' if first['paired'] else 'unpaired'}); its mean in the sweep {best['sweep_mean']:.4g}, "
+        f"re-checked {best['recheck_mean']:.4g} ± {best['recheck_se']:.2g} (selection bias {best['selection_bias']:+.3g})"
     )

@@ -247,6 +247,11 @@ class OptunaSweeper(Sweeper):
         self.objectives = [str(o) for o in config.get("objectives", [])]  # what the jobs return (RunConfig.objectives)
         seeds = config.get("seeds")
         self.seeds = [int(k) for k in seeds] if seeds is not None else None  # each trial's members, as given
+        if self.recheck.top and is_url(str(config.hydra.sweep.dir)):
+            raise ConfigError(
+                "hydra.sweeper.recheck.top with a sweep folder in a bucket is not supported: the "
+                "re-check reads its jobs' members from local folders; re-check from a local sweep folder"
+            )
         if self.statistic in NEEDS_SPREAD and (self.seeds is None or len(self.seeds) < 2):
             raise ConfigError(
                 f"hydra.sweeper.statistic={self.statistic} is a bound on the members' mean: give each trial "
@@ -360,8 +365,11 @@ class OptunaSweeper(Sweeper):
                         f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}"
                     )
                 study.tell(trial, values, state=state)
-        recheck = self._recheck(study, space)
-        self._write_results(study, recheck)
+        recheck = None
+        try:
+            recheck = self._recheck(study, space)
+        finally:  # the sweep's own results, also when its re-check fails or is interrupted
+            self._write_results(study, recheck)
         return study.get_trials()
 
     def _seeds(self, number: int) -> list[str]:
@@ -371,7 +379,7 @@ class OptunaSweeper(Sweeper):
             return []
         out = [f"optuna.statistic={self.statistic}"]
         if not self.common_seeds:
-            mine = [k + number * len(self.seeds) for k in self.seeds]
+            mine = [k + number * self._span() for k in self.seeds]
             out += [f"seeds=[{','.join(map(str, mine))}]", f"seed={mine[0]}"]
         return out
 
@@ -381,13 +389,27 @@ class OptunaSweeper(Sweeper):
             return [int(self.config.get("seed", 0))]
         if self.common_seeds:
             return list(self.seeds)
-        return [k + t.number * len(self.seeds) for t in study.get_trials(deepcopy=False) for k in self.seeds]
+        return [k + t.number * self._span() for t in study.get_trials(deepcopy=False) for k in self.seeds]
+
+    def _span(self) -> int:
+        """How far apart two trials' own seeds lie (common_seeds=false): the seeds' range, so that
+        no two trials share one whatever the seeds (seeds=[0,3,6]: trial 1 gets [7,10,13])."""
+        return max(self.seeds) - min(self.seeds) + 1
 
     def _recheck(self, study: optuna.Study, space) -> Optional[dict]:
         """hydra.sweeper.recheck.top: the best complete trials trained again on fresh seeds, one
         members job each (recheck/trial<N>; resume=auto: a finished one is not trained again), and
         the best judged against the others (sweep/recheck.py)."""
         if not self.recheck.top:
+            return None
+        live = [
+            t.number
+            for t in study.get_trials(
+                deepcopy=False, states=[optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING]
+            )
+        ]
+        if live:  # another process shares the study: the last one to finish (or a rerun) re-checks
+            log.info(f"re-check left to the last process on the study: trials {live} are still running or waiting")
             return None
         complete = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
         minimize = self.directions[0] == "minimize"
@@ -401,8 +423,12 @@ class OptunaSweeper(Sweeper):
         self.validate_batch_is_legal(batch)
         returns = self.launcher.launch(batch, initial_job_idx=len(study.trials))
         objective = self.objectives[0] if self.objectives else "eval/valid/loss"
+        # the folder each job was given (hydra.sweep.subdir), not its JobReturn's: a lost worker's has no config
         values = np.array(
-            [rechecks.member_values(Path(r.hydra_cfg.hydra.runtime.output_dir), seeds, objective) for r in returns]
+            [
+                rechecks.member_values(self.sweep_dir / rechecks.FOLDER / f"trial{t.number}", seeds, objective)
+                for t in best
+            ]
         )
         # A re-check job that failed (or whose members did not finish) is named, not judged: the
         # others are judged without it while the best and one more have two values or more.
@@ -417,7 +443,7 @@ class OptunaSweeper(Sweeper):
         if len(kept) < 2 or kept[0] != 0:
             log.warning("re-check: the sweep's best could not be judged against another trial")
             return {"seeds": seeds, "objective": objective, "failed": failed}
-        record = rechecks.judge([best[i] for i in kept], values[kept], minimize, self.recheck.margin)
+        record = rechecks.judge([best[i] for i in kept], values[kept], minimize, self.recheck.margin, objective)
         record.update(seeds=seeds, objective=objective, **({"failed": failed} if failed else {}))
         log.info(rechecks.summary_line(record, objective))
         return record

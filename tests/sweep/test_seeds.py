@@ -266,42 +266,36 @@ def test_a_bound_needs_two_seeds_per_trial(tmp_path):
 
 
 def test_a_recheck_job_that_fails_is_named_and_the_others_still_judged(tmp_path):
-    """Three trials re-checked; the third's job fails (as a run's final evaluation once did): the
-    best is judged against the second alone, and the failure is on the record with its reason."""
+    """Three trials re-checked; the third's job fails before it trains (no members recorded, and
+    like a cluster's lost worker no config on its return): the best is judged against the second
+    alone, and the failure is on the record with its reason."""
     from hydra.core.utils import JobReturn, JobStatus
-    from omegaconf import OmegaConf
 
     from dalle_ablate.sweep.sweeper import OptunaSweeper
 
     study = optuna.create_study()
+    space = {"x": optuna.distributions.FloatDistribution(0, 1)}
     for x, v in ((0.1, 1.0), (0.2, 1.1), (0.3, 1.2)):
-        study.add_trial(
-            optuna.trial.create_trial(
-                params={"x": x}, distributions={"x": optuna.distributions.FloatDistribution(0, 1)}, value=v
-            )
-        )
+        study.add_trial(optuna.trial.create_trial(params={"x": x}, distributions=space, value=v))
     seeds, rng = [2, 3, 4], np.random.default_rng(0)
     recheck = {0: 1.0 + rng.normal(0, 0.01, 3), 1: 1.1 + rng.normal(0, 0.01, 3)}
 
     def launch(batch, initial_job_idx):
         out = []
         for number, overrides in enumerate(batch):
-            job = tmp_path / f"trial{number}"
-            members = []
-            for k, s in enumerate(seeds):
+            assert f"hydra.sweep.subdir=recheck/trial{number}" in overrides
+            ret = JobReturn(overrides=overrides)
+            if number not in recheck:
+                ret.status, ret._return_value = JobStatus.FAILED, RuntimeError("no space left on device")
+                out.append(ret)
+                continue
+            job, members = tmp_path / "recheck" / f"trial{number}", []
+            for value, s in zip(recheck[number], seeds):
                 (job / f"seed{s}" / "run").mkdir(parents=True)
-                status = "finished" if number in recheck else "failed"
-                if number in recheck:
-                    (job / f"seed{s}" / "run" / "summary.json").write_text(
-                        json.dumps({"eval/valid/loss": recheck[number][k]})
-                    )
-                members.append({"seed": s, "job_dir": str(job / f"seed{s}"), "status": status, "reason": ""})
+                (job / f"seed{s}" / "run" / "summary.json").write_text(json.dumps({"eval/valid/loss": value}))
+                members.append({"seed": s, "job_dir": str(job / f"seed{s}"), "status": "finished", "reason": ""})
             (job / "members.json").write_text(json.dumps({"seeds": seeds, "members": members}))
-            ret = JobReturn(
-                overrides=overrides, hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(job)}}})
-            )
-            ret.status = JobStatus.COMPLETED if number in recheck else JobStatus.FAILED
-            ret._return_value = 1.0 if number in recheck else RuntimeError("KeyError: 'shapes/three/color_if_found'")
+            ret.status, ret._return_value = JobStatus.COMPLETED, 1.0
             out.append(ret)
         return out
 
@@ -316,10 +310,46 @@ def test_a_recheck_job_that_fails_is_named_and_the_others_still_judged(tmp_path)
         params={},
         recheck={"top": 3, "seeds": seeds},
     )
-    sweeper.launcher = SimpleNamespace(launch=launch)
+    sweeper.launcher, sweeper.sweep_dir = SimpleNamespace(launch=launch), tmp_path
     sweeper.validate_batch_is_legal = lambda batch: None
     sweeper.objectives, sweeper.seeds, sweeper.config = ["eval/valid/loss"], [0, 1], {}
     record = sweeper._recheck(study, SimpleNamespace(overrides=lambda p: [f"x={p['x']}"]))
-    assert record["failed"] == {2: "raised RuntimeError: KeyError: 'shapes/three/color_if_found'"}
+    assert record["failed"] == {2: "raised RuntimeError: no space left on device"}
     assert [t["number"] for t in record["trials"]] == [0, 1] and [a["trial"] for a in record["against"]] == [1]
     assert record["against"][0]["p"] == pytest.approx(stats.ttest_rel(recheck[0], recheck[1]).pvalue)
+    # the selection bias: the trial's value in the sweep (one run here) minus its re-checked mean
+    assert record["trials"][0]["selection_bias"] == pytest.approx(1.0 - recheck[0].mean())
+
+
+def test_own_seeds_never_overlap_a_recheck_waits_for_running_trials_and_the_bias_is_on_the_mean():
+    from dalle_ablate.sweep.recheck import sweep_mean
+    from dalle_ablate.sweep.sweeper import OptunaSweeper
+
+    sweeper = OptunaSweeper(
+        study_name="s",
+        storage=None,
+        direction="minimize",
+        n_trials=3,
+        n_jobs=1,
+        sampler={},
+        pruner={},
+        params={},
+        common_seeds=False,
+        recheck={"top": 2},
+    )
+    sweeper.seeds = [0, 3, 6]  # not consecutive: trial i's seeds shifted by their range, 7
+    assert [sweeper._seeds(i)[1] for i in range(3)] == ["seeds=[0,3,6]", "seeds=[7,10,13]", "seeds=[14,17,20]"]
+    study = optuna.create_study()
+    space = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    for v in (1.0, 2.0):
+        study.add_trial(optuna.trial.create_trial(params={"x": v / 4}, distributions=space, value=v))
+    study.ask()  # a trial another process runs: the re-check is left to whoever finishes last
+    assert sweeper._recheck(study, None) is None
+    # a trial valued by a bound on its members' mean: its selection bias starts from their mean
+    bound = optuna.trial.create_trial(
+        params={"x": 0.5},
+        distributions=space,
+        value=2.4,
+        user_attrs={"members": {"values": {"eval/valid/loss": [1.0, 2.0]}}},
+    )
+    assert sweep_mean(bound, "eval/valid/loss") == 1.5
