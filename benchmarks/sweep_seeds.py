@@ -159,12 +159,16 @@ def main() -> None:
             r = yaml.safe_load((folder / "optimization_results.yaml").read_text())
             lr = float(r["best"]["params"]["optim.lr"])
             regret = on_curve(means, lr) - best
+            if "trials" not in r.get("recheck", {}):  # the re-check failed (its reason in the results file)
+                print(f"{kind:<20} {rep:>3} {lr:9.3g} re-check failed: {r.get('recheck', {}).get('failed')}")
+                continue
             rc = r["recheck"]["trials"][0]
-            curse = rc["sweep_value"] - rc["recheck_mean"]
+            swept = rc.get("sweep_mean", rc["sweep_value"])  # the mean statistic: the same
+            curse = swept - rc["recheck_mean"]
             rows.setdefault(kind, []).append((regret, regret <= tol, curse, cpu[str(folder)]))
             print(
                 f"{kind:<20} {rep:>3} {lr:9.3g} {regret:8.4f} {'yes' if regret <= tol else 'no':>4} "
-                f"{rc['sweep_value']:11.4f} {rc['recheck_mean']:10.4f} {curse:+8.4f} {cpu[str(folder)]:7.0f}  "
+                f"{swept:11.4f} {rc['recheck_mean']:10.4f} {curse:+8.4f} {cpu[str(folder)]:7.0f}  "
                 f"{r['recheck']['against'][0]['outcome']}"
             )
     print()
