@@ -25,6 +25,7 @@ from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
 from dalle_ablate.registry import ConfigError
 
 S = optuna.trial.TrialState
+RECHECKED = ["seeds=[0,1]", "hydra.sweeper.n_trials=3", "hydra.sweeper.recheck.top=2"]
 SWEEP = [
     "hydra/sweeper=optuna",
     "hydra.sweeper.sampler.name=random",
@@ -32,6 +33,14 @@ SWEEP = [
     "optim.lr=tag(log, interval(1e-4, 1e-2))",
     "tracker=none",
 ]
+
+
+def sweep(cwd: Path, *args: str) -> str:
+    """`python run.py -m` of the tiny trainer's learning-rate sweep with `args`, its folder
+    `cwd/multirun`; what it printed."""
+    proc = run_py("-m", *SMALL_DATA, *TINY_TRAIN, *SWEEP, *args, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 def study_of(folder: Path) -> optuna.Study:
@@ -50,18 +59,7 @@ def config_seed(run_dir) -> int:
 def swept(tmp_path_factory):
     """Three trials of seeds [0, 1] each, the best two re-checked (default: fresh seeds 2, 3, 4)."""
     tmp = tmp_path_factory.mktemp("seeds")
-    proc = run_py(
-        "-m",
-        *SMALL_DATA,
-        *TINY_TRAIN,
-        *SWEEP,
-        "seeds=[0,1]",
-        "hydra.sweeper.n_trials=3",
-        "hydra.sweeper.recheck.top=2",
-        cwd=tmp,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp / "multirun", proc.stdout + proc.stderr
+    return tmp / "multirun", sweep(tmp, *RECHECKED)
 
 
 @pytest.mark.slow
@@ -124,37 +122,20 @@ def test_the_best_trials_are_rechecked_on_unused_seeds_by_the_verdict_engine(swe
 def test_a_sweep_run_again_after_its_recheck_trains_nothing_more(swept):
     folder, _ = swept
     before = yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"]
-    proc = run_py(
-        "-m",
-        *SMALL_DATA,
-        *TINY_TRAIN,
-        *SWEEP,
-        "seeds=[0,1]",
-        "hydra.sweeper.n_trials=3",
-        "hydra.sweeper.recheck.top=2",
-        cwd=folder.parent,
-    )  # the same sweep folder
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (proc.stdout + proc.stderr).count("finished before at step 6 of 6; left as it is (resume=auto)") == 6, (
-        proc.stdout
-    )
+    out = sweep(folder.parent, *RECHECKED)  # the same sweep folder
+    assert out.count("finished before at step 6 of 6; left as it is (resume=auto)") == 6, out
     assert yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"] == before
 
 
 @pytest.mark.slow
 def test_pruning_acts_on_the_members_mean_and_stops_every_member(tmp_path):
-    proc = run_py(
-        "-m",
-        *SMALL_DATA,
-        *TINY_TRAIN,
-        *SWEEP,
+    sweep(
+        tmp_path,
         "seeds=[0,1]",
         "hydra.sweeper.n_trials=1",
         "hydra.sweeper.pruner.name=threshold",
         "+hydra.sweeper.pruner.kwargs.upper=0.0",
-        cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     (t,) = study_of(tmp_path / "multirun").get_trials()
     assert t.state == S.PRUNED and list(t.intermediate_values) == [3]
     losses = []
@@ -167,18 +148,13 @@ def test_pruning_acts_on_the_members_mean_and_stops_every_member(tmp_path):
 
 @pytest.mark.slow
 def test_an_upper_bound_statistic_on_seeds_of_each_trial_s_own(tmp_path):
-    proc = run_py(
-        "-m",
-        *SMALL_DATA,
-        *TINY_TRAIN,
-        *SWEEP,
+    sweep(
+        tmp_path,
         "seeds=[0,1]",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.statistic=upper",
         "hydra.sweeper.common_seeds=false",
-        cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     for t in study_of(tmp_path / "multirun").get_trials():
         dirs = t.user_attrs["members"]["run_dirs"]
         mine = [2 * t.number, 2 * t.number + 1]  # trial i: seeds [0, 1] shifted by i * 2
