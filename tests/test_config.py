@@ -240,7 +240,6 @@ MEMBER_REFUSALS = [
         ["seeds=[0,1,2]", "mesh.member=2"],
         "mesh.member=2 must be a positive divisor of the 3 members of seeds=[0, 1, 2]",
     ),
-    (["seeds=[0,1]", "optuna.trial=3"], "seeds=[...] with an Optuna trial: a trial is one run; sweep seed=... instead"),
     (
         ["seeds=[0,1]", "optim.powersgd.rank=2"],
         "seeds=[...] with optim.powersgd.rank: PowerSGD's per-worker compression "
@@ -269,6 +268,8 @@ def test_seeds_is_one_value_and_members_default_to_vmap():
     cfg = run_config("seeds=[3,1,4]")
     assert (cfg.seeds, cfg.members.impl, cfg.mesh.member) == ([3, 1, 4], "vmap", 1)
     assert run_config("seeds=[0,1]", "mesh.member=2", "members.impl=map").mesh.member == 2
+    # a sweep's trial trains its seeds as members (tests/sweep/test_seeds.py): no longer refused
+    assert run_config("seeds=[0,1]", "optuna.trial=3", "optuna.statistic=upper").optuna.trial == 3
 
 
 def test_shampoo_runs_as_members_under_map_only():

@@ -167,14 +167,14 @@ def test_an_upper_bound_statistic_on_seeds_of_each_trial_s_own(tmp_path):
 @pytest.mark.slow
 def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path):
     """Killed (SIGKILL) while trial 0's members save step 3: the next start finds its process gone,
-    marks the trial FAILED and each member's run store failed, and runs the trials it still owes."""
+    marks the trial FAILED and each member's run store failed, and runs the trial it still owes."""
     args = [
         "-m",
         *SMALL_DATA,
         *TINY_TRAIN,
         *SWEEP,
         "seeds=[0,1]",
-        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_trials=1",
         f"hydra.sweep.dir={tmp_path / 'multirun'}",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
@@ -195,7 +195,7 @@ def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path)
     )
     assert again.returncode == 0, again.stderr[-3000:]
     got = study_of(tmp_path / "multirun").get_trials()
-    assert [t.state for t in got] == [S.FAIL, S.COMPLETE, S.COMPLETE]
+    assert [t.state for t in got] == [S.FAIL, S.COMPLETE]  # the dead one does not count: one more ran
     for d in got[0].user_attrs["members"]["run_dirs"]:
         assert summary(d)["status"] == "failed" and summary(d)["reason"].startswith("killed: its process died")
 
