@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import optuna
 
 from dalle_ablate.fileio import shown
-import numpy as np
-
 from dalle_ablate.sweep.study import MEMBERS_ATTR, PRUNER_ATTR, RUN_DIR_ATTR, STATISTICS, WANDB_ATTR, make_pruner
 from dalle_ablate.train.loop import RunHooks
 
