@@ -374,7 +374,7 @@ class OptunaSweeper(Sweeper):
 
     def _seeds(self, number: int) -> list[str]:
         """A trial's seeds, when it trains several: the statistic its job takes over them, and with
-        hydra.sweeper.common_seeds=false seeds of its own (trial i: each shifted by i * len(seeds))."""
+        hydra.sweeper.common_seeds=false seeds of its own (trial i: each shifted by i * `_span`)."""
         if self.seeds is None:
             return []
         out = [f"optuna.statistic={self.statistic}"]
