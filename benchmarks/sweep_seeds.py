@@ -137,7 +137,9 @@ def main() -> None:
     if a.train:
         train(a.runs)
     meta = json.loads((a.runs / "reference" / "lr0" / f"seed{REF_SEEDS[0]}" / "run" / "meta.json").read_text())
-    print(f"runs trained at commit {meta['git']['commit'][:7]}{' + uncommitted changes' if meta['git']['dirty'] else ''}")
+    print(
+        f"runs trained at commit {meta['git']['commit'][:7]}{' + uncommitted changes' if meta['git']['dirty'] else ''}"
+    )
     means, s = reference(a.runs)
     tol = TOL_SE * math.sqrt(2) * s / math.sqrt(len(REF_SEEDS))
     best = float(means.min())
