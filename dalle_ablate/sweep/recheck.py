@@ -12,6 +12,7 @@ when a re-check runs."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import optuna
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.track.naming import key_of
 
+log = logging.getLogger(__name__)
 FOLDER = "recheck"  # under the sweep folder: recheck/trial<N>, one members job per re-checked trial
 
 
@@ -152,3 +154,29 @@ def summary_line(record: dict, objective: str) -> str:
         f"({level}, {'paired' if first['paired'] else 'unpaired'}); its mean in the sweep {best['sweep_mean']:.4g}, "
         f"re-checked {best['recheck_mean']:.4g} ± {best['recheck_se']:.2g} (selection bias {best['selection_bias']:+.3g})"
     )
+
+
+def collect(
+    best: list, whys: list[str], folder: Path, seeds: list[int], objective: str, minimize: bool, margin: Optional[float]
+) -> dict:
+    """The re-check's record from what its jobs left (`folder/trial<N>`: the folder each job was
+    given, not its JobReturn's -- a lost worker's has no config; `whys`: why each job failed, "" if
+    it did not). A job that failed, or whose
+    members did not finish, is named, not judged: the others are judged without it while the best
+    and one more have two values or more."""
+    values = np.array([member_values(folder / f"trial{t.number}", seeds, objective) for t in best])
+    failed = {
+        t.number: why or "its members did not finish"
+        for t, why, v in zip(best, whys, values)
+        if np.isfinite(v).sum() < 2
+    }
+    kept = [i for i, t in enumerate(best) if t.number not in failed]
+    for number, why in failed.items():
+        log.warning(f"re-check of trial {number} failed: {why} (run the sweep again to retry it)")
+    if len(kept) < 2 or kept[0] != 0:
+        log.warning("re-check: the sweep's best could not be judged against another trial")
+        return {"seeds": seeds, "objective": objective, "failed": failed}
+    record = judge([best[i] for i in kept], values[kept], minimize, margin, objective)
+    record.update(seeds=seeds, objective=objective, **({"failed": failed} if failed else {}))
+    log.info(summary_line(record, objective))
+    return record

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import optuna
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
@@ -345,32 +344,35 @@ class OptunaSweeper(Sweeper):
                     )
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
-            for trial, ret in zip(trials, returns):
-                if ret.status == JobStatus.FAILED and isinstance(ret._return_value, WorkerLost):
-                    trial.set_user_attr("why", str(ret._return_value))
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)  # as a trial found dead by its heartbeat
-                    self._died(
-                        study,
-                        study._storage.get_trial(trial._trial_id),
-                        str(ret._return_value),
-                        ret._return_value.job_dir,
-                    )
-                    continue
-                state, values, why = outcome(ret, len(self.directions))
-                if why:
-                    trial.set_user_attr("why", why)
-                    log.warning(f"trial {trial.number} {state.name}: {why}")
-                else:
-                    log.info(
-                        f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}"
-                    )
-                study.tell(trial, values, state=state)
+            self._tell(study, trials, returns)
         recheck = None
         try:
             recheck = self._recheck(study, space)
         finally:  # the sweep's own results, also when its re-check fails or is interrupted
             self._write_results(study, recheck)
         return study.get_trials()
+
+    def _tell(self, study: optuna.Study, trials: list, returns: list) -> None:
+        """Each launched trial's end told to the study: a lost worker's trial FAILED as one found
+        dead, else the job's values or why it has none."""
+        for trial, ret in zip(trials, returns):
+            if ret.status == JobStatus.FAILED and isinstance(ret._return_value, WorkerLost):
+                trial.set_user_attr("why", str(ret._return_value))
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)  # as a trial found dead by its heartbeat
+                self._died(
+                    study,
+                    study._storage.get_trial(trial._trial_id),
+                    str(ret._return_value),
+                    ret._return_value.job_dir,
+                )
+                continue
+            state, values, why = outcome(ret, len(self.directions))
+            if why:
+                trial.set_user_attr("why", why)
+                log.warning(f"trial {trial.number} {state.name}: {why}")
+            else:
+                log.info(f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}")
+            study.tell(trial, values, state=state)
 
     def _seeds(self, number: int) -> list[str]:
         """A trial's seeds, when it trains several: the statistic its job takes over them, and with
@@ -423,30 +425,10 @@ class OptunaSweeper(Sweeper):
         self.validate_batch_is_legal(batch)
         returns = self.launcher.launch(batch, initial_job_idx=len(study.trials))
         objective = self.objectives[0] if self.objectives else "eval/valid/loss"
-        # the folder each job was given (hydra.sweep.subdir), not its JobReturn's: a lost worker's has no config
-        values = np.array(
-            [
-                rechecks.member_values(self.sweep_dir / rechecks.FOLDER / f"trial{t.number}", seeds, objective)
-                for t in best
-            ]
+        whys = [outcome(r, 1)[2] for r in returns]
+        return rechecks.collect(
+            best, whys, self.sweep_dir / rechecks.FOLDER, seeds, objective, minimize, self.recheck.margin
         )
-        # A re-check job that failed (or whose members did not finish) is named, not judged: the
-        # others are judged without it while the best and one more have two values or more.
-        failed = {
-            t.number: outcome(r, 1)[2] or "its members did not finish"
-            for t, r, v in zip(best, returns, values)
-            if np.isfinite(v).sum() < 2
-        }
-        kept = [i for i, t in enumerate(best) if t.number not in failed]
-        for number, why in failed.items():
-            log.warning(f"re-check of trial {number} failed: {why} (run the sweep again to retry it)")
-        if len(kept) < 2 or kept[0] != 0:
-            log.warning("re-check: the sweep's best could not be judged against another trial")
-            return {"seeds": seeds, "objective": objective, "failed": failed}
-        record = rechecks.judge([best[i] for i in kept], values[kept], minimize, self.recheck.margin, objective)
-        record.update(seeds=seeds, objective=objective, **({"failed": failed} if failed else {}))
-        log.info(rechecks.summary_line(record, objective))
-        return record
 
     def _fail_gone(self, study: optuna.Study) -> None:
         """RUNNING trials whose sweep process ran on this host, launched its jobs locally and is gone
