@@ -25,6 +25,10 @@ from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
 from dalle_ablate.registry import ConfigError
 
 S = optuna.trial.TrialState
+# An OptunaSweeper made by hand, as Hydra makes it from hydra.sweeper (the unit tests' own).
+SWEEPER = dict(
+    study_name="s", storage=None, direction="minimize", n_trials=3, n_jobs=1, sampler={}, pruner={}, params={}
+)
 RECHECKED = ["seeds=[0,1]", "hydra.sweeper.n_trials=3", "hydra.sweeper.recheck.top=2"]
 SWEEP = [
     "hydra/sweeper=optuna",
@@ -203,15 +207,12 @@ def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path)
 def test_a_statistic_the_sweeper_does_not_know_and_a_recheck_of_one_trial_are_refused():
     from dalle_ablate.sweep.sweeper import OptunaSweeper
 
-    base = dict(
-        study_name="s", storage=None, direction="minimize", n_trials=2, n_jobs=1, sampler={}, pruner={}, params={}
-    )
     with pytest.raises(ConfigError, match="hydra.sweeper.statistic"):
-        OptunaSweeper(**base, statistic="mode")
+        OptunaSweeper(**SWEEPER, statistic="mode")
     with pytest.raises(ConfigError, match=r"hydra.sweeper.recheck.top=1: 0 \(no re-check\) or the best N >= 2 trials"):
-        OptunaSweeper(**base, recheck={"top": 1})
+        OptunaSweeper(**SWEEPER, recheck={"top": 1})
     with pytest.raises(ConfigError, match="hydra.sweeper.recheck.top needs one objective"):
-        OptunaSweeper(**{**base, "direction": ["minimize", "minimize"]}, recheck={"top": 2})
+        OptunaSweeper(**{**SWEEPER, "direction": ["minimize", "minimize"]}, recheck={"top": 2})
 
 
 def test_recheck_seeds_are_new_to_the_sweep():
@@ -276,14 +277,7 @@ def test_a_recheck_job_that_fails_is_named_and_the_others_still_judged(tmp_path)
         return out
 
     sweeper = OptunaSweeper(
-        study_name="s",
-        storage=None,
-        direction="minimize",
-        n_trials=3,
-        n_jobs=1,
-        sampler={},
-        pruner={},
-        params={},
+        **SWEEPER,
         recheck={"top": 3, "seeds": seeds},
     )
     sweeper.launcher, sweeper.sweep_dir = SimpleNamespace(launch=launch), tmp_path
@@ -302,14 +296,7 @@ def test_own_seeds_never_overlap_a_recheck_waits_for_running_trials_and_the_bias
     from dalle_ablate.sweep.sweeper import OptunaSweeper
 
     sweeper = OptunaSweeper(
-        study_name="s",
-        storage=None,
-        direction="minimize",
-        n_trials=3,
-        n_jobs=1,
-        sampler={},
-        pruner={},
-        params={},
+        **SWEEPER,
         common_seeds=False,
         recheck={"top": 2},
     )
