@@ -48,6 +48,9 @@ class Metric:
     reads: str = "last"
     value: Optional[Callable[[Any], float]] = None  # a report's own measure: report.load.Run -> its value
     covers: str = "initialisation and data order (the seed)"  # the randomness its interval over seeds covers
+    # measured once per job, not per seed: seeds trained as members of one job all log the job's
+    # value (train/logger.py divides the job's step among them), so they are no replicates of it
+    per_job: bool = False
 
     def logged(self, scale: Optional[float | str] = None) -> str:
         """The key a run logs it under: a sampled metric at guidance scale `scale` (a number, or a
@@ -174,7 +177,8 @@ declare(
         reads="median",
         # a cost under 5 % of a step is within what the machine's own load moves step time by
         margin="5%",
-        covers="the seed and the machine's load while each run trained",
+        covers="the machine's load while each run trained (runs that trained as jobs of their own)",
+        per_job=True,
     ),
     Metric("train/grad_norm", "the global L2 norm of the gradient", "global L2 norm"),
 )

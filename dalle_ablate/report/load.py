@@ -59,6 +59,22 @@ class Run:
     def status(self) -> str:
         return str(self.summary.get("status", "unknown"))
 
+    @property
+    def job_share(self) -> int:
+        """How many members trained in this run's job, 1 for a job of its own: a member logs its
+        job's step time beside its share of it (train/logger.py), so their ratio is the count."""
+        m = self.metrics
+        if "perf/job_step_time" not in m or "perf/step_time" not in m:
+            return 1
+        ratio = (m["perf/job_step_time"] / m["perf/step_time"]).dropna()
+        return max(1, round(float(ratio.median()))) if len(ratio) else 1
+
+    @property
+    def wall_time(self) -> float:
+        """Seconds of the machine this run took: its trainer's wall time, a member's share of its
+        job's (the members of one job each record the job's whole wall time)."""
+        return float(self.summary.get("wall_time", 0)) / self.job_share
+
 
 def flatten(d: dict, prefix: str = "") -> dict:
     out = {}

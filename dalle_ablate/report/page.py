@@ -500,7 +500,7 @@ def provenance(
     """The page's provenance lines (`dalle-ablate study`): the command as typed (`study_arg`, the
     `--seeds` given, the `overrides`) and the multirun `command` it ran; the commit of this page
     and those the runs were trained at, each with its run count (a study resumed across commits
-    names them all); the runs, how many finished and their wall time added up; what this
+    names them all); the runs, how many finished and their wall time added up (Run.wall_time); what this
     invocation took (`elapsed` seconds; `ran` False: --no-run, nothing ran); and the stress
     runs' line, if any."""
     import shlex
@@ -530,6 +530,7 @@ def provenance(
         + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common())
         + ".",
         f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
-        f"time adds up to {fmt3(sum(float(s.get('wall_time', 0)) for s in summaries) / 60, 'min')}; {invocation}.",
+        f"time adds up to {fmt3(sum(r.wall_time for r in runs) / 60, 'min')}"
+        f"{' (a job of several members counted once)' if any(r.job_share > 1 for r in runs) else ''}; {invocation}.",
     ]
     return lines + ([stress_line] if stress_line is not None else [])

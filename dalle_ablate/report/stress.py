@@ -443,14 +443,14 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
     unit = metric("eval/valid/loss").unit
     by = index(runs)
     done = [by[j] for j in plan.jobs() if by.get(j) is not None and by[j].status in ("finished", "diverged")]
-    wall = sum(float(r.summary.get("wall_time", 0)) for r in done) / 60
+    wall = sum(r.wall_time for r in done) / 60  # a job of several members once
     s = Section("stress", "Stability under stress")
     s.text.append(
         f"The arms of the stability claims ({', '.join(c.id for c in plan.claims)}) trained at learning rates "
         f"{', '.join(f'{lr:g}' for lr in plan.rates)} for {plan.steps} steps each, seeds "
         f"{', '.join(map(str, plan.seeds))}: {len(done)} of {len(plan.jobs())} runs done (finished or diverged); "
-        f"their wall time adds up to {wall:.3g} min (each run's from its trainer's start, as the study's runs "
-        f"above: its process's imports and config composition not counted)."
+        f"their wall time adds up to {wall:.3g} min (each job's from its trainer's start, as the study's runs "
+        f"above: its process's imports and config composition not counted; members of one job share it)."
         + (f" The range: {plan.source}" if plan.source else "")
     )
     s.text.append(

@@ -29,7 +29,7 @@ from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.findings import compare, load_study, study_path
-from dalle_ablate.report.page import page_sections
+from dalle_ablate.report.page import page_sections, provenance
 from dalle_ablate.report.load import find_stores, load_runs
 from dalle_ablate.validate import compose, to_run_config
 
@@ -192,6 +192,58 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     ]
     topup = next(s for s in sections if s.key == "topup")
     assert f"Now 3 seeds per arm at most; the rule asks for {max(r['needed'] for r in rows)}." in topup.text
+
+
+def write_timed_store(root: Path, arm: str, seed: int, step_time: float, members: int) -> None:
+    """A run store whose step time is `step_time` at every step, trained in a job of `members`
+    members (1: a job of its own), as train/logger.py logs one: each member the job's step divided
+    among them, and the job's whole wall time (90 s) in its summary."""
+    store = root / f"{arm}-seed{seed}" / "run"
+    store.mkdir(parents=True)
+    job = {"perf/job_step_time": step_time * members} if members > 1 else {}
+    rows = [{"step": s, "train/loss": 1.0 / s, "perf/step_time": step_time, **job} for s in range(1, 11)]
+    (store / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (store / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "arm_marker": arm}))
+    (store / "meta.json").write_text(json.dumps({"overrides": [f"+arm={arm}", f"seed={seed}"]}))
+    (store / "summary.json").write_text(json.dumps({"status": "finished", "steps": 10, "wall_time": 90.0}))
+
+
+def test_a_time_the_members_of_one_job_share_is_one_measurement_not_one_per_seed(tmp_path):
+    """Step time is measured once per job: seeds trained as members of one job all log the job's
+    step divided among them, so they are no replicates of it. Such a finding is untestable, out of
+    the Holm family, and the wall time counts the job once; as jobs of their own it is judged."""
+    times = {"base": [0.100, 0.104, 0.098], "fast": [0.090, 0.095, 0.091]}
+    spec = study_file(
+        tmp_path,
+        baseline="base",
+        findings=[
+            {"id": "t", "claim": "c", "arm": "fast", "against": "base", "metric": "step_time", "expect": "lower"}
+        ],
+    )
+    study = load_study(spec)
+    for members in (3, 1):
+        root = tmp_path / f"members{members}"
+        for arm, ts in times.items():
+            for seed, t in enumerate(ts):
+                # members of one job log the same time (the job's); jobs of their own each their own
+                write_timed_store(root, arm, seed, ts[0] if members > 1 else t, members)
+        runs = load_runs(str(root))
+        (row,) = compare(study, {a: [r for r in runs if r.name.startswith(a)] for a in times})
+        wall = provenance("s.yaml", None, [], ["python", "job.py"], runs, 0.0, False)[2]
+        if members > 1:
+            assert row["verdict"] == (
+                "untestable here: each arm's seeds trained as members of one job, so its step_time is one "
+                "measurement per job, not one per seed; time the arms as jobs of their own (dalle-ablate study "
+                "--no-members)"
+            )
+            assert math.isnan(row["p_zero"]) and row["n"] == (0, 0) and row["needed"] == 0
+            assert all(r.job_share == 3 for r in runs)
+            assert wall.startswith("Runs: 6 (6 finished); their wall time adds up to 3.00 min (a job of several ")
+        else:
+            test = st.ttest_rel(times["fast"], times["base"])
+            assert row["paired"] and row["p_zero"] == pytest.approx(test.pvalue)
+            assert row["verdict"].startswith("reproduced")
+            assert wall.startswith("Runs: 6 (6 finished); their wall time adds up to 9.00 min;")
 
 
 def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):
