@@ -117,6 +117,8 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
         ]
         for m in ("eval_loss", "shapes_all", "step_time"):
             mean, lo, hi = mean_ci([study_value(STUDY[m], r) for r in done])
+            if STUDY[m].per_job and any(r.job_share > 1 for r in done):
+                lo = hi = math.nan  # members log their job's one measurement: no spread to give
             row += [mean, _interval(lo, hi)]
         row += [
             " / ".join(str(int(study_value(STUDY["loss_spikes"], r))) for r in runs),
@@ -146,6 +148,8 @@ def summary_row(r: dict) -> list:
     d, low, high = in_margins(r)
     diff = "–" if not np.isfinite(d) else ("+" if d > 0 else "") + fmt3(d) + " " + _interval(low, high)
     verdict = r["verdict"].removesuffix(" (equivalent within ±Δ)")  # the table's lead says what ±Δ means
+    if r["code"] == V.UNTESTABLE:  # why: in the claims table below
+        verdict = verdict.split(":")[0]
     if verdict.startswith("not resolved"):
         verdict = "not resolved" + (
             ", the effect likely smaller than Δ" if verdict.startswith("not resolved at ") else ""
@@ -247,7 +251,7 @@ def claim_row(r: dict, over_training: str) -> list:
 
 def _noise_note(r: dict) -> str:
     """What the finding's interval is judged on: its own per-seed differences (paired) or Welch's."""
-    if not np.isfinite(r["sd"]) or r["df"] <= 0:
+    if not np.isfinite(r["sd"]) or not r["df"] > 0:  # NaN df: no replicates (findings.shared_jobs)
         return "–"
     how = "paired differences" if r["paired"] else "Welch, seeds not shared"
     return f"sd {fmt3(r['sd'])} ({how}, df {fmt3(r['df'])})"

@@ -228,9 +228,13 @@ def test_a_time_the_members_of_one_job_share_is_one_measurement_not_one_per_seed
                 # members of one job log the same time (the job's); jobs of their own each their own
                 write_timed_store(root, arm, seed, ts[0] if members > 1 else t, members)
         runs = load_runs(str(root))
-        (row,) = compare(study, {a: [r for r in runs if r.name.startswith(a)] for a in times})
+        sections, (row,) = page_sections(study, runs, ["p"])
         wall = provenance("s.yaml", None, [], ["python", "job.py"], runs, 0.0, False)[2]
+        arms = next(t for s in sections for t in s.all_tables() if "step_time 95% CI (s)" in t[0])
+        time_ci = arms[0].index("step_time 95% CI (s)")
         if members > 1:
+            assert sections[0].tables[0][1][0][2] == "untestable here"  # the summary; why: the claims table
+            assert [r[time_ci] for r in arms[1]] == ["–", "–"]  # four copies of one timing have no spread
             assert row["verdict"] == (
                 "untestable here: each arm's seeds trained as members of one job, so its step_time is one "
                 "measurement per job, not one per seed; time the arms as jobs of their own (dalle-ablate study "
@@ -242,6 +246,7 @@ def test_a_time_the_members_of_one_job_share_is_one_measurement_not_one_per_seed
         else:
             test = st.ttest_rel(times["fast"], times["base"])
             assert row["paired"] and row["p_zero"] == pytest.approx(test.pvalue)
+            assert all(r[time_ci].startswith("[") for r in arms[1])
             assert row["verdict"].startswith("reproduced")
             assert wall.startswith("Runs: 6 (6 finished); their wall time adds up to 9.00 min;")
 
