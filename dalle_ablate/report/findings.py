@@ -254,12 +254,12 @@ def claims_tables(
         else:
             read = STUDY[m]
             tables[m] = np.array(
-                [[_replicate(read, done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms]
+                [[replicate(read, done[a][s]) if s in done[a] else math.nan for s in seeds] for a in arms]
             )
     return arms, seeds, tables
 
 
-def _replicate(m: Metric, run: Run) -> float:
+def replicate(m: Metric, run: Run) -> float:
     """One run's value of `m` as one replicate of its arm: NaN for a metric measured once per job
     (Metric.per_job) on a run that shared its job, whose value its members all log."""
     return math.nan if m.per_job and run.job_share > 1 else study_value(m, run)
@@ -267,18 +267,19 @@ def _replicate(m: Metric, run: Run) -> float:
 
 def shared_jobs(study: Study, by_arm: dict[str, list[Run]]) -> dict[str, str]:
     """Findings on a metric measured once per job whose arms trained too few runs as jobs of their
-    own (at least two each) for a spread, and why: id -> why seeds trained as members of shared jobs
-    cannot settle them. Their values are left out (claims_tables), so they are in no Holm family."""
+    own (two each) for a spread, and why: id -> why seeds trained as members of shared jobs cannot
+    settle them. Their members' values are left out (claims_tables), so they are in no Holm family."""
     out = {}
     for f in study.findings:
         if not STUDY[f.metric].per_job:
             continue
-        done = [[r for r in by_arm.get(a, []) if r.status == "finished"] for a in (f.arm, f.against)]
-        own = [sum(r.job_share == 1 for r in runs) for runs in done]
-        if any(r.job_share > 1 for runs in done for r in runs) and min(own) < 2:
+        done = {a: [r for r in by_arm.get(a, []) if r.status == "finished"] for a in (f.arm, f.against)}
+        short = [a for a, runs in done.items() if sum(r.job_share == 1 for r in runs) < 2]
+        if short and any(r.job_share > 1 for runs in done.values() for r in runs):
             out[f.id] = (
-                f"each arm's seeds trained as members of one job, so its {f.metric} is one measurement per "
-                "job, not one per seed; time the arms as jobs of their own (dalle-ablate study --no-members)"
+                f"{' and '.join(short)}'s seeds trained as members of shared jobs, so its {f.metric} is one "
+                "measurement per job, not one per seed; time the arms as jobs of their own (dalle-ablate study "
+                "--no-members)"
             )
     return out
 

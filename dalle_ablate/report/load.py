@@ -61,19 +61,20 @@ class Run:
 
     @property
     def job_share(self) -> int:
-        """How many members trained in this run's job, 1 for a job of its own: a member logs its
-        job's step time beside its share of it (train/logger.py), so their ratio is the count."""
-        m = self.metrics
-        if "perf/job_step_time" not in m or "perf/step_time" not in m:
-            return 1
-        ratio = (m["perf/job_step_time"] / m["perf/step_time"]).dropna()
-        return max(1, round(float(ratio.median()))) if len(ratio) else 1
+        """How many members trained in this run's job (meta.json's `members`, written by the
+        trainer for each member of a `seeds=[...]` job), 1 for a job of its own."""
+        return len((self.meta.get("members") or {}).get("seeds") or [self.seed])
 
-    @property
-    def wall_time(self) -> float:
-        """Seconds of the machine this run took: its trainer's wall time, a member's share of its
-        job's (the members of one job each record the job's whole wall time)."""
-        return float(self.summary.get("wall_time", 0)) / self.job_share
+
+def machine_time(runs: list) -> float:
+    """Seconds of the machine these runs took: each run's trainer wall time, a job of several
+    members once -- its longest member's, since each member records the job's wall time up to
+    its own end (a diverged member ends early)."""
+    jobs: dict[str, float] = {}
+    for i, r in enumerate(runs):
+        job = (r.meta.get("members") or {}).get("job_dir") or f"own job {i}"
+        jobs[job] = max(jobs.get(job, 0.0), float(r.summary.get("wall_time", 0)))
+    return sum(jobs.values())
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -36,10 +36,11 @@ from dalle_ablate.report.findings import (
     parse_margin,
     reading,
     study_arms,
+    replicate,
     study_value,
     unit_of,
 )
-from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.load import Run, machine_time, series
 from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
 from dalle_ablate.report.writers import Section
@@ -116,9 +117,10 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
             f"{len(done)}/{len(runs)}",
         ]
         for m in ("eval_loss", "shapes_all", "step_time"):
-            mean, lo, hi = mean_ci([study_value(STUDY[m], r) for r in done])
-            if STUDY[m].per_job and any(r.job_share > 1 for r in done):
-                lo = hi = math.nan  # members log their job's one measurement: no spread to give
+            reps = [v for v in (replicate(STUDY[m], r) for r in done) if np.isfinite(v)]
+            mean, lo, hi = mean_ci(reps)
+            if not reps and done and STUDY[m].per_job:  # only members, who log their job's one measurement
+                mean, lo, hi = float(np.nanmean([study_value(STUDY[m], r) for r in done])), math.nan, math.nan
             row += [mean, _interval(lo, hi)]
         row += [
             " / ".join(str(int(study_value(STUDY["loss_spikes"], r))) for r in runs),
@@ -318,7 +320,7 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[di
         [m, unit_of(m), k, sd, df]
         for m in tables
         if STUDY[m].reads != "given"
-        for k, sd, df in noise_sources(base_runs, lambda r, m=m: study_value(STUDY[m], r))
+        for k, sd, df in noise_sources(base_runs, lambda r, m=m: replicate(STUDY[m], r))
     ]
     noise.parts += [
         spreads,
@@ -504,7 +506,7 @@ def provenance(
     """The page's provenance lines (`dalle-ablate study`): the command as typed (`study_arg`, the
     `--seeds` given, the `overrides`) and the multirun `command` it ran; the commit of this page
     and those the runs were trained at, each with its run count (a study resumed across commits
-    names them all); the runs, how many finished and their wall time added up (Run.wall_time); what this
+    names them all); the runs, how many finished and their wall time added up (load.machine_time); what this
     invocation took (`elapsed` seconds; `ran` False: --no-run, nothing ran); and the stress
     runs' line, if any."""
     import shlex
@@ -534,7 +536,8 @@ def provenance(
         + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common())
         + ".",
         f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
-        f"time adds up to {fmt3(sum(r.wall_time for r in runs) / 60, 'min')}"
-        f"{' (a job of several members counted once)' if any(r.job_share > 1 for r in runs) else ''}; {invocation}.",
+        f"time adds up to {fmt3(machine_time(runs) / 60, 'min')}"
+        f"{' (a job of several members counted once)' if any(r.meta.get('members') for r in runs) else ''}; "
+        f"{invocation}.",
     ]
     return lines + ([stress_line] if stress_line is not None else [])

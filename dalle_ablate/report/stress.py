@@ -41,7 +41,7 @@ import yaml
 from dalle_ablate.metrics import Metric, declare, label, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.load import Run, read_json, series
+from dalle_ablate.report.load import Run, machine_time, read_json, series
 from dalle_ablate.report.stats import mean_ci, spikes
 from dalle_ablate.report.tables import fmt3
 from dalle_ablate.report.writers import Section
@@ -443,7 +443,7 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
     unit = metric("eval/valid/loss").unit
     by = index(runs)
     done = [by[j] for j in plan.jobs() if by.get(j) is not None and by[j].status in ("finished", "diverged")]
-    wall = sum(r.wall_time for r in done) / 60  # a job of several members once
+    wall = machine_time(done) / 60  # a job of several members once
     s = Section("stress", "Stability under stress")
     s.text.append(
         f"The arms of the stability claims ({', '.join(c.id for c in plan.claims)}) trained at learning rates "

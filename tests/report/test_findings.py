@@ -194,25 +194,29 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     assert f"Now 3 seeds per arm at most; the rule asks for {max(r['needed'] for r in rows)}." in topup.text
 
 
-def write_timed_store(root: Path, arm: str, seed: int, step_time: float, members: int) -> None:
-    """A run store whose step time is `step_time` at every step, trained in a job of `members`
-    members (1: a job of its own), as train/logger.py logs one: each member the job's step divided
-    among them, and the job's whole wall time (90 s) in its summary."""
+def write_timed_store(root: Path, arm: str, seed: int, step_time: float, job: list[int], wall: float = 90.0) -> None:
+    """A run store whose step time is `step_time` at every step, trained in a job of the seeds `job`
+    ([seed]: a job of its own), as the trainer writes one: a member logs the job's step divided
+    among the members (train/logger.py), names its job in meta.json and records the job's wall
+    time up to its own end in its summary."""
     store = root / f"{arm}-seed{seed}" / "run"
     store.mkdir(parents=True)
-    job = {"perf/job_step_time": step_time * members} if members > 1 else {}
-    rows = [{"step": s, "train/loss": 1.0 / s, "perf/step_time": step_time, **job} for s in range(1, 11)]
+    shared = {"perf/job_step_time": step_time * len(job)} if len(job) > 1 else {}
+    rows = [{"step": s, "train/loss": 1.0 / s, "perf/step_time": step_time, **shared} for s in range(1, 11)]
     (store / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (store / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "arm_marker": arm}))
-    (store / "meta.json").write_text(json.dumps({"overrides": [f"+arm={arm}", f"seed={seed}"]}))
-    (store / "summary.json").write_text(json.dumps({"status": "finished", "steps": 10, "wall_time": 90.0}))
+    members = {"seeds": job, "index": job.index(seed), "job_dir": str(root / f"{arm}-seed{job[0]}"), "impl": "map"}
+    meta = {"overrides": [f"+arm={arm}", f"seed={seed}"], **({"members": members} if len(job) > 1 else {})}
+    (store / "meta.json").write_text(json.dumps(meta))
+    (store / "summary.json").write_text(json.dumps({"status": "finished", "steps": 10, "wall_time": wall}))
 
 
 def test_a_time_the_members_of_one_job_share_is_one_measurement_not_one_per_seed(tmp_path):
     """Step time is measured once per job: seeds trained as members of one job all log the job's
     step divided among them, so they are no replicates of it. Such a finding is untestable, out of
-    the Holm family, and the wall time counts the job once; as jobs of their own it is judged."""
-    times = {"base": [0.100, 0.104, 0.098], "fast": [0.090, 0.095, 0.091]}
+    the Holm family, and the wall time counts the job once (its longest member's); as jobs of their
+    own it is judged, and an arm mixing both is judged on its own jobs."""
+    times = {"base": [0.100, 0.104, 0.098, 0.101], "fast": [0.090, 0.095, 0.091, 0.094]}
     spec = study_file(
         tmp_path,
         baseline="base",
@@ -221,34 +225,43 @@ def test_a_time_the_members_of_one_job_share_is_one_measurement_not_one_per_seed
         ],
     )
     study = load_study(spec)
-    for members in (3, 1):
-        root = tmp_path / f"members{members}"
+    layouts = {  # how each arm's four seeds were grouped into jobs
+        "members": [[0, 1, 2, 3]],
+        "own": [[0], [1], [2], [3]],
+        "mixed": [[0], [1], [2, 3]],
+    }
+    for name, jobs in layouts.items():
+        root = tmp_path / name
         for arm, ts in times.items():
-            for seed, t in enumerate(ts):
-                # members of one job log the same time (the job's); jobs of their own each their own
-                write_timed_store(root, arm, seed, ts[0] if members > 1 else t, members)
+            for job in jobs:
+                for seed in job:  # a diverged-early member records less of its job's wall time
+                    write_timed_store(root, arm, seed, ts[job[0]], job, wall=90.0 - 30 * job.index(seed))
         runs = load_runs(str(root))
         sections, (row,) = page_sections(study, runs, ["p"])
         wall = provenance("s.yaml", None, [], ["python", "job.py"], runs, 0.0, False)[2]
         arms = next(t for s in sections for t in s.all_tables() if "step_time 95% CI (s)" in t[0])
-        time_ci = arms[0].index("step_time 95% CI (s)")
-        if members > 1:
+        mean, ci = arms[0].index("step_time (s)"), arms[0].index("step_time 95% CI (s)")
+        own = [s for job in jobs if len(job) == 1 for s in job]  # the seeds timed as jobs of their own
+        # a job's wall time once, its first member's (90 s; the others ended 30 s apart before it)
+        added = re.fullmatch(r"Runs: 8 \(8 finished\); their wall time adds up to ([\d.]+) min.*", wall)
+        assert float(added[1]) == pytest.approx(2 * len(jobs) * 90 / 60)
+        if name == "members":
             assert sections[0].tables[0][1][0][2] == "untestable here"  # the summary; why: the claims table
-            assert [r[time_ci] for r in arms[1]] == ["–", "–"]  # four copies of one timing have no spread
             assert row["verdict"] == (
-                "untestable here: each arm's seeds trained as members of one job, so its step_time is one "
-                "measurement per job, not one per seed; time the arms as jobs of their own (dalle-ablate study "
+                "untestable here: fast and base's seeds trained as members of shared jobs, so its step_time is "
+                "one measurement per job, not one per seed; time the arms as jobs of their own (dalle-ablate study "
                 "--no-members)"
             )
             assert math.isnan(row["p_zero"]) and row["n"] == (0, 0) and row["needed"] == 0
-            assert all(r.job_share == 3 for r in runs)
-            assert wall.startswith("Runs: 6 (6 finished); their wall time adds up to 3.00 min (a job of several ")
-        else:
-            test = st.ttest_rel(times["fast"], times["base"])
-            assert row["paired"] and row["p_zero"] == pytest.approx(test.pvalue)
-            assert all(r[time_ci].startswith("[") for r in arms[1])
-            assert row["verdict"].startswith("reproduced")
-            assert wall.startswith("Runs: 6 (6 finished); their wall time adds up to 9.00 min;")
+            assert [r[ci] for r in arms[1]] == ["–", "–"]  # four copies of one timing have no spread
+            assert [r[mean] for r in arms[1]] == pytest.approx([times["base"][0], times["fast"][0]])
+        else:  # judged on the seeds timed as jobs of their own, paired: scipy's t test on them
+            fast, base = ([times[a][s] for s in own] for a in ("fast", "base"))
+            test = st.ttest_rel(fast, base)
+            assert row["seeds"] == own and row["p_zero"] == pytest.approx(test.pvalue)
+            lo, hi = st.t.interval(0.95, len(own) - 1, np.mean(base), st.sem(base))
+            assert arms[1][0][mean] == pytest.approx(np.mean(base))
+            assert arms[1][0][ci] == f"[{lo:.3g}, {hi:.3g}]"
 
 
 def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):

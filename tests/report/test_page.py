@@ -229,11 +229,8 @@ def test_the_mega_study_s_shampoo_note_names_the_rate_its_arm_runs_at():
 
 def test_the_provenance_lines_name_the_command_the_commits_and_the_runs():
     def run(status, wall, commit, dirty=False):
-        return types.SimpleNamespace(  # jobs of their own: a run's wall time is its summary's
-            summary={"status": status, "wall_time": wall},
-            meta={"git": {"commit": commit, "dirty": dirty}},
-            wall_time=wall,
-            job_share=1,
+        return types.SimpleNamespace(
+            summary={"status": status, "wall_time": wall}, meta={"git": {"commit": commit, "dirty": dirty}}
         )
 
     runs = [run("finished", 60.0, "aaa"), run("finished", 90.0, "aaa"), run("stopped", 30.0, "bbb", dirty=True)]
