@@ -102,7 +102,7 @@ TOPUP_RULE = (
     "Adding seeds (dalle-ablate study NAME --seeds auto): the study is topped up once, to the largest "
     "seeds-needed over all the findings of its own runs, resolved or not -- each computed from that finding's "
     "own noise (the sd of its per-seed differences) and its declared margin, never from an effect -- and "
-    "judged again on all its seeds with the same tests ([statistics]({statistics}#adding-seeds---seeds) says "
+    "judged again on all its seeds with the same tests ([statistics]({statistics}#adding-seeds-seeds) says "
     "why this keeps the error rate). A top-up to any other N (--seeds N) is valid only if N was fixed without "
     "looking at the verdicts."
 )
