@@ -22,6 +22,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 
+# The project's cache folder: rendered data, fitted tokenizers and scorers (`data.cache_dir`), and
+# compiled programs (`compilation_cache.dir`), each in a folder of its own under it.
+CACHE_ROOT = "${oc.env:DALLE_ABLATE_CACHE,${oc.env:HOME,.}/.cache/dalle-ablate}"
+
+
 @dataclass
 class TrainerConfig:
     steps: int = 2000  # optimizer updates the run trains for (a resumed run continues up to it)
@@ -62,6 +67,21 @@ class DistributedConfig:
     num_processes: Optional[int] = None  # processes (hosts) in the run; null = 1, or what the cluster says
     process_id: Optional[int] = None  # this process's rank, 0 .. num_processes - 1
     auto: bool = False  # initialize() with no arguments: Cloud TPU, Slurm and Open MPI detect themselves
+
+
+@dataclass
+class CompilationCacheConfig:
+    """JAX's persistent compilation cache (parallel/compile_cache.py): the programs a run compiles,
+    kept on disk for the next run that compiles the same ones (JAX's key: the program, its devices,
+    the XLA flags and the jax version). Per machine, like the devices it compiles for."""
+
+    # the cache's folder (JAX_COMPILATION_CACHE_DIR when set); null = off: every run compiles its own
+    dir: Optional[str] = "${oc.env:JAX_COMPILATION_CACHE_DIR," + CACHE_ROOT + "/jax-compilation}"
+    # a program that compiled faster than this is not kept (JAX's own default is 1 s, more than the tiny model's take)
+    min_compile_time_s: float = 0.0
+    # the least recently used programs are removed past this size; null = no bound. A bound also
+    # makes JAX lock the folder around each read and write, so a process never reads another's half-written entry
+    max_size_gb: Optional[float] = 4.0
 
 
 @dataclass
@@ -128,6 +148,8 @@ class RunConfig:
     eval: Any = MISSING
     mesh: MeshConfig = field(default_factory=MeshConfig)  # how devices split the batch and the parameters
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # several processes (hosts) in one run
+    # compiled programs kept on disk for the next run (set `compilation_cache.dir=null` to turn it off)
+    compilation_cache: CompilationCacheConfig = field(default_factory=CompilationCacheConfig)
     # The run's randomness. `seed` sets everything; two of its sources can be set apart, so that a
     # study can vary one at a time and say how much of its seed-to-seed spread each one causes
     # (Bouthillier et al. 2021, "Accounting for variance in machine learning benchmarks"). null =

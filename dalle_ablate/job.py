@@ -184,11 +184,12 @@ def tokenizer_first(run_cfg, job: JobInfo) -> None:
     is cached, or the run ended before (resume=auto leaves it as it is)."""
     import jax
 
-    from dalle_ablate.parallel import distributed
+    from dalle_ablate.parallel import compile_cache, distributed
     from dalle_ablate.train.resume import settled_before
     from dalle_ablate.train.tokenizer import closing_lines as tokenizer_lines, tokenizer_cached, train_tokenizer
 
     distributed.initialize(run_cfg.distributed)  # process 0 alone fits it
+    compile_cache.configure(run_cfg.compilation_cache)  # the run's cache, from its first program on
     if (
         run_cfg.data.name != "shapes"
         or jax.process_index() != 0

@@ -35,6 +35,8 @@ RANGES = {
     "samples.top_k": "[1, inf) or null",
     "trainer.grad_scale_init": "[5.96e-08, 16777216]",  # 2^-24 .. 2^24, the range a scale moves in
     "trainer.grad_scale_growth_every": "[1, inf)",
+    "compilation_cache.min_compile_time_s": "[0, inf)",
+    "compilation_cache.max_size_gb": "(0, inf) or null",
 }
 
 # (registry, section) of each option group: the section's option validates itself.

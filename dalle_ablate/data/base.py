@@ -10,13 +10,12 @@ from typing import Iterator, Optional
 import numpy as np
 from omegaconf import MISSING
 
+from dalle_ablate.config import CACHE_ROOT
 from dalle_ablate.data.text_tokenizer import TextTokenizer
 from dalle_ablate.registry import OptionConfig, Registry, check
 
 # name -> builder(data cfg, model cfg) -> Dataset
 DATASETS: Registry = Registry("dataset", "data")
-
-DEFAULT_CACHE = "${oc.env:DALLE_ABLATE_CACHE,${oc.env:HOME,.}/.cache/dalle-ablate}"
 
 
 @dataclass
@@ -28,7 +27,7 @@ class DataConfig(OptionConfig):
     tokenizer_path: Optional[str] = None  # a tokenizer.json; null = BPE trained on the captions
     text_vocab_size: int = 512  # BPE vocabulary when trained here
     # rendered data, fitted tokenizers and scorers, reused across runs; or a bucket's (gs://...)
-    cache_dir: str = DEFAULT_CACHE
+    cache_dir: str = CACHE_ROOT
 
     def validate(self, run) -> None:
         check(

@@ -223,12 +223,9 @@ def run_study(
             *jobs,
         ]
         t = time.perf_counter()
-        # The seeds of an arm compile the same programs: JAX's persistent compilation cache
-        # (jax_compilation_cache_dir) lets every run after the first of its arm load them from disk.
-        env = {
-            **os.environ,
-            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(folder / "jax_cache")),
-        }
+        # The seeds of an arm compile the same programs: every run keeps them in the compilation
+        # cache (compilation_cache.dir), and every run after the first of its arm loads them.
+        env = dict(os.environ)
         preexec = dies_with_this_process()
         stages.append("during its runs (the multirun of its arms)")
         code = 0 if no_run else call_child(command, env, preexec)

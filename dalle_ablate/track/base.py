@@ -83,6 +83,9 @@ class Tracker(ABC):
     def log_checkpoint(self, step: int, path: Path) -> None:
         """A checkpoint folder, complete on disk (W&B keeps it as an artifact when asked to)."""
 
+    def log_meta(self, values: dict[str, Any]) -> None:
+        """What the run records about itself that is known only later (merged into meta.json)."""
+
 
 class NullTracker(Tracker):
     """Logs nothing (processes other than 0, and tests)."""
@@ -126,6 +129,10 @@ class CompositeTracker(Tracker):
     def log_checkpoint(self, step, path):
         for t in self.trackers:
             t.log_checkpoint(step, path)
+
+    def log_meta(self, values):
+        for t in self.trackers:
+            t.log_meta(values)
 
     def finish(self, status="finished"):
         # Every backend is finished even if one fails: a multirun must never share a W&B run.

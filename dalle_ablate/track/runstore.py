@@ -115,6 +115,10 @@ class RunStore(Tracker):
     def write_meta(self) -> None:
         atomic_write(self.root / "meta.json", json.dumps(self.meta, indent=2, default=str))
 
+    def log_meta(self, values):
+        self.meta.update(values)
+        self.write_meta()
+
     @_writes
     def log(self, metrics, step):
         row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}

@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from dalle_ablate.config import RunConfig
 from dalle_ablate.evaluate.runner import evaluation_or_none
 from dalle_ablate.fileio import pull, url_of
+from dalle_ablate.parallel import compile_cache
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.track import build_tracker
 from dalle_ablate.train import checkpoint
@@ -50,8 +51,9 @@ def restore(ckpt_dir: Path, step: Optional[int], target):
 
 
 # Sections that describe the machine evaluating, not the run: from today's composition, never
-# from the saved config (eval runs on this machine's devices, as one process unless told).
-THIS_MACHINE = ("mesh", "distributed")
+# from the saved config (eval runs on this machine's devices, as one process unless told, with
+# this machine's compilation cache).
+THIS_MACHINE = ("mesh", "distributed", "compilation_cache")
 # ... and the mesh eval forces before the user's own overrides (which may still set it).
 EVAL_MESH = ["mesh.data=-1", "mesh.fsdp=1", "mesh.model=1"]
 _ABSENT = object()  # a key one config has and the other lacks: equal to no value
@@ -113,7 +115,7 @@ def run_config_for_eval(store: Path, recorded: list[str], overrides: list[str]) 
     added (`want`): the keys whose values differ between the two (`changed_keys`; a section with
     another option chosen, `eval=drawbench` or `tracker=none`, counts whole) are the user's. The
     result is `want` with the saved config merged over it everywhere except those keys and the
-    machine's own sections (`THIS_MACHINE`: mesh and distributed, from today's composition), so
+    machine's own sections (`THIS_MACHINE`: mesh, distributed and the compilation cache, from today's composition), so
     it is typed by today's schemas and checked as any run config.
 
     A saved config that is absent or unreadable is a ConfigError naming the file; so is one
@@ -168,6 +170,7 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
     # The run's saved config, evaluated on this machine's devices in float32, with the vocabulary
     # rows padded as they were saved.
     cfg = run_config_for_eval(store, meta.get("overrides", []), overrides)
+    compile_cache.configure(cfg.compilation_cache)  # before anything compiles
     run = assemble(cfg, model_axis=int(meta.get("mesh", {}).get("model", 1)), dtype="float32")
     step, state = restore(ckpt_dir, step, run.abstract_state())
     out = store / "evals" / f"{cfg.eval.name}_step{step}"

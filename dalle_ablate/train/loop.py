@@ -21,7 +21,7 @@ from dalle_ablate import interrupts
 from dalle_ablate.config import RunConfig, member_config
 from dalle_ablate.generate import image_grid
 from dalle_ablate.model.flops import train_flops_per_example
-from dalle_ablate.parallel import distributed
+from dalle_ablate.parallel import compile_cache, distributed
 from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.track.runstore import StoreLock
 from dalle_ablate.train import checkpoint
@@ -62,6 +62,8 @@ def train_job(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]
     together, one writer per run store (each store locked before anything is built)."""
     t_start = time.perf_counter()
     distributed.initialize(cfg.distributed)  # before anything touches a device
+    compile_cache.configure(cfg.compilation_cache)  # before anything compiles
+    compiled = compile_cache.TIMES.snapshot()  # this job's programs: those compiled or loaded from here on
     pi = jax.process_index()
     configs = [member_config(cfg, s) for s in cfg.seeds] if cfg.seeds is not None else [cfg]
     members = [Member(i, c, j, Path(j.job_dir) / "run") for i, (c, j) in enumerate(zip(configs, jobs))]
@@ -82,12 +84,20 @@ def train_job(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]
         with contextlib.ExitStack() as locks:
             for m in live if pi == 0 else ():
                 locks.enter_context(StoreLock(m.run_dir))
-            _train(cfg, job, live, members, t_start)
+            _train(cfg, job, live, members, t_start, compiled)
     return [m.result for m in members]
 
 
-def _train(cfg: RunConfig, job: JobInfo, members: list[Member], everyone: list[Member], t_start: float) -> None:
-    """Train the live `members` (`everyone`: all of the job's, for its members.json)."""
+def _train(
+    cfg: RunConfig,
+    job: JobInfo,
+    members: list[Member],
+    everyone: list[Member],
+    t_start: float,
+    compiled: compile_cache.CompileTimes,
+) -> None:
+    """Train the live `members` (`everyone`: all of the job's, for its members.json); `compiled`:
+    the process's compile counts when the job started."""
     t = cfg.trainer
     program = program_for(cfg, [m.cfg for m in members])
     run, target = program.run, program.run.abstract_state()
@@ -119,7 +129,7 @@ def _train(cfg: RunConfig, job: JobInfo, members: list[Member], everyone: list[M
             m.point = with_logged(m.point, m.run_dir)
             m.t_start = t_start - m.point.wall_time  # a run's wall time counts its earlier processes'
         record()
-        _run(cfg, job, program, members, record, flops_per_step, peak * program.devices)
+        _run(cfg, job, program, members, record, flops_per_step, peak * program.devices, compiled)
 
 
 @contextlib.contextmanager
@@ -139,7 +149,16 @@ def ends_each_on_error(members: list[Member], record):
         raise
 
 
-def _run(cfg: RunConfig, job: JobInfo, program, members: list[Member], record, flops_per_step: float, peak_all: float):
+def _run(
+    cfg: RunConfig,
+    job: JobInfo,
+    program,
+    members: list[Member],
+    record,
+    flops_per_step: float,
+    peak_all: float,
+    compiled: compile_cache.CompileTimes,
+):
     """The members' steps, from their common start to the end, then how each ends."""
     t, pi = cfg.trainer, jax.process_index()
     start = members[0].point.step
@@ -156,6 +175,8 @@ def _run(cfg: RunConfig, job: JobInfo, program, members: list[Member], record, f
     def end(m: Member, status: str, final_step: int) -> None:
         summary = run_summary(m, program.run.dataset.info, final_step)
         m.tracker.log_summary(summary)
+        # the job's compiling against loading from the cache (a members job's, shared by its members)
+        m.tracker.log_meta({"compilation": compile_cache.TIMES.since(compiled)})
         m.ckpt.close()  # a save that failed raises here: the member is still running, and fails (ends_each_on_error)
         m.tracker.finish(status)
         m.status = status

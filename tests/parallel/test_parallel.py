@@ -17,7 +17,7 @@ from flax import nnx
 
 from conftest import ROOT, compose, run_config
 from dalle_ablate.model import abstract_model, resolve
-from dalle_ablate.parallel import check_batch, mesh_shape, param_specs
+from dalle_ablate.parallel import check_batch, compile_cache, mesh_shape, param_specs
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.validate import to_run_config
 
@@ -318,11 +318,15 @@ def test_two_processes_reproduce_the_single_process_run_and_only_process_0_write
                 "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                 "JAX_NUM_PROCESSES": "2",
                 "JAX_PROCESS_ID": str(i),
+                "JAX_COMPILATION_CACHE_DIR": str(tmp_path / f"cache{i}"),  # each host its own disk
             },
         )
         for i in range(2)
     ]
     multi = [result(p) for p in procs]
+    # The compilation cache is written by process 0 alone (JAX's rule): the other host only reads.
+    assert len(compile_cache.cache_entries(tmp_path / "cache0")) > 0
+    assert compile_cache.cache_entries(tmp_path / "cache1") == []
     assert [(m["process"], m["processes"], m["devices"]) for m in multi] == [(0, 2, 8), (1, 2, 8)]
     assert reference["devices"] == 8 and reference["status"] == "finished"
     for m in multi:
