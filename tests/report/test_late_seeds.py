@@ -18,6 +18,7 @@ import yaml
 from scipy.optimize import brentq
 
 from test_findings import write_store
+from dalle_ablate.cli import main
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.findings import load_study
 from dalle_ablate.report.load import load_runs
@@ -205,3 +206,39 @@ def test_a_study_declares_its_own_level_and_a_bad_one_is_one_line(tmp_path):
         (tmp_path / "study.yaml").write_text(yaml.safe_dump({**STUDY, "transition": bad}))
         with pytest.raises(ConfigError, match=rf"study.yaml: {why}"):
             load_study(tmp_path / "study.yaml")
+
+
+def test_the_report_names_the_late_seed_in_html_and_markdown(tmp_path, capsys):
+    write_arms(tmp_path / "runs", {3000: LATE_DROP})
+    main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "reports"), "--name", "r"])
+    md = (tmp_path / "reports" / "r" / "report.md").read_text()
+    html = (tmp_path / "reports" / "r" / "index.html").read_text()
+    part = md.split("## Late seeds\n", 1)[1].split("\n## ", 1)[0]
+    median = np.median([expected_step(d) for d in (LATE_DROP, *ON_TIME.values())])
+    variant = "+arm=baseline"
+    line = (
+        f"{variant}: seed 3000 is late (transition at step {expected_step(LATE_DROP):g}; "
+        f"the variant's median {median:g})."
+    )
+    assert [t for t in part.splitlines() if ": seed " in t] == [line]
+    assert f"<p>{line}</p>".replace("'", "&#x27;") in html
+    assert re.search(r"!\[[^\]]*\]\((figures/late_0\.png)\)", part)
+    # a level no seed's curve reaches: no transition, so no seed is late
+    main(
+        [
+            "report",
+            str(tmp_path / "runs"),
+            "--out",
+            str(tmp_path / "reports"),
+            "--name",
+            "q",
+            "--transition-level",
+            "0.1",
+        ]
+    )
+    md = (tmp_path / "reports" / "q" / "report.md").read_text()
+    assert "No seed is late by this rule." in md and " is late (" not in md
+    with pytest.raises(SystemExit) as stop:
+        main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "reports"), "--transition-level", "-1"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: --transition-level -1: give a positive loss, in nats per image token\n"
