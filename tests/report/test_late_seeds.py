@@ -8,11 +8,13 @@ found here by root-finding on the continuous curve (scipy's brentq), not by the 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
 
 import numpy as np
+import optuna
 import pytest
 import yaml
 from scipy.optimize import brentq
@@ -242,3 +244,31 @@ def test_the_report_names_the_late_seed_in_html_and_markdown(tmp_path, capsys):
         main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "reports"), "--transition-level", "-1"])
     assert stop.value.code == 2
     assert capsys.readouterr().err == "error: --transition-level -1: give a positive loss, in nats per image token\n"
+
+
+def test_a_sweep_s_recheck_names_the_late_seed_among_its_runs(tmp_path, caplog):
+    """Two trials re-checked on seeds 3000-3003, their members' run stores as the trainer leaves
+    them (members.json, each member's run store): seed 3000 of trial 0 leaves the plateau late."""
+    from dalle_ablate.sweep.recheck import collect
+
+    study = optuna.create_study()
+    space = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    for x, v in ((0.1, 0.2), (0.2, 0.21)):
+        study.add_trial(optuna.trial.create_trial(params={"x": x}, distributions=space, value=v))
+    seeds = [3000, *ON_TIME]
+    for number, drops in ((0, [LATE_DROP, *ON_TIME.values()]), (1, list(ON_TIME.values()) + [640.0])):
+        job, members = tmp_path / "recheck" / f"trial{number}", []
+        for seed, drop in zip(seeds, drops):
+            store = write_curve(job, "x", seed, curve(STEPS, drop) + 0.01 * number)
+            summary = json.loads((store / "summary.json").read_text())
+            (store / "summary.json").write_text(json.dumps({**summary, "eval/valid/loss": curve(STEPS, drop)[-1]}))
+            members.append({"seed": seed, "job_dir": str(store.parent), "status": "finished", "reason": ""})
+        (job / "members.json").write_text(json.dumps({"seeds": seeds, "members": members}))
+    with caplog.at_level(logging.INFO, logger="dalle_ablate.sweep.recheck"):
+        record = collect(study.trials, ["", ""], tmp_path / "recheck", seeds, "eval/valid/loss", True, None)
+    median = np.median([expected_step(d) for d in (LATE_DROP, *ON_TIME.values())])
+    line = (
+        f"trial 0: seed 3000 is late (transition at step {expected_step(LATE_DROP):g}; the trial's median {median:g})."
+    )
+    assert record["late_seeds"] == [line] and f"re-check: {line}" in caplog.messages
+    assert record["trials"][0]["recheck_values"][0] == pytest.approx(curve(STEPS, LATE_DROP)[-1])  # judged with it
