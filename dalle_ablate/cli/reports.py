@@ -31,6 +31,13 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
         "(repeatable; docs/statistics.md)",
     )
     p.add_argument(
+        "--transition-level",
+        type=float,
+        metavar="LOSS",
+        help="the eval/valid/loss a run falls below at its caption-following transition, for the late-seed "
+        "view (default: the rule's level for the shapes data, report/transitions.py; docs/statistics.md)",
+    )
+    p.add_argument(
         "--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)"
     )
     p.add_argument("--wandb-project")
@@ -59,10 +66,23 @@ def cmd_report(args) -> None:
         args.wandb_project or "",
         skipped,
         margins=_margins(args.margin),
+        transition=_transition(args.transition_level),
     )
     print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
     for why in skipped:  # each also in the report's first section
         print(f"warning: left out, unreadable: {why}", file=sys.stderr)
+
+
+def _transition(level):
+    """--transition-level as the late-seed view's rule (one line naming the flag if not a positive number)."""
+    from dalle_ablate.registry import ConfigError
+    from dalle_ablate.report.transitions import Rule
+
+    if level is None:
+        return Rule()
+    if not 0 < level < float("inf"):
+        raise ConfigError(f"--transition-level {level:g}: give a positive loss, in nats per image token")
+    return Rule(level=level)
 
 
 def _margins(given: list[str]) -> dict[str, str]:

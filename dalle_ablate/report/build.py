@@ -19,6 +19,7 @@ from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
 from dalle_ablate.report import prose as P
+from dalle_ablate.report.transitions import Rule, late_section
 from dalle_ablate.report.tables import (
     FINAL_METRICS,
     ONE_SEED,
@@ -45,6 +46,7 @@ TITLES = {
     "noise": "Noise report",
     "optuna": "Optuna study",
     "curves": "Loss and gradient norm across seeds",
+    "late": P.LATE_TITLE,
     "stability": "Stability",
     "compute": "Equal-compute views",
     "pareto": "Guidance-scale Pareto curves",
@@ -57,7 +59,7 @@ FOLDED = ("noise", "stability", "shapes", "grids", "config")  # long: closed unt
 
 def section_keys(sweep: bool) -> list[str]:
     """The summary first; a sweep's study right after it, where its answer is."""
-    rest = ["noise", "curves", "stability", "compute", "pareto", "shapes", "grids", "config"]
+    rest = ["noise", "curves", "late", "stability", "compute", "pareto", "shapes", "grids", "config"]
     return ["overview", "optuna", "final", *rest] if sweep else ["overview", "final", *rest]
 
 
@@ -294,9 +296,14 @@ def optuna_section(study) -> Section:
 
 
 def build_sections(
-    runs: list[Run], baseline: Optional[str], study=None, margins: Optional[dict[str, str]] = None
+    runs: list[Run],
+    baseline: Optional[str],
+    study=None,
+    margins: Optional[dict[str, str]] = None,
+    transition: Rule = Rule(),
 ) -> tuple[list[Section], dict]:
-    """The report's sections in order (section_keys), and what the files beside it need."""
+    """The report's sections in order (section_keys), and what the files beside it need;
+    `transition`: the late-seed view's rule (report/transitions.py)."""
     by_variant, left_out, why = group_variants(runs, study)
     if not by_variant:
         raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")
@@ -312,6 +319,7 @@ def build_sections(
         "final": final,
         "noise": noise,
         "curves": curves_section(by_variant, palette),
+        "late": late_section(by_variant, transition, "late", group="variant"),
         "stability": stability,
         "compute": compute_section(compared, palette),
         "pareto": pareto_section(compared, palette),
@@ -376,9 +384,10 @@ def build_report(
     wandb_project: str = "",
     skipped: Optional[list[str]] = None,
     margins: Optional[dict[str, str]] = None,
+    transition: Rule = Rule(),
 ) -> Path:
     """The report's folder. A run store or sweep database that cannot be read is left out, named
-    in the report and in `skipped` (one line each)."""
+    in the report and in `skipped` (one line each). `transition`: the late-seed view's rule."""
     skipped = [] if skipped is None else skipped
     runs = load_runs(source, skipped=skipped)
     if source.startswith("wandb:"):
@@ -396,7 +405,7 @@ def build_report(
         except ConfigError as e:
             skipped.append(f"{e}; the runs are compared as a multirun's, without the sweep's trials")
     title = f"dalle-ablate report: {source}"
-    sections, info = build_sections(runs, baseline, study, margins)
+    sections, info = build_sections(runs, baseline, study, margins, transition)
     if skipped:  # in the summary at the top: what the report could not read
         sections[0].text.append(P.UNREADABLE.format(n=len(skipped), what="; ".join(skipped)))
     atomic_write(folder / "index.html", to_html(title, sections, number=fmt3))

@@ -333,3 +333,57 @@ def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 3) -> by
         ax.set_xlabel("step", fontsize=MIN_PT)
     fig.tight_layout()
     return png(fig)
+
+
+def seeds_figure(panels: list[tuple[str, list[tuple]]], level: float, ncols: int = 3) -> bytes:
+    """Small multiples, one per arm (report/transitions.py): each seed's eval loss against the step
+    as a line of its own colour (the same seed the same colour in every panel), a dot at its
+    transition, the level as a dotted line; a late seed drawn thick and named in the title. `panels`:
+    (arm, [(seed, steps, values, transition step or None, late)])."""
+    plt = _plt()
+    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+
+    seeds = list(dict.fromkeys(str(seed) for _, curves in panels for seed, *_ in curves))
+    palette = colors(seeds)
+    cols = min(ncols, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(FIT_IN, 2.8 * nrows + 0.4), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax, (arm, curves) in zip(axes.flat, panels):
+        log = all((np.asarray(v) > 0).all() for _, _, v, _, _ in curves)
+        ax.axhline(level, color="#444", lw=0.9, ls=":")
+        for seed, steps, values, step, late in curves:
+            color = palette[str(seed)]
+            ax.plot(steps, values, "-", color=color, lw=2.4 if late else 1.1)
+            if step is not None:
+                ax.plot(step, values[list(steps).index(step)], "o", ms=6, color=color, mec="black", mew=0.8, zorder=3)
+        named = [str(seed) for seed, *_, late in curves if late]
+        ax.set_title(arm + (f" (late: {', '.join(named)})" if named else ""), fontsize=MIN_PT)
+        if log:  # the plateau and the level at the bottom of a curve that starts ~5x higher
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_locator(plt.MaxNLocator(4))
+        ax.tick_params(labelsize=MIN_PT)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step", fontsize=MIN_PT)
+    for row in axes:
+        row[0].set_ylabel(label("eval/valid/loss").split(" (")[0], fontsize=MIN_PT)
+    fig.tight_layout()
+    handles = [plt.Line2D([], [], color=palette[s], label=f"seed {s}") for s in seeds]
+    handles += [
+        plt.Line2D([], [], color="#888", marker="o", mec="black", ls="", label="transition"),
+        plt.Line2D([], [], color="#444", ls=":", label=f"level {level:g}"),
+    ]
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        fontsize=MIN_PT,
+        frameon=False,
+        ncol=min(6, len(handles)),
+    )
+    return png(fig)

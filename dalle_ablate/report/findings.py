@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from importlib import resources
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -30,6 +30,7 @@ from dalle_ablate.report.load import Run, read_yaml, series
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.stats import diff_ci, spikes
 from dalle_ablate.report.tables import final_value
+from dalle_ablate.report.transitions import Rule, rule_from
 
 STUDIES = Path(__file__).parent / "studies"
 TOPUPS = "topups.json"  # in a study's folder: each top-up's seeds before and after, and what the rule asked
@@ -130,6 +131,8 @@ class Study:
     baseline: str
     findings: list[Finding]
     scale_note: str = ""  # what this scale can and cannot say, written with the study
+    # the late-seed view's rule (report/transitions.py): the file's `transition:`, else the defaults
+    transition: Rule = field(default_factory=Rule)
 
 
 def study_path(name: str) -> Path:
@@ -153,7 +156,7 @@ def load_study(path: Path) -> Study:
             raise ConfigError(f"{where}: missing '{key}'")
     findings = []
     for i, f in enumerate(raw["findings"]):
-        keys = [field.name for field in fields(Finding)]
+        keys = [d.name for d in fields(Finding)]
         missing = [k for k in keys if k not in f and k not in ("margin", "note")]
         if missing:
             raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
@@ -201,6 +204,7 @@ def load_study(path: Path) -> Study:
         raw["baseline"],
         findings,
         raw.get("scale_note", ""),
+        rule_from(raw.get("transition"), where),
     )
 
 

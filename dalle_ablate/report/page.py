@@ -1,6 +1,7 @@
 """A study's results page (`dalle-ablate study`, docs/results/<study>.md), its answer first: the
 summary (each claim's verdict, its difference in units of its margin, the seeds it used and needs,
-and the forest plot of them all; report/findings.py judges them), then the noise report, then the
+and the forest plot of them all; report/findings.py judges them), then the noise report (with
+every seed's curve and the seeds late to their transition, report/transitions.py), then the
 details -- where the page comes from and where the method is written (docs/statistics.md, linked,
 never restated), the notes, what each arm is (its conf/arm/ file's comment and overrides), every
 finding in full, the top-up rule, every arm's numbers, the stress runs' section and the figures,
@@ -43,6 +44,7 @@ from dalle_ablate.report.findings import (
 from dalle_ablate.report.load import Run, machine_time, series
 from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
+from dalle_ablate.report.transitions import late_section
 from dalle_ablate.report.writers import Section
 
 
@@ -423,9 +425,16 @@ def page_sections(
         )
     rows = compare(study, by_arm, extra=extra, untestable=untestable)
     courses = course(study, by_arm)
+    noise = noise_section(study, by_arm, extra)
+    # every seed's curve right under the arms' spreads it makes: the finished runs, the seeds the verdicts use
+    finished = {a: [r for r in rs if r.status == "finished"] for a, rs in by_arm.items()}
+    noise.parts.insert(
+        0,
+        late_section(finished, study.transition, f"{study.name}_late", where=f"[statistics]({statistics}#late-seeds)"),
+    )
     return [
         summary_section(study, rows, statistics),
-        noise_section(study, by_arm, extra),
+        noise,
         method_section(study, by_arm, provenance, statistics),
         notes_section(study),
         arms_section(study, by_arm),

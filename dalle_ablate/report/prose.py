@@ -15,6 +15,27 @@ NOISE_INTRO = (
     "is judged on, rho, and the evaluation set's share of that difference's variance."
 )
 
+# -- late seeds (report/transitions.py), on both and in a sweep's re-check --------------------------
+
+LATE_TITLE = "Late seeds"
+LATE_RULE = (
+    "Every seed's {metric} against the step, one panel per {group}. A run's caption-following transition is the "
+    "first evaluation at which {metric} is below {level}{confirmed}; a seed is late where its transition comes "
+    "more than {after} evaluation intervals after its {group}'s median, or never while the median does ({where}). "
+    "Nothing is dropped or down-weighted for being late: every verdict uses every seed."
+)
+CONFIRMED = " and stays below at the next{k} evaluation{s} (a run's last evaluation counts alone)"
+LATE = "{arm}: seed {seed} is late (transition {at}; {whose} median {median})."
+NONE_LATE = "No seed is late by this rule."
+LATE_COLUMNS = ["transition step by seed", "median", "evaluation interval (steps)", "late"]
+NO_EVALUATIONS = "No run logged {metric}: no transition to find."
+NO_CURVES = "Each run has one evaluation of {metric}: no curve to draw."
+LATE_FIGURE = (
+    "Every seed's {metric} ({unit}, log axis) against the training step, one panel per {group}, a line per "
+    "seed: a dot at its transition, the dotted line the rule's level, a late seed drawn thick and named in its "
+    "panel's title"
+)
+
 # -- a study's results page -------------------------------------------------------------------
 
 SETTLED = "{k} findings, {settled} settled: {counts}."

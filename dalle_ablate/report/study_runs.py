@@ -249,7 +249,7 @@ def run_study(
                 "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
                 "overrides and its numbers; their step time is their share of the job's."
             )
-        report = build_report(str(folder), report_out, study.name, study.baseline)
+        report = build_report(str(folder), report_out, study.name, study.baseline, transition=study.transition)
         interrupts.check()
         page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
     print(f"wrote {report}/index.html and {page}")

@@ -3,7 +3,9 @@ again on seeds the sweep never used, each as one job of members, and judged agai
 the verdict engine that judges studies (report/verdicts.py: paired by seed, Holm over the
 comparisons). A sweep's best value is the best of many noisy values, so it is biased toward luck
 (the winner's curse); the re-check's values are not, and their difference is the selection bias
-measured.
+measured. Each trial's members' eval-loss curves are read for seeds late to their transition
+(report/transitions.py): a late one is named in the log and in the record's `late_seeds`, and
+judged like every other seed.
 
 Imports here stay light: Hydra imports the sweeper plugin (and so this module) at every start of
 `run.py`, `--help` included; the verdict engine (scipy) and the trainer's records (jax) are imported
@@ -83,6 +85,35 @@ def member_values(job_dir: Path, seeds: list[int], objective: str) -> np.ndarray
         value = json.loads(summary.read_text()).get(objective) if status == "finished" and summary.exists() else None
         out.append(float(value) if value is not None else math.nan)
     return np.array(out)
+
+
+def member_runs(job_dir: Path) -> list:
+    """The run stores of a re-check job's members that logged anything (report.load.Run), each with
+    its member's seed."""
+    from dalle_ablate.report.load import load_run
+    from dalle_ablate.train.records import MEMBERS_FILE
+
+    path = job_dir / MEMBERS_FILE
+    runs = []
+    for m in json.loads(path.read_text())["members"] if path.exists() else []:
+        store = Path(m["job_dir"]) / "run"
+        if (store / "metrics.jsonl").exists():
+            run = load_run(store)
+            run.config["seed"] = m["seed"]
+            runs.append(run)
+    return runs
+
+
+def late_seeds(trials: list[optuna.trial.FrozenTrial], folder: Path) -> list[str]:
+    """The late-seed view's lines for the re-checked trials (report/transitions.py, its default
+    rule): a seed whose transition comes late against its trial's median named, or that none does;
+    [] where no member logged an evaluation."""
+    from dalle_ablate.report import prose
+    from dalle_ablate.report.transitions import Rule, arm_transitions, late_lines
+
+    arms = [arm_transitions(f"trial {t.number}", member_runs(folder / f"trial{t.number}"), Rule()) for t in trials]
+    arms = [a for a in arms if a.seeds]
+    return (late_lines(arms, "the trial's") or [prose.NONE_LATE]) if arms else []
 
 
 def sweep_mean(trial: optuna.trial.FrozenTrial, objective: str) -> float:
@@ -179,4 +210,9 @@ def collect(
     record = judge([best[i] for i in kept], values[kept], minimize, margin, objective)
     record.update(seeds=seeds, objective=objective, **({"failed": failed} if failed else {}))
     log.info(summary_line(record, objective))
+    late = late_seeds([best[i] for i in kept], folder)
+    for line in late:  # the verdict above used every seed, a late one too
+        log.info(f"re-check: {line}")
+    if late:
+        record["late_seeds"] = late
     return record

@@ -150,8 +150,8 @@ def test_report_on_known_runs(synthetic, tmp_path):
     for key in section_keys(sweep=False):
         assert f'<section id="{key}"><details' in html and f"<summary><h2>{TITLES[key]}</h2></summary>" in html
     assert (
-        html.count("<details open>") == 5 and html.count("<details>") == 5
-    )  # noise, stability, shapes, grids, config folded
+        html.count("<details open>") == 6 and html.count("<details>") == 5
+    )  # noise, stability, shapes, grids, config folded; the late seeds open
     assert "<script>" not in html and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html  # the prompt, escaped
     assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html  # self-contained
     md = (out / "report.md").read_text()
@@ -450,7 +450,7 @@ def test_the_html_renders_in_headless_chromium(synthetic, tmp_path):
     )
     for label in ("model=deepnet (baseline)", "model=preln", "model=sandwich optim.lr=0.002"):
         assert f"<td>{label}</td>" in dom, label
-    assert dom.count("<details open") == 5 and dom.count("<details>") == 5
+    assert dom.count("<details open") == 6 and dom.count("<details>") == 5
     assert dom.count("<img ") >= 5 and "<script>alert" not in dom
 
 
