@@ -21,11 +21,18 @@ os.environ["WANDB_SILENT"] = "true"
 for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
     os.environ[var] = str(_TMP / var.lower())
     Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
-os.environ.setdefault("DALLE_ABLATE_CACHE", str(_TMP / "cache"))
-# The suite's many `run.py` subprocesses compile the same small programs again and again: JAX's
-# persistent compilation cache, fresh for each session, lets every process after the first load
-# them (test_job.py with test_faults.py: 265 s without, 169 s with). Every test still runs.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_TMP / "jax_cache"))
+# The caches every test and child process reads, fresh for each session: the rendered data and
+# fitted tokenizers, and the compiled programs. The suite's many `run.py` children compile the same
+# small programs again and again; JAX's persistent compilation cache (every run's default,
+# compilation_cache.dir) lets each after the first load them. Under pytest-xdist the workers of one
+# session share both (their writes are atomic; JAX locks its cache folder around each entry).
+_SHARED = (
+    Path(tempfile.gettempdir()) / f"dalle-ablate-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    if "PYTEST_XDIST_TESTRUNUID" in os.environ
+    else _TMP
+)
+os.environ.setdefault("DALLE_ABLATE_CACHE", str(_SHARED / "cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_SHARED / "jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny models compile in < 1 s
 
 # Small data that still exercises every path; built once per session (cached on disk).
