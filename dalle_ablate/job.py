@@ -251,8 +251,9 @@ def resume_command(job: JobInfo, trial: bool) -> str:
 
 
 def interrupted(job: JobInfo, trial: bool, what: str, kept: str) -> Interrupted:
-    """The one line a Ctrl-C ends the job with: what it stopped, what was kept, how to continue."""
-    return Interrupted(f"interrupted {what}; {kept}; resume with: {resume_command(job, trial)}")
+    """The one line a Ctrl-C (or SIGTERM: "terminated (SIGTERM)", interrupts.word) ends the job
+    with: what it stopped, what was kept, how to continue."""
+    return Interrupted(f"{interrupts.word()} {what}; {kept}; resume with: {resume_command(job, trial)}")
 
 
 def run(cfg: DictConfig) -> float | list[float]:
@@ -305,7 +306,7 @@ def outcome(run_cfg, job: JobInfo, results: list, trial: bool = False) -> float 
     named = list(zip(run_cfg.seeds if members else [run_cfg.seed], results))
     stopped = [(s, r) for s, r in named if r.status == "interrupted"]
     if stopped:
-        what = stopped[0][1].reason.removeprefix("interrupted ")
+        what = stopped[0][1].reason.removeprefix(f"{interrupts.word()} ")
         if members:
             what += f" (members {', '.join(f'seed={s}' for s, _ in stopped)})"
         raise interrupted(job, trial, what, kept(stopped[0][1], plural=members))

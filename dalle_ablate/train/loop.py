@@ -160,7 +160,8 @@ def _run(cfg: RunConfig, job: JobInfo, program, members: list[Member], record, f
         m.tracker.finish(status)
         m.status = status
         if pi == 0:
-            print(closing_lines(status, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
+            said = interrupts.word() if status == "interrupted" else status  # "terminated (SIGTERM)" after a SIGTERM
+            print(closing_lines(said, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
         m.result = Result(
             eval_loss=m.seen.eval_loss,
             train_loss=m.log.last_loss,
@@ -202,9 +203,11 @@ def run_steps(
     """The steps, with the hooks due after each: (status, the state after the last whole step,
     why it stopped early: pruned or interrupted). First the hooks `left` undone at the step before them (a resumed run's
     evaluations). Stops early when no member is left running (each diverged), when a hook says
-    so (pruned) or on Ctrl-C (interrupted; in a run of one process only: others would not stop
-    with it)."""
+    so (pruned), on Ctrl-C or SIGTERM in a run of one process (interrupted), and in a run of
+    several processes on SIGTERM to any of them, every process after the same step (interrupted:
+    distributed.preempted; a Ctrl-C there is raised, the other processes would not stop with it)."""
     metrics, batches, batch_size = None, program.batches(steps.start - 1), members[0].cfg.trainer.batch_size
+    agreed = False  # every process stops after this step (a run of several)
     try:
         if left:
             hooks.run(steps.start - 1, state, left)
@@ -213,7 +216,12 @@ def run_steps(
             for m in members:  # a checkpoint that failed in the background stops the run here
                 if m.status == "running":
                     m.ckpt.check()
-            interrupts.check()  # Ctrl-C (interrupts.py): taken here, between whole steps
+            interrupts.check()  # Ctrl-C, SIGTERM (interrupts.py): taken here, between whole steps
+            if distributed.preempted(step - 1):  # a SIGTERM to one of several processes: all stop here
+                agreed = True
+                interrupts.terminated()  # for the line, the summary and the exit code
+                interrupts.check()  # the press terminated() recorded, taken
+                raise KeyboardInterrupt
             # The step donates `state`: a Ctrl-C between its return and the assignment would
             # leave `state` naming deleted buffers, so the two happen together.
             with interrupts.deferred():
@@ -230,7 +238,7 @@ def run_steps(
                     return "pruned", state, f"pruned at step {step} of {steps.stop - 1} ({stop})"
         return "finished", state, ""
     except KeyboardInterrupt as e:
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 and not agreed:
             raise
         # The last state assigned: a whole step, wherever the interrupt came. If it came between
         # the step and its push, its metrics (assigned with it) are queued here.
@@ -243,7 +251,7 @@ def run_steps(
         return (
             "interrupted",
             state,
-            f"interrupted at step {done} of {steps.stop - 1}" + (f", {stopped}" if stopped else ""),
+            f"{interrupts.word()} at step {done} of {steps.stop - 1}" + (f", {stopped}" if stopped else ""),
         )
 
 
