@@ -24,14 +24,17 @@ TINY = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant"]
 pytestmark = pytest.mark.slow
 
 
-def job(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = "") -> subprocess.CompletedProcess:
+def job(
+    tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = "", sig: str = "SIGKILL"
+) -> subprocess.CompletedProcess:
     """`python run.py <TINY> hydra.run.dir=<run_dir>` on a "host" (a staging root of its own);
-    with `kill`, tests/kill_worker.py sends itself SIGKILL there."""
+    with `kill`, tests/kill_worker.py sends itself `sig` there."""
     script = ROOT / "tests" / "kill_worker.py" if kill else ROOT / "run.py"
     env = {
         **os.environ,
         "DALLE_ABLATE_STAGING": str(tmp_path / host),
         "KILL_AT": kill,
+        "KILL_SIGNAL": sig,
         "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
     }
     tracker = [] if any(o.startswith("tracker=") for o in overrides) else ["tracker=none"]
@@ -125,6 +128,33 @@ def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit
 
     assert jax.tree.structure(a) == jax.tree.structure(b)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def timeless_rows(gcs, store_url: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(gcs, store_url)]
+
+
+def test_sigterm_to_a_bucket_run_saves_there_releases_its_lock_and_another_host_resumes_at_once(gcs, whole, tmp_path):
+    """SIGTERM (a preempted VM's notice) before step 5 of a run in the bucket: step 4 is saved
+    there, the summary there says why, the lock object is gone, exit 143 with the command that
+    continues; that command on another host goes on at once (no lease to wait out) from step 4,
+    to the uninterrupted run's rows."""
+    url = f"{gcs.url}/runs/termed"
+    proc = job(tmp_path, url, "host-a", kill="step:5", sig="SIGTERM")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("terminated")]
+    assert line.startswith("terminated (SIGTERM) at step 4 of 6; checkpoint saved; resume with: python run.py ")
+    assert line.endswith(f" resume=auto hydra.run.dir={url}") and "Traceback" not in proc.stderr
+    fs = gcs.fs()
+    s = json.loads(fs.cat(f"{url}/run/summary.json"))
+    assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, "terminated (SIGTERM) at step 4 of 6")
+    assert fs.exists(f"{url}/run/checkpoints/4/commit_success.txt")
+    assert not fs.exists(f"{url}/run/{fileio.LOCK}")
+    proc = job(tmp_path, url, "host-b", "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning:" not in proc.stderr  # nothing taken over
+    assert json.loads(fs.cat(f"{url}/run/meta.json"))["resumed_from_step"] == 4
+    assert timeless_rows(gcs, f"{url}/run") == timeless_rows(gcs, f"{whole}/run")
 
 
 def test_a_checkpoint_set_aside_in_a_bucket_is_no_step_any_more(gcs, whole):

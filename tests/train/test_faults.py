@@ -1014,6 +1014,49 @@ def test_a_sweep_killed_mid_trial_retries_it_from_its_checkpoint(tmp_path, refer
     assert study.trials[1].value == pytest.approx(summary(reference)["eval/valid/loss"], rel=1e-6)
 
 
+def test_sigterm_to_a_sweep_leaves_its_trial_to_be_continued_not_failed(tmp_path, reference):
+    """An Optuna sweep of one trial gets SIGTERM before the trial's step 5: the trial saves step 4,
+    the sweep exits 143 with the command that resumes it, and the study holds the stopped trial
+    (FAILED, as optuna ends a trial that is not complete, but not counted) and a queued one with
+    its parameters -- with no hydra.sweeper.retry_failed. That command runs the queued trial from
+    the stopped one's checkpoint of step 4, to the uninterrupted run's losses; one trial counted."""
+    import optuna
+
+    sweep = tmp_path / "multirun"
+    args = ["-m", *TINY, "tracker=none", "hydra/sweeper=optuna", "seed=choice(0)", "hydra.sweeper.n_trials=1"]
+    env = {
+        **os.environ,
+        "KILL_AT": "step:5",
+        "KILL_SIGNAL": "SIGTERM",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
+    cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    head = f"{TERM} at step 4 of 6; checkpoint saved; resume with: python run.py "
+    line = [x for x in proc.stderr.splitlines() if x.startswith(TERM)][-1]
+    assert line.startswith(head), line
+    again = shlex.split(line.removeprefix(head))
+    assert again == [*args, f"hydra.sweep.dir={sweep}"]
+    stopped = sweep / "0" / "run"
+    assert saved_steps(stopped) == [3, 4] and summary(stopped)["reason"] == f"{TERM} at step 4 of 6"
+
+    def study():
+        return optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{sweep / 'optuna.db'}")
+
+    assert [(t.state.name, t.params) for t in study().trials] == [("FAIL", {"seed": 0}), ("WAITING", {"seed": 0})]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = study().trials
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
+    retry = sweep / "1" / "run"
+    assert json.loads((retry / "meta.json").read_text())["resumed_from_step"] == 4
+    assert losses(retry) == pytest.approx({s: v for s, v in losses(reference).items() if s > 4}, rel=1e-6)
+    assert trials[1].value == pytest.approx(summary(reference)["eval/valid/loss"], rel=1e-6)
+
+
 def test_after_a_failed_restore_only_the_stray_reads_errors_are_dropped(monkeypatch):
     """TensorStore reads still in flight when orbax's restore fails call back into its closed
     event loop, and that RuntimeError is printed as an unraisable error (or through
