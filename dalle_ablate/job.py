@@ -10,6 +10,7 @@ if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C while
 
     interrupts.install()
 
+import contextlib
 import copy
 import json
 import logging
@@ -223,16 +224,31 @@ def bucket_dirs(argv: list[str]) -> list[str]:
     return out
 
 
-def from_bucket(run_cfg, job_dir: Path) -> None:
-    """A job whose folder is staged from a bucket: with `resume=auto` its folder is first made the
-    bucket's copy (a resume on another host, or after a kill: the bucket is what is kept), and
-    Hydra's own record of the job (`.hydra/`) goes to the bucket."""
+@contextlib.contextmanager
+def from_bucket(run_cfg, job_dir: Path):
+    """Around a job whose folder is staged from a bucket: the job folder's writer's lock is taken
+    first (track/runstore.py StoreLock, on process 0: a flock in the staging folder and a leased
+    object in the bucket), before anything is pulled or pushed -- a second writer of the same job
+    is refused having changed nothing, here or in the bucket. Then, with `resume=auto`, its folder
+    is made the bucket's copy (a resume on another host, or after a kill: the bucket is what is
+    kept), and Hydra's own record of the job (`.hydra/`) goes to the bucket. The lock is held
+    until the job ends (each run store it writes has its own lock too, train/loop.py)."""
     url = url_of(job_dir)
-    if url is not None:
-        check_bucket(url)  # one line now for a bucket that is not there, before anything is built
+    if url is None:
+        yield
+        return
+    import jax
+
+    from dalle_ablate.parallel import distributed
+    from dalle_ablate.track.runstore import StoreLock
+
+    check_bucket(url)  # one line now for a bucket that is not there, before anything is built
+    distributed.initialize(run_cfg.distributed)  # which process this is: process 0 alone writes
+    with StoreLock(job_dir, what="job folder") if jax.process_index() == 0 else contextlib.nullcontext():
         if run_cfg.resume == "auto":
             pull(url, keep=tuple(p.name for p in job_dir.iterdir() if p.name == ".hydra" or p.suffix == ".log"))
         push_tree(job_dir / ".hydra")
+        yield
 
 
 def resume_command(job: JobInfo, trial: bool) -> str:
@@ -279,16 +295,16 @@ def run(cfg: DictConfig) -> float | list[float]:
         from dalle_ablate.train.loop import train, train_members
 
         run_cfg = to_run_config(cfg)
-        from_bucket(run_cfg, Path(job.job_dir))
-        if trial:
-            from dalle_ablate.sweep.trial import TrialHooks
+        with from_bucket(run_cfg, Path(job.job_dir)):
+            if trial:
+                from dalle_ablate.sweep.trial import TrialHooks
 
-            job.hooks = TrialHooks(run_cfg.optuna, run_cfg.seeds)
-        tokenizer_first(run_cfg, job)
-        if run_cfg.seeds:
-            results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
-        else:
-            results = [train(run_cfg, job)]
+                job.hooks = TrialHooks(run_cfg.optuna, run_cfg.seeds)
+            tokenizer_first(run_cfg, job)
+            if run_cfg.seeds:
+                results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
+            else:
+                results = [train(run_cfg, job)]
     except Interrupted:
         raise
     except KeyboardInterrupt as e:  # before the first step: nothing trained to save

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, staged, url_of
+from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, shown, staged, url_of
 from dalle_ablate.registry import RunFailed
 from dalle_ablate.track.base import Tracker
 
@@ -173,7 +173,7 @@ class StoreLock:
     staged from a bucket is also locked there (fileio.BucketLock: an object created only if absent,
     its lease renewed by a thread of this process while it writes)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, what: str = "run store"):
         import fcntl
         import socket
 
@@ -191,10 +191,12 @@ class StoreLock:
             holder = self._file.read().strip() or "a process that has not said who it is yet"
             self._file.close()
             raise RunFailed(
-                f"run store {self.root} is being written by another process ({holder}); wait for it to end or "
+                f"{what} {shown(self.root)} is being written by another process ({holder}); wait for it to end or "
                 f"stop it, then run again (one writer per run store)"
             ) from None
-        holder = f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}"[:500]
+        holder = f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(map(_as_given, sys.argv))}"
+        if len(holder) > 500:  # its head (who) and its tail (the folders, last on a command line), within 500
+            holder = f"{holder[:240]} ... {holder[-240:]}"
         self._file.seek(0)
         self._file.truncate()
         self._file.write(holder)
@@ -202,7 +204,7 @@ class StoreLock:
         self.bucket, self._stop = None, threading.Event()
         if url_of(self.root) is not None:
             try:
-                self.bucket = BucketLock(url_of(self.root), holder)
+                self.bucket = BucketLock(url_of(self.root), holder, what=what)
             except BaseException:
                 self._file.close()
                 raise
@@ -228,6 +230,13 @@ class StoreLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _as_given(arg: str) -> str:
+    """A command-line argument as the user gave it: `hydra.run.dir=gs://...`, not the staging
+    folder job.py put in its place."""
+    key, eq, value = arg.partition("=")
+    return f"{key}={url_of(value)}" if eq and value.startswith("/") and url_of(value) else arg
 
 
 def _rows(path: Path) -> list[dict]:

@@ -29,6 +29,11 @@ def job(
 ) -> subprocess.CompletedProcess:
     """`python run.py <TINY> hydra.run.dir=<run_dir>` on a "host" (a staging root of its own);
     with `kill`, tests/kill_worker.py sends itself `sig` there."""
+    return subprocess.run(**job_command(tmp_path, run_dir, host, *overrides, kill=kill, sig=sig), timeout=300)
+
+
+def job_command(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = "", sig: str = "SIGKILL") -> dict:
+    """`job`'s subprocess arguments (for subprocess.run or Popen)."""
     script = ROOT / "tests" / "kill_worker.py" if kill else ROOT / "run.py"
     env = {
         **os.environ,
@@ -38,13 +43,12 @@ def job(
         "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
     }
     tracker = [] if any(o.startswith("tracker=") for o in overrides) else ["tracker=none"]
-    return subprocess.run(
-        [sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
+    return dict(
+        args=[sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
     )
 
 
@@ -155,6 +159,67 @@ def test_sigterm_to_a_bucket_run_saves_there_releases_its_lock_and_another_host_
     assert "warning:" not in proc.stderr  # nothing taken over
     assert json.loads(fs.cat(f"{url}/run/meta.json"))["resumed_from_step"] == 4
     assert timeless_rows(gcs, f"{url}/run") == timeless_rows(gcs, f"{whole}/run")
+
+
+def bucket_objects(prefix: str) -> dict[str, int]:
+    """Every object under `prefix` (in the suite's bucket) with its generation: a rewrite is a new one."""
+    from google.cloud import storage
+
+    return {b.name: b.generation for b in storage.Client().list_blobs("dalle-ablate-tests", prefix=prefix)}
+
+
+def local_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_second_resume_on_the_same_host_is_refused_first_and_changes_nothing(gcs, tmp_path):
+    """A run in the bucket trains (held still with SIGSTOP, so that what it writes cannot hide
+    what the second one would); `resume=auto` of the same job on the same host (the same staging
+    root) is refused in one line naming the first by pid and by the URL it was given, having
+    changed no object in the bucket and no file of the staging folder but Hydra's own record of the
+    job (`.hydra/`, `run.log`: Hydra writes them before the job starts). The first then trains on
+    to its end: every step in the bucket's metrics, its sample grid, finished."""
+    import signal as sig
+    import time
+
+    url = f"{gcs.url}/runs/twice"
+    first = subprocess.Popen(
+        **{k: v for k, v in job_command(tmp_path, url, "host-a", "trainer.steps=60").items() if k != "capture_output"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    staging = tmp_path / "host-a" / "gs" / "dalle-ablate-tests" / "runs" / "twice"
+    try:
+        while first.poll() is None and len(rows_of(staging / "run" / "metrics.jsonl")) < 6:
+            time.sleep(0.2)
+        assert first.poll() is None, first.communicate()[1][-3000:]  # still training
+        first.send_signal(sig.SIGSTOP)
+        time.sleep(1.0)  # an upload it had started, finished by the server
+        before = bucket_objects("runs/twice/"), local_files(staging)
+        second = job(tmp_path, url, "host-a", "trainer.steps=60", "resume=auto")
+        after = bucket_objects("runs/twice/"), local_files(staging)
+    finally:
+        first.send_signal(sig.SIGCONT)
+    assert second.returncode == RunFailed.FAILED, second.stderr[-3000:]
+    (line,) = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: job folder {url} is being written by another process (pid {first.pid} on "), line
+    assert f" hydra.run.dir={url}); wait for it to end or stop it, then run again (one writer per run store)" in line
+    assert "Traceback" not in second.stderr
+    assert after[0] == before[0]
+    hydra_own = (".hydra/", "run.log")
+    assert {k: v for k, v in after[1].items() if not k.startswith(hydra_own)} == {
+        k: v for k, v in before[1].items() if not k.startswith(hydra_own)
+    }
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    fs = gcs.fs()
+    assert [r["step"] for r in rows(gcs, f"{url}/run") if "train/loss" in r] == list(range(1, 61))
+    assert json.loads(fs.cat(f"{url}/run/summary.json"))["status"] == "finished"
+    assert fs.exists(f"{url}/run/media/samples_grid_60.png")
+
+
+def rows_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 def test_a_checkpoint_set_aside_in_a_bucket_is_no_step_any_more(gcs, whole):
