@@ -34,7 +34,7 @@ import yaml
 from PIL import Image
 
 from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, shown, staged, url_of
-from dalle_ablate.registry import RunFailed
+from dalle_ablate.registry import RunFailed, first_line
 from dalle_ablate.track.base import Tracker
 
 
@@ -152,11 +152,21 @@ class RunStore(Tracker):
 
     @_writes
     def log_summary(self, values):
-        if not self._metrics.closed:
-            push(self._metrics.name)  # the rows up to now, before the summary that may name their step
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
-        atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
-        self._summary_written = time.monotonic()
+        unsent = None
+        if not self._metrics.closed:
+            try:
+                push(self._metrics.name)  # the rows up to now, before the summary that may name their step
+            except RunFailed as e:  # the bucket fails: a summary that ends the run is written all the same
+                if self.summary.get("status") in (None, "running"):
+                    raise
+                unsent = e
+        try:
+            atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
+        finally:
+            self._summary_written = time.monotonic()
+            if unsent is not None:
+                raise unsent
 
     @_writes
     def finish(self, status="finished"):
@@ -220,16 +230,30 @@ class StoreLock:
 
     def release(self) -> None:
         self._stop.set()
-        if self.bucket is not None:
-            self.bucket.release()
-        if not self._file.closed:
-            self._file.close()  # closing the file drops the lock
+        try:
+            if self.bucket is not None:
+                self.bucket.release()
+        finally:
+            if not self._file.closed:
+                self._file.close()  # closing the file drops the lock
 
     def __enter__(self) -> "StoreLock":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Released; a bucket lock that cannot be (the bucket unreachable or read-only) is left to
+        its lease, and never masks the error the block ends with -- that one says what went wrong.
+        After a block that ended well, a warning says so."""
+        try:
+            self.release()
+        except Exception as e:  # noqa: BLE001 - any error of the client: the lease ends the lock anyway
+            if exc is None and self.bucket is not None:
+                print(
+                    f"warning: {self.bucket.what} {self.bucket.url}: its lock could not be released "
+                    f"({first_line(e)}); it lapses with its lease ({self.bucket.lease_s:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def _as_given(arg: str) -> str:

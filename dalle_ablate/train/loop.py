@@ -134,7 +134,7 @@ def ends_each_on_error(members: list[Member], record):
                 m.status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
                 with contextlib.suppress(BaseException), ends_on_error(m.tracker):
                     raise e
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):  # best effort (a bucket that fails fails here too): `e` says why
             record()
         raise
 

@@ -471,6 +471,45 @@ def test_one_writer_per_bucket_store_a_dead_or_expired_holder_is_taken_over(gcs)
     assert not blob.exists()
 
 
+def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and_the_summary_says_failed(
+    gcs, monkeypatch
+):
+    """The bucket stops answering while a store in it is written (every upload and lock call
+    raises a ConnectionError, as when the server went away): the run ends with the store's own
+    line (metrics.jsonl cannot be written; its staging copy is whole), not with the lock release's
+    ConnectionError raised while that line was in flight; the staging summary (the store that can
+    still be written) says failed and why; the local lock is free again."""
+    import requests
+    from google.cloud import storage as gcs_storage
+
+    from dalle_ablate.track.base import ends_on_error
+    from dalle_ablate.track.runstore import RunStore, StoreLock
+
+    url = f"{gcs.url}/outage/run"
+    root = fileio.staged(url)
+    lock = StoreLock(root)
+    store = RunStore(root, {"seed": 0}, {})
+    store.log({"train/loss": 1.0}, 1)
+
+    def down(*args, **kwargs):
+        raise requests.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(fileio.filesystem(url), "put_file", down)
+    for name in ("reload", "delete", "upload_from_string"):
+        monkeypatch.setattr(gcs_storage.Blob, name, down)
+    with pytest.raises(RunFailed) as e:
+        with lock, ends_on_error(store):
+            store.log({"train/loss": 0.9}, 2)
+            store.log_summary({})  # what the trainer's periodic summary write does
+    assert str(e.value).startswith(f"{url}/metrics.jsonl cannot be written (ConnectionError: Connection refused); ")
+    assert str(e.value).endswith(f"its staging copy {root}/metrics.jsonl is whole: fix the bucket, then resume=auto")
+    s = json.loads((root / "summary.json").read_text())
+    assert (s["status"], s["reason"]) == ("failed", f"RunFailed: {e.value}")
+    monkeypatch.undo()
+    assert not fileio.held_by_another(root)  # the flock is free; the bucket's object lapses with its lease
+    gcs_storage.Client().bucket("dalle-ablate-tests").blob(f"outage/run/{fileio.LOCK}").delete()
+
+
 def test_a_sweeps_run_link_in_a_bucket_marks_and_resumes_there(gcs, whole):
     """What the sweeper does with a trial's run link (its store's URL, sweep/trial.py): a dead
     trial's store is marked failed in the bucket; a retry resumes from its checkpoints there."""
