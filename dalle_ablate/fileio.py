@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -337,6 +338,13 @@ class BucketLock:
                     f"runs to {until}); wait for it to end or stop it, then run again (one writer per run store)"
                 )
             self._write(self.blob.generation)
+            why = "its lease ran out" if time.time() > float(held.get("expires", 0)) else "its process is gone"
+            print(
+                f"warning: {self.what} {self.url}: took its lock over from {held.get('holder')} "
+                f"(host {held.get('host')}, pid {held.get('pid')}): {why}",
+                file=sys.stderr,
+                flush=True,
+            )
         except (gx.PreconditionFailed, gx.NotFound):
             raise RunFailed(
                 f"{self.what} {self.url}: another process took its lock at the same moment; run again to see "
@@ -345,7 +353,7 @@ class BucketLock:
 
     def renew(self) -> None:
         """Extend the lease (the writer calls it more often than `lease_s`); a lock taken over
-        meanwhile raises RunFailed."""
+        meanwhile raises RunFailed, a bucket that does not answer the client's error."""
         from google.api_core import exceptions as gx
 
         try:

@@ -153,6 +153,8 @@ class RunStore(Tracker):
     @_writes
     def log_summary(self, values):
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
+        if self.summary.get("status") in (None, "running"):
+            check_locks()  # a writer that lost its lock writes no more (its end is written, saying why)
         unsent = None
         if not self._metrics.closed:
             try:
@@ -174,6 +176,19 @@ class RunStore(Tracker):
             self.log_summary({"status": status})
             self._metrics.close()
             push(self._metrics.name)
+
+
+_LOST: dict[str, RunFailed] = {}  # the locks this process could not keep: why, by store
+_LOST_MUTEX = threading.Lock()
+
+
+def check_locks() -> None:
+    """Raise the RunFailed of a writer's lock this process lost (its lease not renewed in time, or
+    taken over): the writer stops here -- between train steps, at a summary write."""
+    with _LOST_MUTEX:
+        lost = next(iter(_LOST.values()), None)
+    if lost is not None:
+        raise lost
 
 
 class StoreLock:
@@ -221,15 +236,39 @@ class StoreLock:
             threading.Thread(target=self._renew, name="store-lock-lease", daemon=True).start()
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.bucket.lease_s / 4):
+        """The lease, renewed every quarter of it for as long as the writer lives; a renewal that
+        fails is tried again, sooner each time at first (1 s, doubling), for as long as the lease
+        leaves a quarter of itself. A lock that cannot be kept -- taken over, or not renewed by then
+        -- is lost: the writer stops at its next check (`check_locks`), before another host may
+        take the lock over."""
+        lease = self.bucket.lease_s
+        expires, wait, backoff = time.time() + lease, lease / 4, 1.0
+        while not self._stop.wait(wait):
             try:
                 self.bucket.renew()
-            except Exception as e:  # noqa: BLE001 - said once; the run goes on (its checkpoints are its own)
-                print(f"warning: {e}", file=sys.stderr, flush=True)
+                expires, wait, backoff = time.time() + lease, lease / 4, 1.0
+            except RunFailed as e:  # taken over: another writer has it now
+                self._lose(str(e))
                 return
+            except Exception as e:  # noqa: BLE001 - the client's errors (connection, 5xx, 403): tried again
+                left = expires - time.time() - lease / 4
+                if left <= 0:
+                    self._lose(
+                        f"{self.bucket.what} {self.bucket.url}: its lock's lease could not be renewed ({first_line(e)}); "
+                        f"this writer stopped {lease / 4:.0f} s before the lease runs out, before another process may "
+                        "take it over; resume=auto once the bucket answers"
+                    )
+                    return
+                wait, backoff = min(backoff, left), backoff * 2
+
+    def _lose(self, why: str) -> None:
+        with _LOST_MUTEX:
+            _LOST.setdefault(str(self.root), RunFailed(why))
 
     def release(self) -> None:
         self._stop.set()
+        with _LOST_MUTEX:
+            _LOST.pop(str(self.root), None)
         try:
             if self.bucket is not None:
                 self.bucket.release()

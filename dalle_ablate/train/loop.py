@@ -23,7 +23,7 @@ from dalle_ablate.generate import image_grid
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.parallel import distributed
 from dalle_ablate.track.base import ends_on_error
-from dalle_ablate.track.runstore import StoreLock
+from dalle_ablate.track.runstore import StoreLock, check_locks
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.hooks import Hooks, periodic_hooks
 from dalle_ablate.train.logger import RunLog, StepLogger
@@ -216,6 +216,7 @@ def run_steps(
             for m in members:  # a checkpoint that failed in the background stops the run here
                 if m.status == "running":
                     m.ckpt.check()
+            check_locks()  # and a writer's lock in a bucket that could not be kept
             interrupts.check()  # Ctrl-C, SIGTERM (interrupts.py): taken here, between whole steps
             if distributed.preempted(step - 1):  # a SIGTERM to one of several processes: all stop here
                 agreed = True

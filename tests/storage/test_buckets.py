@@ -510,6 +510,82 @@ def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and
     gcs_storage.Client().bucket("dalle-ablate-tests").blob(f"outage/run/{fileio.LOCK}").delete()
 
 
+def test_a_takeover_warns_naming_the_holder_it_took_the_lock_from(gcs, capsys):
+    """A lock whose lease ran out (another host's), or whose holder on this host is gone, is taken
+    over with a warning naming that holder and why."""
+    from google.cloud import storage
+
+    url = f"{gcs.url}/locks/taken"
+    blob = storage.Client().bucket("dalle-ablate-tests").blob(f"locks/taken/{fileio.LOCK}")
+    blob.upload_from_string(
+        json.dumps({"holder": "pid 7 on pod-1: python run.py", "host": "pod-1", "pid": 7, "expires": 1.0})
+    )
+    fileio.BucketLock(url, "second").release()
+    pid, host = dead_pid(), socket.gethostname()
+    blob.upload_from_string(json.dumps({"holder": "dead", "host": host, "pid": pid, "expires": 4e9}))
+    fileio.BucketLock(url, "third").release()
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: run store {url}: took its lock over from pid 7 on pod-1: python run.py (host pod-1, pid 7): "
+        "its lease ran out",
+        f"warning: run store {url}: took its lock over from dead (host {host}, pid {pid}): its process is gone",
+    ]
+
+
+def test_a_lease_is_renewed_through_errors_and_a_writer_that_cannot_renew_stops_before_it_lapses(gcs, monkeypatch):
+    """An 8 s lease (renewed every 2 s): three renewals in a row fail (the bucket does not answer)
+    and the next succeeds -- the lease is extended, the writer goes on. Then none succeeds: the
+    renewal is tried again (backoff) until a quarter of the lease is left, then the lock is lost
+    and the writer's next check (between train steps, at a summary write) stops it in one line."""
+    import time
+
+    import requests
+    from google.cloud import storage
+
+    from dalle_ablate.track import runstore
+
+    monkeypatch.setattr(fileio.BucketLock, "LEASE_S", 8.0)
+    renew, calls = fileio.BucketLock.renew, {"n": 0, "ok": 0, "fail": {1, 2, 3}}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["fail"] == "all" or calls["n"] in calls["fail"]:
+            raise requests.ConnectionError("Connection refused")
+        renew(self)
+        calls["ok"] += 1
+
+    monkeypatch.setattr(fileio.BucketLock, "renew", flaky)
+    url = f"{gcs.url}/lease/run"
+
+    def expires() -> float:  # the lease as the bucket holds it now (a blob object of its own: no generation kept)
+        return json.loads(
+            storage.Client().bucket("dalle-ablate-tests").blob(f"lease/run/{fileio.LOCK}").download_as_bytes()
+        )["expires"]
+
+    lock = runstore.StoreLock(fileio.staged(url))
+    try:
+        first = expires()
+        deadline = time.monotonic() + 120
+        while calls["ok"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (calls["n"], calls["ok"]) == (4, 1)
+        assert expires() > first
+        runstore.check_locks()  # kept
+        calls["fail"], before = "all", calls["n"]
+        while not runstore._LOST and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert calls["n"] - before >= 3  # tried again before giving up
+        with pytest.raises(RunFailed) as e:
+            runstore.check_locks()
+        assert str(e.value) == (
+            f"run store {url}: its lock's lease could not be renewed (ConnectionError: Connection refused); this "
+            "writer stopped 2 s before the lease runs out, before another process may take it over; resume=auto "
+            "once the bucket answers"
+        )
+    finally:
+        lock.release()
+    runstore.check_locks()  # released: nothing lost any more
+
+
 def test_a_sweeps_run_link_in_a_bucket_marks_and_resumes_there(gcs, whole):
     """What the sweeper does with a trial's run link (its store's URL, sweep/trial.py): a dead
     trial's store is marked failed in the bucket; a retry resumes from its checkpoints there."""
