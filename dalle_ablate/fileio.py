@@ -41,6 +41,12 @@ def is_url(path) -> bool:
     return "://" in str(path)
 
 
+def looks_like_url(path) -> bool:
+    """Whether `path` begins as a URL does (`scheme:`): a `gs://` URL, and also what a user meant as
+    one and mistyped (`gs:/bucket/x`, `gs:bucket`, `s3:/x`) -- never a local folder to create."""
+    return is_url(path) or bool(re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", str(path)))
+
+
 def check_url(url: str, field: str) -> str:
     """`url` if it is a `gs://bucket/...` URL, else a ConfigError naming `field`."""
     if not re.fullmatch(r"gs://[a-z0-9][a-z0-9._-]{1,221}[a-z0-9](/.*)?", url):

@@ -29,7 +29,18 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from dalle_ablate import interrupts
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.config import member_only, member_record
-from dalle_ablate.fileio import check_bucket, check_url, fetch, is_url, pull, push, push_tree, shown, staged, url_of
+from dalle_ablate.fileio import (
+    check_bucket,
+    check_url,
+    fetch,
+    looks_like_url,
+    pull,
+    push,
+    push_tree,
+    shown,
+    staged,
+    url_of,
+)
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
 
@@ -218,7 +229,7 @@ def bucket_dirs(argv: list[str]) -> list[str]:
     for arg in argv:
         key, eq, value = arg.partition("=")
         value = value.strip("'\"")
-        if eq and key in BUCKET_DIRS and is_url(value):
+        if eq and key in BUCKET_DIRS and looks_like_url(value):  # `gs:/b/x` too: refused, not made a local folder
             arg = f"{key}={staged(check_url(value, key))}"
         out.append(arg)
     return out

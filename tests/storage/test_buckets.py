@@ -431,6 +431,29 @@ def test_a_missing_unreachable_or_foreign_store_is_one_line(gcs, tmp_path, monke
     ]
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("hydra.run.dir", "gs:/dalle-ablate-tests/runs/x"),
+        ("hydra.sweep.dir", "gs:dalle-ablate-tests"),
+        ("data.cache_dir", "s3:/x"),
+    ],
+)
+def test_a_mistyped_bucket_url_is_refused_in_one_line_before_anything_starts(gcs, tmp_path, field, value):
+    """`gs:/bucket/x` (one slash), `gs:bucket`, `s3:/x`: no local folder named after them (a run
+    trained into `./gs:/bucket/...` and failed at its first checkpoint): one line naming the
+    field, exit 2, nothing made."""
+    args = [*(["-m"] if field == "hydra.sweep.dir" else []), f"{field}={value}"]
+    proc = job(tmp_path, str(tmp_path / "elsewhere"), "host", *args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: {field}={value}: not a bucket URL this tool can use; give gs://<bucket>/<path> (Cloud Storage; "
+        "s3:// and other stores are not supported, docs/guides/runs.md says why)"
+    ]
+    assert not list(tmp_path.rglob("gs:*")) and not list(tmp_path.rglob("s3:*"))
+    assert not (tmp_path / "elsewhere" / "run").exists() and not list((tmp_path / "host").rglob("*"))
+
+
 def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
