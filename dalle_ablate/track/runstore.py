@@ -60,7 +60,7 @@ def unwritable(root: Path, e: OSError) -> RunFailed:
         f" ({re.sub(r'[.][0-9]+[.]tmp$', '', Path(e.filename).name)})" if e.filename else ""
     )  # atomic_write's temporary name
     return RunFailed(
-        f"run store {root} cannot be written{where}: {what}; free space or fix the folder, then resume=auto"
+        f"run store {shown(root)} cannot be written{where}: {what}; free space or fix the folder, then resume=auto"
     )
 
 

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from dalle_ablate import interrupts
 from dalle_ablate.config import RunConfig, member_config
+from dalle_ablate.fileio import shown
 from dalle_ablate.generate import image_grid
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.parallel import distributed
@@ -71,7 +72,7 @@ def train_job(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]
             m.status, m.result = done["status"], settled_result(done, m.run_dir)
             if pi == 0:
                 print(
-                    f"{m.run_dir}: {m.status} before at step {done['steps']} of {cfg.trainer.steps}; left as it is "
+                    f"{shown(m.run_dir)}: {m.status} before at step {done['steps']} of {cfg.trainer.steps}; left as it is "
                     "(resume=auto)",
                     flush=True,
                 )

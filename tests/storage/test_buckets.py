@@ -222,6 +222,46 @@ def rows_of(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def test_every_line_naming_a_run_store_in_a_bucket_names_its_url(gcs, whole, tmp_path, capsys):
+    """What a user on another host can find: the tokenizer's run store line (its closing lines for
+    a job in the bucket), resume=auto's "finished before" line, eval's "wrote" line and report's
+    "no run stores under" name the gs:// URL, never the staging folder."""
+    from types import SimpleNamespace
+
+    from dalle_ablate.registry import ConfigError
+    from dalle_ablate.report.load import find_stores
+    from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
+    from dalle_ablate.train.tokenizer import TokenizerResult, closing_lines
+
+    summary = {
+        "wall_time": 1.0,
+        "tokenizer/valid_n": 48,
+        "tokenizer/parser_all": 1.0,
+        "tokenizer/parser_all_lo": 0.9,
+        "tokenizer/parser_all_hi": 1.0,
+        "tokenizer/valid_mse": 0.0,
+        "tokenizer/valid_perplexity": 4.6,
+        "tokenizer/codebook_size": 145,
+        "tokenizer/codes_used": 133,
+        "tokenizer/grid": [6, 6],
+    }
+    fitted = TokenizerResult(fileio.staged(f"{whole}/tokenizer"), Path("/cache/k.npz"), True, summary)
+    lines = closing_lines(SimpleNamespace(data=SimpleNamespace(tokenizer="kmeans")), fitted).splitlines()
+    assert lines[-1] == f"  run store {whole}/tokenizer"
+    proc = job(tmp_path, whole, "host-c", "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{whole}/run: finished before at step 6 of 6; left as it is (resume=auto)" in proc.stdout.splitlines()
+    capsys.readouterr()
+    out = evaluate_checkpoint(whole, ["eval.metrics=[caption_sensitivity]"])
+    assert f"wrote {whole}/run/evals/{out.name}" in capsys.readouterr().out.splitlines()
+    with pytest.raises(ConfigError) as e:
+        find_stores(f"{gcs.url}/nothing-here")
+    assert str(e.value).startswith(
+        f"report: no run stores (folders with metrics.jsonl) under '{gcs.url}/nothing-here'; "
+    )
+    assert "staging" not in proc.stdout + proc.stderr
+
+
 def test_a_checkpoint_set_aside_in_a_bucket_is_no_step_any_more(gcs, whole):
     """A checkpoint that cannot be restored is renamed `<step>.unrestorable`, its finished mark
     gone (a rename in a bucket is a copy of each object: a kill during it leaves no step)."""
