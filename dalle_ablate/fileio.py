@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,12 @@ _pulled: dict[str, Path] = {}  # local_dir's folders, pulled by this process
 def is_url(path) -> bool:
     """Whether `path` names an object store (`scheme://...`) rather than a local file."""
     return "://" in str(path)
+
+
+def looks_like_url(path) -> bool:
+    """Whether `path` begins as a URL does (`scheme:`): a `gs://` URL, and also what a user meant as
+    one and mistyped (`gs:/bucket/x`, `gs:bucket`, `s3:/x`) -- never a local folder to create."""
+    return is_url(path) or bool(re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", str(path)))
 
 
 def check_url(url: str, field: str) -> str:
@@ -157,15 +164,47 @@ def push_tree(folder) -> None:
             push(p)
 
 
+def held_by_another(folder: Path) -> bool:
+    """Whether another process of this host holds the writer's lock of `folder` (its flock on
+    `<folder>/.writer.lock`: a run store being written from this staging root). A lock this
+    process holds counts too (flock is per open file), so a process asks only of folders it has
+    not locked itself."""
+    import fcntl
+
+    try:
+        with open(Path(folder) / LOCK, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released as the file closes
+    except BlockingIOError:
+        return True
+    except OSError:  # no such folder, or one this process cannot open a file in: no writer's lock there
+        return False
+    return False
+
+
 def pull(url: str, keep: tuple[str, ...] = ()) -> Path:
     """Make the staging folder of `url` a copy of the bucket folder, less `NOT_PULLED` (the names
     in `keep`, at its top, are left as they are locally), and return it. A folder the bucket does
-    not have yet is an empty staging folder."""
+    not have yet is an empty staging folder. Writers' lock files are never removed, and a folder
+    below the top whose writer is a live process of this host (a run store it writes, locked) is
+    left as it is: its staging copy is that writer's, newer than the bucket's."""
     local = staged(url)
     fs = filesystem(url)
+    live = (
+        {
+            f.parent.relative_to(local).parts
+            for f in local.rglob(LOCK)
+            if f.parent != local and held_by_another(f.parent)
+        }
+        if local.is_dir()
+        else set()
+    )
+
+    def written_here(parts: tuple[str, ...]) -> bool:
+        return any(parts[: len(w)] == w for w in live)
+
     for p in sorted(local.rglob("*"), reverse=True) if local.is_dir() else []:  # a folder's files before it
         parts = p.relative_to(local).parts
-        if parts[0] in keep or set(parts) & set(NOT_PULLED):
+        if parts[0] in keep or set(parts) & set(NOT_PULLED) or p.name == LOCK or written_here(parts):
             continue  # e.g. W&B's offline folders of this host's earlier processes: never in the bucket, kept
         if p.is_dir() and not p.is_symlink():
             if not any(p.iterdir()):
@@ -179,7 +218,10 @@ def pull(url: str, keep: tuple[str, ...] = ()) -> Path:
     wanted = [
         r
         for r in rel
-        if not set(r.split("/")[:-1]) & set(NOT_PULLED) and r.split("/")[0] not in keep and r.rsplit("/", 1)[-1] != LOCK
+        if not set(r.split("/")[:-1]) & set(NOT_PULLED)
+        and r.split("/")[0] not in keep
+        and r.rsplit("/", 1)[-1] != LOCK
+        and not written_here(tuple(r.split("/")))
     ]
     if wanted:
         fs.get([SCHEME + prefix + r for r in wanted], [str(local / r) for r in wanted])
@@ -256,12 +298,12 @@ class BucketLock:
 
     LEASE_S = 120.0  # a preempted VM's lock is stale this long after its last renewal
 
-    def __init__(self, url: str, holder: str, lease_s: Optional[float] = None):
+    def __init__(self, url: str, holder: str, lease_s: Optional[float] = None, what: str = "run store"):
         from google.api_core import exceptions as gx
 
         check_bucket(url)
         bucket, key = split(url)
-        self.url, self.holder, self.lease_s = url, holder, lease_s or self.LEASE_S
+        self.url, self.holder, self.lease_s, self.what = url, holder, lease_s or self.LEASE_S, what
         self.blob = _client().bucket(bucket).blob(f"{key}/{LOCK}" if key else LOCK)
         self.generation: Optional[int] = None
         self._mutex = threading.Lock()  # the lease's renewal (a thread of the writer) and the release, one at a time
@@ -298,19 +340,26 @@ class BucketLock:
             if not stale(held):
                 until = time.strftime("%H:%M:%S", time.localtime(held["expires"]))
                 raise RunFailed(
-                    f"run store {self.url} is being written by another process ({held['holder']}; its lease "
+                    f"{self.what} {self.url} is being written by another process ({held['holder']}; its lease "
                     f"runs to {until}); wait for it to end or stop it, then run again (one writer per run store)"
                 )
             self._write(self.blob.generation)
+            why = "its lease ran out" if time.time() > float(held.get("expires", 0)) else "its process is gone"
+            print(
+                f"warning: {self.what} {self.url}: took its lock over from {held.get('holder')} "
+                f"(host {held.get('host')}, pid {held.get('pid')}): {why}",
+                file=sys.stderr,
+                flush=True,
+            )
         except (gx.PreconditionFailed, gx.NotFound):
             raise RunFailed(
-                f"run store {self.url}: another process took its lock at the same moment; run again to see "
+                f"{self.what} {self.url}: another process took its lock at the same moment; run again to see "
                 f"who holds it (one writer per run store)"
             ) from None
 
     def renew(self) -> None:
         """Extend the lease (the writer calls it more often than `lease_s`); a lock taken over
-        meanwhile raises RunFailed."""
+        meanwhile raises RunFailed, a bucket that does not answer the client's error."""
         from google.api_core import exceptions as gx
 
         try:
@@ -319,7 +368,7 @@ class BucketLock:
                     self._write(self.generation)
         except gx.PreconditionFailed:
             raise RunFailed(
-                f"run store {self.url}: its lock was taken over by another process while this one wrote "
+                f"{self.what} {self.url}: its lock was taken over by another process while this one wrote "
                 f"(its lease of {self.lease_s:.0f} s ran out)"
             ) from None
 

@@ -11,6 +11,15 @@ iterations, rendered scenes, jobs of a multirun, the runs of a study -- so it al
 plain Python code that knows how to stop. A second Ctrl-C before the first was taken raises at
 once, wherever the program is (a way out of a stage that does not check, at the old risk).
 
+SIGTERM -- what SLURM, Kubernetes and a preempted Cloud TPU or spot VM send before SIGKILL -- is
+taken the same way (`install` handles both): recorded, raised as KeyboardInterrupt at the next
+check, so a run saves its last whole step and says how to resume; `word()` and `exit_code()` then
+say "terminated (SIGTERM)" and 143 instead of "interrupted" and 130. A scheduler may send SIGTERM
+again while the run saves (SLURM at its time limit after `--signal=TERM@N`): a repeated SIGTERM is
+never taken at once, only a second Ctrl-C is. On several processes (`jax.distributed`) JAX's
+preemption service takes SIGTERM instead, and the trainer stops every process at the step they
+agree on (train/loop.py, parallel/distributed.py `preempted`), calling `terminated()` here.
+
 Without the handler (the library used from a notebook or a test), nothing changes: Python raises
 KeyboardInterrupt itself and `check()` never raises.
 """
@@ -21,16 +30,21 @@ import contextlib
 import signal
 import threading
 
-_state = {"pressed": 0, "taken": 0, "holding": 0, "held": False}
+_state = {"pressed": 0, "taken": 0, "holding": 0, "held": False, "terminated": False}
 # Set by a process for the processes it starts (`dalle-ablate study`'s runs) when it prints the
 # line a Ctrl-C ends them all with: the line that continues all of it, not each child's own.
 PARENT_SAYS = "DALLE_ABLATE_PARENT_SAYS_INTERRUPTED"
 AT_ONCE = "at once (Ctrl-C pressed twice)"  # what a second press stopped: wherever the program was
+TERMINATED = "terminated (SIGTERM)"  # what a run stopped by SIGTERM says where a Ctrl-C's says "interrupted"
 
 
 def on_sigint(signum, frame) -> None:
-    """The SIGINT handler: record the press; raise at once only on a second press that finds the
-    first not yet taken (and not inside `deferred()`, which raises it when it ends)."""
+    """The SIGINT and SIGTERM handler: record the press; raise at once only on a second Ctrl-C
+    that finds the first not yet taken (and not inside `deferred()`, which raises it when it
+    ends). A SIGTERM is a press the first time only, never raised at once."""
+    if signum == signal.SIGTERM:
+        terminated()
+        return
     _state["pressed"] += 1
     if _state["pressed"] - _state["taken"] > 1:
         if _state["holding"]:
@@ -40,32 +54,57 @@ def on_sigint(signum, frame) -> None:
             raise KeyboardInterrupt(AT_ONCE)
 
 
+def terminated() -> None:
+    """Record a SIGTERM: this process's own (the handler), or another process's of the same run,
+    found at the step all of them agreed to stop at (train/loop.py). A pending press if none is
+    pending and none was recorded before (a scheduler's repeated SIGTERM adds none)."""
+    first = not _state["terminated"]
+    _state["terminated"] = True
+    if first and not pending():
+        _state["pressed"] += 1
+
+
+def word() -> str:
+    """How the line and the summary name a stop: "terminated (SIGTERM)" once a SIGTERM came, else
+    "interrupted" (a Ctrl-C)."""
+    return TERMINATED if _state["terminated"] else "interrupted"
+
+
+def exit_code() -> int:
+    """The exit code of a stopped process: 143 (128 + SIGTERM) once a SIGTERM came, else 130 (128 + SIGINT)."""
+    return 128 + (signal.SIGTERM if _state["terminated"] else signal.SIGINT)
+
+
 def installed() -> bool:
     return signal.getsignal(signal.SIGINT) is on_sigint
 
 
+_DEFAULT = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+
 def install() -> None:
-    """Take Ctrl-C at checks from now on, in this process: where SIGINT has Python's default
-    handler (a process started with SIGINT ignored, e.g. a background job of a shell script,
-    keeps ignoring it)."""
-    if (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    ):
-        signal.signal(signal.SIGINT, on_sigint)
+    """Take Ctrl-C and SIGTERM at checks from now on, in this process: each where it has Python's
+    default handler (a process started with SIGINT ignored, e.g. a background job of a shell
+    script, keeps ignoring it)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig, default in _DEFAULT.items():
+            if signal.getsignal(sig) is default:
+                signal.signal(sig, on_sigint)
 
 
 @contextlib.contextmanager
 def taken_at_checks():
-    """`install()` for the block, Python's handler back after it (a command run inside another
+    """`install()` for the block, Python's handlers back after it (a command run inside another
     program, e.g. a test calling `cli.main`)."""
-    before = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.getsignal(sig) for sig in _DEFAULT} if main else {}
     install()
     try:
         yield
     finally:
-        if before is not None and before is not on_sigint and installed():
-            signal.signal(signal.SIGINT, before)
+        for sig, handler in before.items():
+            if handler is not None and handler is not on_sigint and signal.getsignal(sig) is on_sigint:
+                signal.signal(sig, handler)
 
 
 def pending() -> bool:
@@ -74,8 +113,8 @@ def pending() -> bool:
 
 
 def check(stage: str = "") -> None:
-    """Raise KeyboardInterrupt(stage) if a Ctrl-C is pending (taking it); `stage` says what was
-    stopped, for the line the process ends with (e.g. "while fitting the image tokenizer")."""
+    """Raise KeyboardInterrupt(stage) if a Ctrl-C or SIGTERM is pending (taking it); `stage` says
+    what was stopped, for the line the process ends with (e.g. "while fitting the image tokenizer")."""
     if _state["pressed"] > _state["taken"]:
         _state["taken"] = _state["pressed"]
         raise KeyboardInterrupt(*([stage] if stage else []))

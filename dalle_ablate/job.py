@@ -10,6 +10,7 @@ if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C while
 
     interrupts.install()
 
+import contextlib
 import copy
 import json
 import logging
@@ -28,7 +29,18 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from dalle_ablate import interrupts
 from dalle_ablate.cli import run_hydra
 from dalle_ablate.config import member_only, member_record
-from dalle_ablate.fileio import check_bucket, check_url, fetch, is_url, pull, push, push_tree, shown, staged, url_of
+from dalle_ablate.fileio import (
+    check_bucket,
+    check_url,
+    fetch,
+    looks_like_url,
+    pull,
+    push,
+    push_tree,
+    shown,
+    staged,
+    url_of,
+)
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.track.naming import key_of, run_naming
 
@@ -218,22 +230,37 @@ def bucket_dirs(argv: list[str]) -> list[str]:
     for arg in argv:
         key, eq, value = arg.partition("=")
         value = value.strip("'\"")
-        if eq and key in BUCKET_DIRS and is_url(value):
+        if eq and key in BUCKET_DIRS and looks_like_url(value):  # `gs:/b/x` too: refused, not made a local folder
             arg = f"{key}={staged(check_url(value, key))}"
         out.append(arg)
     return out
 
 
-def from_bucket(run_cfg, job_dir: Path) -> None:
-    """A job whose folder is staged from a bucket: with `resume=auto` its folder is first made the
-    bucket's copy (a resume on another host, or after a kill: the bucket is what is kept), and
-    Hydra's own record of the job (`.hydra/`) goes to the bucket."""
+@contextlib.contextmanager
+def from_bucket(run_cfg, job_dir: Path):
+    """Around a job whose folder is staged from a bucket: the job folder's writer's lock is taken
+    first (track/runstore.py StoreLock, on process 0: a flock in the staging folder and a leased
+    object in the bucket), before anything is pulled or pushed -- a second writer of the same job
+    is refused having changed nothing, here or in the bucket. Then, with `resume=auto`, its folder
+    is made the bucket's copy (a resume on another host, or after a kill: the bucket is what is
+    kept), and Hydra's own record of the job (`.hydra/`) goes to the bucket. The lock is held
+    until the job ends (each run store it writes has its own lock too, train/loop.py)."""
     url = url_of(job_dir)
-    if url is not None:
-        check_bucket(url)  # one line now for a bucket that is not there, before anything is built
+    if url is None:
+        yield
+        return
+    import jax
+
+    from dalle_ablate.parallel import distributed
+    from dalle_ablate.track.runstore import StoreLock
+
+    check_bucket(url)  # one line now for a bucket that is not there, before anything is built
+    distributed.initialize(run_cfg.distributed)  # which process this is: process 0 alone writes
+    with StoreLock(job_dir, what="job folder") if jax.process_index() == 0 else contextlib.nullcontext():
         if run_cfg.resume == "auto":
             pull(url, keep=tuple(p.name for p in job_dir.iterdir() if p.name == ".hydra" or p.suffix == ".log"))
         push_tree(job_dir / ".hydra")
+        yield
 
 
 def resume_command(job: JobInfo, trial: bool) -> str:
@@ -252,8 +279,9 @@ def resume_command(job: JobInfo, trial: bool) -> str:
 
 
 def interrupted(job: JobInfo, trial: bool, what: str, kept: str) -> Interrupted:
-    """The one line a Ctrl-C ends the job with: what it stopped, what was kept, how to continue."""
-    return Interrupted(f"interrupted {what}; {kept}; resume with: {resume_command(job, trial)}")
+    """The one line a Ctrl-C (or SIGTERM: "terminated (SIGTERM)", interrupts.word) ends the job
+    with: what it stopped, what was kept, how to continue."""
+    return Interrupted(f"{interrupts.word()} {what}; {kept}; resume with: {resume_command(job, trial)}")
 
 
 def run(cfg: DictConfig) -> float | list[float]:
@@ -279,16 +307,16 @@ def run(cfg: DictConfig) -> float | list[float]:
         from dalle_ablate.train.loop import train, train_members
 
         run_cfg = to_run_config(cfg)
-        from_bucket(run_cfg, Path(job.job_dir))
-        if trial:
-            from dalle_ablate.sweep.trial import TrialHooks
+        with from_bucket(run_cfg, Path(job.job_dir)):
+            if trial:
+                from dalle_ablate.sweep.trial import TrialHooks
 
-            job.hooks = TrialHooks(run_cfg.optuna, run_cfg.seeds)
-        tokenizer_first(run_cfg, job)
-        if run_cfg.seeds:
-            results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
-        else:
-            results = [train(run_cfg, job)]
+                job.hooks = TrialHooks(run_cfg.optuna, run_cfg.seeds)
+            tokenizer_first(run_cfg, job)
+            if run_cfg.seeds:
+                results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
+            else:
+                results = [train(run_cfg, job)]
     except Interrupted:
         raise
     except KeyboardInterrupt as e:  # before the first step: nothing trained to save
@@ -306,7 +334,7 @@ def outcome(run_cfg, job: JobInfo, results: list, trial: bool = False) -> float 
     named = list(zip(run_cfg.seeds if members else [run_cfg.seed], results))
     stopped = [(s, r) for s, r in named if r.status == "interrupted"]
     if stopped:
-        what = stopped[0][1].reason.removeprefix("interrupted ")
+        what = stopped[0][1].reason.removeprefix(f"{interrupts.word()} ")
         if members:
             what += f" (members {', '.join(f'seed={s}' for s, _ in stopped)})"
         raise interrupted(job, trial, what, kept(stopped[0][1], plural=members))

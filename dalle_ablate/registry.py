@@ -33,7 +33,8 @@ class RunFailed(RuntimeError):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, after the run saved a checkpoint of its last step and its summary: the message
-    (how to resume) is shown as one line, and the process exits with code 130. A KeyboardInterrupt,
+    (how to resume) is shown as one line, and the process exits with code 130 (143 after a
+    SIGTERM, interrupts.exit_code). A KeyboardInterrupt,
     so a multirun or a sweep stops at it, as at any Ctrl-C."""
 
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from dalle_ablate.config import GRAD_SCALING, MEMBER_IMPLS, OBJECTIVES, RunConfig
 from dalle_ablate.data import DATASETS
 from dalle_ablate.evaluate import EvalConfig  # noqa: F401 (the eval schema)
-from dalle_ablate.fileio import is_url, local_dir
+from dalle_ablate.fileio import local_dir, looks_like_url
 from dalle_ablate.model import FAMILIES
 from dalle_ablate.optim import OPTIMIZERS, SCHEDULES
 from dalle_ablate.registry import ConfigError, check, check_ranges
@@ -157,7 +157,9 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         check_known_keys(cfg)
         run = OmegaConf.to_object(cfg)
     validate(run)
-    if is_url(run.data.cache_dir):  # caches in a bucket (tokenizers, codebooks, scorers): read and added to through
+    if looks_like_url(
+        run.data.cache_dir
+    ):  # caches in a bucket (tokenizers, codebooks, scorers): read and added to through
         run.data.cache_dir = str(local_dir(run.data.cache_dir, "data.cache_dir"))  # its staging folder (fileio)
     return run
 

@@ -118,6 +118,47 @@ def test_a_ctrl_c_lets_a_study_s_child_finish_what_it_does_on_one(tmp_path):
     assert done.read_text() == "x"
 
 
+def test_a_sigterm_to_a_study_alone_is_passed_on_to_its_child_which_saves(tmp_path, monkeypatch):
+    """A scheduler may send SIGTERM to the study's process alone (Kubernetes: the container's first
+    process): call_child passes it on to the child, which stops as a run does on one (here: says it
+    saved, exits 143), and the study stops saying SIGTERM, exit 143. Without it the child trained
+    on until the grace period (50 s here) killed it, unsaved."""
+    import signal
+    import threading
+    import time
+
+    from dalle_ablate import interrupts
+    from dalle_ablate.report.study_runs import call_child
+
+    monkeypatch.setitem(interrupts._state, "terminated", False)  # this process's record, as it was after the test
+    done, ready = tmp_path / "saved", tmp_path / "ready"
+    child = (
+        "import pathlib, signal, sys, time\n"
+        "def term(*_):\n"
+        f"    pathlib.Path({str(done)!r}).write_text('saved')\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        f"pathlib.Path({str(ready)!r}).write_text('')\n"
+        "time.sleep(60)\n"
+    )
+
+    def terminate_when_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with interrupts.taken_at_checks():
+            threading.Thread(target=terminate_when_ready, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                call_child([sys.executable, "-c", child], dict(os.environ), grace=50)
+            assert (interrupts.word(), interrupts.exit_code()) == ("terminated (SIGTERM)", 143)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert done.read_text() == "saved"
+
+
 @pytest.mark.slow
 def test_eval_builds_on_the_runs_saved_config_not_on_defaults_changed_since(trained, tmp_path, monkeypatch):
     """A default that changes after a run (here the sampling noise's seed, `EvalConfig.seed`)

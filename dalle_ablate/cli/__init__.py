@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Optional
 
+from dalle_ablate import interrupts
 from dalle_ablate.cli import files, runs, reports  # noqa: F401 - registers their verbs, in this order
 from dalle_ablate.cli.errors import run_hydra
 from dalle_ablate.cli.verbs import VERBS, verb
@@ -92,10 +93,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(
             str(ex)
             if isinstance(ex, Interrupted)
-            else f"dalle-ablate {args.verb} interrupted; run the same command again",
+            else f"dalle-ablate {args.verb} {interrupts.word()}; run the same command again",
             file=sys.stderr,
         )
-        sys.exit(130)
+        sys.exit(interrupts.exit_code())
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         msg = format_error(ex)
         if msg is None:

@@ -1,7 +1,7 @@
 """The error handling around `run.py` (and `python -m dalle_ablate.job`): a user mistake is one
 line on stderr and exit code 2, a run that failed for a known reason one line and its code, a bug
 its full traceback, Ctrl-C one line saying what it stopped and how to continue, and exit code 130
-(docs/guides/troubleshooting.md lists the codes)."""
+(SIGTERM: the same line, "terminated (SIGTERM)", and 143; docs/guides/troubleshooting.md lists the codes)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def unwritable(ex: BaseException) -> Optional[str]:
 def run_hydra(main: Callable[[], object]) -> None:
     """Call a `@hydra.main` function: a user mistake is one line and exit code 2, a run that
     diverged or failed for a known reason one line and its code, Ctrl-C (taken at the checks of
-    interrupts.py) one line and 130 (docs/guides/troubleshooting.md)."""
+    interrupts.py) one line and 130, SIGTERM the same line and 143 (docs/guides/troubleshooting.md)."""
     # Hydra would print multi-line messages and exit 1 itself; let the exception reach us.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from dalle_ablate.launch.jobs import WorkerLost
@@ -87,20 +87,25 @@ def run_hydra(main: Callable[[], object]) -> None:
             interrupts.check("while starting")  # e.g. during the imports
             main()
             if interrupts.pending():  # too late for any check: everything had finished
-                raise Interrupted("interrupted as it ended, after everything had finished: nothing to continue")
+                raise Interrupted(
+                    f"{interrupts.word()} as it ended, after everything had finished: nothing to continue"
+                )
     except RunFailed as ex:  # diverged, or failed for a known reason: the run store says so too
         fail(str(ex), ex.exit_code)
     except WorkerLost as ex:  # a cluster launcher's job killed, timed out or its node lost (a sweep goes on)
         fail(str(ex), RunFailed.FAILED)
-    except KeyboardInterrupt as ex:  # Ctrl-C: what a job saved and how to continue, in one line (not an error)
+    except (
+        KeyboardInterrupt
+    ) as ex:  # Ctrl-C or SIGTERM: what a job saved and how to continue, in one line (not an error)
         if not os.environ.get(interrupts.PARENT_SAYS):  # else the process that started this one says it
             print(
                 str(ex)
                 if isinstance(ex, Interrupted)
-                else f"interrupted {interrupts.stage_of(ex, 'while starting')}; no step trained; run the same command again",
+                else f"{interrupts.word()} {interrupts.stage_of(ex, 'while starting')}; no step trained; "
+                "run the same command again",
                 file=stderr.stream,
             )
-        sys.exit(130)
+        sys.exit(interrupts.exit_code())
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         from dalle_ablate.validate import format_error
 

@@ -34,3 +34,18 @@ def initialize(dist_cfg) -> None:
                 f"{e}); on other machines set distributed.coordinator_address, distributed.num_processes and "
                 "distributed.process_id instead"
             ) from None
+
+
+def preempted(step: int) -> bool:
+    """Whether every process of a run of several is to stop after `step`, because one of them got
+    SIGTERM (a preemption notice): JAX's preemption service, which `jax.distributed.initialize`
+    starts, takes SIGTERM in each process (its handler, in place of interrupts.py's) and agrees
+    with the others on the step to stop at -- every process calls this at every step boundary,
+    and all of them get True at the same `step` (jax.experimental.multihost_utils
+    `reached_preemption_sync_point`, as orbax and MaxText use it). False in a run of one process,
+    where SIGTERM is interrupts.py's."""
+    if jax.process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)

@@ -91,7 +91,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def find_stores(source: str) -> list[Path]:
     """Run stores under a multirun/sweep folder, or matched by a glob (of stores or job dirs); in a
     bucket (gs://...), read from their copy in its staging folder, made afresh (fileio.local_source)."""
-    source = local_source(source, "report")
+    given, source = source, local_source(source, "report")
     paths = [Path(p) for p in sorted(glob.glob(source))] if any(c in source for c in "*?[") else [Path(source)]
     stores = []
     for p in paths:
@@ -109,7 +109,7 @@ def find_stores(source: str) -> list[Path]:
             )
     if not stores:
         raise ConfigError(
-            f"report: no run stores (folders with metrics.jsonl) under {source!r}; give a multirun or sweep "
+            f"report: no run stores (folders with metrics.jsonl) under {given!r}; give a multirun or sweep "
             "folder, or a glob such as 'outputs/*/*/run'"
         )
     return stores

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import difflib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -31,7 +32,6 @@ def dies_with_this_process() -> Optional[Callable[[], None]]:
     if sys.platform != "linux":
         return None
     import ctypes
-    import signal
 
     # Resolved here, not in the forked child: importing there could wait on a lock another
     # thread of this process held at the fork.
@@ -52,8 +52,10 @@ def call_child(
     whole foreground process group, and a run saves its last whole step before it exits (exit
     130). subprocess.call would SIGKILL it 0.25 s after the interrupt. A second Ctrl-C, or
     `grace` seconds, kills it; either way KeyboardInterrupt is raised once the child is gone, also
-    when the child alone was interrupted (exit 130). The child leaves the line a Ctrl-C ends with
-    to this process (interrupts.PARENT_SAYS): the command that continues all of it."""
+    when the child alone was interrupted (exit 130, or 143 after a SIGTERM). The child leaves the
+    line a Ctrl-C ends with to this process (interrupts.PARENT_SAYS): the command that continues
+    all of it. A SIGTERM this process takes is passed on to the child (a scheduler may signal the
+    first process alone; a second SIGTERM to a child that got the first too is no press)."""
     import subprocess
 
     interrupts.check()  # a Ctrl-C already pressed: a child started now would not get it
@@ -66,9 +68,13 @@ def call_child(
             except subprocess.TimeoutExpired:
                 interrupts.check()
     except KeyboardInterrupt:
+        if interrupts.word() == interrupts.TERMINATED:  # SIGTERM may have reached this process alone
+            child.send_signal(signal.SIGTERM)  # (Kubernetes: the container's first one): the child saves too
         _wait_or_kill(child, grace)
         raise
-    if code == 130 or interrupts.pending():
+    if code == 128 + signal.SIGTERM:  # the child alone got SIGTERM: stopped the same way, saying so
+        interrupts.terminated()
+    if code in (130, 128 + signal.SIGTERM) or interrupts.pending():
         interrupts.check()
         raise KeyboardInterrupt
     return code
@@ -278,7 +284,7 @@ def _one_line_on_ctrl_c(name: str, again: str, stages: list[str]):
         yield
     except KeyboardInterrupt:
         raise Interrupted(
-            f"study {name} interrupted {stages[-1]}; the runs that finished are kept, a stopped one "
+            f"study {name} {interrupts.word()} {stages[-1]}; the runs that finished are kept, a stopped one "
             f"continues from its checkpoint; resume with: {again or 'the same command'}"
         ) from None
 

@@ -66,6 +66,11 @@ def quiet_optuna() -> None:
 STALE_ATTR = "dalle_ablate.died"
 # A trial's sweep process (which sends its heartbeat and launches its job): {host, pid, start}.
 OWNER_ATTR = "dalle_ablate.sweep_process"
+# The study's record of trials a Ctrl-C or SIGTERM stopped, {number: why}: FAILED (optuna cannot
+# take back a trial it asked) but not counted toward n_trials, each queued again to continue.
+STOPPED_ATTR = "dalle_ablate.stopped"
+# A queued trial's system attribute: the number of the stopped trial whose checkpoint it continues.
+CONTINUES_ATTR = "dalle_ablate.continues"
 
 
 def _start_time(pid: int) -> Optional[str]:
@@ -317,10 +322,11 @@ class OptunaSweeper(Sweeper):
                 self._fail_gone(study)  # trials whose sweep process on this host is gone: at once
                 optuna.storages.fail_stale_trials(study)  # trials of processes that died (self._stale)
                 died = study.user_attrs.get(STALE_ATTR, {})  # read from the storage: other processes add to it
+                stopped = study.user_attrs.get(STOPPED_ATTR, {})
                 asked = study.get_trials(
                     deepcopy=False, states=[s for s in optuna.trial.TrialState if s.name != "WAITING"]
                 )
-                done = len(asked) - len(died)  # a WAITING trial (a retry) is yet to be asked
+                done = len(asked) - len(died) - len(stopped)  # a WAITING trial (a retry) is yet to be asked
                 trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, n_trials - done))]
                 for trial in trials:
                     trial.set_user_attr(OWNER_ATTR, self.process)
@@ -337,12 +343,13 @@ class OptunaSweeper(Sweeper):
                 self.validate_batch_is_legal(batch)
                 with heartbeats(study._storage, [t._trial_id for t in trials], self.heartbeat_interval):
                     returns = self.launcher.launch(batch, initial_job_idx=trials[0].number)
-            except BaseException as e:  # a bad override, Ctrl-C: never leave the asked trials RUNNING
+            except BaseException as e:  # a bad override, Ctrl-C, SIGTERM: never leave the asked trials RUNNING
+                why = f"sweep stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 for trial in trials:
-                    trial.set_user_attr(
-                        "why", f"sweep stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                    )
+                    trial.set_user_attr("why", why)
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    if isinstance(e, KeyboardInterrupt):  # its job saved its last step: continued on resume
+                        self._requeue(study, study._storage.get_trial(trial._trial_id), why)
                 raise
             self._tell(study, trials, returns)
         recheck = None
@@ -473,14 +480,40 @@ class OptunaSweeper(Sweeper):
         if self.retry is not None:
             self.retry(study, trial)  # enqueues the same parameters, remembering this trial's number
 
-    def _resume(self, study: optuna.Study, trial: optuna.trial.Trial) -> list[str]:
-        """For a retried trial: continue from the last checkpoint of the trial it retries (a trial of
-        several seeds, which records no one run store, trains again from the start)."""
-        number = optuna.storages.RetryFailedTrialCallback.retried_trial_number(
-            study._storage.get_trial(trial._trial_id)
+    def _requeue(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, why: str) -> None:
+        """A trial a Ctrl-C or SIGTERM stopped (its job saved its last step and said so): not
+        counted toward n_trials, and queued again with the same parameters, to continue from that
+        checkpoint when the sweep resumes -- whatever hydra.sweeper.retry_failed says: it did not
+        fail. Its FAIL state is optuna's only way to end a trial that is not complete."""
+        study.set_user_attr(STOPPED_ATTR, {**study.user_attrs.get(STOPPED_ATTR, {}), str(trial.number): why})
+        log.warning(
+            f"trial {trial.number} stopped: queued again, to continue from its checkpoint when the sweep resumes"
         )
-        if number is None:
+        study.add_trial(
+            optuna.create_trial(
+                state=optuna.trial.TrialState.WAITING,
+                params=trial.params,
+                distributions=trial.distributions,
+                system_attrs={**trial.system_attrs, CONTINUES_ATTR: trial.number},
+            )
+        )
+
+    def _resume(self, study: optuna.Study, trial: optuna.trial.Trial) -> list[str]:
+        """For a retried trial: continue from the last checkpoint of the trial it retries -- the
+        newest of the stopped one it continues and the failed one it retries (a trial of several
+        seeds, which records no one run store, trains again from the start)."""
+        frozen = study._storage.get_trial(trial._trial_id)
+        numbers = [
+            n
+            for n in (
+                frozen.system_attrs.get(CONTINUES_ATTR),
+                optuna.storages.RetryFailedTrialCallback.retried_trial_number(frozen),
+            )
+            if n is not None
+        ]
+        if not numbers:
             return []
+        number = max(numbers)
         run_dir = study.get_trials(deepcopy=False)[number].user_attrs.get(RUN_DIR_ATTR)
         from dalle_ablate.train.checkpoint import find_checkpoints  # orbax: not at Hydra's start (this is a plugin)
 
@@ -501,6 +534,9 @@ class OptunaSweeper(Sweeper):
         died = study.user_attrs.get(STALE_ATTR)
         if died:
             out["died"] = {int(k): v for k, v in died.items()}  # FAILED, not counted, replaced
+        stopped = study.user_attrs.get(STOPPED_ATTR)
+        if stopped:
+            out["stopped"] = {int(k): v for k, v in stopped.items()}  # FAILED, not counted, continued
         out["objectives"] = self.objectives
         complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
         if complete and len(self.directions) == 1:

@@ -33,8 +33,8 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, staged, url_of
-from dalle_ablate.registry import RunFailed
+from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, shown, staged, url_of
+from dalle_ablate.registry import RunFailed, first_line
 from dalle_ablate.track.base import Tracker
 
 
@@ -60,7 +60,7 @@ def unwritable(root: Path, e: OSError) -> RunFailed:
         f" ({re.sub(r'[.][0-9]+[.]tmp$', '', Path(e.filename).name)})" if e.filename else ""
     )  # atomic_write's temporary name
     return RunFailed(
-        f"run store {root} cannot be written{where}: {what}; free space or fix the folder, then resume=auto"
+        f"run store {shown(root)} cannot be written{where}: {what}; free space or fix the folder, then resume=auto"
     )
 
 
@@ -156,11 +156,23 @@ class RunStore(Tracker):
 
     @_writes
     def log_summary(self, values):
-        if not self._metrics.closed:
-            push(self._metrics.name)  # the rows up to now, before the summary that may name their step
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
-        atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
-        self._summary_written = time.monotonic()
+        if self.summary.get("status") in (None, "running"):
+            check_locks()  # a writer that lost its lock writes no more (its end is written, saying why)
+        unsent = None
+        if not self._metrics.closed:
+            try:
+                push(self._metrics.name)  # the rows up to now, before the summary that may name their step
+            except RunFailed as e:  # the bucket fails: a summary that ends the run is written all the same
+                if self.summary.get("status") in (None, "running"):
+                    raise
+                unsent = e
+        try:
+            atomic_write(self.root / "summary.json", json.dumps(self.summary, indent=2))
+        finally:
+            self._summary_written = time.monotonic()
+            if unsent is not None:
+                raise unsent
 
     @_writes
     def finish(self, status="finished"):
@@ -170,6 +182,19 @@ class RunStore(Tracker):
             push(self._metrics.name)
 
 
+_LOST: dict[str, RunFailed] = {}  # the locks this process could not keep: why, by store
+_LOST_MUTEX = threading.Lock()
+
+
+def check_locks() -> None:
+    """Raise the RunFailed of a writer's lock this process lost (its lease not renewed in time, or
+    taken over): the writer stops here -- between train steps, at a summary write."""
+    with _LOST_MUTEX:
+        lost = next(iter(_LOST.values()), None)
+    if lost is not None:
+        raise lost
+
+
 class StoreLock:
     """One writer per run store: an exclusive `flock` on `<run store>/.writer.lock`, held while
     the run writes. The kernel drops it with its process (however it ends, kill -9 included), so
@@ -177,7 +202,7 @@ class StoreLock:
     staged from a bucket is also locked there (fileio.BucketLock: an object created only if absent,
     its lease renewed by a thread of this process while it writes)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, what: str = "run store"):
         import fcntl
         import socket
 
@@ -195,10 +220,12 @@ class StoreLock:
             holder = self._file.read().strip() or "a process that has not said who it is yet"
             self._file.close()
             raise RunFailed(
-                f"run store {self.root} is being written by another process ({holder}); wait for it to end or "
+                f"{what} {shown(self.root)} is being written by another process ({holder}); wait for it to end or "
                 f"stop it, then run again (one writer per run store)"
             ) from None
-        holder = f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}"[:500]
+        holder = f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(map(_as_given, sys.argv))}"
+        if len(holder) > 500:  # its head (who) and its tail (the folders, last on a command line), within 500
+            holder = f"{holder[:240]} ... {holder[-240:]}"
         self._file.seek(0)
         self._file.truncate()
         self._file.write(holder)
@@ -206,32 +233,77 @@ class StoreLock:
         self.bucket, self._stop = None, threading.Event()
         if url_of(self.root) is not None:
             try:
-                self.bucket = BucketLock(url_of(self.root), holder)
+                self.bucket = BucketLock(url_of(self.root), holder, what=what)
             except BaseException:
                 self._file.close()
                 raise
             threading.Thread(target=self._renew, name="store-lock-lease", daemon=True).start()
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.bucket.lease_s / 4):
+        """The lease, renewed every quarter of it for as long as the writer lives; a renewal that
+        fails is tried again, sooner each time at first (1 s, doubling), for as long as the lease
+        leaves a quarter of itself. A lock that cannot be kept -- taken over, or not renewed by then
+        -- is lost: the writer stops at its next check (`check_locks`), before another host may
+        take the lock over."""
+        lease = self.bucket.lease_s
+        expires, wait, backoff = time.time() + lease, lease / 4, 1.0
+        while not self._stop.wait(wait):
             try:
                 self.bucket.renew()
-            except Exception as e:  # noqa: BLE001 - said once; the run goes on (its checkpoints are its own)
-                print(f"warning: {e}", file=sys.stderr, flush=True)
+                expires, wait, backoff = time.time() + lease, lease / 4, 1.0
+            except RunFailed as e:  # taken over: another writer has it now
+                self._lose(str(e))
                 return
+            except Exception as e:  # noqa: BLE001 - the client's errors (connection, 5xx, 403): tried again
+                left = expires - time.time() - lease / 4
+                if left <= 0:
+                    self._lose(
+                        f"{self.bucket.what} {self.bucket.url}: its lock's lease could not be renewed ({first_line(e)}); "
+                        f"this writer stopped {lease / 4:.0f} s before the lease runs out, before another process may "
+                        "take it over; resume=auto once the bucket answers"
+                    )
+                    return
+                wait, backoff = min(backoff, left), backoff * 2
+
+    def _lose(self, why: str) -> None:
+        with _LOST_MUTEX:
+            _LOST.setdefault(str(self.root), RunFailed(why))
 
     def release(self) -> None:
         self._stop.set()
-        if self.bucket is not None:
-            self.bucket.release()
-        if not self._file.closed:
-            self._file.close()  # closing the file drops the lock
+        with _LOST_MUTEX:
+            _LOST.pop(str(self.root), None)
+        try:
+            if self.bucket is not None:
+                self.bucket.release()
+        finally:
+            if not self._file.closed:
+                self._file.close()  # closing the file drops the lock
 
     def __enter__(self) -> "StoreLock":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Released; a bucket lock that cannot be (the bucket unreachable or read-only) is left to
+        its lease, and never masks the error the block ends with -- that one says what went wrong.
+        After a block that ended well, a warning says so."""
+        try:
+            self.release()
+        except Exception as e:  # noqa: BLE001 - any error of the client: the lease ends the lock anyway
+            if exc is None and self.bucket is not None:
+                print(
+                    f"warning: {self.bucket.what} {self.bucket.url}: its lock could not be released "
+                    f"({first_line(e)}); it lapses with its lease ({self.bucket.lease_s:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def _as_given(arg: str) -> str:
+    """A command-line argument as the user gave it: `hydra.run.dir=gs://...`, not the staging
+    folder job.py put in its place."""
+    key, eq, value = arg.partition("=")
+    return f"{key}={url_of(value)}" if eq and value.startswith("/") and url_of(value) else arg
 
 
 def _rows(path: Path) -> list[dict]:

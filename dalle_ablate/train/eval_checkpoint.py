@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from dalle_ablate.config import RunConfig
 from dalle_ablate.evaluate.runner import evaluation_or_none
-from dalle_ablate.fileio import pull, url_of
+from dalle_ablate.fileio import pull, shown, url_of
 from dalle_ablate.parallel import compile_cache
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.track import build_tracker
@@ -211,5 +211,5 @@ def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
         )
     for k, v in result["model"].items():
         print(f"{k}={v:.4g}")
-    print(f"wrote {out}")
+    print(f"wrote {shown(out)}")
     return out

@@ -19,11 +19,12 @@ from tqdm.auto import tqdm
 
 from dalle_ablate import interrupts
 from dalle_ablate.config import RunConfig, member_config
+from dalle_ablate.fileio import shown
 from dalle_ablate.generate import image_grid
 from dalle_ablate.model.flops import train_flops_per_example
 from dalle_ablate.parallel import compile_cache, distributed
 from dalle_ablate.track.base import ends_on_error
-from dalle_ablate.track.runstore import StoreLock
+from dalle_ablate.track.runstore import StoreLock, check_locks
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.hooks import Hooks, periodic_hooks
 from dalle_ablate.train.logger import RunLog, StepLogger
@@ -73,7 +74,7 @@ def train_job(cfg: RunConfig, job: JobInfo, jobs: list[JobInfo]) -> list[Result]
             m.status, m.result = done["status"], settled_result(done, m.run_dir)
             if pi == 0:
                 print(
-                    f"{m.run_dir}: {m.status} before at step {done['steps']} of {cfg.trainer.steps}; left as it is "
+                    f"{shown(m.run_dir)}: {m.status} before at step {done['steps']} of {cfg.trainer.steps}; left as it is "
                     "(resume=auto)",
                     flush=True,
                 )
@@ -144,7 +145,7 @@ def ends_each_on_error(members: list[Member], record):
                 m.status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
                 with contextlib.suppress(BaseException), ends_on_error(m.tracker):
                     raise e
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):  # best effort (a bucket that fails fails here too): `e` says why
             record()
         raise
 
@@ -181,7 +182,8 @@ def _run(
         m.tracker.finish(status)
         m.status = status
         if pi == 0:
-            print(closing_lines(status, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
+            said = interrupts.word() if status == "interrupted" else status  # "terminated (SIGTERM)" after a SIGTERM
+            print(closing_lines(said, summary, t.steps, m.seen.last_eval, m.run_dir), flush=True)
         m.result = Result(
             eval_loss=m.seen.eval_loss,
             train_loss=m.log.last_loss,
@@ -223,9 +225,11 @@ def run_steps(
     """The steps, with the hooks due after each: (status, the state after the last whole step,
     why it stopped early: pruned or interrupted). First the hooks `left` undone at the step before them (a resumed run's
     evaluations). Stops early when no member is left running (each diverged), when a hook says
-    so (pruned) or on Ctrl-C (interrupted; in a run of one process only: others would not stop
-    with it)."""
+    so (pruned), on Ctrl-C or SIGTERM in a run of one process (interrupted), and in a run of
+    several processes on SIGTERM to any of them, every process after the same step (interrupted:
+    distributed.preempted; a Ctrl-C there is raised, the other processes would not stop with it)."""
     metrics, batches, batch_size = None, program.batches(steps.start - 1), members[0].cfg.trainer.batch_size
+    agreed = False  # every process stops after this step (a run of several)
     try:
         if left:
             hooks.run(steps.start - 1, state, left)
@@ -234,7 +238,13 @@ def run_steps(
             for m in members:  # a checkpoint that failed in the background stops the run here
                 if m.status == "running":
                     m.ckpt.check()
-            interrupts.check()  # Ctrl-C (interrupts.py): taken here, between whole steps
+            check_locks()  # and a writer's lock in a bucket that could not be kept
+            interrupts.check()  # Ctrl-C, SIGTERM (interrupts.py): taken here, between whole steps
+            if distributed.preempted(step - 1):  # a SIGTERM to one of several processes: all stop here
+                agreed = True
+                interrupts.terminated()  # for the line, the summary and the exit code
+                interrupts.check()  # the press terminated() recorded, taken
+                raise KeyboardInterrupt
             # The step donates `state`: a Ctrl-C between its return and the assignment would
             # leave `state` naming deleted buffers, so the two happen together.
             with interrupts.deferred():
@@ -251,7 +261,7 @@ def run_steps(
                     return "pruned", state, f"pruned at step {step} of {steps.stop - 1} ({stop})"
         return "finished", state, ""
     except KeyboardInterrupt as e:
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 and not agreed:
             raise
         # The last state assigned: a whole step, wherever the interrupt came. If it came between
         # the step and its push, its metrics (assigned with it) are queued here.
@@ -264,7 +274,7 @@ def run_steps(
         return (
             "interrupted",
             state,
-            f"interrupted at step {done} of {steps.stop - 1}" + (f", {stopped}" if stopped else ""),
+            f"{interrupts.word()} at step {done} of {steps.stop - 1}" + (f", {stopped}" if stopped else ""),
         )
 
 

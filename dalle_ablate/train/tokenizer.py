@@ -25,6 +25,7 @@ from dalle_ablate.data.dvae import perplexity
 from dalle_ablate.data.image_tokenizer import IMAGE_TOKENIZERS
 from dalle_ablate.data.shapes import build_tokenizer, generate_split, scenes_key
 from dalle_ablate.evaluate.shapes_parser import accuracy
+from dalle_ablate.fileio import shown
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.track import build_tracker
 from dalle_ablate.track.base import ends_on_error
@@ -132,6 +133,6 @@ def closing_lines(cfg, result: TokenizerResult) -> str:
             f"MSE {s['tokenizer/valid_mse']:.2e}",
             f"  codebook: perplexity {s['tokenizer/valid_perplexity']:.1f} of {s['tokenizer/codebook_size']} codes "
             f"({s['tokenizer/codes_used']} used), grid {s['tokenizer/grid'][0]}x{s['tokenizer/grid'][1]}",
-            f"  run store {result.run_dir}",
+            f"  run store {shown(result.run_dir)}",
         ]
     )

@@ -340,6 +340,68 @@ def test_two_processes_reproduce_the_single_process_run_and_only_process_0_write
 
 @pytest.mark.slow
 @pytest.mark.long
+def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_step_and_saves_it(tmp_path):
+    """Two processes of one `python run.py` (jax.distributed on loopback); process 1 alone gets
+    SIGTERM before its step 5. JAX's preemption sync point stops both after the same step: each
+    prints the same line naming it (its own command to resume), exits 143, and the checkpoint of
+    that step is complete (every process wrote its shards); the run store says so."""
+    from conftest import SMALL_DATA, TINY_TRAIN
+    from dalle_ablate.train.checkpoint import finished_steps
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    port, job = _free_port(), tmp_path / "job"
+    args = [
+        *SMALL_DATA,
+        *TINY_TRAIN,
+        "schedule=constant",
+        "trainer.steps=30",
+        "trainer.eval_every=30",
+        "trainer.save_every=30",
+        "tracker=none",
+        f"hydra.run.dir={job}",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        "distributed.num_processes=2",
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args, f"distributed.process_id={i}"],
+            cwd=tmp_path,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={
+                **base,
+                "KILL_AT": "step:5" if i == 1 else "never:0",
+                "KILL_SIGNAL": "SIGTERM",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+            },
+        )
+        for i in range(2)
+    ]
+    try:
+        ends = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lines = []
+    for i, (p, (out, err)) in enumerate(zip(procs, ends)):
+        assert p.returncode == 143, err[-3000:]
+        (line,) = [x for x in err.splitlines() if x.startswith("terminated (SIGTERM) at step ")]
+        assert "Traceback" not in err, err[-3000:]
+        assert line.endswith(f" distributed.process_id={i} resume=auto hydra.run.dir={job}"), line
+        lines.append(line.replace(f" distributed.process_id={i} ", " "))
+    assert lines[0] == lines[1]
+    step = int(lines[0].split()[4])
+    assert lines[0].startswith(f"terminated (SIGTERM) at step {step} of 30; checkpoint saved; resume with: ")
+    assert 4 <= step < 30
+    run = job / "run"
+    assert finished_steps(run / "checkpoints") == [step]
+    s = json.loads((run / "summary.json").read_text())
+    assert (s["status"], s["steps"], s["reason"]) == ("interrupted", step, f"terminated (SIGTERM) at step {step} of 30")
+
+
+@pytest.mark.slow
+@pytest.mark.long
 def test_run_py_trains_shampoo_on_a_2x2x2_mesh(tmp_path, monkeypatch):
     from conftest import SMALL_DATA, TINY_TRAIN, run_py
 

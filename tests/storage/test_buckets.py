@@ -24,24 +24,31 @@ TINY = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant"]
 pytestmark = pytest.mark.slow
 
 
-def job(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = "") -> subprocess.CompletedProcess:
+def job(
+    tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = "", sig: str = "SIGKILL"
+) -> subprocess.CompletedProcess:
     """`python run.py <TINY> hydra.run.dir=<run_dir>` on a "host" (a staging root of its own);
-    with `kill`, tests/kill_worker.py sends itself SIGKILL there."""
+    with `kill`, tests/kill_worker.py sends itself `sig` there."""
+    return subprocess.run(**job_command(tmp_path, run_dir, host, *overrides, kill=kill, sig=sig), timeout=300)
+
+
+def job_command(tmp_path: Path, run_dir: str, host: str, *overrides: str, kill: str = "", sig: str = "SIGKILL") -> dict:
+    """`job`'s subprocess arguments (for subprocess.run or Popen)."""
     script = ROOT / "tests" / "kill_worker.py" if kill else ROOT / "run.py"
     env = {
         **os.environ,
         "DALLE_ABLATE_STAGING": str(tmp_path / host),
         "KILL_AT": kill,
+        "KILL_SIGNAL": sig,
         "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
     }
     tracker = [] if any(o.startswith("tracker=") for o in overrides) else ["tracker=none"]
-    return subprocess.run(
-        [sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
+    return dict(
+        args=[sys.executable, str(script), *TINY, *tracker, *overrides, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
     )
 
 
@@ -125,6 +132,134 @@ def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit
 
     assert jax.tree.structure(a) == jax.tree.structure(b)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def timeless_rows(gcs, store_url: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(gcs, store_url)]
+
+
+def test_sigterm_to_a_bucket_run_saves_there_releases_its_lock_and_another_host_resumes_at_once(gcs, whole, tmp_path):
+    """SIGTERM (a preempted VM's notice) before step 5 of a run in the bucket: step 4 is saved
+    there, the summary there says why, the lock object is gone, exit 143 with the command that
+    continues; that command on another host goes on at once (no lease to wait out) from step 4,
+    to the uninterrupted run's rows."""
+    url = f"{gcs.url}/runs/termed"
+    proc = job(tmp_path, url, "host-a", kill="step:5", sig="SIGTERM")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("terminated")]
+    assert line.startswith("terminated (SIGTERM) at step 4 of 6; checkpoint saved; resume with: python run.py ")
+    assert line.endswith(f" resume=auto hydra.run.dir={url}") and "Traceback" not in proc.stderr
+    fs = gcs.fs()
+    s = json.loads(fs.cat(f"{url}/run/summary.json"))
+    assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, "terminated (SIGTERM) at step 4 of 6")
+    assert fs.exists(f"{url}/run/checkpoints/4/commit_success.txt")
+    assert not fs.exists(f"{url}/run/{fileio.LOCK}")
+    proc = job(tmp_path, url, "host-b", "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning:" not in proc.stderr  # nothing taken over
+    assert json.loads(fs.cat(f"{url}/run/meta.json"))["resumed_from_step"] == 4
+    assert timeless_rows(gcs, f"{url}/run") == timeless_rows(gcs, f"{whole}/run")
+
+
+def bucket_objects(prefix: str) -> dict[str, int]:
+    """Every object under `prefix` (in the suite's bucket) with its generation: a rewrite is a new one."""
+    from google.cloud import storage
+
+    return {b.name: b.generation for b in storage.Client().list_blobs("dalle-ablate-tests", prefix=prefix)}
+
+
+def local_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_second_resume_on_the_same_host_is_refused_first_and_changes_nothing(gcs, tmp_path):
+    """A run in the bucket trains (held still with SIGSTOP, so that what it writes cannot hide
+    what the second one would); `resume=auto` of the same job on the same host (the same staging
+    root) is refused in one line naming the first by pid and by the URL it was given, having
+    changed no object in the bucket and no file of the staging folder but Hydra's own record of the
+    job (`.hydra/`, `run.log`: Hydra writes them before the job starts). The first then trains on
+    to its end: every step in the bucket's metrics, its sample grid, finished."""
+    import signal as sig
+    import time
+
+    url = f"{gcs.url}/runs/twice"
+    first = subprocess.Popen(
+        **{k: v for k, v in job_command(tmp_path, url, "host-a", "trainer.steps=60").items() if k != "capture_output"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    staging = tmp_path / "host-a" / "gs" / "dalle-ablate-tests" / "runs" / "twice"
+    try:
+        while first.poll() is None and len(rows_of(staging / "run" / "metrics.jsonl")) < 6:
+            time.sleep(0.2)
+        assert first.poll() is None, first.communicate()[1][-3000:]  # still training
+        first.send_signal(sig.SIGSTOP)
+        time.sleep(1.0)  # an upload it had started, finished by the server
+        before = bucket_objects("runs/twice/"), local_files(staging)
+        second = job(tmp_path, url, "host-a", "trainer.steps=60", "resume=auto")
+        after = bucket_objects("runs/twice/"), local_files(staging)
+    finally:
+        first.send_signal(sig.SIGCONT)
+    assert second.returncode == RunFailed.FAILED, second.stderr[-3000:]
+    (line,) = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: job folder {url} is being written by another process (pid {first.pid} on "), line
+    assert f" hydra.run.dir={url}); wait for it to end or stop it, then run again (one writer per run store)" in line
+    assert "Traceback" not in second.stderr
+    assert after[0] == before[0]
+    hydra_own = (".hydra/", "run.log")
+    assert {k: v for k, v in after[1].items() if not k.startswith(hydra_own)} == {
+        k: v for k, v in before[1].items() if not k.startswith(hydra_own)
+    }
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    fs = gcs.fs()
+    assert [r["step"] for r in rows(gcs, f"{url}/run") if "train/loss" in r] == list(range(1, 61))
+    assert json.loads(fs.cat(f"{url}/run/summary.json"))["status"] == "finished"
+    assert fs.exists(f"{url}/run/media/samples_grid_60.png")
+
+
+def rows_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_every_line_naming_a_run_store_in_a_bucket_names_its_url(gcs, whole, tmp_path, capsys):
+    """What a user on another host can find: the tokenizer's run store line (its closing lines for
+    a job in the bucket), resume=auto's "finished before" line, eval's "wrote" line and report's
+    "no run stores under" name the gs:// URL, never the staging folder."""
+    from types import SimpleNamespace
+
+    from dalle_ablate.registry import ConfigError
+    from dalle_ablate.report.load import find_stores
+    from dalle_ablate.train.eval_checkpoint import evaluate_checkpoint
+    from dalle_ablate.train.tokenizer import TokenizerResult, closing_lines
+
+    summary = {
+        "wall_time": 1.0,
+        "tokenizer/valid_n": 48,
+        "tokenizer/parser_all": 1.0,
+        "tokenizer/parser_all_lo": 0.9,
+        "tokenizer/parser_all_hi": 1.0,
+        "tokenizer/valid_mse": 0.0,
+        "tokenizer/valid_perplexity": 4.6,
+        "tokenizer/codebook_size": 145,
+        "tokenizer/codes_used": 133,
+        "tokenizer/grid": [6, 6],
+    }
+    fitted = TokenizerResult(fileio.staged(f"{whole}/tokenizer"), Path("/cache/k.npz"), True, summary)
+    lines = closing_lines(SimpleNamespace(data=SimpleNamespace(tokenizer="kmeans")), fitted).splitlines()
+    assert lines[-1] == f"  run store {whole}/tokenizer"
+    proc = job(tmp_path, whole, "host-c", "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{whole}/run: finished before at step 6 of 6; left as it is (resume=auto)" in proc.stdout.splitlines()
+    capsys.readouterr()
+    out = evaluate_checkpoint(whole, ["eval.metrics=[caption_sensitivity]"])
+    assert f"wrote {whole}/run/evals/{out.name}" in capsys.readouterr().out.splitlines()
+    with pytest.raises(ConfigError) as e:
+        find_stores(f"{gcs.url}/nothing-here")
+    assert str(e.value).startswith(
+        f"report: no run stores (folders with metrics.jsonl) under '{gcs.url}/nothing-here'; "
+    )
+    assert "staging" not in proc.stdout + proc.stderr
 
 
 def test_a_checkpoint_set_aside_in_a_bucket_is_no_step_any_more(gcs, whole):
@@ -336,6 +471,29 @@ def test_a_missing_unreachable_or_foreign_store_is_one_line(gcs, tmp_path, monke
     ]
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("hydra.run.dir", "gs:/dalle-ablate-tests/runs/x"),
+        ("hydra.sweep.dir", "gs:dalle-ablate-tests"),
+        ("data.cache_dir", "s3:/x"),
+    ],
+)
+def test_a_mistyped_bucket_url_is_refused_in_one_line_before_anything_starts(gcs, tmp_path, field, value):
+    """`gs:/bucket/x` (one slash), `gs:bucket`, `s3:/x`: no local folder named after them (a run
+    trained into `./gs:/bucket/...` and failed at its first checkpoint): one line naming the
+    field, exit 2, nothing made."""
+    args = [*(["-m"] if field == "hydra.sweep.dir" else []), f"{field}={value}"]
+    proc = job(tmp_path, str(tmp_path / "elsewhere"), "host", *args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: {field}={value}: not a bucket URL this tool can use; give gs://<bucket>/<path> (Cloud Storage; "
+        "s3:// and other stores are not supported, docs/guides/runs.md says why)"
+    ]
+    assert not list(tmp_path.rglob("gs:*")) and not list(tmp_path.rglob("s3:*"))
+    assert not (tmp_path / "elsewhere" / "run").exists() and not list((tmp_path / "host").rglob("*"))
+
+
 def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -374,6 +532,121 @@ def test_one_writer_per_bucket_store_a_dead_or_expired_holder_is_taken_over(gcs)
     third.renew()
     third.release()
     assert not blob.exists()
+
+
+def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and_the_summary_says_failed(
+    gcs, monkeypatch
+):
+    """The bucket stops answering while a store in it is written (every upload and lock call
+    raises a ConnectionError, as when the server went away): the run ends with the store's own
+    line (metrics.jsonl cannot be written; its staging copy is whole), not with the lock release's
+    ConnectionError raised while that line was in flight; the staging summary (the store that can
+    still be written) says failed and why; the local lock is free again."""
+    import requests
+    from google.cloud import storage as gcs_storage
+
+    from dalle_ablate.track.base import ends_on_error
+    from dalle_ablate.track.runstore import RunStore, StoreLock
+
+    url = f"{gcs.url}/outage/run"
+    root = fileio.staged(url)
+    lock = StoreLock(root)
+    store = RunStore(root, {"seed": 0}, {})
+    store.log({"train/loss": 1.0}, 1)
+
+    def down(*args, **kwargs):
+        raise requests.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(fileio.filesystem(url), "put_file", down)
+    for name in ("reload", "delete", "upload_from_string"):
+        monkeypatch.setattr(gcs_storage.Blob, name, down)
+    with pytest.raises(RunFailed) as e:
+        with lock, ends_on_error(store):
+            store.log({"train/loss": 0.9}, 2)
+            store.log_summary({})  # what the trainer's periodic summary write does
+    assert str(e.value).startswith(f"{url}/metrics.jsonl cannot be written (ConnectionError: Connection refused); ")
+    assert str(e.value).endswith(f"its staging copy {root}/metrics.jsonl is whole: fix the bucket, then resume=auto")
+    s = json.loads((root / "summary.json").read_text())
+    assert (s["status"], s["reason"]) == ("failed", f"RunFailed: {e.value}")
+    monkeypatch.undo()
+    assert not fileio.held_by_another(root)  # the flock is free; the bucket's object lapses with its lease
+    gcs_storage.Client().bucket("dalle-ablate-tests").blob(f"outage/run/{fileio.LOCK}").delete()
+
+
+def test_a_takeover_warns_naming_the_holder_it_took_the_lock_from(gcs, capsys):
+    """A lock whose lease ran out (another host's), or whose holder on this host is gone, is taken
+    over with a warning naming that holder and why."""
+    from google.cloud import storage
+
+    url = f"{gcs.url}/locks/taken"
+    blob = storage.Client().bucket("dalle-ablate-tests").blob(f"locks/taken/{fileio.LOCK}")
+    blob.upload_from_string(
+        json.dumps({"holder": "pid 7 on pod-1: python run.py", "host": "pod-1", "pid": 7, "expires": 1.0})
+    )
+    fileio.BucketLock(url, "second").release()
+    pid, host = dead_pid(), socket.gethostname()
+    blob.upload_from_string(json.dumps({"holder": "dead", "host": host, "pid": pid, "expires": 4e9}))
+    fileio.BucketLock(url, "third").release()
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: run store {url}: took its lock over from pid 7 on pod-1: python run.py (host pod-1, pid 7): "
+        "its lease ran out",
+        f"warning: run store {url}: took its lock over from dead (host {host}, pid {pid}): its process is gone",
+    ]
+
+
+def test_a_lease_is_renewed_through_errors_and_a_writer_that_cannot_renew_stops_before_it_lapses(gcs, monkeypatch):
+    """An 8 s lease (renewed every 2 s): three renewals in a row fail (the bucket does not answer)
+    and the next succeeds -- the lease is extended, the writer goes on. Then none succeeds: the
+    renewal is tried again (backoff) until a quarter of the lease is left, then the lock is lost
+    and the writer's next check (between train steps, at a summary write) stops it in one line."""
+    import time
+
+    import requests
+    from google.cloud import storage
+
+    from dalle_ablate.track import runstore
+
+    monkeypatch.setattr(fileio.BucketLock, "LEASE_S", 8.0)
+    renew, calls = fileio.BucketLock.renew, {"n": 0, "ok": 0, "fail": {1, 2, 3}}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["fail"] == "all" or calls["n"] in calls["fail"]:
+            raise requests.ConnectionError("Connection refused")
+        renew(self)
+        calls["ok"] += 1
+
+    monkeypatch.setattr(fileio.BucketLock, "renew", flaky)
+    url = f"{gcs.url}/lease/run"
+
+    def expires() -> float:  # the lease as the bucket holds it now (a blob object of its own: no generation kept)
+        return json.loads(
+            storage.Client().bucket("dalle-ablate-tests").blob(f"lease/run/{fileio.LOCK}").download_as_bytes()
+        )["expires"]
+
+    lock = runstore.StoreLock(fileio.staged(url))
+    try:
+        first = expires()
+        deadline = time.monotonic() + 120
+        while calls["ok"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (calls["n"], calls["ok"]) == (4, 1)
+        assert expires() > first
+        runstore.check_locks()  # kept
+        calls["fail"], before = "all", calls["n"]
+        while not runstore._LOST and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert calls["n"] - before >= 3  # tried again before giving up
+        with pytest.raises(RunFailed) as e:
+            runstore.check_locks()
+        assert str(e.value) == (
+            f"run store {url}: its lock's lease could not be renewed (ConnectionError: Connection refused); this "
+            "writer stopped 2 s before the lease runs out, before another process may take it over; resume=auto "
+            "once the bucket answers"
+        )
+    finally:
+        lock.release()
+    runstore.check_locks()  # released: nothing lost any more
 
 
 def test_a_sweeps_run_link_in_a_bucket_marks_and_resumes_there(gcs, whole):

@@ -45,10 +45,11 @@ def error_line(proc) -> str:
     return lines[0]
 
 
-def interrupt_line(stderr: str) -> str:
-    """The one line a Ctrl-C ends a process with: not an `error:` line, no traceback, and no
-    KeyboardInterrupt that Python dropped ("Exception ignored in")."""
-    lines = [line for line in stderr.splitlines() if line.startswith("interrupted")]
+def interrupt_line(stderr: str, word: str = "interrupted") -> str:
+    """The one line a Ctrl-C (`word`: "terminated (SIGTERM)" for a SIGTERM) ends a process with:
+    not an `error:` line, no traceback, and no KeyboardInterrupt that Python dropped ("Exception
+    ignored in")."""
+    lines = [line for line in stderr.splitlines() if line.startswith(word)]
     assert len(lines) == 1, stderr[-3000:]
     assert not any(bad in stderr for bad in ("error:", "Traceback", "Exception ignored", "Segmentation")), stderr[
         -3000:
@@ -709,6 +710,131 @@ def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
 
 
+TERM = "terminated (SIGTERM)"  # what a SIGTERM's line and summary say where a Ctrl-C's say "interrupted"
+
+
+def saved_steps(run: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_sigterm_saves_the_last_step_says_terminated_and_how_to_resume_and_exits_143(tmp_path, reference):
+    """SIGTERM (a scheduler's preemption notice) before step 5: handled as Ctrl-C is -- step 4
+    saved, the run `interrupted` with the reason saying SIGTERM, the lock released, one line with
+    the command that continues -- and exit 143; that command continues to the uninterrupted losses."""
+    run = job_dir(tmp_path) / "run"
+    proc = killed(tmp_path, "step:5", "tracker=none", sig="SIGTERM")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    head = f"{TERM} at step 4 of 6; checkpoint saved; resume with: python run.py "
+    line = interrupt_line(proc.stderr, TERM)
+    assert line.startswith(head), line
+    again = shlex.split(line.removeprefix(head))
+    assert again == [*TINY, "tracker=none", "resume=auto", f"hydra.run.dir={job_dir(tmp_path)}"]
+    assert f"{TERM} at step 4 of 6 in " in proc.stdout
+    assert saved_steps(run) == [3, 4]
+    s = summary(run)
+    assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, f"{TERM} at step 4 of 6")
+    assert s["train/loss"] == pytest.approx(losses(reference)[4], rel=1e-6)
+    assert lock_free(run)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 4
+    assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
+
+
+SIGTERM_STAGES = [
+    # the tokenizer's fit (a cache of the test's own: the run fits it), from inside a gc callback
+    ("fit:2", (), f"{TERM} while fitting the image tokenizer (data.tokenizer=kmeans); no step trained; "),
+    # the last step's sampling evaluation, half way through its Pareto plot
+    (
+        "plot:6",
+        ("eval.metrics=[shapes]",),
+        f"{TERM} at step 6 of 6, during the sampling evaluation; checkpoint saved; ",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at, overrides, head", SIGTERM_STAGES, ids=[s[0] for s in SIGTERM_STAGES])
+def test_sigterm_during_the_tokenizer_fit_or_the_final_evaluation_ends_as_ctrl_c_does(tmp_path, at, overrides, head):
+    """SIGTERM while stage 1 fits the image tokenizer, or while the final evaluation draws: the
+    line Ctrl-C gives there, saying SIGTERM, and exit 143; the stage's run store says interrupted
+    (the final evaluation's: not recorded as done, a resume runs it)."""
+    env = {"DALLE_ABLATE_CACHE": str(tmp_path / "cache")} if at.startswith("fit") else {}
+    proc = killed(tmp_path, at, "tracker=none", *overrides, sig="SIGTERM", env=env)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    line = interrupt_line(proc.stderr, TERM)
+    assert line.startswith(f"{head}resume with: python run.py "), line
+    again = shlex.split(line.removeprefix(f"{head}resume with: python run.py "))
+    assert again == [*TINY, "tracker=none", *overrides, "resume=auto", f"hydra.run.dir={job_dir(tmp_path)}"]
+    run = job_dir(tmp_path) / "run"
+    if at.startswith("fit"):
+        assert summary(job_dir(tmp_path) / "tokenizer")["status"] == "interrupted" and not run.exists()
+    else:
+        s = summary(run)
+        assert (s["status"], s["reason"], "evaluated_step" in s) == (
+            "interrupted",
+            f"{TERM} at step 6 of 6, during the sampling evaluation",
+            False,
+        )
+        assert saved_steps(run) == [3, 6] and lock_free(run)
+
+
+def test_sigterm_to_a_members_job_saves_every_member_at_the_same_step(tmp_path):
+    """`seeds=[0,1]` gets SIGTERM before step 5 (the kill worker counts each member's checkpoint
+    check: the 9th is step 5's first): each member saves step 4 in its own store, says SIGTERM,
+    and the job's one line names both members and the command that continues the job; exit 143."""
+    job = job_dir(tmp_path)
+    proc = killed(tmp_path, "step:9", "tracker=none", "seeds=[0,1]", sig="SIGTERM")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    head = f"{TERM} at step 4 of 6 (members seed=0, seed=1); checkpoints saved; resume with: python run.py "
+    line = interrupt_line(proc.stderr, TERM)
+    assert line.startswith(head), line
+    assert shlex.split(line.removeprefix(head)) == [
+        *TINY,
+        "tracker=none",
+        "seeds=[0,1]",
+        "resume=auto",
+        f"hydra.run.dir={job}",
+    ]
+    for seed in (0, 1):
+        run = job / f"seed{seed}" / "run"
+        s = summary(run)
+        assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, f"{TERM} at step 4 of 6"), seed
+        assert saved_steps(run) == [3, 4] and lock_free(run), seed
+    assert [m["status"] for m in json.loads((job / "members.json").read_text())["members"]] == ["interrupted"] * 2
+
+
+def test_sigterm_in_a_multirun_stops_it_with_the_command_that_continues_all_of_it(tmp_path):
+    """`-m seed=0,1` gets SIGTERM before job 0's step 5: job 0 saves step 4, job 1 never starts,
+    and the one line (exit 143) gives the command that continues the whole multirun."""
+    sweep = tmp_path / "multirun"
+    args = ["-m", *TINY, "tracker=none", "seed=0,1", f"hydra.sweep.dir={sweep}"]
+    env = {
+        **os.environ,
+        "KILL_AT": "step:5",
+        "KILL_SIGNAL": "SIGTERM",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    head = f"{TERM} at step 4 of 6; checkpoint saved; resume with: python run.py "
+    line = interrupt_line(proc.stderr, TERM)
+    assert line.startswith(head), line
+    assert shlex.split(line.removeprefix(head)) == [*args[:-1], "resume=auto", f"hydra.sweep.dir={sweep}"]
+    s = summary(sweep / "0" / "run")
+    assert (s["status"], s["reason"]) == ("interrupted", f"{TERM} at step 4 of 6")
+    assert saved_steps(sweep / "0" / "run") == [3, 4] and not (sweep / "1").exists()
+
+
 @pytest.mark.slow
 def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_group(tmp_path):
     """`dalle-ablate eval` on a W&B-tracked run: a new W&B run (job type eval) in the training
@@ -886,6 +1012,49 @@ def test_a_sweep_killed_mid_trial_retries_it_from_its_checkpoint(tmp_path, refer
     assert json.loads((retry / "meta.json").read_text())["resumed_from_step"] == 3
     assert losses(retry) == pytest.approx({s: v for s, v in losses(reference).items() if s > 3}, rel=1e-6)
     assert study.trials[1].value == pytest.approx(summary(reference)["eval/valid/loss"], rel=1e-6)
+
+
+def test_sigterm_to_a_sweep_leaves_its_trial_to_be_continued_not_failed(tmp_path, reference):
+    """An Optuna sweep of one trial gets SIGTERM before the trial's step 5: the trial saves step 4,
+    the sweep exits 143 with the command that resumes it, and the study holds the stopped trial
+    (FAILED, as optuna ends a trial that is not complete, but not counted) and a queued one with
+    its parameters -- with no hydra.sweeper.retry_failed. That command runs the queued trial from
+    the stopped one's checkpoint of step 4, to the uninterrupted run's losses; one trial counted."""
+    import optuna
+
+    sweep = tmp_path / "multirun"
+    args = ["-m", *TINY, "tracker=none", "hydra/sweeper=optuna", "seed=choice(0)", "hydra.sweeper.n_trials=1"]
+    env = {
+        **os.environ,
+        "KILL_AT": "step:5",
+        "KILL_SIGNAL": "SIGTERM",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
+    cmd = [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    head = f"{TERM} at step 4 of 6; checkpoint saved; resume with: python run.py "
+    line = [x for x in proc.stderr.splitlines() if x.startswith(TERM)][-1]
+    assert line.startswith(head), line
+    again = shlex.split(line.removeprefix(head))
+    assert again == [*args, f"hydra.sweep.dir={sweep}"]
+    stopped = sweep / "0" / "run"
+    assert saved_steps(stopped) == [3, 4] and summary(stopped)["reason"] == f"{TERM} at step 4 of 6"
+
+    def study():
+        return optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{sweep / 'optuna.db'}")
+
+    assert [(t.state.name, t.params) for t in study().trials] == [("FAIL", {"seed": 0}), ("WAITING", {"seed": 0})]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = study().trials
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
+    retry = sweep / "1" / "run"
+    assert json.loads((retry / "meta.json").read_text())["resumed_from_step"] == 4
+    assert losses(retry) == pytest.approx({s: v for s, v in losses(reference).items() if s > 4}, rel=1e-6)
+    assert trials[1].value == pytest.approx(summary(reference)["eval/valid/loss"], rel=1e-6)
 
 
 def test_after_a_failed_restore_only_the_stray_reads_errors_are_dropped(monkeypatch):
