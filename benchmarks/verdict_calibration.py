@@ -140,7 +140,7 @@ def staged_misuse(study: str, studies: int) -> list[str]:
     ]
     for rho in (0.0, 0.5, 0.9):
         name = f"no effect, rho {rho:g}"
-        rng = np.random.default_rng(zlib.crc32(f"{name}, staged misuse".encode()))
+        rng = np.random.default_rng(zlib.crc32(f"{name}, judged both ways".encode()))
         _, final, n2, first, second = cal.staged(rng, s, cal.Scenario(name, rho=rho), studies, 0.5, True)
         combined, naive = final.any(-1).mean(), cal.naive_after(first, second, s.comparisons(0.5), n2).any(-1).mean()
         se = max(cal.mc_se(combined, studies), cal.mc_se(naive, studies))
