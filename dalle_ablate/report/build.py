@@ -113,7 +113,7 @@ def variant_sentence(variant: str, judged: dict, metrics=FINAL_METRICS) -> str:
             parts.append(P.ONE_SEED_JUDGEMENT.format(metric=m, verdict=j["verdict"], diff=diff, unit=unit))
             continue
         how = f"{int(j['n'])} seeds, {'paired' if j['paired'] else 'Welch'}"
-        needs = f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["needed"] else ""
+        needs = f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["plan"][0] else ""
         parts.append(
             P.JUDGEMENT.format(
                 metric=m,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dalle_ablate.report import stages as S
 from dalle_ablate.report import verdicts as V
 
 
@@ -155,6 +156,67 @@ def topped_up(
     return full, target
 
 
+# A staged study's simulation: stage 2 adds at most this many seeds per arm; the design declares
+# equal weights (stage 2 planned as large as stage 1) and Lan-DeMets O'Brien-Fleming-type spending.
+STAGE2_CAP = 12
+STAGED_DESIGN = S.Design()
+# The misuse's stage 2 goes to the arms of the findings closest to settling at stage 1, this many.
+PROMISING = 4
+
+
+def staged(
+    rng, s: Structure, scenario: Scenario, studies: int, margin: float, adaptive: bool, cap: int = STAGE2_CAP
+) -> tuple[dict, np.ndarray, np.ndarray, dict, dict]:
+    """Studies in two stages (report/stages.py, the combination test of STAGED_DESIGN): stage 1 at
+    the structure's seeds, stage 2 on new seeds of the metrics of the study's own runs (the stress
+    runs' metrics have none). Declared (`adaptive` False): stage 2 as many seeds per arm as stage 1,
+    every arm. The misuse it must survive (`adaptive`): the study stops after stage 1 as soon as a
+    finding settles; else stage 2 is sized from the observed differences -- the seeds the plan at
+    the most promising finding's observed difference asks for (verdicts.settle_power), at least 2
+    and at most `cap` -- and run only on the arms of the PROMISING findings with the smallest
+    stage-1 p. Returns (analyse_staged's results, the final rejections of "no difference" per
+    study and claim, stage 2's seeds per study (0: stopped), and both stages' tables)."""
+    comps = s.comparisons(margin)
+    first = simulate(rng, s, scenario, studies)
+    second = simulate(rng, s, scenario, studies, {m: cap for m in s.pools})
+    n1 = min(s.seeds[m] for m in s.topped)
+    own = np.array([m in s.topped for m, _, _ in s.claims])
+    n2 = np.full(studies, n1 if not adaptive else 0)
+    chosen = {m: np.ones((studies, len(arms)), bool) for m, arms in s.pools.items()}
+    stopped = np.zeros(studies, bool)
+    if adaptive:
+        r = V.analyse(first, comps)
+        stopped = (r["outcome"] != V.UNRESOLVED).any(-1)
+        order = np.argsort(np.where(own, r["p_zero"], np.inf), -1)[:, :PROMISING]
+        best = order[:, 0]
+        pick = lambda key: np.take_along_axis(r[key], best[:, None], -1)[:, 0]  # noqa: E731
+        n = np.arange(n1 + 1, n1 + cap + 1, dtype=np.float64)
+        power = V.settle_power(n, pick("d")[:, None], pick("sd")[:, None], margin, V.ALPHA / len(comps), n - 1)
+        plan = np.where((power >= V.POWER).any(-1), n[np.argmax(power >= V.POWER, -1)], n1 + cap)
+        n2 = np.where(stopped, 0, np.clip(plan - n1, 2, cap)).astype(int)
+        for m, arms in s.pools.items():
+            chosen[m][:] = False
+        for j, (m, arm, against) in enumerate(s.claims):
+            hit = (order == j).any(-1)
+            for a in (arm, against):
+                chosen[m][:, s.pools[m].index(a)] |= hit
+    for m in second:
+        runs = (np.arange(cap)[None, None, :] < n2[:, None, None]) & chosen[m][..., None] & (m in s.topped)
+        second[m] = np.where(runs, second[m], np.nan)
+    res = S.analyse_staged(first, second, comps, STAGED_DESIGN)
+    final = np.where(stopped[:, None], res["differs1"], res["differs2"])
+    return res, final, n2, first, second
+
+
+def naive_after(first: dict, second: dict, comps: list, n2: np.ndarray) -> np.ndarray:
+    """The same stages judged without a combination test -- stage 1's fixed-design verdicts where
+    the study stopped, else the fixed-design tests on all its seeds pooled: what peeking and adding
+    seeds does to the error rate. Holm's decisions on the difference."""
+    pooled = {m: np.concatenate([first[m], second[m]], -1) for m in first}
+    at1, at2 = V.analyse(first, comps)["differs"], V.analyse(pooled, comps)["differs"]
+    return np.where((n2 == 0)[:, None], at1, at2)
+
+
 @dataclass
 class Check:
     """One row of the calibration: a scenario, the seeds its studies run, what is measured and the
@@ -166,6 +228,7 @@ class Check:
     high: float
     seeds: int | None = None  # seeds per arm of every metric; None: the study file's
     margin: float = 0.5  # Δ in units of one run's sd
+    stages: str = ""  # "declared" | "adaptive": a staged study (`staged`); "": one stage
 
     @property
     def label(self) -> str:
@@ -234,6 +297,14 @@ def checks(s: Structure) -> list[Check]:
         ),
         Check(Scenario("no effect, rho 0.5"), "top-up", 0, NULL, margin=TOPUP_MARGIN),
     ]
+    # two stages (report/stages.py): declared, and the misuse issue 63 names -- stage 2 sized from
+    # the observed differences on the most promising findings' arms, stopping as soon as one settles
+    declared, adaptive = "two declared stages", "stage 2 from the observed differences, stopped when one settles"
+    out += [
+        Check(Scenario(f"no effect, rho {rho:g}, {how}", rho=rho), fd, 0, NULL, stages=stages)
+        for stages, how in (("declared", declared), ("adaptive", adaptive))
+        for rho in (0.0, 0.5, 0.9)
+    ]
     return out
 
 
@@ -247,6 +318,9 @@ def run(rng, s: Structure, check: Check, studies: int) -> tuple[float, int, str]
         counts = np.bincount(target, minlength=TOPUP_CAP + 1)
         spread = ", ".join(f"{n}: {c / studies:.0%}" for n, c in enumerate(counts) if c)
         return float(false_difference(out, true).mean()), studies, f"{_seeds(s, None)}, topped up to ({spread})"
+    if check.stages:
+        _, final, n2, _, _ = staged(rng, s, check.scenario, studies, check.margin, check.stages == "adaptive")
+        return float((final & (true == 0)).any(-1).mean()), studies, f"{_seeds(s, None)}, then {_stage2(n2)}"
     seeds = None if check.seeds is None else {m: check.seeds for m in s.pools}
     if check.measure == "power":
         n = int(V.seeds_needed(difference_sd(s, check.scenario, 0), check.margin, len(comps)))
@@ -260,6 +334,14 @@ def run(rng, s: Structure, check: Check, studies: int) -> tuple[float, int, str]
     if check.measure == "equivalence found":
         return float((out["outcome"] == V.EQUIVALENT).mean()), studies * len(comps), _seeds(s, check.seeds)
     return float(false_difference(out, true).mean()), studies, _seeds(s, check.seeds)
+
+
+def _stage2(n2: np.ndarray) -> str:
+    """Stage 2's seeds per arm over the studies, in words."""
+    counts = np.bincount(n2)
+    return "stage 2: " + ", ".join(
+        f"{'stopped' if n == 0 else f'+{n}'}: {c / len(n2):.0%}" for n, c in enumerate(counts) if c
+    )
 
 
 def _seeds(s: Structure, seeds: int | None) -> str:

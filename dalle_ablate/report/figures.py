@@ -11,6 +11,7 @@ import numpy as np
 from dalle_ablate.metrics import label
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import t_interval
+from dalle_ablate.report.verdicts import MAX_SEEDS
 
 
 # The smallest text a figure draws, in points, and the resolution it is written at: 10 pt is 12.5 px
@@ -302,8 +303,8 @@ def _short_verdict(r: dict) -> str:
     ):
         if v == long:
             return short
-    if v.startswith("not resolved: needs "):
-        return v[len("not resolved: ") :]
+    if v.startswith("not resolved: ") and r.get("plan", 0) > 0:  # the plan at the observed difference
+        return f"needs > {MAX_SEEDS} seeds" if r["plan"] > MAX_SEEDS else f"plan: {r['plan']} seeds"
     if v.startswith("not resolved at "):
         return "not resolved, likely < Δ"
     if v.startswith("untestable here"):

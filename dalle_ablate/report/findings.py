@@ -314,23 +314,35 @@ def judge(
     r["verdict"] = np.array(
         [V.verdict(int(o), 1 if f.expect == "higher" else -1) for o, f in zip(r["outcome"], study.findings)]
     )
-    r["needed"] = V.seeds_needed(r["sd"], r["margin"], len(comps), alpha, paired=r["paired"], va=r["va"], vb=r["vb"])
+    r["needed"] = V.seeds_needed(r["sd"], r["margin"], len(comps), alpha, **_noise(r))
+    # an unresolved finding of n seeds needs n + 1 at least, whatever the plan's power says
+    r["plan"], r["fewest"], r["most"] = V.seeds_to_settle(
+        r["d"], r["low"], r["high"], r["sd"], r["margin"], len(comps), alpha, **_noise(r), at_least=r["n"] + 1
+    )
     return comps, r
 
 
-def verdict_text(code: int, needed: int, seeds: int = 0, why: str = "") -> str:
+def _noise(r: dict) -> dict:
+    """The noise arguments of seeds_needed and seeds_to_settle from verdicts.analyse's results."""
+    return {"paired": r["paired"], "va": r["va"], "vb": r["vb"]}
+
+
+def verdict_text(code: int, needed: int, seeds: int = 0, why: str = "", *, plan: tuple[int, int, int]) -> str:
     """A verdict in words: a settled one as it is; an untestable one with `why`; one not resolved
-    with the seeds per arm its own noise says a difference of Δ needs."""
+    with what more seeds would do (verdicts.seeds_words): `plan`, (plan, fewest, most) from
+    verdicts.seeds_to_settle, at the observed difference, and `needed`, for a difference of Δ."""
     if code == V.UNTESTABLE:
         return f"untestable here: {why or 'both arms give the same value on every seed'}"
     if code != V.NOT_RESOLVED:
         return V.VERDICTS[code]
-    if needed == 0:
+    if needed == 0 and plan[0] == 0:
         return "not resolved: no seed spread to judge it on"
-    if needed <= seeds:  # its seeds would find an effect of Δ 80 % of the time: one between 0 and Δ is likelier
-        return f"not resolved at {seeds} seeds, enough for an effect of Δ: the effect is likely smaller"
-    more = "more than " if needed > V.MAX_SEEDS else ""
-    return f"not resolved: needs {more}{min(needed, V.MAX_SEEDS)} seeds"
+    if 0 < needed <= seeds:  # its seeds would find an effect of Δ 80 % of the time: one between 0 and Δ is likelier
+        return (
+            f"not resolved at {seeds} seeds, enough for an effect of Δ: the effect is likely smaller; "
+            + V.seeds_words(*plan, 0)
+        )
+    return "not resolved: " + V.seeds_words(*plan, needed)
 
 
 def compare(
@@ -387,9 +399,16 @@ def compare(
                 "welch_high": whi,
                 "paired": bool(r["paired"][i]),
                 "needed": int(r["needed"][i]),
+                **{k: int(r[k][i]) for k in ("plan", "fewest", "most")},
                 "outcome": int(r["outcome"][i]),
                 "code": code,
-                "verdict": verdict_text(code, int(r["needed"][i]), int(r["n"][i]), untestable.get(f.id, "")),
+                "verdict": verdict_text(
+                    code,
+                    int(r["needed"][i]),
+                    int(r["n"][i]),
+                    untestable.get(f.id, ""),
+                    plan=(int(r["plan"][i]), int(r["fewest"][i]), int(r["most"][i])),
+                ),
             }
         )
     return rows

@@ -147,7 +147,8 @@ def in_margins(r: dict) -> tuple[float, float, float]:
 
 def summary_row(r: dict) -> list:
     """A finding's row of the summary: the claim, its metric, the verdict, the difference in units
-    of Δ and the seeds it used and needs."""
+    of Δ and the seeds it used, the plan for one not resolved (at its observed difference, with
+    the range across its 95 % interval) and the seeds a difference of Δ needs."""
     f = r["finding"]
     d, low, high = in_margins(r)
     diff = "–" if not np.isfinite(d) else ("+" if d > 0 else "") + fmt3(d) + " " + _interval(low, high)
@@ -158,14 +159,18 @@ def summary_row(r: dict) -> list:
         verdict = "not resolved" + (
             ", the effect likely smaller than Δ" if verdict.startswith("not resolved at ") else ""
         )
-    needed = (
-        "–"
-        if r["needed"] == 0 or r["code"] == V.UNTESTABLE
-        else f"> {V.MAX_SEEDS}"
-        if r["needed"] > V.MAX_SEEDS
-        else str(r["needed"])
-    )
-    return [f.id, f"{f.claim} ({f.metric})", verdict, diff, f"{len(r['seeds'])} / {needed}"]
+    untestable = r["code"] == V.UNTESTABLE
+    needed = "–" if r["needed"] == 0 or untestable else _count(r["needed"])
+    plan = "–"
+    if r["code"] == V.NOT_RESOLVED and r["plan"]:  # a plan only where more seeds are what is missing
+        plan = _count(r["plan"]) + (
+            "" if r["fewest"] == r["most"] == r["plan"] else f" ({_count(r['fewest'])}–{_count(r['most'])})"
+        )
+    return [f.id, f"{f.claim} ({f.metric})", verdict, diff, f"{len(r['seeds'])} / {plan} / {needed}"]
+
+
+def _count(n: int) -> str:
+    return f"> {V.MAX_SEEDS}" if n > V.MAX_SEEDS else str(n)
 
 
 def summary_section(study: Study, rows: list[dict], statistics: str) -> Section:

@@ -36,6 +36,19 @@ LATE_FIGURE = (
     "panel's title"
 )
 
+# -- seeds-needed, on both (verdicts.seeds_words) ---------------------------------------------
+
+PLAN = (
+    "a plan of {plan} seeds per arm if the true difference is the one observed ({fewest} to {most} across its "
+    "95 % interval)"
+)
+PLAN_FLAT = (
+    "a plan of {plan} seeds per arm if the true difference is the one observed (the same across its 95 % interval)"
+)
+FOR_MARGIN = "{needed} to tell a difference of Δ from 0"
+BOTH_BEYOND = "more than {max} seeds per arm, whether the true difference is the one observed or Δ"
+MORE_THAN = "more than {max}"
+
 # -- a study's results page -------------------------------------------------------------------
 
 SETTLED = "{k} findings, {settled} settled: {counts}."
@@ -43,10 +56,17 @@ HOW_TO_READ = (
     "Each claim is judged on its arm's per-seed differences from the arm it names, against the margin Δ its "
     "study file declared, at a family-wise 5 % over the {k} findings ([how, and why]({statistics})). "
     "Difference: in units of Δ, + on the side the claim predicts (beyond +1: it holds with room; within ±1: "
-    "no meaningful effect). Seeds: finished by both arms / needed to tell a difference of Δ from 0 with 80 % "
-    "power."
+    "no meaningful effect). Seeds per arm: finished by both arms / a plan, for a finding not resolved: how many "
+    "would settle it with 80 % power if its true difference were the one observed, with the range across its "
+    "95 % interval / how many would tell a difference of Δ from 0 with 80 % power."
 )
-SUMMARY_COLUMNS = ["finding", "claim (metric)", "verdict", "difference in Δ (95% CI)", "seeds used / needed"]
+SUMMARY_COLUMNS = [
+    "finding",
+    "claim (metric)",
+    "verdict",
+    "difference in Δ (95% CI)",
+    "seeds used / plan (range) / for Δ",
+]
 FOREST = (
     "Every finding's paired difference (arm minus the arm it is compared with), one line each, in units of its "
     "margin Δ, the side the claim predicts to the right: thick, the 95 % interval; thin, the family-wise one; "

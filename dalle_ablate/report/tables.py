@@ -78,7 +78,12 @@ def against_baseline(
     if not comps:
         return {}
     res = V.analyse(tables, comps)
-    needed = V.seeds_needed(res["sd"], res["margin"], len(comps), paired=res["paired"], va=res["va"], vb=res["vb"])
+    noise = {"paired": res["paired"], "va": res["va"], "vb": res["vb"]}
+    needed = V.seeds_needed(res["sd"], res["margin"], len(comps), **noise)
+    # the plan at the observed difference (an unresolved comparison of n seeds needs n + 1 at least)
+    plan = V.seeds_to_settle(
+        res["d"], res["low"], res["high"], res["sd"], res["margin"], len(comps), **noise, at_least=res["n"] + 1
+    )
     out = {}
     for j, (v, m) in enumerate(keys):
         row = {k: float(res[k][j]) for k in ("d", "low", "high", "fw_low", "fw_high", "rho", "sd", "df", "margin", "n")}
@@ -86,6 +91,7 @@ def against_baseline(
             paired=bool(res["paired"][j]),
             outcome=int(res["outcome"][j]),
             needed=int(needed[j]),
+            plan=tuple(int(x[j]) for x in plan),
             verdict=V.against_baseline(int(res["outcome"][j]), metric(m).better == "lower"),
         )
         out[(v, m)] = row
@@ -127,7 +133,7 @@ def final_table(
             else:
                 j = judged[(variant, m)]
                 how = f" ({int(j['n'])} seeds, {'paired' if j['paired'] else 'Welch'})" if j["n"] >= 2 else ""
-                verdict = j["verdict"] + (f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["needed"] else "")
+                verdict = j["verdict"] + (f"; {_needs(j)}" if j["verdict"] == "not resolved" and j["plan"][0] else "")
                 row += [verdict, j["d"], interval(j["low"], j["high"], int(j["n"])) + how]
             rho = judged[(variant, m)]["rho"] if variant != baseline else math.nan
             rows.append(row + [mean, interval(lo, hi, len(runs)), len(runs), rho if np.isfinite(rho) else "–"])
@@ -135,10 +141,10 @@ def final_table(
 
 
 def _needs(j: dict) -> str:
-    from dalle_ablate.report.verdicts import MAX_SEEDS
+    """What more seeds would do for a comparison not resolved (verdicts.seeds_words)."""
+    from dalle_ablate.report.verdicts import seeds_words
 
-    more = "more than " if j["needed"] > MAX_SEEDS else ""
-    return f"needs {more}{min(j['needed'], MAX_SEEDS)} seeds for a difference of Δ"
+    return seeds_words(*j["plan"], j["needed"])
 
 
 def warmup_steps(run: Run) -> int:

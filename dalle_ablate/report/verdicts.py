@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as st
 
+from dalle_ablate.report import prose as P
 from dalle_ablate.report.stats import holm, power
 
 # The family-wise error rate over the comparisons, for each kind of error (a false difference, a
@@ -201,6 +202,22 @@ def against_baseline(outcome: int, lower_is_better: bool) -> str:
     return f"{'better' if better else 'worse'} than the baseline{beyond}"
 
 
+def _df_at(n: np.ndarray, shape, paired, va, vb) -> np.ndarray:
+    """Degrees of freedom at n seeds per arm (last axis), for comparisons of `shape`: n - 1 paired,
+    Welch's from the arms' variances va and vb where the arms do not share seeds."""
+    if va is None or vb is None:
+        return np.broadcast_to(n - 1, (*shape, len(n)))
+    va, vb = (np.broadcast_to(np.asarray(x, np.float64), shape)[..., None] for x in (va, vb))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        welch = (n - 1) * (va + vb) ** 2 / (va**2 + vb**2)
+    return np.where(np.broadcast_to(np.asarray(paired, np.float64), shape)[..., None] > 0, n - 1, welch)
+
+
+def _first(ok: np.ndarray, n: np.ndarray, max_seeds: int) -> np.ndarray:
+    """The first n (last axis) at which `ok` holds; max_seeds + 1 where none does."""
+    return np.where(ok.any(-1), n[np.argmax(ok, -1)], max_seeds + 1).astype(int)
+
+
 def seeds_needed(
     sd,
     margin,
@@ -219,21 +236,93 @@ def seeds_needed(
     sqrt(n), on n - 1 degrees of freedom paired, or Welch's at n seeds per arm from the arms'
     variances va and vb. max_seeds + 1 where even max_seeds would not do; 0 where the noise or
     the margin is unknown. Vectorised over sd and margin."""
-    sd, margin, paired = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (sd, margin, paired)))
+    sd, margin = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (sd, margin)))
     n = np.arange(2, max_seeds + 1, dtype=np.float64)
-    if va is None or vb is None:
-        df = np.broadcast_to(n - 1, (*sd.shape, len(n)))
-    else:
-        va, vb = (np.broadcast_to(np.asarray(x, np.float64), sd.shape)[..., None] for x in (va, vb))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            welch = (n - 1) * (va + vb) ** 2 / (va**2 + vb**2)
-        df = np.where(paired[..., None] > 0, n - 1, welch)
+    df = _df_at(n, sd.shape, paired, va, vb)
     with np.errstate(invalid="ignore", divide="ignore"):
         p = power(n, margin[..., None], sd[..., None], alpha / comparisons, df)
-    ok = p >= target
-    out = np.where(ok.any(-1), n[np.argmax(ok, -1)], max_seeds + 1).astype(int)
+    out = _first(p >= target, n, max_seeds)
     known = np.isfinite(sd) & (sd > 0) & np.isfinite(margin) & (margin > 0)
     return np.where(known, out, 0)
+
+
+def settle_power(n, delta, sd, margin, alpha: float, df) -> np.ndarray:
+    """At least the probability that a comparison of n seeds per arm is settled -- Holm's first
+    step rejects "no difference" or, with a margin, "not equivalent" -- where its true difference
+    is `delta` and one seed's difference has sd `sd`: the larger of the difference test's power
+    (two-sided at alpha, stats.power) and TOST's. TOST's is the lower bound P(T+ > t) + P(T- < -t)
+    - 1 over its two one-sided tests at alpha, each a noncentral t (Phillips 1990 gives the exact
+    power; the bound misses only the chance that both fail at once, which needs t se > Δ), so the
+    seeds counted from it are never too few. Broadcasts over its arguments."""
+    n, delta, sd, margin, df = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (n, delta, sd, margin, df)))
+    diff = power(n, delta, sd, alpha, df)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        se = sd / np.sqrt(n)
+        t = st.t.ppf(1 - alpha, df)
+        tost = st.nct.sf(t, df, (delta + margin) / se) + st.nct.sf(t, df, (margin - delta) / se) - 1
+    tost = np.where(np.isfinite(margin) & (margin > 0), np.maximum(tost, 0.0), 0.0)
+    return np.maximum(np.nan_to_num(diff), tost)
+
+
+# The differences across a comparison's 95 % interval at which the plan's range is computed: its
+# two ends, its middle and points between (the seeds to settle are not monotone in the difference
+# with a margin: a difference near Δ is the hardest to tell from either 0 or Δ).
+PLAN_POINTS = 33
+
+
+def seeds_to_settle(
+    d,
+    low,
+    high,
+    sd,
+    margin,
+    comparisons: int,
+    alpha: float = ALPHA,
+    target: float = POWER,
+    paired=True,
+    va=None,
+    vb=None,
+    at_least=2,
+    max_seeds: int = MAX_SEEDS,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A plan: the seeds per arm at which a comparison is settled with probability `target`
+    (settle_power, at Holm's first step alpha / comparisons) if its true difference were the one
+    observed, `d`, its noise the one observed, `sd` -- and, for its uncertainty, the fewest and the
+    most seeds that asks for over the differences of its interval [low, high]. (plan, fewest,
+    most), each at least `at_least` (an unresolved comparison of n seeds needs n + 1) and
+    max_seeds + 1 where max_seeds would not do; 0 where the noise is unknown. The range covers
+    what the difference may be, not the noise estimate's own error (at 3 seeds its 95 % interval
+    runs from half to six times the estimate, docs/statistics.md). Vectorised over leading axes."""
+    d, low, high, sd, margin = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (d, low, high, sd, margin)))
+    n = np.arange(2, max_seeds + 1, dtype=np.float64)
+    df = _df_at(n, sd.shape, paired, va, vb)[..., None, :]
+    u = np.linspace(0.0, 1.0, PLAN_POINTS)
+    deltas = np.concatenate([d[..., None], low[..., None] + u * (high - low)[..., None]], -1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = settle_power(n, deltas[..., None], sd[..., None, None], margin[..., None, None], alpha / comparisons, df)
+    counts = np.maximum(_first(p >= target, n, max_seeds), np.asarray(at_least)[..., None])
+    known = (np.isfinite(sd) & (sd > 0) & np.isfinite(d))[..., None]
+    counts = np.where(known, counts, 0)
+    spread = np.where(np.isfinite(low) & np.isfinite(high), 1, 0)[..., None].astype(bool)
+    rest = np.where(spread, counts[..., 1:], counts[..., :1])
+    return counts[..., 0], rest.min(-1), rest.max(-1)
+
+
+def seeds_count(n: int, max_seeds: int = MAX_SEEDS) -> str:
+    """A count of seeds in words: the number, or "more than max_seeds"."""
+    return P.MORE_THAN.format(max=max_seeds) if n > max_seeds else str(int(n))
+
+
+def seeds_words(plan: int, fewest: int, most: int, needed: int, max_seeds: int = MAX_SEEDS) -> str:
+    """What more seeds would do for a comparison not resolved, in words: the plan (seeds_to_settle:
+    at the observed difference, with its range across the 95 % interval) and the seeds that tell
+    a difference of Δ from 0 (seeds_needed; 0: no margin, left out). "More than max_seeds" alone
+    only where it answers both."""
+    if plan > max_seeds and needed > max_seeds:
+        return P.BOTH_BEYOND.format(max=max_seeds)
+    c = lambda x: seeds_count(x, max_seeds)  # noqa: E731
+    words = (P.PLAN_FLAT if fewest == most == plan else P.PLAN).format(plan=c(plan), fewest=c(fewest), most=c(most))
+    return words + ("; " + P.FOR_MARGIN.format(needed=c(needed)) if needed else "")
 
 
 def parse_margin(margin) -> tuple[float, bool] | None:

@@ -47,7 +47,7 @@ FINDINGS = [  # (id, arm, against, expect, margin, the verdict)
     ("worse-is-worse", "worse", "base", "higher", None, "reproduced"),
     ("better-is-worse", "better", "base", "higher", None, "contradicted (reversed)"),
     ("better-is-better", "better", "base", "lower", "0.1", "reproduced"),
-    ("noisy", "noisy", "base", "higher", "2%", "not resolved: needs 62 seeds"),
+    ("noisy", "noisy", "base", "higher", "2%", "not resolved: "),  # then the plan and 62 seeds for Δ: below
     ("same", "same", "base", "higher", "0.5", "no meaningful effect (equivalent within ±Δ)"),
     ("slightly", "slightly", "base", "higher", "0.5", "reproduced, possibly smaller than Δ"),
 ]
@@ -105,7 +105,9 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
             write_store(tmp_path / "runs", arm, seed, final)
     study = load_study(study_file(tmp_path))
     sections, rows = page_sections(study, load_runs(str(tmp_path / "runs")), ["provenance line"])
-    assert [r["verdict"] for r in rows] == [f[5] for f in FINDINGS]
+    assert [r["verdict"] if f[0] != "noisy" else r["verdict"][: len(f[5])] for r, f in zip(rows, FINDINGS)] == [
+        f[5] for f in FINDINGS
+    ]
     # The oracle: each finding on its own pair, scipy's paired t test and statsmodels' TOST, Holm
     # by statsmodels over the six findings; the verdict from the definitions (docs/statistics.md).
     k = len(FINDINGS)
@@ -148,7 +150,14 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     # a paired t test at Holm's first step, 80 %
     noisy = rows[3]
     effect = noisy["margin"] / np.std(np.array(ARMS["noisy"]) - ARMS["base"], ddof=1)
-    assert noisy["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / k, 0.8))
+    assert noisy["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / k, 0.8)) == 62
+    # and the plan at its observed difference (seeds_to_settle, checked against statsmodels and scipy in
+    # test_verdicts.py) from scipy's paired interval, at 4 seeds at least: it is not resolved at 3
+    x, y = np.array(ARMS["noisy"]), np.array(ARMS["base"])
+    ci = st.ttest_rel(x, y).confidence_interval(0.95)
+    plan = V.seeds_to_settle((x - y).mean(), ci.low, ci.high, np.std(x - y, ddof=1), 0.02 * y.mean(), k, at_least=4)
+    assert (noisy["plan"], noisy["fewest"], noisy["most"]) == tuple(int(n) for n in plan)
+    assert noisy["verdict"] == "not resolved: " + V.seeds_words(*plan, 62)
     summary = sections[0]
     assert (
         f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
@@ -160,7 +169,7 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
         f[5].split(":")[0].removesuffix(" (equivalent within ±Δ)") for f in FINDINGS
     ]
     full = next(s for s in sections if s.key == "claims").tables[0]
-    assert full[0][-1] == "verdict" and [row[-1] for row in full[1]] == [f[5] for f in FINDINGS]
+    assert full[0][-1] == "verdict" and [row[-1] for row in full[1]] == [r["verdict"] for r in rows]
     # over training: the one evaluation of these stores is the end, judged as the end is
     assert [row[-2] for row in full[1]] == [
         "1 / 0 of 1",
@@ -543,18 +552,34 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
 
 
 def test_an_unresolved_finding_says_what_more_seeds_would_do():
+    """Two counts in words: the plan at the observed difference with its range, and the seeds a
+    difference of Δ needs; "more than 200" alone only where it answers both."""
     from dalle_ablate.report.findings import verdict_text
 
-    assert verdict_text(V.NOT_RESOLVED, 12, 3) == "not resolved: needs 12 seeds"
-    assert verdict_text(V.NOT_RESOLVED, V.MAX_SEEDS + 1, 3) == f"not resolved: needs more than {V.MAX_SEEDS} seeds"
-    assert (
-        verdict_text(V.NOT_RESOLVED, 3, 5)
-        == "not resolved at 5 seeds, enough for an effect of Δ: the effect is likely smaller"
+    plan = (5, 5, 7)
+    assert verdict_text(V.NOT_RESOLVED, 12, 3, plan=plan) == (
+        "not resolved: a plan of 5 seeds per arm if the true difference is the one observed (5 to 7 across its "
+        "95 % interval); 12 to tell a difference of Δ from 0"
     )
-    assert verdict_text(V.NOT_RESOLVED, 0, 3) == "not resolved: no seed spread to judge it on"
-    assert verdict_text(V.CONTRADICTED, 12, 3) == "contradicted (reversed)"
-    assert verdict_text(V.UNTESTABLE, 12, 3, "neither arm trains") == "untestable here: neither arm trains"
-    assert verdict_text(V.UNTESTABLE, 0, 3) == "untestable here: both arms give the same value on every seed"
+    assert verdict_text(V.NOT_RESOLVED, V.MAX_SEEDS + 1, 4, plan=plan) == (
+        "not resolved: a plan of 5 seeds per arm if the true difference is the one observed (5 to 7 across its "
+        f"95 % interval); more than {V.MAX_SEEDS} to tell a difference of Δ from 0"
+    )
+    assert verdict_text(V.NOT_RESOLVED, V.MAX_SEEDS + 1, 4, plan=(V.MAX_SEEDS + 1, 9, V.MAX_SEEDS + 1)) == (
+        f"not resolved: more than {V.MAX_SEEDS} seeds per arm, whether the true difference is the one observed or Δ"
+    )
+    assert verdict_text(V.NOT_RESOLVED, 0, 3, plan=(6, 6, 6)) == (
+        "not resolved: a plan of 6 seeds per arm if the true difference is the one observed (the same across its "
+        "95 % interval)"
+    )
+    assert verdict_text(V.NOT_RESOLVED, 3, 5, plan=(40, 6, V.MAX_SEEDS + 1)) == (
+        "not resolved at 5 seeds, enough for an effect of Δ: the effect is likely smaller; a plan of 40 seeds per "
+        f"arm if the true difference is the one observed (6 to more than {V.MAX_SEEDS} across its 95 % interval)"
+    )
+    assert verdict_text(V.NOT_RESOLVED, 0, 3, plan=(0, 0, 0)) == "not resolved: no seed spread to judge it on"
+    assert verdict_text(V.CONTRADICTED, 12, 3, plan=plan) == "contradicted (reversed)"
+    assert verdict_text(V.UNTESTABLE, 12, 3, "neither arm trains", plan=plan) == "untestable here: neither arm trains"
+    assert verdict_text(V.UNTESTABLE, 0, 3, plan=plan) == "untestable here: both arms give the same value on every seed"
 
 
 def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path):
@@ -572,7 +597,7 @@ def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path)
         "reproduced",
         "contradicted",
         "reproduced",
-        "needs 62 seeds",
+        f"plan: {rows[3]['plan']} seeds",  # the plan at its observed difference, its verdict's first count
         "equivalent within ±Δ",
         "reproduced, maybe < Δ",
     ]

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT
 from test_findings import write_store
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.findings import load_study, study_path, unit_of
 from dalle_ablate.report.page import arm_definition, page_sections, provenance, write_page
 from dalle_ablate.report.load import load_runs
@@ -145,7 +146,13 @@ def test_the_summary_gives_each_claim_its_verdict_its_difference_in_margins_and_
     head = text.split("## Summary\n", 1)[1].split("\n## ", 1)[0]
     assert head.index("| finding |") < head.index("![")  # the table, then the forest plot, before any other section
     table = table_after(text, "Summary")
-    assert list(table[0]) == ["finding", "claim (metric)", "verdict", "difference in Δ (95% CI)", "seeds used / needed"]
+    assert list(table[0]) == [
+        "finding",
+        "claim (metric)",
+        "verdict",
+        "difference in Δ (95% CI)",
+        "seeds used / plan (range) / for Δ",
+    ]
     for cells, r in zip(table, rows):
         f = r["finding"]
         assert cells["finding"] == f.id and cells["claim (metric)"] == f"{f.claim} ({f.metric})"
@@ -157,8 +164,17 @@ def test_the_summary_gives_each_claim_its_verdict_its_difference_in_margins_and_
             sorted((side * r["low"] / r["margin"], side * r["high"] / r["margin"])), rel=0.5e-2, abs=1e-9
         )
         assert cells["difference in Δ (95% CI)"].startswith("+") == (d > 0)
-        used, needed = cells["seeds used / needed"].split(" / ")
+        used, plan, needed = cells["seeds used / plan (range) / for Δ"].split(" / ")
         assert int(used) == len(r["seeds"]) == 3 and needed == (str(r["needed"]) if r["needed"] else "–")
+        # a plan (at the observed difference, its range across the 95 % interval) only where not resolved
+        count = lambda n: f"> {V.MAX_SEEDS}" if n > V.MAX_SEEDS else str(n)  # noqa: E731
+        flat = r["fewest"] == r["most"] == r["plan"]
+        assert plan == (
+            "–"
+            if r["code"] != V.NOT_RESOLVED
+            else count(r["plan"]) + ("" if flat else f" ({count(r['fewest'])}–{count(r['most'])})")
+        )
+    assert {r["code"] == V.NOT_RESOLVED for r in rows} == {True, False}  # both kinds of plan cell above
 
 
 def test_the_full_table_gives_every_number_its_unit_and_three_digits(page):

@@ -251,6 +251,7 @@ def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tm
     from statsmodels.stats.power import TTestPower
     from statsmodels.stats.weightstats import ttost_paired
 
+    from dalle_ablate.report import verdicts as V
     from dalle_ablate.report.build import build_sections
     from dalle_ablate.report.load import load_runs
 
@@ -287,8 +288,15 @@ def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tm
     sandwich = judged[("sandwich", "eval/valid/loss")]
     effect = 0.05 / np.std(np.array(finals["sandwich"]) - finals["preln"], ddof=1)
     assert sandwich["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / 4, 0.8))
+    # and the plan at its observed difference, from scipy's paired interval (seeds_to_settle is checked
+    # against statsmodels and scipy in test_verdicts.py), at 4 seeds at least: it is not resolved at 3
+    a, b = np.array(finals["sandwich"]), np.array(finals["preln"])
+    ci = st.ttest_rel(a, b).confidence_interval(0.95)
+    plan = V.seeds_to_settle((a - b).mean(), ci.low, ci.high, np.std(a - b, ddof=1), 0.05, 4, at_least=4)
+    assert sandwich["plan"] == tuple(int(n) for n in plan)
     assert row["sandwich", "eval/valid/loss"]["verdict against the baseline"] == (
-        f"not resolved; needs {sandwich['needed']} seeds for a difference of Δ"
+        f"not resolved; a plan of {plan[0]} seeds per arm if the true difference is the one observed "
+        f"({plan[1]} to {plan[2]} across its 95 % interval); {sandwich['needed']} to tell a difference of Δ from 0"
     )
     assert judged[("deepnet", "train/loss")]["verdict"] == "worse than the baseline"  # no margin for train/loss
 

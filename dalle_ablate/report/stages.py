@@ -1,0 +1,220 @@
+"""The arithmetic of a study run in two declared stages (docs/statistics.md, "Studies in stages"):
+stage 1 runs n1 seeds per arm, stage 2's seeds are chosen from what stage 1 showed -- its
+differences included -- and each comparison's two stage-wise tests are combined by a combination
+test declared before stage 1, so that choosing stage 2 from the data spends no error rate.
+
+* **The inverse-normal combination test** (Lehmacher & Wassmer 1999; Cui, Hung & Wang 1999): a
+  one-sided stage-wise p-value p_j per stage, from that stage's seeds only, combined as
+  1 - Φ(w1 Φ⁻¹(1 - p1) + w2 Φ⁻¹(1 - p2)), the weights declared in advance with w1² + w2² = 1.
+  Under the null each Φ⁻¹(1 - p_j) is standard normal and stage 2's is independent of stage 1's
+  whatever stage 1 made stage 2's size, so the combined statistic is standard normal too. A paired
+  t test's p-value on n_j - 1 degrees of freedom is exact, so the transformation is exact as well.
+* **Group-sequential boundaries for two looks**: a comparison may settle at stage 1 (its stage-1
+  statistic beyond c1) or at stage 2 (the combined one beyond c2), c1 and c2 spending α over the
+  two looks with the combined statistic's correlation w1 with stage 1's, i.e. at information
+  fraction t1 = w1² (Jennison & Turnbull 2000, ch. 2 and 7): O'Brien & Fleming's or Pocock's
+  classical constants, or Lan & DeMets' (1983) spending functions of O'Brien-Fleming or Pocock
+  type. The boundary integrals are scipy's bivariate normal.
+* **Holm's procedure over the findings at each look**: closed testing with Bonferroni
+  intersection tests, each finding's own two-look test at level α/m for m findings left (Bauer &
+  Kieser 1999; Posch et al. 2005), which is Holm's step-down over the findings' sequential tests
+  -- a finding rejected at a look passes its level to the rest, which are judged again on all
+  looks so far (Maurer & Bretz 2013, the graphical form of the same closed test).
+* **Repeated confidence intervals** (Jennison & Turnbull 2000, ch. 9): at each look the
+  differences the combined test would not reject at that look's boundary; they cover the true
+  difference at every look at once with probability at least 1 - 2 α_side, and exclude 0 exactly
+  where that look's test rejects it.
+
+Pure numpy and scipy over leading axes, so that the calibration (report/calibration.py) runs
+thousands of simulated studies through it. Not built yet: declaring stages in a study file and
+running stage 2 (the study runner's part)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+from scipy import stats as st
+
+from dalle_ablate.report import verdicts as V
+
+# The kinds of boundary: classical O'Brien & Fleming ("OF") and Pocock ("P"); Lan & DeMets'
+# spending functions of O'Brien-Fleming ("asOF") and Pocock ("asP") type (rpact's names).
+KINDS = ("OF", "P", "asOF", "asP")
+
+
+@dataclass(frozen=True)
+class Design:
+    """A two-stage design, declared before stage 1: stage 1's weight w1 (stage 2's is
+    sqrt(1 - w1²)), e.g. sqrt(n1 / (n1 + n2)) for the seeds planned, and the boundaries' kind."""
+
+    w1: float = math.sqrt(0.5)
+    kind: str = "asOF"
+
+    @property
+    def w2(self) -> float:
+        return math.sqrt(1 - self.w1**2)
+
+
+def inverse_normal(p1, p2, w1: float) -> np.ndarray:
+    """The inverse-normal combination of one-sided stage-wise p-values: 1 - Φ(w1 Φ⁻¹(1 - p1) +
+    w2 Φ⁻¹(1 - p2)), w2 = sqrt(1 - w1²)."""
+    return st.norm.sf(combined_z(st.norm.isf(p1), st.norm.isf(p2), w1))
+
+
+def combined_z(z1, z2, w1: float) -> np.ndarray:
+    """w1 z1 + w2 z2: the combined statistic of two stage-wise normal scores."""
+    return w1 * np.asarray(z1, np.float64) + math.sqrt(1 - w1**2) * np.asarray(z2, np.float64)
+
+
+def spending(t: float, alpha: float, kind: str) -> float:
+    """The one-sided α spent by information fraction t by Lan & DeMets' (1983) functions:
+    O'Brien-Fleming type 2 (1 - Φ(Φ⁻¹(1 - α/2) / sqrt(t))), Pocock type α ln(1 + (e - 1) t)."""
+    if kind == "asOF":
+        return 2 * st.norm.sf(st.norm.isf(alpha / 2) / math.sqrt(t))
+    if kind == "asP":
+        return alpha * math.log(1 + (math.e - 1) * t)
+    raise ValueError(f"spending kind {kind!r}: one of asOF, asP")
+
+
+def _both_below(c1: float, c2: float, rho: float) -> float:
+    """P(Z1 < c1, Z2 < c2) for standard normals of correlation rho (scipy's bivariate normal,
+    to an absolute error far below the smallest α a boundary is computed for)."""
+    cov = [[1.0, rho], [rho, 1.0]]
+    return float(st.multivariate_normal.cdf([c1, c2], [0.0, 0.0], cov, abseps=1e-12, releps=1e-10))
+
+
+@functools.lru_cache(maxsize=None)
+def boundaries(alpha: float, t1: float, kind: str) -> tuple[float, float]:
+    """(c1, c2): the one-sided critical values of the stage-1 and the combined statistic at
+    information fraction t1, whose probability of any crossing under the null is alpha.
+    Classical (Jennison & Turnbull 2000, ch. 2): c1 = C / sqrt(t1), c2 = C for O'Brien & Fleming,
+    c1 = c2 = C for Pocock. Spending (Lan & DeMets 1983): c1 spends spending(t1), c2 the rest."""
+    rho = math.sqrt(t1)
+    if kind in ("OF", "P"):
+        first = (lambda c: c / rho) if kind == "OF" else (lambda c: c)
+        c = optimize.brentq(lambda c: 1 - _both_below(first(c), c, rho) - alpha, 0.5, 10.0, xtol=1e-10)
+        return first(c), c
+    spent = spending(t1, alpha, kind)
+    c1 = float(st.norm.isf(spent))
+    # what is left for stage 2: P(Z1 < c1, Z >= c2) = alpha - spent
+    c2 = optimize.brentq(lambda c: st.norm.cdf(c1) - _both_below(c1, c, rho) - (alpha - spent), 0.0, 10.0, xtol=1e-10)
+    return c1, c2
+
+
+def stage_z(d, se, df, shift=0.0) -> np.ndarray:
+    """A stage's one-sided normal score for "the difference is above `shift`": Φ⁻¹ of the paired
+    t test's 1 - p on df degrees of freedom (exact: the t's p-value is uniform under the null).
+    -inf where the stage cannot test (fewer than 2 seeds: df < 1, or no spread); +inf for a
+    difference above the shift with no spread."""
+    d, se, df = (np.asarray(x, np.float64) for x in (d, se, df))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        t = (d - shift) / se
+        z = st.norm.isf(st.t.sf(t, df))
+    ok = np.isfinite(d) & (df >= 1) & ((se > 0) | (d != shift))
+    return np.where(ok, z, -np.inf)
+
+
+def reject_by_look(z1, z2, w1: float, c: tuple[float, float]):
+    """Whether a one-sided two-look test with boundaries c = (c1, c2) rejects at look 1 and by
+    look 2 (at look 1, or its combined statistic beyond c2)."""
+    first = np.asarray(z1) >= c[0]
+    with np.errstate(invalid="ignore"):
+        combined = combined_z(z1, z2, w1) >= c[1]
+    return first, first | combined
+
+
+def holm_by_look(sides, alpha: float, design: Design, tested, split: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Holm's step-down over the last axis at both looks (Posch et al. 2005; Maurer & Bretz 2013).
+    `sides`: a list of (z1, z2) pairs, the one-sided tests of each hypothesis; `split` = 1: the
+    hypothesis is rejected at level a where *all* its one-sided tests reject at a (an intersection-
+    union test: TOST's two); `split` = 2: where *any* of its two one-sided tests rejects at a / 2
+    (a two-sided test as two one-sided ones). Returns the rejections at look 1 and by look 2."""
+    tested = np.asarray(tested, bool)
+    k = int(tested.sum(-1).max()) if tested.size else 0
+    r1 = np.zeros(tested.shape, int)
+    r2 = np.zeros(tested.shape, int)
+    for m in range(1, k + 1):  # the largest m (smallest level alpha / m) at which each rejects
+        c = boundaries(alpha / (m * split), design.w1**2, design.kind)
+        by = [reject_by_look(z1, z2, design.w1, c) for z1, z2 in sides]
+        combine = np.logical_or if split == 2 else np.logical_and
+        at1 = functools.reduce(combine, [b[0] for b in by])
+        at2 = functools.reduce(combine, [b[1] for b in by])
+        r1 += at1
+        r2 += at2
+    return _step_down(r1, tested), _step_down(r2, tested)
+
+
+def _step_down(r: np.ndarray, tested: np.ndarray) -> np.ndarray:
+    """Holm's step-down given, per hypothesis, the largest m at which its test at alpha / m
+    rejects (its test's rejections are nested: a smaller level rejects less): with k tested, the
+    i-th most significant (0-based) is rejected if it and every one before rejects at alpha / (k - i)."""
+    k = tested.sum(-1, keepdims=True)
+    r = np.where(tested, r, -1)
+    order = np.argsort(-r, axis=-1, kind="stable")
+    ranked = np.take_along_axis(r, order, -1)
+    ok = np.cumprod(ranked >= k - np.arange(r.shape[-1]), axis=-1).astype(bool)
+    out = np.empty_like(ok)
+    np.put_along_axis(out, order, ok, -1)
+    return out & tested
+
+
+def analyse_staged(
+    first: dict[str, np.ndarray],
+    second: dict[str, np.ndarray],
+    comparisons: list[V.Comparison],
+    design: Design,
+    alpha: float = V.ALPHA,
+) -> dict[str, np.ndarray]:
+    """Every comparison judged in two stages, each stage's tables (metric -> values[..., arm,
+    seed], NaN: no value; stage 2 all NaN where it did not run) on its own seeds by the verdict
+    engine's paired difference (report/verdicts.py): per look, Holm over the comparisons of the
+    difference test (two-sided: each side at α/2) and of equivalence within ±Δ (both one-sided
+    tests of TOST). Returns the stage-wise differences and standard errors, the rejections at look
+    1 (`differs1`, `equivalent1`) and by look 2 (`differs2`, `equivalent2`)."""
+    s1, s2 = V.analyse(first, comparisons, alpha), V.analyse(second, comparisons, alpha)
+    z = {}
+    for name, s in (("1", s1), ("2", s2)):
+        z["up" + name] = stage_z(s["d"], s["se"], s["df"])
+        z["down" + name] = stage_z(-s["d"], s["se"], s["df"])
+        z["above" + name] = stage_z(s["d"], s["se"], s["df"], -s["margin"])  # against δ <= -Δ
+        z["below" + name] = stage_z(-s["d"], s["se"], s["df"], -s["margin"])  # against δ >= Δ
+    tested = np.isfinite(s1["d"]) & (s1["df"] >= 1)
+    differs1, differs2 = holm_by_look([(z["up1"], z["up2"]), (z["down1"], z["down2"])], alpha, design, tested, split=2)
+    has = tested & np.isfinite(s1["margin"]) & (s1["margin"] > 0)
+    eq1, eq2 = holm_by_look([(z["above1"], z["above2"]), (z["below1"], z["below2"])], alpha, design, has)
+    return {
+        "d1": s1["d"],
+        "se1": s1["se"],
+        "df1": s1["df"],
+        "d2": s2["d"],
+        "se2": s2["se"],
+        "df2": s2["df"],
+        "differs1": differs1,
+        "differs2": differs2,
+        "equivalent1": eq1,
+        "equivalent2": eq2,
+    }
+
+
+def repeated_interval(d1, se1, df1, d2, se2, df2, design: Design, alpha_side: float) -> tuple[tuple, tuple]:
+    """The repeated confidence intervals of one comparison at its two looks (Jennison & Turnbull
+    2000, ch. 9), each side at the boundaries of level alpha_side: at look 1, d1 ± t_df1(Φ(c1)) se1;
+    at look 2, the differences δ0 whose combined statistic w1 z1(δ0) + w2 z2(δ0) lies within ±c2,
+    z_j(δ0) the stage's t test of δ0 made normal (stage_z). Together they cover the true difference
+    at both looks with probability at least 1 - 2 alpha_side; look j's excludes 0 exactly where that
+    look's test rejects it."""
+    c1, c2 = boundaries(alpha_side, design.w1**2, design.kind)
+    half = st.t.ppf(st.norm.cdf(c1), df1) * se1
+    look1 = (d1 - half, d1 + half)
+
+    def combined(delta: float) -> float:
+        return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), design.w1))
+
+    span = 50 * (se1 + se2) + abs(d1) + abs(d2)
+    low = optimize.brentq(lambda x: combined(x) - c2, min(d1, d2) - span, max(d1, d2) + span, xtol=1e-12)
+    high = optimize.brentq(lambda x: combined(x) + c2, min(d1, d2) - span, max(d1, d2) + span, xtol=1e-12)
+    return look1, (low, high)
