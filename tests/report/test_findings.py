@@ -409,8 +409,8 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
             *SMALL_DATA,
             *TINY_TRAIN,
         ]
-        # the study's own compilation cache (in its folder), not the suite's (conftest.py)
-        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        # a compilation cache of this test's own, not the suite's (conftest.py): what the study's runs keep
+        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache")}
         return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
 
     first = study("seed=0")  # a study stopped after its seed-0 jobs
@@ -447,7 +447,11 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
     figures = sorted(p.name for p in (tmp_path / "results" / "figures").iterdir())
     assert figures and all(f.startswith("mega-variants_") for f in figures)
     assert (tmp_path / "reports" / "mega-variants" / "index.html").is_file()
-    assert any((folder / "jax_cache").iterdir())  # the later seeds of an arm load its compiled programs
+    # every run keeps its compiled programs (compilation_cache.dir, here from the environment), and
+    # the top-up's run loaded the ones the first invocation compiled
+    assert any((tmp_path / "jax_cache").glob("*-cache"))
+    topped = json.loads((folder / "baseline-seed1" / "run" / "meta.json").read_text())["compilation"]
+    assert topped["cache_dir"] == str(tmp_path / "jax_cache") and topped["loaded"] > 0
     assert "runs were trained as members of one job per arm" in page
     members_json = json.loads((folder / "baseline-seed0" / "members.json").read_text())
     assert [(m["seed"], Path(m["job_dir"]).name, m["status"]) for m in members_json["members"]] == [
