@@ -79,9 +79,10 @@ class CompilationCacheConfig:
     dir: Optional[str] = "${oc.env:JAX_COMPILATION_CACHE_DIR," + CACHE_ROOT + "/jax-compilation}"
     # a program that compiled faster than this is not kept (JAX's own default is 1 s, more than the tiny model's take)
     min_compile_time_s: float = 0.0
-    # the least recently used programs are removed past this size; null = no bound. A bound also
-    # makes JAX lock the folder around each read and write, so a process never reads another's half-written entry
-    max_size_gb: Optional[float] = 4.0
+    # null = no bound (JAX's default). A bound removes the least recently used programs past it, and
+    # makes JAX lock the folder around each read and write -- and rescan the whole folder at every
+    # write, 0.1 s per 1000 entries here (docs/guides/runs.md), which is why it is not the default
+    max_size_gb: Optional[float] = None
 
 
 @dataclass

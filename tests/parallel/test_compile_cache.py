@@ -114,7 +114,7 @@ WRITER = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from dalle_ablate.config import CompilationCacheConfig
     from dalle_ablate.parallel import compile_cache
-    compile_cache.configure(CompilationCacheConfig(dir=sys.argv[1]))
+    compile_cache.configure(CompilationCacheConfig(dir=sys.argv[1], max_size_gb=4.0))  # a bound: JAX's lock
     go = Path(sys.argv[2])
     while not go.exists():  # both processes compile at the same moment
         time.sleep(0.01)
@@ -128,6 +128,8 @@ WRITER = textwrap.dedent(
 
 
 def test_two_processes_writing_one_cache_at_once_leave_every_entry_readable(tmp_path):
+    """With a bound (compilation_cache.max_size_gb), JAX locks the folder around each entry: two
+    processes compiling the same programs at once leave every entry whole (docs/guides/runs.md)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     go = tmp_path / "go"
     procs = [
