@@ -66,7 +66,7 @@ def load_study(path: Path) -> Study:
     """A study file read and checked: a one-line ConfigError naming the field and what would be valid."""
     # The report's own measures (loss_spikes, lr_sensitivity) are declared beside the code that
     # computes them, report/findings.py and report/stress.py, which import this module: here, not above.
-    from dalle_ablate.report import findings  # noqa: F401
+    import dalle_ablate.report.findings  # noqa: F401
 
     raw = read_yaml(Path(path)) or {}
     where = str(path)

@@ -29,7 +29,7 @@ from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import recheck as rechecks
 from dalle_ablate.sweep import space as spaces
-from dalle_ablate.sweep.study import (
+from dalle_ablate.sweep.optuna_study import (
     MEMBERS_ATTR,
     NEEDS_SPREAD,
     PRUNER_ATTR,
