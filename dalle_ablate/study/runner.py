@@ -128,7 +128,7 @@ def _one_line_on_ctrl_c(name: str, again: str, stages: list[str]):
 
 def as_members(experiment: str, overrides: list[str]) -> list[str]:
     """The study's multirun overrides with each arm's seeds trained as members of one job
-    (train/members.py): `seeds=[...]` in place of the seed sweep, and `seed=` the first of them,
+    (train/loop.py train_members): `seeds=[...]` in place of the seed sweep, and `seed=` the first of them,
     which names the job's own folder (`<arm>-seed<first>`, its first member's). The run folders,
     names and overrides each member records are its separate run's (job.py member_jobs).
     `members.impl=map` unless the overrides choose: each member's own program, so the runs are
