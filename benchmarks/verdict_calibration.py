@@ -32,7 +32,7 @@ BEGIN, END = "<!-- calibration: benchmarks/verdict_calibration.py writes this ta
 def calibration_table(study: str, studies: int) -> tuple[list[str], bool]:
     """The markdown table of every check, and whether all held."""
     from dalle_ablate.report import calibration as cal
-    from dalle_ablate.report.findings import study_path
+    from dalle_ablate.report.design import study_path
 
     s = cal.structure(study_path(study))
     lines = [
@@ -109,7 +109,7 @@ def moderated(tables: dict, comps: list, outcome_of) -> np.ndarray:
 def alternatives(study: str, studies: int) -> list[str]:
     """The moderated t's family-wise rate of a false difference in a few of the scenarios."""
     from dalle_ablate.report import calibration as cal
-    from dalle_ablate.report.findings import study_path
+    from dalle_ablate.report.design import study_path
 
     s = cal.structure(study_path(study))
     lines = ["| scenario | moderated t: any false difference | Monte-Carlo se |", "|---|---|---|"]
@@ -131,7 +131,7 @@ def staged_misuse(study: str, studies: int) -> list[str]:
     simulated studies: by the combination test (report/stages.py) and by the fixed-design tests
     on all the seeds, as peeking and adding seeds would."""
     from dalle_ablate.report import calibration as cal
-    from dalle_ablate.report.findings import study_path
+    from dalle_ablate.report.design import study_path
 
     s = cal.structure(study_path(study))
     lines = [
@@ -162,7 +162,7 @@ def write_statistics(block: list[str]) -> None:
 @writes_page("The verdict engine's calibration")
 def main() -> None:
     from dalle_ablate.report import calibration as cal
-    from dalle_ablate.report.findings import study_path
+    from dalle_ablate.report.design import study_path
     from dalle_ablate.train.meta import git_commit
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

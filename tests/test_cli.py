@@ -103,7 +103,7 @@ def test_a_ctrl_c_lets_a_study_s_child_finish_what_it_does_on_one(tmp_path):
     import signal
     import threading
 
-    from dalle_ablate.report.study_runs import call_child
+    from dalle_ablate.study.children import call_child
 
     done = tmp_path / "saved"
     child = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(done)!r}).write_text('x')"
@@ -128,7 +128,7 @@ def test_a_sigterm_to_a_study_alone_is_passed_on_to_its_child_which_saves(tmp_pa
     import time
 
     from dalle_ablate import interrupts
-    from dalle_ablate.report.study_runs import call_child
+    from dalle_ablate.study.children import call_child
 
     monkeypatch.setitem(interrupts._state, "terminated", False)  # this process's record, as it was after the test
     done, ready = tmp_path / "saved", tmp_path / "ready"

@@ -157,11 +157,11 @@ def _study_arguments(p: argparse.ArgumentParser) -> None:
     "report and a results page with a verdict per finding",
 )
 def cmd_study(args) -> None:
-    """Run a study's arms and seeds, then its report and its results page (report/study_runs.py)."""
+    """Run a study's arms and seeds, then its report and its results page (dalle_ablate/study/)."""
     import shlex
 
     from dalle_ablate import interrupts
-    from dalle_ablate.report.study_runs import run_study
+    from dalle_ablate.study.runner import run_study
 
     with interrupts.taken_at_checks():  # its stages and runs stop at their checks: one line, the command that continues
         run_study(

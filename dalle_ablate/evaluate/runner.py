@@ -345,7 +345,7 @@ class Evaluation:
 
 
 class MemberEvaluations:
-    """The sampling evaluation of the members of one job (train/members.py): a view of one
+    """The sampling evaluation of the members of one job (train/loop.py train_members): a view of one
     Evaluation per member, each logging to its member's tracker and computing its own metrics,
     while every draw (each guidance scale, grid and rerank) is made once for all members by
     `batched` -- the sampler mapped over the members' stacked parameters with the key, prompts and

@@ -42,9 +42,8 @@ def structure(study_file: Path) -> Structure:
     the metrics of its own runs; its stress plan's arms and seeds for the metrics judged on the
     stress runs (report/stress.py)."""
     from dalle_ablate.metrics import STUDY
-    from dalle_ablate.report.findings import load_study, study_arms
-    from dalle_ablate.report.stress import load_stress
-    from dalle_ablate.report.study_runs import swept_seeds
+    from dalle_ablate.report.design import load_stress, load_study, swept_seeds
+    from dalle_ablate.report.findings import study_arms
 
     study = load_study(study_file)
     plan = load_stress(study_file)

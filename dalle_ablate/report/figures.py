@@ -91,13 +91,18 @@ def _legend_below(fig, palette: dict, counts: dict | None = None) -> None:
     handles = [
         plt.Line2D([], [], color=c, label=v + (f" (n={counts[v]})" if counts else "")) for v, c in palette.items()
     ]
+    _handles_below(fig, handles, columns=3)
+
+
+def _handles_below(fig, handles: list, columns: int) -> None:
+    """A figure's one legend, under its axes, at most `columns` entries a row."""
     fig.legend(
         handles=handles,
         loc="upper center",
         bbox_to_anchor=(0.5, 0.0),
         fontsize=MIN_PT,
         frameon=False,
-        ncol=max(1, min(3, len(handles))),
+        ncol=max(1, min(columns, len(handles))),
     )
 
 
@@ -379,12 +384,5 @@ def seeds_figure(panels: list[tuple[str, list[tuple]]], level: float, ncols: int
         plt.Line2D([], [], color="#888", marker="o", mec="black", ls="", label="transition"),
         plt.Line2D([], [], color="#444", ls=":", label=f"level {level:g}"),
     ]
-    fig.legend(
-        handles=handles,
-        loc="upper center",
-        bbox_to_anchor=(0.5, 0.0),
-        fontsize=MIN_PT,
-        frameon=False,
-        ncol=min(6, len(handles)),
-    )
+    _handles_below(fig, handles, columns=6)
     return png(fig)

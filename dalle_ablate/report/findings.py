@@ -2,38 +2,26 @@
 against the runs of its arms by the verdict engine (report/verdicts.py) -- the paired difference
 over the seeds both arms ran, its interval from that pair's own noise, one of its verdicts at a
 family-wise 5 % (Holm), the seeds a finding not resolved needs, Welch's interval beside it for
-comparison, its course over training (docs/statistics.md); and the top-up rule. report/page.py
-writes the results page.
-
-A study is a YAML file (`report/studies/<name>.yaml`): the multirun preset that runs it, its
-baseline arm, and its findings, each a claim with the arm it is about, the arm it is compared
-with, a metric (its study name, as declared beside the code that computes it: dalle_ablate/metrics.py),
-the direction the claim predicts and its margin Δ (the metric's declared default where it gives
-none)."""
+comparison, its course over training (docs/statistics.md). What a study is -- its file, its
+findings -- is report/design.py; report/page.py writes the results page."""
 
 from __future__ import annotations
 
 import json
 import math
-from importlib import resources
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
-import yaml
 
 from dalle_ablate.metrics import STUDY, Metric, declare
-from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import stress  # noqa: F401 -- declares lr_sensitivity, measured on the stress runs
-from dalle_ablate.report.load import Run, read_yaml, series
+from dalle_ablate.report.design import Finding, Study, sweeper_params
+from dalle_ablate.report.load import Run, series
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.stats import diff_ci, spikes
 from dalle_ablate.report.tables import final_value
-from dalle_ablate.report.transitions import Rule, rule_from
 
-STUDIES = Path(__file__).parent / "studies"
-TOPUPS = "topups.json"  # in a study's folder: each top-up's seeds before and after, and what the rule asked
 VERDICTS = V.VERDICTS
 
 
@@ -109,111 +97,10 @@ def unit_of(metric: str) -> str:
     return STUDY[metric].unit if metric in STUDY else ""
 
 
-@dataclass
-class Finding:
-    id: str
-    claim: str
-    arm: str  # the arm the claim is about
-    against: str  # the arm it is compared with
-    metric: str  # a study metric's name (dalle_ablate/metrics.py: STUDY)
-    expect: str  # "lower" | "higher": the arm's value against the other's, if the claim holds
-    # Δ: "N%" of the baseline's mean or an absolute value; None: the metric's declared margin
-    margin: Optional[str] = None
-    note: Optional[str] = None  # what a reader needs to know to read its verdict (how this study tests the claim)
-
-
-@dataclass
-class Study:
-    name: str
-    title: str
-    source: str
-    experiment: str  # the multirun preset (conf/experiment/) that runs every arm and seed
-    baseline: str
-    findings: list[Finding]
-    scale_note: str = ""  # what this scale can and cannot say, written with the study
-    # the late-seed view's rule (report/transitions.py): the file's `transition:`, else the defaults
-    transition: Rule = field(default_factory=Rule)
-
-
-def study_path(name: str) -> Path:
-    path = STUDIES / f"{name}.yaml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in STUDIES.glob("*.yaml")))
-        raise ConfigError(f"study {name!r} is not one of: {known} (or give a study file, <path>.yaml)")
-    return path
-
-
-def load_study(path: Path) -> Study:
-    raw = read_yaml(Path(path)) or {}
-    where = str(path)
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{where}: not a study file (a YAML mapping with name, title, source, experiment, baseline, "
-            f"findings); it holds a {type(raw).__name__}"
-        )
-    for key in ("name", "title", "source", "experiment", "baseline", "findings"):
-        if key not in raw:
-            raise ConfigError(f"{where}: missing '{key}'")
-    findings = []
-    for i, f in enumerate(raw["findings"]):
-        keys = [d.name for d in fields(Finding)]
-        missing = [k for k in keys if k not in f and k not in ("margin", "note")]
-        if missing:
-            raise ConfigError(f"{where}: finding {i} lacks {', '.join(missing)}")
-        if f["metric"] not in STUDY:
-            raise ConfigError(
-                f"{where}: finding {f['id']!r} has metric {f['metric']!r}; valid: {', '.join(sorted(STUDY))}"
-            )
-        if f["expect"] not in ("lower", "higher"):
-            raise ConfigError(f"{where}: finding {f['id']!r} has expect {f['expect']!r}; valid: lower, higher")
-        margin = f.get("margin", STUDY[f["metric"]].margin or None)
-        if margin is None:
-            raise ConfigError(
-                f"{where}: finding {f['id']!r} has no margin and metric {f['metric']!r} no default one; "
-                "give margin: a positive number in the metric's units (0.01) or a percentage of the "
-                "baseline's mean (2%)"
-            )
-        if parse_margin(margin) is None:
-            raise ConfigError(
-                f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
-                f"metric's units (0.01) or a percentage of the baseline's mean (2%)"
-            )
-        if not isinstance(f.get("note", ""), str):
-            raise ConfigError(f"{where}: finding {f['id']!r} has note {f['note']!r}; give a sentence of text")
-        findings.append(
-            Finding(**{k: f[k] for k in keys if k not in ("margin", "note")}, margin=str(margin), note=f.get("note"))
-        )
-    stressed = {
-        a
-        for f in raw["findings"]
-        if f["id"] in ((raw.get("stress") or {}).get("claims") or [])
-        for a in (f["arm"], f["against"])
-    }
-    for f in findings:  # a percentage of the baseline's mean needs the baseline measured on that metric
-        if STUDY[f.metric].reads == "given" and parse_margin(f.margin)[1] and raw["baseline"] not in stressed:
-            raise ConfigError(
-                f"{where}: finding {f.id!r} has margin {f.margin} of the baseline's {f.metric}, but the "
-                f"baseline {raw['baseline']!r} is in no stress claim, so it has none; give an absolute "
-                "margin (0.05) or a stress claim with the baseline"
-            )
-    return Study(
-        raw["name"],
-        raw["title"],
-        raw["source"],
-        raw["experiment"],
-        raw["baseline"],
-        findings,
-        raw.get("scale_note", ""),
-        rule_from(raw.get("transition"), where),
-    )
-
-
 def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
     """The study's arms: the baseline, those its experiment preset runs (its sweeper's `+arm`),
     then any other that has runs or a finding names."""
-    preset = resources.files("dalle_ablate.conf") / "experiment" / f"{study.experiment}.yaml"
-    raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
-    swept = str((((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params", {}).get("+arm") or "")
+    swept = str(sweeper_params(study.experiment).get("+arm") or "")
     return list(
         dict.fromkeys(
             [
@@ -224,9 +111,6 @@ def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
             ]
         )
     )
-
-
-parse_margin = V.parse_margin
 
 
 def arm_of(run: Run) -> Optional[str]:
@@ -446,61 +330,6 @@ def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:
         if arm is not None:
             by_arm.setdefault(arm, []).append(r)
     return by_arm
-
-
-def topup_target(study: Study, runs: list[Run]) -> tuple[int, int]:
-    """(seeds per arm now, seeds per arm the top-up rule asks for)."""
-    by_arm = _arms_by(runs)
-    arms, seeds, tables = claims_tables(study, by_arm)
-    _, r = judge(study, arms, tables)
-    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
-    own = [int(n) for n, f in zip(r["needed"], study.findings) if n > 0 and STUDY[f.metric].reads != "given"]
-    return now, V.topup_seeds(own, now)
-
-
-def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> tuple[str, dict]:
-    """`dalle-ablate study NAME --seeds N|auto`: (the seed override that tops the finished study
-    in `folder` up to that many seeds per arm -- its seeds kept, the smallest unused ones added --
-    and the entry for its top-up log). `auto` is the rule: the largest seeds-needed over all the
-    findings (prose.TOPUP_RULE, docs/statistics.md). One-line errors for what cannot be topped up."""
-    from dalle_ablate.report.load import load_runs
-
-    if any(o.split("=", 1)[0].lstrip("+~") == "seed" for o in overrides):
-        raise ConfigError("--seeds chooses the seeds itself; leave out the seed= override")
-    if seeds != "auto" and not (seeds.isdigit() and int(seeds) >= 2):
-        raise ConfigError(f"--seeds {seeds!r}: give a number of seeds per arm (2 or more) or auto (the top-up rule)")
-    log = Path(folder) / TOPUPS
-    done = json.loads(log.read_text()) if seeds == "auto" and log.exists() else []
-    if any(t.get("how", "").startswith("--seeds auto") for t in done):  # its error rate is simulated for one look
-        raise ConfigError(
-            f"--seeds auto: study {study.name} was topped up by the rule already; the rule tops up once "
-            "(a second look at the same data would spend its error rate again)"
-        )
-    try:
-        runs = load_runs(str(folder))
-    except ConfigError:
-        runs = []
-    by_arm = _arms_by(runs)
-    if not by_arm:
-        raise ConfigError(
-            f"--seeds tops up a study that has run: no runs of study {study.name} under {folder}; run "
-            f"dalle-ablate study {study.name} first"
-        )
-    now, rule = topup_target(study, runs)
-    target = rule if seeds == "auto" else int(seeds)
-    if target < now:
-        raise ConfigError(f"--seeds {seeds}: study {study.name} already has {now} seeds per arm; a top-up only adds")
-    have = sorted({r.seed for rs in by_arm.values() for r in rs if r.seed is not None}, key=str)
-    extra = [s for s in range(target + len(have)) if s not in have][: max(0, target - len(have))]
-    chosen = [*have, *extra][: max(target, len(have))]
-    entry = {
-        "from": now,
-        "to": target,
-        "rule": rule,
-        "seeds": chosen,
-        "how": "--seeds auto (the rule)" if seeds == "auto" else f"--seeds {seeds}",
-    }
-    return "seed=" + ",".join(str(s) for s in chosen), entry
 
 
 def noise_sources(runs: list[Run], value: Callable[[Run], float]) -> list[tuple[str, float, int]]:

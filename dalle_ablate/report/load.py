@@ -25,7 +25,7 @@ from dalle_ablate.track.wandb_api import group_runs
 # where things are written, how progress is shown.
 SEEDS = ("seed", "data_seed", "init_seed")
 # How runs were made is not what they compare: seeds trained as members of one job
-# (train/members.py) are their separate runs.
+# (train/loop.py train_members) are their separate runs.
 NOT_A_VARIANT = (
     *SEEDS,
     "resume",

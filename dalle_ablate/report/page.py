@@ -27,21 +27,19 @@ from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.findings import (
-    TOPUPS,
-    Study,
     _arms_by,
     claims_tables,
     compare,
     course,
     noise_sources,
-    parse_margin,
     reading,
     study_arms,
     replicate,
     study_value,
     unit_of,
 )
-from dalle_ablate.report.load import Run, machine_time, series
+from dalle_ablate.report.design import TOPUPS, Study
+from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
 from dalle_ablate.report.transitions import late_section
@@ -236,7 +234,7 @@ def over_training(r: dict, courses: dict) -> str:
 def claim_row(r: dict, over_training: str) -> list:
     """A finding's row of the full table: every number in its metric's unit, to 3 digits."""
     f, u = r["finding"], unit_of(r["finding"].metric)
-    value, relative = parse_margin(f.margin)
+    value, relative = V.parse_margin(f.margin)
     return [
         f.id,
         f.claim,
@@ -419,7 +417,7 @@ def page_sections(
 ) -> tuple[list[Section], list[dict]]:
     """The results page as report sections, and the comparison rows: the answer first (the summary
     and its forest plot), then the noise report, then the details. `topups`: the study's top-up log
-    (study_runs.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
+    (dalle_ablate/study/runner.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
     `statistics`: the link to docs/statistics.md from the page's folder; `untestable`: findings
     more seeds could not settle, and why (findings.compare)."""
     by_arm = _arms_by(runs)
@@ -456,10 +454,11 @@ def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[
     (id -> why), from the stress runs beside the study's folder (report/stress.py); nothing if its
     file declares none."""
     from dalle_ablate.report import stress
+    from dalle_ablate.report.design import load_stress, stress_folder
     from dalle_ablate.report.load import load_runs
 
-    plan = stress.load_stress(study_file)
-    where = stress.stress_folder(Path(source))
+    plan = load_stress(study_file)
+    where = stress_folder(Path(source))
     if plan is None or not where.is_dir() or not any(where.rglob("metrics.jsonl")):
         return [], {}, {}  # none run yet (or none got as far as its run store)
     sections, claims = stress.stress_sections(plan, load_runs(str(where)))
@@ -505,53 +504,3 @@ def write_page(
     path = page_dir / f"{study.name}.md"
     atomic_write(path, to_markdown(study.title, sections, page_dir, number=fmt3))
     return path
-
-
-def provenance(
-    study_arg: str,
-    seeds: Optional[str],
-    overrides: list[str],
-    command: list[str],
-    runs: list[Run],
-    elapsed: float,
-    ran: bool,
-    stress_line: Optional[str] = None,
-) -> list[str]:
-    """The page's provenance lines (`dalle-ablate study`): the command as typed (`study_arg`, the
-    `--seeds` given, the `overrides`) and the multirun `command` it ran; the commit of this page
-    and those the runs were trained at, each with its run count (a study resumed across commits
-    names them all); the runs, how many finished and their wall time added up (load.machine_time); what this
-    invocation took (`elapsed` seconds; `ran` False: --no-run, nothing ran); and the stress
-    runs' line, if any."""
-    import shlex
-    from collections import Counter
-
-    from dalle_ablate.train.meta import git_commit
-
-    summaries = [r.summary for r in runs]
-    commit = git_commit()
-    trained = Counter(
-        f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
-        for m in (r.meta for r in runs)
-        if m.get("git")
-    )
-    typed = " ".join(
-        shlex.quote(a) for a in ["dalle-ablate", "study", study_arg, *(["--seeds", seeds] if seeds else []), *overrides]
-    )
-    invocation = (
-        "this invocation ran nothing (--no-run)"
-        if not ran
-        else f"this invocation took {fmt3(elapsed / 60, 'min')} (runs finished before it are skipped, not repeated)"
-    )
-    lines = [
-        f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
-        f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
-        f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
-        + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common())
-        + ".",
-        f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
-        f"time adds up to {fmt3(machine_time(runs) / 60, 'min')}"
-        f"{' (a job of several members counted once)' if any(r.meta.get('members') for r in runs) else ''}; "
-        f"{invocation}.",
-    ]
-    return lines + ([stress_line] if stress_line is not None else [])

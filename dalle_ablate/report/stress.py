@@ -32,23 +32,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import yaml
-
 from dalle_ablate.metrics import Metric, declare, label, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.load import Run, machine_time, read_json, series
+from dalle_ablate.report.design import StressClaim, StressPlan
+from dalle_ablate.report.load import Run, machine_time, series
 from dalle_ablate.report.stats import mean_ci, spikes
 from dalle_ablate.report.tables import fmt3
 from dalle_ablate.report.writers import Section
+from dalle_ablate.track.runstore import settled
 
-# The metric a stress claim is judged on (report/findings.py): its per-seed values come from the
-# stress runs, not from the study's own runs, which compare arms at one rate where none spikes.
-STABILITY_METRICS = ("lr_sensitivity",)
 # measure -> (what it is, for the page; which way is more stable)
 MEASURES = {
     "lr_sensitivity": (
@@ -80,164 +76,6 @@ declare(
         covers="the stress runs' seeds (initialisation and data order at every rate)",
     )
 )
-# Keys a stress run sets itself: a study command's own overrides of these are not passed on.
-CONTROLLED = (
-    "arm",
-    "optim.lr",
-    "seed",
-    "seeds",
-    "trainer.steps",
-    "hydra.run.dir",
-    "hydra.sweep.dir",
-    "hydra.sweep.subdir",
-)
-
-
-@dataclass(frozen=True)
-class StressClaim:
-    id: str
-    claim: str
-    arm: str
-    against: str
-    expect: str  # "lower" | "higher": the arm's instability against the other's, if the claim holds
-
-
-@dataclass
-class StressPlan:
-    claims: list[StressClaim]
-    rates: list[float]
-    seeds: list[int]
-    steps: int
-    overrides: list[str]
-    source: str
-
-    @property
-    def arms(self) -> list[str]:
-        return list(dict.fromkeys(a for c in self.claims for a in (c.arm, c.against)))
-
-    def jobs(self) -> list[tuple[str, float, int]]:
-        """(arm, rate, seed) of every stress run, seed-major so that a stopped study has whole seeds."""
-        return [(arm, lr, seed) for seed in self.seeds for arm in self.arms for lr in self.rates]
-
-
-def load_stress(path: Path) -> Optional[StressPlan]:
-    """The stress plan of a study file, or None if it has no `stress:` section. Bad values raise a
-    one-line ConfigError naming the field and what would be valid."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    s = raw.get("stress")
-    if s is None:
-        return None
-    where = f"{path}: stress"
-    if not isinstance(s, dict):
-        raise ConfigError(f"{where} must be a mapping with claims, lr, seeds, steps (and optionally overrides, source)")
-    for key in ("claims", "lr", "seeds", "steps"):
-        if key not in s:
-            raise ConfigError(f"{where} lacks '{key}'")
-    findings = {f.get("id"): f for f in raw.get("findings") or []}
-    claims = []
-    for cid in s["claims"]:
-        f = findings.get(cid)
-        if f is None:
-            raise ConfigError(
-                f"{where}.claims names {cid!r}, not a finding of the study; valid: {', '.join(map(str, findings))}"
-            )
-        if f.get("metric") not in STABILITY_METRICS:
-            raise ConfigError(
-                f"{where}.claims: finding {cid!r} has metric {f.get('metric')!r}; a stress claim's metric "
-                f"must be {' or '.join(STABILITY_METRICS)} (lower is more stable): it is judged on the "
-                "stress runs"
-            )
-        claims.append(StressClaim(cid, str(f.get("claim", cid)), f["arm"], f["against"], f["expect"]))
-    try:
-        rates = [float(x) for x in s["lr"]]
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}.lr={s['lr']!r} must be a list of learning rates") from None
-    if len(set(rates)) < 3 or min(rates) <= 0 or rates != sorted(rates) or len(set(rates)) != len(rates):
-        raise ConfigError(f"{where}.lr={s['lr']} must be at least 3 distinct positive rates in increasing order")
-    seeds = s["seeds"]
-    whole = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seeds or [None])
-    if not seeds or not whole or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{where}.seeds={seeds} must be a non-empty list of distinct integers >= 0")
-    steps = s["steps"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ConfigError(f"{where}.steps={steps!r} must be an integer >= 1")
-    overrides = [str(o) for o in s.get("overrides") or []]
-    return StressPlan(claims, rates, list(seeds), steps, overrides, str(s.get("source", "")))
-
-
-# -- the runs ----------------------------------------------------------------------------------
-def stress_folder(study_folder: Path) -> Path:
-    """Where a study's stress runs go: beside its own runs, not among them (a reader of the study's
-    folder would take them for more seeds of its arms)."""
-    study_folder = Path(study_folder)
-    return study_folder.with_name(f"{study_folder.name}-stress")
-
-
-def run_name(arm: str, lr: float, seed: int) -> str:
-    return f"{arm}-lr{lr:g}-seed{seed}"
-
-
-def settled(store: Path, steps: int) -> bool:
-    """A stress run that need not start again: finished all its steps, or diverged (a result:
-    the same rate, seed and code diverge again)."""
-    path = Path(store) / "summary.json"
-    if not path.exists():
-        return False
-    s = read_json(path)  # torn or corrupt: named in one line
-    return s.get("status") == "diverged" or (s.get("status") == "finished" and int(s.get("steps", -1)) >= steps)
-
-
-def job_command(
-    python: str,
-    experiment: str,
-    folder: Path,
-    arm: str,
-    lr: float,
-    seed: int,
-    plan: StressPlan,
-    overrides: list[str],
-    members: list[int] | None = None,
-) -> list[str]:
-    """One stress run as a single `dalle_ablate.job` process: the study's preset and arm at this
-    rate, seed and budget, the plan's overrides, then the study command's own (less CONTROLLED).
-    `members`: the seeds of this arm and rate trained as members of the one job (train/members.py,
-    `members.impl=map`: each its separate run bit for bit on a CPU), each in the folder its own run
-    would have (`<arm>-lr<rate>-seed<k>`, the run folder's template resolved with seed=k)."""
-    from dalle_ablate.track.naming import key_of
-
-    own = [o for o in overrides if key_of(o) not in CONTROLLED]
-    if members and len(members) > 1:
-        impl = [] if any(o.startswith("members.impl=") for o in own) else ["members.impl=map"]
-        return [
-            python,
-            "-m",
-            "dalle_ablate.job",
-            f"experiment={experiment}",
-            f"+arm={arm}",
-            f"optim.lr={lr!r}",
-            f"seed={members[0]}",
-            f"seeds=[{','.join(map(str, members))}]",
-            *impl,
-            f"trainer.steps={plan.steps}",
-            "resume=auto",
-            *plan.overrides,
-            *own,
-            f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed).replace(f'-seed{seed}', '-seed${seed}')}",
-        ]
-    return [
-        python,
-        "-m",
-        "dalle_ablate.job",
-        f"experiment={experiment}",
-        f"+arm={arm}",
-        f"optim.lr={lr!r}",
-        f"seed={seed}",
-        f"trainer.steps={plan.steps}",
-        "resume=auto",
-        *plan.overrides,
-        *own,
-        f"hydra.run.dir={Path(folder) / run_name(arm, lr, seed)}",
-    ]
 
 
 def _arm(run: Run) -> Optional[str]:
@@ -442,7 +280,7 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
     cs, m = curves(plan, runs), measures(plan, runs)
     unit = metric("eval/valid/loss").unit
     by = index(runs)
-    done = [by[j] for j in plan.jobs() if by.get(j) is not None and by[j].status in ("finished", "diverged")]
+    done = [by[j] for j in plan.jobs() if by.get(j) is not None and settled(by[j].summary, plan.steps)]
     wall = machine_time(done) / 60  # a job of several members once
     s = Section("stress", "Stability under stress")
     s.text.append(

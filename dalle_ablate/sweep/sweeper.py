@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,19 +22,18 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_ablate.fileio import atomic_write, is_url, push
+from dalle_ablate.fileio import is_url, push
 from dalle_ablate.launch.jobs import WorkerLost
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.sweep import recheck as rechecks
 from dalle_ablate.sweep import space as spaces
-from dalle_ablate.sweep.study import (
-    MEMBERS_ATTR,
+from dalle_ablate.sweep.results import short_params, values_text, write_results
+from dalle_ablate.sweep.recovery import LOCAL_LAUNCHERS, OWNER_ATTR, STALE_ATTR, STOPPED_ATTR, Recovery, this_process
+from dalle_ablate.sweep.optuna_study import (
     NEEDS_SPREAD,
     PRUNER_ATTR,
-    RUN_DIR_ATTR,
     STARTS_ATTR,
     STATISTICS,
-    WANDB_ATTR,
     default_storage,
     heartbeats,
     make_pruner,
@@ -45,8 +42,6 @@ from dalle_ablate.sweep.study import (
     storage,
     trial_lock,
 )
-from dalle_ablate.track.naming import short
-from dalle_ablate.track.runstore import mark_failed
 
 log = logging.getLogger(__name__)
 
@@ -59,65 +54,6 @@ def quiet_optuna() -> None:
     which drops a filter set then."""
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-
-
-# The study's record of FAILED trials whose process died, {number: why} (a finished trial takes no
-# more attributes): they do not count toward n_trials.
-STALE_ATTR = "dalle_ablate.died"
-# A trial's sweep process (which sends its heartbeat and launches its job): {host, pid, start}.
-OWNER_ATTR = "dalle_ablate.sweep_process"
-# The study's record of trials a Ctrl-C or SIGTERM stopped, {number: why}: FAILED (optuna cannot
-# take back a trial it asked) but not counted toward n_trials, each queued again to continue.
-STOPPED_ATTR = "dalle_ablate.stopped"
-# A queued trial's system attribute: the number of the stopped trial whose checkpoint it continues.
-CONTINUES_ATTR = "dalle_ablate.continues"
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """When a process started (clock ticks since boot, /proc/<pid>/stat field 22): with its pid, it
-    names one process, not a later one given the same pid; None where /proc cannot tell."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _host() -> str:
-    """This machine, and the pid namespace its pids mean something in (containers on one host share
-    a hostname at times, never a pid namespace)."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = ""
-    return f"{socket.gethostname()} {namespace}".strip()
-
-
-def this_process() -> dict:
-    return {"host": _host(), "pid": os.getpid(), "start": _start_time(os.getpid())}
-
-
-# Launchers whose jobs run inside the sweep's process or in workers that end with it: a trial of
-# theirs is dead once its sweep process is. A cluster launcher's jobs (Ray, SLURM) outlive the
-# sweep process, so theirs are known dead only by their heartbeat.
-LOCAL_LAUNCHERS = ("BasicLauncher", "JoblibLauncher")
-
-
-def process_gone(owner: Any) -> bool:
-    """Whether a trial's sweep process, recorded as `this_process()` gave it, is known dead with its
-    jobs: it ran on this host, launched its jobs locally, and its pid is free, or taken by a
-    process started later. Otherwise: not known (its heartbeat tells)."""
-    if not isinstance(owner, dict) or owner.get("host") != _host() or not isinstance(owner.get("pid"), int):
-        return False
-    if not owner.get("local", True):  # a cluster launcher's job may still be running
-        return False
-    try:
-        os.kill(owner["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        pass
-    start = _start_time(owner["pid"])
-    return owner.get("start") is not None and start is not None and start != owner["start"]
 
 
 @dataclass
@@ -221,7 +157,10 @@ class OptunaSweeper(Sweeper):
                 f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0"
             )
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period or 2 * heartbeat_interval
-        self.retry = optuna.storages.RetryFailedTrialCallback(max_retry=retry_failed) if retry_failed else None
+        self.recovery = Recovery(
+            self.grace_period,
+            optuna.storages.RetryFailedTrialCallback(max_retry=retry_failed) if retry_failed else None,
+        )
         STATISTICS.get(statistic)  # a name it does not know: one line naming hydra.sweeper.statistic
         self.statistic, self.common_seeds = statistic, common_seeds
         self.recheck = rechecks.RecheckConf(
@@ -266,7 +205,7 @@ class OptunaSweeper(Sweeper):
         url = self.storage_url or default_storage(self.sweep_dir)
         pruner_spec = {"name": self.pruner_conf.get("name", "none"), **(self.pruner_conf.get("kwargs") or {})}
         with trial_lock(url, self.study_name):  # processes starting together: one creates the tables and the study
-            store = storage(url, self.heartbeat_interval, self.grace_period, self._stale)
+            store = storage(url, self.heartbeat_interval, self.grace_period, self.recovery.stale)
             study = optuna.create_study(
                 storage=store,
                 study_name=self.study_name,
@@ -319,8 +258,8 @@ class OptunaSweeper(Sweeper):
                         f"no trial lock for {url.split(':')[0]} storage: processes sharing this study may run more "
                         f"than n_trials={n_trials} trials"
                     )
-                self._fail_gone(study)  # trials whose sweep process on this host is gone: at once
-                optuna.storages.fail_stale_trials(study)  # trials of processes that died (self._stale)
+                self.recovery.fail_gone(study)  # trials whose sweep process on this host is gone: at once
+                optuna.storages.fail_stale_trials(study)  # trials of processes that died (recovery.stale)
                 died = study.user_attrs.get(STALE_ATTR, {})  # read from the storage: other processes add to it
                 stopped = study.user_attrs.get(STOPPED_ATTR, {})
                 asked = study.get_trials(
@@ -334,7 +273,7 @@ class OptunaSweeper(Sweeper):
                 break
             batch = [
                 space.overrides(t.params)
-                + self._resume(study, t)
+                + self.recovery.resume(study, t)
                 + self._seeds(t.number)
                 + [f"optuna.storage='{url}'", f"optuna.study='{self.study_name}'", f"optuna.trial={t.number}"]
                 for t in trials
@@ -349,14 +288,14 @@ class OptunaSweeper(Sweeper):
                     trial.set_user_attr("why", why)
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                     if isinstance(e, KeyboardInterrupt):  # its job saved its last step: continued on resume
-                        self._requeue(study, study._storage.get_trial(trial._trial_id), why)
+                        self.recovery.requeue(study, study._storage.get_trial(trial._trial_id), why)
                 raise
             self._tell(study, trials, returns)
         recheck = None
         try:
             recheck = self._recheck(study, space)
         finally:  # the sweep's own results, also when its re-check fails or is interrupted
-            self._write_results(study, recheck)
+            write_results(study, self.sweep_dir, self.directions, self.objectives, self.statistic, recheck)
         return study.get_trials()
 
     def _tell(self, study: optuna.Study, trials: list, returns: list) -> None:
@@ -366,7 +305,7 @@ class OptunaSweeper(Sweeper):
             if ret.status == JobStatus.FAILED and isinstance(ret._return_value, WorkerLost):
                 trial.set_user_attr("why", str(ret._return_value))
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)  # as a trial found dead by its heartbeat
-                self._died(
+                self.recovery.died(
                     study,
                     study._storage.get_trial(trial._trial_id),
                     str(ret._return_value),
@@ -378,7 +317,9 @@ class OptunaSweeper(Sweeper):
                 trial.set_user_attr("why", why)
                 log.warning(f"trial {trial.number} {state.name}: {why}")
             else:
-                log.info(f"trial {trial.number} {state.name}: {self._values(values)} at {_short_params(trial.params)}")
+                log.info(
+                    f"trial {trial.number} {state.name}: {values_text(self.objectives, values)} at {short_params(trial.params)}"
+                )
             study.tell(trial, values, state=state)
 
     def _seeds(self, number: int) -> list[str]:
@@ -436,145 +377,3 @@ class OptunaSweeper(Sweeper):
         return rechecks.collect(
             best, whys, self.sweep_dir / rechecks.FOLDER, seeds, objective, minimize, self.recheck.margin
         )
-
-    def _fail_gone(self, study: optuna.Study) -> None:
-        """RUNNING trials whose sweep process ran on this host, launched its jobs locally and is gone
-        (its jobs with it): FAILED now, as their heartbeat would make them after the grace period."""
-        for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.RUNNING]):
-            owner = trial.user_attrs.get(OWNER_ATTR)
-            if not process_gone(owner):
-                continue
-            try:
-                if not study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL):
-                    continue
-            except optuna.exceptions.UpdateFinishedTrialError:  # another process got there first
-                continue
-            self._died(
-                study,
-                study._storage.get_trial(trial._trial_id),
-                f"its process died: its sweep (pid {owner['pid']}) on this host is gone, found by a later sweep start",
-            )
-
-    def _stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        """A trial whose process died unseen (the sweep's own process with it)."""
-        self._died(
-            study,
-            trial,
-            f"its process died: no heartbeat for over {self.grace_period} s "
-            f"(hydra.sweeper.grace_period), found by a later sweep start",
-        )
-
-    def _died(
-        self, study: optuna.Study, trial: optuna.trial.FrozenTrial, why: str, job_dir: Optional[str] = None
-    ) -> None:
-        """A FAILED trial whose process died (found by its heartbeat, or a launcher's lost worker):
-        say why, mark its run store, and queue a retry if asked; it does not count toward n_trials.
-        A job lost before it recorded its run store on the trial has it in its folder (`run`, as
-        train/loop.py names it)."""
-        study.set_user_attr(STALE_ATTR, {**study.user_attrs.get(STALE_ATTR, {}), str(trial.number): why})
-        log.warning(f"trial {trial.number} FAIL: {why}")
-        members = trial.user_attrs.get(MEMBERS_ATTR, {}).get("run_dirs")
-        for run_dir in members or [trial.user_attrs.get(RUN_DIR_ATTR) or (job_dir and str(Path(job_dir) / "run"))]:
-            if run_dir and (is_url(run_dir) or Path(run_dir).is_dir()):
-                mark_failed(run_dir, f"killed: {why}")
-        if self.retry is not None:
-            self.retry(study, trial)  # enqueues the same parameters, remembering this trial's number
-
-    def _requeue(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, why: str) -> None:
-        """A trial a Ctrl-C or SIGTERM stopped (its job saved its last step and said so): not
-        counted toward n_trials, and queued again with the same parameters, to continue from that
-        checkpoint when the sweep resumes -- whatever hydra.sweeper.retry_failed says: it did not
-        fail. Its FAIL state is optuna's only way to end a trial that is not complete."""
-        study.set_user_attr(STOPPED_ATTR, {**study.user_attrs.get(STOPPED_ATTR, {}), str(trial.number): why})
-        log.warning(
-            f"trial {trial.number} stopped: queued again, to continue from its checkpoint when the sweep resumes"
-        )
-        study.add_trial(
-            optuna.create_trial(
-                state=optuna.trial.TrialState.WAITING,
-                params=trial.params,
-                distributions=trial.distributions,
-                system_attrs={**trial.system_attrs, CONTINUES_ATTR: trial.number},
-            )
-        )
-
-    def _resume(self, study: optuna.Study, trial: optuna.trial.Trial) -> list[str]:
-        """For a retried trial: continue from the last checkpoint of the trial it retries -- the
-        newest of the stopped one it continues and the failed one it retries (a trial of several
-        seeds, which records no one run store, trains again from the start)."""
-        frozen = study._storage.get_trial(trial._trial_id)
-        numbers = [
-            n
-            for n in (
-                frozen.system_attrs.get(CONTINUES_ATTR),
-                optuna.storages.RetryFailedTrialCallback.retried_trial_number(frozen),
-            )
-            if n is not None
-        ]
-        if not numbers:
-            return []
-        number = max(numbers)
-        run_dir = study.get_trials(deepcopy=False)[number].user_attrs.get(RUN_DIR_ATTR)
-        from dalle_ablate.train.checkpoint import find_checkpoints  # orbax: not at Hydra's start (this is a plugin)
-
-        try:
-            find_checkpoints(run_dir) if run_dir else None
-        except ConfigError:  # it died before its first checkpoint: start over
-            return []
-        return [f"resume='{run_dir}'"] if run_dir else []
-
-    def _write_results(self, study: optuna.Study, recheck: Optional[dict] = None) -> None:
-        trials = study.get_trials(deepcopy=False)
-        counts = {s.name: sum(t.state == s for t in trials) for s in optuna.trial.TrialState}
-        out = {
-            "study": self.study_name,
-            "directions": self.directions,
-            "trials": {k: v for k, v in counts.items() if v},
-        }
-        died = study.user_attrs.get(STALE_ATTR)
-        if died:
-            out["died"] = {int(k): v for k, v in died.items()}  # FAILED, not counted, replaced
-        stopped = study.user_attrs.get(STOPPED_ATTR)
-        if stopped:
-            out["stopped"] = {int(k): v for k, v in stopped.items()}  # FAILED, not counted, continued
-        out["objectives"] = self.objectives
-        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-        if complete and len(self.directions) == 1:
-            best = study.best_trial
-            out["best"] = {"number": best.number, "value": best.value, "params": best.params, **self._where(best)}
-            where = (
-                f"run store {best.user_attrs.get(RUN_DIR_ATTR)}"
-                if MEMBERS_ATTR not in best.user_attrs
-                else f"{self.statistic} of {len(best.user_attrs[MEMBERS_ATTR].get('seeds', []))} seeds, run stores "
-                f"{', '.join(best.user_attrs[MEMBERS_ATTR].get('run_dirs', []))}"
-            )
-            log.info(
-                f"best of {len(complete)} complete trials: trial {best.number}, {self._values(best.values)} at "
-                f"{_short_params(best.params)}, {where}"
-            )
-        elif complete:
-            out["pareto_front"] = [
-                {"number": t.number, "values": t.values, "params": t.params, **self._where(t)}
-                for t in study.best_trials
-            ]
-            log.info(f"Pareto front of {len(complete)} complete trials: trials {[t.number for t in study.best_trials]}")
-        if recheck is not None:
-            out["recheck"] = recheck
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(out)))
-
-    def _values(self, values: list[float]) -> str:
-        """`eval/valid/loss=0.4123`, one per objective."""
-        names = self.objectives if len(self.objectives) == len(values) else [f"value{i}" for i in range(len(values))]
-        return " ".join(f"{n}={v:.6g}" for n, v in zip(names, values))
-
-    @staticmethod
-    def _where(trial: optuna.trial.FrozenTrial) -> dict:
-        """The trial's run store and W&B run, as the job recorded them (a trial of several seeds:
-        its members' run stores, values and spread)."""
-        return {k: trial.user_attrs[k] for k in (RUN_DIR_ATTR, WANDB_ATTR, MEMBERS_ATTR) if k in trial.user_attrs}
-
-
-def _short_params(params: dict) -> str:
-    """Parameters as overrides, numbers to 3 significant digits, as runs are named."""
-    return " ".join(short(f"{k}={v}") for k, v in params.items())

@@ -15,7 +15,7 @@ import numpy as np
 import optuna
 
 from dalle_ablate.fileio import shown
-from dalle_ablate.sweep.study import MEMBERS_ATTR, PRUNER_ATTR, RUN_DIR_ATTR, STATISTICS, WANDB_ATTR, make_pruner
+from dalle_ablate.sweep.optuna_study import MEMBERS_ATTR, PRUNER_ATTR, RUN_DIR_ATTR, STATISTICS, WANDB_ATTR, make_pruner
 from dalle_ablate.train.loop import RunHooks
 
 

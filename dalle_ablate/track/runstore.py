@@ -348,6 +348,17 @@ def mark_failed(run_dir: str | Path, reason: str) -> None:
         atomic_write(path, json.dumps(summary, indent=2))
 
 
+def settled(summary: dict, steps: Optional[int]) -> bool:
+    """Whether the run store with this summary.json ended for good: it finished all `steps` (None:
+    whatever its budget was), or it diverged -- retrained from its last checkpoint it would diverge
+    at the same step again. `resume=auto` leaves such a run as it is, and a study or its stress plan
+    run again does not start it; the one definition for the trainer, the study runner and the page."""
+    status = summary.get("status")
+    if status == "diverged":
+        return True
+    return status == "finished" and (steps is None or int(summary.get("steps", -1)) >= steps)
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of a run store's metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"

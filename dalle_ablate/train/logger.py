@@ -79,14 +79,25 @@ class StepLogger:
     def push(self, step: int, metrics: dict) -> bool:
         """Queue this step and log the one before it; False (holding nothing) once no member is
         left running (its loss was not finite): the job stops there."""
-        if step > self.newest:
-            self.queue.append((step, metrics))
-            self.newest = step
+        self._enqueue(step, metrics)
         return self._drain(keep=1)
 
     def flush(self) -> bool:
         """Fetch and log every queued step; False once no member is left running."""
         return self._drain(keep=0)
+
+    def interrupted(self, step: int, metrics) -> None:
+        """A Ctrl-C or SIGTERM stopped the job with `step` its last whole one: its metrics (None:
+        no step ran) are queued if the interrupt came between the step and its push, and what is
+        flushed from here on is logged untimed."""
+        if metrics is not None:
+            self._enqueue(step, metrics)
+        self.timed = False
+
+    def _enqueue(self, step: int, metrics) -> None:
+        if step > self.newest:  # a step is queued once
+            self.queue.append((step, metrics))
+            self.newest = step
 
     def fetch(self, step: int, metrics: dict) -> dict:
         """The step's values on the host (blocks until the device has computed them)."""

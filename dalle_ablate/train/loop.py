@@ -266,10 +266,7 @@ def run_steps(
         # The last state assigned: a whole step, wherever the interrupt came. If it came between
         # the step and its push, its metrics (assigned with it) are queued here.
         done = int(jax.device_get(state.step))
-        if metrics is not None and done > log.newest:
-            log.queue.append((done, metrics))
-            log.newest = done
-        log.timed = False
+        log.interrupted(done, metrics)
         stopped = interrupts.stage_of(e, "")  # what it stopped, if not a step (e.g. an evaluation)
         return (
             "interrupted",

@@ -18,11 +18,9 @@ import numpy as np
 
 from dalle_ablate.config import RunConfig
 from dalle_ablate.registry import RunFailed
-from dalle_ablate.track.runstore import read_metrics
+from dalle_ablate.track.runstore import read_metrics, settled
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.hooks import Hooks, left_at
-
-SETTLED = ("finished", "diverged")  # how a run store ends for good: resume=auto leaves it as it is
 
 
 def resume_source(cfg: RunConfig, ckpt_dir: Path):
@@ -50,9 +48,7 @@ def settled_before(cfg: RunConfig, run_dir: Path) -> Optional[dict]:
     if cfg.resume != "auto" or not path.exists():
         return None
     saved = json.loads(path.read_text())
-    status = saved.get("status")
-    done = status == "diverged" or (status == "finished" and int(saved.get("steps", -1)) >= cfg.trainer.steps)
-    return saved if done else None
+    return saved if settled(saved, cfg.trainer.steps) else None
 
 
 @dataclass

@@ -29,8 +29,10 @@ import pandas as pd
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import compare, load_study, study_path
-from dalle_ablate.report.page import page_sections, provenance, write_page
+from dalle_ablate.report.design import load_study, study_path
+from dalle_ablate.report.findings import compare
+from dalle_ablate.report.page import page_sections, write_page
+from dalle_ablate.study.runner import provenance
 from dalle_ablate.report.load import find_stores, load_runs
 from dalle_ablate.validate import compose, to_run_config
 
@@ -367,7 +369,7 @@ def test_a_bad_study_file_is_named_in_one_line(tmp_path, change, message):
 
 def test_the_mega_study_names_only_arms_its_preset_or_its_stress_runs_run():
     from dalle_ablate.metrics import STUDY
-    from dalle_ablate.report.stress import load_stress
+    from dalle_ablate.report.design import load_stress
 
     MEASURED_ELSEWHERE = {name for name, m in STUDY.items() if m.reads == "given"}  # on the stress runs
 
@@ -509,7 +511,7 @@ def untimed(page: str) -> list[str]:
 
 def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsys):
     from dalle_ablate.cli import main
-    from dalle_ablate.report.findings import plan_topup
+    from dalle_ablate.study.topup import plan_topup
 
     folder = tmp_path / "studies" / "synthetic"
     for arm, finals in ARMS.items():
@@ -790,7 +792,7 @@ def test_the_study_command_names_a_broken_run_store_in_one_line(tmp_path, capsys
     """In --no-run mode, and before anything runs when it runs (the stores already there are read
     first: no run starts, to crash on the file or to be compared at the end)."""
     from dalle_ablate.cli import main
-    from dalle_ablate.report import study_runs
+    from dalle_ablate.study import runner
 
     folder = tmp_path / "studies" / "synthetic"
     for arm in ("baseline", "bias"):
@@ -798,7 +800,7 @@ def test_the_study_command_names_a_broken_run_store_in_one_line(tmp_path, capsys
             write_store(folder, arm, seed, ARMS["base" if arm == "baseline" else "worse"][seed])
     path = folder / "bias-seed1" / "run" / name
     path.unlink() if text is None else path.write_text(text)
-    monkeypatch.setattr(study_runs, "call_child", nothing_starts)
+    monkeypatch.setattr(runner, "call_child", nothing_starts)
     with pytest.raises(SystemExit) as exit_:
         main(
             [
@@ -912,9 +914,9 @@ def test_a_study_is_checked_before_anything_runs(tmp_path, capsys, monkeypatch, 
     job of its multirun and each stress run composes: otherwise one line, exit 2, and nothing has
     started -- no run, no stress run, no folder."""
     from dalle_ablate.cli import main
-    from dalle_ablate.report import study_runs
+    from dalle_ablate.study import runner
 
-    monkeypatch.setattr(study_runs, "call_child", nothing_starts)
+    monkeypatch.setattr(runner, "call_child", nothing_starts)
     path = real_study(tmp_path, **change)
     with pytest.raises(SystemExit) as exit_:
         main(
@@ -1040,7 +1042,7 @@ def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stre
 
 
 def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
-    from dalle_ablate.report.study_runs import as_members
+    from dalle_ablate.study.runner import as_members
 
     # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 3000-3003), or those a seed= override sweeps
     assert as_members("study_mega", ["+arm=baseline"]) == [

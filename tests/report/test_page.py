@@ -1,7 +1,7 @@
 """The study's results page reads on its own (issue 41): every arm spelled out from its conf/arm/
 file, every number with its unit to three significant digits, a caption under each figure, a
 note per claim where the study gives one, a link to the statistics page that resolves; and its
-provenance lines (page.provenance, from study_runs.run_study: issue 39)."""
+provenance lines (study.runner.provenance, from its run_study: issue 39)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from conftest import ROOT
 from test_findings import write_store
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import load_study, study_path, unit_of
-from dalle_ablate.report.page import arm_definition, page_sections, provenance, write_page
+from dalle_ablate.report.design import load_study, study_path
+from dalle_ablate.report.findings import unit_of
+from dalle_ablate.report.page import arm_definition, page_sections, write_page
+from dalle_ablate.study.runner import provenance
 from dalle_ablate.report.load import load_runs
 from dalle_ablate.report.tables import fmt3
 

@@ -17,18 +17,11 @@ import yaml
 
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.findings import study_path
+from dalle_ablate.report.design import load_stress, run_name, stress_folder, study_path
 from dalle_ablate.report.load import load_runs
-from dalle_ablate.report.stress import (
-    claim_values,
-    job_command,
-    load_stress,
-    measures,
-    run_name,
-    settled,
-    stress_folder,
-    stress_sections,
-)
+from dalle_ablate.report.stress import claim_values, measures, stress_sections
+from dalle_ablate.study.stress_runs import job_command
+from dalle_ablate.track.runstore import settled
 from dalle_ablate.validate import compose, to_run_config
 
 RATES = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -240,7 +233,7 @@ def test_every_stress_run_of_the_mega_study_composes():
 
 @pytest.mark.slow
 def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverged(tmp_path):
-    from dalle_ablate.report.study_runs import run_stress
+    from dalle_ablate.study.stress_runs import run_stress
 
     # Adam's first steps move every weight by about the rate: at 1e30 the attention logits pass
     # float32's 3.4e38 and the loss stops being finite.
@@ -260,7 +253,7 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
     )
     status = {p.parent.name: json.loads((p / "summary.json").read_text())["status"] for p in where.glob("*/run")}
     assert status[run_name("baseline", 1e30, 1)] == "diverged" and status[run_name("swish", 1e-3, 1)] == "finished"
-    assert all(settled(where / name / "run", 6) for name in status)
+    assert all(settled(json.loads((where / name / "run" / "summary.json").read_text()), 6) for name in status)
     meta = json.loads((where / run_name("swish", 1e-3, 1) / "run" / "meta.json").read_text())
     assert "seed=1" in meta["overrides"] and meta["members"]["seeds"] == [0, 1]  # the member is its separate run
     second = run_stress(path, "study_mega", folder, overrides, env)
@@ -283,7 +276,8 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
     """The study page's verdicts read a stress claim's per-seed LR sensitivity (page.stress_measures
     into findings.compare): the paired difference is the mean over seeds of the two arms' sensitivities,
     computed here from the curves by hand, and Δ is 10 % of the baseline arm's mean sensitivity."""
-    from dalle_ablate.report.findings import compare, load_study
+    from dalle_ablate.report.design import load_study
+    from dalle_ablate.report.findings import compare
     from dalle_ablate.report.page import stress_measures
 
     for arm, seeds in CURVES.items():
@@ -317,7 +311,8 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
     """Both arms at the code-frequency floor (or above) at every rate and seed, as post-LN and
     DeepNet were on the first stress grid: their sensitivities compare two untrained models, and the
     page says the claim is untestable on these runs instead of how many seeds it needs."""
-    from dalle_ablate.report.findings import compare, load_study
+    from dalle_ablate.report.design import load_study
+    from dalle_ablate.report.findings import compare
     from dalle_ablate.report.page import stress_measures
 
     stuck = {

@@ -23,7 +23,7 @@ from statsmodels.stats.weightstats import ttost_paired
 
 from dalle_ablate.report import calibration as cal
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.findings import study_path
+from dalle_ablate.report.design import study_path
 from dalle_ablate.report.stats import blocked_residual, holm, power
 
 
@@ -181,7 +181,8 @@ def test_a_near_significant_finding_prints_a_small_plan_not_more_than_200():
     """Issue 63's final-ln-decoder: +46 Δ [27.3, 64.7] at 4 seeds, p 0.0043 against Holm's 0.0042
     (0.05 / 12) at its step. At a true difference of Δ it needs more than 200 seeds; at the one
     observed a few more seeds settle it, which a simulation of the paired t test confirms."""
-    from dalle_ablate.report.findings import Finding, Study, judge, verdict_text
+    from dalle_ablate.report.design import Finding, Study
+    from dalle_ablate.report.findings import judge, verdict_text
 
     z = np.array([-1.5, -0.5, 0.5, 1.5])
     z = z / z.std(ddof=1)

@@ -314,7 +314,7 @@ def test_a_trial_whose_sweep_was_killed_on_this_host_is_failed_at_the_next_start
 
 
 def test_a_live_sweep_process_on_this_host_is_not_taken_for_dead():
-    from dalle_ablate.sweep.sweeper import process_gone, this_process
+    from dalle_ablate.sweep.recovery import process_gone, this_process
 
     me = this_process()
     assert not process_gone(me)

@@ -1,0 +1,203 @@
+"""`dalle-ablate study`: a study's runs (the multirun of its arms and seeds, then its stress runs,
+each a child process: study/children.py), then its report and its results page, with the
+provenance of the runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from dalle_ablate import interrupts
+from dalle_ablate.fileio import check_url, is_url, pull, shown
+from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
+from dalle_ablate.report import build_report
+from dalle_ablate.report.design import load_study, study_path, swept_seeds
+from dalle_ablate.report.load import Run, find_stores, load_runs, machine_time
+from dalle_ablate.report.page import write_page
+from dalle_ablate.report.tables import fmt3
+from dalle_ablate.study import topup
+from dalle_ablate.study.checks import check_before_running, check_meta
+from dalle_ablate.study.children import call_child, dies_with_this_process
+from dalle_ablate.study.stress_runs import run_stress
+from dalle_ablate.train.meta import git_commit
+
+
+def run_study(
+    study_arg: str,
+    out: str,
+    report_out: str,
+    page_out: str,
+    overrides: list[str],
+    seeds: Optional[str] = None,
+    no_run: bool = False,
+    no_stress: bool = False,
+    members: bool = True,
+    again: str = "",
+) -> None:
+    """Run a study's arms and seeds (its multirun preset; runs that finished are left as they are,
+    a stopped one continues from its checkpoint) and its stress runs, then write its report and
+    its results page. `study_arg` is a study's name or its file; `seeds` tops it up (N or 'auto');
+    `members`: each arm's seeds trained as members of one job (False: one job per seed); `again`:
+    the command, for the line a Ctrl-C ends the study with (which continues all of it)."""
+    import time
+
+    study_file = Path(study_arg) if study_arg.endswith((".yaml", ".yml")) else study_path(study_arg)
+    study = load_study(study_file)
+    folder = study_folder(out, study.name)
+    if seeds is not None and no_run:
+        raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
+    seed_override, plan = topup.announced(study, folder, seeds, overrides) if seeds is not None else (None, None)
+    swept = [*overrides, *([seed_override] if seed_override else [])]
+    jobs = as_members(study.experiment, swept) if members else swept
+    stages = ["while checking it, before anything ran"]
+    with _one_line_on_ctrl_c(study.name, again, stages):
+        if not no_run:  # what its runs would meet, before any of them starts: one line and exit 2
+            check_before_running(study, study_file, folder, jobs, overrides, stress=not no_stress)
+        command = [
+            sys.executable,
+            "-m",
+            "dalle_ablate.job",
+            "-m",
+            f"experiment={study.experiment}",
+            f"hydra.sweep.dir={shown(folder)}",
+            *jobs,
+        ]
+        t = time.perf_counter()
+        # The seeds of an arm compile the same programs: every run keeps them in the compilation
+        # cache (compilation_cache.dir), and every run after the first of its arm loads them.
+        env = dict(os.environ)
+        preexec = dies_with_this_process()
+        stages.append("during its runs (the multirun of its arms)")
+        code = 0 if no_run else call_child(command, env, preexec)
+        if plan is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
+            topup.log_topup(folder, plan)
+        stages.append("during its stress runs")  # not after a multirun that refused its config (exit 2)
+        stress = (
+            None
+            if no_run or no_stress or code == 2
+            else run_stress(study_file, study.experiment, folder, overrides, env, preexec, members)
+        )
+        elapsed = time.perf_counter() - t
+        stages.append("while writing its report and page")
+        runs = _study_runs(study.name, folder, code)
+        lines = provenance(
+            study_arg, seeds, overrides, command, runs, elapsed, not no_run, stress.line if stress is not None else None
+        )
+        if any(r.meta.get("members") for r in runs):
+            lines.append(
+                f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job "
+                "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
+                "overrides and its numbers; their step time is their share of the job's."
+            )
+        report = build_report(str(folder), report_out, study.name, study.baseline, transition=study.transition)
+        interrupts.check()
+        page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
+    print(f"wrote {report}/index.html and {page}")
+    if code:
+        raise RunFailed(
+            f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code
+        )
+    if stress is not None and stress.failed:
+        raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(stress.failed)}")
+
+
+def study_folder(out: str, name: str) -> Path:
+    """The study's folder `<out>/<name>`; with `--out gs://...`, its staging folder, first made the
+    bucket's copy (finished runs are found there, and its runs write through it to the bucket)."""
+    if not is_url(out):
+        return Path(out) / name
+    return pull(check_url(f"{out.rstrip('/')}/{name}", "--out"), keep=("jax_cache",))
+
+
+@contextlib.contextmanager
+def _one_line_on_ctrl_c(name: str, again: str, stages: list[str]):
+    """A Ctrl-C in the block (taken at a check, here or in a run the study waits for) ends the
+    study with one line: the stage it stopped (the last of `stages`), what is kept, the command
+    that continues all of it (a run's own line is left to this one: interrupts.PARENT_SAYS)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"study {name} {interrupts.word()} {stages[-1]}; the runs that finished are kept, a stopped one "
+            f"continues from its checkpoint; resume with: {again or 'the same command'}"
+        ) from None
+
+
+def as_members(experiment: str, overrides: list[str]) -> list[str]:
+    """The study's multirun overrides with each arm's seeds trained as members of one job
+    (train/loop.py train_members): `seeds=[...]` in place of the seed sweep, and `seed=` the first of them,
+    which names the job's own folder (`<arm>-seed<first>`, its first member's). The run folders,
+    names and overrides each member records are its separate run's (job.py member_jobs).
+    `members.impl=map` unless the overrides choose: each member's own program, so the runs are
+    their separate runs bit for bit on a CPU (the page cannot tell how they were made), Shampoo's
+    arm runs (vmap refuses it), and on 2 CPU cores it is the faster of the two
+    (docs/results/benchmarks/members.md)."""
+    seeds = swept_seeds(experiment, overrides)
+    if seeds is None or len(seeds) < 2:
+        return overrides
+    kept = [o for o in overrides if o.split("=", 1)[0] != "seed"]
+    impl = [] if any(o.startswith("members.impl=") for o in overrides) else ["members.impl=map"]
+    return [*kept, f"seed={seeds[0]}", f"seeds=[{','.join(map(str, seeds))}]", *impl]
+
+
+def _study_runs(name: str, folder: Path, code: int) -> list:
+    """The study's run stores, each readable and saying which arm it is (its meta.json)."""
+    try:
+        find_stores(str(folder))
+    except ConfigError:
+        raise RunFailed(f"study {name}: no runs under {folder} (the multirun exited with {code})", code or 4) from None
+    runs = load_runs(str(folder))  # a torn or unreadable file of a run store: named in one line
+    for r in runs:
+        check_meta(r.root)
+    return runs
+
+
+def provenance(
+    study_arg: str,
+    seeds: Optional[str],
+    overrides: list[str],
+    command: list[str],
+    runs: list[Run],
+    elapsed: float,
+    ran: bool,
+    stress_line: Optional[str] = None,
+) -> list[str]:
+    """The page's provenance lines (`dalle-ablate study`): the command as typed (`study_arg`, the
+    `--seeds` given, the `overrides`) and the multirun `command` it ran; the commit of this page
+    and those the runs were trained at, each with its run count (a study resumed across commits
+    names them all); the runs, how many finished and their wall time added up (load.machine_time); what this
+    invocation took (`elapsed` seconds; `ran` False: --no-run, nothing ran); and the stress
+    runs' line, if any."""
+    import shlex
+    from collections import Counter
+
+    summaries = [r.summary for r in runs]
+    commit = git_commit()
+    trained = Counter(
+        f"{m['git'].get('commit') or 'unknown'}{' + uncommitted changes' if m['git'].get('dirty') else ''}"
+        for m in (r.meta for r in runs)
+        if m.get("git")
+    )
+    typed = " ".join(
+        shlex.quote(a) for a in ["dalle-ablate", "study", study_arg, *(["--seeds", seeds] if seeds else []), *overrides]
+    )
+    invocation = (
+        "this invocation ran nothing (--no-run)"
+        if not ran
+        else f"this invocation took {fmt3(elapsed / 60, 'min')} (runs finished before it are skipped, not repeated)"
+    )
+    lines = [
+        f"Command: `{typed}` (runs: `{' '.join(shlex.quote(c) for c in command[1:])}`).",
+        f"Commit of this page: {commit['commit'] or 'unknown (not run from a git checkout)'}"
+        f"{' + uncommitted changes' if commit['dirty'] else ''}; runs trained at "
+        + ", ".join(f"{c} ({n} runs)" for c, n in trained.most_common())
+        + ".",
+        f"Runs: {len(summaries)} ({sum(s.get('status') == 'finished' for s in summaries)} finished); their wall "
+        f"time adds up to {fmt3(machine_time(runs) / 60, 'min')}"
+        f"{' (a job of several members counted once)' if any(r.meta.get('members') for r in runs) else ''}; "
+        f"{invocation}.",
+    ]
+    return lines + ([stress_line] if stress_line is not None else [])

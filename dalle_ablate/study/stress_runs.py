@@ -1,0 +1,118 @@
+"""A study's stress runs (its file's `stress:` plan, report/design.py; measured by
+report/stress.py): each arm of its stability claims at each rate and seed, one job per arm and
+rate with its seeds as members, in `<study folder>-stress/`."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from dalle_ablate.registry import RunFailed
+from dalle_ablate.report.design import CONTROLLED, StressPlan, load_stress, run_name, stress_folder
+from dalle_ablate.report.load import read_json
+from dalle_ablate.study.children import call_child
+from dalle_ablate.track.runstore import settled
+
+
+@dataclasses.dataclass
+class StressOutcome:
+    line: str  # for the page's provenance
+    failed: list[str]  # stress runs that ended otherwise than finished or diverged
+
+
+def run_stress(
+    study_file: Path,
+    experiment: str,
+    folder: Path,
+    overrides: list[str],
+    env: dict,
+    preexec: Optional[Callable[[], None]] = None,
+    members: bool = True,
+) -> Optional[StressOutcome]:
+    """The study's stress runs (report/stress.py), if its file declares them: each arm of its
+    stability claims at each rate and seed into `<folder>-stress/`, the seeds of an arm and rate
+    as members of one job (`members`; else one process per run); a run that finished or diverged
+    before is not started again, a stopped one continues (resume=auto)."""
+    import time
+
+    plan = load_stress(study_file)
+    if plan is None:
+        return None
+    where = stress_folder(folder)
+    t, ran, failed = time.perf_counter(), 0, []
+    groups = (
+        [(arm, lr, plan.seeds) for arm in plan.arms for lr in plan.rates]
+        if members
+        else [(arm, lr, [seed]) for arm, lr, seed in plan.jobs()]
+    )
+    for i, (arm, lr, seeds) in enumerate(groups, 1):
+        todo = [s for s in seeds if not _settled(where / run_name(arm, lr, s) / "run", plan.steps)]
+        if not todo:
+            continue
+        print(
+            f"stress job {i} of {len(groups)}: {', '.join(str(where / run_name(arm, lr, s)) for s in todo)}", flush=True
+        )
+        # every seed of the group, settled ones too: a members job leaves a finished or diverged member as it is
+        code = call_child(
+            job_command(sys.executable, experiment, where, arm, lr, seeds[0], plan, overrides, seeds), env, preexec
+        )
+        ran += len(todo)
+        if code not in (0, RunFailed.DIVERGED):  # a diverged run is a measurement of its rate
+            failed.append(f"{', '.join(run_name(arm, lr, s) for s in todo)} (exit {code})")
+    how = "; the seeds of each arm and rate as members of one job" if members and len(plan.seeds) > 1 else ""
+    line = (
+        f"Stress runs: {len(plan.jobs())} in {where} ({len(plan.arms)} arms x {len(plan.rates)} rates x "
+        f"{len(plan.seeds)} seeds, {plan.steps} steps{how}); this invocation started {ran} of them in "
+        f"{(time.perf_counter() - t) / 60:.1f} min (those that finished or diverged before are not rerun)."
+    )
+    return StressOutcome(line, failed)
+
+
+def _settled(store: Path, steps: int) -> bool:
+    """A stress run that need not start again (track.runstore.settled: a diverged run is a result,
+    the same rate, seed and code diverge again); a torn or corrupt summary is named in one line."""
+    path = store / "summary.json"
+    return path.exists() and settled(read_json(path), steps)
+
+
+def job_command(
+    python: str,
+    experiment: str,
+    folder: Path,
+    arm: str,
+    lr: float,
+    seed: int,
+    plan: StressPlan,
+    overrides: list[str],
+    members: list[int] | None = None,
+) -> list[str]:
+    """One stress run as a single `dalle_ablate.job` process: the study's preset and arm at this
+    rate, seed and budget, the plan's overrides, then the study command's own (less CONTROLLED).
+    `members`: the seeds of this arm and rate trained as members of the one job (train/loop.py,
+    `members.impl=map`: each its separate run bit for bit on a CPU), each in the folder its own run
+    would have (`<arm>-lr<rate>-seed<k>`, the run folder's template resolved with seed=k)."""
+    from dalle_ablate.track.naming import key_of
+
+    own = [o for o in overrides if key_of(o) not in CONTROLLED]
+    folder_of = Path(folder) / run_name(arm, lr, seed)
+    seeded = [f"seed={seed}"]
+    if members and len(members) > 1:
+        impl = [] if any(o.startswith("members.impl=") for o in own) else ["members.impl=map"]
+        seeded = [f"seed={members[0]}", f"seeds=[{','.join(map(str, members))}]", *impl]
+        folder_of = Path(folder) / run_name(arm, lr, seed).replace(f"-seed{seed}", "-seed${seed}")
+    return [
+        python,
+        "-m",
+        "dalle_ablate.job",
+        f"experiment={experiment}",
+        f"+arm={arm}",
+        f"optim.lr={lr!r}",
+        *seeded,
+        f"trainer.steps={plan.steps}",
+        "resume=auto",
+        *plan.overrides,
+        *own,
+        f"hydra.run.dir={folder_of}",
+    ]
