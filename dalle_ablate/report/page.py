@@ -25,6 +25,7 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import prose as P
+from dalle_ablate.report import stress
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.findings import (
     _arms_by,
@@ -448,26 +449,6 @@ def page_sections(
     ], rows
 
 
-def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:
-    """The stress section of a study's page, its stability claims' per-seed values
-    ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`) and the claims they cannot settle
-    (id -> why), from the stress runs beside the study's folder (report/stress.py); nothing if its
-    file declares none."""
-    from dalle_ablate.report import stress
-    from dalle_ablate.report.design import load_stress, stress_folder
-    from dalle_ablate.report.load import load_runs
-
-    plan = load_stress(study_file)
-    where = stress_folder(Path(source))
-    if plan is None or not where.is_dir() or not any(where.rglob("metrics.jsonl")):
-        return [], {}, {}  # none run yet (or none got as far as its run store)
-    sections, claims = stress.stress_sections(plan, load_runs(str(where)))
-    values: dict[str, dict] = {}
-    for c in claims:
-        values.setdefault(c["measure"], {}).update(c["values"])
-    return sections, values, {c["id"]: c["untestable"] for c in claims if c["untestable"]}
-
-
 def write_page(
     study: Study,
     source: str,
@@ -487,7 +468,9 @@ def write_page(
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
     log = Path(source) / TOPUPS
     topups = json.loads(log.read_text()) if log.exists() else []
-    stress_part, measured, untestable = stress_measures(study_file, source) if study_file is not None else ([], {}, {})
+    stress_part, measured, untestable = (
+        stress.stress_measures(study_file, source) if study_file is not None else ([], {}, {})
+    )
     statistics = os.path.relpath(STATISTICS, page_dir.resolve()) if STATISTICS.is_file() else "../statistics.md"
     sections, _ = page_sections(
         study,

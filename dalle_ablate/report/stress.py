@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 from dalle_ablate.metrics import Metric, declare, label, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
-from dalle_ablate.report.design import StressClaim, StressPlan
-from dalle_ablate.report.load import Run, machine_time, series
+from dalle_ablate.report.design import StressClaim, StressPlan, load_stress, stress_folder
+from dalle_ablate.report.load import Run, load_runs, machine_time, series
 from dalle_ablate.report.stats import mean_ci, spikes
 from dalle_ablate.report.tables import fmt3
 from dalle_ablate.report.writers import Section
@@ -345,3 +346,19 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
             (f"{c.id} ({c.claim}), {c.arm} against {c.against}: {how}", lr_figure(plan, cs, [c.against, c.arm]))
         )
     return [s], values
+
+
+def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:
+    """The stress section of a study's page, its stability claims' per-seed values
+    ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`) and the claims they cannot settle
+    (id -> why), from the stress runs beside the study's folder (this module); nothing if its
+    file declares none."""
+    plan = load_stress(study_file)
+    where = stress_folder(Path(source))
+    if plan is None or not where.is_dir() or not any(where.rglob("metrics.jsonl")):
+        return [], {}, {}  # none run yet (or none got as far as its run store)
+    sections, claims = stress_sections(plan, load_runs(str(where)))
+    values: dict[str, dict] = {}
+    for c in claims:
+        values.setdefault(c["measure"], {}).update(c["values"])
+    return sections, values, {c["id"]: c["untestable"] for c in claims if c["untestable"]}

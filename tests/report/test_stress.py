@@ -273,12 +273,12 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
 
 
 def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
-    """The study page's verdicts read a stress claim's per-seed LR sensitivity (page.stress_measures
+    """The study page's verdicts read a stress claim's per-seed LR sensitivity (stress.stress_measures
     into findings.compare): the paired difference is the mean over seeds of the two arms' sensitivities,
     computed here from the curves by hand, and Δ is 10 % of the baseline arm's mean sensitivity."""
     from dalle_ablate.report.design import load_study
     from dalle_ablate.report.findings import compare
-    from dalle_ablate.report.page import stress_measures
+    from dalle_ablate.report.stress import stress_measures
 
     for arm, seeds in CURVES.items():
         for seed, finals in seeds.items():
@@ -313,7 +313,7 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
     page says the claim is untestable on these runs instead of how many seeds it needs."""
     from dalle_ablate.report.design import load_study
     from dalle_ablate.report.findings import compare
-    from dalle_ablate.report.page import stress_measures
+    from dalle_ablate.report.stress import stress_measures
 
     stuck = {
         "steady": {0: [2.1, 2.0, 2.2, 2.4], 1: [2.05, 2.0, 2.3, 2.6]},
