@@ -622,7 +622,11 @@ def test_stratified_eval_prompts_are_fixed_and_balanced():
 def test_a_short_run_binds_colour_and_shape_words(tmp_path):
     """Regression guard for a model that ignores its caption's colour words (the old quickstart:
     -0.003 nats per image): 1000 fixed steps of the tiny model on single objects make swapping a
-    colour or a shape word cost clearly more than nothing (3.8 and 3.5 nats measured here)."""
+    colour or a shape word cost clearly more than nothing. The bar, 0.5 nats, is a hundred times
+    the unbound model's and below what a bound one gives: when a seed binds its colour words is the
+    late learning of docs/statistics.md (late seeds): this seed gave 3.8 nats for colour when the
+    test was written, and gives 0.92 on this machine both at 06d4f5b (the last commit CI passed)
+    and at 171c2a3; its shape word gives 3.5."""
     from conftest import run_config
     from dalle_ablate.track.runstore import read_metrics
     from dalle_ablate.train.loop import JobInfo, train
@@ -646,7 +650,7 @@ def test_a_short_run_binds_colour_and_shape_words(tmp_path):
     res = train(cfg, JobInfo(tmp_path))
     got = {k: v for r in read_metrics(res.run_dir) for k, v in r.items() if k.startswith("eval/caption_sensitivity/")}
     assert got["eval/caption_sensitivity/color_n"] == 48 and got["eval/caption_sensitivity/shape_n"] == 48
-    assert got["eval/caption_sensitivity/color"] > 1.0 and got["eval/caption_sensitivity/shape"] > 1.0, got
+    assert got["eval/caption_sensitivity/color"] > 0.5 and got["eval/caption_sensitivity/shape"] > 0.5, got
 
 
 def test_a_rate_one_guidance_scale_has_and_another_lacks_is_nan_in_the_pareto_table():
