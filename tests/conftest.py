@@ -25,7 +25,9 @@ for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"
 # fitted tokenizers, and the compiled programs. The suite's many `run.py` children compile the same
 # small programs again and again; JAX's persistent compilation cache (every run's default,
 # compilation_cache.dir) lets each after the first load them. Under pytest-xdist the workers of one
-# session share both (their writes are atomic; JAX locks its cache folder around each entry).
+# session share both: the data cache's writes are atomic; the compilation cache, unbounded, is not
+# locked, and an entry two workers write at once can be torn -- one warning line and a recompile for
+# its reader (docs/guides/runs.md).
 _SHARED = (
     Path(tempfile.gettempdir()) / f"dalle-ablate-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
     if "PYTEST_XDIST_TESTRUNUID" in os.environ
@@ -34,6 +36,13 @@ _SHARED = (
 os.environ.setdefault("DALLE_ABLATE_CACHE", str(_SHARED / "cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_SHARED / "jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny models compile in < 1 s
+# The child processes (`run.py`, the mesh and multi-process workers) compile without XLA's backend
+# optimizations (LLVM -O0; the HLO passes, and so what is computed, are the same): their tiny
+# programs run a few steps, and compiling is most of their time. Measured on the 2-core machine,
+# tests/test_job.py and tests/sweep/test_sweep.py took 18 % less CPU (312 s -> 257 s). This test
+# process turns it back off (_optimized_here): its tests include the compute-heavy ones, a
+# thousand-step run among them.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 
 # Small data that still exercises every path; built once per session (cached on disk).
 SMALL_DATA = [
@@ -100,6 +109,15 @@ def run_py(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None) -
         timeout=timeout,
         env=env,
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _optimized_here():
+    """XLA's full optimizations in this process (its children go without: see the top). Imported
+    here, at the first test, not at the top: mesh test files set XLA_FLAGS before jax starts."""
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", False)
 
 
 @pytest.fixture(autouse=True)

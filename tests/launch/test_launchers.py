@@ -31,7 +31,7 @@ SWEEP = [
     "hydra/sweeper=optuna",
     "optim.lr=interval(1e-4,1e-2)",
     "hydra.sweeper.sampler.seed=0",
-    "hydra.sweeper.n_trials=4",
+    "hydra.sweeper.n_trials=2",  # one batch of n_jobs trials, each of two processes
     "hydra.sweeper.n_jobs=2",
     "mesh.data=2",
 ]
@@ -126,33 +126,33 @@ def test_a_ray_sweep_on_postgresql_runs_its_trials_and_a_killed_worker_fails_onl
     assert proc.returncode == 0, out[-3000:]
     study = optuna.load_study(study_name=name, storage=url)
     states = sorted(t.state.name for t in study.trials)
-    assert states == ["COMPLETE"] * 4 + ["FAIL"]  # the lost trial does not count: another ran in its place
+    assert states == ["COMPLETE"] * 2 + ["FAIL"]  # the lost trial does not count: another ran in its place
     lost = next(t for t in study.trials if t.state.name == "FAIL")
     assert "was lost: " in lost.user_attrs["why"]
     done = stores(tmp_path)
-    assert sorted(s["status"] for s in done.values()) == ["failed"] + ["finished"] * 4
+    assert sorted(s["status"] for s in done.values()) == ["failed"] + ["finished"] * 2
     failed = next(s for s in done.values() if s["status"] == "failed")
     assert failed["reason"].startswith("killed: process ") and " was lost: " in failed["reason"]
     assert two_process_runs(tmp_path)
     assert not worker_pids("ray::run_one")  # no process of the lost trial left waiting for its partner
     complete = [t for t in study.trials if t.state.name == "COMPLETE"]
-    assert wandb_groups(complete) == [str(tmp_path / "multirun")] * 4  # a W&B run each, grouped by the sweep
+    assert wandb_groups(complete) == [str(tmp_path / "multirun")] * 2  # a W&B run each, grouped by the sweep
     assert "Ray cluster: 4 CPUs on 2 nodes" in out
     optuna.delete_study(study_name=name, storage=url)
 
 
-def test_a_slurm_local_sweep_on_sqlite_runs_four_trials_each_a_submitit_job_of_two_tasks(tmp_path):
+def test_a_slurm_local_sweep_on_sqlite_runs_two_trials_each_a_submitit_job_of_two_tasks(tmp_path):
     proc = sweep(
         tmp_path, "hydra/launcher=slurm_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10"
     )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     study = optuna.load_study(study_name="dalle-ablate", storage=f"sqlite:///{tmp_path / 'multirun' / 'optuna.db'}")
-    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 4
-    assert sorted(s["status"] for s in stores(tmp_path).values()) == ["finished"] * 4
-    assert wandb_groups(study.trials) == [str(tmp_path / "multirun")] * 4  # a W&B run each, grouped by the sweep
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 2
+    assert sorted(s["status"] for s in stores(tmp_path).values()) == ["finished"] * 2
+    assert wandb_groups(study.trials) == [str(tmp_path / "multirun")] * 2  # a W&B run each, grouped by the sweep
     # one submitit job (its own folder of logs and pickles) per trial, as on SLURM
-    assert len([p for p in (tmp_path / "multirun" / ".submitit").iterdir() if p.name.isdigit()]) == 4
+    assert len([p for p in (tmp_path / "multirun" / ".submitit").iterdir() if p.name.isdigit()]) == 2
     assert all(Path(t.user_attrs["run_dir"]).is_dir() for t in study.trials)
     assert two_process_runs(tmp_path)
     for t in study.trials:  # the trial's value is process 0's: its run store's
