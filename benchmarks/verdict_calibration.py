@@ -3,10 +3,12 @@ structure (report/calibration.py: its claims, the arms each metric is measured o
 its runs and stress runs): every scenario of issue 49 -- no effect at rho 0 / 0.5 / 0.9, one arm
 3x noisier than the others (the baseline; the arm in the most claims), one arm's seed effect its
 own, every arm's spread drawn over a 12x range, true differences of exactly ±Δ, a difference of Δ
-at the printed seeds-needed, the top-up rule, a study in two stages (declared, and stage 2 sized
-from the observed differences, stopping as soon as a finding settles) -- each against its target
+at the printed seeds-needed, the top-up rule, a study in two stages (declared, by the budget rule,
+and stage 2 sized from the observed differences, stopping as soon as a finding settles) -- each against its target
 within 2 Monte-Carlo standard errors; and what judging each claim on its own noise costs in power against pooling
-equally noisy arms. Writes its results page and the table on docs/statistics.md.
+equally noisy arms; and the settled findings of two stages against one at equal runs, in a study
+simulated with the study page's effects and noise. Writes its results page and the table on
+docs/statistics.md.
 
     python benchmarks/verdict_calibration.py [--studies 20000] [--study mega-variants]
 """
@@ -141,10 +143,44 @@ def staged_misuse(study: str, studies: int) -> list[str]:
     for rho in (0.0, 0.5, 0.9):
         name = f"no effect, rho {rho:g}"
         rng = np.random.default_rng(zlib.crc32(f"{name}, judged both ways".encode()))
-        _, final, n2, first, second = cal.staged(rng, s, cal.Scenario(name, rho=rho), studies, 0.5, True)
-        combined, naive = final.any(-1).mean(), cal.naive_after(first, second, s.comparisons(0.5), n2).any(-1).mean()
+        _, final, seeds2, first, second = cal.staged(rng, s, cal.Scenario(name, rho=rho), studies, 0.5, "adaptive")
+        naive = cal.naive_after(first, second, s.comparisons(0.5), seeds2).any(-1).mean()
+        combined = final.any(-1).mean()
         se = max(cal.mc_se(combined, studies), cal.mc_se(naive, studies))
         lines.append(f"| {name} | {combined:.2%} | {naive:.2%} | ≤ {se:.2%} |")
+    return lines
+
+
+def staged_efficiency(study: str, studies: int) -> list[str]:
+    """Settled findings at equal runs (issue 63's target: the budget rule >= 1.3x the fixed
+    design's), in a simulated study with the study page's observed effects and noise
+    (calibration.page_scenario), and in the same with the two late-seed arms' spread cut to issue
+    59's target (a third of the baseline's); counted over the findings stage 2 can add seeds to
+    that the page tested."""
+    import dataclasses
+
+    from dalle_ablate.report import calibration as cal
+    from dalle_ablate.report.design import study_path
+
+    s = cal.structure(study_path(study))
+    page = Path(__file__).resolve().parents[1] / "docs" / "results" / f"{study}.md"
+    scenario, tested = cal.page_scenario(s, page.read_text())
+    counted = tested & np.array([m in s.topped for m, _, _ in s.claims])
+    loss = dict(scenario.spreads["eval_loss"])
+    late = {a: loss[a] / 3 for a in ("baseline", "swish") if a in loss}
+    on_time = dataclasses.replace(scenario, spreads={**scenario.spreads, "eval_loss": {**loss, **late}})
+    lines = [
+        f"| scenario | design | runs per study | settled findings (of {int(counted.sum())}) | Monte-Carlo se | "
+        "against one stage at the same runs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, sc in (("the page's effects and noise", scenario), ("the same, late-seed arms' spread / 3", on_time)):
+        for extra in (2, 4):
+            rng = np.random.default_rng(zlib.crc32(f"{name}, {extra}".encode()))
+            rows = cal.efficiency(rng, s, sc, studies, counted, extra)
+            fixed = rows[1][2]  # one stage at stage 1's seeds + extra: the same runs as the two-stage designs
+            for design, runs, settled, se in rows[1:]:
+                lines.append(f"| {name} | {design} | {runs:.1f} | {settled:.2f} | {se:.3f} | {settled / fixed:.2f}x |")
     return lines
 
 
@@ -176,6 +212,7 @@ def main() -> None:
     cost = power_cost(len(s.claims), max(len(a) for a in s.pools.values()))
     alt = alternatives(args.study, args.studies)
     misuse = staged_misuse(args.study, args.studies)
+    efficiency = staged_efficiency(args.study, args.studies // 4)  # each study's budget rule is the slow part
     commit = git_commit()
     provenance = (
         f"Written by `python benchmarks/verdict_calibration.py --studies {args.studies} --study {args.study}` "
@@ -197,7 +234,16 @@ def main() -> None:
         f"differences on the arms of the {cal.PROMISING} most promising findings) judged by the combination test, "
         "and by the fixed-design tests on all the seeds, in the same simulated studies."
     )
-    block = [provenance, "", *table, "", power_line, "", *cost, "", alt_line, "", *alt, "", misuse_line, "", *misuse]
+    efficiency_line = (
+        "Stages at equal runs: settled findings per study for the fixed design at stage 1's seeds plus 2 or 4 per "
+        "arm, and for two stages whose stage 2 spends the same runs on every arm (declared) or by the budget rule "
+        f"(report/allocation.py), {args.studies // 4} simulated studies each; effects and noise from the study's page "
+        "(calibration.page_scenario, rho 0), and the same with the baseline's and swish's spread cut to a third."
+    )
+    block = [
+        *[provenance, "", *table, "", power_line, "", *cost, "", alt_line, "", *alt, "", misuse_line, "", *misuse],
+        *["", efficiency_line, "", *efficiency],
+    ]
     print("\n".join(block))
     if not args.no_statistics:
         write_statistics(block)

@@ -15,11 +15,14 @@ mu the claims' true differences. Δ is one unit (the sd of one run's noise at m 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from scipy import stats as st
 
+from dalle_ablate.report import allocation as A
 from dalle_ablate.report import stages as S
 from dalle_ablate.report import verdicts as V
 
@@ -75,10 +78,12 @@ class Scenario:
     unshared: tuple[str, ...] = ()  # arms whose seed effect is their own
     spread: float = 1.0  # > 1: every arm's m[a] drawn log-uniform on [1, spread], per study and metric
     effects: tuple[float, ...] = ()  # each claim's true difference in Δ; () = none anywhere
+    # metric -> arm -> its seed spread on that metric, in place of `noisier` there (a page's own noise)
+    spreads: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def multipliers(self, rng, arms: list[str], studies: int) -> np.ndarray:
+    def multipliers(self, rng, arms: list[str], studies: int, metric: str = "") -> np.ndarray:
         m = np.ones((studies, len(arms)))
-        for a, x in self.noisier.items():
+        for a, x in self.spreads.get(metric, self.noisier).items():
             if a in arms:
                 m[:, arms.index(a)] = x
         if self.spread > 1:
@@ -100,7 +105,7 @@ def simulate(
             if a in arms:
                 z[:, arms.index(a)] = rng.normal(size=(studies, n))
         e = rng.normal(size=(studies, len(arms), n))
-        m = scenario.multipliers(rng, arms, studies)[..., None]
+        m = scenario.multipliers(rng, arms, studies, metric)[..., None]
         tables[metric] = m * (np.sqrt(scenario.rho) * z + np.sqrt(1 - scenario.rho) * e)
     for (metric, arm, against), effect in zip(s.claims, scenario.effects):
         arms = s.pools[metric]
@@ -161,59 +166,147 @@ STAGE2_CAP = 12
 STAGED_DESIGN = S.Design()
 # The misuse's stage 2 goes to the arms of the findings closest to settling at stage 1, this many.
 PROMISING = 4
+RULES = ("declared", "adaptive", "budget")
 
 
 def staged(
-    rng, s: Structure, scenario: Scenario, studies: int, margin: float, adaptive: bool, cap: int = STAGE2_CAP
+    rng,
+    s: Structure,
+    scenario: Scenario,
+    studies: int,
+    margin: float,
+    rule: str,
+    cap: int = STAGE2_CAP,
+    budget: float | None = None,
 ) -> tuple[dict, np.ndarray, np.ndarray, dict, dict]:
     """Studies in two stages (report/stages.py, the combination test of STAGED_DESIGN): stage 1 at
-    the structure's seeds, stage 2 on new seeds of the metrics of the study's own runs (the stress
-    runs' metrics have none). Declared (`adaptive` False): stage 2 as many seeds per arm as stage 1,
-    every arm. The misuse it must survive (`adaptive`): the study stops after stage 1 as soon as a
-    finding settles; else stage 2 is sized from the observed differences -- the seeds the plan at
-    the most promising finding's observed difference asks for (verdicts.settle_power), at least 2
-    and at most `cap` -- and run only on the arms of the PROMISING findings with the smallest
-    stage-1 p. Returns (analyse_staged's results, the final rejections of "no difference" per
-    study and claim, stage 2's seeds per study (0: stopped), and both stages' tables)."""
+    the structure's seeds, stage 2 on new seeds of the study's own runs (the stress runs' metrics
+    have none), as `rule` says:
+    * "declared": the budget spread evenly over every arm;
+    * "adaptive", the misuse it must survive: the study stops after stage 1 as soon as a finding
+      settles; else stage 2 is sized from the observed differences -- the seeds the plan at the
+      most promising finding's observed difference asks for (verdicts.settle_power), at least 2
+      and at most `cap` -- and run only on the arms of the PROMISING findings with the smallest
+      stage-1 p;
+    * "budget": the declared rule of report/allocation.py, the budget where it raises the expected
+      settled findings most, at most `cap` per arm.
+    The budget: `budget` runs, by default stage 1's runs again.
+    Returns (analyse_staged's results, the final rejections of "no difference" per study and
+    claim, stage 2's seeds per study and arm of the study's own runs, both stages' tables)."""
     comps = s.comparisons(margin)
     first = simulate(rng, s, scenario, studies)
     second = simulate(rng, s, scenario, studies, {m: cap for m in s.pools})
+    arms = s.pools[s.topped[0]]  # the arms of the study's own runs: every metric of them has these
     n1 = min(s.seeds[m] for m in s.topped)
+    spend = n1 * len(arms) if budget is None else budget
+    if rule == "declared":
+        seeds2 = np.full((studies, len(arms)), int(spend // len(arms)))
+    elif rule == "adaptive":
+        seeds2 = _promising(first, s, comps, arms, n1, margin, cap)
+    elif rule == "budget":
+        ends = [(arms.index(a), arms.index(b)) if m in s.topped else (0, 0) for m, a, b in s.claims]
+        own = [m in s.topped for m, _, _ in s.claims]
+        seeds2, _ = A.plan(first, comps, STAGED_DESIGN, ends, own, np.ones(len(arms)), spend, cap)
+    else:
+        raise ValueError(f"rule {rule!r}: one of {', '.join(RULES)}")
+    for m in s.topped:
+        second[m] = np.where(np.arange(cap)[None, None, :] < seeds2[..., None], second[m], np.nan)
+    for m in set(second) - set(s.topped):
+        second[m] = np.full_like(second[m], np.nan)
+    res = S.analyse_staged(first, second, comps, STAGED_DESIGN)
+    return res, res["differs2"], seeds2, first, second
+
+
+def _promising(first: dict, s: Structure, comps: list, arms: list[str], n1: int, margin: float, cap: int) -> np.ndarray:
+    """The misuse's stage 2 (`staged`, "adaptive"): seeds per study and arm, 0 where it stopped."""
+    r = V.analyse(first, comps)
     own = np.array([m in s.topped for m, _, _ in s.claims])
-    n2 = np.full(studies, n1 if not adaptive else 0)
-    chosen = {m: np.ones((studies, len(arms)), bool) for m, arms in s.pools.items()}
-    stopped = np.zeros(studies, bool)
-    if adaptive:
-        r = V.analyse(first, comps)
-        stopped = (r["outcome"] != V.UNRESOLVED).any(-1)
-        order = np.argsort(np.where(own, r["p_zero"], np.inf), -1)[:, :PROMISING]
-        best = order[:, 0]
-        pick = lambda key: np.take_along_axis(r[key], best[:, None], -1)[:, 0]  # noqa: E731
-        n = np.arange(n1 + 1, n1 + cap + 1, dtype=np.float64)
-        power = V.settle_power(n, pick("d")[:, None], pick("sd")[:, None], margin, V.ALPHA / len(comps), n - 1)
-        plan = np.where((power >= V.POWER).any(-1), n[np.argmax(power >= V.POWER, -1)], n1 + cap)
-        n2 = np.where(stopped, 0, np.clip(plan - n1, 2, cap)).astype(int)
-        for m, arms in s.pools.items():
-            chosen[m][:] = False
-        for j, (m, arm, against) in enumerate(s.claims):
+    stopped = (r["outcome"] != V.UNRESOLVED).any(-1)
+    order = np.argsort(np.where(own, r["p_zero"], np.inf), -1)[:, :PROMISING]
+    best = order[:, 0]
+    pick = lambda key: np.take_along_axis(r[key], best[:, None], -1)[:, 0]  # noqa: E731
+    n = np.arange(n1 + 1, n1 + cap + 1, dtype=np.float64)
+    power = V.settle_power(n, pick("d")[:, None], pick("sd")[:, None], margin, V.ALPHA / len(comps), n - 1)
+    plan = np.where((power >= V.POWER).any(-1), n[np.argmax(power >= V.POWER, -1)], n1 + cap)
+    n2 = np.where(stopped, 0, np.clip(plan - n1, 2, cap)).astype(int)
+    chosen = np.zeros((len(n2), len(arms)), bool)
+    for j, (m, arm, against) in enumerate(s.claims):
+        if m in s.topped:
             hit = (order == j).any(-1)
             for a in (arm, against):
-                chosen[m][:, s.pools[m].index(a)] |= hit
-    for m in second:
-        runs = (np.arange(cap)[None, None, :] < n2[:, None, None]) & chosen[m][..., None] & (m in s.topped)
-        second[m] = np.where(runs, second[m], np.nan)
-    res = S.analyse_staged(first, second, comps, STAGED_DESIGN)
-    final = np.where(stopped[:, None], res["differs1"], res["differs2"])
-    return res, final, n2, first, second
+                chosen[:, arms.index(a)] |= hit
+    return np.where(chosen, n2[:, None], 0)
 
 
-def naive_after(first: dict, second: dict, comps: list, n2: np.ndarray) -> np.ndarray:
+def page_scenario(s: Structure, page: str, margin_share: float = 0.02) -> tuple[Scenario, np.ndarray]:
+    """A study page's observed effects and noise as a scenario, in Δ units (the study's margins):
+    each finding's difference from the summary table; the eval-loss spreads of its arms from the
+    noise table (one run's sd over Δ, Δ = `margin_share` of the baseline's mean loss); on the other
+    metrics, each claim's sd of a seed's difference from its 95 % interval (half-width sqrt(n) /
+    t(0.975, n - 1)), split as an arm spread for the arm it is compared with (the smallest claim's
+    over sqrt 2) and one for its arm. rho 0: the page's ρ run from -0.6 to 0.9. Returns (the scenario,
+    which claims the page tested -- a number, not "untestable here")."""
+    rows = re.findall(r"^\| [^|]+ \| [^|]+ \| [^|]+ \| ([^|]+) \| (\d+) / [^|]+ \|$", page, re.M)
+    if len(rows) != len(s.claims):
+        raise ValueError(f"the page's summary has {len(rows)} findings, its study {len(s.claims)}")
+    effects, tested, sigma = [], [], {}
+    for (cell, n), (metric, arm, against) in zip(rows, s.claims):
+        got = re.fullmatch(r"\s*([-+\d.e]+) \[([-\d.e]+), ([-\d.e]+)\]\s*", cell)
+        tested.append(got is not None)
+        effects.append(float(got[1]) if got else 0.0)
+        if got:
+            sigma[arm, against, metric] = (
+                (float(got[3]) - float(got[2])) / 2 * np.sqrt(int(n)) / st.t.ppf(0.975, int(n) - 1)
+            )
+    noise = {
+        a: (mean, sd) for a, mean, sd in re.findall(r"^\| (\w+) \| \d+ \| ([\d.e-]+) \| ([\d.e-]+) \| \[", page, re.M)
+    }
+    delta = margin_share * float(noise[s.claims[0][2]][0])
+    spreads: dict[str, dict[str, float]] = {m: {} for m in s.pools}
+    for m in s.pools:
+        if m == "eval_loss":
+            spreads[m] = {a: float(sd) / delta for a, (_, sd) in noise.items()}
+            continue
+        mine = {(a, b): x for (a, b, mm), x in sigma.items() if mm == m}
+        for (a, b), x in mine.items():
+            base = min(y for (_, bb), y in mine.items() if bb == b) / np.sqrt(2)
+            spreads[m][b] = base
+            spreads[m][a] = float(np.sqrt(max(x**2 - base**2, (0.1 * base) ** 2)))
+    return Scenario(
+        "the page's observed effects and noise", rho=0.0, effects=tuple(effects), spreads=spreads
+    ), np.array(tested)
+
+
+def efficiency(rng, s: Structure, scenario: Scenario, studies: int, counted: np.ndarray, extra: int) -> list[tuple]:
+    """Settled findings (among `counted`) per study, for designs of equal runs on the study's own
+    runs: the fixed design at stage 1's seeds and at `extra` more per arm; two stages, stage 2 of
+    `extra` seeds on every arm (declared) or of the same runs spent by the budget rule. Rows of
+    (design, runs per study on average, settled findings on average, its Monte-Carlo se)."""
+    n1 = min(s.seeds[m] for m in s.topped)
+    arms = len(s.pools[s.topped[0]])
+    comps = s.comparisons()
+    rows = []
+    for n in (n1, n1 + extra):
+        out = V.analyse(simulate(rng, s, scenario, studies, {m: n for m in s.topped}), comps)["outcome"]
+        settled = ((out != V.UNRESOLVED) & counted).sum(-1)
+        rows.append((f"one stage, {n} seeds per arm", n * arms, settled.mean(), settled.std() / np.sqrt(studies)))
+    for rule, name in (
+        ("declared", f"two stages, {n1} + {extra} seeds on every arm"),
+        ("budget", f"two stages, {n1} + {extra * arms} runs by the budget rule"),
+    ):
+        res, _, seeds2, _, _ = staged(rng, s, scenario, studies, 1.0, rule, max(extra, STAGE2_CAP), extra * arms)
+        settled = ((res["differs2"] | res["equivalent2"]) & counted).sum(-1)
+        rows.append((name, n1 * arms + seeds2.sum(-1).mean(), settled.mean(), settled.std() / np.sqrt(studies)))
+    return rows
+
+
+def naive_after(first: dict, second: dict, comps: list, seeds2: np.ndarray) -> np.ndarray:
     """The same stages judged without a combination test -- stage 1's fixed-design verdicts where
-    the study stopped, else the fixed-design tests on all its seeds pooled: what peeking and adding
-    seeds does to the error rate. Holm's decisions on the difference."""
+    the study stopped (no stage-2 seeds), else the fixed-design tests on all its seeds pooled: what
+    peeking and adding seeds does to the error rate. Holm's decisions on the difference."""
     pooled = {m: np.concatenate([first[m], second[m]], -1) for m in first}
     at1, at2 = V.analyse(first, comps)["differs"], V.analyse(pooled, comps)["differs"]
-    return np.where((n2 == 0)[:, None], at1, at2)
+    return np.where((seeds2.sum(-1) == 0)[:, None], at1, at2)
 
 
 @dataclass
@@ -227,7 +320,7 @@ class Check:
     high: float
     seeds: int | None = None  # seeds per arm of every metric; None: the study file's
     margin: float = 0.5  # Δ in units of one run's sd
-    stages: str = ""  # "declared" | "adaptive": a staged study (`staged`); "": one stage
+    stages: str = ""  # a staged study's rule (`staged`: declared, adaptive, budget); "": one stage
 
     @property
     def label(self) -> str:
@@ -298,10 +391,14 @@ def checks(s: Structure) -> list[Check]:
     ]
     # two stages (report/stages.py): declared, and the misuse issue 63 names -- stage 2 sized from
     # the observed differences on the most promising findings' arms, stopping as soon as one settles
-    declared, adaptive = "two declared stages", "stage 2 from the observed differences, stopped when one settles"
+    how = {
+        "declared": "two declared stages",
+        "adaptive": "stage 2 from the observed differences, stopped when one settles",
+        "budget": "stage 2 by the declared budget rule",
+    }
     out += [
-        Check(Scenario(f"no effect, rho {rho:g}, {how}", rho=rho), fd, 0, NULL, stages=stages)
-        for stages, how in (("declared", declared), ("adaptive", adaptive))
+        Check(Scenario(f"no effect, rho {rho:g}, {how[rule]}", rho=rho), fd, 0, NULL, stages=rule)
+        for rule in RULES
         for rho in (0.0, 0.5, 0.9)
     ]
     return out
@@ -318,8 +415,8 @@ def run(rng, s: Structure, check: Check, studies: int) -> tuple[float, int, str]
         spread = ", ".join(f"{n}: {c / studies:.0%}" for n, c in enumerate(counts) if c)
         return float(false_difference(out, true).mean()), studies, f"{_seeds(s, None)}, topped up to ({spread})"
     if check.stages:
-        _, final, n2, _, _ = staged(rng, s, check.scenario, studies, check.margin, check.stages == "adaptive")
-        return float((final & (true == 0)).any(-1).mean()), studies, f"{_seeds(s, None)}, then {_stage2(n2)}"
+        _, final, seeds2, _, _ = staged(rng, s, check.scenario, studies, check.margin, check.stages)
+        return float((final & (true == 0)).any(-1).mean()), studies, f"{_seeds(s, None)}, then {_stage2(seeds2)}"
     seeds = None if check.seeds is None else {m: check.seeds for m in s.pools}
     if check.measure == "power":
         n = int(V.seeds_needed(difference_sd(s, check.scenario, 0), check.margin, len(comps)))
@@ -335,11 +432,12 @@ def run(rng, s: Structure, check: Check, studies: int) -> tuple[float, int, str]
     return float(false_difference(out, true).mean()), studies, _seeds(s, check.seeds)
 
 
-def _stage2(n2: np.ndarray) -> str:
-    """Stage 2's seeds per arm over the studies, in words."""
-    counts = np.bincount(n2)
-    return "stage 2: " + ", ".join(
-        f"{'stopped' if n == 0 else f'+{n}'}: {c / len(n2):.0%}" for n, c in enumerate(counts) if c
+def _stage2(seeds2: np.ndarray) -> str:
+    """Stage 2's runs over the studies, in words: how often it ran none, and how many on average."""
+    runs = seeds2.sum(-1)
+    ran = runs[runs > 0]
+    return f"stage 2: none in {(runs == 0).mean():.0%}" + (
+        f", else {ran.mean():.1f} runs on average ({ran.min()} to {ran.max()})" if len(ran) else ""
     )
 
 

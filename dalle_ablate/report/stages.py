@@ -26,8 +26,9 @@ test declared before stage 1, so that choosing stage 2 from the data spends no e
   where that look's test rejects it.
 
 Pure numpy and scipy over leading axes, so that the calibration (report/calibration.py) runs
-thousands of simulated studies through it. Not built yet: declaring stages in a study file and
-running stage 2 (the study runner's part)."""
+thousands of simulated studies through it. Stage 2's seeds by a declared budget rule:
+report/allocation.py. Not built yet: declaring stages in a study file and running stage 2 (the
+study runner's part)."""
 
 from __future__ import annotations
 

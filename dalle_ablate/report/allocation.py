@@ -1,0 +1,150 @@
+"""Stage 2's seeds per arm, chosen by a rule declared before stage 1 (docs/statistics.md, "Studies
+in stages"): a budget of runs (or of CPU-hours, each arm's seed costing its measured run time) goes
+where it raises the expected number of findings settled by look 2 most, judged from what stage 1
+showed -- its observed differences included. The combination test (report/stages.py) keeps the
+error rate whatever stage 1 made stage 2's size (Lehmacher & Wassmer 1999), so the rule may be
+unblinded; it spends nothing on an arm that no unsettled finding needs.
+
+* **A finding's chance to settle** with k more paired seeds (`settle_chance`), planned at its
+  observed difference and its stage-1 spread (a plan, not a test: the conditional power of
+  Müller & Schäfer 2001 at the observed effect, Bauer & Köhne 1994): stage 2's mean difference m₂
+  ~ N(d₁, sd₁²/k) decides each of the finding's four one-sided tests at look 2 -- the difference's
+  two sides at Holm's first step α/(2m), and TOST's two against ±Δ at α/m, m the findings left --
+  so that it settles where m₂ passes either side of the difference test, or lies between TOST's
+  two bounds. A normal stage 2 in place of its t: the plan's error, not the test's.
+* **The greedy rule** (`allocate`): a finding's k paired seeds are the first k stage-2 seeds of
+  both its arms, so raising an arm helps every finding it is in. Repeatedly, over every finding
+  and every larger k, take the raise with the largest gain in expected settled findings per unit
+  of cost that the budget still affords; stop when none gains. Jumps of any size, not one seed at
+  a time: a chance that is flat at one seed (no stage-2 t test below two) can rise steeply after.
+
+Vectorised over leading (study) axes, so that the calibration (report/calibration.py) runs
+thousands of simulated studies through it."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats as st
+
+from dalle_ablate.report import stages as S
+from dalle_ablate.report import verdicts as V
+
+
+def settle_chance(z1: dict, d, sd, margin, pairs, left, design: S.Design, alpha: float = V.ALPHA) -> np.ndarray:
+    """P(a finding is settled by look 2 | stage 1) with `pairs` stage-2 seeds, if its true difference
+    were `d` and one seed's difference had sd `sd`. `z1`: stage 1's one-sided scores (stages.stage_z)
+    "up", "down" (the difference's sides) and "above", "below" (TOST's, against -Δ and +Δ); `left`:
+    the findings Holm has left at look 2. All broadcast; 0 where pairs < 2 (no stage-2 test)."""
+    pairs = np.asarray(pairs, np.float64)
+    c_diff = _c2(alpha / (2 * np.asarray(left)), design)
+    c_eq = _c2(alpha / np.asarray(left), design)
+    d = np.asarray(d, np.float64)
+    side = lambda z, c, effect: _passes(z, c, effect, sd, pairs, design)  # noqa: E731
+    differs = side(z1["up"], c_diff, d) + side(z1["down"], c_diff, -d)  # the two sides exclude each other
+    # TOST needs both: at least P(above) + P(below) - 1 (Fréchet), of the one event or the other
+    equivalent = np.maximum(side(z1["above"], c_eq, d + margin) + side(z1["below"], c_eq, margin - d) - 1.0, 0.0)
+    p = np.maximum(differs, equivalent)  # the union is at least the larger
+    return np.where(pairs >= 2, np.clip(np.nan_to_num(p), 0.0, 1.0), 0.0)
+
+
+def _passes(z1, c2, effect, sd, pairs, design: S.Design) -> np.ndarray:
+    """P(one one-sided test rejects by look 2): its combined statistic w1 z1 + w2 z2 past c2, z2 the
+    stage-2 paired t test's normal score (stages.stage_z), i.e. its t statistic past a t quantile,
+    which the t of k seeds passes with the noncentral t's probability, noncentrality the true
+    distance beyond the test's bound over the mean's se (`effect` sqrt(k) / sd)."""
+    need = (c2 - design.w1 * np.asarray(z1, np.float64)) / design.w2  # the z2 the combination needs
+    df = np.maximum(pairs - 1, 1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        t_need = st.t.isf(st.norm.sf(need), df)
+        return st.nct.sf(t_need, df, effect * np.sqrt(pairs) / np.asarray(sd, np.float64))
+
+
+def _c2(level, design: S.Design) -> np.ndarray:
+    """The combined statistic's boundary at each one-sided level (stages.boundaries, cached)."""
+    level = np.asarray(level, np.float64)
+    flat = [S.boundaries(float(a), design.w1**2, design.kind)[1] for a in level.ravel()]
+    return np.reshape(flat, level.shape)
+
+
+def plan(
+    first: dict[str, np.ndarray],
+    comparisons: list[V.Comparison],
+    design: S.Design,
+    arms: list[tuple[int, int]],
+    can_add: np.ndarray,
+    cost: np.ndarray,
+    budget: float,
+    cap: int,
+    alpha: float = V.ALPHA,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rule on stage 1's tables (metric -> values[..., arm, seed]): (stage 2's seeds per arm
+    [..., arms], at most `cap`; which findings were open after look 1). `arms`: each comparison's
+    (arm, against) as indices into `cost` (the arms of the runs stage 2 adds to); `can_add`: the
+    comparisons judged on those runs (not on stress runs of a plan of their own)."""
+    r = V.analyse(first, comparisons, alpha)
+    d, se, df, sd, margin = (r[k] for k in ("d", "se", "df", "sd", "margin"))
+    z1 = {
+        "up": S.stage_z(d, se, df),
+        "down": S.stage_z(-d, se, df),
+        "above": S.stage_z(d, se, df, -margin),
+        "below": S.stage_z(-d, se, df, -margin),
+    }
+    none = np.full(d.shape, -np.inf)  # no stage 2 yet: what look 1 settles
+    tested = np.isfinite(d) & (df >= 1)
+    differs, _ = S.holm_by_look([(z1["up"], none), (z1["down"], none)], alpha, design, tested, split=2)
+    equivalent, _ = S.holm_by_look(
+        [(z1["above"], none), (z1["below"], none)], alpha, design, tested & np.isfinite(margin) & (margin > 0)
+    )
+    open_ = tested & ~differs & ~equivalent
+    left = np.maximum(open_.sum(-1), 1)[..., None, None]
+    k = np.arange(cap + 1)
+    chance = settle_chance(
+        {n: z[..., None] for n, z in z1.items()}, d[..., None], sd[..., None], margin[..., None], k, left, design, alpha
+    )
+    chance = np.where((open_ & np.asarray(can_add, bool))[..., None], chance, 0.0)
+    ends = np.array(arms).T
+    return allocate(chance, ends[0], ends[1], cost, budget), open_
+
+
+def allocate(
+    chance: np.ndarray, arm: np.ndarray, against: np.ndarray, cost: np.ndarray, budget: float, chunk: int = 500
+) -> np.ndarray:
+    """Stage 2's seeds per arm, [..., arms]: the greedy rule. `chance`: [..., findings, k] each
+    finding's settle chance with k = 0, 1, ... paired stage-2 seeds (0 throughout for a finding
+    already settled or without runs to add); `arm`, `against`: [findings] each finding's two arms
+    (indices); `cost`: [arms] the cost of one seed of each arm; `budget`: what stage 2 may spend.
+    Studies `chunk` at a time (the candidates of one are findings x k x findings)."""
+    chance = np.asarray(chance, np.float32)  # small types: the candidates are many
+    arm, against, cost = np.asarray(arm), np.asarray(against), np.asarray(cost, np.float64)
+    flat = chance.reshape(-1, *chance.shape[-2:])
+    seeds = [_greedy(flat[i : i + chunk], arm, against, cost, budget) for i in range(0, len(flat), chunk)]
+    return np.concatenate(seeds).astype(int).reshape(*chance.shape[:-2], len(cost))
+
+
+def _greedy(chance: np.ndarray, arm: np.ndarray, against: np.ndarray, cost: np.ndarray, budget: float) -> np.ndarray:
+    """`allocate` for chance [studies, findings, k]."""
+    studies, n_find, n_k = chance.shape
+    seeds = np.zeros((studies, len(cost)), np.int16)
+    spent = np.zeros(studies)
+    k, rows = np.arange(n_k, dtype=np.int16), np.arange(studies)
+    # raises[j, x]: a raise of finding j raises arm x (one of its two)
+    raises = (np.arange(len(cost))[None] == arm[:, None]) | (np.arange(len(cost))[None] == against[:, None])
+    while True:
+        pairs = np.minimum(seeds[:, arm], seeds[:, against])  # [S, J]
+        now = np.take_along_axis(chance, pairs[..., None], -1)[..., 0].sum(-1)  # [S]
+        # candidate (j, k): both of finding j's arms raised to at least k seeds
+        raised = np.maximum(seeds[:, None, None, :], k[None, None, :, None])  # [S, 1, K, A]
+        after = np.where(raises[None, :, None, :], raised, seeds[:, None, None, :])  # [S, J, K, A]
+        extra = ((after - seeds[:, None, None, :]) * cost).sum(-1)  # [S, J, K]
+        new_pairs = np.minimum(after[..., arm], after[..., against])  # [S, J, K, J]
+        got = np.take_along_axis(chance[:, None, None], new_pairs[..., None], -1)[..., 0].sum(-1)
+        gain = got - now[:, None, None]
+        ok = (extra > 0) & (spent[:, None, None] + extra <= budget + 1e-9) & (gain > 1e-9)
+        ratio = np.where(ok, gain / np.where(extra > 0, extra, 1.0), -np.inf).reshape(studies, -1)
+        best = ratio.argmax(-1)
+        go = np.isfinite(ratio[rows, best])
+        if not go.any():
+            return seeds
+        j, kk = np.unravel_index(best, (n_find, n_k))
+        seeds = np.where(go[:, None], after[rows, j, kk], seeds)
+        spent = np.where(go, spent + extra[rows, j, kk], spent)
