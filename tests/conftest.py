@@ -43,6 +43,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the 
 # process turns it back off (_optimized_here): its tests include the compute-heavy ones, a
 # thousand-step run among them.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
+# The environment of a child whose numbers a test holds bit for bit to this process's: it compiles
+# as this process does (the same HLO at another LLVM level rounds differently in the last bit).
+AS_HERE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "false"}
 
 # Small data that still exercises every path; built once per session (cached on disk).
 SMALL_DATA = [
@@ -124,7 +127,9 @@ def _optimized_here():
 def _no_shared_wandb_service():
     """A test that runs W&B in this process exports WANDB_SERVICE (wandb.init does), and every
     `run.py` started after it would attach to this process's W&B service: a child killed there
-    leaves its run open in it, "run ID ... is in use" to the resumed child. Each child its own."""
+    leaves its run open in it, "run ID ... is in use" to the resumed child. Each child its own --
+    also after a module's fixture ran W&B here (a wider fixture is set up before this one)."""
+    os.environ.pop("WANDB_SERVICE", None)
     yield
     os.environ.pop("WANDB_SERVICE", None)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ROOT
+from conftest import AS_HERE, ROOT
 from dalle_ablate.model import build_model
 from test_model import tiny_model_cfg
 
@@ -69,7 +69,7 @@ def test_the_keys_do_not_depend_on_the_process():
         "import sys; sys.path[:0] = ['tests', 'tests/model']; from test_model import tiny_model_cfg; "
         "from test_init_keys import digest; print(digest(tiny_model_cfg('preln'), 5))"
     )
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **AS_HERE, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == digest(tiny_model_cfg("preln"), 5)

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import yaml
-from conftest import EVAL_ON, SMALL_DATA, TINY_TRAIN, run_config
+from conftest import AS_HERE, EVAL_ON, SMALL_DATA, TINY_TRAIN, run_config
 from wandb_records import summary as wandb_summary
 
 from dalle_ablate.job import outcome
@@ -264,7 +264,7 @@ def test_kill_9_between_the_members_saves_then_resume_continues_every_member(tra
     tests = Path(__file__).resolve().parents[1]
     job = tmp_path / "job"
     args = [*SMALL_DATA, *TINY_TRAIN, *CFG, "seeds=[0,1,2]", "members.impl=map", f"hydra.run.dir={job}"]
-    env = dict(os.environ)
+    env = {**os.environ, **AS_HERE}  # held bit for bit to the fixture's members, trained in this process
     env.update(KILL_AT="save:6", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
     proc = subprocess.run(
         [sys.executable, str(tests / "kill_worker.py"), *args],
