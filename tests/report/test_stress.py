@@ -235,12 +235,16 @@ def test_every_stress_run_of_the_mega_study_composes():
 def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverged(tmp_path):
     from dalle_ablate.study.stress_runs import run_stress
 
+    def swish_study(where: Path, seeds: list[int]) -> Path:
+        path = study_file(where, lr=[1e-3, 3e-3, 1e30], seeds=seeds, steps=6)
+        spec = yaml.safe_load(path.read_text())
+        spec["findings"][0].update(arm="swish", against="baseline")
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
     # Adam's first steps move every weight by about the rate: at 1e30 the attention logits pass
     # float32's 3.4e38 and the loss stops being finite.
-    path = study_file(tmp_path, lr=[1e-3, 3e-3, 1e30], seeds=[0, 1], steps=6)
-    spec = yaml.safe_load(path.read_text())
-    spec["findings"][0].update(arm="swish", against="baseline")
-    path.write_text(yaml.safe_dump(spec))
+    path = swish_study(tmp_path, [0, 1])
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
     folder = tmp_path / "studies" / "synthetic"
@@ -261,10 +265,13 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
     plan = load_stress(path)
     m = measures(plan, load_runs(str(where)))
     assert m[("baseline", 0)]["divergences"] == 1.0 and np.isfinite(m[("baseline", 0)]["lr_sensitivity"])
-    # one process per run gives the same runs (members under map are their separate runs bit for bit)
-    alone = run_stress(path, "study_mega", tmp_path / "alone" / "synthetic", overrides, env, members=False)
-    assert alone.failed == [] and "as members" not in alone.line
-    for name in status:
+    # one process per run gives the same runs (members under map are their separate runs bit for bit):
+    # the plan's seed 0, as a process per run
+    (tmp_path / "alone").mkdir()
+    few = swish_study(tmp_path / "alone", [0])
+    alone = run_stress(few, "study_mega", tmp_path / "alone" / "synthetic", overrides, env, members=False)
+    assert alone.failed == [] and "as members" not in alone.line and "started 6 of them" in alone.line
+    for name in (run_name(arm, rate, 0) for arm in ("swish", "baseline") for rate in (1e-3, 3e-3, 1e30)):
         a, b = (
             json.loads((w / name / "run" / "summary.json").read_text())
             for w in (where, stress_folder(tmp_path / "alone" / "synthetic"))
