@@ -37,11 +37,11 @@ os.environ.setdefault("DALLE_ABLATE_CACHE", str(_SHARED / "cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_SHARED / "jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny models compile in < 1 s
 # The child processes (`run.py`, the mesh and multi-process workers) compile without XLA's backend
-# optimizations (LLVM -O0; the HLO passes, and so what is computed, are the same): their tiny
-# programs run a few steps, and compiling is most of their time. Measured on the 2-core machine,
-# tests/test_job.py and tests/sweep/test_sweep.py took 18 % less CPU (312 s -> 257 s). This test
-# process turns it back off (_optimized_here): its tests include the compute-heavy ones, a
-# thousand-step run among them.
+# optimizations (LLVM -O0: the same HLO passes and program, rounded differently in the last bit at
+# most -- AS_HERE below): their tiny programs run a few steps, and compiling is most of their time.
+# Measured on the 2-core machine, tests/test_job.py and tests/sweep/test_sweep.py took 18 % less CPU
+# (312 s -> 257 s; their test process at -O0 too). This test process turns it back off
+# (_optimized_here): its tests include the compute-heavy ones, a thousand-step run among them.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 # The environment of a child whose numbers a test holds bit for bit to this process's: it compiles
 # as this process does (the same HLO at another LLVM level rounds differently in the last bit).
