@@ -30,19 +30,24 @@ from dalle_ablate.report import stages as S
 from dalle_ablate.report import verdicts as V
 
 
-def settle_chance(z1: dict, d, sd, margin, pairs, left, design: S.Design, alpha: float = V.ALPHA) -> np.ndarray:
+def settle_chance(
+    z1: dict, d, sd, margin, pairs, left, design: S.Design, alpha: float = V.ALPHA, left_eq=None
+) -> np.ndarray:
     """P(a finding is settled by look 2 | stage 1) with `pairs` stage-2 seeds, if its true difference
     were `d` and one seed's difference had sd `sd`. `z1`: stage 1's one-sided scores (stages.stage_z)
-    "up", "down" (the difference's sides) and "above", "below" (TOST's, against -Δ and +Δ); `left`:
-    the findings Holm has left at look 2. All broadcast; 0 where pairs < 2 (no stage-2 test)."""
-    pairs = np.asarray(pairs, np.float64)
+    "up", "down" (the difference's sides) and "above", "below" (TOST's, against -Δ and +Δ); `left`,
+    `left_eq`: the hypotheses Holm has left at look 2 in the difference's family and in
+    equivalence's (default: `left`). All broadcast; 0 where pairs < 2 (no stage-2 test); no
+    equivalence without a margin (NaN or 0)."""
+    pairs, margin = np.asarray(pairs, np.float64), np.asarray(margin, np.float64)
     c_diff = _c2(alpha / (2 * np.asarray(left)), design)
-    c_eq = _c2(alpha / np.asarray(left), design)
+    c_eq = _c2(alpha / np.asarray(left if left_eq is None else left_eq), design)
     d = np.asarray(d, np.float64)
     side = lambda z, c, effect: _passes(z, c, effect, sd, pairs, design)  # noqa: E731
     differs = side(z1["up"], c_diff, d) + side(z1["down"], c_diff, -d)  # the two sides exclude each other
     # TOST needs both: at least P(above) + P(below) - 1 (Fréchet), of the one event or the other
     equivalent = np.maximum(side(z1["above"], c_eq, d + margin) + side(z1["below"], c_eq, margin - d) - 1.0, 0.0)
+    equivalent = np.where(np.isfinite(margin) & (margin > 0), np.nan_to_num(equivalent), 0.0)
     p = np.maximum(differs, equivalent)  # the union is at least the larger
     return np.where(pairs >= 2, np.clip(np.nan_to_num(p), 0.0, 1.0), 0.0)
 
@@ -92,15 +97,16 @@ def plan(
     none = np.full(d.shape, -np.inf)  # no stage 2 yet: what look 1 settles
     tested = np.isfinite(d) & (df >= 1)
     differs, _ = S.holm_by_look([(z1["up"], none), (z1["down"], none)], alpha, design, tested, split=2)
-    equivalent, _ = S.holm_by_look(
-        [(z1["above"], none), (z1["below"], none)], alpha, design, tested & np.isfinite(margin) & (margin > 0)
-    )
+    has = tested & np.isfinite(margin) & (margin > 0)  # equivalence needs a margin
+    equivalent, _ = S.holm_by_look([(z1["above"], none), (z1["below"], none)], alpha, design, has)
     open_ = tested & ~differs & ~equivalent
-    left = np.maximum(open_.sum(-1), 1)[..., None, None]
+    # Holm's families at look 2: the hypotheses of each not yet rejected (a finding settled as
+    # equivalent still holds a place in the difference's, and the other way round)
+    left = np.maximum((tested & ~differs).sum(-1), 1)[..., None, None]
+    left_eq = np.maximum((has & ~equivalent).sum(-1), 1)[..., None, None]
     k = np.arange(cap + 1)
-    chance = settle_chance(
-        {n: z[..., None] for n, z in z1.items()}, d[..., None], sd[..., None], margin[..., None], k, left, design, alpha
-    )
+    z = {n: v[..., None] for n, v in z1.items()}
+    chance = settle_chance(z, d[..., None], sd[..., None], margin[..., None], k, left, design, alpha, left_eq)
     chance = np.where((open_ & np.asarray(can_add, bool))[..., None], chance, 0.0)
     ends = np.array(arms).T
     return allocate(chance, ends[0], ends[1], cost, budget), open_

@@ -200,7 +200,7 @@ def staged(
     n1 = min(s.seeds[m] for m in s.topped)
     spend = n1 * len(arms) if budget is None else budget
     if rule == "declared":
-        seeds2 = np.full((studies, len(arms)), int(spend // len(arms)))
+        seeds2 = np.full((studies, len(arms)), min(int(spend // len(arms)), cap))
     elif rule == "adaptive":
         seeds2 = _promising(first, s, comps, arms, n1, margin, cap)
     elif rule == "budget":

@@ -66,6 +66,14 @@ def test_the_chance_of_equivalence_is_at_most_the_simulated_one(k):
     assert settled - 0.1 <= got <= settled + tol
 
 
+def test_a_finding_without_a_margin_can_still_settle_by_its_difference():
+    """No margin (NaN, verdicts.Comparison's default): no equivalence, the difference test alone."""
+    z1 = scores(0.8, 0.5, 3, np.nan)
+    got = A.settle_chance(z1, 0.8, 1.0, np.nan, 8, 3, DESIGN)
+    assert got == pytest.approx(A.settle_chance(scores(0.8, 0.5, 3, 1e-9), 0.8, 1.0, 1e-9, 8, 3, DESIGN), abs=1e-6)
+    assert 0.2 < got < 1
+
+
 def test_fewer_than_two_seeds_cannot_settle_and_more_seeds_settle_more_often():
     z1 = scores(0.8, 0.5, 3, 0.2)
     chance = A.settle_chance(z1, 0.8, 1.0, 0.2, np.arange(0, 30), 4, DESIGN)
