@@ -154,17 +154,18 @@ def staged_misuse(study: str, studies: int) -> list[str]:
 def staged_efficiency(study: str, studies: int) -> list[str]:
     """Settled findings at equal runs (issue 63's target: the budget rule >= 1.3x the fixed
     design's), in a simulated study with the study page's observed effects and noise
-    (calibration.page_scenario), and in the same with the two late-seed arms' spread cut to issue
+    (efficiency.page_scenario), and in the same with the two late-seed arms' spread cut to issue
     59's target (a third of the baseline's); counted over the findings stage 2 can add seeds to
     that the page tested."""
     import dataclasses
 
     from dalle_ablate.report import calibration as cal
+    from dalle_ablate.report import efficiency as eff
     from dalle_ablate.report.design import study_path
 
     s = cal.structure(study_path(study))
     page = Path(__file__).resolve().parents[1] / "docs" / "results" / f"{study}.md"
-    scenario, tested = cal.page_scenario(s, page.read_text())
+    scenario, tested = eff.page_scenario(s, page.read_text())
     counted = tested & np.array([m in s.topped for m, _, _ in s.claims])
     loss = dict(scenario.spreads["eval_loss"])
     late = {a: loss[a] / 3 for a in ("baseline", "swish") if a in loss}
@@ -177,7 +178,7 @@ def staged_efficiency(study: str, studies: int) -> list[str]:
     for name, sc in (("the page's effects and noise", scenario), ("the same, late-seed arms' spread / 3", on_time)):
         for extra in (2, 4):
             rng = np.random.default_rng(zlib.crc32(f"{name}, {extra}".encode()))
-            rows = cal.efficiency(rng, s, sc, studies, counted, extra)
+            rows = eff.efficiency(rng, s, sc, studies, counted, extra)
             fixed = rows[1][2]  # one stage at stage 1's seeds + extra: the same runs as the two-stage designs
             for design, runs, settled, se in rows[1:]:
                 lines.append(f"| {name} | {design} | {runs:.1f} | {settled:.2f} | {se:.3f} | {settled / fixed:.2f}x |")
@@ -238,7 +239,7 @@ def main() -> None:
         "Stages at equal runs: settled findings per study for the fixed design at stage 1's seeds plus 2 or 4 per "
         "arm, and for two stages whose stage 2 spends the same runs on every arm (declared) or by the budget rule "
         f"(report/allocation.py), {args.studies // 4} simulated studies each; effects and noise from the study's page "
-        "(calibration.page_scenario, rho 0), and the same with the baseline's and swish's spread cut to a third."
+        "(efficiency.page_scenario, rho 0), and the same with the baseline's and swish's spread cut to a third."
     )
     block = [
         *[provenance, "", *table, "", power_line, "", *cost, "", alt_line, "", *alt, "", misuse_line, "", *misuse],

@@ -13,6 +13,7 @@ import pytest
 from scipy import stats as st
 
 from dalle_ablate.report import allocation as A
+from dalle_ablate.report import efficiency as E
 from dalle_ablate.report import stages as S
 from dalle_ablate.report import verdicts as V
 
@@ -131,7 +132,7 @@ def test_the_rule_over_stage_1_tables_adds_seeds_only_to_open_findings_of_its_ow
 
 
 def test_a_study_page_becomes_a_scenario_of_its_effects_and_noise():
-    """calibration.page_scenario on a page of the mega-variants study's shape: the summary's
+    """efficiency.page_scenario on a page of the mega-variants study's shape: the summary's
     differences; eval loss's arm spreads from the noise table over Δ (2 % of the baseline's mean);
     another metric's from its claims' 95 % intervals."""
     from dalle_ablate.report import calibration as cal
@@ -156,7 +157,7 @@ def test_a_study_page_becomes_a_scenario_of_its_effects_and_noise():
             "| a | 4 | 0.180 | 0.00200 | [0.001, 0.007] | 512 |",
         ]
     )
-    sc, tested = cal.page_scenario(s, page)
+    sc, tested = E.page_scenario(s, page)
     assert sc.effects == (2.5, -1.0, 0.0) and tested.tolist() == [True, True, False]
     assert sc.spreads["eval_loss"] == pytest.approx({"baseline": 0.012 / 0.004, "a": 0.002 / 0.004})
     sigma = 2.0 * math.sqrt(4) / st.t.ppf(0.975, 3)  # half-width 2 at 4 seeds: one seed's difference sd
@@ -165,11 +166,11 @@ def test_a_study_page_becomes_a_scenario_of_its_effects_and_noise():
         sigma
     )
     with pytest.raises(ValueError, match="the page's summary has 2 findings, its study 3"):
-        cal.page_scenario(s, page.replace("| three |", "three"))
+        E.page_scenario(s, page.replace("| three |", "three"))
 
 
 def test_the_designs_compared_at_equal_runs_spend_equal_runs():
-    """calibration.efficiency: one stage at n1 + extra seeds and stage 2 of extra seeds on every
+    """efficiency.efficiency: one stage at n1 + extra seeds and stage 2 of extra seeds on every
     arm spend the same runs; the budget rule at most as many; each settles at least what one stage
     at n1 does, less its Monte-Carlo error."""
     from dalle_ablate.report import calibration as cal
@@ -178,7 +179,7 @@ def test_the_designs_compared_at_equal_runs_spend_equal_runs():
     s = cal.structure(study_path("mega-variants"))
     effects = tuple([8.0, 2.0] + [0.0] * (len(s.claims) - 2))
     counted = np.array([m in s.topped for m, _, _ in s.claims])
-    rows = cal.efficiency(np.random.default_rng(2), s, cal.Scenario("x", effects=effects), 300, counted, 2)
+    rows = E.efficiency(np.random.default_rng(2), s, cal.Scenario("x", effects=effects), 300, counted, 2)
     arms = len(s.pools[s.topped[0]])
     (_, r4, s4, e4), (_, r6, _, _), (_, declared, sd, ed), (_, budget, sb, eb) = rows
     assert r4 == 4 * arms and r6 == declared == 6 * arms and 4 * arms < budget <= 6 * arms
