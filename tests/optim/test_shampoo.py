@@ -359,6 +359,17 @@ def test_schedules_warmup_decay_cosine_and_offset():
     ).schedule
     s = build_schedule(exp, 1.0, total_steps=100)
     assert [float(s(t)) for t in (0, 9, 10, 25)] == pytest.approx([1.0, 1.0, 0.5, 0.25])
+    # Warmup-stable-decay: 10 steps up, the peak held, then the last half of the 100 steps after the
+    # warm-up down to 0.2 of it, linearly.
+    wsd = run_config(
+        "schedule=wsd",
+        "schedule.warmup_steps=10",
+        "schedule.cooldown_frac=0.5",
+        "schedule.end_factor=0.2",
+        "trainer.steps=110",
+    ).schedule
+    s = build_schedule(wsd, 2.0, total_steps=110)
+    assert [float(s(t)) for t in (5, 10, 40, 60, 85, 110)] == pytest.approx([1.0, 2.0, 2.0, 2.0, 1.2, 0.4])
 
 
 def test_building_shampoo_caps_the_blas_under_jaxs_eigh_and_only_it():
