@@ -1,4 +1,4 @@
-"""Multi-head attention: scaled dot-product or Swin v2's cosine attention, optional per-head
+"""Multi-head attention: scaled dot-product (or NormSoftmax's) or Swin v2's cosine attention, optional per-head
 scale (NormFormer), Sub-LN norm before the output projection (Magneto), and Swin v2's log-spaced
 continuous position bias over the image grid.
 
@@ -31,6 +31,23 @@ def attention_logits(q: jax.Array, k: jax.Array, tau: Optional[jax.Array] = None
         return jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
     unit = lambda y: y * jax.lax.rsqrt(jnp.maximum(jnp.sum(y * y, -1, keepdims=True), 1e-12))  # noqa: E731
     return jnp.einsum("bqhd,bkhd->bhqk", unit(q), unit(k)) / tau[None, :, None, None]
+
+
+def norm_softmax(logits: jax.Array, mask: Optional[jax.Array]) -> jax.Array:
+    """NormSoftmax (Hoffmann et al. 2024, "Eureka-moments in transformers", arXiv 2310.12956; the
+    authors' `norm_softmax_std`): the raw q.k divided by min(sqrt(D), their standard deviation over
+    the keys a query sees) instead of by sqrt(D). On `logits` = q.k / sqrt(D) that is logits /
+    min(1, their std). Where the logits of a row are nearly equal -- attention spread evenly over
+    its keys, whose gradients to W_q and W_k vanish and hold the loss on a plateau -- it sharpens
+    them; where they already spread, it is the usual scaling. The std is the unbiased one (n - 1)
+    over the unmasked keys only, so a causal row counts the keys before it, and a KV cache's row the
+    ones filled; a row of one key has std 0, and its softmax is 1 whatever the divisor."""
+    valid = jnp.ones(logits.shape, bool) if mask is None else jnp.broadcast_to(mask, logits.shape)
+    n = valid.sum(-1, keepdims=True)
+    mean = jnp.where(valid, logits, 0.0).sum(-1, keepdims=True) / jnp.maximum(n, 1)
+    var = jnp.where(valid, (logits - mean) ** 2, 0.0).sum(-1, keepdims=True) / jnp.maximum(n - 1, 1)
+    # sqrt(var + eps^2), not sqrt(var): finite gradients at var = 0 (the one-key row)
+    return logits / jnp.minimum(1.0, jnp.sqrt(var + 1e-12))
 
 
 def grid_offsets(length: int) -> np.ndarray:
@@ -113,6 +130,7 @@ class Attention(nnx.Module):
         ones = nnx.with_partitioning(nnx.initializers.constant(1.0), ("heads",))
         self.head_scale = nnx.Param(ones(rngs.params(), (h,))) if cfg.head_scale else None
         self.cosine = cfg.cosine_attention
+        self.norm_softmax = cfg.norm_softmax
         self.tau_min = cfg.tau_min
         self.fixed_tau = cfg.tau_init
         tau = nnx.with_partitioning(nnx.initializers.constant(cfg.tau_init), ("heads",))
@@ -191,6 +209,8 @@ class Attention(nnx.Module):
         [H, Tq, Tk] or None."""
         b, t = q.shape[:2]
         logits = attention_logits(q, k, self.temperature())
+        if self.norm_softmax:
+            logits = norm_softmax(logits, mask)
         if bias is not None:
             logits = logits + bias[None]
         if mask is not None:

@@ -49,6 +49,9 @@ class ModelConfig(OptionConfig):
     tau_init: float = 0.05  # cosine attention temperature (fixed, or the init of a learned one)
     learn_tau: bool = False  # learn tau per head and layer, clamped at >= tau_min
     tau_min: float = 0.01  # the floor of a learned tau (Swin v2: 0.01)
+    # NormSoftmax (Hoffmann et al. 2024, "Eureka-moments in transformers"): q.k / min(sqrt(d), their std
+    # over the keys each query sees) instead of q.k / sqrt(d); a cure for softmax-held loss plateaus
+    norm_softmax: bool = False
     position_bias: bool = False  # Swin v2 log-spaced continuous position bias on image self-attention
     cpb_hidden: int = 64  # hidden width of the position-bias MLP
     bias: bool = False  # DALL·E mini study: biases cost time and hurt convergence
@@ -99,6 +102,10 @@ class ModelConfig(OptionConfig):
         if self.learn_tau and not self.cosine_attention:
             raise ConfigError(
                 "model.learn_tau=true conflicts with model.cosine_attention=false: tau is the cosine attention's temperature"
+            )
+        if self.norm_softmax and self.cosine_attention:
+            raise ConfigError(
+                "model.norm_softmax=true conflicts with model.cosine_attention=true: each sets the softmax's temperature"
             )
         if self.position_bias and self.image_len is not None and round(self.image_len**0.5) ** 2 != self.image_len:
             raise ConfigError(

@@ -47,6 +47,16 @@ def test_cached_decoding_equals_the_full_forward_pass_token_by_token(layout):
     assert cached_vs_full(model, text, mask, codes) <= 1, layout
 
 
+def test_cached_decoding_with_norm_softmax_equals_the_full_forward_pass():
+    """NormSoftmax's std is over the keys a query sees: a cached row's filled keys, a causal row's
+    keys before it, the caption's unpadded tokens in cross-attention. Both layout families."""
+    for layout in ("preln", "dalle"):
+        model = small_model(f"model={layout}", "model.norm_softmax=true")
+        text, mask = text_batch(3)
+        codes = jnp.asarray(np.random.default_rng(1).integers(0, IMAGE_VOCAB, (3, IMAGE_LEN)), jnp.int32)
+        assert cached_vs_full(model, text, mask, codes) <= 1, layout
+
+
 def test_guidance_formula_on_hand_made_logits():
     c = jnp.array([[2.0, 0.0, -1.0]])
     u = jnp.array([[1.0, 1.0, -1.0]])

@@ -16,7 +16,7 @@ from flax import nnx
 
 from conftest import compose, run_config
 from dalle_ablate.model import abstract_model, build_model, param_count
-from dalle_ablate.model.attention import PositionBias, attention_logits, grid_offsets
+from dalle_ablate.model.attention import MASKED, PositionBias, attention_logits, grid_offsets, norm_softmax
 from dalle_ablate.model.layers import Norm, smelu
 from dalle_ablate.model.layouts import deepnet_constants, magneto_gains
 from dalle_ablate.model.seq2seq import EncoderLayer
@@ -157,6 +157,37 @@ def test_cosine_attention_logits_are_bounded_by_one_over_tau():
     )
 
 
+@pytest.mark.parametrize("spread", [0.05, 100.0])
+def test_norm_softmax_divides_q_k_by_the_smaller_of_sqrt_d_and_their_std_over_the_visible_keys(spread):
+    """Against the definition written out in float64 (the authors' norm_softmax_std): per query row,
+    the raw q.k of the keys the causal mask lets it see, divided by min(sqrt(D), their unbiased
+    std). spread 0.05: logits nearly equal, divided by their small std (sharpened); 100: by sqrt(D),
+    the usual attention."""
+    d, t = 16, 6
+    q, k = (
+        np.asarray(jax.random.normal(jax.random.key(1), (2, 2, t, 3, d)))
+        * np.array([spread, 1.0])[:, None, None, None, None]
+    )
+    mask = np.tril(np.ones((t, t), bool))[None, None]
+    logits = norm_softmax(attention_logits(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)), jnp.asarray(mask))
+    got = np.asarray(jax.nn.softmax(jnp.where(mask, logits, MASKED), axis=-1))
+    raw = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64))
+    want = np.zeros_like(raw)
+    divisors = []
+    for b, h, i in np.ndindex(raw.shape[:3]):
+        row = raw[b, h, i, : i + 1]
+        divisor = min(math.sqrt(d), np.std(row, ddof=1)) if i else math.sqrt(d)  # one key: its weight is 1 anyway
+        divisors.append(divisor)
+        e = np.exp((row - row.max()) / divisor)
+        want[b, h, i, : i + 1] = e / e.sum()
+    assert np.allclose(got, want, atol=1e-5)
+    plain = np.asarray(jax.nn.softmax(jnp.where(mask, attention_logits(jnp.asarray(q), jnp.asarray(k)), MASKED), -1))
+    if spread > 1:  # every row's std is above sqrt(D): the usual attention
+        assert set(divisors) == {math.sqrt(d)} and np.allclose(got, plain, atol=1e-5)
+    else:  # the rows are sharpened: further from uniform than the usual attention's
+        assert min(divisors) < 1 and np.abs(got - plain).max() > 0.1
+
+
 def test_learned_tau_is_clamped():
     cfg = tiny_model_cfg("swinv2", learn_tau=True)
     attn = build_model(cfg, 0).decoder[0].self_attn
@@ -242,6 +273,10 @@ def test_mega_parameter_count_equals_an_analytic_count():
         ),
         (["model=swinv2", "model.tau_init=0"], "model.tau_init=0.0 and model.tau_min=0.01 must be positive"),
         (["model=preln", "model.learn_tau=true"], "model.learn_tau=true conflicts with model.cosine_attention=false"),
+        (
+            ["model=swinv2", "model.norm_softmax=true"],
+            "model.norm_softmax=true conflicts with model.cosine_attention=true",
+        ),
         (["model.dropout=1.0"], "model.dropout=1.0 must be in [0, 1)"),
         (["model.smelu_beta=-1"], "model.smelu_beta=-1.0 must be positive"),
     ],
