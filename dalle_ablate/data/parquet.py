@@ -102,6 +102,127 @@ def _held_out(file: Path | str, rows: np.ndarray, fraction: float) -> np.ndarray
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
 
 
+class ParquetRows:
+    """Reads the caption and code columns of dalle-mini's parquet files, checking them as it goes:
+    each file's schema when it is opened, each row group as it is read, each batch's captions
+    (UTF-8) and codes (present, `image_len` of them, inside the codebook); a problem is one line
+    naming the file, the row and the field to set."""
+
+    def __init__(self, cfg, image_len: Optional[int] = None):
+        self.cfg = cfg
+        self.image_vocab = cfg.image_vocab
+        self.image_len = image_len
+
+    def open(self, file: Path) -> pq.ParquetFile:
+        try:
+            pf = pq.ParquetFile(open_url(file) if is_url(file) else file)
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(f"{file}: not a readable parquet file: {first_line(e)}") from e
+        schema = pf.schema_arrow
+        for col, field in ((self.cfg.caption_column, "caption_column"), (self.cfg.encoding_column, "encoding_column")):
+            if col not in schema.names:
+                raise ConfigError(f"{file}: no column {col!r} (columns: {', '.join(schema.names)}); set data.{field}")
+        cap = schema.field(self.cfg.caption_column).type
+        if not (pa.types.is_string(cap) or pa.types.is_large_string(cap)):
+            # Binary captions would turn into "b'...'" reprs; other types are not text at all.
+            raise ConfigError(
+                f"{file}: column {self.cfg.caption_column!r} has type {cap}; captions must be UTF-8 strings "
+                f"(data.caption_column)"
+            )
+        enc = schema.field(self.cfg.encoding_column).type
+        if not pa.types.is_list(enc) and not pa.types.is_large_list(enc) and not pa.types.is_fixed_size_list(enc):
+            raise ConfigError(
+                f"{file}: column {self.cfg.encoding_column!r} has type {enc}; expected a list of integer "
+                f"codes per row (data.encoding_column)"
+            )
+        if not pa.types.is_integer(enc.value_type):
+            # Floats would be truncated silently, strings fail deep inside numpy.
+            raise ConfigError(
+                f"{file}: column {self.cfg.encoding_column!r} holds {enc.value_type} codes; codes must be "
+                f"integers in [0, {self.image_vocab})"
+            )
+        return pf
+
+    def record_batches(self, file: Path, pf: pq.ParquetFile) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """(first row, record batch) of the caption and code columns, row group by row group: a
+        corrupt group fails naming the file and its rows (the footer alone can look fine)."""
+        row = 0
+        for g in range(pf.num_row_groups):
+            start, n = row, pf.metadata.row_group(g).num_rows
+            batches = pf.iter_batches(
+                batch_size=_READ_ROWS, row_groups=[g], columns=[self.cfg.caption_column, self.cfg.encoding_column]
+            )
+            while True:
+                try:
+                    rb = next(batches)
+                except StopIteration:
+                    break
+                except (pa.ArrowException, OSError) as e:
+                    raise ConfigError(
+                        f"{file}: rows {start}..{start + n - 1} (row group {g}) cannot be read (corrupt file?): "
+                        f"{first_line(e)}"
+                    ) from e
+                yield row, rb
+                row += rb.num_rows
+
+    def first_length(self, file: Path) -> int:
+        """The number of codes in the file's first row: the image length the data has."""
+        for _, rb in self.record_batches(file, self.open(file)):
+            first = rb.column(1)[0]
+            if not first.is_valid:
+                raise ConfigError(f"{file}: row 0: column {self.cfg.encoding_column!r} is null")
+            return len(first)
+        raise ConfigError(f"{file}: file has no rows")
+
+    def captions(self, file: Path, first_row: int, col: pa.Array) -> list[str]:
+        """The captions of a record batch, null as blank; invalid UTF-8 named by row."""
+        try:
+            col.validate(full=True)  # parquet readers do not check that strings are UTF-8
+        except pa.ArrowInvalid:
+            for r, raw in enumerate(
+                col.view(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()
+            ):
+                try:
+                    raw is None or raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(
+                        f"{file}: row {first_row + r}: column {self.cfg.caption_column!r} is not valid UTF-8 "
+                        f"(byte {e.start}: {raw[e.start : e.start + 1]!r})"
+                    ) from None
+            raise
+        return ["" if c is None else c for c in col.to_pylist()]
+
+    def codes(self, file: Path, first_row: int, col: pa.Array) -> np.ndarray:
+        enc = self.cfg.encoding_column
+        lengths = pc.list_value_length(col)
+        if lengths.null_count:
+            r = int(np.flatnonzero(pc.is_null(lengths).to_numpy(zero_copy_only=False))[0])
+            raise ConfigError(f"{file}: row {first_row + r}: column {enc!r} is null (no codes)")
+        lengths = lengths.to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != self.image_len)
+        if len(bad):
+            r = int(bad[0])
+            raise ConfigError(
+                f"{file}: row {first_row + r}: column {enc!r} has {lengths[r]} codes, expected {self.image_len}"
+            )
+        values = col.flatten()
+        if values.null_count:
+            i = int(np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))[0])
+            raise ConfigError(
+                f"{file}: row {first_row + i // self.image_len}: column {enc!r} has a null code at "
+                f"position {i % self.image_len}"
+            )
+        codes = values.to_numpy(zero_copy_only=False).reshape(len(col), self.image_len)
+        out = (codes < 0) | (codes >= self.image_vocab)
+        if out.any():
+            r, c = map(int, np.argwhere(out)[0])
+            raise ConfigError(
+                f"{file}: row {first_row + r}: code {int(codes[r, c])} at position {c} is outside the "
+                f"codebook [0, {self.image_vocab}) (data.image_vocab)"
+            )
+        return codes.astype(np.int32)
+
+
 class ParquetDataset(Dataset):
     name = "parquet"
 
@@ -111,7 +232,8 @@ class ParquetDataset(Dataset):
         self.valid_files = list_files(cfg.valid_path, "data.valid_path") if cfg.valid_path else None
         self.image_vocab = cfg.image_vocab
         self.blank_caption_prob = cfg.blank_caption_prob
-        self.image_len = image_len or cfg.image_len or self._first_length()
+        self.read = ParquetRows(cfg)
+        self.image_len = self.read.image_len = image_len or cfg.image_len or self.read.first_length(self.files[0])
         self.codebook = None
         if cfg.codebook_path:
             self.codebook = PatchCodebook.load(Path(cfg.codebook_path).expanduser())
@@ -149,123 +271,13 @@ class ParquetDataset(Dataset):
             "preflight": scan,
         }
 
-    # -- reading and checking ---------------------------------------------------------------
-    def _open(self, file: Path) -> pq.ParquetFile:
-        try:
-            pf = pq.ParquetFile(open_url(file) if is_url(file) else file)
-        except (pa.ArrowException, OSError) as e:
-            raise ConfigError(f"{file}: not a readable parquet file: {first_line(e)}") from e
-        schema = pf.schema_arrow
-        for col, field in ((self.cfg.caption_column, "caption_column"), (self.cfg.encoding_column, "encoding_column")):
-            if col not in schema.names:
-                raise ConfigError(f"{file}: no column {col!r} (columns: {', '.join(schema.names)}); set data.{field}")
-        cap = schema.field(self.cfg.caption_column).type
-        if not (pa.types.is_string(cap) or pa.types.is_large_string(cap)):
-            # Binary captions would turn into "b'...'" reprs; other types are not text at all.
-            raise ConfigError(
-                f"{file}: column {self.cfg.caption_column!r} has type {cap}; captions must be UTF-8 strings "
-                f"(data.caption_column)"
-            )
-        enc = schema.field(self.cfg.encoding_column).type
-        if not pa.types.is_list(enc) and not pa.types.is_large_list(enc) and not pa.types.is_fixed_size_list(enc):
-            raise ConfigError(
-                f"{file}: column {self.cfg.encoding_column!r} has type {enc}; expected a list of integer "
-                f"codes per row (data.encoding_column)"
-            )
-        if not pa.types.is_integer(enc.value_type):
-            # Floats would be truncated silently, strings fail deep inside numpy.
-            raise ConfigError(
-                f"{file}: column {self.cfg.encoding_column!r} holds {enc.value_type} codes; codes must be "
-                f"integers in [0, {self.image_vocab})"
-            )
-        return pf
-
-    def _record_batches(self, file: Path, pf: pq.ParquetFile) -> Iterator[tuple[int, pa.RecordBatch]]:
-        """(first row, record batch) of the caption and code columns, row group by row group: a
-        corrupt group fails naming the file and its rows (the footer alone can look fine)."""
-        row = 0
-        for g in range(pf.num_row_groups):
-            start, n = row, pf.metadata.row_group(g).num_rows
-            batches = pf.iter_batches(
-                batch_size=_READ_ROWS, row_groups=[g], columns=[self.cfg.caption_column, self.cfg.encoding_column]
-            )
-            while True:
-                try:
-                    rb = next(batches)
-                except StopIteration:
-                    break
-                except (pa.ArrowException, OSError) as e:
-                    raise ConfigError(
-                        f"{file}: rows {start}..{start + n - 1} (row group {g}) cannot be read (corrupt file?): "
-                        f"{first_line(e)}"
-                    ) from e
-                yield row, rb
-                row += rb.num_rows
-
-    def _first_length(self) -> int:
-        pf = self._open(self.files[0])
-        for _, rb in self._record_batches(self.files[0], pf):
-            first = rb.column(1)[0]
-            if not first.is_valid:
-                raise ConfigError(f"{self.files[0]}: row 0: column {self.cfg.encoding_column!r} is null")
-            return len(first)
-        raise ConfigError(f"{self.files[0]}: file has no rows")
-
-    def _check_captions(self, file: Path, first_row: int, col: pa.Array) -> list[str]:
-        """The captions of a record batch, null as blank; invalid UTF-8 named by row."""
-        try:
-            col.validate(full=True)  # parquet readers do not check that strings are UTF-8
-        except pa.ArrowInvalid:
-            for r, raw in enumerate(
-                col.view(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()
-            ):
-                try:
-                    raw is None or raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ConfigError(
-                        f"{file}: row {first_row + r}: column {self.cfg.caption_column!r} is not valid UTF-8 "
-                        f"(byte {e.start}: {raw[e.start : e.start + 1]!r})"
-                    ) from None
-            raise
-        return ["" if c is None else c for c in col.to_pylist()]
-
-    def _check_codes(self, file: Path, first_row: int, col: pa.Array) -> np.ndarray:
-        enc = self.cfg.encoding_column
-        lengths = pc.list_value_length(col)
-        if lengths.null_count:
-            r = int(np.flatnonzero(pc.is_null(lengths).to_numpy(zero_copy_only=False))[0])
-            raise ConfigError(f"{file}: row {first_row + r}: column {enc!r} is null (no codes)")
-        lengths = lengths.to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(lengths != self.image_len)
-        if len(bad):
-            r = int(bad[0])
-            raise ConfigError(
-                f"{file}: row {first_row + r}: column {enc!r} has {lengths[r]} codes, expected {self.image_len}"
-            )
-        values = col.flatten()
-        if values.null_count:
-            i = int(np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))[0])
-            raise ConfigError(
-                f"{file}: row {first_row + i // self.image_len}: column {enc!r} has a null code at "
-                f"position {i % self.image_len}"
-            )
-        codes = values.to_numpy(zero_copy_only=False).reshape(len(col), self.image_len)
-        out = (codes < 0) | (codes >= self.image_vocab)
-        if out.any():
-            r, c = map(int, np.argwhere(out)[0])
-            raise ConfigError(
-                f"{file}: row {first_row + r}: code {int(codes[r, c])} at position {c} is outside the "
-                f"codebook [0, {self.image_vocab}) (data.image_vocab)"
-            )
-        return codes.astype(np.int32)
-
     def _rows(self, files: list[Path], split: str, process_index: int = 0, process_count: int = 1):
         """(row index, caption, codes) of one pass over files, for `split` and this host."""
         for file in files:
-            for row, rb in self._record_batches(file, self._open(file)):
+            for row, rb in self.read.record_batches(file, self.read.open(file)):
                 rows = np.arange(row, row + rb.num_rows)
-                codes = self._check_codes(file, row, rb.column(1))
-                caps = self._check_captions(file, row, rb.column(0))
+                codes = self.read.codes(file, row, rb.column(1))
+                caps = self.read.captions(file, row, rb.column(0))
                 keep = rows % process_count == process_index
                 if self.valid_files is None:
                     held = _held_out(file, rows, self.cfg.valid_fraction)
@@ -276,7 +288,7 @@ class ParquetDataset(Dataset):
     def _preflight(self) -> tuple[list[str], dict]:
         """Read and check the first rows before anything is built: (their captions, a report of
         the data). Row counts come from the file footers; the rest from the rows read."""
-        rows = sum(self._open(f).metadata.num_rows for f in self.files)
+        rows = sum(self.read.open(f).metadata.num_rows for f in self.files)
         captions, lo, hi, used = [], None, None, np.zeros(self.image_vocab, bool)
         for _, cap, codes in self._rows(self.files, "train"):
             captions.append(cap)
