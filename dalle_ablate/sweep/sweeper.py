@@ -112,6 +112,46 @@ def outcome(ret: JobReturn, n_objectives: int) -> tuple[optuna.trial.TrialState,
     return optuna.trial.TrialState.COMPLETE, values, ""
 
 
+def directions(direction: Any) -> list[str]:
+    """hydra.sweeper.direction as a list of one direction per objective, each checked."""
+    out = (
+        [str(d) for d in direction]
+        if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction)
+        else [str(direction)]
+    )
+    bad = [d for d in out if d not in ("minimize", "maximize")]
+    if bad:
+        raise ConfigError(f"hydra.sweeper.direction has {bad}; valid: minimize, maximize (or a list of them)")
+    return out
+
+
+def check_counts(n_trials: int, n_jobs: int, heartbeat_interval: int, grace_period, retry_failed: int) -> None:
+    if n_trials < 1 or n_jobs < 1:
+        raise ConfigError(f"hydra.sweeper.n_trials={n_trials} and hydra.sweeper.n_jobs={n_jobs} must be >= 1")
+    if heartbeat_interval < 1 or (grace_period is not None and grace_period <= heartbeat_interval) or retry_failed < 0:
+        raise ConfigError(
+            f"hydra.sweeper.heartbeat_interval={heartbeat_interval} must be >= 1, hydra.sweeper.grace_period="
+            f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0"
+        )
+
+
+def recheck_conf(recheck, directions: list[str]) -> rechecks.RecheckConf:
+    """hydra.sweeper.recheck as its dataclass, checked against the sweep's objectives."""
+    conf = rechecks.RecheckConf(
+        **(OmegaConf.to_container(recheck, resolve=True) if OmegaConf.is_config(recheck) else dict(recheck or {}))
+    )
+    if conf.top == 1 or conf.top < 0:
+        raise ConfigError(
+            f"hydra.sweeper.recheck.top={conf.top}: 0 (no re-check) or the best N >= 2 trials "
+            "(the best is judged against the others)"
+        )
+    if conf.top and len(directions) > 1:
+        raise ConfigError(
+            "hydra.sweeper.recheck.top needs one objective: a Pareto front has no single best to re-check"
+        )
+    return conf
+
+
 class OptunaSweeper(Sweeper):
     def __init__(
         self,
@@ -131,31 +171,14 @@ class OptunaSweeper(Sweeper):
         recheck: Optional[DictConfig] = None,
     ):
         self.study_name, self.storage_url = study_name, storage
-        self.directions = (
-            [str(d) for d in direction]
-            if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction)
-            else [str(direction)]
-        )
-        bad = [d for d in self.directions if d not in ("minimize", "maximize")]
-        if bad:
-            raise ConfigError(f"hydra.sweeper.direction has {bad}; valid: minimize, maximize (or a list of them)")
-        if n_trials < 1 or n_jobs < 1:
-            raise ConfigError(f"hydra.sweeper.n_trials={n_trials} and hydra.sweeper.n_jobs={n_jobs} must be >= 1")
+        self.directions = directions(direction)
+        check_counts(n_trials, n_jobs, heartbeat_interval, grace_period, retry_failed)
         self.n_trials, self.n_jobs = n_trials, n_jobs
         self.sampler_conf = (
             OmegaConf.to_container(sampler, resolve=True) if OmegaConf.is_config(sampler) else dict(sampler)
         )
         self.pruner_conf = OmegaConf.to_container(pruner, resolve=True) if OmegaConf.is_config(pruner) else dict(pruner)
         self.params = {str(k): str(v) for k, v in (params or {}).items()}
-        if (
-            heartbeat_interval < 1
-            or (grace_period is not None and grace_period <= heartbeat_interval)
-            or retry_failed < 0
-        ):
-            raise ConfigError(
-                f"hydra.sweeper.heartbeat_interval={heartbeat_interval} must be >= 1, hydra.sweeper.grace_period="
-                f"{grace_period} longer than it (or null), hydra.sweeper.retry_failed={retry_failed} >= 0"
-            )
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period or 2 * heartbeat_interval
         self.recovery = Recovery(
             self.grace_period,
@@ -163,18 +186,7 @@ class OptunaSweeper(Sweeper):
         )
         STATISTICS.get(statistic)  # a name it does not know: one line naming hydra.sweeper.statistic
         self.statistic, self.common_seeds = statistic, common_seeds
-        self.recheck = rechecks.RecheckConf(
-            **(OmegaConf.to_container(recheck, resolve=True) if OmegaConf.is_config(recheck) else dict(recheck or {}))
-        )
-        if self.recheck.top == 1 or self.recheck.top < 0:
-            raise ConfigError(
-                f"hydra.sweeper.recheck.top={self.recheck.top}: 0 (no re-check) or the best N >= 2 trials "
-                "(the best is judged against the others)"
-            )
-        if self.recheck.top and len(self.directions) > 1:
-            raise ConfigError(
-                "hydra.sweeper.recheck.top needs one objective: a Pareto front has no single best to re-check"
-            )
+        self.recheck = recheck_conf(recheck, self.directions)
         self.process = this_process()
         quiet_optuna()
 
