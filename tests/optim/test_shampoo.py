@@ -13,14 +13,8 @@ import pytest
 from conftest import run_config
 from dalle_ablate.optim import build_optimizer, build_schedule, decay_mask
 from dalle_ablate.optim.inverse_roots import batched_inverse_roots, inverse_root
-from dalle_ablate.optim.scale_by_shampoo import (
-    gather,
-    make_plan,
-    merged_shape,
-    scale_by_shampoo,
-    scatter,
-    shampoo_stats,
-)
+from dalle_ablate.optim.scale_by_shampoo import scale_by_shampoo, shampoo_stats
+from dalle_ablate.optim.shampoo_blocks import gather, make_plan, merged_shape, scatter
 
 
 def np_root(a: np.ndarray, p: int, eps: float) -> np.ndarray:
