@@ -86,6 +86,17 @@ def plan(
     [..., arms], at most `cap`; which findings were open after look 1). `arms`: each comparison's
     (arm, against) as indices into `cost` (the arms of the runs stage 2 adds to); `can_add`: the
     comparisons judged on those runs (not on stress runs of a plan of their own)."""
+    chance, open_ = chances(first, comparisons, design, can_add, cap, alpha)
+    ends = np.array(arms).T
+    return allocate(chance, ends[0], ends[1], cost, budget), open_
+
+
+def chances(
+    first: dict[str, np.ndarray], comparisons: list[V.Comparison], design: S.Design, can_add, cap: int, alpha=V.ALPHA
+) -> tuple[np.ndarray, np.ndarray]:
+    """(each finding's chance to settle by look 2 with k = 0 .. cap paired stage-2 seeds [...,
+    findings, k], 0 for one settled at look 1 or without runs to add; which were open after look
+    1), from stage 1's tables. A comparison that `can_add` nothing to has one look (reject_by_look)."""
     r = V.analyse(first, comparisons, alpha)
     d, se, df, sd, margin = (r[k] for k in ("d", "se", "df", "sd", "margin"))
     z1 = {
@@ -96,9 +107,10 @@ def plan(
     }
     none = np.full(d.shape, -np.inf)  # no stage 2 yet: what look 1 settles
     tested = np.isfinite(d) & (df >= 1)
-    differs, _ = S.holm_by_look([(z1["up"], none), (z1["down"], none)], alpha, design, tested, split=2)
+    single = ~np.broadcast_to(np.asarray(can_add, bool), d.shape)
+    differs, _ = S.holm_by_look([(z1["up"], none), (z1["down"], none)], alpha, design, tested, 2, single)
     has = tested & np.isfinite(margin) & (margin > 0)  # equivalence needs a margin
-    equivalent, _ = S.holm_by_look([(z1["above"], none), (z1["below"], none)], alpha, design, has)
+    equivalent, _ = S.holm_by_look([(z1["above"], none), (z1["below"], none)], alpha, design, has, 1, single)
     open_ = tested & ~differs & ~equivalent
     # Holm's families at look 2: the hypotheses of each not yet rejected (a finding settled as
     # equivalent still holds a place in the difference's, and the other way round)
@@ -107,9 +119,7 @@ def plan(
     k = np.arange(cap + 1)
     z = {n: v[..., None] for n, v in z1.items()}
     chance = settle_chance(z, d[..., None], sd[..., None], margin[..., None], k, left, design, alpha, left_eq)
-    chance = np.where((open_ & np.asarray(can_add, bool))[..., None], chance, 0.0)
-    ends = np.array(arms).T
-    return allocate(chance, ends[0], ends[1], cost, budget), open_
+    return np.where((open_ & np.asarray(can_add, bool))[..., None], chance, 0.0), open_
 
 
 def allocate(

@@ -119,28 +119,38 @@ def stage_z(d, se, df, shift=0.0) -> np.ndarray:
     return np.where(ok, z, -np.inf)
 
 
-def reject_by_look(z1, z2, w1: float, c: tuple[float, float]):
+def reject_by_look(z1, z2, w1: float, c: tuple, single=None):
     """Whether a one-sided two-look test with boundaries c = (c1, c2) rejects at look 1 and by
-    look 2 (at look 1, or its combined statistic beyond c2)."""
+    look 2 (at look 1, or its combined statistic beyond c2). `single`: where True, a hypothesis
+    that no stage 2 can add to (a claim judged on stress runs of a plan of their own) has one look,
+    its fixed-design test at the same level: stage 1's statistic beyond c[2] (Bonferroni's
+    intersection tests need each member's own test at its level, of whatever form)."""
     first = np.asarray(z1) >= c[0]
     with np.errstate(invalid="ignore"):
         combined = combined_z(z1, z2, w1) >= c[1]
-    return first, first | combined
+    if single is None:
+        return first, first | combined
+    once = np.asarray(z1) >= c[2]
+    return np.where(single, once, first), np.where(single, once, first | combined)
 
 
-def holm_by_look(sides, alpha: float, design: Design, tested, split: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def holm_by_look(
+    sides, alpha: float, design: Design, tested, split: int = 1, single=None
+) -> tuple[np.ndarray, np.ndarray]:
     """Holm's step-down over the last axis at both looks (Posch et al. 2005; Maurer & Bretz 2013).
     `sides`: a list of (z1, z2) pairs, the one-sided tests of each hypothesis; `split` = 1: the
     hypothesis is rejected at level a where *all* its one-sided tests reject at a (an intersection-
     union test: TOST's two); `split` = 2: where *any* of its two one-sided tests rejects at a / 2
-    (a two-sided test as two one-sided ones). Returns the rejections at look 1 and by look 2."""
+    (a two-sided test as two one-sided ones). `single`: the hypotheses of one look
+    (reject_by_look). Returns the rejections at look 1 and by look 2."""
     tested = np.asarray(tested, bool)
     k = int(tested.sum(-1).max()) if tested.size else 0
     r1 = np.zeros(tested.shape, int)
     r2 = np.zeros(tested.shape, int)
     for m in range(1, k + 1):  # the largest m (smallest level alpha / m) at which each rejects
-        c = boundaries(alpha / (m * split), design.w1**2, design.kind)
-        by = [reject_by_look(z1, z2, design.w1, c) for z1, z2 in sides]
+        level = alpha / (m * split)
+        c = (*boundaries(level, design.w1**2, design.kind), float(st.norm.isf(level)))
+        by = [reject_by_look(z1, z2, design.w1, c, single) for z1, z2 in sides]
         combine = np.logical_or if split == 2 else np.logical_and
         at1 = functools.reduce(combine, [b[0] for b in by])
         at2 = functools.reduce(combine, [b[1] for b in by])
@@ -169,13 +179,16 @@ def analyse_staged(
     comparisons: list[V.Comparison],
     design: Design,
     alpha: float = V.ALPHA,
+    single=None,
 ) -> dict[str, np.ndarray]:
     """Every comparison judged in two stages, each stage's tables (metric -> values[..., arm,
     seed], NaN: no value; stage 2 all NaN where it did not run) on its own seeds by the verdict
     engine's paired difference (report/verdicts.py): per look, Holm over the comparisons of the
-    difference test (two-sided: each side at α/2) and of equivalence within ±Δ (both one-sided
-    tests of TOST). Returns the stage-wise differences and standard errors, the rejections at look
-    1 (`differs1`, `equivalent1`) and by look 2 (`differs2`, `equivalent2`)."""
+    difference test (two-sided: each side at α/2), of the difference beyond ±Δ on either side
+    (each at α/2, as the fixed design's), and of equivalence within ±Δ (both one-sided tests of
+    TOST). `single` [comparisons]: those no stage 2 adds to, each with one look (reject_by_look).
+    Returns the stage-wise differences and standard errors, the rejections at look 1
+    (`differs1`, `beyond1`, `equivalent1`) and by look 2 (`differs2`, `beyond2`, `equivalent2`)."""
     s1, s2 = V.analyse(first, comparisons, alpha), V.analyse(second, comparisons, alpha)
     z = {}
     for name, s in (("1", s1), ("2", s2)):
@@ -183,10 +196,14 @@ def analyse_staged(
         z["down" + name] = stage_z(-s["d"], s["se"], s["df"])
         z["above" + name] = stage_z(s["d"], s["se"], s["df"], -s["margin"])  # against δ <= -Δ
         z["below" + name] = stage_z(-s["d"], s["se"], s["df"], -s["margin"])  # against δ >= Δ
+        z["over" + name] = stage_z(s["d"], s["se"], s["df"], s["margin"])  # against δ <= Δ
+        z["under" + name] = stage_z(-s["d"], s["se"], s["df"], s["margin"])  # against δ >= -Δ
     tested = np.isfinite(s1["d"]) & (s1["df"] >= 1)
-    differs1, differs2 = holm_by_look([(z["up1"], z["up2"]), (z["down1"], z["down2"])], alpha, design, tested, split=2)
+    look = functools.partial(holm_by_look, alpha=alpha, design=design, single=single)
+    differs1, differs2 = look([(z["up1"], z["up2"]), (z["down1"], z["down2"])], tested=tested, split=2)
     has = tested & np.isfinite(s1["margin"]) & (s1["margin"] > 0)
-    eq1, eq2 = holm_by_look([(z["above1"], z["above2"]), (z["below1"], z["below2"])], alpha, design, has)
+    eq1, eq2 = look([(z["above1"], z["above2"]), (z["below1"], z["below2"])], tested=has)
+    beyond1, beyond2 = look([(z["over1"], z["over2"]), (z["under1"], z["under2"])], tested=has, split=2)
     return {
         "d1": s1["d"],
         "se1": s1["se"],
@@ -196,8 +213,12 @@ def analyse_staged(
         "df2": s2["df"],
         "differs1": differs1,
         "differs2": differs2,
+        "beyond1": beyond1,
+        "beyond2": beyond2,
         "equivalent1": eq1,
         "equivalent2": eq2,
+        "up1": z["up1"],
+        "up2": z["up2"],
     }
 
 
@@ -207,10 +228,12 @@ def repeated_interval(d1, se1, df1, d2, se2, df2, design: Design, alpha_side: fl
     at look 2, the differences δ0 whose combined statistic w1 z1(δ0) + w2 z2(δ0) lies within ±c2,
     z_j(δ0) the stage's t test of δ0 made normal (stage_z). Together they cover the true difference
     at both looks with probability at least 1 - 2 alpha_side; look j's excludes 0 exactly where that
-    look's test rejects it."""
+    look's test rejects it. Without a stage-2 test, look 2's is look 1's."""
     c1, c2 = boundaries(alpha_side, design.w1**2, design.kind)
     half = st.t.ppf(st.norm.cdf(c1), df1) * se1
     look1 = (d1 - half, d1 + half)
+    if not (np.isfinite(d2) and df2 >= 1 and se2 > 0):  # no stage-2 test: what look 1 showed
+        return look1, look1
 
     def combined(delta: float) -> float:
         return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), design.w1))
@@ -219,3 +242,35 @@ def repeated_interval(d1, se1, df1, d2, se2, df2, design: Design, alpha_side: fl
     low = optimize.brentq(lambda x: combined(x) - c2, min(d1, d2) - span, max(d1, d2) + span, xtol=1e-12)
     high = optimize.brentq(lambda x: combined(x) + c2, min(d1, d2) - span, max(d1, d2) + span, xtol=1e-12)
     return look1, (low, high)
+
+
+def outcome_at(res: dict, look: int, w1: float) -> np.ndarray:
+    """Each comparison's outcome (verdicts.OUTCOMES) at look 1, or by look 2, from analyse_staged's
+    rejections: equivalent within ±Δ, else a difference on the side its test found (the side of
+    stage 1's statistic where look 1 settled it or no stage 2 ran, else of the combined one) --
+    beyond Δ where that test rejects too -- else not resolved."""
+    differs, beyond, eq = (np.asarray(res[f"{k}{look}"], bool) for k in ("differs", "beyond", "equivalent"))
+    with np.errstate(invalid="ignore"):
+        combined = combined_z(res["up1"], res["up2"], w1)
+    first = np.asarray(res["differs1"], bool) | ~np.isfinite(combined) | (look == 1)
+    up = np.where(first, np.asarray(res["up1"]) > 0, combined > 0)
+    out = np.full(differs.shape, V.UNRESOLVED)
+    out[differs & up] = V.HIGHER
+    out[differs & ~up] = V.LOWER
+    out[differs & up & beyond] = V.HIGHER_BEYOND
+    out[differs & ~up & beyond] = V.LOWER_BEYOND
+    out[eq] = V.EQUIVALENT
+    return out
+
+
+def combined_estimate(d1, se1, df1, d2, se2, df2, design: Design) -> float:
+    """The difference the two stages together point at: where the combined statistic of the test
+    against it is 0 (the middle of the repeated interval at every level); stage 1's where stage 2
+    has no test."""
+    if not (np.isfinite(d2) and df2 >= 1 and se2 > 0) or not (np.isfinite(d1) and df1 >= 1 and se1 > 0):
+        return float(d1)
+
+    def combined(delta: float) -> float:
+        return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), design.w1))
+
+    return float(optimize.brentq(combined, min(d1, d2) - 1e-9, max(d1, d2) + 1e-9, xtol=1e-12))
