@@ -10,6 +10,7 @@ its page), and so does the study runner (dalle_ablate/study/), which runs it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -19,6 +20,7 @@ import yaml
 
 from dalle_ablate.metrics import STUDY
 from dalle_ablate.registry import ConfigError
+from dalle_ablate.report import stages as S
 from dalle_ablate.report.load import read_yaml
 from dalle_ablate.report.transitions import Rule, rule_from
 from dalle_ablate.report.verdicts import parse_margin
@@ -52,6 +54,7 @@ class Study:
     scale_note: str = ""  # what this scale can and cannot say, written with the study
     # the late-seed view's rule (report/transitions.py): the file's `transition:`, else the defaults
     transition: Rule = field(default_factory=Rule)
+    stages: Optional["Stages"] = None  # the file's `stages:`: a study in two declared stages; None: one
 
 
 def study_path(name: str) -> Path:
@@ -129,7 +132,76 @@ def load_study(path: Path) -> Study:
         findings,
         raw.get("scale_note", ""),
         rule_from(raw.get("transition"), where),
+        stages_from(raw.get("stages"), where),
     )
+
+
+# -- its stages (docs/statistics.md, "Studies in stages") ----------------------------------------
+RULES = ("budget", "even")  # report/allocation.py's rule; the budget spread over every arm alike
+BUDGET_UNITS = ("runs", "cpu_hours")
+
+
+@dataclass(frozen=True)
+class Stages:
+    """A study in two stages, declared in its file before stage 1 ran (`stages:`). Stage 1 is the
+    seeds its experiment preset sweeps; after it, stage 2's seeds per arm are chosen from what it
+    showed by `rule`, spending at most `budget` (runs, or CPU-hours at each arm's measured run
+    time), at most `cap` per arm, its seeds `seeds_from`, `seeds_from` + 1, ...; each finding's two
+    stage-wise tests are combined by the inverse-normal test of weight `w1` inside Holm's closed
+    procedure, with `boundaries` spending α over the two looks (report/stages.py)."""
+
+    declared: str  # when and at which commit it was declared, in words: the page prints it
+    budget: float
+    unit: str  # one of BUDGET_UNITS
+    seeds_from: int
+    cap: int
+    w1: float = math.sqrt(0.5)
+    boundaries: str = "asOF"
+    rule: str = "budget"
+
+    @property
+    def design(self) -> S.Design:
+        return S.Design(self.w1, self.boundaries)
+
+    def seeds(self, n: int) -> list[int]:
+        """Stage 2's first n seeds (every arm's are the same seeds: its k-th pairs with the others')."""
+        return list(range(self.seeds_from, self.seeds_from + n))
+
+
+def stages_from(raw, where: str) -> Optional[Stages]:
+    """A study file's `stages:` mapping as Stages, or a one-line error naming the file and the key."""
+    if raw is None:
+        return None
+    keys = ("declared", "budget", "seeds_from", "cap", "w1", "boundaries", "rule")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: stages must be a mapping of {', '.join(keys)}; it holds {raw!r}")
+    for key in raw:
+        if key not in keys:
+            raise ConfigError(f"{where}: stages has {key!r}; valid: {', '.join(keys)}")
+    for key in ("declared", "budget", "seeds_from", "cap"):
+        if key not in raw:
+            raise ConfigError(f"{where}: stages lacks {key!r} (declare it before stage 1 runs)")
+    budget = raw["budget"]
+    if not (isinstance(budget, dict) and len(budget) == 1 and next(iter(budget)) in BUDGET_UNITS):
+        raise ConfigError(f"{where}: stages.budget is {budget!r}; give one of {{runs: N}}, {{cpu_hours: H}}")
+    unit, amount = next(iter(budget.items()))
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+        raise ConfigError(f"{where}: stages.budget.{unit} is {amount!r}; give a positive number")
+    for key, low in (("seeds_from", 0), ("cap", 2)):
+        v = raw[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"{where}: stages.{key} is {v!r}; give a whole number >= {low}")
+    w1 = raw.get("w1", math.sqrt(0.5))
+    if isinstance(w1, bool) or not isinstance(w1, (int, float)) or not 0 < w1 < 1:
+        raise ConfigError(
+            f"{where}: stages.w1 is {w1!r}; give stage 1's weight in (0, 1), sqrt(n1 / (n1 + n2)) planned"
+        )
+    kind, rule = raw.get("boundaries", "asOF"), raw.get("rule", "budget")
+    if kind not in S.KINDS:
+        raise ConfigError(f"{where}: stages.boundaries is {kind!r}; valid: {', '.join(S.KINDS)}")
+    if rule not in RULES:
+        raise ConfigError(f"{where}: stages.rule is {rule!r}; valid: {', '.join(RULES)}")
+    return Stages(str(raw["declared"]), float(amount), unit, raw["seeds_from"], raw["cap"], float(w1), kind, rule)
 
 
 # -- its stress plan (report/stress.py measures its runs) ---------------------------------------

@@ -25,7 +25,7 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import prose as P
-from dalle_ablate.report import stress
+from dalle_ablate.report import staged, stress
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.findings import (
     _arms_by,
@@ -415,19 +415,25 @@ def page_sections(
     extra: Optional[dict[str, dict[str, dict]]] = None,
     untestable: Optional[dict[str, str]] = None,
     statistics: str = "../statistics.md",
+    record: Optional[dict] = None,
 ) -> tuple[list[Section], list[dict]]:
     """The results page as report sections, and the comparison rows: the answer first (the summary
     and its forest plot), then the noise report, then the details. `topups`: the study's top-up log
     (dalle_ablate/study/runner.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
     `statistics`: the link to docs/statistics.md from the page's folder; `untestable`: findings
-    more seeds could not settle, and why (findings.compare)."""
+    more seeds could not settle, and why (findings.compare); `record`: a staged study's record of its
+    stages (report/staged.py)."""
     by_arm = _arms_by(runs)
     if not by_arm:
         raise ConfigError(
             f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
             f"experiment={study.experiment}"
         )
-    rows = compare(study, by_arm, extra=extra, untestable=untestable)
+    if study.stages is not None:  # judged at both looks (report/staged.py)
+        stage1 = staged.stage1_seeds(study, record)
+        rows = staged.judge(study, by_arm, record, stage1, extra, untestable)
+    else:
+        rows = compare(study, by_arm, extra=extra, untestable=untestable)
     courses = course(study, by_arm)
     noise = noise_section(study, by_arm, extra)
     # every seed's curve right under the arms' spreads it makes: the finished runs, the seeds the verdicts use
@@ -436,8 +442,10 @@ def page_sections(
         0,
         late_section(finished, study.transition, f"{study.name}_late", where=f"[statistics]({statistics}#late-seeds)"),
     )
+    stages = [] if study.stages is None else [staged.section(study, record, rows, stage1, statistics)]
     return [
         summary_section(study, rows, statistics),
+        *stages,
         noise,
         method_section(study, by_arm, provenance, statistics),
         notes_section(study),
@@ -480,6 +488,7 @@ def write_page(
         {**measured, **(extra or {})},
         statistics=Path(statistics).as_posix(),
         untestable=untestable,
+        record=staged.read_record(source),
     )
     sections[-1:-1] = stress_part  # before the per-finding figures
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise

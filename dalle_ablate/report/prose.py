@@ -248,3 +248,25 @@ GRIDS = (
 )
 CONFIG = "The {n} config fields whose values differ between runs (others are the same everywhere)."
 OPTUNA = "Study {name!r}, {metric} ({better} is better): {states}."
+
+# -- a study in stages (report/staged.py) -----------------------------------------------------
+
+STAGES_TITLE = "The stages"
+STAGES_DESIGN = (
+    "This study runs in two stages, declared in its study file before stage 1 ({declared}): stage 2's seeds per "
+    "arm chosen from stage 1's results by the {rule} rule, at most {budget} and {cap} seeds per arm, its seeds "
+    "from {seeds_from} on; each finding's stage-wise tests combined by the inverse-normal test (stage 1's weight "
+    "{w1}) inside Holm's closed procedure over the findings, the two looks' boundaries spending α by {kind}. A "
+    "finding judged on the stress runs has one look, its fixed-design test. Its difference is the combined "
+    "estimate and its intervals are repeated confidence intervals, consistent with the combined test "
+    "([how, and why]({statistics}#studies-in-stages))."
+)
+STAGE1 = "Stage 1: seeds {seeds}; look 1 settled {settled} of the {n} findings."
+STAGE2_NOT_PLANNED = "Stage 2 is not planned yet: the verdicts are look 1's."
+STAGE2_NONE = "Stage 2: the rule asked for no seed (no open finding it could raise): the verdicts are look 1's."
+STAGE2_PLAN = "Stage 2: the rule spent {spent} of {budget}: {arms}."
+STAGES_COLUMNS = ("finding", "look 1", "what the rule asked for, and why", "seeds per arm, stage 1 + 2", "by look 2")
+STAGE2_NOTHING = "nothing: no seeds within the budget raised its chance to settle (now {now})"
+STAGE2_PAIRS = (
+    "{k} paired seeds: its chance to settle by look 2 from {now} to {then}, planned at its observed difference"
+)

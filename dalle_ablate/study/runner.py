@@ -21,6 +21,7 @@ from dalle_ablate.report.tables import fmt3
 from dalle_ablate.study import topup
 from dalle_ablate.study.checks import check_before_running, check_meta
 from dalle_ablate.study.children import call_child, dies_with_this_process
+from dalle_ablate.study.stage2 import check_seeds, run_stage2
 from dalle_ablate.study.stress_runs import run_stress
 from dalle_ablate.train.meta import git_commit
 
@@ -49,6 +50,12 @@ def run_study(
     folder = study_folder(out, study.name)
     if seeds is not None and no_run:
         raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
+    if seeds is not None and study.stages is not None:
+        raise ConfigError(
+            f"study {study.name} declares its stages (stages: in {study_file}): stage 2's seeds come from its "
+            "rule, not from --seeds; rerun without --seeds"
+        )
+    check_seeds(study, overrides)
     seed_override, plan = topup.announced(study, folder, seeds, overrides) if seeds is not None else (None, None)
     swept = [*overrides, *([seed_override] if seed_override else [])]
     jobs = as_members(study.experiment, swept) if members else swept
@@ -80,6 +87,9 @@ def run_study(
             if no_run or no_stress or code == 2
             else run_stress(study_file, study.experiment, folder, overrides, env, preexec, members)
         )
+        if study.stages is not None and not no_run and code == 0 and not (stress is not None and stress.failed):
+            stages.append("during its stage 2")
+            code = run_stage2(study, study_file, folder, overrides, env, preexec, members)
         elapsed = time.perf_counter() - t
         stages.append("while writing its report and page")
         runs = _study_runs(study.name, folder, code)

@@ -1,0 +1,86 @@
+"""A staged study's stage 2 (its file's `stages:`; report/staged.py plans it): planned once, from
+stage 1's finished runs, and the plan kept in the study's folder before any stage-2 run starts --
+a rerun reads it back and never plans again, so what stage 2 is cannot change after its first run;
+then each arm the plan raises trained on its stage-2 seeds, as members of one job (or one job per
+seed), into the study's folder beside stage 1's (`<arm>-seed<k>`). Finished runs are left as they
+are (resume=auto)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from dalle_ablate.fileio import shown
+from dalle_ablate.registry import ConfigError
+from dalle_ablate.report import staged
+from dalle_ablate.report.design import Study, swept_seeds
+from dalle_ablate.report.findings import _arms_by
+from dalle_ablate.report.load import load_runs
+from dalle_ablate.report.stress import stress_measures
+from dalle_ablate.study.children import call_child
+from dalle_ablate.track.naming import key_of
+
+# Keys stage 2 sets itself for each of its jobs: the study command's own are not passed on.
+SETS = ("arm", "seed", "seeds", "hydra.sweep.dir")
+
+
+def check_seeds(study: Study, overrides: list[str]) -> None:
+    """Stage 2's seeds must be fresh: none of stage 1's (a run of both stages would be one run)."""
+    if study.stages is None:
+        return
+    stage1 = swept_seeds(study.experiment, overrides) or []
+    clash = sorted(set(stage1) & set(study.stages.seeds(study.stages.cap)))
+    if clash:
+        raise ConfigError(
+            f"study {study.name}: stages.seeds_from={study.stages.seeds_from} gives stage 2 seeds that stage 1 "
+            f"runs ({', '.join(map(str, clash))}); give stages.seeds_from above {max(stage1)}"
+        )
+
+
+def run_stage2(
+    study: Study,
+    study_file: Path,
+    folder: Path,
+    overrides: list[str],
+    env: dict,
+    preexec: Optional[Callable[[], None]] = None,
+    members: bool = True,
+) -> int:
+    """Plan stage 2 if no plan is kept yet, then train what it asks for; the exit code of the first
+    job that failed, else 0."""
+    record = staged.read_record(folder)
+    if record is None:
+        stage1 = swept_seeds(study.experiment, overrides) or []
+        by_arm = _arms_by(load_runs(str(folder)))
+        _, measured, _ = stress_measures(study_file, str(folder))
+        record = staged.plan(study, by_arm, stage1, measured)
+        staged.write_record(folder, record)  # before any stage-2 run: the plan is what stage 1 showed
+        asked = "; ".join(f"{a}: {len(s)} seeds" for a, s in record["stage2"].items()) or "no seeds"
+        print(f"stage 2 of study {study.name}, by its {record['rule']} rule: {asked}", flush=True)
+    own = [o for o in overrides if key_of(o) not in SETS]
+    for arm, seeds in record["stage2"].items():
+        code = call_child(job_command(study.experiment, folder, arm, seeds, own, members), env, preexec)
+        if code:
+            return code
+    return 0
+
+
+def job_command(experiment: str, folder: Path, arm: str, seeds: list[int], own: list[str], members: bool) -> list[str]:
+    """One arm's stage-2 seeds as a multirun of the study's preset into its folder: one job of them
+    as members (members.impl=map unless `own` says), or one job per seed."""
+    seeded = [f"seed={','.join(map(str, seeds))}"]
+    if members and len(seeds) > 1:
+        impl = [] if any(o.startswith("members.impl=") for o in own) else ["members.impl=map"]
+        seeded = [f"seed={seeds[0]}", f"seeds=[{','.join(map(str, seeds))}]", *impl]
+    return [
+        sys.executable,
+        "-m",
+        "dalle_ablate.job",
+        "-m",
+        f"experiment={experiment}",
+        f"hydra.sweep.dir={shown(folder)}",
+        f"+arm={arm}",
+        *seeded,
+        *own,
+    ]

@@ -1,0 +1,217 @@
+"""A study in two declared stages (report/staged.py, dalle_ablate/study/stage2.py): its file's
+`stages:` checked in one line; stage 2's plan on synthetic stores (the budget kept, nothing for an
+arm no open finding needs); each finding's verdict at both looks against an oracle written from
+scipy's paired t tests, the inverse-normal combination and the published boundaries; and the study
+command end to end, a finding settling at stage 2, a rerun planning and training nothing again."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from scipy import stats as st
+
+from conftest import SMALL_DATA, TINY_TRAIN
+from dalle_ablate.registry import ConfigError
+from dalle_ablate.report import stages as S
+from dalle_ablate.report import staged
+from dalle_ablate.report import verdicts as V
+from dalle_ablate.report.design import load_study
+from dalle_ablate.report.findings import _arms_by
+from dalle_ablate.report.load import load_runs
+from test_findings import write_store
+
+STAGES = {"declared": "2026-12-02, before stage 1", "budget": {"runs": 6}, "seeds_from": 10, "cap": 3}
+# stage 1's three seeds per arm: "worse" far above "base" seed for seed, "close" a little above
+# with noise of its own, "other" an arm only a settled finding names
+STAGE1 = {
+    "base": [1.0, 1.1, 0.9],
+    "worse": [2.03, 2.08, 1.89],
+    "close": [1.06, 1.13, 0.99],
+    "other": [0.5, 0.6, 0.4],
+}
+# (id, arm, against, Δ): "close" differs by about twice its Δ
+FINDINGS = [("worse", "worse", "base", "0.5"), ("close", "close", "base", "0.03"), ("other", "other", "worse", "0.5")]
+
+
+def staged_study(tmp_path: Path, stages=None) -> Path:
+    spec = {
+        "name": "staged",
+        "title": "t",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "base",
+        "findings": [
+            {"id": i, "claim": i, "arm": a, "against": b, "metric": "eval_loss", "expect": "higher", "margin": m}
+            for i, a, b, m in FINDINGS
+        ],
+        "stages": STAGES if stages is None else stages,
+    }
+    path = tmp_path / "staged.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ([1], "stages must be a mapping of declared, budget, seeds_from, cap, w1, boundaries, rule; it holds [1]"),
+        (
+            {**STAGES, "weights": 1},
+            "stages has 'weights'; valid: declared, budget, seeds_from, cap, w1, boundaries, rule",
+        ),
+        (
+            {k: v for k, v in STAGES.items() if k != "declared"},
+            "stages lacks 'declared' (declare it before stage 1 runs)",
+        ),
+        ({**STAGES, "budget": 6}, "stages.budget is 6; give one of {runs: N}, {cpu_hours: H}"),
+        ({**STAGES, "budget": {"runs": 0}}, "stages.budget.runs is 0; give a positive number"),
+        ({**STAGES, "cap": 1}, "stages.cap is 1; give a whole number >= 2"),
+        ({**STAGES, "w1": 1.0}, "stages.w1 is 1.0; give stage 1's weight in (0, 1), sqrt(n1 / (n1 + n2)) planned"),
+        ({**STAGES, "boundaries": "OBF"}, "stages.boundaries is 'OBF'; valid: OF, P, asOF, asP"),
+        ({**STAGES, "rule": "greedy"}, "stages.rule is 'greedy'; valid: budget, even"),
+    ],
+)
+def test_a_bad_stages_declaration_is_named_in_one_line(tmp_path, stages, message):
+    path = staged_study(tmp_path, stages)
+    with pytest.raises(ConfigError) as err:
+        load_study(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def stores(tmp_path: Path, values: dict[str, list[float]], first_seed: int = 0) -> Path:
+    root = tmp_path / "runs"
+    for arm, finals in values.items():
+        for i, v in enumerate(finals):
+            write_store(root, arm, first_seed + i, v)
+    return root
+
+
+def test_the_plan_spends_its_budget_only_on_the_arms_of_findings_still_open(tmp_path):
+    study = load_study(staged_study(tmp_path))
+    runs = stores(tmp_path, STAGE1)
+    record = staged.plan(study, _arms_by(load_runs(str(runs))), [0, 1, 2])
+    # "worse" (a difference of 1 at an sd of 0.1 between seeds) settles at look 1, and with it
+    # "other" against it (-1.5 at a small sd); only "close" (+0.06) is open: its two arms get seeds
+    assert list(record["open"]) == ["close"]
+    assert set(record["stage2"]) <= {"close", "base"} and record["spent"] <= 6
+    assert record["stage1"] == [0, 1, 2] and all(s >= 10 for ks in record["stage2"].values() for s in ks)
+    assert record["open"]["close"]["chance"] >= record["open"]["close"]["chance_now"]
+    # the even rule: every arm of an open finding alike, as many as the budget affords (6 runs / 2 arms)
+    even = load_study(staged_study(tmp_path, {**STAGES, "rule": "even"}))
+    assert staged.plan(even, _arms_by(load_runs(str(runs))), [0, 1, 2])["stage2"] == {
+        "base": [10, 11, 12],
+        "close": [10, 11, 12],
+    }
+
+
+def oracle_z(a: np.ndarray, b: np.ndarray) -> float:
+    """A stage's one-sided score of arm a above arm b: Φ⁻¹(1 - p) of scipy's paired t test."""
+    return float(st.norm.isf(st.ttest_rel(a, b, alternative="greater").pvalue))
+
+
+def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_say(tmp_path):
+    """Stage 2 on "close" and "base" (seeds 10-12): by look 2 its combined statistic, from scipy's
+    two paired t tests, passes the boundary Holm's step asks (one finding left, the others settled
+    at look 1: α/2 per side), which stage 1's alone did not; its interval is the repeated one."""
+    study = load_study(staged_study(tmp_path))
+    second = {"base": [1.2, 0.95, 1.05], "close": [1.27, 1.01, 1.12]}
+    runs = stores(tmp_path, STAGE1)
+    stores(tmp_path, second, first_seed=10)
+    by_arm = _arms_by(load_runs(str(runs)))
+    rows = staged.judge(study, by_arm, None, [0, 1, 2])
+    verdicts = {r["finding"].id: (r["look1"], V.VERDICTS[r["code"]]) for r in rows}
+    design = study.stages.design
+    z1 = oracle_z(np.array(STAGE1["close"]), np.array(STAGE1["base"]))
+    z2 = oracle_z(np.array(second["close"]), np.array(second["base"]))
+    c1, c2 = S.boundaries(0.05 / 2, design.w1**2, design.kind)  # Holm's last step: one finding, α/2 a side
+    assert z1 < c1 and design.w1 * z1 + design.w2 * z2 >= c2  # the oracle: settled by look 2, not at look 1
+    # and beyond its Δ of 0.03 too (its repeated interval above it): reproduced
+    assert verdicts["close"] == ("not resolved", "reproduced")
+    assert verdicts["worse"][0] == "reproduced, possibly smaller than Δ"
+    assert verdicts["other"] == ("contradicted (reversed)", "contradicted (reversed)")
+    close = next(r for r in rows if r["finding"].id == "close")
+    d = lambda x, y: np.array(x) - np.array(y)  # noqa: E731
+    a, b = d(STAGE1["close"], STAGE1["base"]), d(second["close"], second["base"])
+    (_, want) = S.repeated_interval(
+        a.mean(), a.std(ddof=1) / math.sqrt(3), 2, b.mean(), b.std(ddof=1) / math.sqrt(3), 2, design, 0.025
+    )
+    assert (close["low"], close["high"]) == pytest.approx(want) and close["low"] > 0.03
+    assert close["stage_n"] == (3, 3) and min(a.mean(), b.mean()) <= close["d"] <= max(a.mean(), b.mean())
+
+
+def test_a_claim_judged_once_has_the_fixed_design_test_at_its_level():
+    """A hypothesis of one look (a stress claim) at Holm's level a: stage 1's z past Φ⁻¹(1 - a)
+    rejects it at look 1 and by look 2, whatever the group-sequential boundaries would ask."""
+    design = S.Design()
+    z1 = np.array([2.3, 2.3])  # between the fixed critical value 1.96 and look 1's 2.96 (α = 0.025)
+    z2 = np.array([-np.inf, -np.inf])
+    at1, by2 = S.holm_by_look([(z1, z2)], 0.025, design, np.array([True, False]), single=np.array([True, False]))
+    assert at1.tolist() == [True, False] and by2.tolist() == [True, False]
+    none1, none2 = S.holm_by_look([(z1, z2)], 0.025, design, np.array([True, True]), single=np.array([False, False]))
+    assert not none1.any() and not none2.any()
+
+
+@pytest.mark.slow
+def test_a_staged_study_runs_stage_2_from_its_plan_and_a_rerun_neither_plans_nor_trains_again(tmp_path):
+    """Adafactor against Adam, 2 seeds at stage 1 and up to 3 more each: the study plans stage 2 from
+    stage 1's runs, keeps the plan, trains it beside stage 1's runs; the page has both looks."""
+    spec = {
+        "name": "tiny-staged",
+        "title": "A staged study",
+        "source": "s",
+        "experiment": "study_mega",
+        "baseline": "baseline",
+        "findings": [
+            {
+                "id": "adafactor-loss",
+                "claim": "Adafactor ends at another loss",
+                "arm": "adafactor",
+                "against": "baseline",
+                "metric": "eval_loss",
+                "expect": "higher",
+                "margin": "2%",
+            }
+        ],
+        "stages": {**STAGES, "budget": {"runs": 6}, "w1": math.sqrt(2 / 5)},
+    }
+    path = tmp_path / "tiny-staged.yaml"
+    path.write_text(yaml.safe_dump(spec))
+
+    def study() -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "dalle_ablate.cli", "study", str(path), "--out", str(tmp_path / "studies")]
+        cmd += ["--report-out", str(tmp_path / "reports"), "--page-out", str(tmp_path / "results")]
+        cmd += ["+arm=baseline,adafactor", "seed=0,1", *SMALL_DATA, *TINY_TRAIN, "tracker=none"]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+
+    first = study()
+    assert first.returncode == 0, first.stderr[-3000:]
+    folder = tmp_path / "studies" / "tiny-staged"
+    record = json.loads((folder / staged.RECORD).read_text())
+    assert record["stage1"] == [0, 1] and record["budget"] == {"runs": 6.0}
+    assert "stage 2 of study tiny-staged, by its budget rule: " in first.stdout
+    trained = sorted(p.name for p in folder.iterdir() if (p / "run" / "summary.json").exists())
+    want = sorted(
+        [f"{a}-seed{s}" for a in ("baseline", "adafactor") for s in (0, 1)]
+        + [f"{a}-seed{s}" for a, seeds in record["stage2"].items() for s in seeds]
+    )
+    assert trained == want
+    page = (tmp_path / "results" / "tiny-staged.md").read_text()
+    assert "## The stages" in page and "Stage 1: seeds 0, 1; look 1 settled 0 of the 1 findings." in page
+    row = next(line for line in page.splitlines() if line.startswith("| adafactor-loss | not resolved |"))
+    *_, seeds, by_look_2 = row.strip("| ").split(" | ")
+    n2 = len(record["stage2"]["adafactor"])
+    assert seeds == f"2 + {n2}" and n2 >= 2 and by_look_2 in V.VERDICTS[: V.NOT_RESOLVED]  # settled at stage 2
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and "run" in p.parts}
+    again = study()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "stage 2 of study" not in again.stdout  # the plan kept is the plan
+    assert json.loads((folder / staged.RECORD).read_text()) == record
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing trained again
