@@ -15,6 +15,7 @@ mu the claims' true differences. Δ is one unit (the sd of one run's noise at m 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,6 +340,30 @@ def checks(s: Structure) -> list[Check]:
         for rule in RULES
         for rho in (0.0, 0.5, 0.9)
     ]
+    # the budget rule in every other scenario above: arms of unequal and unshared noise, spreads as
+    # a page prints them, and effects at ±Δ for a false equivalence
+    staged_too = [
+        Scenario(f"{base} 3x the others' spread, rho 0.9", rho=0.9, noisier={base: 3.0}),
+        Scenario(f"{other} 3x the others' spread, rho 0.9", rho=0.9, noisier={other: 3.0}),
+        Scenario(f"{base}'s seed effect its own, rho 0.9", rho=0.9, unshared=(base,)),
+        Scenario("every arm's spread log-uniform on [1, 12], rho 0.5", rho=0.5, spread=12.0),
+    ]
+    out += [
+        Check(dataclasses.replace(sc, name=f"{sc.name}, {how['budget']}"), fd, 0, NULL, stages="budget")
+        for sc in staged_too
+    ]
+    out.append(
+        Check(
+            Scenario(
+                f"every claim's true difference exactly ±Δ, {how['budget']}", effects=tuple(sides * EQUIVALENCE_MARGIN)
+            ),
+            "false equivalence",
+            0,
+            NULL,
+            margin=EQUIVALENCE_MARGIN,
+            stages="budget",
+        )
+    )
     return out
 
 
@@ -353,8 +378,12 @@ def run(rng, s: Structure, check: Check, studies: int) -> tuple[float, int, str]
         spread = ", ".join(f"{n}: {c / studies:.0%}" for n, c in enumerate(counts) if c)
         return float(false_difference(out, true).mean()), studies, f"{_seeds(s, None)}, topped up to ({spread})"
     if check.stages:
-        _, final, seeds2, _, _ = staged(rng, s, check.scenario, studies, check.margin, check.stages)
-        return float((final & (true == 0)).any(-1).mean()), studies, f"{_seeds(s, None)}, then {_stage2(seeds2)}"
+        res, final, seeds2, _, _ = staged(rng, s, check.scenario, studies, check.margin, check.stages)
+        how = f"{_seeds(s, None)}, then {_stage2(seeds2)}"
+        if check.measure == "false equivalence":
+            outcome = S.outcome_at(res, 2, STAGED_DESIGN.w1)
+            return float(false_equivalence(outcome, true, check.margin).mean()), studies, how
+        return float((final & (true == 0)).any(-1).mean()), studies, how
     seeds = None if check.seeds is None else {m: check.seeds for m in s.pools}
     if check.measure == "power":
         n = int(V.seeds_needed(difference_sd(s, check.scenario, 0), check.margin, len(comps)))
