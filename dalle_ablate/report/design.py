@@ -2,8 +2,9 @@
 the multirun preset that runs it, its baseline arm, its findings, each a claim with the arm it is
 about, the arm it is compared with, a metric (its study name, as declared beside the code that
 computes it: dalle_ablate/metrics.py), the direction the claim predicts and its margin Δ (the
-metric's declared default where it gives none) -- and its stress plan (`stress:`, report/stress.py);
-the arms and seeds its experiment preset runs, read here and nowhere else; and where its runs go.
+metric's declared default where it gives none) -- its stress plan (`stress:`, report/stress.py) and
+its stages (`stages:`, report/staged.py); the arms and seeds its experiment preset runs, read here
+and nowhere else; and where its runs go.
 
 The report reads a study through this module (report/findings.py judges it, report/page.py writes
 its page), and so does the study runner (dalle_ablate/study/), which runs it."""

@@ -27,8 +27,8 @@ test declared before stage 1, so that choosing stage 2 from the data spends no e
 
 Pure numpy and scipy over leading axes, so that the calibration (report/calibration.py) runs
 thousands of simulated studies through it. Stage 2's seeds by a declared budget rule:
-report/allocation.py. Not built yet: declaring stages in a study file and running stage 2 (the
-study runner's part)."""
+report/allocation.py; a study declared in stages (its file's `stages:`), judged and paged:
+report/staged.py; its stage 2 run: dalle_ablate/study/stage2.py."""
 
 from __future__ import annotations
 
