@@ -56,6 +56,9 @@ class Study:
     # the late-seed view's rule (report/transitions.py): the file's `transition:`, else the defaults
     transition: Rule = field(default_factory=Rule)
     stages: Optional["Stages"] = None  # the file's `stages:`: a study in two declared stages; None: one
+    # the file's `timing: {arms: [...]}`: arms trained as jobs of their own, interleaved seed by seed,
+    # so that their step time is one measurement per seed (dalle_ablate/study/runner.py)
+    timed: tuple[str, ...] = ()
 
 
 def study_path(name: str) -> Path:
@@ -134,7 +137,20 @@ def load_study(path: Path) -> Study:
         raw.get("scale_note", ""),
         rule_from(raw.get("transition"), where),
         stages_from(raw.get("stages"), where),
+        timed_from(raw.get("timing"), where),
     )
+
+
+def timed_from(raw, where: str) -> tuple[str, ...]:
+    """A study file's `timing:` (`{arms: [name, ...]}`) as the arms it times, or a one-line error."""
+    if raw is None:
+        return ()
+    arms = raw.get("arms") if isinstance(raw, dict) and set(raw) == {"arms"} else None
+    if not isinstance(arms, list) or not arms or not all(isinstance(a, str) for a in arms):
+        raise ConfigError(
+            f"{where}: timing must be {{arms: [arm, ...]}}, the arms timed as jobs of their own; it holds {raw!r}"
+        )
+    return tuple(arms)
 
 
 # -- its stages (docs/statistics.md, "Studies in stages") ----------------------------------------
@@ -302,6 +318,21 @@ def sweeper_params(experiment: str) -> dict:
     preset = resources.files("dalle_ablate.conf") / "experiment" / f"{experiment}.yaml"
     raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
     return (((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+
+
+def swept_arms(experiment: str, overrides: list[str]) -> list[str]:
+    """The arms a study's multirun sweeps: its last `+arm=` override's values, else its preset's
+    `hydra.sweeper.params["+arm"]`; [] for neither."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [o for o in overrides if o.split("=", 1)[0].lstrip("+") == "arm"]
+    if not given:
+        params = sweeper_params(experiment)
+        if "+arm" not in params:
+            return []
+        given = [f"+arm={params['+arm']}"]
+    override = OverridesParser.create().parse_overrides(given[-1:])[0]
+    return [str(v) for v in (override.sweep_iterator() if override.is_sweep_override() else [override.value()])]
 
 
 def swept_seeds(experiment: str, overrides: list[str]) -> Optional[list[int]]:

@@ -14,7 +14,7 @@ from dalle_ablate import interrupts
 from dalle_ablate.fileio import check_url, is_url, pull, shown
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.report import build_report
-from dalle_ablate.report.design import load_study, study_path, swept_seeds
+from dalle_ablate.report.design import Study, load_study, study_path, swept_arms, swept_seeds
 from dalle_ablate.report.load import Run, find_stores, load_runs, machine_time
 from dalle_ablate.report.page import write_page
 from dalle_ablate.report.tables import fmt3
@@ -23,6 +23,7 @@ from dalle_ablate.study.checks import check_before_running, check_meta
 from dalle_ablate.study.children import call_child, dies_with_this_process
 from dalle_ablate.study.stage2 import check_seeds, run_stage2
 from dalle_ablate.study.stress_runs import run_stress
+from dalle_ablate.track.naming import key_of
 from dalle_ablate.train.meta import git_commit
 
 
@@ -63,22 +64,19 @@ def run_study(
     with _one_line_on_ctrl_c(study.name, again, stages):
         if not no_run:  # what its runs would meet, before any of them starts: one line and exit 2
             check_before_running(study, study_file, folder, jobs, overrides, stress=not no_stress)
-        command = [
-            sys.executable,
-            "-m",
-            "dalle_ablate.job",
-            "-m",
-            f"experiment={study.experiment}",
-            f"hydra.sweep.dir={shown(folder)}",
-            *jobs,
-        ]
+        commands = stage1_commands(study, folder, swept, members)
+        command = commands[0]
         t = time.perf_counter()
         # The seeds of an arm compile the same programs: every run keeps them in the compilation
         # cache (compilation_cache.dir), and every run after the first of its arm loads them.
         env = dict(os.environ)
         preexec = dies_with_this_process()
         stages.append("during its runs (the multirun of its arms)")
-        code = 0 if no_run else call_child(command, env, preexec)
+        code = 0
+        for c in [] if no_run else commands:
+            code = call_child(c, env, preexec)
+            if code:
+                break
         if plan is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
             topup.log_topup(folder, plan)
         stages.append("during its stress runs")  # not after a multirun that refused its config (exit 2)
@@ -102,6 +100,11 @@ def run_study(
                 "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
                 "overrides and its numbers; their step time is their share of the job's."
             )
+        if study.timed:
+            lines.append(
+                f"The arms its file times ({', '.join(study.timed)}) trained as jobs of their own, interleaved seed by "
+                "seed (each seed's runs of them one after another): their step times are one measurement per seed."
+            )
         report = build_report(str(folder), report_out, study.name, study.baseline, transition=study.transition)
         interrupts.check()
         page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
@@ -112,6 +115,30 @@ def run_study(
         )
     if stress is not None and stress.failed:
         raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(stress.failed)}")
+
+
+def stage1_commands(study: Study, folder: Path, swept: list[str], members: bool) -> list[list[str]]:
+    """The study's own runs as multiruns of its preset: each arm's seeds the members of one job
+    (`members`; else one job per seed) -- but the arms its file times (`timing:`), which train as
+    jobs of their own, interleaved seed by seed (every timed arm's seed k, then each one's next),
+    so that a step-time finding's replicates are separate timings taken side by side, paired by
+    seed (members of one job log one timing between them)."""
+    base = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}"]
+    base.append(f"hydra.sweep.dir={shown(folder)}")
+    arms = swept_arms(study.experiment, swept)
+    timed = [a for a in arms if a in study.timed]
+    if not timed:
+        return [[*base, *(as_members(study.experiment, swept) if members else swept)]]
+    others = [o for o in swept if key_of(o) != "arm"]
+    rest = [a for a in arms if a not in timed]
+    out = []
+    if rest:
+        mine = [*others, f"+arm={','.join(rest)}"]
+        out.append([*base, *(as_members(study.experiment, mine) if members else mine)])
+    unseeded = [o for o in others if key_of(o) not in ("seed", "seeds")]
+    for k in swept_seeds(study.experiment, swept) or [None]:
+        out.append([*base, *unseeded, f"+arm={','.join(timed)}", *([] if k is None else [f"seed={k}"])])
+    return out
 
 
 def study_folder(out: str, name: str) -> Path:

@@ -2,8 +2,8 @@
 stage 1's finished runs, and the plan kept in the study's folder before any stage-2 run starts --
 a rerun reads it back and never plans again, so what stage 2 is cannot change after its first run;
 then each arm the plan raises trained on its stage-2 seeds, as members of one job (or one job per
-seed), into the study's folder beside stage 1's (`<arm>-seed<k>`). Finished runs are left as they
-are (resume=auto)."""
+seed; the arms the study times, jobs of their own interleaved seed by seed), into the study's
+folder beside stage 1's (`<arm>-seed<k>`). Finished runs are left as they are (resume=auto)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,18 @@ def run_stage2(
         asked = "; ".join(f"{a}: {len(s)} seeds" for a, s in record["stage2"].items()) or "no seeds"
         print(f"stage 2 of study {study.name}, by its {record['rule']} rule: {asked}", flush=True)
     own = [o for o in overrides if key_of(o) not in SETS]
-    for arm, seeds in record["stage2"].items():
-        code = call_child(job_command(study.experiment, folder, arm, seeds, own, members), env, preexec)
+    plan = record["stage2"]
+    commands = [
+        job_command(study.experiment, folder, a, seeds, own, members)
+        for a, seeds in plan.items()
+        if a not in study.timed
+    ]
+    # the arms the study times: jobs of their own, interleaved seed by seed, as at stage 1
+    for k in sorted({s for a, seeds in plan.items() if a in study.timed for s in seeds}):
+        timed = [a for a, seeds in plan.items() if a in study.timed and k in seeds]
+        commands.append(job_command(study.experiment, folder, ",".join(timed), [k], own, False))
+    for command in commands:
+        code = call_child(command, env, preexec)
         if code:
             return code
     return 0

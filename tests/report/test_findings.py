@@ -1067,3 +1067,34 @@ def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     for arms in ("baseline", "shampoo"):  # what the study launches composes and passes the checks, Shampoo's arm too
         cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arms}", *as_members("study_mega", [])]))
         assert (cfg.seed, cfg.seeds, cfg.members.impl) == (3000, [3000, 3001, 3002, 3003], "map")
+
+
+def test_the_arms_a_study_times_train_as_jobs_of_their_own_seed_by_seed(tmp_path):
+    """A study file's `timing: {arms: [...]}`: those arms' seeds are jobs of their own, every timed
+    arm's seed k beside the others' (one multirun per seed), the other arms members as before."""
+    import dataclasses as dc
+
+    from dalle_ablate.study.runner import stage1_commands
+
+    study = dc.replace(load_study(study_path("mega-variants")), timed=("baseline", "bias"))
+    commands = [c[4:] for c in stage1_commands(study, tmp_path, ["+arm=baseline,bias,swish", "seed=7,8"], True)]
+    assert commands == [
+        [
+            "experiment=study_mega",
+            f"hydra.sweep.dir={tmp_path}",
+            "+arm=swish",
+            "seed=7",
+            "seeds=[7,8]",
+            "members.impl=map",
+        ],
+        ["experiment=study_mega", f"hydra.sweep.dir={tmp_path}", "+arm=baseline,bias", "seed=7"],
+        ["experiment=study_mega", f"hydra.sweep.dir={tmp_path}", "+arm=baseline,bias", "seed=8"],
+    ]
+    untimed = dc.replace(study, timed=())
+    assert [c[4:] for c in stage1_commands(untimed, tmp_path, ["seed=7,8"], False)] == [
+        ["experiment=study_mega", f"hydra.sweep.dir={tmp_path}", "seed=7,8"]
+    ]
+    with pytest.raises(
+        ConfigError, match=r"timing must be \{arms: \[arm, ...\]\}, the arms timed as jobs of their own"
+    ):
+        load_study(study_file(tmp_path, timing=["baseline"]))
