@@ -6,6 +6,8 @@ import dataclasses
 
 import flax
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -64,9 +66,27 @@ def build_model(cfg, seed: int) -> nnx.Module:
     """A model with parameters initialised from the seed (the run's init seed; logical axes
     attached, not yet sharded). Each parameter's key is the seed's folded with its path
     (model/init_keys.py): models that share a parameter's path and shape start it alike."""
+    return model_from_keys(cfg, init_keys(cfg, seed))
+
+
+def init_keys(cfg, seed: int) -> np.ndarray:
+    """The key of every parameter draw of the model for `seed` (model/init_keys.py), as raw key
+    data [draws, ...] computed here, outside any compiled program: a compiled initialiser that
+    takes them as its argument (model_from_keys) is one program for every seed, compiled once and
+    then loaded from the persistent compilation cache (with the seed inside it, each seed was a
+    program of its own: 4-7 s of compiling per run of the tiny model on 2 CPU cores). Numpy, so that
+    every process of a multi-process run passes the same host value."""
     family = _family(cfg)
     construct = lambda rngs: family(cfg, rngs)  # noqa: E731
-    return construct(keyed_draws(construct, jax.random.key(seed)))
+    keys = keyed_draws(construct, jax.random.key(seed)).keys
+    return np.stack([np.asarray(jax.random.key_data(k)) for k in keys]) if keys else np.zeros((0, 2), np.uint32)
+
+
+def model_from_keys(cfg, keys) -> nnx.Module:
+    """The model with each parameter drawn from its key in `keys` (init_keys's, traced or not)."""
+    family = _family(cfg)
+    wrapped = jax.random.wrap_key_data(jnp.asarray(keys))
+    return family(cfg, Draws([wrapped[i] for i in range(wrapped.shape[0])]))
 
 
 def abstract_model(cfg) -> nnx.Module:
@@ -86,6 +106,8 @@ __all__ = [
     "ModelConfig",
     "abstract_model",
     "build_model",
+    "init_keys",
+    "model_from_keys",
     "param_count",
     "resolve",
     "stream_nll",

@@ -82,16 +82,18 @@ def over_data(fn, mesh: Mesh, in_split, out_split):
 
 
 def _initialiser(graph_fn, new_state):
-    def init():
-        return new_state(nnx.to_pure_dict(nnx.split(graph_fn(), nnx.Param)[1]))
+    def init(*args):
+        return new_state(nnx.to_pure_dict(nnx.split(graph_fn(*args), nnx.Param)[1]))
 
     return init
 
 
-def init_state(graph_fn, new_state, placement: Placement):
+def init_state(graph_fn, new_state, placement: Placement, *args):
     """The initial train state `new_state(params)`, created directly in its shards (never whole on
-    one device): `graph_fn()` builds the model from its seed inside the jitted initialiser."""
-    return jax.jit(_initialiser(graph_fn, new_state), out_shardings=placement.state)()
+    one device): `graph_fn(*args)` builds the model inside the jitted initialiser. What differs
+    between runs of one shape -- their init keys (model.init_keys) -- goes in as `args`, so that
+    the initialiser is one program for all of them."""
+    return jax.jit(_initialiser(graph_fn, new_state), out_shardings=placement.state)(*args)
 
 
 def abstract_state(graph_fn, new_state, placement: Placement):

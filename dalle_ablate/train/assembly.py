@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from dalle_ablate.config import RunConfig, init_seed
 from dalle_ablate.data import Dataset, abstract_sizes, build_dataset
-from dalle_ablate.model import abstract_model, build_model, resolve
+from dalle_ablate.model import abstract_model, init_keys, model_from_keys, resolve
 from dalle_ablate.optim import build_optimizer
 from dalle_ablate.parallel import (
     Placement,
@@ -62,7 +62,8 @@ class Assembly:
 
     def init_state(self) -> TrainState:
         """The initial state from the run's init seed, created in its shards."""
-        return init_state(lambda: build_model(self.model_cfg, init_seed(self.cfg)), self.new_state, self.placement)
+        keys = init_keys(self.model_cfg, init_seed(self.cfg))
+        return init_state(lambda k: model_from_keys(self.model_cfg, k), self.new_state, self.placement, keys)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, nothing allocated: a checkpoint's restore target."""

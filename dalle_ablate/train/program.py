@@ -18,7 +18,7 @@ import numpy as np
 from dalle_ablate.config import RunConfig, data_seed, init_seed
 from dalle_ablate.evaluate.runner import MemberEvaluations, evaluation_or_none
 from dalle_ablate.generate import make_sampler
-from dalle_ablate.model import build_model
+from dalle_ablate.model import init_keys, model_from_keys
 from dalle_ablate.parallel import init_state
 from dalle_ablate.train.assembly import Assembly, assemble
 from dalle_ablate.train.hooks import eval_graph, evaluate
@@ -141,7 +141,12 @@ class Stacked:
         states = [
             p.state
             if p.state is not None
-            else init_state(lambda s=init_seed(c): build_model(run.model_cfg, s), run.new_state, run.placement)
+            else init_state(
+                lambda k: model_from_keys(run.model_cfg, k),
+                run.new_state,
+                run.placement,
+                init_keys(run.model_cfg, init_seed(c)),
+            )
             for p, c in zip(points, self.cfgs)
         ]
         return MembersState(
