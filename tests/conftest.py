@@ -36,16 +36,18 @@ _SHARED = (
 os.environ.setdefault("DALLE_ABLATE_CACHE", str(_SHARED / "cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_SHARED / "jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny models compile in < 1 s
-# The child processes (`run.py`, the mesh and multi-process workers) compile without XLA's backend
-# optimizations (LLVM -O0: the same HLO passes and program, rounded differently in the last bit at
-# most -- AS_HERE below): their tiny programs run a few steps, and compiling is most of their time.
-# Measured on the 2-core machine, tests/test_job.py and tests/sweep/test_sweep.py took 18 % less CPU
-# (312 s -> 257 s; their test process at -O0 too). This test process turns it back off
-# (_optimized_here): its tests include the compute-heavy ones, a thousand-step run among them.
+# The suite compiles without XLA's backend optimizations (LLVM -O0: the same HLO passes and
+# program, rounded differently in the last bit at most), this process and its children (`run.py`,
+# the mesh and multi-process workers) alike: their tiny programs run a few steps, and compiling is
+# most of their time. Measured on the 2-core machine: tests/test_job.py and tests/sweep/test_sweep.py
+# 18 % less CPU (312 s -> 257 s); a 3-step run of the test model in this process 22 s -> 13.5 s, its
+# step's compile 9.8 s -> 3.2 s. A test that trains or evaluates for many steps here, where -O0's
+# slower steps (3x at the test model's size) cost more than its compiles save, asks for XLA's full
+# optimizations with the `optimized` fixture.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 # The environment of a child whose numbers a test holds bit for bit to this process's: it compiles
 # as this process does (the same HLO at another LLVM level rounds differently in the last bit).
-AS_HERE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "false"}
+AS_HERE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"]}
 
 # Small data that still exercises every path; built once per session (cached on disk).
 SMALL_DATA = [
@@ -114,13 +116,16 @@ def run_py(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None) -
     )
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _optimized_here():
-    """XLA's full optimizations in this process (its children go without: see the top). Imported
-    here, at the first test, not at the top: mesh test files set XLA_FLAGS before jax starts."""
+@pytest.fixture
+def optimized():
+    """XLA's full optimizations for the programs this test compiles in this process (the suite's
+    are -O0: see the top), for one that runs many steps. Imported here, not at the top: mesh test
+    files set XLA_FLAGS before jax starts."""
     import jax
 
     jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 @pytest.fixture(autouse=True)

@@ -619,7 +619,7 @@ def test_stratified_eval_prompts_are_fixed_and_balanced():
 
 
 @pytest.mark.slow
-def test_a_short_run_binds_colour_and_shape_words(tmp_path):
+def test_a_short_run_binds_colour_and_shape_words(tmp_path, optimized):
     """Regression guard for a model that ignores its caption's colour words (the old quickstart:
     -0.003 nats per image): 1000 fixed steps of the tiny model on single objects make swapping a
     colour or a shape word cost clearly more than nothing. The bar, 0.5 nats, is a hundred times
