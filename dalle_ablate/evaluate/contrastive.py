@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 
 from dalle_ablate.data.scenes import COLS, PALETTE, REL_PHRASE, ROWS, SHAPES, SIZES, random_scene, render
+from dalle_ablate.evaluate.convs import conv_features, strided_convs
 from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.registry import OptionConfig
 
@@ -112,21 +113,12 @@ class TextEncoder(nnx.Module):
 
 class ImageEncoder(nnx.Module):
     def __init__(self, width: int, rngs: nnx.Rngs):
-        self.convs = nnx.List(
-            [
-                nnx.Conv(3, 32, (3, 3), strides=2, rngs=rngs),
-                nnx.Conv(32, 64, (3, 3), strides=2, rngs=rngs),
-                nnx.Conv(64, 64, (3, 3), strides=2, rngs=rngs),
-            ]
-        )
+        self.convs = strided_convs((3, 32, 64, 64), rngs)
         self.fc = nnx.Linear(8 * 8 * 64, 2 * width, rngs=rngs)
         self.out = nnx.Linear(2 * width, width, rngs=rngs)
 
     def __call__(self, images: jax.Array) -> jax.Array:
-        x = images.astype(jnp.float32) / 127.5 - 1
-        for conv in self.convs:
-            x = jax.nn.relu(conv(x))
-        return self.out(jax.nn.relu(self.fc(x.reshape(x.shape[0], -1))))
+        return self.out(jax.nn.relu(self.fc(conv_features(self.convs, images))))
 
 
 class Contrastive(nnx.Module):

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from dalle_ablate.data.scenes import PALETTE, SHAPES, SIZES, random_scene, render
+from dalle_ablate.evaluate.convs import conv_features, strided_convs
 from dalle_ablate.evaluate.evaluators import SamplesContext, evaluator
 from dalle_ablate.evaluate.frechet import frechet_distance, kid, statistics
 from dalle_ablate.fileio import atomic_savez
@@ -45,21 +46,12 @@ def settings_hash(settings: dict = SETTINGS) -> str:
 
 class CellNet(nnx.Module):
     def __init__(self, features: int, rngs: nnx.Rngs):
-        self.convs = nnx.List(
-            [
-                nnx.Conv(3, 16, (3, 3), strides=2, rngs=rngs),
-                nnx.Conv(16, 32, (3, 3), strides=2, rngs=rngs),
-                nnx.Conv(32, 32, (3, 3), strides=2, rngs=rngs),
-            ]
-        )
+        self.convs = strided_convs((3, 16, 32, 32), rngs)
         self.feature = nnx.Linear(8 * 8 * 32, features, rngs=rngs)
         self.head = nnx.Linear(features, 9 * (len(COLOR_IDS) + 1 + len(SHAPE_IDS) + 1 + len(SIZE_IDS) + 1), rngs=rngs)
 
     def features(self, images: jax.Array) -> jax.Array:
-        x = images.astype(jnp.float32) / 127.5 - 1
-        for conv in self.convs:
-            x = jax.nn.relu(conv(x))
-        return jnp.tanh(self.feature(x.reshape(x.shape[0], -1)))
+        return jnp.tanh(self.feature(conv_features(self.convs, images)))
 
     def __call__(self, images: jax.Array) -> jax.Array:
         return self.head(self.features(images)).reshape(images.shape[0], 9, -1)
