@@ -414,8 +414,8 @@ def page_sections(
     topups: Optional[list[dict]] = None,
     extra: Optional[dict[str, dict[str, dict]]] = None,
     untestable: Optional[dict[str, str]] = None,
-    statistics: str = "../statistics.md",
     record: Optional[dict] = None,
+    statistics: str = "../statistics.md",
 ) -> tuple[list[Section], list[dict]]:
     """The results page as report sections, and the comparison rows: the answer first (the summary
     and its forest plot), then the noise report, then the details. `topups`: the study's top-up log
