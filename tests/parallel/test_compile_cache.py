@@ -160,7 +160,7 @@ def test_two_processes_writing_one_cache_at_once_leave_every_entry_readable(tmp_
     assert {o.split()[2] for o, _ in outs} == {value}
 
 
-def test_a_run_records_its_compiling_and_a_warm_run_loads_every_program_to_the_same_losses(tmp_path, small_dataset):
+def test_a_run_records_its_compiling_and_a_warm_run_or_another_seed_loads_every_program(tmp_path, small_dataset):
     cfg = run_config("tracker=none")
     cfg = dataclasses.replace(cfg, compilation_cache=CompilationCacheConfig(dir=str(tmp_path / "cache")))
     try:
@@ -168,6 +168,9 @@ def test_a_run_records_its_compiling_and_a_warm_run_loads_every_program_to_the_s
         cold = train(cfg, JobInfo(tmp_path / "cold"))
         jax.clear_caches()
         warm = train(cfg, JobInfo(tmp_path / "warm"))
+        jax.clear_caches()
+        seed = dataclasses.replace(cfg, seed=1)
+        other_seed = train(seed, JobInfo(tmp_path / "seed1"))
     finally:
         compile_cache.configure(CompilationCacheConfig(dir=os.environ.get("JAX_COMPILATION_CACHE_DIR")))
     first, second = (json.loads((r.run_dir / "meta.json").read_text())["compilation"] for r in (cold, warm))
@@ -178,6 +181,11 @@ def test_a_run_records_its_compiling_and_a_warm_run_loads_every_program_to_the_s
     assert second["compiled"] == 0 and 0 < second["loaded"] <= first["compiled"]
     assert second["compile_s"] + second["load_s"] < first["compile_s"] + first["load_s"]
     assert _same_losses(cold, warm)
+    # another seed is another run (other losses) of the same programs: its init keys and dropout
+    # keys are arguments, not constants compiled into them, so it too loads every one
+    third = json.loads((other_seed.run_dir / "meta.json").read_text())["compilation"]
+    assert third["compiled"] == 0 and third["loaded"] == second["loaded"]
+    assert not _same_losses(cold, other_seed)
 
 
 def _same_losses(a, b) -> bool:
