@@ -3,8 +3,9 @@ the multirun preset that runs it, its baseline arm, its findings, each a claim w
 about, the arm it is compared with, a metric (its study name, as declared beside the code that
 computes it: dalle_ablate/metrics.py), the direction the claim predicts and its margin Δ (the
 metric's declared default where it gives none) -- its stress plan (`stress:`, report/stress.py) and
-its stages (`stages:`, report/staged.py); the arms and seeds its experiment preset runs, read here
-and nowhere else; and where its runs go.
+its stages (`stages:`, report/staged.py); the arms its own runs train (its findings', the one
+list of them) and the seeds its experiment preset sweeps, read here and nowhere else; and where its
+runs go.
 
 The report reads a study through this module (report/findings.py judges it, report/page.py writes
 its page), and so does the study runner (dalle_ablate/study/), which runs it."""
@@ -313,24 +314,29 @@ def load_stress(path: Path) -> Optional[StressPlan]:
 # -- its experiment preset, and where its runs go -----------------------------------------------
 def sweeper_params(experiment: str) -> dict:
     """The experiment preset's `hydra.sweeper.params` (conf/experiment/<experiment>.yaml): what
-    its multirun sweeps, `+arm` and `seed` among them; {} for a preset that sweeps nothing or
-    does not exist (composing it names the valid ones)."""
+    its multirun sweeps, `seed` among them (its arms are the study file's: own_arms); {} for a
+    preset that sweeps nothing or does not exist (composing it names the valid ones)."""
     preset = resources.files("dalle_ablate.conf") / "experiment" / f"{experiment}.yaml"
     raw = yaml.safe_load(preset.read_text()) if preset.is_file() else None
     return (((raw or {}).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
 
 
-def swept_arms(experiment: str, overrides: list[str]) -> list[str]:
-    """The arms a study's multirun sweeps: its last `+arm=` override's values, else its preset's
-    `hydra.sweeper.params["+arm"]`; [] for neither."""
+def own_arms(study: Study) -> list[str]:
+    """The arms the study's own runs train, from its file alone: its baseline, then every arm a
+    finding judged on those runs names (a stability claim's arms train in its stress runs only).
+    Adding a claim on a new arm is its `conf/arm/` file and its finding: nothing else lists arms."""
+    elsewhere = {name for name, m in STUDY.items() if m.reads == "given"}
+    named = [a for f in study.findings if f.metric not in elsewhere for a in (f.arm, f.against)]
+    return list(dict.fromkeys([study.baseline, *named]))
+
+
+def swept_arms(study: Study, overrides: list[str]) -> list[str]:
+    """The arms a study's multirun runs: its last `+arm=` override's values, else its own arms."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     given = [o for o in overrides if o.split("=", 1)[0].lstrip("+") == "arm"]
     if not given:
-        params = sweeper_params(experiment)
-        if "+arm" not in params:
-            return []
-        given = [f"+arm={params['+arm']}"]
+        return own_arms(study)
     override = OverridesParser.create().parse_overrides(given[-1:])[0]
     return [str(v) for v in (override.sweep_iterator() if override.is_sweep_override() else [override.value()])]
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from dalle_ablate.metrics import STUDY, Metric, declare
 from dalle_ablate.report import stress  # noqa: F401 -- declares lr_sensitivity, measured on the stress runs
-from dalle_ablate.report.design import Finding, Study, sweeper_params
+from dalle_ablate.report.design import Finding, Study, own_arms
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.stats import diff_ci, spikes
@@ -98,19 +98,9 @@ def unit_of(metric: str) -> str:
 
 
 def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
-    """The study's arms: the baseline, those its experiment preset runs (its sweeper's `+arm`),
-    then any other that has runs or a finding names."""
-    swept = str(sweeper_params(study.experiment).get("+arm") or "")
-    return list(
-        dict.fromkeys(
-            [
-                study.baseline,
-                *(a.strip() for a in swept.split(",") if a.strip()),
-                *by_arm,
-                *(a for f in study.findings for a in (f.arm, f.against)),
-            ]
-        )
-    )
+    """The study's arms: the baseline and those its own runs train (design.own_arms), then any
+    other that has runs or a finding names."""
+    return list(dict.fromkeys([*own_arms(study), *by_arm, *(a for f in study.findings for a in (f.arm, f.against))]))
 
 
 def arm_of(run: Run) -> Optional[str]:

@@ -8,7 +8,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import Study, load_stress, stress_folder, sweeper_params
+from dalle_ablate.report.design import Study, load_stress, stress_folder, swept_arms
 from dalle_ablate.report.load import find_stores, load_run, read_json
 from dalle_ablate.study.stress_runs import job_command
 from dalle_ablate.track.runstore import settled
@@ -33,24 +33,15 @@ def check_arm(what: str, name, arms: list[str]) -> None:
     raise ConfigError(f"{what}: not an arm (dalle_ablate/conf/arm/){hint} valid: {', '.join(arms)}")
 
 
-def multirun_jobs(experiment: str, jobs: list[str]) -> list[list[str]]:
+def multirun_jobs(study: Study, jobs: list[str]) -> list[list[str]]:
     """One override list per arm the study's multirun runs (each other swept key at its first
     value): what composing its jobs needs to meet every arm and every override. The arms are
-    those of an `+arm=` override, else its preset's `hydra.sweeper.params`."""
+    those of an `+arm=` override, else the study's own (design.own_arms)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parse = OverridesParser.create().parse_overrides
-    parsed = parse(jobs)
-    arm = [o for o in parsed if o.key_or_group == "arm"]
-    if not arm:
-        params = sweeper_params(experiment)
-        arm = parse([f"+arm={params['+arm']}"]) if "+arm" in params else []
-    arms = [
-        str(a)
-        for a in (
-            list(arm[-1].sweep_iterator()) if arm and arm[-1].is_sweep_override() else [arm[-1].value()] if arm else []
-        )
-    ]
+    parsed = OverridesParser.create().parse_overrides(jobs)
+    arms = swept_arms(study, jobs)
+    experiment = study.experiment
     # Hydra's own settings (hydra.*, hydra/launcher=) shape how jobs run, not what a job composes
     fixed = [
         (o.input_line.split(o.key_or_group)[0] + f"{o.key_or_group}={next(iter(o.sweep_iterator()))}")
@@ -77,7 +68,7 @@ def check_before_running(
     for f in study.findings:
         check_arm(f"{study_file}: finding {f.id!r} has arm {f.arm!r}", f.arm, arms)
         check_arm(f"{study_file}: finding {f.id!r} has against {f.against!r}", f.against, arms)
-    job_lists = multirun_jobs(study.experiment, jobs)
+    job_lists = multirun_jobs(study, jobs)
     for job in job_lists:
         if job[-1].startswith("+arm="):
             check_arm(job[-1], job[-1].partition("=")[2], arms)

@@ -14,7 +14,7 @@ from dalle_ablate import interrupts
 from dalle_ablate.fileio import check_url, is_url, pull, shown
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.report import build_report
-from dalle_ablate.report.design import Study, load_study, study_path, swept_arms, swept_seeds
+from dalle_ablate.report.design import Study, load_study, own_arms, study_path, swept_arms, swept_seeds
 from dalle_ablate.report.load import Run, find_stores, load_runs, machine_time
 from dalle_ablate.report.page import write_page
 from dalle_ablate.report.tables import fmt3
@@ -59,6 +59,8 @@ def run_study(
     check_seeds(study, overrides)
     seed_override, plan = topup.announced(study, folder, seeds, overrides) if seeds is not None else (None, None)
     swept = [*overrides, *([seed_override] if seed_override else [])]
+    if not any(o.split("=", 1)[0].lstrip("+") == "arm" for o in swept):  # the arms its file compares on its own runs
+        swept.append(f"+arm={','.join(own_arms(study))}")
     jobs = as_members(study.experiment, swept) if members else swept
     stages = ["while checking it, before anything ran"]
     with _one_line_on_ctrl_c(study.name, again, stages):
@@ -125,7 +127,7 @@ def stage1_commands(study: Study, folder: Path, swept: list[str], members: bool)
     seed (members of one job log one timing between them)."""
     base = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}"]
     base.append(f"hydra.sweep.dir={shown(folder)}")
-    arms = swept_arms(study.experiment, swept)
+    arms = swept_arms(study, swept)
     timed = [a for a in arms if a in study.timed]
     if not timed:
         return [[*base, *(as_members(study.experiment, swept) if members else swept)]]

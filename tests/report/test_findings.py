@@ -367,19 +367,21 @@ def test_a_bad_study_file_is_named_in_one_line(tmp_path, change, message):
         study_path("nosuch")
 
 
-def test_the_mega_study_names_only_arms_its_preset_or_its_stress_runs_run():
+def test_the_mega_study_runs_the_arms_its_findings_compare_and_only_those():
     from dalle_ablate.metrics import STUDY
-    from dalle_ablate.report.design import load_stress
+    from dalle_ablate.report.design import load_stress, own_arms
 
     MEASURED_ELSEWHERE = {name for name, m in STUDY.items() if m.reads == "given"}  # on the stress runs
 
     study = load_study(study_path("mega-variants"))
     preset = yaml.safe_load((Path(__file__).parents[2] / "dalle_ablate/conf/experiment/study_mega.yaml").read_text())
-    arms = set(preset["hydra"]["sweeper"]["params"]["+arm"].split(","))
+    assert "+arm" not in preset["hydra"]["sweeper"]["params"]  # the study file lists its arms, nothing else does
+    own = own_arms(study)
+    arms = set(own)
     stressed = set(load_stress(study_path("mega-variants")).arms)
-    assert study.baseline in arms
+    assert own[0] == study.baseline and len(own) == len(arms) == 11
     assert all({f.arm, f.against} <= (stressed if f.metric in MEASURED_ELSEWHERE else arms) for f in study.findings)
-    # every arm the preset runs is one a finding on its runs compares: none that judges nothing
+    # every arm its own runs train is one a finding on them compares: none that judges nothing
     assert arms == {a for f in study.findings if f.metric not in MEASURED_ELSEWHERE for a in (f.arm, f.against)}
     assert arms | stressed <= {p.stem for p in (Path(__file__).parents[2] / "dalle_ablate/conf/arm").glob("*.yaml")}
     for arm in sorted(arms | stressed):  # each arm composes and passes the checks a run makes before it starts

@@ -264,9 +264,10 @@ def test_the_study_structure_is_the_study_file_s():
     study = yaml.safe_load(study_path("mega-variants").read_text())
     swept = preset["hydra"]["sweeper"]["params"]
     assert len(s.claims) == 16 and set(s.pools) == {"eval_loss", "step_time", "shapes_all", "lr_sensitivity"}
-    assert set(s.pools["eval_loss"]) == set(swept["+arm"].split(",")) and s.seeds["eval_loss"] == len(
-        swept["seed"].split(",")
-    )
+    from dalle_ablate.report.design import load_study, own_arms
+
+    own = own_arms(load_study(study_path("mega-variants")))
+    assert set(s.pools["eval_loss"]) == set(own) and s.seeds["eval_loss"] == len(swept["seed"].split(","))
     assert set(s.pools["lr_sensitivity"]) == {"sandwich", "normformer", "swish", "baseline", "deepnet", "postln"}
     assert s.seeds["lr_sensitivity"] == len(study["stress"]["seeds"])
     assert s.topped == ("eval_loss", "step_time", "shapes_all")
