@@ -161,7 +161,7 @@ def judge(
             outcome=int(looks[1][j]),
             code=codes[1],
             look1=V.VERDICTS[codes[0]],
-            stage_n=(int(np.isfinite(d1) and df1 + 1), int(df2 + 1) if np.isfinite(d2) and df2 >= 1 else 0),
+            stage_n=(int(res["n1"][j]), int(res["n2"][j])),
             verdict=verdict_text(codes[1], row["needed"], min(row["n"]), (untestable or {}).get(f.id, ""), plan=plan_)
             if codes[1] != V.UNTESTABLE
             else row["verdict"],

@@ -219,6 +219,8 @@ def analyse_staged(
         "equivalent2": eq2,
         "up1": z["up1"],
         "up2": z["up2"],
+        "n1": s1["n"],
+        "n2": s2["n"],
     }
 
 
