@@ -151,7 +151,8 @@ def _greedy(chance: np.ndarray, arm: np.ndarray, against: np.ndarray, cost: np.n
         # candidate (j, k): both of finding j's arms raised to at least k seeds
         raised = np.maximum(seeds[:, None, None, :], k[None, None, :, None])  # [S, 1, K, A]
         after = np.where(raises[None, :, None, :], raised, seeds[:, None, None, :])  # [S, J, K, A]
-        extra = ((after - seeds[:, None, None, :]) * cost).sum(-1)  # [S, J, K]
+        added = after - seeds[:, None, None, :]
+        extra = np.where(added > 0, added * cost, 0.0).sum(-1)  # [S, J, K]; an arm not raised costs nothing
         new_pairs = np.minimum(after[..., arm], after[..., against])  # [S, J, K, J]
         got = np.take_along_axis(chance[:, None, None], new_pairs[..., None], -1)[..., 0].sum(-1)
         gain = got - now[:, None, None]

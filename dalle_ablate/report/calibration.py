@@ -381,7 +381,7 @@ def run(rng, s: Structure, check: Check, studies: int) -> tuple[float, int, str]
         res, final, seeds2, _, _ = staged(rng, s, check.scenario, studies, check.margin, check.stages)
         how = f"{_seeds(s, None)}, then {_stage2(seeds2)}"
         if check.measure == "false equivalence":
-            outcome = S.outcome_at(res, 2, STAGED_DESIGN.w1)
+            outcome = S.outcome_at(res, 2)
             return float(false_equivalence(outcome, true, check.margin).mean()), studies, how
         return float((final & (true == 0)).any(-1).mean()), studies, how
     seeds = None if check.seeds is None else {m: check.seeds for m in s.pools}

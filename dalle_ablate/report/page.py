@@ -430,8 +430,7 @@ def page_sections(
             f"experiment={study.experiment}"
         )
     if study.stages is not None:  # judged at both looks (report/staged.py)
-        stage1 = staged.stage1_seeds(study, record)
-        rows = staged.judge(study, by_arm, record, stage1, extra, untestable)
+        rows = staged.judge(study, by_arm, record, extra, untestable)
     else:
         rows = compare(study, by_arm, extra=extra, untestable=untestable)
     courses = course(study, by_arm)
@@ -442,7 +441,7 @@ def page_sections(
         0,
         late_section(finished, study.transition, f"{study.name}_late", where=f"[statistics]({statistics}#late-seeds)"),
     )
-    stages = [] if study.stages is None else [staged.section(study, record, rows, stage1, statistics)]
+    stages = [] if study.stages is None else [staged.section(study, record, rows, statistics)]
     return [
         summary_section(study, rows, statistics),
         *stages,

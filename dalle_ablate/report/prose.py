@@ -266,7 +266,8 @@ STAGE2_NOT_PLANNED = "Stage 2 is not planned yet: the verdicts are look 1's."
 STAGE2_NONE = "Stage 2: the rule asked for no seed (no open finding it could raise): the verdicts are look 1's."
 STAGE2_PLAN = "Stage 2: the rule spent {spent} of {budget}: {arms}."
 STAGES_COLUMNS = ("finding", "look 1", "what the rule asked for, and why", "seeds per arm, stage 1 + 2", "by look 2")
-STAGE2_NOTHING = "nothing: no seeds within the budget raised its chance to settle (now {now})"
-STAGE2_PAIRS = (
-    "{k} paired seeds: its chance to settle by look 2 from {now} to {then}, planned at its observed difference"
-)
+STAGE2_NOTHING = "nothing: no seeds within the budget and the cap raised its chance to settle by look 2"
+STAGE2_PAIRS = "{k} paired seeds: its chance to settle by look 2 with them {then}, planned at its observed difference"
+STAGE2_SETTLED = "nothing: settled at look 1"
+STAGE2_UNTESTED = "nothing: look 1 could not test it"
+STAGE2_ELSEWHERE = "nothing: judged once, on the stress runs (a plan of their own)"

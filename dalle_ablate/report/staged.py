@@ -9,12 +9,14 @@ never plans again -- and runs what it asks for; the page reads the same record."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from scipy import stats as st
 
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.metrics import STUDY
@@ -22,7 +24,8 @@ from dalle_ablate.report import allocation as A
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import stages as S
 from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.design import Stages, Study, swept_seeds
+from dalle_ablate.registry import ConfigError
+from dalle_ablate.report.design import Stages, Study
 from dalle_ablate.report.findings import claims_tables, compare, comparisons, verdict_text
 from dalle_ablate.report.load import Run, machine_time
 from dalle_ablate.report.tables import fmt3
@@ -36,13 +39,6 @@ def read_record(folder) -> Optional[dict]:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def stage1_seeds(study: Study, record: Optional[dict]) -> list[int]:
-    """Stage 1's seeds: as the record kept them, else those the study's preset sweeps."""
-    if record is not None:
-        return list(record["stage1"])
-    return swept_seeds(study.experiment, []) or []
-
-
 def write_record(folder, record: dict) -> None:
     atomic_write(Path(folder) / RECORD, json.dumps(record, indent=1) + "\n")
 
@@ -53,20 +49,20 @@ def one_look(study: Study) -> np.ndarray:
     return np.array([STUDY[f.metric].reads == "given" for f in study.findings])
 
 
-def split(seeds: list, tables: dict[str, np.ndarray], stage1) -> tuple[dict, dict]:
-    """The tables' columns of stage 1's seeds, and of the others (stage 2's), each NaN elsewhere."""
-    first = np.array([s in set(stage1) for s in seeds])
-    return (
-        {m: np.where(first, t, np.nan) for m, t in tables.items()},
-        {m: np.where(first, np.nan, t) for m, t in tables.items()},
-    )
-
-
-def _stage1_comparisons(study: Study, arms: list[str], seeds: list, tables: dict, stage1) -> list[V.Comparison]:
-    """The findings as comparisons with Δ from stage 1's baseline: the hypotheses are fixed before
-    stage 2 is chosen, whatever stage 2 then adds to the baseline's mean."""
-    first, _ = split(seeds, tables, stage1)
-    return comparisons(study, arms, first)
+def split(study: Study, arms: list[str], seeds: list, tables: dict, record: Optional[dict]) -> tuple[dict, dict]:
+    """(stage 1's tables, stage 2's), each NaN outside its stage: stage 1 the record's stage-1
+    seeds, stage 2 each arm's stage-2 seeds as the plan gave them -- a seed of neither (an older
+    run in the study's folder) is in no stage. A metric measured elsewhere (the stress runs, on
+    seeds of their own plan) is all stage 1: no stage 2 adds to it. Without a record (stage 2 not
+    planned yet) every value is stage 1's."""
+    given = {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}
+    if record is None:
+        return dict(tables), {m: np.full_like(t, np.nan) for m, t in tables.items()}
+    in1 = np.array([s in set(record["stage1"]) for s in seeds])[None, :]
+    in2 = np.array([[s in set(record["stage2"].get(a, [])) for s in seeds] for a in arms])
+    first = {m: t if m in given else np.where(in1, t, np.nan) for m, t in tables.items()}
+    second = {m: np.full_like(t, np.nan) if m in given else np.where(in2, t, np.nan) for m, t in tables.items()}
+    return first, second
 
 
 def seconds_per_run(by_arm: dict[str, list[Run]]) -> dict[str, float]:
@@ -82,39 +78,48 @@ def seconds_per_run(by_arm: dict[str, list[Run]]) -> dict[str, float]:
 
 def plan(study: Study, by_arm: dict[str, list[Run]], stage1: list[int], extra: Optional[dict] = None) -> dict:
     """Stage 2 by the study's declared rule, from stage 1's finished runs: the record the runner
-    keeps -- stage 1's seeds, each arm's stage-2 seeds, what was spent of the budget, and per
-    finding open after look 1 its chance to settle by look 2 without stage 2 and with the seeds
-    planned (at its observed difference and spread: a plan, not a test)."""
+    keeps -- stage 1's seeds, each finding's Δ (from stage 1's baseline, fixed before stage 2 is
+    chosen), each arm's stage-2 seeds, what was spent of the budget, and per finding open after
+    look 1 that stage 2 can add to, the seeds planned for it and its chance to settle by look 2
+    with them (at its observed difference and spread: a plan, not a test)."""
     st_ = study.stages
     arms, seeds, tables = claims_tables(study, by_arm, extra)
-    first, _ = split(seeds, tables, stage1)
-    comps = _stage1_comparisons(study, arms, seeds, tables, stage1)
+    first, _ = split(study, arms, seeds, tables, {"stage1": stage1, "stage2": {}})
+    comps = comparisons(study, arms, first)
     own = ~one_look(study)
     chance, open_ = A.chances(first, comps, st_.design, own, st_.cap)
+    raisable = sorted({i for c, o in zip(comps, own) if o for i in (c.arm, c.against)})
     cost_s = seconds_per_run(by_arm)
-    per_seed = [1.0 if st_.unit == "runs" else cost_s.get(a, math.inf) / 3600 for a in arms]
+    if st_.unit == "cpu_hours" and (missing := [arms[i] for i in raisable if arms[i] not in cost_s]):
+        raise ConfigError(
+            f"study {study.name}: stages.budget is in CPU-hours but {', '.join(missing)} has no finished stage-1 run to "
+            "measure a seed's cost on; give stages.budget in runs, or let stage 1 finish"
+        )
+    per_seed = np.array(
+        [(1.0 if st_.unit == "runs" else cost_s[a] / 3600) if i in raisable else 0.0 for i, a in enumerate(arms)]
+    )
     ends = np.array([(c.arm, c.against) for c in comps]).T
     if st_.rule == "budget":
-        k = A.allocate(chance, ends[0], ends[1], np.array(per_seed), st_.budget)
+        k = A.allocate(chance, ends[0], ends[1], per_seed, st_.budget)
     else:  # "even": every arm of a finding still open alike, as many seeds as the budget affords
         needed = sorted({i for j, c in enumerate(comps) if open_[j] and own[j] for i in (c.arm, c.against)})
         k = np.zeros(len(arms), int)
         if needed:
-            each = min(st_.cap, int(st_.budget // sum(per_seed[i] for i in needed)))
-            k[needed] = each
+            k[needed] = min(st_.cap, int(st_.budget // sum(per_seed[i] for i in needed)))
     pairs = np.minimum(k[ends[0]], k[ends[1]])
     return {
         "declared": st_.declared,
         "stage1": list(stage1),
+        "margins": {f.id: float(c.margin) for f, c in zip(study.findings, comps)},
         "rule": st_.rule,
         "budget": {st_.unit: st_.budget},
-        "spent": float(sum(k[i] * per_seed[i] for i in range(len(arms)))),
+        "spent": float((k * per_seed).sum()),
         "seconds_per_run": {a: round(cost_s[a], 1) for a in arms if a in cost_s},
         "stage2": {arms[i]: st_.seeds(int(k[i])) for i in range(len(arms)) if k[i] > 0},
         "open": {
-            f.id: {"pairs": int(pairs[j]), "chance_now": float(chance[j, 0]), "chance": float(chance[j, pairs[j]])}
+            f.id: {"pairs": int(pairs[j]), "chance": float(chance[j, pairs[j]])}
             for j, f in enumerate(study.findings)
-            if open_[j]
+            if open_[j] and own[j]
         },
     }
 
@@ -123,32 +128,40 @@ def judge(
     study: Study,
     by_arm: dict[str, list[Run]],
     record: Optional[dict],
-    stage1: list[int],
     extra: Optional[dict] = None,
     untestable: Optional[dict[str, str]] = None,
 ) -> list[dict]:
     """findings.compare's rows -- their descriptive numbers over every seed -- with each finding's
-    verdict, difference and intervals from the two looks: the combined estimate, the 95 % repeated
-    confidence interval and the family-wise one (Bonferroni's α / m each side) by look 2, and the
-    verdicts at look 1 and by look 2. Before stage 2 ran (no record, or no run of it yet), look 1's."""
+    verdict, difference and intervals from the two looks: the combined estimate, and the
+    repeated confidence intervals, 95 % and family-wise (α / m each side), as the intersection of
+    both looks' (they cover the true difference at every look at once, so their intersection does
+    too, and it excludes 0 wherever either look's test at that level rejects); a finding judged
+    once (on stress runs) gets its fixed-design t intervals. The verdicts at look 1 and by look 2.
+    Δ is the record's (stage 1's baseline). Before stage 2 is planned, everything is look 1's."""
     rows = compare(study, by_arm, extra=extra, untestable=untestable)
     arms, seeds, tables = claims_tables(study, by_arm, extra)
-    comps = _stage1_comparisons(study, arms, seeds, tables, stage1)
-    first, second = split(seeds, tables, stage1)
-    design = study.stages.design
-    res = S.analyse_staged(first, second, comps, design, single=one_look(study))
-    looks = [S.outcome_at(res, 1, design.w1), S.outcome_at(res, 2, design.w1)]
+    first, second = split(study, arms, seeds, tables, record)
+    comps = comparisons(study, arms, first)
+    if record is not None and "margins" in record:
+        comps = [
+            dataclasses.replace(c, margin=record["margins"].get(f.id, c.margin)) for f, c in zip(study.findings, comps)
+        ]
+    design, once = study.stages.design, one_look(study)
+    res = S.analyse_staged(first, second, comps, design, single=once)
+    looks = [S.outcome_at(res, 1), S.outcome_at(res, 2)]
     m = len(comps)
     for j, (row, f, c) in enumerate(zip(rows, study.findings, comps)):
         d1, se1, df1, d2, se2, df2 = (float(res[k][j]) for k in ("d1", "se1", "df1", "d2", "se2", "df2"))
         side = 1 if f.expect == "higher" else -1
-        codes = [V.verdict(int(o[j]), side) for o in looks]
-        if row["code"] == V.UNTESTABLE:
-            codes = [V.UNTESTABLE, V.UNTESTABLE]
-        _, (low, high) = S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / 2)
-        _, (fw_low, fw_high) = S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / (2 * m))
+        codes = [V.UNTESTABLE] * 2 if row["code"] == V.UNTESTABLE else [V.verdict(int(o[j]), side) for o in looks]
+        if once[j]:
+            (low, high), (fw_low, fw_high) = (_t_interval(d1, se1, df1, a) for a in (V.ALPHA, V.ALPHA / m))
+            estimate = d1
+        else:
+            low, high = _intersection(*S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / 2))
+            fw_low, fw_high = _intersection(*S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / (2 * m)))
+            estimate = S.combined_estimate(d1, se1, df1, d2, se2, df2, design)
         plan_ = (row["plan"], row["fewest"], row["most"])
-        estimate = S.combined_estimate(d1, se1, df1, d2, se2, df2, design)
         row.update(
             d=estimate,
             diff=estimate,
@@ -161,6 +174,7 @@ def judge(
             outcome=int(looks[1][j]),
             code=codes[1],
             look1=V.VERDICTS[codes[0]],
+            one_look=bool(once[j]),
             stage_n=(int(res["n1"][j]), int(res["n2"][j])),
             verdict=verdict_text(codes[1], row["needed"], min(row["n"]), (untestable or {}).get(f.id, ""), plan=plan_)
             if codes[1] != V.UNTESTABLE
@@ -169,7 +183,20 @@ def judge(
     return rows
 
 
-def section(study: Study, record: Optional[dict], rows: list[dict], stage1: list[int], statistics: str) -> Section:
+def _t_interval(d: float, se: float, df: float, alpha: float) -> tuple[float, float]:
+    """The fixed design's two-sided t interval at 1 - alpha."""
+    half = float(st.t.ppf(1 - alpha / 2, df) * se) if df >= 1 else math.nan
+    return d - half, d + half
+
+
+def _intersection(look1: tuple, look2: tuple) -> tuple[float, float]:
+    """The two looks' repeated intervals intersected; look 2's where they do not meet (the two
+    stages disagree beyond both intervals: one of them missed)."""
+    low, high = max(look1[0], look2[0]), min(look1[1], look2[1])
+    return (low, high) if low <= high else look2
+
+
+def section(study: Study, record: Optional[dict], rows: list[dict], statistics: str) -> Section:
     """The stages: the design as declared, stage 1's seeds, look 1's verdicts, what the rule asked
     for and why, stage 2's seeds, the verdicts by look 2; the intervals' kind."""
     st_: Stages = study.stages
@@ -186,6 +213,7 @@ def section(study: Study, record: Optional[dict], rows: list[dict], stage1: list
             statistics=statistics,
         )
     )
+    stage1 = record["stage1"] if record is not None else sorted({x for r in rows for x in r["seeds"]}, key=str)
     settled1 = sum(r["look1"] in V.VERDICTS[: V.NOT_RESOLVED] for r in rows)
     s.text.append(P.STAGE1.format(seeds=", ".join(map(str, stage1)), settled=settled1, n=len(rows)))
     if record is None:
@@ -208,7 +236,7 @@ def section(study: Study, record: Optional[dict], rows: list[dict], stage1: list
                 [
                     r["finding"].id,
                     r["look1"],
-                    _why(record["open"].get(r["finding"].id)),
+                    _why(r, record["open"].get(r["finding"].id)),
                     f"{r['stage_n'][0]} + {r['stage_n'][1]}",
                     V.VERDICTS[r["code"]],
                 ]
@@ -219,10 +247,12 @@ def section(study: Study, record: Optional[dict], rows: list[dict], stage1: list
     return s
 
 
-def _why(open_: Optional[dict]) -> str:
+def _why(row: dict, open_: Optional[dict]) -> str:
     """What the rule asked for one finding and why, in the table's words."""
+    if row["one_look"]:
+        return P.STAGE2_ELSEWHERE
     if open_ is None:
-        return "settled at look 1, or judged elsewhere: nothing"
+        return P.STAGE2_SETTLED if row["look1"] in V.VERDICTS[: V.NOT_RESOLVED] else P.STAGE2_UNTESTED
     if open_["pairs"] == 0:
-        return P.STAGE2_NOTHING.format(now=f"{open_['chance_now']:.0%}")
-    return P.STAGE2_PAIRS.format(k=open_["pairs"], now=f"{open_['chance_now']:.0%}", then=f"{open_['chance']:.0%}")
+        return P.STAGE2_NOTHING
+    return P.STAGE2_PAIRS.format(k=open_["pairs"], then=f"{open_['chance']:.0%}")

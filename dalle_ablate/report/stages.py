@@ -147,30 +147,64 @@ def holm_by_look(
     k = int(tested.sum(-1).max()) if tested.size else 0
     r1 = np.zeros(tested.shape, int)
     r2 = np.zeros(tested.shape, int)
-    for m in range(1, k + 1):  # the largest m (smallest level alpha / m) at which each rejects
+    for m, at1, at2 in _by_level(sides, alpha, design, k, split, single):
+        combine = np.logical_or if split == 2 else np.logical_and
+        r1 += functools.reduce(combine, at1)
+        r2 += functools.reduce(combine, at2)
+    return _step_down(r1, tested), _step_down(r2, tested)
+
+
+def _by_level(sides, alpha: float, design: Design, k: int, split: int, single):
+    """For m = 1 .. k: (m, each side's rejections at look 1, by look 2) at Holm's level alpha / m."""
+    for m in range(1, k + 1):
         level = alpha / (m * split)
         c = (*boundaries(level, design.w1**2, design.kind), float(st.norm.isf(level)))
         by = [reject_by_look(z1, z2, design.w1, c, single) for z1, z2 in sides]
-        combine = np.logical_or if split == 2 else np.logical_and
-        at1 = functools.reduce(combine, [b[0] for b in by])
-        at2 = functools.reduce(combine, [b[1] for b in by])
-        r1 += at1
-        r2 += at2
-    return _step_down(r1, tested), _step_down(r2, tested)
+        yield m, [b[0] for b in by], [b[1] for b in by]
+
+
+def sides_by_look(sides, alpha: float, design: Design, tested, single=None) -> tuple[np.ndarray, np.ndarray]:
+    """A two-sided hypothesis tested as its two one-sided tests (holm_by_look with split = 2): which
+    side rejected it at look 1 and by look 2 -- +1 the first side, -1 the second, 0 not rejected --
+    each at the level Holm's step-down rejected it at (alpha / (2 m) a side, m the hypotheses left
+    then). Where both sides' sequential tests reject at that level (stage 1 and the two stages
+    together pointing opposite ways), look 1's decides: it came first."""
+    tested = np.asarray(tested, bool)
+    k = int(tested.sum(-1).max()) if tested.size else 0
+    counts = [[np.zeros(tested.shape, int) for _ in sides] for _ in range(2)]  # [look][side]
+    for _, at1, at2 in _by_level(sides, alpha, design, k, 2, single):
+        for look, at in enumerate((at1, at2)):
+            for i, a in enumerate(at):
+                counts[look][i] += a
+    out = []
+    for look in range(2):
+        r = functools.reduce(np.maximum, counts[look])
+        m = _levels(r, tested)  # the m each was rejected at; 0: not rejected
+        first = (counts[0][0] >= m) & (m > 0)  # look 1's side where it rejects at that level
+        up = np.where(first | (counts[0][1] >= m) & (m > 0), first, counts[look][0] >= m)
+        out.append(np.where(m > 0, np.where(up, 1, -1), 0))
+    return out[0], out[1]
 
 
 def _step_down(r: np.ndarray, tested: np.ndarray) -> np.ndarray:
     """Holm's step-down given, per hypothesis, the largest m at which its test at alpha / m
     rejects (its test's rejections are nested: a smaller level rejects less): with k tested, the
     i-th most significant (0-based) is rejected if it and every one before rejects at alpha / (k - i)."""
+    return _levels(r, tested) > 0
+
+
+def _levels(r: np.ndarray, tested: np.ndarray) -> np.ndarray:
+    """_step_down's decisions as the m each hypothesis was rejected at (alpha / m its level then), 0
+    for one not rejected: the i-th most significant (0-based) of k tested is rejected at m = k - i."""
     k = tested.sum(-1, keepdims=True)
     r = np.where(tested, r, -1)
     order = np.argsort(-r, axis=-1, kind="stable")
     ranked = np.take_along_axis(r, order, -1)
-    ok = np.cumprod(ranked >= k - np.arange(r.shape[-1]), axis=-1).astype(bool)
-    out = np.empty_like(ok)
-    np.put_along_axis(out, order, ok, -1)
-    return out & tested
+    m = k - np.arange(r.shape[-1])
+    ok = np.cumprod(ranked >= m, axis=-1).astype(bool)
+    out = np.empty(ok.shape, int)
+    np.put_along_axis(out, order, np.where(ok, m, 0), -1)
+    return np.where(tested, out, 0)
 
 
 def analyse_staged(
@@ -200,10 +234,14 @@ def analyse_staged(
         z["under" + name] = stage_z(-s["d"], s["se"], s["df"], s["margin"])  # against δ >= -Δ
     tested = np.isfinite(s1["d"]) & (s1["df"] >= 1)
     look = functools.partial(holm_by_look, alpha=alpha, design=design, single=single)
-    differs1, differs2 = look([(z["up1"], z["up2"]), (z["down1"], z["down2"])], tested=tested, split=2)
+    differ = [(z["up1"], z["up2"]), (z["down1"], z["down2"])]
+    differs1, differs2 = look(differ, tested=tested, split=2)
     has = tested & np.isfinite(s1["margin"]) & (s1["margin"] > 0)
     eq1, eq2 = look([(z["above1"], z["above2"]), (z["below1"], z["below2"])], tested=has)
-    beyond1, beyond2 = look([(z["over1"], z["over2"]), (z["under1"], z["under2"])], tested=has, split=2)
+    beyond = [(z["over1"], z["over2"]), (z["under1"], z["under2"])]
+    beyond1, beyond2 = look(beyond, tested=has, split=2)
+    side1, side2 = sides_by_look(differ, alpha, design, tested, single)
+    beyond_side1, beyond_side2 = sides_by_look(beyond, alpha, design, has, single)
     return {
         "d1": s1["d"],
         "se1": s1["se"],
@@ -217,8 +255,10 @@ def analyse_staged(
         "beyond2": beyond2,
         "equivalent1": eq1,
         "equivalent2": eq2,
-        "up1": z["up1"],
-        "up2": z["up2"],
+        "side1": side1,
+        "side2": side2,
+        "beyond_side1": beyond_side1,
+        "beyond_side2": beyond_side2,
         "n1": s1["n"],
         "n2": s2["n"],
     }
@@ -246,29 +286,25 @@ def repeated_interval(d1, se1, df1, d2, se2, df2, design: Design, alpha_side: fl
     return look1, (low, high)
 
 
-def outcome_at(res: dict, look: int, w1: float) -> np.ndarray:
+def outcome_at(res: dict, look: int) -> np.ndarray:
     """Each comparison's outcome (verdicts.OUTCOMES) at look 1, or by look 2, from analyse_staged's
-    rejections: equivalent within ±Δ, else a difference on the side its test found (the side of
-    stage 1's statistic where look 1 settled it or no stage 2 ran, else of the combined one) --
-    beyond Δ where that test rejects too -- else not resolved."""
-    differs, beyond, eq = (np.asarray(res[f"{k}{look}"], bool) for k in ("differs", "beyond", "equivalent"))
-    with np.errstate(invalid="ignore"):
-        combined = combined_z(res["up1"], res["up2"], w1)
-    first = np.asarray(res["differs1"], bool) | ~np.isfinite(combined) | (look == 1)
-    up = np.where(first, np.asarray(res["up1"]) > 0, combined > 0)
-    out = np.full(differs.shape, V.UNRESOLVED)
-    out[differs & up] = V.HIGHER
-    out[differs & ~up] = V.LOWER
-    out[differs & up & beyond] = V.HIGHER_BEYOND
-    out[differs & ~up & beyond] = V.LOWER_BEYOND
-    out[eq] = V.EQUIVALENT
+    rejections: equivalent within ±Δ, else a difference on the side whose one-sided test rejected it
+    (sides_by_look) -- beyond Δ where that side's beyond-Δ test rejects too -- else not resolved."""
+    side, beyond, eq = (np.asarray(res[f"{k}{look}"]) for k in ("side", "beyond_side", "equivalent"))
+    out = np.full(side.shape, V.UNRESOLVED)
+    out[side > 0] = V.HIGHER
+    out[side < 0] = V.LOWER
+    out[(side > 0) & (beyond > 0)] = V.HIGHER_BEYOND
+    out[(side < 0) & (beyond < 0)] = V.LOWER_BEYOND
+    out[eq.astype(bool)] = V.EQUIVALENT
     return out
 
 
 def combined_estimate(d1, se1, df1, d2, se2, df2, design: Design) -> float:
-    """The difference the two stages together point at: where the combined statistic of the test
-    against it is 0 (the middle of the repeated interval at every level); stage 1's where stage 2
-    has no test."""
+    """The difference the two stages together point at: the δ against which the combined statistic
+    is 0, the one a test of it is least able to reject (median-unbiased where the study cannot stop
+    at look 1: it is then the median of the combined test's confidence distribution); stage 1's
+    difference where stage 2 has no test (no seeds, or no spread)."""
     if not (np.isfinite(d2) and df2 >= 1 and se2 > 0) or not (np.isfinite(d1) and df1 >= 1 and se1 > 0):
         return float(d1)
 

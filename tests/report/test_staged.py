@@ -101,9 +101,12 @@ def test_the_plan_spends_its_budget_only_on_the_arms_of_findings_still_open(tmp_
     # "worse" (a difference of 1 at an sd of 0.1 between seeds) settles at look 1, and with it
     # "other" against it (-1.5 at a small sd); only "close" (+0.06) is open: its two arms get seeds
     assert list(record["open"]) == ["close"]
-    assert set(record["stage2"]) <= {"close", "base"} and record["spent"] <= 6
-    assert record["stage1"] == [0, 1, 2] and all(s >= 10 for ks in record["stage2"].values() for s in ks)
-    assert record["open"]["close"]["chance"] >= record["open"]["close"]["chance_now"]
+    assert set(record["stage2"]) == {"close", "base"} and 0 < record["spent"] <= 6
+    assert record["stage2"]["close"] == record["stage2"]["base"] == [10, 11, 12][: len(record["stage2"]["base"])]
+    assert record["stage1"] == [0, 1, 2] and record["open"]["close"]["pairs"] == len(record["stage2"]["base"])
+    assert 0 < record["open"]["close"]["chance"] <= 1
+    # Δ fixed from stage 1's baseline, as declared: absolute margins here
+    assert record["margins"] == {"worse": 0.5, "close": 0.03, "other": 0.5}
     # the even rule: every arm of an open finding alike, as many as the budget affords (6 runs / 2 arms)
     even = load_study(staged_study(tmp_path, {**STAGES, "rule": "even"}))
     assert staged.plan(even, _arms_by(load_runs(str(runs))), [0, 1, 2])["stage2"] == {
@@ -124,9 +127,14 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     study = load_study(staged_study(tmp_path))
     second = {"base": [1.2, 0.95, 1.05], "close": [1.27, 1.01, 1.12]}
     runs = stores(tmp_path, STAGE1)
+    record = {
+        **staged.plan(study, _arms_by(load_runs(str(runs))), [0, 1, 2]),
+        "stage2": {a: [10, 11, 12] for a in second},
+    }
     stores(tmp_path, second, first_seed=10)
+    stores(tmp_path, {"worse": [9.0]}, first_seed=10)  # a seed the plan did not give "worse": in no stage
     by_arm = _arms_by(load_runs(str(runs)))
-    rows = staged.judge(study, by_arm, None, [0, 1, 2])
+    rows = staged.judge(study, by_arm, record)
     verdicts = {r["finding"].id: (r["look1"], V.VERDICTS[r["code"]]) for r in rows}
     design = study.stages.design
     z1 = oracle_z(np.array(STAGE1["close"]), np.array(STAGE1["base"]))
@@ -137,6 +145,8 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     assert verdicts["close"] == ("not resolved", "reproduced")
     assert verdicts["worse"][0] == "reproduced, possibly smaller than Δ"
     assert verdicts["other"] == ("contradicted (reversed)", "contradicted (reversed)")
+    stage_n = {r["finding"].id: r["stage_n"] for r in rows}
+    assert stage_n == {"worse": (3, 0), "close": (3, 3), "other": (3, 0)}  # worse's seed 10 is in no stage
     close = next(r for r in rows if r["finding"].id == "close")
     d = lambda x, y: np.array(x) - np.array(y)  # noqa: E731
     a, b = d(STAGE1["close"], STAGE1["base"]), d(second["close"], second["base"])
@@ -145,6 +155,20 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     )
     assert (close["low"], close["high"]) == pytest.approx(want) and close["low"] > 0.03
     assert close["stage_n"] == (3, 3) and min(a.mean(), b.mean()) <= close["d"] <= max(a.mean(), b.mean())
+
+
+def test_a_rejected_difference_is_on_the_side_whose_test_rejected_it():
+    """Two findings: the first settles by look 2 through its combined statistic (up); that frees
+    Holm's level for the second, which its stage-1 statistic alone then rejects -- on the down side,
+    though its combined one points up. Its side is the side that rejected it."""
+    design = S.Design()
+    up1, up2 = np.array([1.0, -3.0]), np.array([6.0, 3.5])
+    sides = [(up1, up2), (-up1, -up2)]
+    _, by2 = S.holm_by_look(sides, 0.05, design, np.ones(2, bool), split=2)
+    assert by2.tolist() == [True, True]
+    side1, side2 = S.sides_by_look(sides, 0.05, design, np.ones(2, bool))
+    assert side1.tolist() == [0, 0] and side2.tolist() == [1, -1]
+    assert design.w1 * up1[1] + design.w2 * up2[1] > 0  # the combined statistic's sign would have said higher
 
 
 def test_a_claim_judged_once_has_the_fixed_design_test_at_its_level():
