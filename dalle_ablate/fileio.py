@@ -131,18 +131,40 @@ def check_bucket(url: str) -> None:
     _checked.add(bucket)
 
 
+# Buckets this process could not write to, and why: after the client's own retries (about half a
+# minute per upload) the run is ending, and what it still writes on its way out (its summary, the
+# rest of its log) goes to the staging copy at once instead of waiting out the same retries again.
+# A new run store tries its bucket again (retry_bucket): a multirun's next job is not the one that failed.
+_DOWN: dict[str, str] = {}
+
+
+def retry_bucket(path) -> None:
+    """Let uploads under `path` (a staged folder or a URL) try their bucket again."""
+    url = path if is_url(str(path)) else url_of(path)
+    if url is not None:
+        _DOWN.pop(split(url)[0], None)
+
+
 def push(path) -> None:
-    """Upload a file written under a staged folder to its object, whole, in one PUT."""
+    """Upload a file written under a staged folder to its object, whole, in one PUT. A bucket an
+    upload of this process failed to reach is not tried again: a one-line RunFailed at once."""
     url = url_of(path)
     if url is not None and not is_url(path):
+        bucket = split(url)[0]
+        if bucket in _DOWN:
+            raise RunFailed(
+                f"{url} cannot be written ({_DOWN[bucket]}, an upload before it); its staging copy {path} is whole: "
+                "fix the bucket, then resume=auto"
+            )
         fs = filesystem(url)
         try:
             fs.put_file(str(path), url)
         except Exception as e:  # noqa: BLE001 - after gcsfs's own retries: HttpError, aiohttp's and OS errors
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _DOWN[bucket] = f"{type(e).__name__}{': ' + first if first else ''}"
             raise RunFailed(
-                f"{url} cannot be written ({type(e).__name__}{': ' + first if first else ''}); its staging "
-                f"copy {path} is whole: fix the bucket, then resume=auto"
+                f"{url} cannot be written ({_DOWN[bucket]}); its staging copy {path} is whole: fix the bucket, then "
+                "resume=auto"
             ) from e
 
 

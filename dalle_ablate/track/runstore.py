@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, shown, staged, url_of
+from dalle_ablate.fileio import LOCK, BucketLock, atomic_write, fetch, push, retry_bucket, shown, staged, url_of
 from dalle_ablate.registry import RunFailed, first_line
 from dalle_ablate.track.base import Tracker
 
@@ -81,6 +81,7 @@ class RunStore(Tracker):
     @_writes
     def __init__(self, root: Path, config: dict, meta: dict, resume_step: Optional[int] = None):
         self.root = Path(root)
+        retry_bucket(self.root)  # a bucket an earlier run of this process could not reach: try it again
         self.media = self.root / "media"
         self.media.mkdir(parents=True, exist_ok=True)
         atomic_write(self.root / "config.yaml", yaml.safe_dump(config, sort_keys=False))

@@ -552,6 +552,7 @@ def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and
     from dalle_ablate.track.base import ends_on_error
     from dalle_ablate.track.runstore import RunStore, StoreLock
 
+    monkeypatch.setattr(fileio, "_DOWN", {})  # what this failure marks down stays in this test
     url = f"{gcs.url}/outage/run"
     root = fileio.staged(url)
     lock = StoreLock(root)
@@ -568,7 +569,8 @@ def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and
         raise api.Forbidden("DELETE https://storage.googleapis.com/.writer.lock: the caller does not have access")
 
     upload, lock_call = (down, down) if failure == "gone" else (upload_forbidden, lock_forbidden)
-    monkeypatch.setattr(fileio.filesystem(url), "put_file", upload)
+    tries = []
+    monkeypatch.setattr(fileio.filesystem(url), "put_file", lambda *a, **k: tries.append(a) or upload(*a, **k))
     for name in ("reload", "delete", "upload_from_string"):
         monkeypatch.setattr(gcs_storage.Blob, name, lock_call)
     with pytest.raises(RunFailed) as e:
@@ -577,6 +579,8 @@ def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and
             store.log_summary({})  # what the trainer's periodic summary write does
     why = "ConnectionError: Connection refused" if failure == "gone" else f"OSError: Forbidden: {url}/metrics.jsonl"
     assert str(e.value).startswith(f"{url}/metrics.jsonl cannot be written ({why}); ")
+    # the bucket is tried once: the ending summary goes to the staging copy without another round of retries
+    assert len(tries) == 1
     assert str(e.value).endswith(f"its staging copy {root}/metrics.jsonl is whole: fix the bucket, then resume=auto")
     s = json.loads((root / "summary.json").read_text())
     assert (s["status"], s["reason"]) == ("failed", f"RunFailed: {e.value}")
