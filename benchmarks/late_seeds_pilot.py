@@ -184,6 +184,11 @@ def report(rows: list[dict], walls: dict[str, float], commits: Counter, runs: Pa
             f"{', '.join(r['late']) or 'none'} | {fmt(r['mean'])} | {fmt(r['sd'])} | {fmt(r['cv'] * 100, 2)} % | "
             f"{walls.get(r['name'], math.nan):.0f} |"
         )
+    print(
+        f"\nCompute per run is its steps, at the study's batch and model (the settings keep both). Job wall: each "
+        f"setting's job of {len(SEEDS)} members, the settings in turn on the shared 2-core machine -- not a measure "
+        "of the setting: other work (a test suite, at times) ran beside some of them."
+    )
     done = [r for r in rows if "missing" not in r]
     if len(done) < len(rows):
         print("\nThe pilot is not finished: no protocol is chosen yet.")
