@@ -1045,11 +1045,11 @@ def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stre
 def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     from dalle_ablate.study.runner import as_members
 
-    # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 3000-3003), or those a seed= override sweeps
+    # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 5000-5003), or those a seed= override sweeps
     assert as_members("study_mega", ["+arm=baseline"]) == [
         "+arm=baseline",
-        "seed=3000",
-        "seeds=[3000,3001,3002,3003]",
+        "seed=5000",
+        "seeds=[5000,5001,5002,5003]",
         "members.impl=map",
     ]
     assert as_members("study_mega", ["seed=3,1,4", "trainer.steps=5"]) == [
@@ -1067,7 +1067,7 @@ def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
     assert as_members("quick", ["x=1"]) == ["x=1"]  # a preset that sweeps no seed
     for arms in ("baseline", "shampoo"):  # what the study launches composes and passes the checks, Shampoo's arm too
         cfg = to_run_config(compose(["experiment=study_mega", f"+arm={arms}", *as_members("study_mega", [])]))
-        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (3000, [3000, 3001, 3002, 3003], "map")
+        assert (cfg.seed, cfg.seeds, cfg.members.impl) == (5000, [5000, 5001, 5002, 5003], "map")
 
 
 def test_the_arms_a_study_times_train_as_jobs_of_their_own_seed_by_seed(tmp_path):
