@@ -199,11 +199,13 @@ def test_members_of_a_study_mega_job_are_its_separate_runs(tmp_path):
         == [sweep / f"baseline-seed{k}" for k in (0, 1, 2)]
         == [s.job_dir for s in separate]
     )
-    # The sweeper's params come first (+arm, seed), then the command line: seed=k where Hydra records it.
+    # The sweeper's params come first (seed: the preset sweeps no arm), then the command line:
+    # seed=k where Hydra records it.
     assert [m.overrides for m in members] == [
-        ["+arm=baseline", f"seed={k}", "experiment=study_mega", "tracker=none"] for k in (0, 1, 2)
+        [f"seed={k}", "experiment=study_mega", "+arm=baseline", "tracker=none"] for k in (0, 1, 2)
     ]
-    assert [(m.name, m.job_type) for m in members] == [(f"+arm=baseline,seed={k}", "+arm=baseline") for k in (0, 1, 2)]
+    # named by what the multirun varies, the seed; the job type the model's layout, as nothing else varies
+    assert [(m.name, m.job_type) for m in members] == [(f"seed={k}", "preln") for k in (0, 1, 2)]
     assert [described(m) for m in members] == [described(s) for s in separate]
     assert [m.config["seed"] for m in members] == [0, 1, 2] and {m.config["seeds"] for m in members} == {None}
     assert all(m.hooks is job.hooks for m in members) and members[0].group == str(sweep)

@@ -88,7 +88,9 @@ def plan(study: Study, by_arm: dict[str, list[Run]], stage1: list[int], extra: O
     comps = comparisons(study, arms, first)
     own = ~one_look(study)
     chance, open_ = A.chances(first, comps, st_.design, own, st_.cap)
-    raisable = sorted({i for c, o in zip(comps, own) if o for i in (c.arm, c.against)})
+    # the arms stage 2 could raise: those of a finding still open that its runs add to (one whose
+    # arm has no stage-1 run, left out of this study's `+arm=`, is not open: it was never tested)
+    raisable = sorted({i for c, o, op in zip(comps, own, open_) if o and op for i in (c.arm, c.against)})
     cost_s = seconds_per_run(by_arm)
     if st_.unit == "cpu_hours" and (missing := [arms[i] for i in raisable if arms[i] not in cost_s]):
         raise ConfigError(

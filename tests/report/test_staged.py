@@ -115,6 +115,20 @@ def test_the_plan_spends_its_budget_only_on_the_arms_of_findings_still_open(tmp_
     }
 
 
+def test_a_study_run_on_some_of_its_arms_plans_stage_2_in_cpu_hours_on_the_arms_it_ran(tmp_path):
+    """A study whose `+arm=` left "other" out: that finding was never tested, so its arm gets no
+    stage-2 seeds and needs no measured cost (the plan used to refuse, naming it)."""
+    study = load_study(staged_study(tmp_path, {**STAGES, "budget": {"cpu_hours": 0.6}}))
+    runs = stores(tmp_path, {a: v for a, v in STAGE1.items() if a != "other"})
+    for summary in runs.glob("*/run/summary.json"):
+        summary.write_text(json.dumps({"status": "finished", "steps": 10, "wall_time": 360.0}))
+    record = staged.plan(study, _arms_by(load_runs(str(runs))), [0, 1, 2])
+    assert list(record["open"]) == ["close"] and set(record["stage2"]) == {"close", "base"}
+    assert record["seconds_per_run"] == {"base": 360.0, "worse": 360.0, "close": 360.0}
+    k = len(record["stage2"]["base"])
+    assert k >= 2 and record["spent"] == pytest.approx(2 * k * 0.1) and record["spent"] <= 0.6 + 1e-9
+
+
 def oracle_z(a: np.ndarray, b: np.ndarray) -> float:
     """A stage's one-sided score of arm a above arm b: Φ⁻¹(1 - p) of scipy's paired t test."""
     return float(st.norm.isf(st.ttest_rel(a, b, alternative="greater").pvalue))
