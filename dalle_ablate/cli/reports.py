@@ -38,6 +38,12 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
         "view (default: the rule's level for the shapes data, report/transitions.py; docs/statistics.md)",
     )
     p.add_argument(
+        "--stages",
+        metavar="FILE",
+        help="judge the comparisons in two declared stages: FILE's stages: mapping (a study file's) declares them "
+        "before stage 1; the report says which seeds stage 2 asks for, and judges both looks (docs/statistics.md)",
+    )
+    p.add_argument(
         "--wandb-entity", help="with --wandb-project: also save the report to W&B (needs a login and network)"
     )
     p.add_argument("--wandb-project")
@@ -54,7 +60,9 @@ def cmd_report(args) -> None:
     import time
 
     from dalle_ablate.report import build_report
+    from dalle_ablate.report.staged_report import read_design
 
+    stages = read_design(args.stages) if args.stages else None  # before any run is read: one line
     t = time.perf_counter()
     skipped: list[str] = []
     folder = build_report(
@@ -67,8 +75,11 @@ def cmd_report(args) -> None:
         skipped,
         margins=_margins(args.margin),
         transition=_transition(args.transition_level),
+        stages=stages,
     )
     print(f"wrote {folder}/index.html, report.md, runs.csv, wandb_report.json ({time.perf_counter() - t:.1f} s)")
+    if stages is not None:
+        print(f"wrote {folder}/stages.json: stage 2's plan (the report's section 'The stages' says why)")
     for why in skipped:  # each also in the report's first section
         print(f"warning: left out, unreadable: {why}", file=sys.stderr)
 

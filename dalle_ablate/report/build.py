@@ -19,6 +19,8 @@ from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
 from dalle_ablate.report import prose as P
+from dalle_ablate.report import staged_report
+from dalle_ablate.report.design import Stages
 from dalle_ablate.report.transitions import Rule, late_section
 from dalle_ablate.report.tables import (
     FINAL_METRICS,
@@ -43,6 +45,7 @@ from dalle_ablate.track.wandb_api import report_spec, wandb_report
 TITLES = {
     "overview": "Summary",
     "final": "Final metrics",
+    "stages": P.STAGES_TITLE,
     "noise": "Noise report",
     "optuna": "Optuna study",
     "curves": "Loss and gradient norm across seeds",
@@ -57,9 +60,11 @@ TITLES = {
 FOLDED = ("noise", "stability", "shapes", "grids", "config")  # long: closed until clicked
 
 
-def section_keys(sweep: bool) -> list[str]:
-    """The summary first; a sweep's study right after it, where its answer is."""
+def section_keys(sweep: bool, staged: bool = False) -> list[str]:
+    """The summary first; a sweep's study right after it, where its answer is; a staged report's
+    stages after the final metrics they judge."""
     rest = ["noise", "curves", "late", "stability", "compute", "pareto", "shapes", "grids", "config"]
+    rest = ["stages", *rest] if staged else rest
     return ["overview", "optuna", "final", *rest] if sweep else ["overview", "final", *rest]
 
 
@@ -163,9 +168,9 @@ def overview_section(
 
 
 def final_section(
-    by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]]
+    by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]], judged: Optional[dict] = None
 ) -> tuple[Section, dict]:
-    cols, rows, judged = final_table(by_variant, baseline, margins)
+    cols, rows, judged = final_table(by_variant, baseline, margins, judged)
     given = (
         P.FINAL_MARGIN.format(margins=", ".join(f"{k} ±{v}" for k, v in margins.items()))
         if margins
@@ -301,16 +306,21 @@ def build_sections(
     study=None,
     margins: Optional[dict[str, str]] = None,
     transition: Rule = Rule(),
+    stages: Optional[Stages] = None,
 ) -> tuple[list[Section], dict]:
     """The report's sections in order (section_keys), and what the files beside it need;
-    `transition`: the late-seed view's rule (report/transitions.py)."""
+    `transition`: the late-seed view's rule (report/transitions.py); `stages`: the comparisons'
+    declared stages (report/staged_report.py), their plan's record in what it returns."""
     by_variant, left_out, why = group_variants(runs, study)
     if not by_variant:
         raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")
     baseline, why = choose_baseline(by_variant, baseline, why)
     compared = [r for rs in by_variant.values() for r in rs]
     palette = figures.colors(list(by_variant))
-    final, judged = final_section(by_variant, baseline, margins)
+    record = None
+    if stages is not None:
+        looked, record = staged_report.judged(by_variant, baseline, margins, stages)
+    final, judged = final_section(by_variant, baseline, margins, looked if stages is not None else None)
     noise = noise_report.section(by_variant, [(f"{v} vs {baseline}", v, baseline) for v in by_variant if v != baseline])
     noise.folded = True
     stability, stability_table = stability_section(runs)
@@ -329,9 +339,13 @@ def build_sections(
     }
     if study is not None:
         sections["optuna"] = optuna_section(study)
+    if record is not None:
+        sections["stages"] = staged_report.section(stages, record, judged, by_variant)
+        sections["overview"].text.insert(1, P.REPORT_STAGED_ANSWER)
     for key in FOLDED:
         sections[key].folded = True
-    return [sections[k] for k in section_keys(study is not None)], {
+    return [sections[k] for k in section_keys(study is not None, record is not None)], {
+        "stages": record,
         "baseline": baseline,
         "variants": list(by_variant),
         "judged": judged,
@@ -385,9 +399,11 @@ def build_report(
     skipped: Optional[list[str]] = None,
     margins: Optional[dict[str, str]] = None,
     transition: Rule = Rule(),
+    stages: Optional[Stages] = None,
 ) -> Path:
     """The report's folder. A run store or sweep database that cannot be read is left out, named
-    in the report and in `skipped` (one line each). `transition`: the late-seed view's rule."""
+    in the report and in `skipped` (one line each). `transition`: the late-seed view's rule;
+    `stages`: the comparisons' declared stages (the plan's record beside the report, stages.json)."""
     skipped = [] if skipped is None else skipped
     runs = load_runs(source, skipped=skipped)
     if source.startswith("wandb:"):
@@ -405,12 +421,14 @@ def build_report(
         except ConfigError as e:
             skipped.append(f"{e}; the runs are compared as a multirun's, without the sweep's trials")
     title = f"dalle-ablate report: {source}"
-    sections, info = build_sections(runs, baseline, study, margins, transition)
+    sections, info = build_sections(runs, baseline, study, margins, transition, stages)
     if skipped:  # in the summary at the top: what the report could not read
         sections[0].text.append(P.UNREADABLE.format(n=len(skipped), what="; ".join(skipped)))
     atomic_write(folder / "index.html", to_html(title, sections, number=fmt3))
     atomic_write(folder / "report.md", to_markdown(title, sections, folder, number=fmt3))
     runs_csv(runs, info["stability"]).to_csv(folder / "runs.csv", index=False)
+    if info["stages"] is not None:  # what the rule asked for and why, as a study keeps it
+        atomic_write(folder / "stages.json", json.dumps(info["stages"], indent=1) + "\n")
     group = next((r.meta.get("wandb_group") for r in runs if r.meta.get("wandb_group")), None)
     panels = wandb_panels(runs)
     report = wandb_report(title, group, *panels)

@@ -266,6 +266,32 @@ STAGE2_NOT_PLANNED = "Stage 2 is not planned yet: the verdicts are look 1's."
 STAGE2_NONE = "Stage 2: the rule asked for no seed (no open finding it could raise): the verdicts are look 1's."
 STAGE2_PLAN = "Stage 2: the rule spent {spent} of {budget}: {arms}."
 STAGES_COLUMNS = ("finding", "look 1", "what the rule asked for, and why", "seeds per arm, stage 1 + 2", "by look 2")
+REPORT_STAGES = (
+    "This report's comparisons run in two stages, declared in its --stages file before stage 1 ({declared}): "
+    "stage 1 every run on a seed below {seeds_from}, stage 2's seeds per variant (from {seeds_from} on) chosen "
+    "from stage 1's runs by the {rule} rule, at most {budget} and {cap} seeds per variant; each comparison's "
+    "stage-wise tests combined by the inverse-normal test (stage 1's weight {w1}) inside Holm's closed procedure "
+    "over the report's comparisons, the two looks' boundaries spending α by {kind}. Each difference is the "
+    "combined estimate and its interval the repeated confidence interval (docs/statistics.md, 'Studies in "
+    "stages'); Δ is a percentage of stage 1's baseline."
+)
+REPORT_STAGED_ANSWER = (
+    "Judged in two declared stages (--stages): each difference here is the combined estimate over both stages' "
+    "seeds and its interval the repeated confidence interval; 'The stages' says what stage 2 asks for and why."
+)
+REPORT_STAGE1 = "Stage 1: seeds {seeds}; look 1 settled {settled} of the {n} comparisons."
+REPORT_STAGE2_RUN = (
+    "Train them into a folder of their own, then report both folders' runs together (a glob of their run stores): "
+    "{commands}."
+)
+REPORT_STAGES_COLUMNS = (
+    "variant",
+    "metric",
+    "look 1",
+    "what the rule asked for, and why",
+    "seeds, stage 1 + 2",
+    "by look 2",
+)
 STAGE2_NOTHING = "nothing: no seeds within the budget and the cap raised its chance to settle by look 2"
 STAGE2_PAIRS = "{k} paired seeds: its chance to settle by look 2 with them {then}, planned at its observed difference"
 STAGE2_SETTLED = "nothing: settled at look 1"

@@ -49,13 +49,12 @@ def one_look(study: Study) -> np.ndarray:
     return np.array([STUDY[f.metric].reads == "given" for f in study.findings])
 
 
-def split(study: Study, arms: list[str], seeds: list, tables: dict, record: Optional[dict]) -> tuple[dict, dict]:
+def split(arms: list[str], seeds: list, tables: dict, record: Optional[dict], given=frozenset()) -> tuple[dict, dict]:
     """(stage 1's tables, stage 2's), each NaN outside its stage: stage 1 the record's stage-1
     seeds, stage 2 each arm's stage-2 seeds as the plan gave them -- a seed of neither (an older
-    run in the study's folder) is in no stage. A metric measured elsewhere (the stress runs, on
-    seeds of their own plan) is all stage 1: no stage 2 adds to it. Without a record (stage 2 not
-    planned yet) every value is stage 1's."""
-    given = {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}
+    run in the study's folder) is in no stage. A metric of `given` (measured elsewhere: the stress
+    runs, on seeds of their own plan) is all stage 1: no stage 2 adds to it. Without a record
+    (stage 2 not planned yet) every value is stage 1's."""
     if record is None:
         return dict(tables), {m: np.full_like(t, np.nan) for m, t in tables.items()}
     in1 = np.array([s in set(record["stage1"]) for s in seeds])[None, :]
@@ -63,6 +62,10 @@ def split(study: Study, arms: list[str], seeds: list, tables: dict, record: Opti
     first = {m: t if m in given else np.where(in1, t, np.nan) for m, t in tables.items()}
     second = {m: np.full_like(t, np.nan) if m in given else np.where(in2, t, np.nan) for m, t in tables.items()}
     return first, second
+
+
+def _given(study: Study) -> set[str]:
+    return {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}
 
 
 def seconds_per_run(by_arm: dict[str, list[Run]]) -> dict[str, float]:
@@ -78,23 +81,41 @@ def seconds_per_run(by_arm: dict[str, list[Run]]) -> dict[str, float]:
 
 def plan(study: Study, by_arm: dict[str, list[Run]], stage1: list[int], extra: Optional[dict] = None) -> dict:
     """Stage 2 by the study's declared rule, from stage 1's finished runs: the record the runner
-    keeps -- stage 1's seeds, each finding's Δ (from stage 1's baseline, fixed before stage 2 is
-    chosen), each arm's stage-2 seeds, what was spent of the budget, and per finding open after
-    look 1 that stage 2 can add to, the seeds planned for it and its chance to settle by look 2
-    with them (at its observed difference and spread: a plan, not a test)."""
-    st_ = study.stages
+    keeps -- stage 1's seeds, then plan_tables' account, per finding."""
     arms, seeds, tables = claims_tables(study, by_arm, extra)
-    first, _ = split(study, arms, seeds, tables, {"stage1": stage1, "stage2": {}})
+    first, _ = split(arms, seeds, tables, {"stage1": stage1, "stage2": {}}, _given(study))
     comps = comparisons(study, arms, first)
-    own = ~one_look(study)
+    ids = [f.id for f in study.findings]
+    account = plan_tables(
+        study.stages, arms, first, comps, ~one_look(study), seconds_per_run(by_arm), ids, f"study {study.name}"
+    )
+    return {"declared": study.stages.declared, "stage1": list(stage1), **account}
+
+
+def plan_tables(
+    st_: Stages,
+    arms: list[str],
+    first: dict[str, np.ndarray],
+    comps: list[V.Comparison],
+    own: np.ndarray,
+    cost_s: dict[str, float],
+    ids: list[str],
+    who: str,
+) -> dict:
+    """Stage 2 by the declared rule from stage 1's tables (metric -> values[arm, seed]), for the
+    comparisons `comps` (named `ids`; `own`: those stage 2 can add to): each comparison's Δ (fixed
+    from stage 1 before stage 2 is chosen), each arm's stage-2 seeds, what was spent of the budget
+    (`cost_s`: an arm's machine seconds per run, for a budget in CPU-hours), and per comparison
+    open after look 1 that stage 2 can add to, the seeds planned for it and its chance to settle
+    by look 2 with them (at its observed difference and spread: a plan, not a test). `who` names
+    the study or report in the error a missing cost gives."""
     chance, open_ = A.chances(first, comps, st_.design, own, st_.cap)
     # the arms stage 2 could raise: those of a finding still open that its runs add to (one whose
     # arm has no stage-1 run, left out of this study's `+arm=`, is not open: it was never tested)
     raisable = sorted({i for c, o, op in zip(comps, own, open_) if o and op for i in (c.arm, c.against)})
-    cost_s = seconds_per_run(by_arm)
     if st_.unit == "cpu_hours" and (missing := [arms[i] for i in raisable if arms[i] not in cost_s]):
         raise ConfigError(
-            f"study {study.name}: stages.budget is in CPU-hours but {', '.join(missing)} has no finished stage-1 run to "
+            f"{who}: stages.budget is in CPU-hours but {', '.join(missing)} has no finished stage-1 run to "
             "measure a seed's cost on; give stages.budget in runs, or let stage 1 finish"
         )
     per_seed = np.array(
@@ -110,17 +131,15 @@ def plan(study: Study, by_arm: dict[str, list[Run]], stage1: list[int], extra: O
             k[needed] = min(st_.cap, int(st_.budget // sum(per_seed[i] for i in needed)))
     pairs = np.minimum(k[ends[0]], k[ends[1]])
     return {
-        "declared": st_.declared,
-        "stage1": list(stage1),
-        "margins": {f.id: float(c.margin) for f, c in zip(study.findings, comps)},
+        "margins": {i: float(c.margin) for i, c in zip(ids, comps)},
         "rule": st_.rule,
         "budget": {st_.unit: st_.budget},
         "spent": float((k * per_seed).sum()),
         "seconds_per_run": {a: round(cost_s[a], 1) for a in arms if a in cost_s},
         "stage2": {arms[i]: st_.seeds(int(k[i])) for i in range(len(arms)) if k[i] > 0},
         "open": {
-            f.id: {"pairs": int(pairs[j]), "chance": float(chance[j, pairs[j]])}
-            for j, f in enumerate(study.findings)
+            i: {"pairs": int(pairs[j]), "chance": float(chance[j, pairs[j]])}
+            for j, i in enumerate(ids)
             if open_[j] and own[j]
         },
     }
@@ -134,28 +153,53 @@ def judge(
     untestable: Optional[dict[str, str]] = None,
 ) -> list[dict]:
     """findings.compare's rows -- their descriptive numbers over every seed -- with each finding's
-    verdict, difference and intervals from the two looks: the combined estimate, and the
-    repeated confidence intervals, 95 % and family-wise (α / m each side), as the intersection of
-    both looks' (they cover the true difference at every look at once, so their intersection does
-    too, and it excludes 0 wherever either look's test at that level rejects); a finding judged
-    once (on stress runs) gets its fixed-design t intervals. The verdicts at look 1 and by look 2.
-    Δ is the record's (stage 1's baseline). Before stage 2 is planned, everything is look 1's."""
+    verdict, difference and intervals from the two looks (`looks`), and the verdicts at look 1 and
+    by look 2. Δ is the record's (stage 1's baseline). Before stage 2 is planned, everything is
+    look 1's."""
     rows = compare(study, by_arm, extra=extra, untestable=untestable)
     arms, seeds, tables = claims_tables(study, by_arm, extra)
-    first, second = split(study, arms, seeds, tables, record)
+    first, second = split(arms, seeds, tables, record, _given(study))
     comps = comparisons(study, arms, first)
     if record is not None and "margins" in record:
         comps = [
             dataclasses.replace(c, margin=record["margins"].get(f.id, c.margin)) for f, c in zip(study.findings, comps)
         ]
-    design, once = study.stages.design, one_look(study)
-    res = S.analyse_staged(first, second, comps, design, single=once)
-    looks = [S.outcome_at(res, 1), S.outcome_at(res, 2)]
-    m = len(comps)
-    for j, (row, f, c) in enumerate(zip(rows, study.findings, comps)):
-        d1, se1, df1, d2, se2, df2 = (float(res[k][j]) for k in ("d1", "se1", "df1", "d2", "se2", "df2"))
+    once = one_look(study)
+    judged = looks(first, second, comps, study.stages.design, once)
+    for j, (row, f, c, look) in enumerate(zip(rows, study.findings, comps, judged)):
         side = 1 if f.expect == "higher" else -1
-        codes = [V.UNTESTABLE] * 2 if row["code"] == V.UNTESTABLE else [V.verdict(int(o[j]), side) for o in looks]
+        tested = row["code"] != V.UNTESTABLE
+        codes = [V.verdict(look[k], side) if tested else V.UNTESTABLE for k in ("look1", "look2")]
+        plan_ = (row["plan"], row["fewest"], row["most"])
+        row.update(
+            {k: look[k] for k in ("d", "low", "high", "fw_low", "fw_high", "fw_level", "stage_n")},
+            diff=look["d"],
+            margin=float(c.margin),
+            outcome=look["look2"],
+            code=codes[1],
+            look1=V.VERDICTS[codes[0]],
+            one_look=bool(once[j]),
+            verdict=verdict_text(codes[1], row["needed"], min(row["n"]), (untestable or {}).get(f.id, ""), plan=plan_)
+            if tested
+            else row["verdict"],
+        )
+    return rows
+
+
+def looks(
+    first: dict[str, np.ndarray], second: dict[str, np.ndarray], comps: list[V.Comparison], design, once: np.ndarray
+) -> list[dict]:
+    """Each comparison judged at both looks (stages.analyse_staged): its outcome at look 1 and by
+    look 2 (verdicts.analyse's codes), the combined estimate, and the repeated confidence
+    intervals, 95 % and family-wise (α / m each side), as the intersection of both looks' (they
+    cover the true difference at every look at once, so their intersection does too, and it
+    excludes 0 wherever either look's test at that level rejects); a comparison of one look
+    (`once`: on stress runs) gets its fixed-design t intervals. `stage_n`: its pairs per stage."""
+    res = S.analyse_staged(first, second, comps, design, single=once)
+    outcomes = [S.outcome_at(res, 1), S.outcome_at(res, 2)]
+    m, out = len(comps), []
+    for j in range(m):
+        d1, se1, df1, d2, se2, df2 = (float(res[k][j]) for k in ("d1", "se1", "df1", "d2", "se2", "df2"))
         if once[j]:
             (low, high), (fw_low, fw_high) = (_t_interval(d1, se1, df1, a) for a in (V.ALPHA, V.ALPHA / m))
             estimate = d1
@@ -163,26 +207,20 @@ def judge(
             low, high = _intersection(*S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / 2))
             fw_low, fw_high = _intersection(*S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / (2 * m)))
             estimate = S.combined_estimate(d1, se1, df1, d2, se2, df2, design)
-        plan_ = (row["plan"], row["fewest"], row["most"])
-        row.update(
-            d=estimate,
-            diff=estimate,
-            low=low,
-            high=high,
-            fw_low=fw_low,
-            fw_high=fw_high,
-            fw_level=1 - V.ALPHA / m,
-            margin=float(c.margin),
-            outcome=int(looks[1][j]),
-            code=codes[1],
-            look1=V.VERDICTS[codes[0]],
-            one_look=bool(once[j]),
-            stage_n=(int(res["n1"][j]), int(res["n2"][j])),
-            verdict=verdict_text(codes[1], row["needed"], min(row["n"]), (untestable or {}).get(f.id, ""), plan=plan_)
-            if codes[1] != V.UNTESTABLE
-            else row["verdict"],
+        out.append(
+            {
+                "d": estimate,
+                "low": low,
+                "high": high,
+                "fw_low": fw_low,
+                "fw_high": fw_high,
+                "fw_level": 1 - V.ALPHA / m,
+                "look1": int(outcomes[0][j]),
+                "look2": int(outcomes[1][j]),
+                "stage_n": (int(res["n1"][j]), int(res["n2"][j])),
+            }
         )
-    return rows
+    return out
 
 
 def _t_interval(d: float, se: float, df: float, alpha: float) -> tuple[float, float]:

@@ -49,6 +49,38 @@ def final_value(run: Run, column: str) -> float:
     return float(v[-1]) if len(v) else math.nan
 
 
+def baseline_tables(
+    by_variant: dict[str, list[Run]],
+    baseline: str,
+    margins: Optional[dict[str, str]] = None,
+    metrics=FINAL_METRICS,
+    margin_seeds: Optional[set] = None,
+) -> tuple[list[str], list, dict, list, list[tuple[str, str]]]:
+    """(variants, seeds, tables: metric -> final values [variant, seed], the comparisons of every
+    other variant with the baseline on every metric, their (variant, metric) keys). A margin given
+    as a percentage is of the baseline's mean over its runs (over `margin_seeds` only, if given)."""
+    from dalle_ablate.report import verdicts as V
+
+    margins = margins or {}
+    variants = list(by_variant)
+    seeds = sorted({r.seed for rs in by_variant.values() for r in rs}, key=str)
+    tables, comps, keys = {}, [], []
+    b = variants.index(baseline)
+    of = np.array([margin_seeds is None or s in margin_seeds for s in seeds])
+    for m in metrics:
+        t = np.full((len(variants), len(seeds)), np.nan)
+        for i, v in enumerate(variants):
+            for r in by_variant[v]:
+                t[i, seeds.index(r.seed)] = final_value(r, m)
+        tables[m] = t
+        margin = V.margin_value(margins[m], t[b][of]) if m in margins else math.nan
+        for i, v in enumerate(variants):
+            if i != b:
+                comps.append(V.Comparison(m, i, b, margin))
+                keys.append((v, m))
+    return variants, seeds, tables, comps, keys
+
+
 def against_baseline(
     by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None, metrics=FINAL_METRICS
 ) -> dict[tuple[str, str], dict]:
@@ -59,22 +91,7 @@ def against_baseline(
     seeds-needed. The same engine, words and numbers as a study's page."""
     from dalle_ablate.report import verdicts as V
 
-    margins = margins or {}
-    variants = list(by_variant)
-    seeds = sorted({r.seed for rs in by_variant.values() for r in rs}, key=str)
-    tables, comps, keys = {}, [], []
-    b = variants.index(baseline)
-    for m in metrics:
-        t = np.full((len(variants), len(seeds)), np.nan)
-        for i, v in enumerate(variants):
-            for r in by_variant[v]:
-                t[i, seeds.index(r.seed)] = final_value(r, m)
-        tables[m] = t
-        margin = V.margin_value(margins[m], t[b]) if m in margins else math.nan
-        for i, v in enumerate(variants):
-            if i != b:
-                comps.append(V.Comparison(m, i, b, margin))
-                keys.append((v, m))
+    _, _, tables, comps, keys = baseline_tables(by_variant, baseline, margins, metrics)
     if not comps:
         return {}
     res = V.analyse(tables, comps)
@@ -112,14 +129,19 @@ FINAL_COLUMNS = [
 
 
 def final_table(
-    by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None
+    by_variant: dict[str, list[Run]],
+    baseline: str,
+    margins: Optional[dict[str, str]] = None,
+    judged: Optional[dict] = None,
 ) -> tuple[list[str], list[list], dict]:
     """A row per variant and metric, the answer first: the verdict engine's judgement of the
     difference from the baseline (against_baseline), the difference with its 95 % interval (paired,
     or Welch's where seeds are not shared), then the variant's mean over seeds with its 95% t
     interval, its seeds and rho; with a margin, the seeds a difference of it would need. With one
-    seed the interval cells say so."""
-    rows, judged = [], against_baseline(by_variant, baseline, margins)
+    seed the interval cells say so. `judged`: against_baseline's rows judged another way (a staged
+    report's, report/staged_report.py)."""
+    rows = []
+    judged = against_baseline(by_variant, baseline, margins) if judged is None else judged
 
     def interval(lo: float, hi: float, n: int) -> str:
         return ONE_SEED if n < 2 else f"[{fmt3(lo)}, {fmt3(hi)}]"

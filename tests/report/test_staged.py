@@ -253,3 +253,89 @@ def test_a_staged_study_runs_stage_2_from_its_plan_and_a_rerun_neither_plans_nor
     assert "stage 2 of study" not in again.stdout  # the plan kept is the plan
     assert json.loads((folder / staged.RECORD).read_text()) == record
     assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing trained again
+
+
+REPORT_STAGES = {**STAGES, "budget": {"runs": 6}, "cap": 2}
+
+
+def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination_test_and_holm_say(tmp_path):
+    """`dalle-ablate report --stages`: stage 1 (seeds 0-2) plans stage 2 by the rule, with the
+    commands that train it; with stage 2's runs, each comparison's verdict by look 2 is the one
+    an oracle from scipy's paired t tests, the inverse-normal combination and the published
+    boundaries gives, stepping down Holm's levels over the report's four comparisons (the two
+    variants on eval/valid/loss and train/loss, which write_store logs 0.1 above it)."""
+    from dalle_ablate.report import staged_report
+    from dalle_ablate.report.build import build_sections
+
+    design_file = tmp_path / "design.yaml"
+    design_file.write_text(yaml.safe_dump({"stages": REPORT_STAGES}))
+    stages = staged_report.read_design(str(design_file))
+    first = {a: STAGE1[a] for a in ("base", "worse", "close")}
+    runs = stores(tmp_path, first)
+    margins = {"eval/valid/loss": "0.03"}
+    sections, info = build_sections(load_runs(str(runs)), "+arm=base", margins=margins, stages=stages)
+    record = info["stages"]
+    assert record["stage1"] == [0, 1, 2] and record["spent"] <= 6
+    planned = record["stage2"]
+    assert set(planned) <= {"+arm=base", "+arm=close", "+arm=worse"} and "+arm=base" in planned
+    text = next(s for s in sections if s.key == "stages").text
+    for variant, seeds in planned.items():
+        assert f"`python run.py -m {variant} seed={','.join(map(str, seeds))}`" in text[-1]
+
+    z = lambda a, b: float(st.norm.isf(st.ttest_rel(a, b, alternative="greater").pvalue))  # noqa: E731
+    w1, w2, kind = stages.design.w1, stages.design.w2, stages.design.kind
+    c = {m: S.boundaries(0.05 / (2 * m), w1**2, kind) for m in (4, 2)}  # Holm's steps, α/2 a side
+    worse1 = z(np.array(first["worse"]), np.array(first["base"]))
+    close1 = z(np.array(first["close"]), np.array(first["base"]))
+    assert close1 < worse1 < c[4][0]  # the oracle at look 1: nothing past Holm's first step
+    assert all(j["look1"] == "not resolved" for j in info["judged"].values())
+
+    assert planned["+arm=close"] == planned["+arm=base"] == [10, 11]
+    second = {"base": [1.2, 0.95], "close": [1.27, 1.01]}
+    stores(tmp_path, second, first_seed=10)
+    _, info = build_sections(load_runs(str(runs)), "+arm=base", margins=margins, stages=stages)
+    assert info["stages"] == record  # planned from stage 1 alone: the same plan at every report
+    close2 = z(np.array(second["close"]), np.array(second["base"]))
+    # the oracle by look 2: close's combined statistic past Holm's first step (both its metrics
+    # alike), which leaves two comparisons, and worse's look-1 statistic past that step's look-1 boundary
+    assert w1 * close1 + w2 * close2 >= c[4][1] and worse1 >= c[2][0]
+    judged = info["judged"]
+    for v in ("+arm=close", "+arm=worse"):
+        assert judged[(v, "train/loss")]["verdict"] == "worse than the baseline"
+    d = np.array(second["close"]) - np.array(second["base"])
+    d1 = np.array(first["close"]) - np.array(first["base"])
+    (_, want) = S.repeated_interval(
+        d1.mean(), d1.std(ddof=1) / math.sqrt(3), 2, d.mean(), d.std(ddof=1) / math.sqrt(2), 1, stages.design, 0.025
+    )
+    close = judged[("+arm=close", "eval/valid/loss")]
+    assert close["stage_n"] == (3, 2) and (close["low"], close["high"]) == pytest.approx(want)
+    assert want[0] > 0.03 and close["verdict"] == "worse than the baseline by more than Δ"  # beyond Δ = 0.03
+
+    from dalle_ablate.cli import main  # the command: the same plan kept beside the report, and its section
+
+    main(
+        ["report", str(runs), "--out", str(tmp_path / "reports"), "--name", "r", "--baseline", "+arm=base"]
+        + ["--margin", "eval/valid/loss=0.03", "--stages", str(design_file)]
+    )
+    assert json.loads((tmp_path / "reports" / "r" / "stages.json").read_text()) == json.loads(json.dumps(record))
+    assert "## The stages" in (tmp_path / "reports" / "r" / "report.md").read_text()
+
+
+def test_a_bad_stages_file_of_a_report_is_named_in_one_line(tmp_path):
+    from dalle_ablate.report.staged_report import read_design
+
+    with pytest.raises(ConfigError) as err:
+        read_design(str(tmp_path / "none.yaml"))
+    assert str(err.value) == (
+        f"--stages {tmp_path / 'none.yaml'}: no such file; give a YAML file with a stages: mapping (a study file's)"
+    )
+    (tmp_path / "plain.yaml").write_text("name: x\n")
+    with pytest.raises(ConfigError) as err:
+        read_design(str(tmp_path / "plain.yaml"))
+    assert str(err.value) == (
+        f"--stages {tmp_path / 'plain.yaml'}: no stages: mapping in it (docs/statistics.md, 'Studies in stages')"
+    )
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"stages": {**STAGES, "cap": 1}}))
+    with pytest.raises(ConfigError) as err:
+        read_design(str(tmp_path / "bad.yaml"))
+    assert str(err.value) == f"{tmp_path / 'bad.yaml'}: stages.cap is 1; give a whole number >= 2"
