@@ -131,7 +131,7 @@ def plan_tables(
             k[needed] = min(st_.cap, int(st_.budget // sum(per_seed[i] for i in needed)))
     pairs = np.minimum(k[ends[0]], k[ends[1]])
     return {
-        "margins": {i: float(c.margin) for i, c in zip(ids, comps)},
+        "margins": {i: float(c.margin) if math.isfinite(c.margin) else None for i, c in zip(ids, comps)},  # None: no Δ
         "rule": st_.rule,
         "budget": {st_.unit: st_.budget},
         "spent": float((k * per_seed).sum()),
@@ -162,7 +162,8 @@ def judge(
     comps = comparisons(study, arms, first)
     if record is not None and "margins" in record:
         comps = [
-            dataclasses.replace(c, margin=record["margins"].get(f.id, c.margin)) for f, c in zip(study.findings, comps)
+            dataclasses.replace(c, margin=_or(record["margins"].get(f.id), c.margin))
+            for f, c in zip(study.findings, comps)
         ]
     once = one_look(study)
     judged = looks(first, second, comps, study.stages.design, once)
@@ -184,6 +185,10 @@ def judge(
             else row["verdict"],
         )
     return rows
+
+
+def _or(value: Optional[float], default: float) -> float:
+    return default if value is None else value
 
 
 def looks(

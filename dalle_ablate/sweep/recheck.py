@@ -18,7 +18,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import optuna
@@ -36,6 +36,9 @@ class RecheckConf:
     # the fresh seeds; null = as many as a trial trained (at least 3), after the sweep's
     seeds: Optional[list[int]] = None
     margin: Optional[float] = None  # Δ: also say whether the best wins by more than Δ, or is equivalent within ±Δ
+    # two declared stages (a study file's `stages:` mapping; docs/statistics.md, "Studies in stages"):
+    # the seeds above are stage 1, stage 2's per trial by the rule from stage 1's values; null = one look
+    stages: Optional[Dict[str, Any]] = None
 
 
 def fresh_seeds(conf: RecheckConf, used: list[int], per_trial: int = 1) -> list[int]:
@@ -55,16 +58,22 @@ def fresh_seeds(conf: RecheckConf, used: list[int], per_trial: int = 1) -> list[
     return list(range(start, start + max(3, per_trial)))
 
 
-def job_overrides(trial_overrides: list[str], seeds: list[int], number: int) -> list[str]:
+def job_overrides(trial_overrides: list[str], seeds: list[int], number: int, stage: int = 1) -> list[str]:
     """A re-checked trial's job: its parameters and the sweep's fixed overrides, without the
-    study's `optuna.*` (it is not a trial) and with the fresh seeds as members, in its own folder."""
+    study's `optuna.*` (it is not a trial) and with the fresh seeds as members, in its own folder
+    (`job_folder`: one per trial and stage)."""
     kept = [o for o in trial_overrides if key_of(o) not in ("seed", "seeds") and not key_of(o).startswith("optuna.")]
     return [
         *kept,
         f"seeds=[{','.join(map(str, seeds))}]",
         f"seed={seeds[0]}",
-        f"hydra.sweep.subdir={FOLDER}/trial{number}",
+        f"hydra.sweep.subdir={FOLDER}/{job_folder(number, stage)}",
     ]
+
+
+def job_folder(number: int, stage: int = 1) -> str:
+    """A re-checked trial's job folder under recheck/: trial<N>, its stage 2 trial<N>-stage2."""
+    return f"trial{number}" if stage == 1 else f"trial{number}-stage2"
 
 
 def member_values(job_dir: Path, seeds: list[int], objective: str) -> np.ndarray:
@@ -215,4 +224,95 @@ def collect(
         log.info(f"re-check: {line}")
     if late:
         record["late_seeds"] = late
+    return record
+
+
+def design(conf: RecheckConf, used: list[int], seeds: list[int]):
+    """hydra.sweeper.recheck.stages as its declared design (report/design.Stages), checked before
+    stage 1 runs: one line naming the field; stage 2's seeds new to the sweep and to stage 1."""
+    from dalle_ablate.report.design import stages_from
+
+    stages = stages_from(conf.stages, "hydra.sweeper.recheck")
+    clash = sorted(set(stages.seeds(stages.cap)) & (set(used) | set(seeds)))
+    if clash:
+        raise ConfigError(
+            f"hydra.sweeper.recheck.stages.seeds_from={stages.seeds_from}: stage 2 would train seeds "
+            f"{clash}, which the sweep or the re-check's stage 1 uses; give seeds_from above {max([*used, *seeds])}"
+        )
+    return stages
+
+
+def staged(
+    best: list,
+    record: dict,
+    folder: Path,
+    stages,
+    overrides_of: Callable[[optuna.trial.FrozenTrial], list[str]],
+    run: Callable[[list[list[str]]], list[str]],
+    minimize: bool,
+    margin: Optional[float],
+) -> dict:
+    """The re-check's stage 2 and both looks (report/staged.py, as a staged study's): stage 2's
+    seeds per trial planned once from stage 1's values by the declared rule and kept in
+    recheck/stages.json before any stage-2 job starts (a rerun reads it back), each raised trial's
+    stage-2 seeds one members job (recheck/trial<N>-stage2; `run` launches them, the failure of each
+    or ""), then the best against each other trial judged at both looks: the combined estimate,
+    the repeated confidence intervals, the verdict at look 1 and by look 2. The trials' re-check
+    means and selection bias stay stage 1's (a fixed sample: stage 2's size depends on stage 1)."""
+    from dalle_ablate.fileio import atomic_write
+    from dalle_ablate.report import staged as plans
+    from dalle_ablate.report import verdicts
+
+    trials = [next(t for t in best if t.number == r["number"]) for r in record["trials"]]
+    arms = [f"trial {t.number}" for t in trials]
+    seeds1, later = record["seeds"], stages.seeds(stages.cap)
+    comps = [verdicts.Comparison("v", 0, j, margin if margin else math.nan) for j in range(1, len(trials))]
+    values1 = np.array([r["recheck_values"] for r in record["trials"]])
+    path = folder / plans.RECORD
+    if path.exists():
+        plan = json.loads(path.read_text())
+    else:
+        cost = plans.seconds_per_run({a: member_runs(folder / job_folder(t.number)) for a, t in zip(arms, trials)})
+        ids = [f"{arms[0]} vs {arms[c.against]}" for c in comps]
+        every = np.ones(len(comps), bool)
+        account = plans.plan_tables(stages, arms, {"v": values1}, comps, every, cost, ids, "hydra.sweeper.recheck")
+        plan = {"declared": stages.declared, "stage1": seeds1, **account}
+        atomic_write(path, json.dumps(plan, indent=1) + "\n")  # before any stage-2 job: what stage 1 showed
+    raised = [(t, plan["stage2"][a]) for t, a in zip(trials, arms) if a in plan["stage2"]]
+    batch = [job_overrides(overrides_of(t), ks, t.number, stage=2) + ["resume=auto"] for t, ks in raised]
+    log.info(
+        f"re-check stage 2, by its {plan['rule']} rule: "
+        + ("; ".join(f"trial {t.number}: seeds {ks}" for t, ks in raised) or "no seeds")
+    )
+    for (t, _), why in zip(raised, run(batch) if batch else []):
+        if why:
+            log.warning(f"re-check stage 2 of trial {t.number} failed: {why} (run the sweep again to retry it)")
+    values2 = np.full((len(trials), len(later)), math.nan)
+    for i, (t, a) in enumerate(zip(trials, arms)):
+        ks = plan["stage2"].get(a, [])
+        got = member_values(folder / job_folder(t.number, 2), ks, record["objective"]) if ks else []
+        values2[i, : len(ks)] = got
+    nan1, nan2 = np.full_like(values2, math.nan), np.full_like(values1, math.nan)
+    first, second = {"v": np.hstack([values1, nan1])}, {"v": np.hstack([nan2, values2])}
+    for entry, look in zip(
+        record["against"], plans.looks(first, second, comps, stages.design, np.zeros(len(comps), bool))
+    ):
+        name = f"trial {entry['trial']}"
+        words = [verdicts.against_baseline(look[k], minimize).replace("the baseline", name) for k in ("look1", "look2")]
+        entry.pop("p")  # the combined test has no one p-value
+        entry.update(
+            difference=look["d"],
+            low=look["low"],
+            high=look["high"],
+            fw_low=look["fw_low"],
+            fw_high=look["fw_high"],
+            seeds=sum(look["stage_n"]),
+            stage_n=list(look["stage_n"]),
+            look1=words[0],
+            outcome=words[1],
+        )
+    for r, row in zip(record["trials"], values2):
+        r["stage2_values"] = [float(v) for v in row[: len(plan["stage2"].get(f"trial {r['number']}", []))]]
+    record["stages"] = plan
+    log.info(summary_line(record, record["objective"]) + " -- by look 2 of its two declared stages")
     return record

@@ -149,6 +149,12 @@ def recheck_conf(recheck, directions: list[str]) -> rechecks.RecheckConf:
         raise ConfigError(
             "hydra.sweeper.recheck.top needs one objective: a Pareto front has no single best to re-check"
         )
+    if conf.stages is not None:  # the declared design checked before the sweep's first trial
+        if not conf.top:
+            raise ConfigError("hydra.sweeper.recheck.stages needs hydra.sweeper.recheck.top: the trials it re-checks")
+        from dalle_ablate.report.design import stages_from
+
+        stages_from(conf.stages, "hydra.sweeper.recheck")
     return conf
 
 
@@ -380,12 +386,18 @@ class OptunaSweeper(Sweeper):
             log.warning(f"re-check skipped: {len(best)} complete trial(s), it needs 2")
             return None
         seeds = rechecks.fresh_seeds(self.recheck, self.used_seeds(study), len(self.seeds or [0]))
+        stages = None if self.recheck.stages is None else rechecks.design(self.recheck, self.used_seeds(study), seeds)
         batch = [rechecks.job_overrides(space.overrides(t.params), seeds, t.number) + ["resume=auto"] for t in best]
         log.info(f"re-check: trials {[t.number for t in best]} on fresh seeds {seeds}")
-        self.validate_batch_is_legal(batch)
-        returns = self.launcher.launch(batch, initial_job_idx=len(study.trials))
+
+        def run(batch: list[list[str]]) -> list[str]:  # each job's failure, or ""
+            self.validate_batch_is_legal(batch)
+            return [outcome(r, 1)[2] for r in self.launcher.launch(batch, initial_job_idx=len(study.trials))]
+
         objective = self.objectives[0] if self.objectives else "eval/valid/loss"
-        whys = [outcome(r, 1)[2] for r in returns]
-        return rechecks.collect(
-            best, whys, self.sweep_dir / rechecks.FOLDER, seeds, objective, minimize, self.recheck.margin
-        )
+        folder, margin = self.sweep_dir / rechecks.FOLDER, self.recheck.margin
+        record = rechecks.collect(best, run(batch), folder, seeds, objective, minimize, margin)
+        if stages is None or "against" not in record:  # one look, or no best to judge
+            return record
+        params = lambda t: space.overrides(t.params)  # noqa: E731
+        return rechecks.staged(best, record, folder, stages, params, run, minimize, margin)

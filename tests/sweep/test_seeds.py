@@ -316,3 +316,92 @@ def test_own_seeds_never_overlap_a_recheck_waits_for_running_trials_and_the_bias
         user_attrs={"members": {"values": {"eval/valid/loss": [1.0, 2.0]}}},
     )
     assert sweep_mean(bound, "eval/valid/loss") == 1.5
+
+
+def test_a_staged_recheck_plans_stage_2_once_and_judges_both_looks_as_the_combination_test_says(tmp_path):
+    """hydra.sweeper.recheck.stages: the best two trials on seeds 2-4 (stage 1), the rule's stage 2
+    on seeds from 10 (recheck/trial<N>-stage2), planned once and kept in recheck/stages.json; the
+    best against the runner-up by look 2 is the oracle's verdict -- scipy's paired t test per stage,
+    the inverse-normal combination and the published boundaries at α/2 a side -- with the
+    repeated confidence interval; a rerun plans nothing again."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from dalle_ablate.report import stages as S
+    from dalle_ablate.sweep.sweeper import OptunaSweeper
+
+    study = optuna.create_study()
+    space = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    for x, v in ((0.1, 1.0), (0.2, 1.1)):
+        study.add_trial(optuna.trial.create_trial(params={"x": x}, distributions=space, value=v))
+    values = {  # trial 1 above trial 0 by about 0.03, with noise: not settled on 3 seeds
+        ("trial0", 2): 1.00, ("trial0", 3): 1.05, ("trial0", 4): 0.98,
+        ("trial1", 2): 1.04, ("trial1", 3): 1.07, ("trial1", 4): 1.02,
+        ("trial0-stage2", 10): 1.01, ("trial0-stage2", 11): 0.97,
+        ("trial1-stage2", 10): 1.05, ("trial1-stage2", 11): 1.00,
+    }  # fmt: skip
+    launched = []
+
+    def launch(batch, initial_job_idx):
+        out = []
+        for overrides in batch:
+            launched.append(overrides)
+            sub = next(o for o in overrides if o.startswith("hydra.sweep.subdir=")).split("/")[-1]
+            seeds = json.loads(next(o for o in overrides if o.startswith("seeds=")).split("=", 1)[1])
+            job, members = tmp_path / "recheck" / sub, []
+            for s in seeds:
+                (job / f"seed{s}" / "run").mkdir(parents=True, exist_ok=True)
+                (job / f"seed{s}" / "run" / "summary.json").write_text(json.dumps({"eval/valid/loss": values[sub, s]}))
+                members.append({"seed": s, "job_dir": str(job / f"seed{s}"), "status": "finished", "reason": ""})
+            (job / "members.json").write_text(json.dumps({"seeds": seeds, "members": members}))
+            ret = JobReturn(overrides=overrides)
+            ret.status, ret._return_value = JobStatus.COMPLETED, 1.0
+            out.append(ret)
+        return out
+
+    stages = {"declared": "2026-12-02, before the sweep", "budget": {"runs": 4}, "seeds_from": 10, "cap": 2}
+    sweeper = OptunaSweeper(**SWEEPER, recheck={"top": 2, "seeds": [2, 3, 4], "stages": stages})
+    sweeper.launcher, sweeper.sweep_dir = SimpleNamespace(launch=launch), tmp_path
+    sweeper.validate_batch_is_legal = lambda batch: None
+    sweeper.objectives, sweeper.seeds, sweeper.config = ["eval/valid/loss"], [0, 1], {}
+    trial_space = SimpleNamespace(overrides=lambda p: [f"x={p['x']}"])
+    record = sweeper._recheck(study, trial_space)
+    plan = json.loads((tmp_path / "recheck" / "stages.json").read_text())
+    assert record["stages"] == plan and plan["stage1"] == [2, 3, 4]
+    assert plan["stage2"] == {"trial 0": [10, 11], "trial 1": [10, 11]} and plan["spent"] == 4
+    assert [o for o in launched[2] if o.startswith(("seeds=", "hydra.sweep.subdir="))] == [
+        "seeds=[10,11]",
+        "hydra.sweep.subdir=recheck/trial0-stage2",
+    ]
+
+    def z(job_a, job_b, seeds):  # the best's one-sided score of being lower than the runner-up
+        a, b = (np.array([values[j, s] for s in seeds]) for j in (job_a, job_b))
+        return float(stats.norm.isf(stats.ttest_rel(b, a, alternative="greater").pvalue)), b - a
+
+    z1, d1 = z("trial0", "trial1", [2, 3, 4])
+    z2, d2 = z("trial0-stage2", "trial1-stage2", [10, 11])
+    design = S.Design(w1=math.sqrt(0.5))
+    c1, c2 = S.boundaries(0.025, design.w1**2, design.kind)
+    assert z1 < c1 and design.w1 * z1 + design.w2 * z2 >= c2  # the oracle: settled by look 2, not at look 1
+    against = record["against"][0]
+    assert (against["look1"], against["outcome"]) == ("not resolved", "better than trial 1")
+    (_, want) = S.repeated_interval(
+        -d1.mean(), d1.std(ddof=1) / math.sqrt(3), 2, -d2.mean(), d2.std(ddof=1) / math.sqrt(2), 1, design, 0.025
+    )
+    assert (against["low"], against["high"]) == pytest.approx(want) and against["stage_n"] == [3, 2]
+    assert [t["stage2_values"] for t in record["trials"]] == [[1.01, 0.97], [1.05, 1.00]]
+
+    (tmp_path / "recheck" / "stages.json").write_text(json.dumps({**plan, "stage2": {"trial 0": [10, 11]}}))
+    again = sweeper._recheck(study, trial_space)  # the kept plan, not a new one: stage 2 on trial 0 alone
+    assert again["stages"]["stage2"] == {"trial 0": [10, 11]} and again["against"][0]["stage_n"] == [3, 0]
+
+
+def test_a_bad_recheck_stages_declaration_is_named_before_the_sweep_runs():
+    from dalle_ablate.sweep.sweeper import OptunaSweeper
+
+    stages = {"declared": "d", "budget": {"runs": 4}, "seeds_from": 10, "cap": 1}
+    with pytest.raises(ConfigError) as err:
+        OptunaSweeper(**SWEEPER, recheck={"top": 2, "stages": stages})
+    assert str(err.value) == "hydra.sweeper.recheck: stages.cap is 1; give a whole number >= 2"
+    with pytest.raises(ConfigError) as err:
+        OptunaSweeper(**SWEEPER, recheck={"stages": {**stages, "cap": 2}})
+    assert str(err.value) == "hydra.sweeper.recheck.stages needs hydra.sweeper.recheck.top: the trials it re-checks"
