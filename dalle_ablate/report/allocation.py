@@ -123,21 +123,32 @@ def chances(
 
 
 def allocate(
-    chance: np.ndarray, arm: np.ndarray, against: np.ndarray, cost: np.ndarray, budget: float, chunk: int = 500
+    chance: np.ndarray,
+    arm: np.ndarray,
+    against: np.ndarray,
+    cost: np.ndarray,
+    budget: float,
+    chunk: int = 500,
+    allowed=None,
 ) -> np.ndarray:
     """Stage 2's seeds per arm, [..., arms]: the greedy rule. `chance`: [..., findings, k] each
     finding's settle chance with k = 0, 1, ... paired stage-2 seeds (0 throughout for a finding
     already settled or without runs to add); `arm`, `against`: [findings] each finding's two arms
-    (indices); `cost`: [arms] the cost of one seed of each arm; `budget`: what stage 2 may spend.
-    Studies `chunk` at a time (the candidates of one are findings x k x findings)."""
+    (indices); `cost`: [arms] the cost of one seed of each arm; `budget`: what stage 2 may spend;
+    `allowed`: [arms] the arms a raise may add seeds to (default all) -- a raise of a settled
+    finding that would also lift an arm of no open finding is never taken, even where that arm
+    costs nothing. Studies `chunk` at a time (the candidates of one are findings x k x findings)."""
     chance = np.asarray(chance, np.float32)  # small types: the candidates are many
     arm, against, cost = np.asarray(arm), np.asarray(against), np.asarray(cost, np.float64)
     flat = chance.reshape(-1, *chance.shape[-2:])
-    seeds = [_greedy(flat[i : i + chunk], arm, against, cost, budget) for i in range(0, len(flat), chunk)]
+    allowed = np.ones(len(cost), bool) if allowed is None else np.asarray(allowed, bool)
+    seeds = [_greedy(flat[i : i + chunk], arm, against, cost, budget, allowed) for i in range(0, len(flat), chunk)]
     return np.concatenate(seeds).astype(int).reshape(*chance.shape[:-2], len(cost))
 
 
-def _greedy(chance: np.ndarray, arm: np.ndarray, against: np.ndarray, cost: np.ndarray, budget: float) -> np.ndarray:
+def _greedy(
+    chance: np.ndarray, arm: np.ndarray, against: np.ndarray, cost: np.ndarray, budget: float, allowed: np.ndarray
+) -> np.ndarray:
     """`allocate` for chance [studies, findings, k]."""
     studies, n_find, n_k = chance.shape
     seeds = np.zeros((studies, len(cost)), np.int16)
@@ -156,7 +167,8 @@ def _greedy(chance: np.ndarray, arm: np.ndarray, against: np.ndarray, cost: np.n
         new_pairs = np.minimum(after[..., arm], after[..., against])  # [S, J, K, J]
         got = np.take_along_axis(chance[:, None, None], new_pairs[..., None], -1)[..., 0].sum(-1)
         gain = got - now[:, None, None]
-        ok = (extra > 0) & (spent[:, None, None] + extra <= budget + 1e-9) & (gain > 1e-9)
+        blocked = ((added > 0) & ~allowed).any(-1)  # [S, J, K]: it would lift an arm no open finding needs
+        ok = (extra > 0) & (spent[:, None, None] + extra <= budget + 1e-9) & (gain > 1e-9) & ~blocked
         ratio = np.where(ok, gain / np.where(extra > 0, extra, 1.0), -np.inf).reshape(studies, -1)
         best = ratio.argmax(-1)
         go = np.isfinite(ratio[rows, best])

@@ -268,12 +268,13 @@ STAGE2_PLAN = "Stage 2: the rule spent {spent} of {budget}: {arms}."
 STAGES_COLUMNS = ("finding", "look 1", "what the rule asked for, and why", "seeds per arm, stage 1 + 2", "by look 2")
 REPORT_STAGES = (
     "This report's comparisons run in two stages, declared in its --stages file before stage 1 ({declared}): "
-    "stage 1 every run on a seed below {seeds_from}, stage 2's seeds per variant (from {seeds_from} on) chosen "
+    "stage 1 the finished runs on seeds below {seeds_from}, stage 2's seeds per variant (from {seeds_from} on) chosen "
     "from stage 1's runs by the {rule} rule, at most {budget} and {cap} seeds per variant; each comparison's "
     "stage-wise tests combined by the inverse-normal test (stage 1's weight {w1}) inside Holm's closed procedure "
     "over the report's comparisons, the two looks' boundaries spending α by {kind}. Each difference is the "
     "combined estimate and its interval the repeated confidence interval (docs/statistics.md, 'Studies in "
-    "stages'); Δ is a percentage of stage 1's baseline."
+    "stages'); a Δ given as a percentage is of stage 1's baseline. A run still training, or on a seed no stage "
+    "has, is in none."
 )
 REPORT_STAGED_ANSWER = (
     "Judged in two declared stages (--stages): each difference here is the combined estimate over both stages' "

@@ -109,6 +109,9 @@ def plan_tables(
     open after look 1 that stage 2 can add to, the seeds planned for it and its chance to settle
     by look 2 with them (at its observed difference and spread: a plan, not a test). `who` names
     the study or report in the error a missing cost gives."""
+    if not comps:  # one variant: nothing to compare, nothing for stage 2 to add to
+        empty = {"margins": {}, "rule": st_.rule, "budget": {st_.unit: st_.budget}, "spent": 0.0}
+        return {**empty, "seconds_per_run": {}, "stage2": {}, "open": {}}
     chance, open_ = A.chances(first, comps, st_.design, own, st_.cap)
     # the arms stage 2 could raise: those of a finding still open that its runs add to (one whose
     # arm has no stage-1 run, left out of this study's `+arm=`, is not open: it was never tested)
@@ -123,7 +126,8 @@ def plan_tables(
     )
     ends = np.array([(c.arm, c.against) for c in comps]).T
     if st_.rule == "budget":
-        k = A.allocate(chance, ends[0], ends[1], per_seed, st_.budget)
+        allowed = np.isin(np.arange(len(arms)), raisable)  # never an arm of no open finding, free or not
+        k = A.allocate(chance, ends[0], ends[1], per_seed, st_.budget, allowed=allowed)
     else:  # "even": every arm of a finding still open alike, as many seeds as the budget affords
         needed = sorted({i for j, c in enumerate(comps) if open_[j] and own[j] for i in (c.arm, c.against)})
         k = np.zeros(len(arms), int)
@@ -162,7 +166,7 @@ def judge(
     comps = comparisons(study, arms, first)
     if record is not None and "margins" in record:
         comps = [
-            dataclasses.replace(c, margin=_or(record["margins"].get(f.id), c.margin))
+            dataclasses.replace(c, margin=_kept(record["margins"], f.id, c.margin))
             for f, c in zip(study.findings, comps)
         ]
     once = one_look(study)
@@ -187,8 +191,11 @@ def judge(
     return rows
 
 
-def _or(value: Optional[float], default: float) -> float:
-    return default if value is None else value
+def _kept(margins: dict, key: str, default: float) -> float:
+    """A comparison's Δ as its record keeps it: null is no Δ (NaN); one not kept, `default`."""
+    if key not in margins:
+        return default
+    return math.nan if margins[key] is None else margins[key]
 
 
 def looks(

@@ -46,15 +46,20 @@ def judged(
     """(tables.against_baseline's rows, each comparison's verdict, difference and intervals from
     the two looks; the plan's record: stage 1's seeds, Δ of each comparison from stage 1's
     baseline, stage 2's seeds per variant by the rule and why)."""
-    later = set(stages.seeds(stages.cap))
-    stage1 = sorted({r.seed for rs in by_variant.values() for r in rs if r.seed not in later}, key=str)
-    variants, seeds, tables, comps, keys = baseline_tables(by_variant, baseline, margins, margin_seeds=set(stage1))
-    first, _ = staged.split(variants, seeds, tables, {"stage1": stage1, "stage2": {}})
-    cost = staged.seconds_per_run({v: [r for r in rs if r.seed in set(stage1)] for v, rs in by_variant.items()})
+    # stage 1: the finished runs on seeds below stage 2's, so that the plan is the same at every report
+    # of them (a run still training, or on a seed of neither stage, is in no stage)
+    done = {
+        v: [r for r in rs if r.status == "finished" and _below(r.seed, stages.seeds_from)]
+        for v, rs in by_variant.items()
+    }
+    stage1 = sorted({r.seed for rs in done.values() for r in rs})
+    _, seeds1, tables1, comps, keys = baseline_tables(done, baseline, margins)
+    first1, _ = staged.split(list(done), seeds1, tables1, {"stage1": stage1, "stage2": {}})
     ids = [f"{v} / {m}" for v, m in keys]
     every = np.ones(len(comps), bool)
-    account = staged.plan_tables(stages, variants, first, comps, every, cost, ids, "report")
+    account = staged.plan_tables(stages, list(done), first1, comps, every, staged.seconds_per_run(done), ids, "report")
     record = {"declared": stages.declared, "stage1": stage1, **account}
+    variants, seeds, tables, _, _ = baseline_tables(by_variant, baseline, margins)
     first, second = staged.split(variants, seeds, tables, record)
     rows = against_baseline(by_variant, baseline, margins)
     for (v, m), c, look in zip(keys, comps, staged.looks(first, second, comps, stages.design, ~every)):
@@ -65,8 +70,14 @@ def judged(
             outcome=look["look2"],
             verdict=V.against_baseline(look["look2"], lower),
             look1=V.against_baseline(look["look1"], lower),
+            n=sum(look["stage_n"]),  # the seeds judged: both stages'
+            plan=(0, 0, 0),  # what more seeds would do is the stages' plan, not the one-look one
         )
     return rows, record
+
+
+def _below(seed, start: int) -> bool:
+    return isinstance(seed, int) and seed < start
 
 
 def stage2_command(runs: list[Run], seeds: list[int]) -> str:

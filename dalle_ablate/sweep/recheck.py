@@ -271,6 +271,11 @@ def staged(
     path = folder / plans.RECORD
     if path.exists():
         plan = json.loads(path.read_text())
+        if plan["stage1"] != seeds1 or not set(plan["stage2"]) <= set(arms):
+            raise ConfigError(
+                f"{path}: stage 2 was planned for the re-check of {sorted(plan['stage2'])} on stage-1 seeds "
+                f"{plan['stage1']}, this one re-checks {arms} on {seeds1}; move the file away to plan anew"
+            )
     else:
         cost = plans.seconds_per_run({a: member_runs(folder / job_folder(t.number)) for a, t in zip(arms, trials)})
         ids = [f"{arms[0]} vs {arms[c.against]}" for c in comps]
@@ -284,10 +289,11 @@ def staged(
         f"re-check stage 2, by its {plan['rule']} rule: "
         + ("; ".join(f"trial {t.number}: seeds {ks}" for t, ks in raised) or "no seeds")
     )
-    for (t, _), why in zip(raised, run(batch) if batch else []):
-        if why:
-            log.warning(f"re-check stage 2 of trial {t.number} failed: {why} (run the sweep again to retry it)")
-    values2 = np.full((len(trials), len(later)), math.nan)
+    failed = {t.number: why for (t, _), why in zip(raised, run(batch) if batch else []) if why}
+    for number, why in failed.items():  # judged on what it has: stage 1's seeds, and any of stage 2's that finished
+        log.warning(f"re-check stage 2 of trial {number} failed: {why} (run the sweep again to retry it)")
+    width = max([len(later), *map(len, plan["stage2"].values())])
+    values2 = np.full((len(trials), width), math.nan)
     for i, (t, a) in enumerate(zip(trials, arms)):
         ks = plan["stage2"].get(a, [])
         got = member_values(folder / job_folder(t.number, 2), ks, record["objective"]) if ks else []
@@ -313,6 +319,6 @@ def staged(
         )
     for r, row in zip(record["trials"], values2):
         r["stage2_values"] = [float(v) for v in row[: len(plan["stage2"].get(f"trial {r['number']}", []))]]
-    record["stages"] = plan
+    record["stages"] = {**plan, **({"failed": failed} if failed else {})}
     log.info(summary_line(record, record["objective"]) + " -- by look 2 of its two declared stages")
     return record

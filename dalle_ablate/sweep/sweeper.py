@@ -390,9 +390,13 @@ class OptunaSweeper(Sweeper):
         batch = [rechecks.job_overrides(space.overrides(t.params), seeds, t.number) + ["resume=auto"] for t in best]
         log.info(f"re-check: trials {[t.number for t in best]} on fresh seeds {seeds}")
 
+        launched = [len(study.trials)]  # the next job's index: stage 2's jobs after stage 1's
+
         def run(batch: list[list[str]]) -> list[str]:  # each job's failure, or ""
             self.validate_batch_is_legal(batch)
-            return [outcome(r, 1)[2] for r in self.launcher.launch(batch, initial_job_idx=len(study.trials))]
+            returns = self.launcher.launch(batch, initial_job_idx=launched[0])
+            launched[0] += len(batch)
+            return [outcome(r, 1)[2] for r in returns]
 
         objective = self.objectives[0] if self.objectives else "eval/valid/loss"
         folder, margin = self.sweep_dir / rechecks.FOLDER, self.recheck.margin

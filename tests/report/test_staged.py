@@ -129,6 +129,23 @@ def test_a_study_run_on_some_of_its_arms_plans_stage_2_in_cpu_hours_on_the_arms_
     assert k >= 2 and record["spent"] == pytest.approx(2 * k * 0.1) and record["spent"] <= 0.6 + 1e-9
 
 
+def test_no_stage_2_seed_goes_to_an_arm_only_a_settled_finding_names_even_at_no_cost(tmp_path):
+    """Findings a vs c and a vs base open, b vs base settled at look 1: raising b vs base would lift
+    base as much as raising a vs base does, and b costs nothing the budget counts (no open finding
+    names it) -- so b must get no seeds, and the runs trained are the runs counted."""
+    spec = yaml.safe_load(staged_study(tmp_path).read_text())
+    spec["findings"] = [
+        {"id": i, "claim": i, "arm": a, "against": b, "metric": "eval_loss", "expect": "higher", "margin": "0.03"}
+        for i, a, b in (("a-vs-c", "a", "c"), ("b-vs-base", "b", "base"), ("a-vs-base", "a", "base"))
+    ]
+    (tmp_path / "staged.yaml").write_text(yaml.safe_dump(spec))
+    values = {"base": [1.0, 1.1, 0.9], "a": [1.06, 1.13, 0.99], "c": [1.0, 1.08, 0.93], "b": [2.03, 2.08, 1.89]}
+    runs = stores(tmp_path, values)
+    record = staged.plan(load_study(tmp_path / "staged.yaml"), _arms_by(load_runs(str(runs))), [0, 1, 2])
+    assert list(record["open"]) == ["a-vs-c", "a-vs-base"] and "b" not in record["stage2"]
+    assert sum(map(len, record["stage2"].values())) == record["spent"] <= 6
+
+
 def oracle_z(a: np.ndarray, b: np.ndarray) -> float:
     """A stage's one-sided score of arm a above arm b: Φ⁻¹(1 - p) of scipy's paired t test."""
     return float(st.norm.isf(st.ttest_rel(a, b, alternative="greater").pvalue))
@@ -291,6 +308,12 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
     assert all(j["look1"] == "not resolved" for j in info["judged"].values())
 
     assert planned["+arm=close"] == planned["+arm=base"] == [10, 11]
+    # a seed of neither stage, and a stage-1 seed still training, change nothing: the plan is stage 1's
+    stores(tmp_path, {"close": [9.0]}, first_seed=50)
+    stores(tmp_path, {"worse": [0.1]}, first_seed=3)
+    (runs / "worse-seed3" / "run" / "summary.json").write_text(json.dumps({"status": "running"}))
+    _, info = build_sections(load_runs(str(runs)), "+arm=base", margins=margins, stages=stages)
+    assert info["stages"] == record
     second = {"base": [1.2, 0.95], "close": [1.27, 1.01]}
     stores(tmp_path, second, first_seed=10)
     _, info = build_sections(load_runs(str(runs)), "+arm=base", margins=margins, stages=stages)

@@ -339,13 +339,18 @@ def test_a_staged_recheck_plans_stage_2_once_and_judges_both_looks_as_the_combin
         ("trial0-stage2", 10): 1.01, ("trial0-stage2", 11): 0.97,
         ("trial1-stage2", 10): 1.05, ("trial1-stage2", 11): 1.00,
     }  # fmt: skip
-    launched = []
+    launched, fail = [], set()
 
     def launch(batch, initial_job_idx):
         out = []
         for overrides in batch:
             launched.append(overrides)
             sub = next(o for o in overrides if o.startswith("hydra.sweep.subdir=")).split("/")[-1]
+            if sub in fail:
+                ret = JobReturn(overrides=overrides)
+                ret.status, ret._return_value = JobStatus.FAILED, RuntimeError("preempted")
+                out.append(ret)
+                continue
             seeds = json.loads(next(o for o in overrides if o.startswith("seeds=")).split("=", 1)[1])
             job, members = tmp_path / "recheck" / sub, []
             for s in seeds:
@@ -393,6 +398,15 @@ def test_a_staged_recheck_plans_stage_2_once_and_judges_both_looks_as_the_combin
     (tmp_path / "recheck" / "stages.json").write_text(json.dumps({**plan, "stage2": {"trial 0": [10, 11]}}))
     again = sweeper._recheck(study, trial_space)  # the kept plan, not a new one: stage 2 on trial 0 alone
     assert again["stages"]["stage2"] == {"trial 0": [10, 11]} and again["against"][0]["stage_n"] == [3, 0]
+    fail.add("trial0-stage2")  # a stage-2 job that fails is named, its trial judged on what it has
+    assert sweeper._recheck(study, trial_space)["stages"]["failed"] == {0: "raised RuntimeError: preempted"}
+    (tmp_path / "recheck" / "stages.json").write_text(json.dumps({**plan, "stage1": [5, 6, 7]}))
+    with pytest.raises(ConfigError) as err:  # a plan kept for another stage 1 is not this re-check's
+        sweeper._recheck(study, trial_space)
+    assert str(err.value) == (
+        f"{tmp_path / 'recheck' / 'stages.json'}: stage 2 was planned for the re-check of ['trial 0', 'trial 1'] on "
+        "stage-1 seeds [5, 6, 7], this one re-checks ['trial 0', 'trial 1'] on [2, 3, 4]; move the file away to plan anew"
+    )
 
 
 def test_a_bad_recheck_stages_declaration_is_named_before_the_sweep_runs():
