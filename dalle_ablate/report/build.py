@@ -317,10 +317,8 @@ def build_sections(
     baseline, why = choose_baseline(by_variant, baseline, why)
     compared = [r for rs in by_variant.values() for r in rs]
     palette = figures.colors(list(by_variant))
-    record = None
-    if stages is not None:
-        looked, record = staged_report.judged(by_variant, baseline, margins, stages)
-    final, judged = final_section(by_variant, baseline, margins, looked if stages is not None else None)
+    looked, record = staged_report.judged(by_variant, baseline, margins, stages) if stages else (None, None)
+    final, judged = final_section(by_variant, baseline, margins, looked)
     noise = noise_report.section(by_variant, [(f"{v} vs {baseline}", v, baseline) for v in by_variant if v != baseline])
     noise.folded = True
     stability, stability_table = stability_section(runs)

@@ -5,7 +5,9 @@ every finding judged at both looks by the combination test inside Holm's closed 
 
 The study runner (dalle_ablate/study/runner.py) asks `plan` for stage 2 once stage 1 has run,
 keeps the answer in the study's folder (RECORD) before stage 2 starts -- a rerun reads it back and
-never plans again -- and runs what it asks for; the page reads the same record."""
+never plans again -- and runs what it asks for; the page reads the same record. The table-level
+plan and judgement (`plan_tables`, `looks`) are also a staged report's (report/staged_report.py)
+and a staged sweep re-check's (sweep/recheck.py)."""
 
 from __future__ import annotations
 
