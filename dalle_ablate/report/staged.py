@@ -250,23 +250,25 @@ def _intersection(look1: tuple, look2: tuple) -> tuple[float, float]:
     return (low, high) if low <= high else look2
 
 
+def design_words(st_: Stages) -> dict[str, object]:
+    """A declared design's fields as its prose names them (prose.STAGES_DESIGN, REPORT_STAGES)."""
+    return {
+        "declared": st_.declared,
+        "w1": f"{st_.w1:.3f}",
+        "kind": st_.boundaries,
+        "rule": st_.rule,
+        "budget": f"{st_.budget:g} {st_.unit.replace('_', '-')}",
+        "cap": st_.cap,
+        "seeds_from": st_.seeds_from,
+    }
+
+
 def section(study: Study, record: Optional[dict], rows: list[dict], statistics: str) -> Section:
     """The stages: the design as declared, stage 1's seeds, look 1's verdicts, what the rule asked
     for and why, stage 2's seeds, the verdicts by look 2; the intervals' kind."""
     st_: Stages = study.stages
     s = Section("stages", P.STAGES_TITLE)
-    s.text.append(
-        P.STAGES_DESIGN.format(
-            declared=st_.declared,
-            w1=f"{st_.w1:.3f}",
-            kind=st_.boundaries,
-            rule=st_.rule,
-            budget=f"{st_.budget:g} {st_.unit.replace('_', '-')}",
-            cap=st_.cap,
-            seeds_from=st_.seeds_from,
-            statistics=statistics,
-        )
-    )
+    s.text.append(P.STAGES_DESIGN.format(**design_words(st_), statistics=statistics))
     stage1 = record["stage1"] if record is not None else sorted({x for r in rows for x in r["seeds"]}, key=str)
     settled1 = sum(r["look1"] in V.VERDICTS[: V.NOT_RESOLVED] for r in rows)
     s.text.append(P.STAGE1.format(seeds=", ".join(map(str, stage1)), settled=settled1, n=len(rows)))

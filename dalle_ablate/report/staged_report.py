@@ -93,17 +93,7 @@ def section(stages: Stages, record: dict, judged_rows: dict, by_variant: dict[st
     the commands that train it, then per comparison its verdict at look 1, the rule's reason, its
     seeds per stage and its verdict by look 2."""
     s = Section("stages", P.STAGES_TITLE)
-    s.text.append(
-        P.REPORT_STAGES.format(
-            declared=stages.declared,
-            w1=f"{stages.w1:.3f}",
-            kind=stages.boundaries,
-            rule=stages.rule,
-            budget=f"{stages.budget:g} {stages.unit.replace('_', '-')}",
-            cap=stages.cap,
-            seeds_from=stages.seeds_from,
-        )
-    )
+    s.text.append(P.REPORT_STAGES.format(**staged.design_words(stages)))
     settled = sum(j["look1"] != "not resolved" for j in judged_rows.values())
     s.text.append(
         P.REPORT_STAGE1.format(seeds=", ".join(map(str, record["stage1"])), settled=settled, n=len(judged_rows))
