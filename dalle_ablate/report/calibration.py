@@ -273,10 +273,16 @@ def checks(s: Structure) -> list[Check]:
     """The scenarios of issue 49 in this study's structure. A null claim's Δ is half a run's sd
     (the study's eval loss: Δ 0.0032 against a baseline sd of 0.0072 nats); the equivalence
     scenarios take Δ = 3 sd, where equivalence is within reach at 10 seeds."""
-    k = len(s.claims)
     base = s.claims[0][2]  # the arm the first claim is compared with: the baseline in a study file
     named = [a for _, arm, against in s.claims for a in (arm, against) if a != base]
     other = max(dict.fromkeys(named), key=named.count)  # the arm in the most claims (normformer in mega-variants)
+    sides = np.where(np.arange(len(s.claims)) % 2, -1.0, 1.0)  # the ±Δ of a false equivalence, claim by claim
+    return _fixed_checks(s, base, other, sides) + _staged_checks(base, other, sides)
+
+
+def _fixed_checks(s: Structure, base: str, other: str, sides: np.ndarray) -> list[Check]:
+    """`checks` of the fixed design (one look): errors under the null, false equivalence, power."""
+    k = len(s.claims)
     fd = "false difference"
     out = [
         Check(Scenario(f"no effect, rho {rho:g}", rho=rho), fd, 0, NULL, seeds)
@@ -297,7 +303,6 @@ def checks(s: Structure) -> list[Check]:
         Check(Scenario(f"every arm's spread log-uniform on [1, 12], rho {rho:g}", rho=rho, spread=12.0), fd, 0, NULL)
         for rho in (0.5, 0.9)
     ]
-    sides = np.where(np.arange(k) % 2, -1.0, 1.0)
     for seeds in (None, 10):
         out.append(
             Check(
@@ -328,6 +333,13 @@ def checks(s: Structure) -> list[Check]:
         ),
         Check(Scenario("no effect, rho 0.5"), "top-up", 0, NULL, margin=TOPUP_MARGIN),
     ]
+    return out
+
+
+def _staged_checks(base: str, other: str, sides: np.ndarray) -> list[Check]:
+    """`checks` of two stages: the null under each rule, then the budget rule in the fixed
+    design's scenarios of unequal and unshared noise and of false equivalence."""
+    fd = "false difference"
     # two stages (report/stages.py): declared, and the misuse issue 63 names -- stage 2 sized from
     # the observed differences on the most promising findings' arms, stopping as soon as one settles
     how = {
@@ -335,7 +347,7 @@ def checks(s: Structure) -> list[Check]:
         "adaptive": "stage 2 from the observed differences, stopped when one settles",
         "budget": "stage 2 by the declared budget rule",
     }
-    out += [
+    out = [
         Check(Scenario(f"no effect, rho {rho:g}, {how[rule]}", rho=rho), fd, 0, NULL, stages=rule)
         for rule in RULES
         for rho in (0.0, 0.5, 0.9)

@@ -5,8 +5,10 @@ provenance of the runs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +24,7 @@ from dalle_ablate.study import topup
 from dalle_ablate.study.checks import check_before_running, check_meta
 from dalle_ablate.study.children import call_child, dies_with_this_process
 from dalle_ablate.study.stage2 import check_seeds, run_stage2
-from dalle_ablate.study.stress_runs import run_stress
+from dalle_ablate.study.stress_runs import StressOutcome, run_stress
 from dalle_ablate.track.naming import key_of
 from dalle_ablate.train.meta import git_commit
 
@@ -44,19 +46,10 @@ def run_study(
     its results page. `study_arg` is a study's name or its file; `seeds` tops it up (N or 'auto');
     `members`: each arm's seeds trained as members of one job (False: one job per seed); `again`:
     the command, for the line a Ctrl-C ends the study with (which continues all of it)."""
-    import time
-
     study_file = Path(study_arg) if study_arg.endswith((".yaml", ".yml")) else study_path(study_arg)
     study = load_study(study_file)
     folder = study_folder(out, study.name)
-    if seeds is not None and no_run:
-        raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
-    if seeds is not None and study.stages is not None:
-        raise ConfigError(
-            f"study {study.name} declares its stages (stages: in {study_file}): stage 2's seeds come from its "
-            "rule, not from --seeds; rerun without --seeds"
-        )
-    check_seeds(study, overrides)
+    _check_arguments(study, study_file, seeds, no_run, overrides)
     seed_override, plan = topup.announced(study, folder, seeds, overrides) if seeds is not None else (None, None)
     swept = [*overrides, *([seed_override] if seed_override else [])]
     if not any(o.split("=", 1)[0].lstrip("+") == "arm" for o in swept):  # the arms its file compares on its own runs
@@ -67,56 +60,99 @@ def run_study(
         if not no_run:  # what its runs would meet, before any of them starts: one line and exit 2
             check_before_running(study, study_file, folder, jobs, overrides, stress=not no_stress)
         commands = stage1_commands(study, folder, swept, members)
-        command = commands[0]
-        t = time.perf_counter()
-        # The seeds of an arm compile the same programs: every run keeps them in the compilation
-        # cache (compilation_cache.dir), and every run after the first of its arm loads them.
-        env = dict(os.environ)
-        preexec = dies_with_this_process()
-        stages.append("during its runs (the multirun of its arms)")
-        code = 0
-        for c in [] if no_run else commands:
-            code = call_child(c, env, preexec)
-            if code:
-                break
-        if plan is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
-            topup.log_topup(folder, plan)
-        stages.append("during its stress runs")  # not after a multirun that refused its config (exit 2)
-        stress = (
-            None
-            if no_run or no_stress or code == 2
-            else run_stress(study_file, study.experiment, folder, overrides, env, preexec, members)
-        )
-        if study.stages is not None and not no_run and code == 0 and not (stress is not None and stress.failed):
-            stages.append("during its stage 2")
-            code = run_stage2(study, study_file, folder, overrides, env, preexec, members)
-        elapsed = time.perf_counter() - t
+        ran = _train(study, study_file, folder, commands, overrides, plan, stages, no_run, no_stress, members)
         stages.append("while writing its report and page")
-        runs = _study_runs(study.name, folder, code)
-        lines = provenance(
-            study_arg, seeds, overrides, command, runs, elapsed, not no_run, stress.line if stress is not None else None
-        )
-        if any(r.meta.get("members") for r in runs):
-            lines.append(
-                f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job "
-                "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
-                "overrides and its numbers; their step time is their share of the job's."
-            )
-        if study.timed:
-            lines.append(
-                f"The arms its file times ({', '.join(study.timed)}) trained as jobs of their own, interleaved seed by "
-                "seed (each seed's runs of them one after another): their step times are one measurement per seed."
-            )
+        runs = _study_runs(study.name, folder, ran.code)
+        stress_line = ran.stress.line if ran.stress is not None else None
+        lines = provenance(study_arg, seeds, overrides, commands[0], runs, ran.elapsed, not no_run, stress_line)
+        lines += _how_they_trained(study, runs)
         report = build_report(str(folder), report_out, study.name, study.baseline, transition=study.transition)
         interrupts.check()
         page = write_page(study, str(folder), Path(page_out), lines, study_file=study_file)
     print(f"wrote {report}/index.html and {page}")
-    if code:
+    if ran.code:
         raise RunFailed(
-            f"study {study.name}: the multirun exited with {code}; the page shows the runs that finished", code
+            f"study {study.name}: the multirun exited with {ran.code}; the page shows the runs that finished", ran.code
         )
-    if stress is not None and stress.failed:
-        raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(stress.failed)}")
+    if ran.stress is not None and ran.stress.failed:
+        raise RunFailed(f"study {study.name}: stress runs failed (not diverged): {', '.join(ran.stress.failed)}")
+
+
+def _check_arguments(study: Study, study_file: Path, seeds: Optional[str], no_run: bool, overrides: list[str]) -> None:
+    """The study command's flags against each other and the study file, before anything runs."""
+    if seeds is not None and no_run:
+        raise ConfigError("--seeds runs the added seeds; it cannot go with --no-run")
+    if seeds is not None and study.stages is not None:
+        raise ConfigError(
+            f"study {study.name} declares its stages (stages: in {study_file}): stage 2's seeds come from its "
+            "rule, not from --seeds; rerun without --seeds"
+        )
+    check_seeds(study, overrides)
+
+
+@dataclasses.dataclass
+class _Trained:
+    code: int  # the exit code of the first job that failed, else 0
+    stress: Optional[StressOutcome]  # None where the stress runs did not run (or the study has none)
+    elapsed: float  # seconds, from the first job's start to the last one's end
+
+
+def _train(
+    study: Study,
+    study_file: Path,
+    folder: Path,
+    commands: list[list[str]],
+    overrides: list[str],
+    plan: Optional[dict],
+    stages: list[str],
+    no_run: bool,
+    no_stress: bool,
+    members: bool,
+) -> _Trained:
+    """The study's jobs in their declared order -- stage 1 (`commands`; a top-up's `plan` logged
+    once they are in), its stress runs, then its stage 2 (a staged study's, planned from both) --
+    each a child process, stopping at the first that fails; `stages` gets the name of each as it
+    starts (for the line a Ctrl-C ends with)."""
+    t = time.perf_counter()
+    # The seeds of an arm compile the same programs: every run keeps them in the compilation
+    # cache (compilation_cache.dir), and every run after the first of its arm loads them.
+    env = dict(os.environ)
+    preexec = dies_with_this_process()
+    stages.append("during its runs (the multirun of its arms)")
+    code = 0
+    for c in [] if no_run else commands:
+        code = call_child(c, env, preexec)
+        if code:
+            break
+    if plan is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
+        topup.log_topup(folder, plan)
+    stages.append("during its stress runs")  # not after a multirun that refused its config (exit 2)
+    stress = (
+        None
+        if no_run or no_stress or code == 2
+        else run_stress(study_file, study.experiment, folder, overrides, env, preexec, members)
+    )
+    if study.stages is not None and not no_run and code == 0 and not (stress is not None and stress.failed):
+        stages.append("during its stage 2")
+        code = run_stage2(study, study_file, folder, overrides, env, preexec, members)
+    return _Trained(code, stress, time.perf_counter() - t)
+
+
+def _how_they_trained(study: Study, runs: list[Run]) -> list[str]:
+    """The provenance's lines on how the runs shared the machine: members of one job, timed arms."""
+    lines = []
+    if any(r.meta.get("members") for r in runs):
+        lines.append(
+            f"{sum(bool(r.meta.get('members')) for r in runs)} of the runs were trained as members of one job "
+            "per arm (seeds=[...], docs/guides/members.md): each in its separate run's folder, with its "
+            "overrides and its numbers; their step time is their share of the job's."
+        )
+    if study.timed:
+        lines.append(
+            f"The arms its file times ({', '.join(study.timed)}) trained as jobs of their own, interleaved seed by "
+            "seed (each seed's runs of them one after another): their step times are one measurement per seed."
+        )
+    return lines
 
 
 def stage1_commands(study: Study, folder: Path, swept: list[str], members: bool) -> list[list[str]]:

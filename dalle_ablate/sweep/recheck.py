@@ -259,8 +259,6 @@ def staged(
     or ""), then the best against each other trial judged at both looks: the combined estimate,
     the repeated confidence intervals, the verdict at look 1 and by look 2. The trials' re-check
     means and selection bias stay stage 1's (a fixed sample: stage 2's size depends on stage 1)."""
-    from dalle_ablate.fileio import atomic_write
-    from dalle_ablate.report import staged as plans
     from dalle_ablate.report import verdicts
 
     trials = [next(t for t in best if t.number == r["number"]) for r in record["trials"]]
@@ -268,21 +266,7 @@ def staged(
     seeds1, later = record["seeds"], stages.seeds(stages.cap)
     comps = [verdicts.Comparison("v", 0, j, margin if margin else math.nan) for j in range(1, len(trials))]
     values1 = np.array([r["recheck_values"] for r in record["trials"]])
-    path = folder / plans.RECORD
-    if path.exists():
-        plan = json.loads(path.read_text())
-        if plan["stage1"] != seeds1 or not set(plan["stage2"]) <= set(arms):
-            raise ConfigError(
-                f"{path}: stage 2 was planned for the re-check of {sorted(plan['stage2'])} on stage-1 seeds "
-                f"{plan['stage1']}, this one re-checks {arms} on {seeds1}; move the file away to plan anew"
-            )
-    else:
-        cost = plans.seconds_per_run({a: member_runs(folder / job_folder(t.number)) for a, t in zip(arms, trials)})
-        ids = [f"{arms[0]} vs {arms[c.against]}" for c in comps]
-        every = np.ones(len(comps), bool)
-        account = plans.plan_tables(stages, arms, {"v": values1}, comps, every, cost, ids, "hydra.sweeper.recheck")
-        plan = {"declared": stages.declared, "stage1": seeds1, **account}
-        atomic_write(path, json.dumps(plan, indent=1) + "\n")  # before any stage-2 job: what stage 1 showed
+    plan = _stage2_plan(folder, stages, trials, arms, seeds1, values1, comps)
     raised = [(t, plan["stage2"][a]) for t, a in zip(trials, arms) if a in plan["stage2"]]
     batch = [job_overrides(overrides_of(t), ks, t.number, stage=2) + ["resume=auto"] for t, ks in raised]
     log.info(
@@ -298,11 +282,49 @@ def staged(
         ks = plan["stage2"].get(a, [])
         got = member_values(folder / job_folder(t.number, 2), ks, record["objective"]) if ks else []
         values2[i, : len(ks)] = got
+    _judge_both_looks(record["against"], values1, values2, comps, stages, minimize)
+    for r, row in zip(record["trials"], values2):
+        r["stage2_values"] = [float(v) for v in row[: len(plan["stage2"].get(f"trial {r['number']}", []))]]
+    record["stages"] = {**plan, **({"failed": failed} if failed else {})}
+    log.info(summary_line(record, record["objective"]) + " -- by look 2 of its two declared stages")
+    return record
+
+
+def _stage2_plan(folder: Path, stages, trials: list, arms: list[str], seeds1: list[int], values1, comps) -> dict:
+    """The re-check's stage-2 plan: the one kept in recheck/stages.json (refused where it was made
+    for another stage 1), else planned from stage 1's values by the declared rule and kept there
+    before any stage-2 job starts."""
+    from dalle_ablate.fileio import atomic_write
+    from dalle_ablate.report import staged as plans
+
+    path = folder / plans.RECORD
+    if path.exists():
+        plan = json.loads(path.read_text())
+        if plan["stage1"] != seeds1 or not set(plan["stage2"]) <= set(arms):
+            raise ConfigError(
+                f"{path}: stage 2 was planned for the re-check of {sorted(plan['stage2'])} on stage-1 seeds "
+                f"{plan['stage1']}, this one re-checks {arms} on {seeds1}; move the file away to plan anew"
+            )
+        return plan
+    cost = plans.seconds_per_run({a: member_runs(folder / job_folder(t.number)) for a, t in zip(arms, trials)})
+    ids = [f"{arms[0]} vs {arms[c.against]}" for c in comps]
+    every = np.ones(len(comps), bool)
+    account = plans.plan_tables(stages, arms, {"v": values1}, comps, every, cost, ids, "hydra.sweeper.recheck")
+    plan = {"declared": stages.declared, "stage1": seeds1, **account}
+    atomic_write(path, json.dumps(plan, indent=1) + "\n")  # before any stage-2 job: what stage 1 showed
+    return plan
+
+
+def _judge_both_looks(against: list[dict], values1, values2, comps, stages, minimize: bool) -> None:
+    """Each entry of `against` (the best against one other trial) judged at both looks from the
+    trials' stage-1 and stage-2 values: the combined estimate, the repeated confidence intervals,
+    the verdict at look 1 and by look 2, in place of its one-look p."""
+    from dalle_ablate.report import staged as plans
+    from dalle_ablate.report import verdicts
+
     nan1, nan2 = np.full_like(values2, math.nan), np.full_like(values1, math.nan)
     first, second = {"v": np.hstack([values1, nan1])}, {"v": np.hstack([nan2, values2])}
-    for entry, look in zip(
-        record["against"], plans.looks(first, second, comps, stages.design, np.zeros(len(comps), bool))
-    ):
+    for entry, look in zip(against, plans.looks(first, second, comps, stages.design, np.zeros(len(comps), bool))):
         name = f"trial {entry['trial']}"
         words = [verdicts.against_baseline(look[k], minimize).replace("the baseline", name) for k in ("look1", "look2")]
         entry.pop("p")  # the combined test has no one p-value
@@ -317,8 +339,3 @@ def staged(
             look1=words[0],
             outcome=words[1],
         )
-    for r, row in zip(record["trials"], values2):
-        r["stage2_values"] = [float(v) for v in row[: len(plan["stage2"].get(f"trial {r['number']}", []))]]
-    record["stages"] = {**plan, **({"failed": failed} if failed else {})}
-    log.info(summary_line(record, record["objective"]) + " -- by look 2 of its two declared stages")
-    return record
