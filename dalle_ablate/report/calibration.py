@@ -281,7 +281,8 @@ def checks(s: Structure) -> list[Check]:
 
 
 def _fixed_checks(s: Structure, base: str, other: str, sides: np.ndarray) -> list[Check]:
-    """`checks` of the fixed design (one look): errors under the null, false equivalence, power."""
+    """`checks` of the fixed design (one look): false differences under the null, false and true
+    equivalence, power, and the top-up's error."""
     k = len(s.claims)
     fd = "false difference"
     out = [

@@ -109,10 +109,11 @@ def _train(
     no_stress: bool,
     members: bool,
 ) -> _Trained:
-    """The study's jobs in their declared order -- stage 1 (`commands`; a top-up's `plan` logged
-    once they are in), its stress runs, then its stage 2 (a staged study's, planned from both) --
-    each a child process, stopping at the first that fails; `stages` gets the name of each as it
-    starts (for the line a Ctrl-C ends with)."""
+    """The study's jobs in their declared order, each a child process: stage 1 (`commands`, up to
+    the first that fails; a top-up's `plan` logged once they are all in), its stress runs (skipped
+    only after a stage-1 job refused its config, exit 2), then its stage 2 (a staged study's,
+    planned from both, only where everything before it succeeded); `stages` gets the name of each
+    part as it starts (for the line a Ctrl-C ends with)."""
     t = time.perf_counter()
     # The seeds of an arm compile the same programs: every run keeps them in the compilation
     # cache (compilation_cache.dir), and every run after the first of its arm loads them.
