@@ -46,11 +46,16 @@ def shapesbench() -> list[Prompt]:
     """Compositional prompts for the shapes data, by category: colour, shape, size, position,
     count (lists of one to three objects), binding (two objects whose colours and shapes must
     not be swapped) and relation. Fixed, not drawn: the same prompts in every run."""
-    out: list[Prompt] = []
+    return [*_one_object_prompts(), *_count_prompts(), *_binding_prompts(), *_relation_prompts()]
 
-    def one(category: str, o: Obj, caption: str) -> None:
-        out.append(Prompt(caption, category, _scene([o], caption)))
 
+def _one(category: str, o: Obj, caption: str) -> Prompt:
+    return Prompt(caption, category, _scene([o], caption))
+
+
+def _one_object_prompts() -> list[Prompt]:
+    """One large object a category: its colour, its shape, its size, its position in the 3 x 3 grid."""
+    out = []
     for color, shape in [
         ("red", "circle"),
         ("blue", "square"),
@@ -59,11 +64,8 @@ def shapesbench() -> list[Prompt]:
         ("purple", "circle"),
         ("orange", "triangle"),
     ]:
-        one(
-            "color",
-            Obj(shape, color, "large", 1, 1, ["shape", "color"]),
-            f"{_np(Obj(shape, color, 'large', 1, 1), False)} on a white background",
-        )
+        o = Obj(shape, color, "large", 1, 1, ["shape", "color"])
+        out.append(_one("color", o, f"{_np(Obj(shape, color, 'large', 1, 1), False)} on a white background"))
     for shape, color in [
         ("circle", "blue"),
         ("square", "red"),
@@ -72,11 +74,8 @@ def shapesbench() -> list[Prompt]:
         ("square", "orange"),
         ("triangle", "purple"),
     ]:
-        one(
-            "shape",
-            Obj(shape, color, "large", 1, 1, ["shape", "color"]),
-            f"there is {_np(Obj(shape, color, 'large', 1, 1), True)}",
-        )
+        o = Obj(shape, color, "large", 1, 1, ["shape", "color"])
+        out.append(_one("shape", o, f"there is {_np(Obj(shape, color, 'large', 1, 1), True)}"))
     for size, shape, color in [
         ("small", "circle", "red"),
         ("large", "circle", "red"),
@@ -86,7 +85,7 @@ def shapesbench() -> list[Prompt]:
         ("large", "triangle", "green"),
     ]:
         o = Obj(shape, color, size, 1, 1, ["shape", "color", "size"])
-        one("size", o, f"there is {_np(o, True)}")
+        out.append(_one("size", o, f"there is {_np(o, True)}"))
     for (row, col), shape, color in [
         ((0, 0), "circle", "red"),
         ((0, 2), "square", "blue"),
@@ -96,20 +95,32 @@ def shapesbench() -> list[Prompt]:
         ((0, 1), "triangle", "orange"),
     ]:
         o = Obj(shape, color, "large", row, col, ["shape", "color", "position"])
-        one("position", o, f"{_np(o, False)} at the {position_name(row, col)}")
-    lists = [
+        out.append(_one("position", o, f"{_np(o, False)} at the {position_name(row, col)}"))
+    return out
+
+
+def _count_prompts() -> list[Prompt]:
+    """Lists of one to three objects side by side in the middle row, named in order."""
+    out = []
+    for items in [
         [("red", "circle")],
         [("blue", "square"), ("yellow", "circle")],
         [("green", "triangle"), ("purple", "square")],
         [("red", "square"), ("green", "circle"), ("blue", "triangle")],
         [("orange", "circle"), ("blue", "circle"), ("red", "circle")],
         [("yellow", "triangle"), ("purple", "triangle")],
-    ]
-    for items in lists:
+    ]:
         objs = [Obj(sh, c, "large", 1, i, ["shape", "color"]) for i, (c, sh) in enumerate(items)]
         parts = [_np(o, False) for o in objs]
         caption = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
         out.append(Prompt(caption, "count", _scene(objs, caption)))
+    return out
+
+
+def _binding_prompts() -> list[Prompt]:
+    """Two objects in pairs that swap their colours (a red circle and a blue square, then a blue
+    circle and a red square): a model that binds each colour to its own shape gets both right."""
+    out = []
     for (c1, s1), (c2, s2) in [
         (("red", "circle"), ("blue", "square")),
         (("blue", "circle"), ("red", "square")),
@@ -121,6 +132,12 @@ def shapesbench() -> list[Prompt]:
         objs = [Obj(s1, c1, "large", 1, 0, ["shape", "color"]), Obj(s2, c2, "large", 1, 2, ["shape", "color"])]
         caption = f"{_np(objs[0], False)} and {_np(objs[1], False)}"
         out.append(Prompt(caption, "binding", _scene(objs, caption)))
+    return out
+
+
+def _relation_prompts() -> list[Prompt]:
+    """A red circle placed by a relation to a blue square, each relation in both directions."""
+    out = []
     for rel, (a_cell, b_cell) in [
         ("left of", ((1, 0), (1, 2))),
         ("right of", ((1, 2), (1, 0))),
