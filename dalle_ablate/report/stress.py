@@ -274,6 +274,48 @@ def _fmt(v: float) -> str:
     return fmt3(v)  # the study page's numbers, three digits
 
 
+def _per_run_table(plan: StressPlan, cs: dict, m: dict, unit: str) -> tuple[list[str], list[list]]:
+    """One row per stress run's arm and seed: its measures, its loss spikes and its final loss at every rate."""
+    cols = [
+        "arm",
+        "seed",
+        *MEASURES,
+        "loss spikes (per rate)",
+        *[f"final eval loss at lr {lr:g} ({unit})" for lr in plan.rates],
+    ]
+    rows = []
+    for arm in plan.arms:
+        for seed in plan.seeds:
+            c = cs[(arm, seed)]
+            rows.append(
+                [
+                    arm,
+                    seed,
+                    *[_fmt(m[(arm, seed)][k]) for k in MEASURES],
+                    " / ".join(map(str, c.spikes)),
+                    *[_fmt(f) for f in c.finals],
+                ]
+            )
+    return cols, rows
+
+
+def _per_arm_table(plan: StressPlan, m: dict, unit: str) -> tuple[list[str], list[list]]:
+    """One row per stress arm: its LR sensitivity's mean over seeds with a t interval, its diverged runs."""
+    summary = []
+    for arm in plan.arms:
+        mean, lo, hi = mean_ci([m[(arm, seed)]["lr_sensitivity"] for seed in plan.seeds])
+        diverged = [m[(arm, seed)]["divergences"] for seed in plan.seeds]
+        summary.append(
+            [
+                arm,
+                _fmt(mean),
+                "–" if not np.isfinite(lo) else f"[{fmt3(lo)}, {fmt3(hi)}]",
+                sum(int(d) for d in diverged if np.isfinite(d)),
+            ]
+        )
+    return ["arm", f"LR sensitivity, mean over seeds ({unit})", f"95% t interval ({unit})", "diverged runs"], summary
+
+
 def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], list[dict]]:
     """The page's stress section (the plan, the figures, per arm the sensitivity, the largest rate
     that trains, divergences and spikes, the loss at every rate), and `claim_values` for each claim
@@ -299,42 +341,7 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
         + " L0 is the loss at initialisation (step 1's train loss); a diverged run counts as L0. The "
         "dashed lines: L0 and the code frequencies' entropy (below it a run trains)."
     )
-    cols = [
-        "arm",
-        "seed",
-        *MEASURES,
-        "loss spikes (per rate)",
-        *[f"final eval loss at lr {lr:g} ({unit})" for lr in plan.rates],
-    ]
-    rows = []
-    for arm in plan.arms:
-        for seed in plan.seeds:
-            c = cs[(arm, seed)]
-            rows.append(
-                [
-                    arm,
-                    seed,
-                    *[_fmt(m[(arm, seed)][k]) for k in MEASURES],
-                    " / ".join(map(str, c.spikes)),
-                    *[_fmt(f) for f in c.finals],
-                ]
-            )
-    s.tables.append((cols, rows))
-    summary = []
-    for arm in plan.arms:
-        mean, lo, hi = mean_ci([m[(arm, seed)]["lr_sensitivity"] for seed in plan.seeds])
-        diverged = [m[(arm, seed)]["divergences"] for seed in plan.seeds]
-        summary.append(
-            [
-                arm,
-                _fmt(mean),
-                "–" if not np.isfinite(lo) else f"[{fmt3(lo)}, {fmt3(hi)}]",
-                sum(int(d) for d in diverged if np.isfinite(d)),
-            ]
-        )
-    s.tables.append(
-        (["arm", f"LR sensitivity, mean over seeds ({unit})", f"95% t interval ({unit})", "diverged runs"], summary)
-    )
+    s.tables += [_per_run_table(plan, cs, m, unit), _per_arm_table(plan, m, unit)]
     how = (
         f"the final eval loss ({unit}, at most L0) against the learning rate: per arm the mean over its "
         "seeds as a line, each seed a dot, a diverged run an x at L0"
