@@ -231,29 +231,9 @@ def perplexity(codes: np.ndarray, vocab: int) -> float:
     return float(np.exp(-(p * np.log(p)).sum()))
 
 
-def fit(
-    images: np.ndarray,
-    vocab: int,
-    patch_size: int,
-    settings: DVAEConfig,
-    log: Optional[Callable[[int, dict], None]] = None,
-    log_every: int = 100,
-) -> DVAE:
-    """Train on uint8 [N, H, W, 3] images; returns the moving average of the weights. `log(step,
-    metrics)` hears the loss, its two terms, τ, β and the batch's code perplexity."""
-    model = create(vocab, patch_size, settings)
-    # The output starts at the mean colour of each channel: otherwise the first updates whiten every
-    # pixel, and the quickest way the encoder helps with that is to send every cell to one code,
-    # saturated (seen here: one code in use after 20 steps, for good).
-    mean = np.clip(images.reshape(-1, 3).mean(0) / 255.0, 0.01, 0.99)
-    model.dec_out.bias[...] = jnp.asarray(np.log(mean / (1 - mean)), jnp.float32)
-    graphdef, params = nnx.split(model, nnx.Param)
-    lr = optax.warmup_cosine_decay_schedule(
-        0.0, settings.lr, min(100, settings.steps // 10), settings.steps, end_value=settings.lr / 100
-    )
-    tx = optax.adam(lr)
-    opt_state = tx.init(params)
-    dims = float(np.prod(images.shape[1:]))
+def _train_step(graphdef, tx: optax.GradientTransformation, settings: DVAEConfig, dims: float) -> Callable:
+    """The jitted step of `fit`: (params, their moving average, optimiser state, uint8 batch, key,
+    step) -> the same three updated and the step's metrics (with each cell's arg-max code)."""
 
     def loss_fn(p, x, key, step):
         m = nnx.merge(graphdef, p)
@@ -289,6 +269,33 @@ def fit(
         ema = jax.tree.map(lambda e, q: decay * e + (1 - decay) * q, ema, p)
         return p, ema, opt_state, aux
 
+    return step_fn
+
+
+def fit(
+    images: np.ndarray,
+    vocab: int,
+    patch_size: int,
+    settings: DVAEConfig,
+    log: Optional[Callable[[int, dict], None]] = None,
+    log_every: int = 100,
+) -> DVAE:
+    """Train on uint8 [N, H, W, 3] images; returns the moving average of the weights. `log(step,
+    metrics)` hears the loss, its two terms, τ, β and the batch's code perplexity."""
+    model = create(vocab, patch_size, settings)
+    # The output starts at the mean colour of each channel: otherwise the first updates whiten every
+    # pixel, and the quickest way the encoder helps with that is to send every cell to one code,
+    # saturated (seen here: one code in use after 20 steps, for good).
+    mean = np.clip(images.reshape(-1, 3).mean(0) / 255.0, 0.01, 0.99)
+    model.dec_out.bias[...] = jnp.asarray(np.log(mean / (1 - mean)), jnp.float32)
+    graphdef, params = nnx.split(model, nnx.Param)
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, settings.lr, min(100, settings.steps // 10), settings.steps, end_value=settings.lr / 100
+    )
+    tx = optax.adam(lr)
+    opt_state = tx.init(params)
+    dims = float(np.prod(images.shape[1:]))
+    step_fn = _train_step(graphdef, tx, settings, dims)
     rng = np.random.default_rng(settings.seed)
     key = jax.random.key(settings.seed)
     ema = params
