@@ -163,28 +163,33 @@ def where(run, mode: str) -> str:
     return f"W&B run (offline): {run.settings.sync_dir}; upload it with wandb sync"
 
 
+def _mode(cfg, store: RunStore) -> str:
+    """tracker.wandb.mode, but offline where online cannot work and tracker.wandb.fallback=offline
+    allows it (the reason kept in the run's meta.json); without that fallback, the reason in one line."""
+    if cfg.mode != "online":
+        return cfg.mode
+    problem = online_problem()
+    if problem and cfg.fallback != "offline":
+        raise RunFailed(
+            f"tracker.wandb.mode=online: {problem}; run offline with tracker.wandb.mode=offline "
+            f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline"
+        )
+    if problem:
+        log.warning(f"W&B online: {problem}; logging offline instead (tracker.wandb.fallback=offline)")
+        store.meta["wandb_fallback"] = problem
+        return "offline"
+    return "online"
+
+
 class WandbTracker(Tracker):
     def __init__(self, cfg, store: RunStore, config: dict, meta: dict, *, name, group, job_type):
         import wandb
 
         self._wandb, self.cfg = wandb, cfg
-        if (
-            not cfg.banner
-        ):  # its info lines (an artifact's files, ...) off for the process; warnings and errors still show
+        if not cfg.banner:  # its info lines (an artifact's files, ...) off for the process; warnings and errors show
             wandb.setup(settings=wandb.Settings(show_info=False))
         run_id = store.meta.get("wandb_id")  # set by an earlier run in this store: resume it
-        mode = cfg.mode
-        if mode == "online":
-            problem = online_problem()
-            if problem and cfg.fallback != "offline":
-                raise RunFailed(
-                    f"tracker.wandb.mode=online: {problem}; run offline with tracker.wandb.mode=offline "
-                    f"(`wandb sync` uploads it later) or set tracker.wandb.fallback=offline"
-                )
-            if problem:
-                log.warning(f"W&B online: {problem}; logging offline instead (tracker.wandb.fallback=offline)")
-                mode = "offline"
-                store.meta["wandb_fallback"] = problem
+        mode = _mode(cfg, store)
         self.run = wandb.init(
             project=cfg.project,
             entity=cfg.entity,
@@ -205,20 +210,7 @@ class WandbTracker(Tracker):
         )
         if not cfg.banner:
             print(where(self.run, mode), flush=True)
-        # A resumed W&B run continues after the last step the earlier processes sent (online: the
-        # step its server holds; offline: the last step in their run files). Steps up to it are
-        # not sent again (the resumed run recomputes them exactly); the steps after it up to the
-        # checkpoint (logged by a killed process, not yet flushed to W&B) are sent now from the
-        # run store's metrics.jsonl: the W&B history holds each step once.
-        sent = 0
-        if run_id:
-            sent = (
-                self.run.step - 1
-                if mode == "online"
-                else last_step_written([store.meta.get("wandb_dir"), self.run.dir], run_id)
-            )
-        self.first_new_step = sent + 1 if run_id else 0  # a new run logs from step 0 (a cached tokenizer's metrics)
-        replay = [r for r in store.resumed_rows if r["step"] >= self.first_new_step]
+        self.first_new_step = self._first_new_step(store, run_id, mode)
         store.meta["wandb_id"] = self.run.id
         store.meta["wandb_group"] = (
             self.run.group
@@ -232,10 +224,23 @@ class WandbTracker(Tracker):
             self.run.define_metric(pattern, step_metric=X_AXIS)
         self._declared: set[str] = set()
         self._best: set[str] = set()  # keys whose summary W&B aggregates (log_summary leaves them)
-        for row in replay:
+        for row in (r for r in store.resumed_rows if r["step"] >= self.first_new_step):
             values = {k: _number(v) for k, v in row.items() if k != "step" and _number(v) is not None}
             self._declare(values)
             self.run.log(values, step=int(row["step"]))
+
+    def _first_new_step(self, store: RunStore, run_id: Optional[str], mode: str) -> int:
+        """The first step this process sends: 0 for a new run (a cached tokenizer's metrics). A
+        resumed W&B run continues after the last step the earlier processes sent (online: the
+        step its server holds; offline: the last step in their run files). Steps up to it are
+        not sent again (the resumed run recomputes them exactly); the steps after it up to the
+        checkpoint (logged by a killed process, not yet flushed to W&B) are sent now from the
+        run store's metrics.jsonl: the W&B history holds each step once."""
+        if not run_id:
+            return 0
+        if mode == "online":
+            return self.run.step
+        return last_step_written([store.meta.get("wandb_dir"), self.run.dir], run_id) + 1
 
     def _declare(self, keys) -> None:
         """define_metric for keys seen for the first time: counts hidden, headlines with their best."""
