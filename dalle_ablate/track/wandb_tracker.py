@@ -212,9 +212,8 @@ class WandbTracker(Tracker):
             print(where(self.run, mode), flush=True)
         self.first_new_step = self._first_new_step(store, run_id, mode)
         store.meta["wandb_id"] = self.run.id
-        store.meta["wandb_group"] = (
-            self.run.group
-        )  # tracker.wandb.group if set: `dalle-ablate eval` files its jobs there
+        # tracker.wandb.group if set: `dalle-ablate eval` files its jobs there
+        store.meta["wandb_group"] = self.run.group
         store.meta["wandb_dir"] = self.run.dir
         store.write_meta()
         self._done = False
