@@ -54,7 +54,8 @@ def _one(category: str, o: Obj, caption: str) -> Prompt:
 
 
 def _one_object_prompts() -> list[Prompt]:
-    """One large object a category: its colour, its shape, its size, its position in the 3 x 3 grid."""
+    """One object a prompt, six prompts a category: its colour, its shape, its size (small or large),
+    its position in the 3 x 3 grid."""
     out = []
     for color, shape in [
         ("red", "circle"),
@@ -136,7 +137,8 @@ def _binding_prompts() -> list[Prompt]:
 
 
 def _relation_prompts() -> list[Prompt]:
-    """A red circle placed by a relation to a blue square, each relation in both directions."""
+    """A red circle placed by a relation to a blue square: left of, right of, above and below in the
+    middle row and column, then left of and above across a diagonal."""
     out = []
     for rel, (a_cell, b_cell) in [
         ("left of", ((1, 0), (1, 2))),

@@ -275,7 +275,8 @@ def _fmt(v: float) -> str:
 
 
 def _per_run_table(plan: StressPlan, cs: dict, m: dict, unit: str) -> tuple[list[str], list[list]]:
-    """One row per stress run's arm and seed: its measures, its loss spikes and its final loss at every rate."""
+    """One row per arm and seed (its runs at every rate): its measures, its loss spikes per rate and
+    its final loss at each rate."""
     cols = [
         "arm",
         "seed",

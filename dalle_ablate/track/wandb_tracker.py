@@ -165,7 +165,8 @@ def where(run, mode: str) -> str:
 
 def _mode(cfg, store: RunStore) -> str:
     """tracker.wandb.mode, but offline where online cannot work and tracker.wandb.fallback=offline
-    allows it (the reason kept in the run's meta.json); without that fallback, the reason in one line."""
+    allows it (the reason put in the store's meta, which the tracker writes once W&B has started);
+    without that fallback, the reason in one line."""
     if cfg.mode != "online":
         return cfg.mode
     problem = online_problem()

@@ -938,10 +938,13 @@ def test_wandb_online_that_cannot_connect_fails_fast_in_one_line(tmp_path, case,
     )
     assert elapsed < 60  # the check itself takes at most 25 s; the rest is starting Python and JAX
     # The failure is on record in the store of the stage that met it: the tokenizer's where this job
-    # fitted it (a cold data cache, as when this test runs alone), else the run's (a warm cache).
+    # had to fit one (a cold data cache, as when this test runs alone; the run never starts), else the
+    # run's (the cache warmed by the tests before it).
     job = job_dir(tmp_path)
-    failed = summary(job / ("tokenizer" if (job / "tokenizer").is_dir() else "run"))
+    cold = (job / "tokenizer").is_dir()
+    failed = summary(job / ("tokenizer" if cold else "run"))
     assert failed["status"] == "failed" and why in failed["reason"]
+    assert not (cold and (job / "run").exists())
 
 
 def test_wandb_online_with_a_key_the_server_refuses_fails_fast_in_one_line(tmp_path):
