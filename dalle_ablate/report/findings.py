@@ -7,9 +7,7 @@ findings -- is report/design.py; report/page.py writes the results page."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -57,15 +55,13 @@ def reading(m: Metric) -> str:
 
 
 def _pareto_by_step(run: Run, key: str) -> dict[float, float]:
-    """step -> a sampled metric at STUDY_SCALE, from every evaluation's eval_pareto table
-    (tables/eval_pareto_<step>.json), not the last only."""
+    """step -> a sampled metric at STUDY_SCALE, from every evaluation's eval_pareto table, not the last only."""
     out = {}
-    for path in (run.root / "tables").glob("eval_pareto_*.json") if isinstance(run.root, Path) else []:
-        t = json.loads(path.read_text())
+    for step, t in run.pareto_steps.items():
         c = {name: i for i, name in enumerate(t["columns"])}
         for row in t["rows"] if key in c else []:
             if row[c["scale"]] == STUDY_SCALE:
-                out[float(path.stem.rsplit("_", 1)[1])] = float(row[c[key]])
+                out[float(step)] = float(row[c[key]])
     return out
 
 

@@ -37,6 +37,7 @@ NOT_A_VARIANT = (
     *MEMBER_ONLY,
 )
 NOT_A_CHOICE = tuple(e for e in NOT_A_VARIANT if e not in SEEDS)  # the config diff shows seeds
+VALID_EXAMPLES = "eval_valid_examples"  # tables/<this>_<step>.json: the tracker's table eval/valid/examples
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Run:
     variant: str = ""
     pareto: Optional[dict] = None  # the last eval_pareto table: columns, rows, line
     grids: list[tuple[str, Path, list[str]]] = field(default_factory=list)  # (key, png, prompts) of the last evaluation
+    pareto_steps: dict = field(default_factory=dict)  # step -> that evaluation's eval_pareto table
+    valid_losses: Optional[np.ndarray] = None  # each valid scene's NLL at the last validation (its examples table)
 
     @property
     def seed(self):
@@ -115,16 +118,41 @@ def find_stores(source: str) -> list[Path]:
     return stores
 
 
+# A step's time as a report reads it: to the microsecond. The timer's nanoseconds are below its own
+# noise (a step's time moves by milliseconds from one step to the next), and a study's record keeps
+# every step's time in a third of the text at this resolution (study/record.py).
+STEP_TIME, PER_SECOND = "perf/step_time", 1e6
+
+
 def by_step(rows: list[dict]) -> pd.DataFrame:
-    """Logged rows as one row per step (train and eval rows of one step merged)."""
+    """Logged rows as one row per step (train and eval rows of one step merged), the step time to
+    the microsecond (PER_SECOND)."""
     frame = pd.DataFrame(rows)
-    return frame.groupby("step", as_index=False).last() if "step" in frame else frame
+    if "step" in frame:
+        frame = frame.groupby("step", as_index=False).last()
+    if STEP_TIME in frame:
+        frame[STEP_TIME] = (frame[STEP_TIME] * PER_SECOND).round() / PER_SECOND
+    return frame
+
+
+def _tables(store: Path, key: str) -> list[Path]:
+    """A run store's `tables/<key>_<step>.json` (the tracker's table files), by step."""
+    return sorted((store / "tables").glob(f"{key}_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
 
 
 def _last_table(store: Path, key: str) -> Optional[dict]:
-    """The last step's `tables/<key>_<step>.json` of a run store (the tracker's table files)."""
-    tables = sorted((store / "tables").glob(f"{key}_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    """The last step's table `key` of a run store."""
+    tables = _tables(store, key)
     return json.loads(tables[-1].read_text()) if tables else None
+
+
+def _valid_losses(store: Path) -> Optional[np.ndarray]:
+    """Each valid scene's NLL at the last validation (the table eval/valid/examples)."""
+    t = _last_table(store, VALID_EXAMPLES)
+    if t is None:
+        return None
+    c = t["columns"].index("loss")
+    return np.array([row[c] for row in t["rows"]], np.float64)
 
 
 # -- a run store's files, each read or named in one line ------------------------------------------
@@ -191,7 +219,11 @@ def load_run(store: Path) -> Run:
     config = flatten(raw or {})
     frame = by_step(read_jsonl(store / "metrics.jsonl"))
     run = Run(store.parent.name, store, config, meta, summary, frame)  # named in load_runs
-    run.pareto = _last_table(store, "eval_pareto")
+    run.pareto_steps = {
+        float(p.stem.rsplit("_", 1)[1]): json.loads(p.read_text()) for p in _tables(store, "eval_pareto")
+    }
+    run.pareto = run.pareto_steps[max(run.pareto_steps)] if run.pareto_steps else None
+    run.valid_losses = _valid_losses(store)
     prompts: dict[str, list[str]] = {}  # grid key -> its prompts, from the last eval_grids table
     t = _last_table(store, "eval_grids")
     if t is not None:

@@ -20,9 +20,7 @@ variance (the same interaction, of the per-scene differences)."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -32,27 +30,13 @@ from dalle_ablate.report.load import Run, series
 from dalle_ablate.report.prose import NOISE_INTRO
 from dalle_ablate.report.tables import fmt3
 
-EXAMPLES = "eval_valid_examples"  # tables/<EXAMPLES>_<step>.json: the tracker's table eval/valid/examples
 LAST = 5  # the last evaluations whose mean is set against the final one
 
 
-def examples(run: Run, step: Optional[int] = None) -> Optional[np.ndarray]:
-    """Each valid scene's NLL at the validation of `step` (the last one logged if None), from the
-    run store's table; None where the run logged none (a run from before they were logged, a run
-    read from W&B) or that step has none."""
-    root = Path(run.root) if run.root is not None else None
-    if root is None or not (root / "tables").is_dir():
-        return None
-    if step is None:
-        found = sorted((root / "tables").glob(f"{EXAMPLES}_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
-        path = found[-1] if found else None
-    else:
-        path = root / "tables" / f"{EXAMPLES}_{int(step)}.json"
-    if path is None or not path.is_file():
-        return None
-    t = json.loads(path.read_text())
-    c = t["columns"].index("loss")
-    return np.array([row[c] for row in t["rows"]], np.float64)
+def examples(run: Run) -> Optional[np.ndarray]:
+    """Each valid scene's NLL at the last validation (load.Run.valid_losses); None where the run
+    logged none (a run from before they were logged, a run read from W&B)."""
+    return run.valid_losses
 
 
 def interaction(values: np.ndarray) -> tuple[float, int]:

@@ -356,17 +356,25 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
     return [s], values
 
 
-def stress_measures(study_file: Path, source: str) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:
+def stress_measures(study_file: Path, source) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:
     """The stress section of a study's page, its stability claims' per-seed values
     ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`) and the claims they cannot settle
-    (id -> why), from the stress runs beside the study's folder (this module); nothing if its
-    file declares none."""
+    (id -> why), from the stress runs: those beside the study's folder `source` (this module), or
+    the runs given (a study's record); nothing if its file declares none."""
     plan = load_stress(study_file)
-    where = stress_folder(Path(source))
-    if plan is None or not where.is_dir() or not any(where.rglob("metrics.jsonl")):
+    runs = stress_runs(source) if isinstance(source, (str, Path)) else list(source)
+    if plan is None or not runs:
         return [], {}, {}  # none run yet (or none got as far as its run store)
-    sections, claims = stress_sections(plan, load_runs(str(where)))
+    sections, claims = stress_sections(plan, runs)
     values: dict[str, dict] = {}
     for c in claims:
         values.setdefault(c["measure"], {}).update(c["values"])
     return sections, values, {c["id"]: c["untestable"] for c in claims if c["untestable"]}
+
+
+def stress_runs(source) -> list[Run]:
+    """The stress runs beside a study's folder, [] where none got as far as its run store."""
+    where = stress_folder(Path(source))
+    if not where.is_dir() or not any(where.rglob("metrics.jsonl")):
+        return []
+    return load_runs(str(where))
