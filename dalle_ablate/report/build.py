@@ -17,7 +17,7 @@ from dalle_ablate.fileio import atomic_write
 from dalle_ablate.registry import ConfigError, first_line
 from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
-from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs
+from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs, read_json
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged_report
 from dalle_ablate.report.design import Stages
@@ -387,6 +387,18 @@ def sweep_study(db: Path):
         ) from None
 
 
+def _same_plan(kept: dict, now: dict, stages: Stages, path: Path) -> None:
+    """A staged report judges what its first report froze beside it: the same design and margins."""
+    from dalle_ablate.report.staged import check_design
+
+    check_design(kept, stages, f"--stages: {path}")
+    if kept.get("margins") != now.get("margins"):
+        raise ConfigError(
+            f"--stages: {path} froze the margins {kept.get('margins')}, this report's are {now.get('margins')}; a "
+            "changed margin is a new declaration on fresh seeds (another --out)"
+        )
+
+
 def build_report(
     source: str,
     out_dir: str | Path = "reports",
@@ -420,6 +432,8 @@ def build_report(
             skipped.append(f"{e}; the runs are compared as a multirun's, without the sweep's trials")
     title = f"dalle-ablate report: {source}"
     sections, info = build_sections(runs, baseline, study, margins, transition, stages)
+    if info["stages"] is not None and (folder / "stages.json").exists():  # what an earlier report froze
+        _same_plan(read_json(folder / "stages.json"), info["stages"], stages, folder / "stages.json")
     if skipped:  # in the summary at the top: what the report could not read
         sections[0].text.append(P.UNREADABLE.format(n=len(skipped), what="; ".join(skipped)))
     atomic_write(folder / "index.html", to_html(title, sections, number=fmt3))

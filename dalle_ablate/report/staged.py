@@ -45,6 +45,27 @@ def write_record(folder, record: dict) -> None:
     atomic_write(Path(folder) / RECORD, json.dumps(record, indent=1) + "\n")
 
 
+def design_of(stages: Stages) -> dict:
+    """What a plan's judgement depends on besides its runs: the declared design, kept with the plan."""
+    return dataclasses.asdict(stages)
+
+
+def check_design(plan: dict, stages: Stages, where: str) -> None:
+    """Refuse, in one line naming the first difference, to judge a kept plan under a design other
+    than the one it was made under (w1 or the boundaries chosen after stage 2 was seen inflate the
+    false-difference rate: docs/statistics.md). A plan kept before designs were kept has none."""
+    kept = plan.get("design")
+    if kept is None:
+        return
+    now = design_of(stages)
+    diff = next((k for k in sorted(set(kept) | set(now)) if kept.get(k) != now.get(k)), None)
+    if diff is not None:
+        raise ConfigError(
+            f"{where}: its stage 2 was planned under stages.{diff} = {kept.get(diff)!r}, now {now.get(diff)!r}; "
+            "a changed design is a new declaration on fresh seeds, not an edit after the runs were seen"
+        )
+
+
 def one_look(study: Study) -> np.ndarray:
     """The findings no stage 2 adds to: those judged on values measured elsewhere (the stress
     runs, a plan of their own), each with one look, its fixed-design test (stages.reject_by_look)."""
@@ -91,7 +112,7 @@ def plan(study: Study, by_arm: dict[str, list[Run]], stage1: list[int], extra: O
     account = plan_tables(
         study.stages, arms, first, comps, ~one_look(study), seconds_per_run(by_arm), ids, f"study {study.name}"
     )
-    return {"declared": study.stages.declared, "stage1": list(stage1), **account}
+    return {"declared": study.stages.declared, "design": design_of(study.stages), "stage1": list(stage1), **account}
 
 
 def plan_tables(

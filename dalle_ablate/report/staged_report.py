@@ -58,7 +58,7 @@ def judged(
     ids = [f"{v} / {m}" for v, m in keys]
     every = np.ones(len(comps), bool)
     account = staged.plan_tables(stages, list(done), first1, comps, every, staged.seconds_per_run(done), ids, "report")
-    record = {"declared": stages.declared, "stage1": stage1, **account}
+    record = {"declared": stages.declared, "design": staged.design_of(stages), "stage1": stage1, **account}
     variants, seeds, tables, _, _ = baseline_tables(by_variant, baseline, margins)
     first, second = staged.split(variants, seeds, tables, record)
     rows = against_baseline(by_variant, baseline, margins)

@@ -80,13 +80,13 @@ def member_values(job_dir: Path, seeds: list[int], objective: str) -> np.ndarray
     """Each member's value of `objective` (its run store's summary), NaN where a member did not
     finish -- all NaN where the job recorded no members (it failed before training) -- in the order
     of `seeds`."""
-    from dalle_ablate.train.records import MEMBERS_FILE
+    from dalle_ablate.train.records import MEMBERS_FILE, member_folder
 
     path = job_dir / MEMBERS_FILE
     if not path.exists():
         return np.full(len(seeds), math.nan)
     record = json.loads(path.read_text())
-    where = {m["seed"]: (Path(m["job_dir"]), m["status"]) for m in record["members"]}
+    where = {m["seed"]: (member_folder(job_dir, m["job_dir"]), m["status"]) for m in record["members"]}
     out = []
     for s in seeds:
         folder, status = where.get(s, (None, None))
@@ -100,12 +100,12 @@ def member_runs(job_dir: Path) -> list:
     """The run stores of a re-check job's members that logged anything (report.load.Run), each with
     its member's seed."""
     from dalle_ablate.report.load import load_run
-    from dalle_ablate.train.records import MEMBERS_FILE
+    from dalle_ablate.train.records import MEMBERS_FILE, member_folder
 
     path = job_dir / MEMBERS_FILE
     runs = []
     for m in json.loads(path.read_text())["members"] if path.exists() else []:
-        store = Path(m["job_dir"]) / "run"
+        store = member_folder(job_dir, m["job_dir"]) / "run"
         if (store / "metrics.jsonl").exists():
             run = load_run(store)
             run.config["seed"] = m["seed"]
@@ -305,12 +305,13 @@ def _stage2_plan(folder: Path, stages, trials: list, arms: list[str], seeds1: li
                 f"{path}: stage 2 was planned for the re-check of {sorted(plan['stage2'])} on stage-1 seeds "
                 f"{plan['stage1']}, this one re-checks {arms} on {seeds1}; move the file away to plan anew"
             )
+        plans.check_design(plan, stages, str(path))
         return plan
     cost = plans.seconds_per_run({a: member_runs(folder / job_folder(t.number)) for a, t in zip(arms, trials)})
     ids = [f"{arms[0]} vs {arms[c.against]}" for c in comps]
     every = np.ones(len(comps), bool)
     account = plans.plan_tables(stages, arms, {"v": values1}, comps, every, cost, ids, "hydra.sweeper.recheck")
-    plan = {"declared": stages.declared, "stage1": seeds1, **account}
+    plan = {"declared": stages.declared, "design": plans.design_of(stages), "stage1": seeds1, **account}
     atomic_write(path, json.dumps(plan, indent=1) + "\n")  # before any stage-2 job: what stage 1 showed
     return plan
 

@@ -275,7 +275,7 @@ def test_a_staged_study_runs_stage_2_from_its_plan_and_a_rerun_neither_plans_nor
 REPORT_STAGES = {**STAGES, "budget": {"runs": 6}, "cap": 2}
 
 
-def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination_test_and_holm_say(tmp_path):
+def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination_test_and_holm_say(tmp_path, capsys):
     """`dalle-ablate report --stages`: stage 1 (seeds 0-2) plans stage 2 by the rule, with the
     commands that train it; with stage 2's runs, each comparison's verdict by look 2 is the one
     an oracle from scipy's paired t tests, the inverse-normal combination and the published
@@ -342,6 +342,28 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
     )
     assert json.loads((tmp_path / "reports" / "r" / "stages.json").read_text()) == json.loads(json.dumps(record))
     assert "## The stages" in (tmp_path / "reports" / "r" / "report.md").read_text()
+    # its kept plan freezes the design and the margins it judges under (issue 70): w1, the
+    # boundaries or a margin chosen after stage 2 was seen is refused in one line, nothing rewritten
+    kept = (tmp_path / "reports" / "r" / "stages.json").read_bytes()
+    spec = yaml.safe_load(design_file.read_text())
+    for change, margin, message in [
+        (
+            {"w1": 0.6},
+            "0.03",
+            "its stage 2 was planned under stages.w1 = 0.7071067811865476, now 0.6; a changed design",
+        ),
+        ({"boundaries": "P"}, "0.03", "its stage 2 was planned under stages.boundaries = 'asOF', now 'P'; a changed"),
+        ({}, "0.05", "froze the margins "),
+    ]:
+        design_file.write_text(yaml.safe_dump({**spec, "stages": {**spec["stages"], **change}}))
+        with pytest.raises(SystemExit) as e:
+            main(
+                ["report", str(runs), "--out", str(tmp_path / "reports"), "--name", "r", "--baseline", "+arm=base"]
+                + ["--margin", f"eval/valid/loss={margin}", "--stages", str(design_file)]
+            )
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+        assert (tmp_path / "reports" / "r" / "stages.json").read_bytes() == kept
 
 
 def test_a_bad_stages_file_of_a_report_is_named_in_one_line(tmp_path):
