@@ -132,13 +132,15 @@ def recorded_member_dirs(job_dir: Path, seeds: list[int]) -> list[Path] | None:
     """The member folders a members job recorded in `<job dir>/members.json` (train/records.py)
     for these same seeds: a resumed job wins them back from it, since the resume hint names its
     folder literally (`hydra.run.dir=<job dir>`) and the template that placed them is gone."""
+    from dalle_ablate.train.records import member_folder
+
     path = job_dir / "members.json"
     if not path.exists():
         return None
     record = json.loads(path.read_text())
     if record.get("seeds") != seeds:
         return None
-    recorded = {m["seed"]: Path(m["job_dir"]) for m in record["members"]}
+    recorded = {m["seed"]: member_folder(job_dir, m["job_dir"]) for m in record["members"]}
     return [recorded[k] for k in seeds]
 
 

@@ -7,6 +7,7 @@ its members (`members.json`)."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,7 +18,7 @@ import jax
 
 from dalle_ablate.config import RunConfig
 from dalle_ablate.evaluate.runner import headline
-from dalle_ablate.fileio import atomic_write, shown
+from dalle_ablate.fileio import atomic_write, shown, staging_root, url_of
 from dalle_ablate.model import param_count
 from dalle_ablate.track import build_tracker
 from dalle_ablate.train.meta import run_meta
@@ -200,6 +201,19 @@ def closing_lines(status: str, summary: dict, steps: int, last_eval: dict, run_d
     return "\n".join(lines)
 
 
+def member_folder(job_dir: Path, recorded: str) -> Path:
+    """A member's folder as members.json names it: from the folder the job's folder is in (relative:
+    `baseline-seed1` beside it, `map/seed0` under it), or, in a file written before, absolute -- a bucket job's under the staging root of the host that wrote it,
+    which is this host's staging copy of the same bucket folder (the path from its `gs/` on)."""
+    path = Path(recorded)
+    if not path.is_absolute():
+        return Path(os.path.normpath(Path(job_dir).parent / path))
+    if url_of(job_dir) is not None and url_of(path) is None and "gs" in path.parts:
+        at = len(path.parts) - 1 - path.parts[::-1].index("gs")
+        return staging_root().joinpath(*path.parts[at:])
+    return path
+
+
 def write_members_file(job_dir: Path, members: list[Member], impl: str) -> None:
     """`<job>/members.json`: the members' seeds, folders and how each stands (rewritten at each change)."""
     Path(job_dir).mkdir(parents=True, exist_ok=True)
@@ -210,7 +224,13 @@ def write_members_file(job_dir: Path, members: list[Member], impl: str) -> None:
                 "seeds": [m.seed for m in members],
                 "impl": impl,
                 "members": [
-                    {"seed": m.seed, "job_dir": str(m.job.job_dir), "status": m.status, "reason": m.reason}
+                    # where it lives from the job's folder: the same on every host, whatever its staging root
+                    {
+                        "seed": m.seed,
+                        "job_dir": os.path.relpath(m.job.job_dir, Path(job_dir).parent),
+                        "status": m.status,
+                        "reason": m.reason,
+                    }
                     for m in members
                 ],
             },

@@ -6,6 +6,7 @@ the bucket. The local runs of the same configs are the oracle."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -132,6 +133,32 @@ def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit
 
     assert jax.tree.structure(a) == jax.tree.structure(b)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_members_job_resumed_on_another_host_continues_each_member_in_the_bucket(gcs, tmp_path):
+    """Issue 72: a members job killed on one host and resumed with `resume=auto` on another (a
+    staging root of its own): members.json names no host's path, each member continues from its
+    own checkpoint in the bucket -- not from step 0 into a local folder named after the first
+    host's staging root -- and ends there, every step logged once."""
+    name = f"members-{tmp_path.name}"
+    url = f"{gcs.url}/runs/{name}"
+    members = ("seeds=[0,1]", "seed=0", "members.impl=map")
+    stopped = job(tmp_path, url, "host-a", *members, kill="step:5", sig="SIGTERM")  # a preemption notice
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    fs = gcs.fs()
+    recorded = json.loads(fs.cat(f"{url}/members.json"))
+    assert [m["job_dir"] for m in recorded["members"]] == [f"{name}/seed0", f"{name}/seed1"]
+    resumed = job(tmp_path, url, "host-b", *members, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    saved = int(re.search(r"at step (\d+) of 6 \(members seed=0, seed=1\); checkpoints saved", stopped.stderr).group(1))
+    assert saved > 0
+    for k in (0, 1):
+        store = f"{url}/seed{k}/run"
+        assert json.loads(fs.cat(f"{store}/meta.json"))["resumed_from_step"] == saved  # not step 0
+        assert json.loads(fs.cat(f"{store}/summary.json"))["status"] == "finished"
+        steps = [r["step"] for r in rows(gcs, store) if "train/loss" in r]
+        assert steps == list(range(1, 7))  # each step once: host a's up to its checkpoint, then host b's
+    assert not list((tmp_path / "host-b").rglob("host-a"))  # nothing written under the first host's path
 
 
 def timeless_rows(gcs, store_url: str) -> list[dict]:

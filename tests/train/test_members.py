@@ -30,6 +30,7 @@ from dalle_ablate.report.load import load_runs
 from dalle_ablate.track.runstore import read_metrics
 from dalle_ablate.train import program
 from dalle_ablate.train.loop import JobInfo, train, train_members
+from dalle_ablate.train.records import member_folder
 
 SEEDS = [0, 1, 2]
 CFG = ["tracker=wandb", *EVAL_ON]  # W&B offline: the members' runs live side by side in one process
@@ -125,8 +126,12 @@ def test_a_members_run_store_is_the_separate_runs_store(trained):
         assert perf and all(r["perf/step_time"] == pytest.approx(r["perf/job_step_time"] / 3) for r in perf)
     assert len(wandb_ids) == 3  # a W&B run of its own each
     record = json.loads((root / "map" / "members.json").read_text())
+    # where each member lives from the job's parent folder: the same on every host (issue 72)
     assert [(m["seed"], m["job_dir"], m["status"]) for m in record["members"]] == [
-        (s, str(root / "map" / f"seed{s}"), "finished") for s in SEEDS
+        (s, f"map/seed{s}", "finished") for s in SEEDS
+    ]
+    assert [member_folder(root / "map", m["job_dir"]) for m in record["members"]] == [
+        root / "map" / f"seed{s}" for s in SEEDS
     ]
     # the report reads members as runs: one variant, its three seeds
     runs = load_runs(str(root / "map"))
