@@ -84,6 +84,14 @@ def test_runs_are_named_by_what_their_multirun_varies_seed_included():
         "deepnet",
     )
     assert run_naming([], set(), "preln") == ("run", "preln")
+    # A study's run shows its arm and its seed whichever of them its job varies (issue 70): the
+    # members job of one arm varies the seed, the timed arms' job of one seed the arm.
+    study = ["experiment=study_mega", "+arm=bias", "seed=5001"]
+    assert (
+        run_naming(study, {"seed"}, "preln")
+        == run_naming(study, {"arm"}, "preln")
+        == ("+arm=bias,seed=5001", "+arm=bias")
+    )
 
 
 @pytest.mark.slow

@@ -7,6 +7,10 @@ from __future__ import annotations
 BOOKKEEPING = ("resume=", "optuna.", "hydra.")
 # The seeds (config.py): runs that differ only in these are replicates of one variant.
 SEEDS = ("seed", "data_seed", "init_seed")
+# What names a study's run (one with an `+arm=` override) whatever its multirun varies: its arm and
+# its seed. A study's jobs vary one of them (a members job of one arm: the seed; the timed arms'
+# job of one seed: the arm), and its runs of all arms and seeds share its group.
+STUDY_RUN = ("arm", "seed")
 
 
 def key_of(override: str) -> str:
@@ -35,8 +39,10 @@ def run_naming(overrides: list[str], varying: set[str], layout: str) -> tuple[st
     """(W&B name, job type) of a job: the name is what the job's overrides set among the keys
     its multirun varies, seeds included (all its overrides for a single run); the job type is the
     same less the seeds (SEEDS), so that the seeds of one variant share it (the layout when nothing
-    else varies)."""
+    else varies). A study's run is named by its arm and seed (STUDY_RUN) in every multirun."""
     mine = own(overrides)
+    if varying and any(key_of(o) == "arm" for o in mine):
+        varying = set(varying) | set(STUDY_RUN)
     named = [short(o) for o in mine if key_of(o) in varying] if varying else [short(o) for o in mine]
     variant = [o for o in named if key_of(o) not in SEEDS] if varying else []
     return ",".join(named) or "run", ",".join(variant) or layout
