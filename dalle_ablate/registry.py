@@ -25,6 +25,7 @@ class RunFailed(RuntimeError):
 
     DIVERGED = 3
     FAILED = 4
+    TIME_LIMIT = 5  # a study stopped at its --time-limit: what finished is kept, the same command continues
 
     def __init__(self, message: str, exit_code: int = FAILED):
         super().__init__(message)

@@ -148,6 +148,19 @@ def _study_arguments(p: argparse.ArgumentParser) -> None:
         "the stability claims' arms across learning rates)",
     )
     p.add_argument(
+        "--record",
+        metavar="FOLDER",
+        help="the study's record, a folder (kept in git) or a bucket's (gs://...): its declaration frozen at "
+        "its first run, each finished run written to it, only the runs it lacks trained, and the page read "
+        "from it alone (docs/guides/studies.md, 'A study's record')",
+    )
+    p.add_argument(
+        "--time-limit",
+        metavar="DURATION",
+        help="stop in time (2h30m, 90m, 600): start no job whose measured cost would end past it, stop a "
+        "running one at it (it saves its step), exit 5 with what is left and the command that continues",
+    )
+    p.add_argument(
         "--no-members",
         action="store_true",
         help="train each seed of an arm as a job of its own, not the "
@@ -172,7 +185,10 @@ def cmd_study(args) -> None:
     import shlex
 
     from dalle_ablate import interrupts
+    from dalle_ablate.study.clock import parse_duration
     from dalle_ablate.study.runner import run_study
+
+    limit = parse_duration(args.time_limit) if args.time_limit is not None else None
 
     with interrupts.taken_at_checks():  # its stages and runs stop at their checks: one line, the command that continues
         run_study(
@@ -186,4 +202,6 @@ def cmd_study(args) -> None:
             no_stress=args.no_stress,
             members=not args.no_members,
             again=f"dalle-ablate {shlex.join(args.argv)}",
+            record=args.record,
+            time_limit=limit,
         )

@@ -14,6 +14,7 @@ import json
 import math
 import os
 from importlib import resources
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -456,38 +457,60 @@ def page_sections(
     ], rows
 
 
+@dataclass
+class StudyRuns:
+    """What a study's page reads besides its file: its runs, its stress runs, its stages' record
+    (report/staged.py) and its top-ups' log -- from its folder (`in_folder`) or its record
+    (study/record.py)."""
+
+    runs: list[Run]
+    stress: list[Run]
+    stages: Optional[dict] = None
+    topups: list = field(default_factory=list)
+
+
+def in_folder(source: str) -> StudyRuns:
+    """A study's runs from its folder of run stores."""
+    from dalle_ablate.report.load import load_runs
+
+    log = Path(source) / TOPUPS
+    topups = json.loads(log.read_text()) if log.exists() else []
+    return StudyRuns(load_runs(source), stress.stress_runs(source), staged.read_record(source), topups)
+
+
 def write_page(
     study: Study,
-    source: str,
+    source,
     page_dir: Path,
     provenance: list[str],
     extra: Optional[dict[str, dict[str, dict]]] = None,
     study_file: Optional[Path] = None,
 ) -> Path:
-    """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from the run stores
-    under `source` (the study's multirun folder) and, where `study_file` declares stress runs,
-    those beside it (their claims judged on them). Written whole or not at all."""
+    """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from `source`: the run
+    stores under a study's multirun folder (and, where `study_file` declares stress runs, those
+    beside it: their claims judged on them), or a StudyRuns (a study's record). Written whole or
+    not at all."""
     from dalle_ablate.fileio import atomic_write
-    from dalle_ablate.report.load import load_runs
     from dalle_ablate.report.writers import to_markdown
 
+    inputs = source if isinstance(source, StudyRuns) else in_folder(str(source))
+    if inputs.stages is not None and study.stages is not None:  # judged under the design it was planned under
+        staged.check_design(inputs.stages, study.stages, f"study {study.name}: its kept {staged.RECORD}")
     page_dir = Path(page_dir)
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
-    log = Path(source) / TOPUPS
-    topups = json.loads(log.read_text()) if log.exists() else []
     stress_part, measured, untestable = (
-        stress.stress_measures(study_file, source) if study_file is not None else ([], {}, {})
+        stress.stress_measures(study_file, inputs.stress) if study_file is not None else ([], {}, {})
     )
     statistics = os.path.relpath(STATISTICS, page_dir.resolve()) if STATISTICS.is_file() else "../statistics.md"
     sections, _ = page_sections(
         study,
-        load_runs(source),
+        inputs.runs,
         provenance,
-        topups,
+        inputs.topups,
         {**measured, **(extra or {})},
         statistics=Path(statistics).as_posix(),
         untestable=untestable,
-        record=staged.read_record(source),
+        record=inputs.stages,
     )
     sections[-1:-1] = stress_part  # before the per-finding figures
     for old in (page_dir / "figures").glob(f"{study.name}_*.png"):  # an earlier page's, numbered otherwise

@@ -32,8 +32,16 @@ def dies_with_this_process() -> Optional[Callable[[], None]]:
     return preexec
 
 
+class PastDeadline(Exception):
+    """The child ran into the study's time limit: stopped by SIGTERM (it saved its last step)."""
+
+
 def call_child(
-    command: list[str], env: dict, preexec: Optional[Callable[[], None]] = None, grace: float = 120.0
+    command: list[str],
+    env: dict,
+    preexec: Optional[Callable[[], None]] = None,
+    grace: float = 120.0,
+    deadline: Optional[float] = None,
 ) -> int:
     """subprocess.call, but a Ctrl-C lets the child finish what it does on one: Ctrl-C reaches the
     whole foreground process group, and a run saves its last whole step before it exits (exit
@@ -42,8 +50,10 @@ def call_child(
     when the child alone was interrupted (exit 130, or 143 after a SIGTERM). The child leaves the
     line a Ctrl-C ends with to this process (interrupts.PARENT_SAYS): the command that continues
     all of it. A SIGTERM this process takes is passed on to the child (a scheduler may signal the
-    first process alone; a second SIGTERM to a child that got the first too is no press)."""
+    first process alone; a second SIGTERM to a child that got the first too is no press). At
+    `deadline` (time.monotonic()) the child gets SIGTERM, saves and stops: PastDeadline."""
     import subprocess
+    import time
 
     interrupts.check()  # a Ctrl-C already pressed: a child started now would not get it
     child = subprocess.Popen(command, env={**env, interrupts.PARENT_SAYS: "1"}, preexec_fn=preexec)
@@ -54,6 +64,10 @@ def call_child(
                 break
             except subprocess.TimeoutExpired:
                 interrupts.check()
+                if deadline is not None and time.monotonic() > deadline:
+                    child.send_signal(signal.SIGTERM)
+                    _wait_or_kill(child, grace)
+                    raise PastDeadline(" ".join(command)) from None
     except KeyboardInterrupt:
         if interrupts.word() == interrupts.TERMINATED:  # SIGTERM may have reached this process alone
             child.send_signal(signal.SIGTERM)  # (Kubernetes: the container's first one): the child saves too

@@ -16,9 +16,10 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import staged
 from dalle_ablate.report.design import Study, swept_seeds
 from dalle_ablate.report.findings import _arms_by
-from dalle_ablate.report.load import load_runs
+from dalle_ablate.report.page import StudyRuns, in_folder
 from dalle_ablate.report.stress import stress_measures
 from dalle_ablate.study.children import call_child
+from dalle_ablate.study.clock import Clock
 from dalle_ablate.track.naming import key_of
 
 # Keys stage 2 sets itself for each of its jobs: the study command's own are not passed on.
@@ -46,20 +47,29 @@ def run_stage2(
     env: dict,
     preexec: Optional[Callable[[], None]] = None,
     members: bool = True,
+    kept: Optional[tuple[Path, StudyRuns, list[int], frozenset]] = None,
+    clock: Optional[Clock] = None,
+    after: Callable[[], object] = lambda: None,
 ) -> int:
     """Plan stage 2 if no plan is kept yet, then train what it asks for; the exit code of the first
-    job that failed, else 0."""
-    record = staged.read_record(folder)
-    if record is None:
-        stage1 = swept_seeds(study.experiment, overrides) or []
-        by_arm = _arms_by(load_runs(str(folder)))
-        _, measured, _ = stress_measures(study_file, str(folder))
-        record = staged.plan(study, by_arm, stage1, measured)
-        staged.write_record(folder, record)  # before any stage-2 run: the plan is what stage 1 showed
+    job that failed, else 0. `kept`, for a study kept in a record: (where the plan is kept, the
+    runs to plan from, stage 1's declared seeds, the names of the runs the record holds, which are
+    not trained again); else the study's folder and its runs. `clock`: the study's time limit;
+    `after`: called after each job."""
+    keep, inputs, stage1, done = kept or (folder, None, swept_seeds(study.experiment, overrides) or [], frozenset())
+    record = staged.read_record(keep)
+    if record is not None:
+        staged.check_design(record, study.stages, f"study {study.name}: {Path(keep) / staged.RECORD}")
+    else:
+        inputs = inputs or in_folder(str(folder))
+        _, measured, _ = stress_measures(study_file, inputs.stress)
+        record = staged.plan(study, _arms_by(inputs.runs), stage1, measured)
+        staged.write_record(keep, record)  # before any stage-2 run: the plan is what stage 1 showed
         asked = "; ".join(f"{a}: {len(s)} seeds" for a, s in record["stage2"].items()) or "no seeds"
         print(f"stage 2 of study {study.name}, by its {record['rule']} rule: {asked}", flush=True)
     own = [o for o in overrides if key_of(o) not in SETS]
-    plan = record["stage2"]
+    plan = {a: [s for s in seeds if f"{a}-seed{s}" not in done] for a, seeds in record["stage2"].items()}
+    plan = {a: seeds for a, seeds in plan.items() if seeds}
     commands = [
         job_command(study.experiment, folder, a, seeds, own, members)
         for a, seeds in plan.items()
@@ -70,7 +80,14 @@ def run_stage2(
         timed = [a for a, seeds in plan.items() if a in study.timed and k in seeds]
         commands.append(job_command(study.experiment, folder, ",".join(timed), [k], own, False))
     for command in commands:
-        code = call_child(command, env, preexec)
+        arms = next(c for c in command if c.startswith("+arm=")).split("=", 1)[1].split(",")
+        n = max(len(plan[a]) for a in arms) if len(arms) == 1 else 1
+        if clock is not None and not clock.fits("runs", arms, n, f"stage 2's job of {', '.join(arms)}"):
+            continue
+        try:
+            code = call_child(command, env, preexec, deadline=None if clock is None else clock.deadline)
+        finally:
+            after()
         if code:
             return code
     return 0

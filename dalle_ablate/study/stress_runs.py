@@ -13,6 +13,7 @@ from dalle_ablate.registry import RunFailed
 from dalle_ablate.report.design import CONTROLLED, StressPlan, load_stress, run_name, stress_folder
 from dalle_ablate.report.load import read_json
 from dalle_ablate.study.children import call_child
+from dalle_ablate.study.clock import Clock
 from dalle_ablate.track.runstore import settled
 
 
@@ -30,11 +31,16 @@ def run_stress(
     env: dict,
     preexec: Optional[Callable[[], None]] = None,
     members: bool = True,
+    done: frozenset = frozenset(),
+    clock: Optional[Clock] = None,
+    after: Callable[[], object] = lambda: None,
 ) -> Optional[StressOutcome]:
     """The study's stress runs (report/stress.py), if its file declares them: each arm of its
     stability claims at each rate and seed into `<folder>-stress/`, the seeds of an arm and rate
     as members of one job (`members`; else one process per run); a run that finished or diverged
-    before is not started again, a stopped one continues (resume=auto)."""
+    before is not started again, a stopped one continues (resume=auto). `done`: the names of runs
+    a study's record holds (not trained again); `clock`: the study's time limit (a job that would
+    not end in time is not started); `after`: called after each job (the record takes its runs)."""
     import time
 
     plan = load_stress(study_file)
@@ -48,16 +54,28 @@ def run_stress(
         else [(arm, lr, [seed]) for arm, lr, seed in plan.jobs()]
     )
     for i, (arm, lr, seeds) in enumerate(groups, 1):
-        todo = [s for s in seeds if not _settled(where / run_name(arm, lr, s) / "run", plan.steps)]
+        todo = [
+            s
+            for s in seeds
+            if run_name(arm, lr, s) not in done and not _settled(where / run_name(arm, lr, s) / "run", plan.steps)
+        ]
         if not todo:
+            continue
+        if clock is not None and not clock.fits(
+            "stress", [arm], len(todo), f"{len(todo)} stress run{'s' if len(todo) > 1 else ''} of {arm} at lr {lr:g}"
+        ):
             continue
         print(
             f"stress job {i} of {len(groups)}: {', '.join(str(where / run_name(arm, lr, s)) for s in todo)}", flush=True
         )
-        # every seed of the group, settled ones too: a members job leaves a finished or diverged member as it is
-        code = call_child(
-            job_command(sys.executable, experiment, where, arm, lr, seeds[0], plan, overrides, seeds), env, preexec
-        )
+        # every seed of the group, settled ones too: a members job leaves a finished or diverged member as
+        # it is -- but a run a record holds, which may have no store here: the job is of the others
+        group = [s for s in seeds if run_name(arm, lr, s) not in done]
+        command = job_command(sys.executable, experiment, where, arm, lr, group[0], plan, overrides, group)
+        try:
+            code = call_child(command, env, preexec, deadline=None if clock is None else clock.deadline)
+        finally:
+            after()
         ran += len(todo)
         if code not in (0, RunFailed.DIVERGED):  # a diverged run is a measurement of its rate
             failed.append(f"{', '.join(run_name(arm, lr, s) for s in todo)} (exit {code})")
