@@ -212,8 +212,8 @@ def test_members_of_a_study_mega_job_are_its_separate_runs(tmp_path):
     assert [m.overrides for m in members] == [
         [f"seed={k}", "experiment=study_mega", "+arm=baseline", "tracker=none"] for k in (0, 1, 2)
     ]
-    # named by what the multirun varies, the seed; the job type the model's layout, as nothing else varies
-    assert [(m.name, m.job_type) for m in members] == [(f"seed={k}", "preln") for k in (0, 1, 2)]
+    # a study's run named by its arm and its seed (the multirun varies the seed alone); the job type its arm
+    assert [(m.name, m.job_type) for m in members] == [(f"seed={k},+arm=baseline", "+arm=baseline") for k in (0, 1, 2)]
     assert [described(m) for m in members] == [described(s) for s in separate]
     assert [m.config["seed"] for m in members] == [0, 1, 2] and {m.config["seeds"] for m in members} == {None}
     assert all(m.hooks is job.hooks for m in members) and members[0].group == str(sweep)

@@ -102,6 +102,8 @@ def run_study(
     if page is not None:
         print(f"wrote {f'{report}/index.html and ' if report else ''}{page}")
     _ending(study, ran, kept, clock, again)
+    if page is None and no_run:  # nothing asked to train: the record given is not one of a study under way
+        raise ConfigError(f"--record {kept.record}: holds no runs yet, so there is no page to write; drop --no-run")
     if page is None:
         raise RunFailed(f"study {study.name}: its record {kept.record} holds no runs yet; no page", ran.code or 4)
 

@@ -17,7 +17,7 @@ from scipy import stats as st
 from statsmodels.formula.api import ols
 
 from dalle_ablate.report import noise
-from dalle_ablate.report.load import load_runs
+from dalle_ablate.report.load import load_run, load_runs
 
 SCENES, STEPS = 40, (60, 70, 80, 90, 100)
 
@@ -98,5 +98,6 @@ def test_runs_without_per_scene_losses_leave_the_share_unmeasured(stores, tmp_pa
     for r in by_arm["base"][1:]:
         for p in (Path(r.root) / "tables").glob("eval_valid_examples_*.json"):
             p.unlink()
+        r.valid_losses = load_run(Path(r.root)).valid_losses  # the store read again: a run read with its tables
     assert math.isnan(noise.eval_set_share(by_arm["base"])[1])
     assert noise.examples(by_arm["base"][1]) is None and len(noise.examples(by_arm["base"][0])) == SCENES

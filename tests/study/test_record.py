@@ -480,11 +480,13 @@ def test_a_study_over_three_folders_with_its_record_carried_records_what_one_inv
 
 
 def _computed(entry: dict) -> dict:
-    """An entry less what is measured (wall and step times, the machine) and how its job ran."""
+    """An entry less what is measured (wall and step times, the machine), how its job ran and the
+    commit it was trained at (its code's digest stays: the code that decides its numbers)."""
     e = {k: v for k, v in entry.items() if k not in (*TIMES, "machine")}
     e["summary"] = {k: v for k, v in entry["summary"].items() if k not in TIMES}
     e["metrics"] = {k: v for k, v in entry["metrics"].items() if k != "perf/step_time"}
-    e["meta"] = {k: v for k, v in entry["meta"].items() if k not in ("members", "device")}
+    e["meta"] = {k: v for k, v in entry["meta"].items() if k not in ("members", "device", "git")}
+    e["code"] = {k: v for k, v in entry["code"].items() if k not in ("commit", "dirty")}  # the numbers' code is
     return e
 
 

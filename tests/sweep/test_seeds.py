@@ -22,6 +22,7 @@ import yaml
 from scipy import stats
 
 from conftest import ROOT, SMALL_DATA, TINY_TRAIN, run_py
+from dalle_ablate.train.records import member_folder
 from dalle_ablate.registry import ConfigError
 
 S = optuna.trial.TrialState
@@ -100,8 +101,9 @@ def test_the_best_trials_are_rechecked_on_unused_seeds_by_the_verdict_engine(swe
     for t in (best, second):
         members = json.loads((folder / "recheck" / f"trial{t.number}" / "members.json").read_text())
         assert [m["seed"] for m in members["members"]] == [2, 3, 4]
-        row = [summary(Path(m["job_dir"]) / "run")["eval/valid/loss"] for m in members["members"]]
-        assert [config_seed(Path(m["job_dir"]) / "run") for m in members["members"]] == [2, 3, 4]
+        job = folder / "recheck" / f"trial{t.number}"
+        row = [summary(member_folder(job, m["job_dir"]) / "run")["eval/valid/loss"] for m in members["members"]]
+        assert [config_seed(member_folder(job, m["job_dir"]) / "run") for m in members["members"]] == [2, 3, 4]
         values.append(row)
     a, b = np.array(values)
     assert [t["recheck_values"] for t in record["trials"]] == [pytest.approx(a), pytest.approx(b)]
