@@ -333,6 +333,12 @@ class BucketLock:
             self._write(0)
         except gx.PreconditionFailed:
             self._take_over()
+        except (gx.Forbidden, gx.Unauthorized) as e:  # a bucket that refuses this account's writes: one line
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise RunFailed(
+                f"{self.what} {url} cannot be written: the bucket refuses this account's writes "
+                f"({type(e).__name__}: {first}); give a bucket it can write to, or grant it write access"
+            ) from None
 
     def _write(self, generation: int) -> None:
         import json

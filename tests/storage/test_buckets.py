@@ -616,6 +616,29 @@ def test_a_bucket_failing_mid_run_ends_in_its_own_line_not_the_locks_release_and
     gcs_storage.Client().bucket("dalle-ablate-tests").blob(f"outage/run/{fileio.LOCK}").delete()
 
 
+def test_a_bucket_that_refuses_writes_at_the_lock_is_one_line(gcs, monkeypatch):
+    """Issue 72: a 403 (or 401) where the job folder's lock is first written -- a bucket this account
+    may read but not write -- is a one-line RunFailed (exit 4), not google's traceback."""
+    from google.api_core import exceptions as gx
+    from google.cloud import storage
+
+    url = f"{gcs.url}/runs/read-only"
+
+    def refuse(self, *args, **kwargs):
+        raise gx.Forbidden(
+            "POST https://storage.googleapis.com/upload: 403 does not have storage.objects.create access\nmore"
+        )
+
+    monkeypatch.setattr(storage.Blob, "upload_from_string", refuse)
+    with pytest.raises(RunFailed) as e:
+        fileio.BucketLock(url, "test")
+    assert e.value.exit_code == RunFailed.FAILED and "\n" not in str(e.value)
+    assert str(e.value).startswith(
+        f"run store {url} cannot be written: the bucket refuses this account's writes (Forbidden: "
+    )
+    assert str(e.value).endswith("; give a bucket it can write to, or grant it write access")
+
+
 def test_a_takeover_warns_naming_the_holder_it_took_the_lock_from(gcs, capsys):
     """A lock whose lease ran out (another host's), or whose holder on this host is gone, is taken
     over with a warning naming that holder and why."""
