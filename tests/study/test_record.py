@@ -444,10 +444,12 @@ def test_a_study_over_three_folders_with_its_record_carried_records_what_one_inv
     hold; the third trains the rest. Each run trained once, and the record holds the same runs,
     stage-2 plan and verdicts as the one invocation's (only the measured times differ)."""
     a, b, c = (tiny / f"clone-{n}" for n in "abc")
-    late = study(a, "--no-stress", "--time-limit", "15s", "+arm=baseline")  # past its checks, not its job
+    # 3 s: less than any machine takes to import JAX and train the job, so the limit always stops it
+    # (a limit the job could beat on a fast day would let it finish: this test's first CI failure)
+    late = study(a, "--no-stress", "--time-limit", "3s", "+arm=baseline")
     assert late.returncode == 5, late.stderr[-3000:]
     line = late.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: study tiny stopped at its time limit (15s, ")
+    assert line.startswith("error: study tiny stopped at its time limit (3s, ")
     # the job is stopped by SIGTERM at the limit -- or, on a machine whose checks outlast it, not started
     job = "stage 1's job of baseline on seeds 0, 1"
     assert f"; left: {job}; continue with: " in line or f"; left: {job}, stopped at the limit (its runs" in line, line
