@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from dalle_ablate import interrupts
 from dalle_ablate.registry import ConfigError, RunFailed
 
 SCHEME = "gs://"
@@ -156,12 +157,19 @@ def push(path) -> None:
                 f"{url} cannot be written ({_DOWN[bucket]}, an upload before it); its staging copy {path} is whole: "
                 "fix the bucket, then resume=auto"
             )
+        from fsspec.exceptions import FSTimeoutError
+
         fs = filesystem(url)
+        end = interrupts.stop_deadline()  # after a SIGTERM: no longer than its grace period allows
         try:
-            fs.put_file(str(path), url)
+            fs.put_file(str(path), url, **({} if end is None else {"timeout": max(end - time.monotonic(), 0.1)}))
         except Exception as e:  # noqa: BLE001 - after gcsfs's own retries: HttpError, aiohttp's and OS errors
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            _DOWN[bucket] = f"{type(e).__name__}{': ' + first if first else ''}"
+            _DOWN[bucket] = (
+                f"no answer within the grace period of its {interrupts.TERMINATED}"
+                if isinstance(e, FSTimeoutError)
+                else f"{type(e).__name__}{': ' + first if first else ''}"
+            )
             raise RunFailed(
                 f"{url} cannot be written ({_DOWN[bucket]}); its staging copy {path} is whole: fix the bucket, then "
                 "resume=auto"

@@ -27,10 +27,22 @@ KeyboardInterrupt itself and `check()` never raises.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
+import time
+from typing import Optional
 
-_state = {"pressed": 0, "taken": 0, "holding": 0, "held": False, "terminated": False}
+_state = {
+    "pressed": 0,
+    "taken": 0,
+    "holding": 0,
+    "held": False,
+    "terminated": False,
+    "terminated_at": None,  # time.monotonic() of the first SIGTERM
+    "watchdog": None,  # what a process that must exit inside the grace period says at its end (arm_watchdog)
+    "said": False,  # its own last line is out
+}
 # Set by a process for the processes it starts (`dalle-ablate study`'s runs) when it prints the
 # line a Ctrl-C ends them all with: the line that continues all of it, not each child's own.
 PARENT_SAYS = "DALLE_ABLATE_PARENT_SAYS_INTERRUPTED"
@@ -60,6 +72,12 @@ def terminated() -> None:
     pending and none was recorded before (a scheduler's repeated SIGTERM adds none)."""
     first = not _state["terminated"]
     _state["terminated"] = True
+    if first:
+        _state["terminated_at"] = time.monotonic()
+        if _state["watchdog"] is not None:
+            timer = threading.Timer(grace_s() - WATCHDOG_S, _expire)
+            timer.daemon = True
+            timer.start()
     if first and not pending():
         _state["pressed"] += 1
 
@@ -68,6 +86,75 @@ def word() -> str:
     """How the line and the summary name a stop: "terminated (SIGTERM)" once a SIGTERM came, else
     "interrupted" (a Ctrl-C)."""
     return TERMINATED if _state["terminated"] else "interrupted"
+
+
+# The grace period a scheduler gives between SIGTERM and SIGKILL: Kubernetes' default, and SLURM's
+# KillWait. A process given more (SLURM's --signal=TERM@120) says so here, for a larger model's save.
+GRACE_ENV = "DALLE_ABLATE_SIGTERM_GRACE"
+EXIT_S = 5.0  # of the grace period, kept for what follows the last write: the lock's release, the exit
+WATCHDOG_S = 3.0  # of the grace period, left when the watchdog ends the process (arm_watchdog)
+
+
+def stop_deadline() -> Optional[float]:
+    """After a SIGTERM, when (time.monotonic()) the writes the stop waits on must have ended -- a
+    bucket that cannot take them in time is given up, and the process still exits inside its
+    grace period; None before any SIGTERM."""
+    if _state["terminated_at"] is None:
+        return None
+    return _state["terminated_at"] + grace_s() - EXIT_S
+
+
+@contextlib.contextmanager
+def watchdog(line):
+    """For the block (a job's work): after a SIGTERM, end this process just before its grace
+    period does, whatever it waits on. A library call stuck on a bucket that does not answer
+    (orbax making a step's folder, through its client's retries) would otherwise run into SIGKILL
+    with nothing said. `line()` is the line it ends with, unless the process has said its own
+    (`said`); exit 143 either way. What was written stays (a local copy whole, the checkpoints
+    finished before), as after a SIGKILL."""
+    _state["watchdog"] = line
+    try:
+        yield
+    finally:
+        _state["watchdog"] = None
+
+
+def said() -> None:
+    """The process's last line is out: from here on only its exit is left."""
+    _state["said"] = True
+
+
+def _expire() -> None:
+    import sys
+
+    if _state["watchdog"] is None and not _state["said"]:  # the job's work had ended: its own exit goes on
+        return
+    if not _state["said"]:
+        print(_state["watchdog"](), file=sys.__stderr__, flush=True)
+    for stream in (sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code())
+
+
+def given_up() -> bool:
+    """Whether a SIGTERM's stop is past its deadline for writes (stop_deadline): what the process
+    still waits on is a library's thread on a bucket that does not answer, not its own work."""
+    end = stop_deadline()
+    return end is not None and time.monotonic() > end
+
+
+def grace_s() -> float:
+    text = os.environ.get(GRACE_ENV, "30")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > EXIT_S:
+        from dalle_ablate.registry import ConfigError
+
+        raise ConfigError(f"{GRACE_ENV}={text!r}: give the seconds between SIGTERM and SIGKILL, more than {EXIT_S:.0f}")
+    return seconds
 
 
 def exit_code() -> int:

@@ -280,6 +280,15 @@ def resume_command(job: JobInfo, trial: bool) -> str:
     )
 
 
+def overdue(job: JobInfo, trial: bool) -> str:
+    """The line of a job the SIGTERM watchdog ends (interrupts.watchdog): its stop's writes stuck."""
+    return (
+        f"{interrupts.word()}: what its stop writes to {shown(job.job_dir)} did not end within the "
+        f"{interrupts.grace_s():.0f} s grace period (a bucket that does not answer); the checkpoints finished "
+        f"before it are intact; resume with: {resume_command(job, trial)}"
+    )
+
+
 def interrupted(job: JobInfo, trial: bool, what: str, kept: str) -> Interrupted:
     """The one line a Ctrl-C (or SIGTERM: "terminated (SIGTERM)", interrupts.word) ends the job
     with: what it stopped, what was kept, how to continue."""
@@ -298,31 +307,42 @@ def run(cfg: DictConfig) -> float | list[float]:
     # A log file that can no longer be written (the job folder made read-only mid-run) is for the
     # run store's one line to report, not a traceback for each record logged.
     logging.raiseExceptions = False
+    interrupts.grace_s()  # a malformed grace period is found now, not when a SIGTERM comes
     job = job_info(cfg)
     trial = OmegaConf.select(cfg, "optuna.trial") is not None
     num = HydraConfig.get().job.get("num") or 0
     try:
-        # a Ctrl-C between the jobs of a multirun, or while Hydra composed this one's config
-        interrupts.check(
-            f"before job {num} of the multirun started" if job.group is not None and num else "while starting"
-        )
-        from dalle_ablate.train.loop import train, train_members
+        with interrupts.watchdog(lambda: overdue(job, trial)):
+            # a Ctrl-C between the jobs of a multirun, or while Hydra composed this one's config
+            interrupts.check(
+                f"before job {num} of the multirun started" if job.group is not None and num else "while starting"
+            )
+            from dalle_ablate.train.loop import train, train_members
 
-        run_cfg = to_run_config(cfg)
-        with from_bucket(run_cfg, Path(job.job_dir)):
-            if trial:
-                from dalle_ablate.sweep.trial import TrialHooks
+            run_cfg = to_run_config(cfg)
+            with from_bucket(run_cfg, Path(job.job_dir)):
+                if trial:
+                    from dalle_ablate.sweep.trial import TrialHooks
 
-                job.hooks = TrialHooks(run_cfg.optuna, run_cfg.seeds)
-            tokenizer_first(run_cfg, job)
-            if run_cfg.seeds:
-                results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
-            else:
-                results = [train(run_cfg, job)]
+                    job.hooks = TrialHooks(run_cfg.optuna, run_cfg.seeds)
+                tokenizer_first(run_cfg, job)
+                if run_cfg.seeds:
+                    results = train_members(run_cfg, job, member_jobs(cfg, job, run_cfg.seeds))
+                else:
+                    results = [train(run_cfg, job)]
     except Interrupted:
         raise
     except KeyboardInterrupt as e:  # before the first step: nothing trained to save
         raise interrupted(job, trial, interrupts.stage_of(e, "while starting"), "no step trained") from None
+    except RunFailed as e:
+        if interrupts.word() != interrupts.TERMINATED or e.exit_code != RunFailed.FAILED:
+            raise
+        # A SIGTERM's stop whose writes failed (a bucket gone, given up at the grace period's end):
+        # still the signal's stop and exit code, its line naming both (the store says the same)
+        from dalle_ablate.train.checkpoint import abandon_saves
+
+        abandon_saves()
+        raise Interrupted(f"{interrupts.word()}: {e}; resume with: {resume_command(job, trial)}") from None
     return outcome(run_cfg, job, results, trial)
 
 
@@ -379,6 +399,18 @@ def kept(result, plural: bool = False) -> str:
         if result.steps
         else "no step trained"
     )
+
+
+class OwnRecords(logging.Filter):
+    """The job's console (conf/config.yaml `hydra.job_logging`): the project's and Hydra's records
+    only. A library's -- gcsfs's traceback for each request to a bucket that is gone, aiohttp's,
+    optuna's -- goes to the job's log file alone; what went wrong reaches the terminal as the
+    project's one line, naming the library's error as its reason."""
+
+    OWN = ("dalle_ablate", "hydra", "__main__", "root")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.split(".", 1)[0] in self.OWN
 
 
 class ReportHint(Callback):

@@ -46,3 +46,42 @@ def test_a_ctrl_c_is_never_lost_taken_at_the_next_check_and_a_second_one_at_once
     finally:
         signal.signal(signal.SIGINT, before)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def _stuck_after_sigterm(tmp_path, body: str, grace: str = "6") -> tuple:
+    """A process that takes SIGTERM as the entry points do, inside `watchdog`, sends itself one and
+    then does `body` (a library call that never returns): its exit code, stderr and seconds."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import os, signal, sys, threading, time\n"
+        "from dalle_ablate import interrupts\n"
+        "interrupts.install()\n"
+        "with interrupts.watchdog(lambda: 'the watchdog line'):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    )
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, interrupts.GRACE_ENV: grace},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, proc.stderr, time.monotonic() - start
+
+
+def test_after_a_sigterm_the_watchdog_ends_a_process_stuck_past_its_grace_period(tmp_path):
+    """A stop held by a call that never returns (a client retrying a bucket that is gone) still
+    exits 143 before the grace period ends, with the watchdog's line; one whose own line is out
+    (`said`) and is held in its exit by a library's thread exits without a second line."""
+    rc, err, took = _stuck_after_sigterm(tmp_path, "time.sleep(100)")
+    assert (rc, err.strip()) == (143, "the watchdog line") and took < 100
+    held = "threading.Thread(target=time.sleep, args=(100,)).start()\nprint('its own line', file=sys.stderr)\n"
+    rc, err, took = _stuck_after_sigterm(tmp_path, held + "interrupts.said()\nsys.exit(143)")
+    assert (rc, err.strip()) == (143, "its own line") and took < 100
+    rc, err, _ = _stuck_after_sigterm(tmp_path, "pass", grace="5")
+    assert rc == 1 and f"{interrupts.GRACE_ENV}='5': give the seconds between SIGTERM and SIGKILL, more than 5" in err

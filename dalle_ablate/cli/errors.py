@@ -105,6 +105,11 @@ def run_hydra(main: Callable[[], object]) -> None:
                 "run the same command again",
                 file=stderr.stream,
             )
+        interrupts.said()
+        if interrupts.given_up():  # only a library's thread, on a bucket that does not answer, is left to wait for
+            for stream in (stderr.stream, sys.stdout):
+                stream.flush()
+            os._exit(interrupts.exit_code())
         sys.exit(interrupts.exit_code())
     except Exception as ex:  # noqa: BLE001 - re-raised unless it is a user mistake
         from dalle_ablate.validate import format_error

@@ -44,6 +44,9 @@ from dalle_ablate.sweep.optuna_study import (
 )
 
 log = logging.getLogger(__name__)
+# optuna's own INFO lines ("A new study created in RDB", "Trial 3 finished with value ...") on
+# stderr beside the sweeper's: the sweeper says what a trial did, once, in its own words
+optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def quiet_optuna() -> None:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 from omegaconf import MISSING
 
+from dalle_ablate import interrupts
 from dalle_ablate.registry import OptionConfig, Registry, RunFailed, first_line
 
 # name -> builder(tracker cfg, run store, config, meta, *, name, group, job_type) -> trackers
@@ -45,8 +46,12 @@ def ends_on_error(tracker: "Tracker"):
         tracker.finish("interrupted")
         raise
     except BaseException as e:
+        # a failure in a SIGTERM's stop (its bucket gone): the reason names the signal too
+        why = (
+            f"{interrupts.TERMINATED}: {first_line(e)}" if interrupts.word() == interrupts.TERMINATED else first_line(e)
+        )
         try:  # best effort: a run store that cannot be written fails here too, and `e` says why
-            tracker.log_summary({"reason": first_line(e)})
+            tracker.log_summary({"reason": why})
         except Exception:  # noqa: BLE001
             pass
         try:

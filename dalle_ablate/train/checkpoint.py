@@ -20,13 +20,16 @@ import re
 import sys
 import tempfile
 import threading
+import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
+from dalle_ablate import interrupts
 from dalle_ablate.fileio import check_bucket, check_url, filesystem, is_url, push, staged, url_of
 from dalle_ablate.registry import ConfigError, RunFailed, first_line
 
@@ -86,12 +89,13 @@ class Checkpointer:
         )
         self.saving: Optional[int] = None  # step of the save that may still be in flight
         _quiet_abandoned_writes()
+        _OPEN.add(self)
 
     def save(self, step: int, state) -> None:
         try:
             # orbax waits for the previous save before starting one: wait here, so that its
             # failure is reported as its own.
-            self.manager.wait_until_finished()
+            self._wait()
             self.check()
             self._saved()
             if step in self.manager.all_steps():
@@ -122,6 +126,17 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise self._failed(e) from e
 
+    def _wait(self) -> None:
+        """Wait for the save in flight; after a SIGTERM only until its grace period's deadline
+        (interrupts.stop_deadline): a bucket that cannot take the step in time is given up, so
+        that the process still exits before SIGKILL, the earlier checkpoints intact."""
+        end = interrupts.stop_deadline()
+        while end is not None and self.manager.is_saving_in_progress():
+            if time.monotonic() > end:
+                raise TimeoutError(f"not written within the {interrupts.grace_s():.0f} s grace period of its SIGTERM")
+            time.sleep(0.05)
+        self.manager.wait_until_finished()
+
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
@@ -133,7 +148,7 @@ class Checkpointer:
 
     def close(self) -> None:
         try:
-            self.manager.wait_until_finished()
+            self._wait()
             self.check()
             self._saved()
         except RunFailed:
@@ -181,6 +196,18 @@ class Checkpointer:
             pass
         # ... and their coroutines, never run, would each print "coroutine ... was never awaited" at exit
         warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
+
+
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def abandon_saves() -> None:
+    """Give up every save still in flight: a SIGTERM's stop whose grace period ran out elsewhere
+    (its bucket gone). Left waiting, orbax's threads would hold the exit for their 300 s timeout;
+    the checkpoints finished before stay."""
+    for c in list(_OPEN):
+        if c.manager.is_saving_in_progress():
+            c._abandon()
 
 
 def _quiet_abandoned_writes() -> None:

@@ -126,7 +126,10 @@ def trials(url: str, name: str = "dalle-ablate") -> list[optuna.trial.FrozenTria
 
 
 def test_a_resumed_study_counts_its_total_and_does_not_repeat_trials(tmp_path):
-    sweep(tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0")
+    new = sweep(
+        tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0"
+    )
+    assert "A new study created" not in new.stderr and "finished with value" not in new.stderr  # optuna's INFO lines
     first = trials(f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     proc = sweep(
         tmp_path, "x=interval(0, 1)", "y=choice(a, b)", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0"
