@@ -125,7 +125,31 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
                 hooks=job.hooks,
             )
         )
+    if cfg.resume == "auto":
+        believe_the_stores(Path(job.job_dir), seeds, dirs)
     return jobs
+
+
+def believe_the_stores(job_dir: Path, seeds: list[int], dirs: list[Path]) -> None:
+    """A resumed members job goes by each member's own run store, which its checkpoints match;
+    where members.json says otherwise (a member finished there, not in its store: written so by
+    an older version resumed on another VM, which trained the members into a folder of its own)
+    it says so, once per member."""
+    path = job_dir / "members.json"
+    if not path.exists():
+        return
+    said = {m["seed"]: m.get("status") for m in json.loads(path.read_text())["members"]}
+    for seed, folder in zip(seeds, dirs):
+        summary = Path(folder) / "run" / "summary.json"
+        store = json.loads(summary.read_text()) if summary.exists() else {"status": "not started", "steps": 0}
+        if said.get(seed) == "finished" and store.get("status") != "finished":
+            print(
+                f"warning: {shown(path)} says member seed={seed} finished, but its run store "
+                f"{shown(Path(folder) / 'run')} says {store.get('status')} at step {store.get('steps', 0)}: "
+                "the store is believed, and the member continues from its own newest checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def recorded_member_dirs(job_dir: Path, seeds: list[int]) -> list[Path] | None:

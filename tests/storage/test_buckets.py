@@ -150,8 +150,20 @@ def test_a_members_job_resumed_on_another_host_continues_each_member_in_the_buck
     fs = gcs.fs()
     recorded = json.loads(fs.cat(f"{url}/members.json"))
     assert [m["job_dir"] for m in recorded["members"]] == [f"{name}/seed0", f"{name}/seed1"]
+    # as the version before left it after its resume on another VM: each member at host a's absolute
+    # staging path, and finished -- where the stores in the bucket say interrupted
+    for m in recorded["members"]:
+        m["job_dir"] = str(tmp_path / "host-a" / "gs" / gcs.url.removeprefix("gs://") / "runs" / m["job_dir"])
+        m["status"] = "finished"
+    fs.pipe(f"{url}/members.json", json.dumps(recorded).encode())
     resumed = job(tmp_path, url, "host-b", *members, "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    warned = [x for x in resumed.stderr.splitlines() if x.startswith(f"warning: {url}/members.json says member seed=")]
+    assert [w.split(" finished, but its run store ")[1] for w in warned] == [
+        f"{url}/seed{k}/run says interrupted at step {saved}: the store is believed, and the member continues "
+        "from its own newest checkpoint"
+        for k in (0, 1)
+    ], resumed.stderr[-3000:]
     for k in (0, 1):
         store = f"{url}/seed{k}/run"
         assert json.loads(fs.cat(f"{store}/meta.json"))["resumed_from_step"] == saved  # not step 0
