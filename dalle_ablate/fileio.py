@@ -48,11 +48,12 @@ def looks_like_url(path) -> bool:
     return is_url(path) or bool(re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", str(path)))
 
 
-def check_url(url: str, field: str) -> str:
-    """`url` if it is a `gs://bucket/...` URL, else a ConfigError naming `field`."""
+def check_url(url: str, field: str, given: Optional[str] = None) -> str:
+    """`url` if it is a `gs://bucket/...` URL, else a ConfigError naming `field` (`given`: how
+    the user gave it, when not as `field=`)."""
     if not re.fullmatch(r"gs://[a-z0-9][a-z0-9._-]{1,221}[a-z0-9](/.*)?", url):
         raise ConfigError(
-            f"{field}={url}: not a bucket URL this tool can use; give gs://<bucket>/<path> (Cloud Storage; "
+            f"{given or field + '='}{url}: not a bucket URL this tool can use; give gs://<bucket>/<path> (Cloud Storage; "
             f"s3:// and other stores are not supported, docs/guides/runs.md says why)"
         )
     return url.rstrip("/")

@@ -401,3 +401,22 @@ def test_help_and_a_typo_load_only_what_they_need(argv, loaded):
     *_, exit_line, modules = proc.stderr.splitlines()
     assert exit_line == f"exit {2 if argv[1] in ('repot', 'modle=x') else 0}", proc.stderr[-2000:]
     assert modules.split()[1:] == loaded
+
+
+@pytest.mark.parametrize(
+    "path, says",
+    [
+        ("{tmp}/gone", "no such file or folder (give a run dir, its run/ or run/checkpoints/)"),
+        ("{tmp}", "no orbax checkpoint found there"),
+        ("gs://Not_A_Bucket/x", "not a bucket URL this tool can use; give gs://<bucket>/<path>"),
+    ],
+)
+def test_eval_names_the_path_it_was_given_not_resume(tmp_path, capsys, path, says):
+    """Issue 72: `dalle-ablate eval` of a path with no checkpoint is a one-line error naming the
+    path as the command took it, not as `resume=` (the trainer's field, which eval has none of)."""
+    path = path.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["eval", path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: dalle-ablate eval {path}: {says}") and err.count("\n") == 1, err

@@ -331,31 +331,32 @@ def _root_cause(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def find_checkpoints(path: str) -> tuple[Path, Optional[int]]:
-    """A checkpoints folder and step from what a user may pass as `resume=`: a job dir, a run
-    store, a checkpoints folder, or one step's folder inside it -- a local path or a gs:// URL (its
-    staging folder is returned; orbax reads the bucket, `location`)."""
+def find_checkpoints(path: str, given: str = "resume=") -> tuple[Path, Optional[int]]:
+    """A checkpoints folder and step from what a user may pass as `resume=` (or as `given`, e.g.
+    "dalle-ablate eval "): a job dir, a run store, a checkpoints folder, or one step's folder
+    inside it -- a local path or a gs:// URL (its staging folder is returned; orbax reads the
+    bucket, `location`)."""
     if is_url(path) or url_of(path):  # a URL, or a staged folder: its checkpoints are in the bucket
-        return _find_in_bucket(check_url(path, "resume") if is_url(path) else url_of(path))
+        return _find_in_bucket(check_url(path, "resume", given) if is_url(path) else url_of(path), given)
     p = Path(path).expanduser().absolute()
     if not p.exists():
-        raise ConfigError(f"resume={path}: no such file or folder (give a run dir, its run/ or run/checkpoints/)")
+        raise ConfigError(f"{given}{path}: no such file or folder (give a run dir, its run/ or run/checkpoints/)")
     for cand in (p / "run" / "checkpoints", p / "checkpoints", p):
         if cand.is_dir() and any(c.is_dir() and c.name.isdigit() for c in cand.iterdir()):
             return cand, None
     if p.name.isdigit() and p.parent.is_dir():
         return p.parent, int(p.name)
-    raise ConfigError(f"resume={path}: no orbax checkpoint found there")
+    raise ConfigError(f"{given}{path}: no orbax checkpoint found there")
 
 
-def _find_in_bucket(url: str) -> tuple[Path, Optional[int]]:
+def _find_in_bucket(url: str, given: str) -> tuple[Path, Optional[int]]:
     for cand in (f"{url}/run/checkpoints", f"{url}/checkpoints", url):
         if finished_steps(cand):
             return staged(cand), None
     parent, _, name = url.rpartition("/")
     if name.isdigit() and int(name) in finished_steps(parent):
         return staged(parent), int(name)
-    raise ConfigError(f"resume={url}: no finished orbax checkpoint found there")
+    raise ConfigError(f"{given}{url}: no finished orbax checkpoint found there")
 
 
 def restore(directory: Path, step: Optional[int], target, on_broken: Optional[Callable[[Path], None]] = None):

@@ -156,7 +156,7 @@ def run_config_for_eval(store: Path, recorded: list[str], overrides: list[str]) 
 
 
 def evaluate_checkpoint(path: str, overrides: list[str]) -> Path:
-    ckpt_dir, step = checkpoint.find_checkpoints(path)
+    ckpt_dir, step = checkpoint.find_checkpoints(path, given="dalle-ablate eval ")
     store = ckpt_dir.parent
     if url_of(store) is not None:  # a bucket's run: its store read from its copy (its evaluations go back there)
         pull(url_of(store))
