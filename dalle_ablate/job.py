@@ -246,18 +246,22 @@ def tokenizer_first(run_cfg, job: JobInfo) -> None:
 
 
 BUCKET_DIRS = ("hydra.run.dir", "hydra.sweep.dir")  # Hydra's folders a command line may give as gs:// URLs
+BUCKET_FIELDS = ("data.cache_dir",)  # the job's own folders that may be gs:// URLs, checked before Hydra makes any
 
 
 def bucket_dirs(argv: list[str]) -> list[str]:
     """The command line with a gs:// URL given as `hydra.run.dir` or `hydra.sweep.dir` replaced by
     its local staging folder (fileio.staged): Hydra makes, and writes its own files into, a local
-    folder, and everything this package writes under it goes to the bucket (fileio)."""
+    folder, and everything this package writes under it goes to the bucket (fileio). A malformed
+    URL there or in `BUCKET_FIELDS` is refused before Hydra makes any folder."""
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
         value = value.strip("'\"")
         if eq and key in BUCKET_DIRS and looks_like_url(value):  # `gs:/b/x` too: refused, not made a local folder
             arg = f"{key}={staged(check_url(value, key))}"
+        elif eq and key in BUCKET_FIELDS and looks_like_url(value):  # refused before the job's folder is made
+            check_url(value, key)
         out.append(arg)
     return out
 

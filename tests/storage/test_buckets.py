@@ -530,7 +530,7 @@ def test_a_mistyped_bucket_url_is_refused_in_one_line_before_anything_starts(gcs
         "s3:// and other stores are not supported, docs/guides/runs.md says why)"
     ]
     assert not list(tmp_path.rglob("gs:*")) and not list(tmp_path.rglob("s3:*"))
-    assert not (tmp_path / "elsewhere" / "run").exists() and not list((tmp_path / "host").rglob("*"))
+    assert not (tmp_path / "elsewhere").exists() and not list((tmp_path / "host").rglob("*"))  # no job folder
 
 
 def dead_pid() -> int:
