@@ -12,6 +12,7 @@ if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C while
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -242,7 +243,8 @@ def tokenizer_first(run_cfg, job: JobInfo) -> None:
         group=job.group,
         overrides=job.overrides,
     )
-    print(tokenizer_lines(run_cfg, res), flush=True)
+    # the cached file as the user named its folder: a bucket's URL, not this host's staging copy
+    print(tokenizer_lines(run_cfg, dataclasses.replace(res, path=shown(res.path))), flush=True)
 
 
 BUCKET_DIRS = ("hydra.run.dir", "hydra.sweep.dir")  # Hydra's folders a command line may give as gs:// URLs

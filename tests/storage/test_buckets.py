@@ -142,9 +142,13 @@ def test_a_members_job_resumed_on_another_host_continues_each_member_in_the_buck
     host's staging root -- and ends there, every step logged once."""
     name = f"members-{tmp_path.name}"
     url = f"{gcs.url}/runs/{name}"
-    members = ("seeds=[0,1]", "seed=0", "members.impl=map")
+    members = ("seeds=[0,1]", "seed=0", "members.impl=map", f"data.cache_dir={gcs.url}/cache-{name}")
     stopped = job(tmp_path, url, "host-a", *members, kill="step:5", sig="SIGTERM")  # a preemption notice
     assert stopped.returncode == 143, stopped.stderr[-3000:]
+    # the image tokenizer, fitted first, is named where it is cached: in the bucket, not the staging copy
+    assert re.search(
+        rf"^trained data.tokenizer=kmeans in [0-9.]+ s: {gcs.url}/cache-{name}/kmeans/\w+\.npz$", stopped.stdout, re.M
+    )
     saved = int(re.search(r"at step (\d+) of 6 \(members seed=0, seed=1\); checkpoints saved", stopped.stderr).group(1))
     assert saved > 0
     fs = gcs.fs()
