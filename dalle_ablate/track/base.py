@@ -37,12 +37,15 @@ def no_tracker(cfg: NoTrackerConfig, store, config: dict, meta: dict, **naming) 
 
 @contextlib.contextmanager
 def ends_on_error(tracker: "Tracker"):
-    """Around a tracked run's work: Ctrl-C finishes the run `interrupted`, any other exception
+    """Around a tracked run's work: Ctrl-C finishes the run `interrupted` (its `reason` what it
+    stopped, e.g. "terminated (SIGTERM) while fitting the image tokenizer"), any other exception
     `failed` (`diverged` for a RunFailed that says so) with its first line as the summary's
     `reason`; either is re-raised."""
     try:
         yield tracker
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        with contextlib.suppress(Exception):  # best effort, as below: what it stopped, e.g. the tokenizer's fit
+            tracker.log_summary({"reason": f"{interrupts.word()} {interrupts.stage_of(e, 'while it ran')}"})
         tracker.finish("interrupted")
         raise
     except BaseException as e:

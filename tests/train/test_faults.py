@@ -603,8 +603,9 @@ def test_ctrl_c_at_each_stage_is_one_line_saying_what_it_stopped_and_how_to_resu
     again = shlex.split(line.removeprefix(f"{head}resume with: python run.py "))
     assert again == [*TINY, "tracker=none", "resume=auto", f"hydra.run.dir={job_dir(tmp_path)}"]
     run = job_dir(tmp_path) / "run"
-    if at.startswith(("fit", "render")):  # stage 1's own run store says so; no run store of the steps yet
-        assert summary(job_dir(tmp_path) / "tokenizer")["status"] == "interrupted" and not run.exists()
+    if at.startswith(("fit", "render")):  # stage 1's own run store says so, and why; no run store of the steps yet
+        s = summary(job_dir(tmp_path) / "tokenizer")
+        assert (s["status"], s["reason"]) == ("interrupted", head.split("; ")[0]) and not run.exists()
     if at == "compile:1":  # step 1 saved, logged without timing; no validation yet: no eval loss, not NaN
         s = summary(run)
         assert (s["status"], s["steps"], "eval/valid/loss" in s) == ("interrupted", 1, False)
@@ -770,7 +771,8 @@ def test_sigterm_during_the_tokenizer_fit_or_the_final_evaluation_ends_as_ctrl_c
     assert again == [*TINY, "tracker=none", *overrides, "resume=auto", f"hydra.run.dir={job_dir(tmp_path)}"]
     run = job_dir(tmp_path) / "run"
     if at.startswith("fit"):
-        assert summary(job_dir(tmp_path) / "tokenizer")["status"] == "interrupted" and not run.exists()
+        s = summary(job_dir(tmp_path) / "tokenizer")
+        assert (s["status"], s["reason"]) == ("interrupted", head.split("; ")[0]) and not run.exists()
     else:
         s = summary(run)
         assert (s["status"], s["reason"], "evaluated_step" in s) == (
