@@ -135,7 +135,7 @@ def test_kill_9_mid_checkpoint_then_resume_on_another_host_continues_bit_for_bit
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_a_members_job_resumed_on_another_host_continues_each_member_in_the_bucket(gcs, tmp_path):
+def test_a_members_job_resumed_on_another_host_continues_each_member_in_the_bucket(gcs, whole, tmp_path):
     """Issue 72: a members job killed on one host and resumed with `resume=auto` on another (a
     staging root of its own): members.json names no host's path, each member continues from its
     own checkpoint in the bucket -- not from step 0 into a local folder named after the first
@@ -174,6 +174,8 @@ def test_a_members_job_resumed_on_another_host_continues_each_member_in_the_buck
         assert json.loads(fs.cat(f"{store}/summary.json"))["status"] == "finished"
         steps = [r["step"] for r in rows(gcs, store) if "train/loss" in r]
         assert steps == list(range(1, 7))  # each step once: host a's up to its checkpoint, then host b's
+    # bit for bit the uninterrupted run of its seed (a member is its separate run): every logged value
+    assert timeless_rows(gcs, f"{url}/seed0/run") == timeless_rows(gcs, f"{whole}/run")
     assert not list((tmp_path / "host-b").rglob("host-a"))  # nothing written under the first host's path
 
 
