@@ -53,14 +53,15 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def unwritable(root: Path, e: OSError) -> RunFailed:
-    """The one line for a run store that cannot be written (a full disk, a read-only folder)."""
+def unwritable(root: Path, e: OSError, again: str = "resume=auto") -> RunFailed:
+    """The one line for a run store that cannot be written (a full disk, a read-only folder);
+    `again`: what continues once it is fixed."""
     what = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}" if e.errno else str(e)
     where = (
         f" ({re.sub(r'[.][0-9]+[.]tmp$', '', Path(e.filename).name)})" if e.filename else ""
     )  # atomic_write's temporary name
     return RunFailed(
-        f"run store {shown(root)} cannot be written{where}: {what}; free space or fix the folder, then resume=auto"
+        f"run store {shown(root)} cannot be written{where}: {what}; free space or fix the folder, then {again}"
     )
 
 
@@ -72,7 +73,7 @@ def _writes(method):
         try:
             return method(self, *args, **kwargs)
         except OSError as e:
-            raise unwritable(self.root, e) from e
+            raise unwritable(self.root, e, getattr(self, "again", "resume=auto")) from e
 
     return wrapped
 
@@ -81,6 +82,8 @@ class RunStore(Tracker):
     @_writes
     def __init__(self, root: Path, config: dict, meta: dict, resume_step: Optional[int] = None):
         self.root = Path(root)
+        # an evaluation's store (dalle-ablate eval) is written again by the same command, not by a resume
+        self.again = "run the same dalle-ablate eval again" if "evaluated_step" in meta else "resume=auto"
         retry_bucket(self.root)  # a bucket an earlier run of this process could not reach: try it again
         self.media = self.root / "media"
         self.media.mkdir(parents=True, exist_ok=True)
