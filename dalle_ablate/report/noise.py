@@ -21,7 +21,6 @@ variance (the same interaction, of the per-scene differences)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 from scipy import stats as st
@@ -31,12 +30,6 @@ from dalle_ablate.report.prose import NOISE_INTRO
 from dalle_ablate.report.tables import fmt3
 
 LAST = 5  # the last evaluations whose mean is set against the final one
-
-
-def examples(run: Run) -> Optional[np.ndarray]:
-    """Each valid scene's NLL at the last validation (load.Run.valid_losses); None where the run
-    logged none (a run from before they were logged, a run read from W&B)."""
-    return run.valid_losses
 
 
 def interaction(values: np.ndarray) -> tuple[float, int]:
@@ -77,7 +70,7 @@ def eval_set_share(runs: list[Run]) -> tuple[float, float, int]:
     """(the evaluation set's variance in one run's final eval loss, sigma^2_ab / N; its share of
     the runs' variance; the runs it is measured on): from the runs' per-scene losses at their final
     validation, NaN with fewer than two runs that logged them alike."""
-    rows = [examples(r) for r in runs]
+    rows = [r.valid_losses for r in runs]
     rows = [x for x in rows if x is not None]
     if len(rows) < 2 or len({len(x) for x in rows}) != 1:
         return math.nan, math.nan, len(rows)
@@ -91,7 +84,7 @@ def pair_eval_set_share(pairs: list[tuple[Run, Run]]) -> tuple[float, float]:
     """(the evaluation set's variance in one seed's difference of two arms' final eval loss; its
     share of those differences' variance over the seeds): the seeds x scenes interaction of the
     per-scene differences, over N."""
-    rows = [(examples(a), examples(b)) for a, b in pairs]
+    rows = [(a.valid_losses, b.valid_losses) for a, b in pairs]
     rows = [x - y for x, y in rows if x is not None and y is not None and len(x) == len(y)]
     if len(rows) < 2 or len({len(x) for x in rows}) != 1:
         return math.nan, math.nan
@@ -122,7 +115,7 @@ def arm_rows(by_arm: dict[str, list[Run]]) -> list[list]:
         finals = [final_eval(r) for r in done]
         sd, lo, hi, n = sd_interval(finals)
         _, share, _ = eval_set_share(done)
-        scenes = next((len(x) for x in (examples(r) for r in done) if x is not None), None)
+        scenes = next((len(r.valid_losses) for r in done if r.valid_losses is not None), None)
         last = sd_interval([last_mean(r) for r in done])[0]
         out.append([arm, n, float(np.nanmean(finals)) if n else math.nan, sd, _ci(lo, hi), share, scenes or "–", last])
     return out

@@ -100,4 +100,4 @@ def test_runs_without_per_scene_losses_leave_the_share_unmeasured(stores, tmp_pa
             p.unlink()
         r.valid_losses = load_run(Path(r.root)).valid_losses  # the store read again: a run read with its tables
     assert math.isnan(noise.eval_set_share(by_arm["base"])[1])
-    assert noise.examples(by_arm["base"][1]) is None and len(noise.examples(by_arm["base"][0])) == SCENES
+    assert by_arm["base"][1].valid_losses is None and len(by_arm["base"][0].valid_losses) == SCENES
