@@ -99,7 +99,7 @@ def stop_deadline() -> Optional[float]:
     """After a SIGTERM, when (time.monotonic()) the writes the stop waits on must have ended -- a
     bucket that cannot take them in time is given up, and the process still exits inside its
     grace period; None before any SIGTERM."""
-    if _state["terminated_at"] is None:
+    if not _state["terminated"] or _state["terminated_at"] is None:
         return None
     return _state["terminated_at"] + grace_s() - EXIT_S
 
@@ -150,10 +150,8 @@ def grace_s() -> float:
         seconds = float(text)
     except ValueError:
         seconds = 0.0
-    if not seconds > EXIT_S:
-        from dalle_ablate.registry import ConfigError
-
-        raise ConfigError(f"{GRACE_ENV}={text!r}: give the seconds between SIGTERM and SIGKILL, more than {EXIT_S:.0f}")
+    if not seconds > EXIT_S:  # a ValueError: this module sits below registry's ConfigError (job.py makes it one)
+        raise ValueError(f"{GRACE_ENV}={text!r}: give the seconds between SIGTERM and SIGKILL, more than {EXIT_S:.0f}")
     return seconds
 
 

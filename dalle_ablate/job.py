@@ -337,7 +337,10 @@ def run(cfg: DictConfig) -> float | list[float]:
     # A log file that can no longer be written (the job folder made read-only mid-run) is for the
     # run store's one line to report, not a traceback for each record logged.
     logging.raiseExceptions = False
-    interrupts.grace_s()  # a malformed grace period is found now, not when a SIGTERM comes
+    try:
+        interrupts.grace_s()  # a malformed grace period is found now, not when a SIGTERM comes
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     job = job_info(cfg)
     trial = OmegaConf.select(cfg, "optuna.trial") is not None
     num = HydraConfig.get().job.get("num") or 0
