@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, SMALL_DATA, TINY_TRAIN
-from dalle_ablate import fileio
+from dalle_ablate import fileio, interrupts
 from dalle_ablate.registry import ConfigError, RunFailed
 
 TINY = [*SMALL_DATA, *TINY_TRAIN, "schedule=constant"]
@@ -836,7 +836,13 @@ def test_the_server_gone_mid_run_ends_it_in_the_stores_own_line_and_a_resume_aft
         s = json.loads(summary.read_text())
         assert s["status"] == "failed" and "cannot be written" in s["reason"]
         server.start()
-        again = subprocess.run(**{**args, "args": [*args["args"][:-1], "resume=auto", args["args"][-1]]}, timeout=300)
+        # resumed to 200 steps, not 1500: what it checks (the lock taken over, each logged step once to
+        # the end) is the same at any length, and the dead writer left no checkpoint (its first is at 500)
+        shorter = [
+            {"trainer.steps=1500": "trainer.steps=200", "trainer.eval_every=1500": "trainer.eval_every=200"}.get(a, a)
+            for a in args["args"]
+        ]
+        again = subprocess.run(**{**args, "args": [*shorter[:-1], "resume=auto", shorter[-1]]}, timeout=300)
         assert again.returncode == 0, again.stderr[-3000:]
         # the lock the dead writer could not release: taken over, with a warning naming it and why
         (took,) = [
@@ -852,7 +858,7 @@ def test_the_server_gone_mid_run_ends_it_in_the_stores_own_line_and_a_resume_aft
             for x in fs.cat(f"{url}/run/metrics.jsonl").decode().splitlines()
             if x and "train/loss" in x
         ]
-        assert steps == sorted(set(steps)) and steps[-1] == 1500  # every logged step once, to the end
+        assert steps == sorted(set(steps)) and steps[-1] == 200  # every logged step once, to the end
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -863,7 +869,7 @@ def test_the_server_gone_mid_run_ends_it_in_the_stores_own_line_and_a_resume_aft
 def test_sigterm_with_the_server_gone_exits_within_the_grace_period_in_one_line_naming_both(tmp_path):
     """Issue 72: a preemption notice (SIGTERM) while the bucket's server is gone. The bucket cannot
     take the step's checkpoint, and waiting out the storage client's retries (68 s before) would
-    outlast the 30 s a VM or a pod is given before SIGKILL: the run exits 143 within them, its one
+    outlast the grace period a VM or a pod gives before SIGKILL (30 s; 15 here): the run exits 143 within it, its one
     line naming the signal and the bucket's failure, its staging copy whole, and no library's
     traceback on either stream."""
     import time
@@ -882,7 +888,8 @@ def test_sigterm_with_the_server_gone_exits_within_the_grace_period_in_one_line_
         args = job_command(
             tmp_path, url, "host", "trainer.steps=1500", "trainer.save_every=10", "trainer.eval_every=1500"
         )
-        args["env"].update(env)
+        # a grace period of 15 s, not the default 30: the same contract, half the test's wait
+        args["env"].update(env, **{interrupts.GRACE_ENV: "15"})
         child = subprocess.Popen(
             **{k: v for k, v in args.items() if k != "capture_output"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
@@ -898,8 +905,8 @@ def test_sigterm_with_the_server_gone_exits_within_the_grace_period_in_one_line_
         child.send_signal(signal.SIGTERM)
         out, err = child.communicate(timeout=300)
         took = time.monotonic() - stopped
-        # the contract the docs cite (a VM's or a pod's grace period), not a speed: the bucket's wait is cut to fit it
-        assert took < 30, f"{took:.0f} s\n{err[-3000:]}"
+        # the contract (a VM's or a pod's grace period), not a speed: the bucket's wait is cut to fit it
+        assert took < 15, f"{took:.0f} s\n{err[-3000:]}"
         assert child.returncode == 143, err[-3000:]
         last = err.strip().splitlines()[-1]
         assert last.startswith("terminated (SIGTERM): ") and url in last, last
@@ -910,7 +917,8 @@ def test_sigterm_with_the_server_gone_exits_within_the_grace_period_in_one_line_
         # which leaves the store as a SIGKILL would (a resume takes it as killed)
         s = json.loads((staged / "summary.json").read_text())
         said = last.split("; resume with: ")[0]
-        assert (s["status"], s.get("reason")) == ("failed", said) or (
+        failure = said.replace(": ", ": RunFailed: ", 1)  # the summary's reason names the exception's type
+        assert (s["status"], s.get("reason")) == ("failed", failure) or (
             s["status"] == "running" and "did not end within" in said
         ), (s, last)
         rows_ = [json.loads(x) for x in (staged / "metrics.jsonl").read_text().splitlines() if x]
