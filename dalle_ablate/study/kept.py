@@ -16,6 +16,7 @@ from dalle_ablate.report.page import StudyRuns
 from dalle_ablate.report.staged import RECORD as STAGES
 from dalle_ablate.study import declaration, identity
 from dalle_ablate.study.record import DECLARATION, RUNS, STRESS, Record, check_entry, entry_of
+from dalle_ablate.study.stage2 import PlanFrom
 from dalle_ablate.track.naming import key_of
 from dalle_ablate.track.runstore import settled
 from dalle_ablate.train.meta import library_versions
@@ -190,10 +191,12 @@ class Kept:
                 out[(kind, arm)] = machine_time(rs) / len(rs)
         return out
 
-    def stage2_state(self) -> tuple:
-        """What stage 2 plans from and keeps, for study/stage2.py: the record's folder (its plan is
-        kept there), the record's runs, stage 1's declared seeds, the runs the record holds."""
-        return self.record.root, self.inputs(), list(self.declared["protocol"]["seeds"]), frozenset(self.done(RUNS))
+    def stage2_state(self) -> PlanFrom:
+        """What stage 2 plans from and keeps: the record's folder (its plan is kept there), the
+        record's runs, stage 1's declared seeds, the runs the record holds."""
+        return PlanFrom(
+            self.record.root, self.inputs(), list(self.declared["protocol"]["seeds"]), frozenset(self.done(RUNS))
+        )
 
     def inputs(self) -> StudyRuns:
         """What the page reads, from the record alone."""

@@ -8,6 +8,7 @@ folder beside stage 1's (`<arm>-seed<k>`). Finished runs are left as they are (r
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -39,6 +40,18 @@ def check_seeds(study: Study, overrides: list[str]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class PlanFrom:
+    """What stage 2 is planned from, for a study kept in a record (study/kept.py): where its plan
+    is kept, the record's runs, stage 1's declared seeds, and the runs the record holds (never
+    trained again)."""
+
+    keep: Path
+    inputs: StudyRuns
+    stage1: list[int]
+    done: frozenset
+
+
 def run_stage2(
     study: Study,
     study_file: Path,
@@ -47,21 +60,21 @@ def run_stage2(
     env: dict,
     preexec: Optional[Callable[[], None]] = None,
     members: bool = True,
-    kept: Optional[tuple[Path, StudyRuns, list[int], frozenset]] = None,
+    kept: Optional[PlanFrom] = None,
     clock: Optional[Clock] = None,
     after: Callable[[], object] = lambda: None,
 ) -> int:
     """Plan stage 2 if no plan is kept yet, then train what it asks for; the exit code of the first
-    job that failed, else 0. `kept`, for a study kept in a record: (where the plan is kept, the
-    runs to plan from, stage 1's declared seeds, the names of the runs the record holds, which are
-    not trained again); else the study's folder and its runs. `clock`: the study's time limit;
-    `after`: called after each job."""
-    keep, inputs, stage1, done = kept or (folder, None, swept_seeds(study.experiment, overrides) or [], frozenset())
+    job that failed, else 0. `kept`: a study kept in a record's; else the plan is kept in the
+    study's folder and made from its runs there. `clock`: the study's time limit; `after`: called
+    after each job."""
+    keep, done = (kept.keep, kept.done) if kept else (folder, frozenset())
     record = staged.read_record(keep)
     if record is not None:
         staged.check_design(record, study.stages, f"study {study.name}: {Path(keep) / staged.RECORD}")
     else:
-        inputs = inputs or in_folder(str(folder))
+        inputs = kept.inputs if kept else in_folder(str(folder))
+        stage1 = kept.stage1 if kept else swept_seeds(study.experiment, overrides) or []
         _, measured, _ = stress_measures(study_file, inputs.stress)
         record = staged.plan(study, _arms_by(inputs.runs), stage1, measured)
         staged.write_record(keep, record)  # before any stage-2 run: the plan is what stage 1 showed

@@ -418,6 +418,7 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
             *how,
             *SMALL_DATA,
             *TINY_TRAIN,
+            "tracker=none",  # no W&B service per child: nothing here reads W&B, and no page shows it
         ]
         # the suite's compilation cache (conftest.py), as every run's: the study's runs load what other tests compiled
         return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ))
