@@ -167,7 +167,7 @@ def push(path) -> None:
         except Exception as e:  # noqa: BLE001 - after gcsfs's own retries: HttpError, aiohttp's and OS errors
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _DOWN[bucket] = (
-                f"no answer within the grace period of its {interrupts.TERMINATED}"
+                f"no answer within the {interrupts.grace_s():.0f} s grace period after SIGTERM"
                 if isinstance(e, FSTimeoutError)
                 else f"{type(e).__name__}{': ' + first if first else ''}"
             )

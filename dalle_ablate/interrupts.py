@@ -72,12 +72,8 @@ def terminated() -> None:
     pending and none was recorded before (a scheduler's repeated SIGTERM adds none)."""
     first = not _state["terminated"]
     _state["terminated"] = True
-    if first:
+    if first:  # the time alone: a signal handler starts no thread and takes no lock (the watchdog polls it)
         _state["terminated_at"] = time.monotonic()
-        if _state["watchdog"] is not None:
-            timer = threading.Timer(grace_s() - WATCHDOG_S, _expire)
-            timer.daemon = True
-            timer.start()
     if first and not pending():
         _state["pressed"] += 1
 
@@ -110,9 +106,10 @@ def watchdog(line):
     period does, whatever it waits on. A library call stuck on a bucket that does not answer
     (orbax making a step's folder, through its client's retries) would otherwise run into SIGKILL
     with nothing said. `line()` is the line it ends with, unless the process has said its own
-    (`said`); exit 143 either way. What was written stays (a local copy whole, the checkpoints
-    finished before), as after a SIGKILL."""
-    _state["watchdog"] = line
+    (`said`) or the process that started it says it (PARENT_SAYS); exit 143 either way. What was
+    written stays (a local copy whole, the checkpoints finished before), as after a SIGKILL."""
+    _state["watchdog"], _state["said"] = line, False
+    threading.Thread(target=_watch, args=(line,), daemon=True, name="sigterm-watchdog").start()
     try:
         yield
     finally:
@@ -124,17 +121,28 @@ def said() -> None:
     _state["said"] = True
 
 
-def _expire() -> None:
+def _watch(line) -> None:
+    """The watchdog's thread, for as long as its block runs, and after a SIGTERM until the exit."""
+    while _state["watchdog"] is line or stop_deadline() is not None:
+        end = stop_deadline()
+        if end is not None and time.monotonic() > end + EXIT_S - WATCHDOG_S:
+            _expire(line)
+        time.sleep(0.2)
+
+
+def _expire(line) -> None:
     import sys
 
-    if _state["watchdog"] is None and not _state["said"]:  # the job's work had ended: its own exit goes on
-        return
-    if not _state["said"]:
-        print(_state["watchdog"](), file=sys.__stderr__, flush=True)
-    for stream in (sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(exit_code())
+    try:
+        if not _state["said"] and not os.environ.get(PARENT_SAYS):
+            print(line(), file=sys.__stderr__, flush=True)
+    except BaseException:  # noqa: BLE001 - the exit below is what must happen
+        pass
+    finally:
+        for stream in (sys.__stdout__, sys.__stderr__):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(exit_code())
 
 
 def given_up() -> bool:

@@ -98,13 +98,16 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
     resolved config -- so that a member's run store, meta.json and W&B run cannot be told from
     that separate run's (train/loop.py trains them). `job` is this job's own `job_info(cfg)`;
     called inside the Hydra task (HydraConfig)."""
+    import jax
+
     from dalle_ablate.train.loop import JobInfo
 
     hc = HydraConfig.get()
     seeds = list(seeds)
     typed = OmegaConf.to_object(cfg)  # the RunConfig as composed, for what config.member_config changes
     multirun = hc.mode == RunMode.MULTIRUN
-    dirs = recorded_member_dirs(Path(job.job_dir), seeds) or template_member_dirs(cfg, job, seeds)
+    recorded = recorded_member_dirs(Path(job.job_dir), seeds)
+    dirs = recorded or template_member_dirs(cfg, job, seeds)
     # A separate run of the same multirun is named by what it varies, its seed among them; a single
     # run (`python run.py seed=k`) by all its overrides.
     varying = (varying_keys(Path(hc.sweep.dir)) - {"seeds"}) | {"seed"} if multirun else set()
@@ -126,7 +129,7 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
                 hooks=job.hooks,
             )
         )
-    if cfg.resume == "auto":
+    if cfg.resume == "auto" and recorded and jax.process_index() == 0:  # members.json's own folders, said once
         believe_the_stores(Path(job.job_dir), seeds, dirs)
     return jobs
 
@@ -337,6 +340,9 @@ def run(cfg: DictConfig) -> float | list[float]:
     # A log file that can no longer be written (the job folder made read-only mid-run) is for the
     # run store's one line to report, not a traceback for each record logged.
     logging.raiseExceptions = False
+    for handler in logging.getLogger().handlers:  # the console, not the job's log file (a FileHandler)
+        if type(handler) is logging.StreamHandler and not any(isinstance(f, OwnRecords) for f in handler.filters):
+            handler.addFilter(OwnRecords())
     try:
         interrupts.grace_s()  # a malformed grace period is found now, not when a SIGTERM comes
     except ValueError as e:
@@ -435,8 +441,8 @@ def kept(result, plural: bool = False) -> str:
 
 
 class OwnRecords(logging.Filter):
-    """The job's console (conf/config.yaml `hydra.job_logging`): the project's and Hydra's records
-    only. A library's -- gcsfs's traceback for each request to a bucket that is gone, aiohttp's,
+    """The job's console (`run`: the root logger's stream handlers, whichever `hydra/job_logging`
+    made them; its file handler keeps every record): the project's and Hydra's records only. A library's -- gcsfs's traceback for each request to a bucket that is gone, aiohttp's,
     optuna's -- goes to the job's log file alone; what went wrong reaches the terminal as the
     project's one line, naming the library's error as its reason."""
 

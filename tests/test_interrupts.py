@@ -83,5 +83,15 @@ def test_after_a_sigterm_the_watchdog_ends_a_process_stuck_past_its_grace_period
     held = "threading.Thread(target=time.sleep, args=(100,)).start()\nprint('its own line', file=sys.stderr)\n"
     rc, err, took = _stuck_after_sigterm(tmp_path, held + "interrupts.said()\nsys.exit(143)")
     assert (rc, err.strip()) == (143, "its own line") and took < 100
-    rc, err, _ = _stuck_after_sigterm(tmp_path, "pass", grace="5")
-    assert rc == 1 and f"{interrupts.GRACE_ENV}='5': give the seconds between SIGTERM and SIGKILL, more than 5" in err
+
+
+def test_a_grace_period_that_leaves_no_time_is_refused_naming_the_variable(monkeypatch):
+    """(job.py refuses it as a ConfigError, one line, before the job starts.)"""
+    for text in ("5", "thirty"):
+        monkeypatch.setenv(interrupts.GRACE_ENV, text)
+        with pytest.raises(ValueError) as e:
+            interrupts.grace_s()
+        assert (
+            str(e.value)
+            == f"{interrupts.GRACE_ENV}={text!r}: give the seconds between SIGTERM and SIGKILL, more than 5"
+        )

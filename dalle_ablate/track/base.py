@@ -49,10 +49,11 @@ def ends_on_error(tracker: "Tracker"):
         tracker.finish("interrupted")
         raise
     except BaseException as e:
-        # a failure in a SIGTERM's stop (its bucket gone): the reason names the signal too
-        why = (
-            f"{interrupts.TERMINATED}: {first_line(e)}" if interrupts.word() == interrupts.TERMINATED else first_line(e)
-        )
+        # a failure in a SIGTERM's stop (its bucket gone): the reason names the signal too -- not a
+        # divergence, an end of its own whatever came after
+        diverged = isinstance(e, RunFailed) and e.exit_code == RunFailed.DIVERGED
+        terminated = interrupts.word() == interrupts.TERMINATED and not diverged
+        why = f"{interrupts.TERMINATED}: {first_line(e)}" if terminated else first_line(e)
         try:  # best effort: a run store that cannot be written fails here too, and `e` says why
             tracker.log_summary({"reason": why})
         except Exception:  # noqa: BLE001
