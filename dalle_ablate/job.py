@@ -13,7 +13,6 @@ if __name__ == "__main__":  # before the imports below (seconds): a Ctrl-C while
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import os
 import shlex
@@ -101,6 +100,7 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
     import jax
 
     from dalle_ablate.train.loop import JobInfo
+    from dalle_ablate.train.records import believe_the_stores, recorded_member_dirs
 
     hc = HydraConfig.get()
     seeds = list(seeds)
@@ -132,44 +132,6 @@ def member_jobs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[JobInfo
     if cfg.resume == "auto" and recorded and jax.process_index() == 0:  # members.json's own folders, said once
         believe_the_stores(Path(job.job_dir), seeds, dirs)
     return jobs
-
-
-def believe_the_stores(job_dir: Path, seeds: list[int], dirs: list[Path]) -> None:
-    """A resumed members job goes by each member's own run store, which its checkpoints match;
-    where members.json says otherwise (a member finished there, not in its store: written so by
-    an older version resumed on another VM, which trained the members into a folder of its own)
-    it says so, once per member."""
-    path = job_dir / "members.json"
-    if not path.exists():
-        return
-    said = {m["seed"]: m.get("status") for m in json.loads(path.read_text())["members"]}
-    for seed, folder in zip(seeds, dirs):
-        summary = Path(folder) / "run" / "summary.json"
-        store = json.loads(summary.read_text()) if summary.exists() else {"status": "not started", "steps": 0}
-        if said.get(seed) == "finished" and store.get("status") != "finished":
-            print(
-                f"warning: {shown(path)} says member seed={seed} finished, but its run store "
-                f"{shown(Path(folder) / 'run')} says {store.get('status')} at step {store.get('steps', 0)}: "
-                "the store is believed, and the member continues from its own newest checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-def recorded_member_dirs(job_dir: Path, seeds: list[int]) -> list[Path] | None:
-    """The member folders a members job recorded in `<job dir>/members.json` (train/records.py)
-    for these same seeds: a resumed job wins them back from it, since the resume hint names its
-    folder literally (`hydra.run.dir=<job dir>`) and the template that placed them is gone."""
-    from dalle_ablate.train.records import member_folder
-
-    path = job_dir / "members.json"
-    if not path.exists():
-        return None
-    record = json.loads(path.read_text())
-    if record.get("seeds") != seeds:
-        return None
-    recorded = {m["seed"]: member_folder(job_dir, m["job_dir"]) for m in record["members"]}
-    return [recorded[k] for k in seeds]
 
 
 def template_member_dirs(cfg: DictConfig, job: JobInfo, seeds: list[int]) -> list[Path]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -237,3 +238,39 @@ def write_members_file(job_dir: Path, members: list[Member], impl: str) -> None:
             indent=2,
         ),
     )
+
+
+def believe_the_stores(job_dir: Path, seeds: list[int], dirs: list[Path]) -> None:
+    """A resumed members job goes by each member's own run store, which its checkpoints match;
+    where members.json says otherwise (a member finished there, not in its store: written so by
+    an older version resumed on another VM, which trained the members into a folder of its own)
+    it says so, once per member."""
+    path = job_dir / MEMBERS_FILE
+    if not path.exists():
+        return
+    said = {m["seed"]: m.get("status") for m in json.loads(path.read_text())["members"]}
+    for seed, folder in zip(seeds, dirs):
+        summary = Path(folder) / "run" / "summary.json"
+        store = json.loads(summary.read_text()) if summary.exists() else {"status": "not started", "steps": 0}
+        if said.get(seed) == "finished" and store.get("status") != "finished":
+            print(
+                f"warning: {shown(path)} says member seed={seed} finished, but its run store "
+                f"{shown(Path(folder) / 'run')} says {store.get('status')} at step {store.get('steps', 0)}: "
+                "the store is believed, and the member continues from its own newest checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def recorded_member_dirs(job_dir: Path, seeds: list[int]) -> list[Path] | None:
+    """The member folders a members job recorded in `<job dir>/members.json` (write_members_file)
+    for these same seeds: a resumed job wins them back from it, since the resume hint names its
+    folder literally (`hydra.run.dir=<job dir>`) and the template that placed them is gone."""
+    path = job_dir / MEMBERS_FILE
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("seeds") != seeds:
+        return None
+    recorded = {m["seed"]: member_folder(job_dir, m["job_dir"]) for m in record["members"]}
+    return [recorded[k] for k in seeds]
