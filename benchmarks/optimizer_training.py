@@ -100,7 +100,7 @@ def main() -> None:
         if not args.read and rest and lr is not None:
             sweep(out / f"{name}-seeds", name, f"{lr:g}", ",".join(map(str, rest)), args.overrides)
 
-    from dalle_ablate.report.stats import mean_ci
+    from dalle_ablate.stats.basic import mean_ci
 
     print(f"grid, seed {first}")
     print(f"{'optimizer':<10}{'lr':>8}{'eval loss':>11}{'train s':>9}")

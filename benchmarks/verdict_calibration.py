@@ -1,5 +1,5 @@
 """The verdict engine's error rates on simulated studies with known truth, in a study file's own
-structure (report/calibration.py: its claims, the arms each metric is measured on, the seeds of
+structure (stats/calibration.py: its claims, the arms each metric is measured on, the seeds of
 its runs and stress runs): every scenario of issue 49 -- no effect at rho 0 / 0.5 / 0.9, one arm
 3x noisier than the others (the baseline; the arm in the most claims), one arm's seed effect its
 own, every arm's spread drawn over a 12x range, true differences of exactly ±Δ, a difference of Δ
@@ -33,10 +33,11 @@ BEGIN, END = "<!-- calibration: benchmarks/verdict_calibration.py writes this ta
 
 def calibration_table(study: str, studies: int) -> tuple[list[str], bool]:
     """The markdown table of every check, and whether all held."""
-    from dalle_ablate.report import calibration as cal
+    from dalle_ablate.stats import calibration as cal
     from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.scenarios import calibration_structure
 
-    s = cal.structure(study_path(study))
+    s = calibration_structure(study_path(study))
     lines = [
         "| scenario | measured | seeds per arm | rate | Monte-Carlo se | required | holds |",
         "|---|---|---|---|---|---|---|",
@@ -61,7 +62,7 @@ def power_cost(claims: int, arms: int) -> list[str]:
     arms on (arms - 1)(n - 1) as the earlier engine did."""
     from scipy.optimize import brentq
 
-    from dalle_ablate.report.stats import power
+    from dalle_ablate.stats.basic import power
 
     def detectable(n: int, df: float) -> float:
         return brentq(lambda e: power(n, e, 1.0, 0.05 / claims, df) - 0.8, 1e-3, 60.0)
@@ -83,8 +84,8 @@ def moderated(tables: dict, comps: list, outcome_of) -> np.ndarray:
     Holm tests. Returns Holm's decisions on the difference."""
     from scipy import special as sp
 
-    from dalle_ablate.report import verdicts as V
-    from dalle_ablate.report.stats import holm
+    from dalle_ablate.stats import verdicts as V
+    from dalle_ablate.stats.basic import holm
 
     r = V.analyse(tables, comps)
     var, df = r["sd"] ** 2, r["df"]
@@ -110,10 +111,11 @@ def moderated(tables: dict, comps: list, outcome_of) -> np.ndarray:
 
 def alternatives(study: str, studies: int) -> list[str]:
     """The moderated t's family-wise rate of a false difference in a few of the scenarios."""
-    from dalle_ablate.report import calibration as cal
+    from dalle_ablate.stats import calibration as cal
     from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.scenarios import calibration_structure
 
-    s = cal.structure(study_path(study))
+    s = calibration_structure(study_path(study))
     lines = ["| scenario | moderated t: any false difference | Monte-Carlo se |", "|---|---|---|"]
     for name, sc in (
         ("no effect, rho 0.5", cal.Scenario("a", rho=0.5)),
@@ -130,12 +132,13 @@ def alternatives(study: str, studies: int) -> list[str]:
 def staged_misuse(study: str, studies: int) -> list[str]:
     """The adaptive misuse of issue 63 (stop as soon as a finding settles, else stage 2 sized from
     the observed differences on the most promising findings' arms) judged two ways on the same
-    simulated studies: by the combination test (report/stages.py) and by the fixed-design tests
+    simulated studies: by the combination test (stats/stages.py) and by the fixed-design tests
     on all the seeds, as peeking and adding seeds would."""
-    from dalle_ablate.report import calibration as cal
+    from dalle_ablate.stats import calibration as cal
     from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.scenarios import calibration_structure
 
-    s = cal.structure(study_path(study))
+    s = calibration_structure(study_path(study))
     lines = [
         "| scenario | combination test: any false difference | fixed-design tests on all seeds | Monte-Carlo se |",
         "|---|---|---|---|",
@@ -154,18 +157,18 @@ def staged_misuse(study: str, studies: int) -> list[str]:
 def staged_efficiency(study: str, studies: int) -> list[str]:
     """Settled findings at equal runs (issue 63's target: the budget rule >= 1.3x the fixed
     design's), in a simulated study with the study page's observed effects and noise
-    (efficiency.page_scenario), and in the same with the two late-seed arms' spread cut to issue
+    (report/scenarios.py: page_scenario), and in the same with the two late-seed arms' spread cut to issue
     59's target (a third of the baseline's); counted over the findings stage 2 can add seeds to
     that the page tested."""
     import dataclasses
 
-    from dalle_ablate.report import calibration as cal
-    from dalle_ablate.report import efficiency as eff
+    from dalle_ablate.stats import efficiency as eff
     from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.scenarios import calibration_structure, page_scenario
 
-    s = cal.structure(study_path(study))
+    s = calibration_structure(study_path(study))
     page = Path(__file__).resolve().parents[1] / "docs" / "results" / f"{study}.md"
-    scenario, tested = eff.page_scenario(s, page.read_text())
+    scenario, tested = page_scenario(s, page.read_text())
     counted = tested & np.array([m in s.topped for m, _, _ in s.claims])
     loss = dict(scenario.spreads["eval_loss"])
     late = {a: loss[a] / 3 for a in ("baseline", "swish") if a in loss}
@@ -198,8 +201,9 @@ def write_statistics(block: list[str]) -> None:
 
 @writes_page("The verdict engine's calibration")
 def main() -> None:
-    from dalle_ablate.report import calibration as cal
+    from dalle_ablate.stats import calibration as cal
     from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.scenarios import calibration_structure
     from dalle_ablate.train.meta import git_commit
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -209,7 +213,7 @@ def main() -> None:
     args = p.parse_args()
     t = time.perf_counter()
     table, ok = calibration_table(args.study, args.studies)
-    s = cal.structure(study_path(args.study))
+    s = calibration_structure(study_path(args.study))
     cost = power_cost(len(s.claims), max(len(a) for a in s.pools.values()))
     alt = alternatives(args.study, args.studies)
     misuse = staged_misuse(args.study, args.studies)
@@ -238,8 +242,8 @@ def main() -> None:
     efficiency_line = (
         "Stages at equal runs: settled findings per study for the fixed design at stage 1's seeds plus 2 or 4 per "
         "arm, and for two stages whose stage 2 spends the same runs on every arm (declared) or by the budget rule "
-        f"(report/allocation.py), {args.studies // 4} simulated studies each; effects and noise from the study's page "
-        "(efficiency.page_scenario, rho 0), and the same with the baseline's and swish's spread cut to a third."
+        f"(stats/allocation.py), {args.studies // 4} simulated studies each; effects and noise from the study's page "
+        "(page_scenario, rho 0), and the same with the baseline's and swish's spread cut to a third."
     )
     block = [
         *[provenance, "", *table, "", power_line, "", *cost, "", alt_line, "", *alt, "", misuse_line, "", *misuse],

@@ -101,7 +101,7 @@ def _margins(given: list[str]) -> dict[str, str]:
     percentage (one line naming the flag otherwise)."""
     from dalle_ablate.registry import ConfigError
     from dalle_ablate.report.tables import FINAL_METRICS
-    from dalle_ablate.report.verdicts import parse_margin
+    from dalle_ablate.stats.verdicts import parse_margin
 
     out = {}
     for g in given:

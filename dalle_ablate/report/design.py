@@ -22,10 +22,10 @@ import yaml
 
 from dalle_ablate.metrics import STUDY
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report import stages as S
+from dalle_ablate.stats import stages as S
 from dalle_ablate.report.load import read_yaml
 from dalle_ablate.report.transitions import Rule, rule_from
-from dalle_ablate.report.verdicts import parse_margin
+from dalle_ablate.stats.verdicts import parse_margin
 
 STUDIES = Path(__file__).parent / "studies"
 TOPUPS = "topups.json"  # in a study's folder: each top-up's seeds before and after, and what the rule asked
@@ -155,7 +155,7 @@ def timed_from(raw, where: str) -> tuple[str, ...]:
 
 
 # -- its stages (docs/statistics.md, "Studies in stages") ----------------------------------------
-RULES = ("budget", "even")  # report/allocation.py's rule; the budget spread over every arm alike
+RULES = ("budget", "even")  # stats/allocation.py's rule; the budget spread over every arm alike
 BUDGET_UNITS = ("runs", "cpu_hours")
 
 
@@ -166,7 +166,7 @@ class Stages:
     showed by `rule`, spending at most `budget` (runs, or CPU-hours at each arm's measured run
     time), at most `cap` per arm, its seeds `seeds_from`, `seeds_from` + 1, ...; each finding's two
     stage-wise tests are combined by the inverse-normal test of weight `w1` inside Holm's closed
-    procedure, with `boundaries` spending α over the two looks (report/stages.py)."""
+    procedure, with `boundaries` spending α over the two looks (stats/stages.py)."""
 
     declared: str  # when and at which commit it was declared, in words: the page prints it
     budget: float

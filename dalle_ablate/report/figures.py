@@ -10,8 +10,8 @@ import numpy as np
 
 from dalle_ablate.metrics import label
 from dalle_ablate.report.load import Run, series
-from dalle_ablate.report.stats import t_interval
-from dalle_ablate.report.verdicts import MAX_SEEDS
+from dalle_ablate.stats.basic import t_interval
+from dalle_ablate.stats.verdicts import MAX_SEEDS
 
 
 # The smallest text a figure draws, in points, and the resolution it is written at: 10 pt is 12.5 px

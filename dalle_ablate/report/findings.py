@@ -1,5 +1,5 @@
 """A study's findings judged (`dalle-ablate study`): each finding of a published study checked
-against the runs of its arms by the verdict engine (report/verdicts.py) -- the paired difference
+against the runs of its arms by the verdict engine (stats/verdicts.py) -- the paired difference
 over the seeds both arms ran, its interval from that pair's own noise, one of its verdicts at a
 family-wise 5 % (Holm), the seeds a finding not resolved needs, Welch's interval beside it for
 comparison, its course over training (docs/statistics.md). What a study is -- its file, its
@@ -14,13 +14,14 @@ import numpy as np
 
 from dalle_ablate.metrics import STUDY, Metric, declare
 from dalle_ablate.report import stress  # noqa: F401 -- declares lr_sensitivity, measured on the stress runs
+from dalle_ablate.report import prose as P
 from dalle_ablate.report.design import Finding, Study, own_arms
 from dalle_ablate.report.load import Run, series
-from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.stats import diff_ci, spikes
+from dalle_ablate.stats import verdicts as V
+from dalle_ablate.stats.basic import diff_ci, spikes
 from dalle_ablate.report.tables import final_value
 
-VERDICTS = V.VERDICTS
+VERDICTS = P.VERDICTS
 
 
 # The guidance scale a study reads a sampled metric at: 2, where the default job draws the most
@@ -204,15 +205,15 @@ def verdict_text(code: int, needed: int, seeds: int = 0, why: str = "", *, plan:
     if code == V.UNTESTABLE:
         return f"untestable here: {why or 'both arms give the same value on every seed'}"
     if code != V.NOT_RESOLVED:
-        return V.VERDICTS[code]
+        return P.VERDICTS[code]
     if needed == 0 and plan[0] == 0:
         return "not resolved: no seed spread to judge it on"
     if 0 < needed <= seeds:  # its seeds would find an effect of Δ 80 % of the time: one between 0 and Δ is likelier
         return (
             f"not resolved at {seeds} seeds, enough for an effect of Δ: the effect is likely smaller; "
-            + V.seeds_words(*plan, 0)
+            + P.seeds_words(*plan, 0)
         )
-    return "not resolved: " + V.seeds_words(*plan, needed)
+    return "not resolved: " + P.seeds_words(*plan, needed)
 
 
 def compare(

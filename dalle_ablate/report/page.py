@@ -27,7 +27,7 @@ from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged, stress
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.findings import (
     _arms_by,
     claims_tables,
@@ -42,7 +42,7 @@ from dalle_ablate.report.findings import (
 )
 from dalle_ablate.report.design import TOPUPS, Study
 from dalle_ablate.report.load import Run, series
-from dalle_ablate.report.stats import blocked_residual, diverged, mean_ci
+from dalle_ablate.stats.basic import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
 from dalle_ablate.report.transitions import late_section
 from dalle_ablate.report.writers import Section
@@ -176,7 +176,7 @@ def _count(n: int) -> str:
 def summary_section(study: Study, rows: list[dict], statistics: str) -> Section:
     """The page's first screen: how many findings settled, each claim's verdict and difference in
     units of Δ, and the forest plot of them all."""
-    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(V.VERDICTS)}  # in VERDICTS' order
+    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(P.VERDICTS)}  # in VERDICTS' order
     settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
     s = Section(f"{study.name}_summary", "Summary")  # key: the forest plot's file name, the study's as the others
     s.text.append(

@@ -1,7 +1,45 @@
 """The words of a study's results page (report/page.py) and of `dalle-ablate report`
 (report/build.py), in one place: what each section and figure shows, never how the verdicts are
 reached -- that is docs/statistics.md, which the page links and the report names. `{name}` fields
-are filled by the builders with `str.format`."""
+are filled by the builders with `str.format`; the verdict engine's outcomes and verdicts
+(stats/verdicts.py: codes, no words) are said here too."""
+
+from dalle_ablate.stats import verdicts as V
+
+# -- the verdict engine's outcomes and verdicts, in the order of their codes -------------------------
+
+OUTCOMES = (
+    "higher by more than Δ",
+    "higher",
+    "equivalent within ±Δ",
+    "lower",
+    "lower by more than Δ",
+    "not resolved",
+    "identical on every seed",
+)
+VERDICTS = (
+    "reproduced",
+    "reproduced, possibly smaller than Δ",
+    "no meaningful effect (equivalent within ±Δ)",
+    "contradicted (reversed)",
+    "not resolved",
+    "untestable here",
+)
+
+
+def against_baseline(outcome: int, lower_is_better: bool) -> str:
+    """The outcome of a variant against its baseline in words, for a metric whose better side is
+    known: better / worse (by more than Δ), equivalent within ±Δ, not resolved."""
+    if outcome in (V.EQUIVALENT, V.UNRESOLVED, V.IDENTICAL):
+        return {
+            V.EQUIVALENT: "equivalent to the baseline within ±Δ",
+            V.UNRESOLVED: "not resolved",
+            V.IDENTICAL: "identical to the baseline on every seed",
+        }[outcome]
+    better = (outcome in (V.LOWER, V.LOWER_BEYOND)) == lower_is_better
+    beyond = " by more than Δ" if outcome in (V.HIGHER_BEYOND, V.LOWER_BEYOND) else ""
+    return f"{'better' if better else 'worse'} than the baseline{beyond}"
+
 
 # -- the noise report (report/noise.py), on both -----------------------------------------------
 
@@ -36,7 +74,7 @@ LATE_FIGURE = (
     "panel's title"
 )
 
-# -- seeds-needed, on both (verdicts.seeds_words) ---------------------------------------------
+# -- seeds-needed, on both (seeds_words) ------------------------------------------------------
 
 PLAN = (
     "a plan of {plan} seeds per arm if the true difference is the one observed ({fewest} to {most} across its "
@@ -48,6 +86,24 @@ PLAN_FLAT = (
 FOR_MARGIN = "{needed} to tell a difference of Δ from 0"
 BOTH_BEYOND = "more than {max} seeds per arm, whether the true difference is the one observed or Δ"
 MORE_THAN = "more than {max}"
+
+
+def seeds_count(n: int, max_seeds: int = V.MAX_SEEDS) -> str:
+    """A count of seeds in words: the number, or "more than max_seeds"."""
+    return MORE_THAN.format(max=max_seeds) if n > max_seeds else str(int(n))
+
+
+def seeds_words(plan: int, fewest: int, most: int, needed: int, max_seeds: int = V.MAX_SEEDS) -> str:
+    """What more seeds would do for a comparison not resolved, in words: the plan (seeds_to_settle:
+    at the observed difference, with its range across the 95 % interval) and the seeds that tell
+    a difference of Δ from 0 (seeds_needed; 0: no margin, left out). "More than max_seeds" alone
+    only where it answers both."""
+    if plan > max_seeds and needed > max_seeds:
+        return BOTH_BEYOND.format(max=max_seeds)
+    c = lambda x: seeds_count(x, max_seeds)  # noqa: E731
+    words = (PLAN_FLAT if fewest == most == plan else PLAN).format(plan=c(plan), fewest=c(fewest), most=c(most))
+    return words + ("; " + FOR_MARGIN.format(needed=c(needed)) if needed else "")
+
 
 # -- a study's results page -------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """A study in two declared stages (its file's `stages:`, report/design.py; docs/statistics.md,
-"Studies in stages"): stage 2's plan from stage 1's runs by the declared rule (report/allocation.py),
+"Studies in stages"): stage 2's plan from stage 1's runs by the declared rule (stats/allocation.py),
 every finding judged at both looks by the combination test inside Holm's closed procedure
-(report/stages.py), with repeated confidence intervals, and the page's account of each stage.
+(stats/stages.py), with repeated confidence intervals, and the page's account of each stage.
 
 The study runner (dalle_ablate/study/runner.py) asks `plan` for stage 2 once stage 1 has run,
 keeps the answer in the study's folder (RECORD) before stage 2 starts -- a rerun reads it back and
@@ -22,10 +22,10 @@ from scipy import stats as st
 
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.metrics import STUDY
-from dalle_ablate.report import allocation as A
+from dalle_ablate.stats import allocation as A
 from dalle_ablate.report import prose as P
-from dalle_ablate.report import stages as S
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import stages as S
+from dalle_ablate.stats import verdicts as V
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.design import Stages, Study
 from dalle_ablate.report.findings import claims_tables, compare, comparisons, verdict_text
@@ -205,7 +205,7 @@ def judge(
             margin=float(c.margin),
             outcome=look["look2"],
             code=codes[1],
-            look1=V.VERDICTS[codes[0]],
+            look1=P.VERDICTS[codes[0]],
             one_look=bool(once[j]),
             verdict=verdict_text(codes[1], row["needed"], min(row["n"]), (untestable or {}).get(f.id, ""), plan=plan_)
             if tested
@@ -291,7 +291,7 @@ def section(study: Study, record: Optional[dict], rows: list[dict], statistics: 
     s = Section("stages", P.STAGES_TITLE)
     s.text.append(P.STAGES_DESIGN.format(**design_words(st_), statistics=statistics))
     stage1 = record["stage1"] if record is not None else sorted({x for r in rows for x in r["seeds"]}, key=str)
-    settled1 = sum(r["look1"] in V.VERDICTS[: V.NOT_RESOLVED] for r in rows)
+    settled1 = sum(r["look1"] in P.VERDICTS[: V.NOT_RESOLVED] for r in rows)
     s.text.append(P.STAGE1.format(seeds=", ".join(map(str, stage1)), settled=settled1, n=len(rows)))
     if record is None:
         s.text.append(P.STAGE2_NOT_PLANNED)
@@ -315,7 +315,7 @@ def section(study: Study, record: Optional[dict], rows: list[dict], statistics: 
                     r["look1"],
                     _why(r, record["open"].get(r["finding"].id)),
                     f"{r['stage_n'][0]} + {r['stage_n'][1]}",
-                    V.VERDICTS[r["code"]],
+                    P.VERDICTS[r["code"]],
                 ]
                 for r in rows
             ],
@@ -329,7 +329,7 @@ def _why(row: dict, open_: Optional[dict]) -> str:
     if row["one_look"]:
         return P.STAGE2_ELSEWHERE
     if open_ is None:
-        return P.STAGE2_SETTLED if row["look1"] in V.VERDICTS[: V.NOT_RESOLVED] else P.STAGE2_UNTESTED
+        return P.STAGE2_SETTLED if row["look1"] in P.VERDICTS[: V.NOT_RESOLVED] else P.STAGE2_UNTESTED
     if open_["pairs"] == 0:
         return P.STAGE2_NOTHING
     return P.STAGE2_PAIRS.format(k=open_["pairs"], then=f"{open_['chance']:.0%}")

@@ -18,7 +18,6 @@ from dalle_ablate.metrics import metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged
-from dalle_ablate.report import verdicts as V
 from dalle_ablate.report.design import Stages, stages_from
 from dalle_ablate.report.load import Run, read_yaml
 from dalle_ablate.report.tables import against_baseline, baseline_tables, fmt3
@@ -68,8 +67,8 @@ def judged(
             {k: look[k] for k in ("d", "low", "high", "fw_low", "fw_high", "stage_n")},
             margin=float(c.margin),
             outcome=look["look2"],
-            verdict=V.against_baseline(look["look2"], lower),
-            look1=V.against_baseline(look["look1"], lower),
+            verdict=P.against_baseline(look["look2"], lower),
+            look1=P.against_baseline(look["look1"], lower),
             n=sum(look["stage_n"]),  # the seeds judged: both stages'
             plan=(0, 0, 0),  # what more seeds would do is the stages' plan, not the one-look one
         )

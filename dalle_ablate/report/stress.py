@@ -41,7 +41,7 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report.design import StressClaim, StressPlan, load_stress, stress_folder
 from dalle_ablate.report.load import Run, load_runs, machine_time, series
-from dalle_ablate.report.stats import mean_ci, spikes
+from dalle_ablate.stats.basic import mean_ci, spikes
 from dalle_ablate.report.tables import fmt3
 from dalle_ablate.report.writers import Section
 from dalle_ablate.track.runstore import settled

@@ -12,8 +12,9 @@ import pandas as pd
 from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.fileio import shown
 from dalle_ablate.metrics import headlines, metric
+from dalle_ablate.report import prose as P
 from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, series
-from dalle_ablate.report.stats import diverged, mean_ci, spikes
+from dalle_ablate.stats.basic import diverged, mean_ci, spikes
 
 # What the final table compares: the run's own headline metrics that have a better side (the losses).
 FINAL_METRICS = tuple(m.key for m in headlines("run") if m.better)
@@ -59,7 +60,7 @@ def baseline_tables(
     """(variants, seeds, tables: metric -> final values [variant, seed], the comparisons of every
     other variant with the baseline on every metric, their (variant, metric) keys). A margin given
     as a percentage is of the baseline's mean over its runs (over `margin_seeds` only, if given)."""
-    from dalle_ablate.report import verdicts as V
+    from dalle_ablate.stats import verdicts as V
 
     margins = margins or {}
     variants = list(by_variant)
@@ -84,12 +85,12 @@ def baseline_tables(
 def against_baseline(
     by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None, metrics=FINAL_METRICS
 ) -> dict[tuple[str, str], dict]:
-    """(variant, metric) -> the verdict engine's judgement (report/verdicts.py) of the variant's
+    """(variant, metric) -> the verdict engine's judgement (stats/verdicts.py) of the variant's
     final value against the baseline's: paired by seed where the two share seeds, else Welch's,
     Holm over every comparison of the table (variants x metrics), a margin where `margins` gives
     one (metric -> "2%" of the baseline's mean, or an absolute value) for the equivalence test and
     seeds-needed. The same engine, words and numbers as a study's page."""
-    from dalle_ablate.report import verdicts as V
+    from dalle_ablate.stats import verdicts as V
 
     _, _, tables, comps, keys = baseline_tables(by_variant, baseline, margins, metrics)
     if not comps:
@@ -109,7 +110,7 @@ def against_baseline(
             outcome=int(res["outcome"][j]),
             needed=int(needed[j]),
             plan=tuple(int(x[j]) for x in plan),
-            verdict=V.against_baseline(int(res["outcome"][j]), metric(m).better == "lower"),
+            verdict=P.against_baseline(int(res["outcome"][j]), metric(m).better == "lower"),
         )
         out[(v, m)] = row
     return out
@@ -163,8 +164,8 @@ def final_table(
 
 
 def _needs(j: dict) -> str:
-    """What more seeds would do for a comparison not resolved (verdicts.seeds_words)."""
-    from dalle_ablate.report.verdicts import seeds_words
+    """What more seeds would do for a comparison not resolved (prose.seeds_words)."""
+    from dalle_ablate.report.prose import seeds_words
 
     return seeds_words(*j["plan"], j["needed"])
 

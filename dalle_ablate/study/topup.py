@@ -11,7 +11,7 @@ from pathlib import Path
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.metrics import STUDY
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.design import TOPUPS, Study
 from dalle_ablate.report.findings import _arms_by, claims_tables, judge
 from dalle_ablate.report.load import Run, load_runs

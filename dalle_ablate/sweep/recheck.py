@@ -1,6 +1,6 @@
 """The winner re-checked (hydra.sweeper.recheck): after a sweep, its best `top` trials trained
 again on seeds the sweep never used, each as one job of members, and judged against each other by
-the verdict engine that judges studies (report/verdicts.py: paired by seed, Holm over the
+the verdict engine that judges studies (stats/verdicts.py: paired by seed, Holm over the
 comparisons). A sweep's best value is the best of many noisy values, so it is biased toward luck
 (the winner's curse); the re-check's values are not, and their difference is the selection bias
 measured. Each trial's members' eval-loss curves are read for seeds late to their transition
@@ -141,7 +141,8 @@ def judge(
     Bonferroni over them, the strictest level Holm's first step asks), and each trial's selection
     bias: its mean in the sweep minus its re-check mean (for a loss, < 0 is the winner's curse),
     with the re-check mean's standard error (the bias is itself one noisy number)."""
-    from dalle_ablate.report import verdicts
+    from dalle_ablate.report import prose
+    from dalle_ablate.stats import verdicts
 
     comparisons = [verdicts.Comparison("v", 0, j, margin if margin else math.nan) for j in range(1, len(trials))]
     r = verdicts.analyse({"v": values}, comparisons)
@@ -162,7 +163,7 @@ def judge(
             }
         )
     for j, c in enumerate(comparisons):
-        words = verdicts.against_baseline(int(r["outcome"][j]), minimize)
+        words = prose.against_baseline(int(r["outcome"][j]), minimize)
         out["against"].append(
             {
                 "trial": trials[c.against].number,
@@ -259,7 +260,7 @@ def staged(
     or ""), then the best against each other trial judged at both looks: the combined estimate,
     the repeated confidence intervals, the verdict at look 1 and by look 2. The trials' re-check
     means and selection bias stay stage 1's (a fixed sample: stage 2's size depends on stage 1)."""
-    from dalle_ablate.report import verdicts
+    from dalle_ablate.stats import verdicts
 
     trials = [next(t for t in best if t.number == r["number"]) for r in record["trials"]]
     arms = [f"trial {t.number}" for t in trials]
@@ -320,14 +321,14 @@ def _judge_both_looks(against: list[dict], values1, values2, comps, stages, mini
     """Each entry of `against` (the best against one other trial) judged at both looks from the
     trials' stage-1 and stage-2 values: the combined estimate, the repeated confidence intervals,
     the verdict at look 1 and by look 2, in place of its one-look p."""
+    from dalle_ablate.report import prose
     from dalle_ablate.report import staged as plans
-    from dalle_ablate.report import verdicts
 
     nan1, nan2 = np.full_like(values2, math.nan), np.full_like(values1, math.nan)
     first, second = {"v": np.hstack([values1, nan1])}, {"v": np.hstack([nan2, values2])}
     for entry, look in zip(against, plans.looks(first, second, comps, stages.design, np.zeros(len(comps), bool))):
         name = f"trial {entry['trial']}"
-        words = [verdicts.against_baseline(look[k], minimize).replace("the baseline", name) for k in ("look1", "look2")]
+        words = [prose.against_baseline(look[k], minimize).replace("the baseline", name) for k in ("look1", "look2")]
         entry.pop("p")  # the combined test has no one p-value
         entry.update(
             difference=look["d"],

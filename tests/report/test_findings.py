@@ -28,7 +28,8 @@ import pandas as pd
 
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.report import prose as P
+from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.design import load_study, study_path
 from dalle_ablate.report.findings import compare
 from dalle_ablate.report.page import page_sections, write_page
@@ -159,7 +160,7 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
     ci = st.ttest_rel(x, y).confidence_interval(0.95)
     plan = V.seeds_to_settle((x - y).mean(), ci.low, ci.high, np.std(x - y, ddof=1), 0.02 * y.mean(), k, at_least=4)
     assert (noisy["plan"], noisy["fewest"], noisy["most"]) == tuple(int(n) for n in plan)
-    assert noisy["verdict"] == "not resolved: " + V.seeds_words(*plan, 62)
+    assert noisy["verdict"] == "not resolved: " + P.seeds_words(*plan, 62)
     summary = sections[0]
     assert (
         f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "

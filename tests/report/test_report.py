@@ -20,8 +20,9 @@ from PIL import Image
 from scipy import stats as st
 
 from dalle_ablate.cli import main
+from dalle_ablate.report import prose as P
 from dalle_ablate.report.build import TITLES, section_keys
-from dalle_ablate.report.stats import diff_ci, mean_ci, spikes, t_interval
+from dalle_ablate.stats.basic import diff_ci, mean_ci, spikes, t_interval
 
 STEPS = np.arange(1, 41)
 # Final eval losses per variant and seed: B is 1.0 worse than A everywhere (beyond the spread),
@@ -251,7 +252,7 @@ def test_the_final_table_gives_the_paired_interval_where_variants_share_seeds(tm
     from statsmodels.stats.power import TTestPower
     from statsmodels.stats.weightstats import ttost_paired
 
-    from dalle_ablate.report import verdicts as V
+    from dalle_ablate.stats import verdicts as V
     from dalle_ablate.report.build import build_sections
     from dalle_ablate.report.load import load_runs
 
@@ -308,7 +309,7 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
     from dalle_ablate.report.design import load_study
     from dalle_ablate.report.findings import compare
     from dalle_ablate.report.load import load_runs
-    from dalle_ablate.report import verdicts as V
+    from dalle_ablate.stats import verdicts as V
 
     finals = {
         "preln": [1.0, 1.1, 0.9, 1.05],
@@ -351,7 +352,7 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
         )
         assert j["outcome"] == r["outcome"] and j["needed"] == r["needed"]
         assert r["code"] == V.verdict(j["outcome"], 1)
-    outcomes = {r["finding"].arm: V.OUTCOMES[r["outcome"]] for r in rows if r["finding"].metric == "eval_loss"}
+    outcomes = {r["finding"].arm: P.OUTCOMES[r["outcome"]] for r in rows if r["finding"].metric == "eval_loss"}
     assert outcomes == {
         "deepnet": "higher by more than Δ",
         "sandwich": "not resolved",

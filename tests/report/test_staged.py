@@ -20,9 +20,10 @@ from scipy import stats as st
 
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report import stages as S
+from dalle_ablate.stats import stages as S
 from dalle_ablate.report import staged
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.report import prose as P
+from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.design import load_study
 from dalle_ablate.report.findings import _arms_by
 from dalle_ablate.report.load import load_runs
@@ -166,7 +167,7 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     stores(tmp_path, {"worse": [9.0]}, first_seed=10)  # a seed the plan did not give "worse": in no stage
     by_arm = _arms_by(load_runs(str(runs)))
     rows = staged.judge(study, by_arm, record)
-    verdicts = {r["finding"].id: (r["look1"], V.VERDICTS[r["code"]]) for r in rows}
+    verdicts = {r["finding"].id: (r["look1"], P.VERDICTS[r["code"]]) for r in rows}
     design = study.stages.design
     z1 = oracle_z(np.array(STAGE1["close"]), np.array(STAGE1["base"]))
     z2 = oracle_z(np.array(second["close"]), np.array(second["base"]))
@@ -263,7 +264,7 @@ def test_a_staged_study_runs_stage_2_from_its_plan_and_a_rerun_neither_plans_nor
     row = next(line for line in page.splitlines() if line.startswith("| adafactor-loss | not resolved |"))
     *_, seeds, by_look_2 = row.strip("| ").split(" | ")
     n2 = len(record["stage2"]["adafactor"])
-    assert seeds == f"2 + {n2}" and n2 >= 2 and by_look_2 in V.VERDICTS[: V.NOT_RESOLVED]  # settled at stage 2
+    assert seeds == f"2 + {n2}" and n2 >= 2 and by_look_2 in P.VERDICTS[: V.NOT_RESOLVED]  # settled at stage 2
     before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file() and "run" in p.parts}
     again = study()
     assert again.returncode == 0, again.stderr[-3000:]

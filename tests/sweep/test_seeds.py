@@ -328,7 +328,7 @@ def test_a_staged_recheck_plans_stage_2_once_and_judges_both_looks_as_the_combin
     repeated confidence interval; a rerun plans nothing again."""
     from hydra.core.utils import JobReturn, JobStatus
 
-    from dalle_ablate.report import stages as S
+    from dalle_ablate.stats import stages as S
     from dalle_ablate.sweep.sweeper import OptunaSweeper
 
     study = optuna.create_study()

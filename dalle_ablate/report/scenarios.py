@@ -1,20 +1,48 @@
-"""Two stages against one at equal runs, in a study simulated with a study page's own effects and
-noise (docs/statistics.md, "Studies in stages"): issue 63's comparison of the budget rule
-(report/allocation.py) with the fixed design, on the structures and simulations of
-report/calibration.py. benchmarks/verdict_calibration.py prints its table."""
+"""A study as the statistics engine's calibration sees it (stats/calibration.py, stats/efficiency.py):
+its structure, from its file, and a page's observed effects and noise, read back from the page."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 from scipy import stats as st
 
-from dalle_ablate.report import verdicts as V
-from dalle_ablate.report.calibration import STAGE2_CAP, Scenario, Structure, simulate, staged
+from dalle_ablate.metrics import STUDY
+from dalle_ablate.report.findings import study_arms
+from dalle_ablate.stats import calibration as cal
 
 
-def page_scenario(s: Structure, page: str, margin_share: float = 0.02) -> tuple[Scenario, np.ndarray]:
+def calibration_structure(study_file: Path) -> cal.Structure:
+    """A study file's structure: the arms its experiment preset runs with the seeds it sweeps for
+    the metrics of its own runs; its stress plan's arms and seeds for the metrics judged on the
+    stress runs (report/stress.py): what stats/calibration.py simulates studies of."""
+    from dalle_ablate.report.design import load_stress, load_study, swept_seeds
+
+    study = load_study(study_file)
+    plan = load_stress(study_file)
+    given = {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}  # measured on the stress runs
+    stress_only = {a for f in study.findings if f.metric in given for a in (f.arm, f.against)} - {
+        a for f in study.findings if f.metric not in given for a in (f.arm, f.against)
+    }
+    # the arms the study's own runs measure: its preset's, and any other its findings on them name
+    arms = [a for a in study_arms(study, {}) if a not in stress_only or a == study.baseline]
+    n = len(swept_seeds(study.experiment, []) or [0])
+    pools, seeds = {}, {}
+    for f in study.findings:
+        elsewhere = STUDY[f.metric].reads == "given"
+        pools[f.metric] = plan.arms if elsewhere and plan is not None else arms
+        seeds[f.metric] = len(plan.seeds) if elsewhere and plan is not None else n
+    return cal.Structure(
+        pools,
+        seeds,
+        [(f.metric, f.arm, f.against) for f in study.findings],
+        tuple(m for m in pools if STUDY[m].reads != "given"),
+    )
+
+
+def page_scenario(s: cal.Structure, page: str, margin_share: float = 0.02) -> tuple[cal.Scenario, np.ndarray]:
     """A study page's observed effects and noise as a scenario, in Δ units (the study's margins):
     each finding's difference from the summary table; the eval-loss spreads of its arms from the
     noise table (one run's sd over Δ, Δ = `margin_share` of the baseline's mean loss); on the other
@@ -48,29 +76,6 @@ def page_scenario(s: Structure, page: str, margin_share: float = 0.02) -> tuple[
             base = min(y for (_, bb), y in mine.items() if bb == b) / np.sqrt(2)
             spreads[m][b] = base
             spreads[m][a] = float(np.sqrt(max(x**2 - base**2, (0.1 * base) ** 2)))
-    return Scenario(
+    return cal.Scenario(
         "the page's observed effects and noise", rho=0.0, effects=tuple(effects), spreads=spreads
     ), np.array(tested)
-
-
-def efficiency(rng, s: Structure, scenario: Scenario, studies: int, counted: np.ndarray, extra: int) -> list[tuple]:
-    """Settled findings (among `counted`) per study, for designs of equal runs on the study's own
-    runs: the fixed design at stage 1's seeds and at `extra` more per arm; two stages, stage 2 of
-    `extra` seeds on every arm (declared) or of the same runs spent by the budget rule. Rows of
-    (design, runs per study on average, settled findings on average, its Monte-Carlo se)."""
-    n1 = min(s.seeds[m] for m in s.topped)
-    arms = len(s.pools[s.topped[0]])
-    comps = s.comparisons()
-    rows = []
-    for n in (n1, n1 + extra):
-        out = V.analyse(simulate(rng, s, scenario, studies, {m: n for m in s.topped}), comps)["outcome"]
-        settled = ((out != V.UNRESOLVED) & counted).sum(-1)
-        rows.append((f"one stage, {n} seeds per arm", n * arms, settled.mean(), settled.std() / np.sqrt(studies)))
-    for rule, name in (
-        ("declared", f"two stages, {n1} + {extra} seeds on every arm"),
-        ("budget", f"two stages, {n1} + {extra * arms} runs by the budget rule"),
-    ):
-        res, _, seeds2, _, _ = staged(rng, s, scenario, studies, 1.0, rule, max(extra, STAGE2_CAP), extra * arms)
-        settled = ((res["differs2"] | res["equivalent2"]) & counted).sum(-1)
-        rows.append((name, n1 * arms + seeds2.sum(-1).mean(), settled.mean(), settled.std() / np.sqrt(studies)))
-    return rows

@@ -1,6 +1,6 @@
 """Simulated studies with known truth, in a study file's own structure -- its claims, the arms each
 metric is measured on, the seeds of its runs and of its stress runs -- judged by the verdict engine
-(report/verdicts.py) itself: the evidence that its error rates hold where real arms differ in
+(stats/verdicts.py) itself: the evidence that its error rates hold where real arms differ in
 noise. tests/report/test_verdicts.py runs every scenario at a few hundred studies with a tolerance
 from the Monte-Carlo error; benchmarks/verdict_calibration.py runs them at thousands and writes the
 table docs/statistics.md shows.
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from dalle_ablate.report import allocation as A
-from dalle_ablate.report import stages as S
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import allocation as A
+from dalle_ablate.stats import stages as S
+from dalle_ablate.stats import verdicts as V
 
 
 @dataclass
@@ -37,36 +36,6 @@ class Structure:
 
     def comparisons(self, margin: float = 1.0) -> list[V.Comparison]:
         return [V.Comparison(m, self.pools[m].index(a), self.pools[m].index(b), margin) for m, a, b in self.claims]
-
-
-def structure(study_file: Path) -> Structure:
-    """A study file's structure: the arms its experiment preset runs with the seeds it sweeps for
-    the metrics of its own runs; its stress plan's arms and seeds for the metrics judged on the
-    stress runs (report/stress.py)."""
-    from dalle_ablate.metrics import STUDY
-    from dalle_ablate.report.design import load_stress, load_study, swept_seeds
-    from dalle_ablate.report.findings import study_arms
-
-    study = load_study(study_file)
-    plan = load_stress(study_file)
-    given = {f.metric for f in study.findings if STUDY[f.metric].reads == "given"}  # measured on the stress runs
-    stress_only = {a for f in study.findings if f.metric in given for a in (f.arm, f.against)} - {
-        a for f in study.findings if f.metric not in given for a in (f.arm, f.against)
-    }
-    # the arms the study's own runs measure: its preset's, and any other its findings on them name
-    arms = [a for a in study_arms(study, {}) if a not in stress_only or a == study.baseline]
-    n = len(swept_seeds(study.experiment, []) or [0])
-    pools, seeds = {}, {}
-    for f in study.findings:
-        elsewhere = STUDY[f.metric].reads == "given"
-        pools[f.metric] = plan.arms if elsewhere and plan is not None else arms
-        seeds[f.metric] = len(plan.seeds) if elsewhere and plan is not None else n
-    return Structure(
-        pools,
-        seeds,
-        [(f.metric, f.arm, f.against) for f in study.findings],
-        tuple(m for m in pools if STUDY[m].reads != "given"),
-    )
 
 
 @dataclass
@@ -178,7 +147,7 @@ def staged(
     cap: int = STAGE2_CAP,
     budget: float | None = None,
 ) -> tuple[dict, np.ndarray, np.ndarray, dict, dict]:
-    """Studies in two stages (report/stages.py, the combination test of STAGED_DESIGN): stage 1 at
+    """Studies in two stages (stats/stages.py, the combination test of STAGED_DESIGN): stage 1 at
     the structure's seeds, stage 2 on new seeds of the study's own runs (the stress runs' metrics
     have none), as `rule` says:
     * "declared": the budget spread evenly over every arm;
@@ -187,7 +156,7 @@ def staged(
       most promising finding's observed difference asks for (verdicts.settle_power), at least 2
       and at most `cap` -- and run only on the arms of the PROMISING findings with the smallest
       stage-1 p;
-    * "budget": the declared rule of report/allocation.py, the budget where it raises the expected
+    * "budget": the declared rule of stats/allocation.py, the budget where it raises the expected
       settled findings most, at most `cap` per arm.
     The budget: `budget` runs, by default stage 1's runs again.
     Returns (analyse_staged's results, the final rejections of "no difference" per study and
@@ -341,7 +310,7 @@ def _staged_checks(base: str, other: str, sides: np.ndarray) -> list[Check]:
     """`checks` of two stages: the null under each rule, then the budget rule in the fixed
     design's scenarios of unequal and unshared noise and of false equivalence."""
     fd = "false difference"
-    # two stages (report/stages.py): declared, and the misuse issue 63 names -- stage 2 sized from
+    # two stages (stats/stages.py): declared, and the misuse issue 63 names -- stage 2 sized from
     # the observed differences on the most promising findings' arms, stopping as soon as one settles
     how = {
         "declared": "two declared stages",

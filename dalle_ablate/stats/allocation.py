@@ -1,7 +1,7 @@
 """Stage 2's seeds per arm, chosen by a rule declared before stage 1 (docs/statistics.md, "Studies
 in stages"): a budget of runs (or of CPU-hours, each arm's seed costing its measured run time) goes
 where it raises the expected number of findings settled by look 2 most, judged from what stage 1
-showed -- its observed differences included. The combination test (report/stages.py) keeps the
+showed -- its observed differences included. The combination test (stats/stages.py) keeps the
 error rate whatever stage 1 made stage 2's size (Lehmacher & Wassmer 1999), so the rule may be
 unblinded; it spends nothing on an arm that no unsettled finding needs.
 
@@ -18,7 +18,7 @@ unblinded; it spends nothing on an arm that no unsettled finding needs.
   of cost that the budget still affords; stop when none gains. Jumps of any size, not one seed at
   a time: a chance that is flat at one seed (no stage-2 t test below two) can rise steeply after.
 
-Vectorised over leading (study) axes, so that the calibration (report/calibration.py) runs
+Vectorised over leading (study) axes, so that the calibration (stats/calibration.py) runs
 thousands of simulated studies through it."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats as st
 
-from dalle_ablate.report import stages as S
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import stages as S
+from dalle_ablate.stats import verdicts as V
 
 
 def settle_chance(

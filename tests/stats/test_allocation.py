@@ -1,6 +1,6 @@
-"""Stage 2's seeds by the declared budget rule (report/allocation.py): each finding's chance to
+"""Stage 2's seeds by the declared budget rule (stats/allocation.py): each finding's chance to
 settle against a simulation of the real stage 2 -- paired t tests on new seeds, combined with stage
-1 by the inverse-normal test at the boundaries of report/stages.py -- and the greedy rule's
+1 by the inverse-normal test at the boundaries of stats/stages.py -- and the greedy rule's
 properties: it keeps to its budget, spends nothing on an arm no open finding needs, raises an arm
 shared by two findings once for both, and weighs an arm's cost."""
 
@@ -10,18 +10,16 @@ import math
 
 import numpy as np
 import pytest
-from scipy import stats as st
 
-from dalle_ablate.report import allocation as A
-from dalle_ablate.report import efficiency as E
-from dalle_ablate.report import stages as S
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import allocation as A
+from dalle_ablate.stats import stages as S
+from dalle_ablate.stats import verdicts as V
 
 DESIGN = S.Design()
 
 
 def scores(d: float, se: float, df: float, margin: float) -> dict:
-    """Stage 1's one-sided scores of a finding, as report/stages.py computes them."""
+    """Stage 1's one-sided scores of a finding, as stats/stages.py computes them."""
     return {
         "up": S.stage_z(d, se, df),
         "down": S.stage_z(-d, se, df),
@@ -129,58 +127,3 @@ def test_the_rule_over_stage_1_tables_adds_seeds_only_to_open_findings_of_its_ow
     assert open_.tolist() == [False, True, True]
     assert seeds[1] == 0 and seeds[3] == 0 and seeds[2] > 0 and seeds[0] >= seeds[2]
     assert seeds.sum() <= 20
-
-
-def test_a_study_page_becomes_a_scenario_of_its_effects_and_noise():
-    """efficiency.page_scenario on a page of the mega-variants study's shape: the summary's
-    differences; eval loss's arm spreads from the noise table over Δ (2 % of the baseline's mean);
-    another metric's from its claims' 95 % intervals."""
-    from dalle_ablate.report import calibration as cal
-
-    s = cal.Structure(
-        {"eval_loss": ["baseline", "a"], "shapes_all": ["baseline", "b"]},
-        {"eval_loss": 4, "shapes_all": 4},
-        [("eval_loss", "a", "baseline"), ("shapes_all", "b", "baseline"), ("eval_loss", "a", "baseline")],
-        ("eval_loss", "shapes_all"),
-    )
-    page = "\n".join(
-        [
-            "| finding | claim (metric) | verdict | difference in Δ (95% CI) | seeds used / needed |",
-            "|---|---|---|---|---|",
-            "| one | a helps (eval_loss) | not resolved | +2.50 [-1.00, 6.00] | 4 / > 200 |",
-            "| two | b helps (shapes_all) | not resolved | -1.00 [-3.00, 1.00] | 4 / 67 |",
-            "| three | a is fast (eval_loss) | untestable here | – | 0 / – |",
-            "",
-            "| arm | seeds | final eval loss: mean | sd of one run | its 95% CI | scenes |",
-            "|---|---|---|---|---|---|",
-            "| baseline | 4 | 0.200 | 0.0120 | [0.01, 0.04] | 512 |",
-            "| a | 4 | 0.180 | 0.00200 | [0.001, 0.007] | 512 |",
-        ]
-    )
-    sc, tested = E.page_scenario(s, page)
-    assert sc.effects == (2.5, -1.0, 0.0) and tested.tolist() == [True, True, False]
-    assert sc.spreads["eval_loss"] == pytest.approx({"baseline": 0.012 / 0.004, "a": 0.002 / 0.004})
-    sigma = 2.0 * math.sqrt(4) / st.t.ppf(0.975, 3)  # half-width 2 at 4 seeds: one seed's difference sd
-    b = sc.spreads["shapes_all"]
-    assert b["baseline"] == pytest.approx(sigma / math.sqrt(2)) and math.hypot(b["baseline"], b["b"]) == pytest.approx(
-        sigma
-    )
-    with pytest.raises(ValueError, match="the page's summary has 2 findings, its study 3"):
-        E.page_scenario(s, page.replace("| three |", "three"))
-
-
-def test_the_designs_compared_at_equal_runs_spend_equal_runs():
-    """efficiency.efficiency: one stage at n1 + extra seeds and stage 2 of extra seeds on every
-    arm spend the same runs; the budget rule at most as many; each settles at least what one stage
-    at n1 does, less its Monte-Carlo error."""
-    from dalle_ablate.report import calibration as cal
-    from dalle_ablate.report.design import study_path
-
-    s = cal.structure(study_path("mega-variants"))
-    effects = tuple([8.0, 2.0] + [0.0] * (len(s.claims) - 2))
-    counted = np.array([m in s.topped for m, _, _ in s.claims])
-    rows = E.efficiency(np.random.default_rng(2), s, cal.Scenario("x", effects=effects), 300, counted, 2)
-    arms = len(s.pools[s.topped[0]])
-    (_, r4, s4, e4), (_, r6, _, _), (_, declared, sd, ed), (_, budget, sb, eb) = rows
-    assert r4 == 4 * arms and r6 == declared == 6 * arms and 4 * arms < budget <= 6 * arms
-    assert sd >= s4 - 3 * (e4 + ed) and sb >= s4 - 3 * (e4 + eb)

@@ -25,9 +25,9 @@ test declared before stage 1, so that choosing stage 2 from the data spends no e
   difference at every look at once with probability at least 1 - 2 α_side, and exclude 0 exactly
   where that look's test rejects it.
 
-Pure numpy and scipy over leading axes, so that the calibration (report/calibration.py) runs
+Pure numpy and scipy over leading axes, so that the calibration (stats/calibration.py) runs
 thousands of simulated studies through it. Stage 2's seeds by a declared budget rule:
-report/allocation.py; a study declared in stages (its file's `stages:`), judged and paged:
+stats/allocation.py; a study declared in stages (its file's `stages:`), judged and paged:
 report/staged.py; its stage 2 run: dalle_ablate/study/stage2.py."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 from scipy import optimize
 from scipy import stats as st
 
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import verdicts as V
 
 # The kinds of boundary: classical O'Brien & Fleming ("OF") and Pocock ("P"); Lan & DeMets'
 # spending functions of O'Brien-Fleming ("asOF") and Pocock ("asP") type (rpact's names).
@@ -217,7 +217,7 @@ def analyse_staged(
 ) -> dict[str, np.ndarray]:
     """Every comparison judged in two stages, each stage's tables (metric -> values[..., arm,
     seed], NaN: no value; stage 2 all NaN where it did not run) on its own seeds by the verdict
-    engine's paired difference (report/verdicts.py): per look, Holm over the comparisons of the
+    engine's paired difference (stats/verdicts.py): per look, Holm over the comparisons of the
     difference test (two-sided: each side at α/2), of the difference beyond ±Δ on either side
     (each at α/2, as the fixed design's), and of equivalence within ±Δ (both one-sided tests of
     TOST). `single` [comparisons]: those no stage 2 adds to, each with one look (reject_by_look).

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as st
 
-from dalle_ablate.report import prose as P
-from dalle_ablate.report.stats import holm, power
+from dalle_ablate.stats.basic import holm, power
 
 # The family-wise error rate over the comparisons, for each kind of error (a false difference, a
 # false "beyond the margin", a false equivalence).
@@ -37,27 +36,11 @@ POWER = 0.80
 MAX_SEEDS = 200
 
 # What the engine finds, whichever side a claim predicts (a comparison without a margin has no
-# "by more than Δ" and no "equivalent").
-OUTCOMES = (
-    "higher by more than Δ",
-    "higher",
-    "equivalent within ±Δ",
-    "lower",
-    "lower by more than Δ",
-    "not resolved",
-    "identical on every seed",
-)
+# "by more than Δ" and no "equivalent"); report/prose.py's OUTCOMES says each in words.
 HIGHER_BEYOND, HIGHER, EQUIVALENT, LOWER, LOWER_BEYOND, UNRESOLVED, IDENTICAL = range(7)
 
-# A study's claim predicts a side; its verdict is the outcome read against that side.
-VERDICTS = (
-    "reproduced",
-    "reproduced, possibly smaller than Δ",
-    "no meaningful effect (equivalent within ±Δ)",
-    "contradicted (reversed)",
-    "not resolved",
-    "untestable here",
-)
+# A study's claim predicts a side; its verdict is the outcome read against that side (report/prose.py's
+# VERDICTS in words).
 REPRODUCED, SMALLER, NO_EFFECT, CONTRADICTED, NOT_RESOLVED, UNTESTABLE = range(6)
 
 
@@ -188,20 +171,6 @@ def verdict(outcome: int, side: int) -> int:
     return REPRODUCED if outcome in (HIGHER_BEYOND, LOWER_BEYOND) else SMALLER
 
 
-def against_baseline(outcome: int, lower_is_better: bool) -> str:
-    """The outcome of a variant against its baseline in words, for a metric whose better side is
-    known: better / worse (by more than Δ), equivalent within ±Δ, not resolved."""
-    if outcome in (EQUIVALENT, UNRESOLVED, IDENTICAL):
-        return {
-            EQUIVALENT: "equivalent to the baseline within ±Δ",
-            UNRESOLVED: "not resolved",
-            IDENTICAL: "identical to the baseline on every seed",
-        }[outcome]
-    better = (outcome in (LOWER, LOWER_BEYOND)) == lower_is_better
-    beyond = " by more than Δ" if outcome in (HIGHER_BEYOND, LOWER_BEYOND) else ""
-    return f"{'better' if better else 'worse'} than the baseline{beyond}"
-
-
 def _df_at(n: np.ndarray, shape, paired, va, vb) -> np.ndarray:
     """Degrees of freedom at n seeds per arm (last axis), for comparisons of `shape`: n - 1 paired,
     Welch's from the arms' variances va and vb where the arms do not share seeds."""
@@ -306,23 +275,6 @@ def seeds_to_settle(
     spread = np.where(np.isfinite(low) & np.isfinite(high), 1, 0)[..., None].astype(bool)
     rest = np.where(spread, counts[..., 1:], counts[..., :1])
     return counts[..., 0], rest.min(-1), rest.max(-1)
-
-
-def seeds_count(n: int, max_seeds: int = MAX_SEEDS) -> str:
-    """A count of seeds in words: the number, or "more than max_seeds"."""
-    return P.MORE_THAN.format(max=max_seeds) if n > max_seeds else str(int(n))
-
-
-def seeds_words(plan: int, fewest: int, most: int, needed: int, max_seeds: int = MAX_SEEDS) -> str:
-    """What more seeds would do for a comparison not resolved, in words: the plan (seeds_to_settle:
-    at the observed difference, with its range across the 95 % interval) and the seeds that tell
-    a difference of Δ from 0 (seeds_needed; 0: no margin, left out). "More than max_seeds" alone
-    only where it answers both."""
-    if plan > max_seeds and needed > max_seeds:
-        return P.BOTH_BEYOND.format(max=max_seeds)
-    c = lambda x: seeds_count(x, max_seeds)  # noqa: E731
-    words = (P.PLAN_FLAT if fewest == most == plan else P.PLAN).format(plan=c(plan), fewest=c(fewest), most=c(most))
-    return words + ("; " + P.FOR_MARGIN.format(needed=c(needed)) if needed else "")
 
 
 def parse_margin(margin) -> tuple[float, bool] | None:

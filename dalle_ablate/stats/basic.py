@@ -1,4 +1,4 @@
-"""The statistics pages state besides the verdict engine's (report/verdicts.py): Student's t
+"""The statistics pages state besides the verdict engine's (stats/verdicts.py): Student's t
 intervals across seeds (curves' bands and final metrics), Welch's interval of two arms' difference
 shown beside a paired one, the two-way ANOVA's seed share of a noise floor, Holm's procedure and a
 t test's power (which the engine uses), and stability events per run."""
@@ -65,7 +65,7 @@ def diverged(values: np.ndarray, status: str) -> bool:
     return status == "diverged" or not np.all(np.isfinite(np.asarray(values, np.float64)))
 
 
-# ---- What the verdict engine (report/verdicts.py) and a study's noise floor use ----
+# ---- What the verdict engine (stats/verdicts.py) and a study's noise floor use ----
 
 
 def blocked_residual(values) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

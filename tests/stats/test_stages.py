@@ -1,4 +1,4 @@
-"""Two-stage designs (report/stages.py): the boundaries against published values, each also
+"""Two-stage designs (stats/stages.py): the boundaries against published values, each also
 against a simulation of the two looks; the inverse-normal combination against the fixed-sample z
 test it reduces to; Holm at each look against closed testing by brute force over every
 intersection; the repeated confidence intervals against their test and their coverage; and a small
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from dalle_ablate.report import stages as S
-from dalle_ablate.report import verdicts as V
+from dalle_ablate.stats import stages as S
+from dalle_ablate.stats import verdicts as V
 
 # Published two-look boundaries, one-sided alpha 0.025, equal information (t1 = 0.5):
 # * O'Brien & Fleming: 2.797, 1.977 -- Jennison & Turnbull 2000, Table 2.3 (C_B(2, 0.05) = 1.977,
