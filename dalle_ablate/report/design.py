@@ -22,6 +22,7 @@ import yaml
 
 from dalle_ablate.metrics import STUDY
 from dalle_ablate.registry import ConfigError
+import dalle_ablate.report.measures  # noqa: F401 -- the report's own measures a study can judge
 from dalle_ablate.stats import stages as S
 from dalle_ablate.report.load import read_yaml
 from dalle_ablate.report.transitions import Rule, rule_from
@@ -72,10 +73,6 @@ def study_path(name: str) -> Path:
 
 def load_study(path: Path) -> Study:
     """A study file read and checked: a one-line ConfigError naming the field and what would be valid."""
-    # The report's own measures (loss_spikes, lr_sensitivity) are declared beside the code that
-    # computes them, report/findings.py and report/stress.py, which import this module: here, not above.
-    import dalle_ablate.report.findings  # noqa: F401
-
     raw = read_yaml(Path(path)) or {}
     where = str(path)
     if not isinstance(raw, dict):

@@ -12,13 +12,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from dalle_ablate.metrics import STUDY, Metric, declare
-from dalle_ablate.report import stress  # noqa: F401 -- declares lr_sensitivity, measured on the stress runs
+from dalle_ablate.metrics import STUDY, Metric
+import dalle_ablate.report.measures  # noqa: F401 -- the report's own measures a study can judge
 from dalle_ablate.report import prose as P
 from dalle_ablate.report.design import Finding, Study, own_arms
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.stats.basic import diff_ci, spikes
+from dalle_ablate.stats.basic import diff_ci
 from dalle_ablate.report.tables import final_value
 
 VERDICTS = P.VERDICTS
@@ -27,19 +27,6 @@ VERDICTS = P.VERDICTS
 # The guidance scale a study reads a sampled metric at: 2, where the default job draws the most
 # scenes right (docs/quickstart.md; guidance beyond 2-3 hurts).
 STUDY_SCALE = 2.0
-
-declare(
-    Metric(
-        "loss_spikes",
-        "steps whose train/loss exceeds 1.5x the median of the 20 before",
-        "spikes per run",
-        "lower",
-        source="report",
-        study="loss_spikes",
-        margin="1",  # one loss spike per run
-        value=lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5)),
-    )
-)
 
 
 def reading(m: Metric) -> str:

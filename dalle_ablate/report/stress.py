@@ -36,9 +36,11 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from dalle_ablate.metrics import Metric, declare, label, metric
+
+from dalle_ablate.metrics import label, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
+import dalle_ablate.report.measures  # noqa: F401 -- lr_sensitivity, computed here
 from dalle_ablate.report.design import StressClaim, StressPlan, load_stress, stress_folder
 from dalle_ablate.report.load import Run, load_runs, machine_time, series
 from dalle_ablate.stats.basic import mean_ci, spikes
@@ -60,23 +62,6 @@ MEASURES = {
     ),
     "divergences": ("rates at which the loss stopped being finite", "lower"),
 }
-declare(
-    Metric(
-        "lr_sensitivity",
-        "learning-rate sensitivity over the stress runs (Wortsman et al. 2023 §2.2)",
-        "nats per image token",
-        "lower",
-        source="report",
-        study="lr_sensitivity",
-        reads="given",
-        # a tenth of the baseline's degradation over the stress rates: a variant that moves how much the
-        # loss degrades across a 100x range of rates by less than that is no stabler in a way that would
-        # change which rate or variant one picks (Wortsman et al. 2023 compare variants whose
-        # sensitivities differ by factors, not percents)
-        margin="10%",
-        covers="the stress runs' seeds (initialisation and data order at every rate)",
-    )
-)
 
 
 def _arm(run: Run) -> Optional[str]:

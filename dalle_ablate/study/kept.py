@@ -15,6 +15,7 @@ from dalle_ablate.report.load import find_stores, load_run, machine_time
 from dalle_ablate.report.page import StudyRuns
 from dalle_ablate.report.staged import RECORD as STAGES
 from dalle_ablate.study import declaration, identity
+from dalle_ablate.study.jobs import stage1_commands
 from dalle_ablate.study.record import DECLARATION, RUNS, STRESS, Record, check_entry, entry_of
 from dalle_ablate.study.stage2 import PlanFrom
 from dalle_ablate.track.naming import key_of
@@ -157,8 +158,6 @@ class Kept:
     def stage1_commands(self, folder: Path, swept: list[str], members: bool) -> list[list[str]]:
         """Stage 1's jobs for the runs the record lacks, in the study's order (study/runner.py
         stage1_commands: the arms it times as jobs of their own, interleaved seed by seed)."""
-        from dalle_ablate.study.runner import stage1_commands
-
         arms = swept_arms(self.study, swept)
         seeds = swept_seeds(self.study.experiment, swept) or []
         done = self.done(RUNS)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -16,7 +15,7 @@ from dalle_ablate import interrupts
 from dalle_ablate.fileio import check_url, is_url, pull, shown
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.report import build_report
-from dalle_ablate.report.design import Study, load_study, own_arms, study_path, swept_arms, swept_seeds
+from dalle_ablate.report.design import Study, load_study, own_arms, study_path, swept_seeds
 from dalle_ablate.report.load import Run, find_stores, load_runs, machine_time
 from dalle_ablate.report.page import write_page
 from dalle_ablate.report.tables import fmt3
@@ -24,12 +23,12 @@ from dalle_ablate.study import topup
 from dalle_ablate.study.checks import check_before_running, check_meta
 from dalle_ablate.study.children import PastDeadline, call_child, dies_with_this_process
 from dalle_ablate.study.clock import Clock, words
+from dalle_ablate.study.jobs import as_members, stage1_commands
 from dalle_ablate.study.kept import Kept
 from dalle_ablate.study.identity import last_change
 from dalle_ablate.study.record import RUNS, STRESS
 from dalle_ablate.study.stage2 import check_seeds, run_stage2
 from dalle_ablate.study.stress_runs import StressOutcome, run_stress
-from dalle_ablate.track.naming import key_of
 from dalle_ablate.train.meta import git_commit
 
 
@@ -293,30 +292,6 @@ def _how_they_trained(study: Study, runs: list[Run]) -> list[str]:
     return lines
 
 
-def stage1_commands(study: Study, folder: Path, swept: list[str], members: bool) -> list[list[str]]:
-    """The study's own runs as multiruns of its preset: each arm's seeds the members of one job
-    (`members`; else one job per seed) -- but the arms its file times (`timing:`), which train as
-    jobs of their own, interleaved seed by seed (every timed arm's seed k, then each one's next),
-    so that a step-time finding's replicates are separate timings taken side by side, paired by
-    seed (members of one job log one timing between them)."""
-    base = [sys.executable, "-m", "dalle_ablate.job", "-m", f"experiment={study.experiment}"]
-    base.append(f"hydra.sweep.dir={shown(folder)}")
-    arms = swept_arms(study, swept)
-    timed = [a for a in arms if a in study.timed]
-    if not timed:
-        return [[*base, *(as_members(study.experiment, swept) if members else swept)]]
-    others = [o for o in swept if key_of(o) != "arm"]
-    rest = [a for a in arms if a not in timed]
-    out = []
-    if rest:
-        mine = [*others, f"+arm={','.join(rest)}"]
-        out.append([*base, *(as_members(study.experiment, mine) if members else mine)])
-    unseeded = [o for o in others if key_of(o) not in ("seed", "seeds")]
-    for k in swept_seeds(study.experiment, swept) or [None]:
-        out.append([*base, *unseeded, f"+arm={','.join(timed)}", *([] if k is None else [f"seed={k}"])])
-    return out
-
-
 def study_folder(out: str, name: str) -> Path:
     """The study's folder `<out>/<name>`; with `--out gs://...`, its staging folder, first made the
     bucket's copy (finished runs are found there, and its runs write through it to the bucket)."""
@@ -337,23 +312,6 @@ def _one_line_on_ctrl_c(name: str, again: str, stages: list[str]):
             f"study {name} {interrupts.word()} {stages[-1]}; the runs that finished are kept, a stopped one "
             f"continues from its checkpoint; resume with: {again or 'the same command'}"
         ) from None
-
-
-def as_members(experiment: str, overrides: list[str]) -> list[str]:
-    """The study's multirun overrides with each arm's seeds trained as members of one job
-    (train/loop.py train_members): `seeds=[...]` in place of the seed sweep, and `seed=` the first of them,
-    which names the job's own folder (`<arm>-seed<first>`, its first member's). The run folders,
-    names and overrides each member records are its separate run's (job.py member_jobs).
-    `members.impl=map` unless the overrides choose: each member's own program, so the runs are
-    their separate runs bit for bit on a CPU (the page cannot tell how they were made), Shampoo's
-    arm runs (vmap refuses it), and on 2 CPU cores it is the faster of the two
-    (docs/results/benchmarks/members.md)."""
-    seeds = swept_seeds(experiment, overrides)
-    if seeds is None or len(seeds) < 2:
-        return overrides
-    kept = [o for o in overrides if o.split("=", 1)[0] != "seed"]
-    impl = [] if any(o.startswith("members.impl=") for o in overrides) else ["members.impl=map"]
-    return [*kept, f"seed={seeds[0]}", f"seeds=[{','.join(map(str, seeds))}]", *impl]
 
 
 def _study_runs(name: str, folder: Path, code: int) -> list:

@@ -1082,7 +1082,7 @@ def test_the_arms_a_study_times_train_as_jobs_of_their_own_seed_by_seed(tmp_path
     arm's seed k beside the others' (one multirun per seed), the other arms members as before."""
     import dataclasses as dc
 
-    from dalle_ablate.study.runner import stage1_commands
+    from dalle_ablate.study.jobs import stage1_commands
 
     study = dc.replace(load_study(study_path("mega-variants")), timed=("baseline", "bias"))
     commands = [c[4:] for c in stage1_commands(study, tmp_path, ["+arm=baseline,bias,swish", "seed=7,8"], True)]
