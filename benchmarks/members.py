@@ -25,7 +25,7 @@ study|fresh`): whole jobs as a user runs them, process start to exit: the N sepa
 the other, against one job `... seeds=[0,...,N-1] seed=0 members.impl=<impl>`; each with
 `tracker=none`, `resume=null` and its folders in a fresh temp folder. `--cache study` (the
 default) gives each arm of each repetition one empty JAX persistent compilation cache that its
-processes share, as a study's runs share theirs (report/study_runs.py): the separate run seed=0
+processes share, as a study's runs share theirs (study/runner.py): the separate run seed=0
 compiles, seeds 1.. load its programs from disk. `--cache fresh`: an empty cache per process.
 Repetitions interleave the arms (separate, members, separate, members ...).
 
@@ -178,7 +178,7 @@ def step_section(overrides: list[str], members: list[int], rounds: int) -> None:
     print(
         f"\n{rounds} interleaved rounds after one warm-up. The compile time of `separate` counts one "
         "compilation per member, as separate runs each compile theirs; a study's persistent compilation cache "
-        "(report/study_runs.py) lets the later runs of an arm load it from disk instead.\n"
+        "(study/runner.py) lets the later runs of an arm load it from disk instead.\n"
     )
 
 
@@ -294,7 +294,7 @@ def wall_section(
             )
     cache_text = (
         "one empty JAX compilation cache per arm and repetition, shared by its processes (the study's own "
-        "setting, report/study_runs.py: the separate seed=0 compiles, seeds 1.. load from disk)"
+        "setting, study/runner.py: the separate seed=0 compiles, seeds 1.. load from disk)"
         if cache_mode == "study"
         else "an empty JAX compilation cache per process"
     )

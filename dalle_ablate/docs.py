@@ -3,7 +3,7 @@ the YAML presets and the metric declarations, `docs/reference/cli.md` from the `
 argument parser.
 
     python -m dalle_ablate.docs          # rewrite both
-    python -m dalle_ablate.docs --check  # exit 1 if either differs (tests/docs/test_reference.py)
+    python -m dalle_ablate.docs --check  # exit 1 if either differs (tests/docs/test_docs.py)
 
 Every field's row carries its type, default, allowed range (the schema's RANGES) and the comment
 written beside it in the source, so the reference is only as good as those comments: a field

@@ -1,7 +1,7 @@
 """Simulated studies with known truth, in a study file's own structure -- its claims, the arms each
 metric is measured on, the seeds of its runs and of its stress runs -- judged by the verdict engine
 (stats/verdicts.py) itself: the evidence that its error rates hold where real arms differ in
-noise. tests/report/test_verdicts.py runs every scenario at a few hundred studies with a tolerance
+noise. tests/report/test_calibration.py runs every scenario at a few hundred studies with a tolerance
 from the Monte-Carlo error; benchmarks/verdict_calibration.py runs them at thousands and writes the
 table docs/statistics.md shows.
 

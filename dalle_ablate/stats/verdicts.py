@@ -9,7 +9,7 @@ order and initial keys, so pairing takes out what they share -- and, where the t
 than two seeds, on Welch's unpaired t (Satterthwaite's degrees of freedom). Nothing is pooled over
 other arms and nothing is set aside after looking at the data: arms whose seed spreads differ
 tenfold, or whose seed effects are not shared, leave every other comparison's error rate as it is
-(tests/report/test_verdicts.py and benchmarks/verdict_calibration.py simulate the study's own
+(tests/report/test_calibration.py and benchmarks/verdict_calibration.py simulate the study's own
 claims and pools to show it). Three tests per comparison, each decided by Holm's step-down
 procedure over the comparisons at a family-wise 5 %: the difference against 0, beyond the margin
 Δ (on the side it lies), and equivalence within ±Δ (TOST).
