@@ -1,6 +1,5 @@
-"""Ablation reports (`dalle-ablate report`): curves with seed spread, final metrics with
-Student-t intervals and Welch differences from a baseline, stability, equal-compute views,
-Pareto overlays, grids, config diff and Optuna plots, as HTML, Markdown, CSV and a W&B report."""
+"""Ablation reports (`dalle-ablate report`: HTML, Markdown, CSV and a W&B report spec) and a study's results page,
+from run stores; docs/architecture.md says which module does what."""
 
 from dalle_ablate.report.build import build_report
 

@@ -1,8 +1,5 @@
-"""`dalle-ablate report`: runs -> reports/<name>/index.html (self-contained: figures inline as
-PNG data, no scripts, no network), report.md (figures beside it), runs.csv, and a W&B report
-spec (wandb_report.json; saved to W&B when online). Variants are what differs between runs
-apart from the seed, labelled as the user typed them; the baseline is the first value listed (a
-sweep: the best completed trial) unless `--baseline` says otherwise."""
+"""`dalle-ablate report`: the report's sections, built from the runs and written to reports/<name>/ (index.html,
+report.md, runs.csv, wandb_report.json). What each holds and how the baseline is chosen: docs/guides/reports.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""What a study is, in one place: its file (`report/studies/<name>.yaml`, beside this module) --
-the multirun preset that runs it, its baseline arm, its findings, each a claim with the arm it is
-about, the arm it is compared with, a metric (its study name, as declared beside the code that
-computes it: dalle_ablate/metrics.py), the direction the claim predicts and its margin Δ (the
-metric's declared default where it gives none) -- its stress plan (`stress:`, report/stress.py) and
-its stages (`stages:`, report/staged.py); the arms its own runs train (its findings', the one
-list of them) and the seeds its experiment preset sweeps, read here and nowhere else; and where its
-runs go.
-
-The report reads a study through this module (report/findings.py judges it, report/page.py writes
-its page), and so does the study runner (dalle_ablate/study/), which runs it."""
+"""What a study is, from its file (studies/<name>.yaml beside this module): its preset, baseline, findings, stress plan
+and stages, the arms its runs train, the seeds its preset sweeps (the preset's one reader) and where its runs go.
+The file's format: docs/guides/studies.md, "Writing your own study file"."""
 
 from __future__ import annotations
 

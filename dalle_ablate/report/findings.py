@@ -1,9 +1,5 @@
-"""A study's findings judged (`dalle-ablate study`): each finding of a published study checked
-against the runs of its arms by the verdict engine (stats/verdicts.py) -- the paired difference
-over the seeds both arms ran, its interval from that pair's own noise, one of its verdicts at a
-family-wise 5 % (Holm), the seeds a finding not resolved needs, Welch's interval beside it for
-comparison, its course over training (docs/statistics.md). What a study is -- its file, its
-findings -- is report/design.py; report/page.py writes the results page."""
+"""A study's findings judged against the runs of its arms by the verdict engine: each finding's paired difference, its
+interval and verdict under Holm, the seeds it still needs, Welch's interval beside it and its course over training."""
 
 from __future__ import annotations
 

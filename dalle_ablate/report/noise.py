@@ -1,22 +1,6 @@
-"""The noise report: where a metric's seed-to-seed noise comes from, measured on the runs a page
-compares (a study's arms, a report's variants), so that a reader sees what each interval covers
-and what would cut it (issue 50; docs/statistics.md, "The noise report").
-
-For one run's final eval loss, three sources can be told apart from what every run store keeps:
-
-* the **evaluation set**: every run is scored on the same N validation scenes, and its loss is
-  their mean; what varies from run to run on particular scenes -- the runs x scenes interaction
-  of their per-scene losses (`eval/valid/examples`, logged at every validation) -- reaches the
-  mean divided by N (Jordan 2023, "On the variance of neural network training": much of a test
-  metric's run-to-run spread is the finite test set's). A larger set cuts it by its size;
-* the **checkpoint**: the final evaluation against the mean of the last ones (Heineman et al.
-  2025, "Signal and Noise", average the final checkpoints);
-* **initialisation and data order**, where the runs vary one at a time (findings.noise_sources;
-  Bouthillier et al. 2021).
-
-Each arm's own seed spread with its 95 % interval (chi-square), and for each comparison of two
-arms the sd of a seed's difference, rho, and the evaluation set's share of that difference's
-variance (the same interaction, of the per-scene differences)."""
+"""The noise report: where a metric's seed-to-seed noise comes from (evaluation set, checkpoint, initialisation and
+data order), each arm's seed spread, and each comparison's sd and rho, measured on the runs a page compares
+(docs/statistics.md, "The noise report")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""A study's results page (`dalle-ablate study`, docs/results/<study>.md), its answer first: the
-summary (each claim's verdict, its difference in units of its margin, the seeds it used and needs,
-and the forest plot of them all; report/findings.py judges them), then the noise report (with
-every seed's curve and the seeds late to their transition, report/transitions.py), then the
-details -- where the page comes from and where the method is written (docs/statistics.md, linked,
-never restated), the notes, what each arm is (its conf/arm/ file's comment and overrides), every
-finding in full, the top-up rule, every arm's numbers, the stress runs' section and the figures,
-each with its caption; every number with its unit, to three significant digits (tables.fmt3).
-Markdown, its figures beside it; its words are report/prose.py's."""
+"""A study's results page (docs/results/<study>.md), its answer first: the summary, the noise report, then the details.
+Markdown with its figures beside it; every number with its unit, to three significant digits; the method is linked
+(docs/statistics.md), never restated."""
 
 from __future__ import annotations
 

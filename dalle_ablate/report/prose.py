@@ -1,8 +1,6 @@
-"""The words of a study's results page (report/page.py) and of `dalle-ablate report`
-(report/build.py), in one place: what each section and figure shows, never how the verdicts are
-reached -- that is docs/statistics.md, which the page links and the report names. `{name}` fields
-are filled by the builders with `str.format`; the verdict engine's outcomes and verdicts
-(stats/verdicts.py: codes, no words) are said here too."""
+"""The words of a study's results page and of `dalle-ablate report`, in one place: what each section and figure shows,
+and the verdict engine's outcomes; never how verdicts are reached (docs/statistics.md). `{name}` fields are filled
+with `str.format`."""
 
 from dalle_ablate.stats import verdicts as V
 

@@ -1,13 +1,6 @@
-"""A study in two declared stages (its file's `stages:`, report/design.py; docs/statistics.md,
-"Studies in stages"): stage 2's plan from stage 1's runs by the declared rule (stats/allocation.py),
-every finding judged at both looks by the combination test inside Holm's closed procedure
-(stats/stages.py), with repeated confidence intervals, and the page's account of each stage.
-
-The study runner (dalle_ablate/study/runner.py) asks `plan` for stage 2 once stage 1 has run,
-keeps the answer in the study's folder (RECORD) before stage 2 starts -- a rerun reads it back and
-never plans again -- and runs what it asks for; the page reads the same record. The table-level
-plan and judgement (`plan_tables`, `looks`) are also a staged report's (report/staged_report.py)
-and a staged sweep re-check's (sweep/recheck.py)."""
+"""A study in two declared stages (docs/statistics.md, "Studies in stages"): stage 2's plan from stage 1's runs by the
+declared rule, every finding judged at both looks, and the page's account of each stage. The plan is kept in the
+study's record before stage 2 starts and never made again."""
 
 from __future__ import annotations
 

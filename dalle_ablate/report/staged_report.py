@@ -1,11 +1,6 @@
-"""`dalle-ablate report --stages FILE`: a report's comparisons with the baseline in two declared
-stages, as a study's (report/staged.py; docs/statistics.md, "Studies in stages"). FILE's
-`stages:` mapping declares the design before stage 1 runs -- a study file's does. Stage 1 is the
-finished runs on seeds below stage 2's (`seeds_from`); stage 2's seeds per variant come from stage
-1's runs by the declared rule, so the plan is the same at every report of the same stage-1 runs; each
-comparison is judged at both looks by the combination test inside Holm's closed procedure over
-the report's comparisons, with repeated confidence intervals. The report does not train: it says
-what stage 2 asks for and the command that trains it, and judges the stage-2 runs it is given."""
+"""`dalle-ablate report --stages FILE`: a report's comparisons with the baseline in two declared stages, as a study's
+(docs/statistics.md, "Studies in stages"). It trains nothing: it says what stage 2 asks for and judges the stage-2
+runs it is given."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
-"""Stability under stress: the arms a study's stability claims name, trained across a range of
-learning rates, and what that says about them.
-
-A claim such as "NormFormer is more stable than Sandwich-LN" cannot be judged by counting loss
-spikes at a rate where no arm spikes. Wortsman et al. 2023 ("Small-scale proxies for large-scale
-Transformer training instabilities", arXiv 2309.14322, §2.2) reproduce large-model instabilities in
-small models by raising the learning rate, and compare variants by the final loss against the rate
-and its summary, the *learning-rate sensitivity*:
-
-    LR sensitivity = E_{lr in [a, b]} [ min(loss(lr), L0) - min_{lr in [a, b]} loss(lr) ]
-
-with L0 the loss at initialisation (a run that diverges counts as L0: it learned nothing) and the
-expectation the mean over the swept rates (log-spaced, as theirs). Lower is more stable.
-
-A study file declares its stress runs, before any is run, in a `stress:` section:
-
-    stress:
-      claims: [normformer-vs-sandwich, ...]   # ids of its findings; their arm and against arms run
-      lr: [1e-3, 3e-3, 1e-2, 3e-2]           # the range, every rate for every arm and seed
-      seeds: [0, 1]
-      steps: 400                             # a budget of their own (trainer.steps)
-      overrides: ["eval.metrics=[]"]         # anything else the stress runs set
-      source: where the range comes from
-
-`dalle-ablate study` runs them after the study's own runs, each in `<study folder>-stress/<arm>-
-lr<rate>-seed<n>/` (apart from the study's runs, which compare arms at one rate), with resume=auto;
-a finished run and a diverged one (a result, not a failure) are not started again.
-`stress_sections` gives the page's sections and `claim_values` each claim's per-arm per-seed values
-for a verdict."""
+"""Stability under stress: the arms of a study's stability claims trained across learning rates (its file's `stress:`
+section), judged by their LR sensitivity -- the mean over the rates of min(final loss, L0) minus the best, L0 the loss
+at initialisation, which a diverged run counts as (Wortsman et al. 2023, §2.2). The runs: docs/guides/studies.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Late seeds (issue 59): each run's caption-following transition, the seeds of an arm that reach
-it late, and the view of every seed's curve that shows them -- on a study's page, in
-`dalle-ablate report` and in a sweep's re-check (docs/statistics.md, "Late seeds").
-
-The shapes model's eval loss falls fast to a plateau, sits there while the model draws scenes
-without following their captions, and leaves it when it learns to: a plateau that ends abruptly,
-as Hoffmann et al. 2024 ("Eureka-moments in transformers") find for transformers whose attention
-softmax holds them on one until it does not. When it ends varies by seed, and a seed that leaves it
-late ends its budget still falling, above its arm's other seeds; most of seed instability in
-fine-tuning is of this kind and goes with more iterations (Zhang et al. 2021, "Revisiting
-few-sample BERT fine-tuning"; Mosbach et al. 2021, "On the stability of fine-tuning BERT"). The
-view says which seeds those are. It changes no verdict: the verdict engine uses every seed."""
+"""Late seeds: each run's caption-following transition (where its eval loss leaves its plateau), the seeds of an arm
+that reach it late, and the view of every seed's curve that shows them. It changes no verdict (docs/statistics.md,
+"Late seeds")."""
 
 from __future__ import annotations
 

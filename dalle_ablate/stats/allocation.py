@@ -1,25 +1,6 @@
-"""Stage 2's seeds per arm, chosen by a rule declared before stage 1 (docs/statistics.md, "Studies
-in stages"): a budget of runs (or of CPU-hours, each arm's seed costing its measured run time) goes
-where it raises the expected number of findings settled by look 2 most, judged from what stage 1
-showed -- its observed differences included. The combination test (stats/stages.py) keeps the
-error rate whatever stage 1 made stage 2's size (Lehmacher & Wassmer 1999), so the rule may be
-unblinded; it spends nothing on an arm that no unsettled finding needs.
-
-* **A finding's chance to settle** with k more paired seeds (`settle_chance`), planned at its
-  observed difference and its stage-1 spread (a plan, not a test: the conditional power of
-  Müller & Schäfer 2001 at the observed effect, Bauer & Köhne 1994): stage 2's mean difference m₂
-  ~ N(d₁, sd₁²/k) decides each of the finding's four one-sided tests at look 2 -- the difference's
-  two sides at Holm's first step α/(2m), and TOST's two against ±Δ at α/m, m the findings left --
-  so that it settles where m₂ passes either side of the difference test, or lies between TOST's
-  two bounds. A normal stage 2 in place of its t: the plan's error, not the test's.
-* **The greedy rule** (`allocate`): a finding's k paired seeds are the first k stage-2 seeds of
-  both its arms, so raising an arm helps every finding it is in. Repeatedly, over every finding
-  and every larger k, take the raise with the largest gain in expected settled findings per unit
-  of cost that the budget still affords; stop when none gains. Jumps of any size, not one seed at
-  a time: a chance that is flat at one seed (no stage-2 t test below two) can rise steeply after.
-
-Vectorised over leading (study) axes, so that the calibration (stats/calibration.py) runs
-thousands of simulated studies through it."""
+"""Stage 2's seeds per arm by the budget rule declared before stage 1: runs or CPU-hours go where they raise the
+expected number of findings settled by look 2 most, judged from stage 1 (docs/statistics.md, "Studies in stages").
+Vectorised over leading (study) axes for the calibration."""
 
 from __future__ import annotations
 

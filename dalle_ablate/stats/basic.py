@@ -1,7 +1,5 @@
-"""The statistics pages state besides the verdict engine's (stats/verdicts.py): Student's t
-intervals across seeds (curves' bands and final metrics), Welch's interval of two arms' difference
-shown beside a paired one, the two-way ANOVA's seed share of a noise floor, Holm's procedure and a
-t test's power (which the engine uses), and stability events per run."""
+"""The statistics the pages state besides the verdict engine's: Student's t intervals across seeds, Welch's interval,
+the two-way ANOVA's seed share of a noise floor, Holm's procedure, a t test's power, and stability events per run."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Simulated studies with known truth, in a study file's own structure -- its claims, the arms each
-metric is measured on, the seeds of its runs and of its stress runs -- judged by the verdict engine
-(stats/verdicts.py) itself: the evidence that its error rates hold where real arms differ in
-noise. tests/report/test_calibration.py runs every scenario at a few hundred studies with a tolerance
-from the Monte-Carlo error; benchmarks/verdict_calibration.py runs them at thousands and writes the
-table docs/statistics.md shows.
-
-A simulated metric's value for arm a and seed s is
-
-    y[a, s] = mu[a] + m[a] * (sqrt(rho) * z[s] + sqrt(1 - rho) * e[a, s])
-
-z the seed's effect, shared by every arm of the metric (an arm in `unshared` draws its own), e each
-run's own noise, both standard normal; m[a] the arm's seed spread (1, or as the scenario says);
-mu the claims' true differences. Δ is one unit (the sd of one run's noise at m = 1)."""
+"""Simulated studies with known truth, in a study file's own structure, judged by the verdict engine itself
+(docs/statistics.md, "Calibration"). Arm a, seed s: y = mu[a] + m[a] * (sqrt(rho) * z[s] + sqrt(1 - rho) * e[a, s]),
+z and e standard normal; Δ is one unit (the sd of one run's noise at m = 1)."""
 
 from __future__ import annotations
 

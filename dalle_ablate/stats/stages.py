@@ -1,34 +1,6 @@
-"""The arithmetic of a study run in two declared stages (docs/statistics.md, "Studies in stages"):
-stage 1 runs n1 seeds per arm, stage 2's seeds are chosen from what stage 1 showed -- its
-differences included -- and each comparison's two stage-wise tests are combined by a combination
-test declared before stage 1, so that choosing stage 2 from the data spends no error rate.
-
-* **The inverse-normal combination test** (Lehmacher & Wassmer 1999; Cui, Hung & Wang 1999): a
-  one-sided stage-wise p-value p_j per stage, from that stage's seeds only, combined as
-  1 - Φ(w1 Φ⁻¹(1 - p1) + w2 Φ⁻¹(1 - p2)), the weights declared in advance with w1² + w2² = 1.
-  Under the null each Φ⁻¹(1 - p_j) is standard normal and stage 2's is independent of stage 1's
-  whatever stage 1 made stage 2's size, so the combined statistic is standard normal too. A paired
-  t test's p-value on n_j - 1 degrees of freedom is exact, so the transformation is exact as well.
-* **Group-sequential boundaries for two looks**: a comparison may settle at stage 1 (its stage-1
-  statistic beyond c1) or at stage 2 (the combined one beyond c2), c1 and c2 spending α over the
-  two looks with the combined statistic's correlation w1 with stage 1's, i.e. at information
-  fraction t1 = w1² (Jennison & Turnbull 2000, ch. 2 and 7): O'Brien & Fleming's or Pocock's
-  classical constants, or Lan & DeMets' (1983) spending functions of O'Brien-Fleming or Pocock
-  type. The boundary integrals are scipy's bivariate normal.
-* **Holm's procedure over the findings at each look**: closed testing with Bonferroni
-  intersection tests, each finding's own two-look test at level α/m for m findings left (Bauer &
-  Kieser 1999; Posch et al. 2005), which is Holm's step-down over the findings' sequential tests
-  -- a finding rejected at a look passes its level to the rest, which are judged again on all
-  looks so far (Maurer & Bretz 2013, the graphical form of the same closed test).
-* **Repeated confidence intervals** (Jennison & Turnbull 2000, ch. 9): at each look the
-  differences the combined test would not reject at that look's boundary; they cover the true
-  difference at every look at once with probability at least 1 - 2 α_side, and exclude 0 exactly
-  where that look's test rejects it.
-
-Pure numpy and scipy over leading axes, so that the calibration (stats/calibration.py) runs
-thousands of simulated studies through it. Stage 2's seeds by a declared budget rule:
-stats/allocation.py; a study declared in stages (its file's `stages:`), judged and paged:
-report/staged.py; its stage 2 run: dalle_ablate/study/stage2.py."""
+"""The arithmetic of a study in two declared stages (docs/statistics.md, "Studies in stages"): the inverse-normal
+combination test, two-look boundaries, Holm over the findings at each look, and repeated confidence intervals.
+Pure numpy and scipy over leading (study) axes, for the calibration."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""The verdict engine: whether a difference between two arms is real, and by how much, for every
-page that compares runs -- a study's findings (report/findings.py) and `dalle-ablate report`'s
-variants against the baseline (report/tables.py) ask it the same question and get the same
-numbers and the same words (docs/statistics.md says why each choice).
-
-Each comparison is judged on its own noise only: on the per-seed differences of its two arms over
-the seeds both ran (a paired t test, n - 1 degrees of freedom) -- runs of one seed share its data
-order and initial keys, so pairing takes out what they share -- and, where the two arms share fewer
-than two seeds, on Welch's unpaired t (Satterthwaite's degrees of freedom). Nothing is pooled over
-other arms and nothing is set aside after looking at the data: arms whose seed spreads differ
-tenfold, or whose seed effects are not shared, leave every other comparison's error rate as it is
-(tests/report/test_calibration.py and benchmarks/verdict_calibration.py simulate the study's own
-claims and pools to show it). Three tests per comparison, each decided by Holm's step-down
-procedure over the comparisons at a family-wise 5 %: the difference against 0, beyond the margin
-Δ (on the side it lies), and equivalence within ±Δ (TOST).
-
-Pure numpy over leading axes, so that the calibration runs thousands of simulated studies through
-this same code. Values come in as tables `metric -> array[..., arm, seed]` (NaN: no value)."""
+"""The verdict engine: whether a difference between two arms is real and by how much, on that comparison's own noise
+(paired t over shared seeds, else Welch), three tests per comparison under Holm (docs/statistics.md). Pure numpy
+over leading axes; values come in as tables `metric -> array[..., arm, seed]` (NaN: no value)."""
 
 from __future__ import annotations
 
