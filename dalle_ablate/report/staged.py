@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from scipy import stats as st
 
 from dalle_ablate.fileio import atomic_write
 from dalle_ablate.metrics import STUDY
@@ -186,7 +185,7 @@ def judge(
             for f, c in zip(study.findings, comps)
         ]
     once = one_look(study)
-    judged = looks(first, second, comps, study.stages.design, once)
+    judged = S.looks(first, second, comps, study.stages.design, once)
     for j, (row, f, c, look) in enumerate(zip(rows, study.findings, comps, judged)):
         side = 1 if f.expect == "higher" else -1
         tested = row["code"] != V.UNTESTABLE
@@ -212,56 +211,6 @@ def _kept(margins: dict, key: str, default: float) -> float:
     if key not in margins:
         return default
     return math.nan if margins[key] is None else margins[key]
-
-
-def looks(
-    first: dict[str, np.ndarray], second: dict[str, np.ndarray], comps: list[V.Comparison], design, once: np.ndarray
-) -> list[dict]:
-    """Each comparison judged at both looks (stages.analyse_staged): its outcome at look 1 and by
-    look 2 (verdicts.analyse's codes), the combined estimate, and the repeated confidence
-    intervals, 95 % and family-wise (α / m each side), as the intersection of both looks' (they
-    cover the true difference at every look at once, so their intersection does too, and it
-    excludes 0 wherever either look's test at that level rejects); a comparison of one look
-    (`once`: on stress runs) gets its fixed-design t intervals. `stage_n`: its pairs per stage."""
-    res = S.analyse_staged(first, second, comps, design, single=once)
-    outcomes = [S.outcome_at(res, 1), S.outcome_at(res, 2)]
-    m, out = len(comps), []
-    for j in range(m):
-        d1, se1, df1, d2, se2, df2 = (float(res[k][j]) for k in ("d1", "se1", "df1", "d2", "se2", "df2"))
-        if once[j]:
-            (low, high), (fw_low, fw_high) = (_t_interval(d1, se1, df1, a) for a in (V.ALPHA, V.ALPHA / m))
-            estimate = d1
-        else:
-            low, high = _intersection(*S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / 2))
-            fw_low, fw_high = _intersection(*S.repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / (2 * m)))
-            estimate = S.combined_estimate(d1, se1, df1, d2, se2, df2, design)
-        out.append(
-            {
-                "d": estimate,
-                "low": low,
-                "high": high,
-                "fw_low": fw_low,
-                "fw_high": fw_high,
-                "fw_level": 1 - V.ALPHA / m,
-                "look1": int(outcomes[0][j]),
-                "look2": int(outcomes[1][j]),
-                "stage_n": (int(res["n1"][j]), int(res["n2"][j])),
-            }
-        )
-    return out
-
-
-def _t_interval(d: float, se: float, df: float, alpha: float) -> tuple[float, float]:
-    """The fixed design's two-sided t interval at 1 - alpha."""
-    half = float(st.t.ppf(1 - alpha / 2, df) * se) if df >= 1 else math.nan
-    return d - half, d + half
-
-
-def _intersection(look1: tuple, look2: tuple) -> tuple[float, float]:
-    """The two looks' repeated intervals intersected; look 2's where they do not meet (the two
-    stages disagree beyond both intervals: one of them missed)."""
-    low, high = max(look1[0], look2[0]), min(look1[1], look2[1])
-    return (low, high) if low <= high else look2
 
 
 def design_words(st_: Stages) -> dict[str, object]:

@@ -17,6 +17,7 @@ from dalle_ablate.report.design import Stages, stages_from
 from dalle_ablate.report.load import Run, read_yaml
 from dalle_ablate.report.tables import against_baseline, baseline_tables, fmt3
 from dalle_ablate.report.writers import Section
+from dalle_ablate.stats import stages as S
 from dalle_ablate.track.naming import SEEDS, key_of, own
 
 # Overrides of a run that say where or how it ran, not what it is: not in stage 2's command.
@@ -56,7 +57,7 @@ def judged(
     variants, seeds, tables, _, _ = baseline_tables(by_variant, baseline, margins)
     first, second = staged.split(variants, seeds, tables, record)
     rows = against_baseline(by_variant, baseline, margins)
-    for (v, m), c, look in zip(keys, comps, staged.looks(first, second, comps, stages.design, ~every)):
+    for (v, m), c, look in zip(keys, comps, S.looks(first, second, comps, stages.design, ~every)):
         lower = metric(m).better == "lower"
         rows[(v, m)].update(
             {k: look[k] for k in ("d", "low", "high", "fw_low", "fw_high", "stage_n")},

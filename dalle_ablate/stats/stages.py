@@ -284,3 +284,57 @@ def combined_estimate(d1, se1, df1, d2, se2, df2, design: Design) -> float:
         return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), design.w1))
 
     return float(optimize.brentq(combined, min(d1, d2) - 1e-9, max(d1, d2) + 1e-9, xtol=1e-12))
+
+
+def looks(
+    first: dict[str, np.ndarray],
+    second: dict[str, np.ndarray],
+    comps: list[V.Comparison],
+    design: Design,
+    once: np.ndarray,
+) -> list[dict]:
+    """Each comparison judged at both looks (analyse_staged): its outcome at look 1 and by
+    look 2 (verdicts.analyse's codes), the combined estimate, and the repeated confidence
+    intervals, 95 % and family-wise (α / m each side), as the intersection of both looks' (they
+    cover the true difference at every look at once, so their intersection does too, and it
+    excludes 0 wherever either look's test at that level rejects); a comparison of one look
+    (`once`: on stress runs) gets its fixed-design t intervals. `stage_n`: its pairs per stage."""
+    res = analyse_staged(first, second, comps, design, single=once)
+    outcomes = [outcome_at(res, 1), outcome_at(res, 2)]
+    m, out = len(comps), []
+    for j in range(m):
+        d1, se1, df1, d2, se2, df2 = (float(res[k][j]) for k in ("d1", "se1", "df1", "d2", "se2", "df2"))
+        if once[j]:
+            (low, high), (fw_low, fw_high) = (_t_interval(d1, se1, df1, a) for a in (V.ALPHA, V.ALPHA / m))
+            estimate = d1
+        else:
+            low, high = _intersection(*repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / 2))
+            fw_low, fw_high = _intersection(*repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / (2 * m)))
+            estimate = combined_estimate(d1, se1, df1, d2, se2, df2, design)
+        out.append(
+            {
+                "d": estimate,
+                "low": low,
+                "high": high,
+                "fw_low": fw_low,
+                "fw_high": fw_high,
+                "fw_level": 1 - V.ALPHA / m,
+                "look1": int(outcomes[0][j]),
+                "look2": int(outcomes[1][j]),
+                "stage_n": (int(res["n1"][j]), int(res["n2"][j])),
+            }
+        )
+    return out
+
+
+def _t_interval(d: float, se: float, df: float, alpha: float) -> tuple[float, float]:
+    """The fixed design's two-sided t interval at 1 - alpha."""
+    half = float(st.t.ppf(1 - alpha / 2, df) * se) if df >= 1 else math.nan
+    return d - half, d + half
+
+
+def _intersection(look1: tuple, look2: tuple) -> tuple[float, float]:
+    """The two looks' repeated intervals intersected; look 2's where they do not meet (the two
+    stages disagree beyond both intervals: one of them missed)."""
+    low, high = max(look1[0], look2[0]), min(look1[1], look2[1])
+    return (low, high) if low <= high else look2

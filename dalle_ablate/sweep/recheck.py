@@ -322,11 +322,11 @@ def _judge_both_looks(against: list[dict], values1, values2, comps, stages, mini
     trials' stage-1 and stage-2 values: the combined estimate, the repeated confidence intervals,
     the verdict at look 1 and by look 2, in place of its one-look p."""
     from dalle_ablate.report import prose
-    from dalle_ablate.report import staged as plans
+    from dalle_ablate.stats import stages as S
 
     nan1, nan2 = np.full_like(values2, math.nan), np.full_like(values1, math.nan)
     first, second = {"v": np.hstack([values1, nan1])}, {"v": np.hstack([nan2, values2])}
-    for entry, look in zip(against, plans.looks(first, second, comps, stages.design, np.zeros(len(comps), bool))):
+    for entry, look in zip(against, S.looks(first, second, comps, stages.design, np.zeros(len(comps), bool))):
         name = f"trial {entry['trial']}"
         words = [prose.against_baseline(look[k], minimize).replace("the baseline", name) for k in ("look1", "look2")]
         entry.pop("p")  # the combined test has no one p-value
