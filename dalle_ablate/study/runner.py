@@ -121,7 +121,10 @@ def _record_provenance(study: Study, kept: Kept, runs: list[Run], members: bool)
     declared = [*p["overrides"], f"seed={','.join(map(str, p['seeds']))}"]
     swept = [*declared, f"+arm={','.join(p['arms'])}"]
     first = stage1_commands(study, Path("studies") / study.name, swept, members)[0]
-    return provenance(study.name, None, declared, first, runs, 0.0, False, None, str(kept.record))
+    record = str(kept.record)
+    if not is_url(record) and (Path(record) / "README.md").is_file():  # a record's own account, kept beside it
+        record += " (its README.md says how its runs were trained and checked)"
+    return provenance(study.name, None, declared, first, runs, 0.0, False, None, record)
 
 
 def _report(folder: Path, report_out: str, study: Study, kept: Optional[Kept]) -> Optional[str]:

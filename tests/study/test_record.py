@@ -312,6 +312,26 @@ def test_a_declaration_reads_overrides_as_hydra_does_and_ignores_how_runs_are_ke
 
 
 # -- the time limit ------------------------------------------------------------------------------
+def test_a_page_from_a_record_with_a_readme_points_the_reader_to_it(tmp_path):
+    """A record's README (how its runs were trained and checked, by hand) is named in the page's
+    provenance where there is one; the line is otherwise the record's path alone."""
+    from types import SimpleNamespace
+
+    from dalle_ablate.study.runner import _record_provenance
+
+    path = write_study(tmp_path)
+    study_ = load_study(path)
+    kept = SimpleNamespace(declared=declaration.declare(study_, path, ARGS, CODE), record=str(tmp_path / "rec"))
+    (tmp_path / "rec").mkdir()
+    bare = _record_provenance(study_, kept, [], True)[1]
+    assert bare.startswith(f"Read from its record, {tmp_path / 'rec'}; the page's code is that of commit ")
+    (tmp_path / "rec" / "README.md").write_text("# How these runs were trained\n")
+    told = _record_provenance(study_, kept, [], True)[1]
+    assert told == bare.replace(
+        "; the page's", " (its README.md says how its runs were trained and checked); the page's", 1
+    )
+
+
 def test_a_time_limit_reads_as_a_person_writes_it_and_starts_no_job_its_cost_says_ends_late():
     assert [parse_duration(t) for t in ("2h30m", "90m", "1.5h", "45s", "600", "1h0m5s")] == [
         9000,
