@@ -34,7 +34,7 @@ BEGIN, END = "<!-- calibration: benchmarks/verdict_calibration.py writes this ta
 def calibration_table(study: str, studies: int) -> tuple[list[str], bool]:
     """The markdown table of every check, and whether all held."""
     from dalle_ablate.stats import calibration as cal
-    from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.study_file import study_path
     from dalle_ablate.report.scenarios import calibration_structure
 
     s = calibration_structure(study_path(study))
@@ -112,7 +112,7 @@ def moderated(tables: dict, comps: list, outcome_of) -> np.ndarray:
 def alternatives(study: str, studies: int) -> list[str]:
     """The moderated t's family-wise rate of a false difference in a few of the scenarios."""
     from dalle_ablate.stats import calibration as cal
-    from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.study_file import study_path
     from dalle_ablate.report.scenarios import calibration_structure
 
     s = calibration_structure(study_path(study))
@@ -135,7 +135,7 @@ def staged_misuse(study: str, studies: int) -> list[str]:
     simulated studies: by the combination test (stats/stages.py) and by the fixed-design tests
     on all the seeds, as peeking and adding seeds would."""
     from dalle_ablate.stats import calibration as cal
-    from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.study_file import study_path
     from dalle_ablate.report.scenarios import calibration_structure
 
     s = calibration_structure(study_path(study))
@@ -163,7 +163,7 @@ def staged_efficiency(study: str, studies: int) -> list[str]:
     import dataclasses
 
     from dalle_ablate.stats import efficiency as eff
-    from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.study_file import study_path
     from dalle_ablate.report.scenarios import calibration_structure, page_scenario
 
     s = calibration_structure(study_path(study))
@@ -202,7 +202,7 @@ def write_statistics(block: list[str]) -> None:
 @writes_page("The verdict engine's calibration")
 def main() -> None:
     from dalle_ablate.stats import calibration as cal
-    from dalle_ablate.report.design import study_path
+    from dalle_ablate.report.study_file import study_path
     from dalle_ablate.report.scenarios import calibration_structure
     from dalle_ablate.train.meta import git_commit
 

@@ -88,7 +88,7 @@ def write_run(root, arm: str, seed: int, ink: float):
 
 def test_an_evaluator_s_declared_metric_reaches_every_reader(tmp_path, restore_declarations):
     from dalle_ablate.docs import metrics_reference
-    from dalle_ablate.report.design import load_study
+    from dalle_ablate.report.study_file import load_study
     from dalle_ablate.report.findings import compare
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.report.tables import headline_values

@@ -17,7 +17,7 @@ from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs, read_json
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged_report
-from dalle_ablate.report.design import Stages
+from dalle_ablate.report.study_file import Stages
 from dalle_ablate.report.transitions import Rule, late_section
 from dalle_ablate.report.tables import (
     FINAL_METRICS,

@@ -11,7 +11,7 @@ import numpy as np
 from dalle_ablate.metrics import STUDY, Metric
 import dalle_ablate.report.measures  # noqa: F401 -- the report's own measures a study can judge
 from dalle_ablate.report import prose as P
-from dalle_ablate.report.design import Finding, Study, own_arms
+from dalle_ablate.report.study_file import Finding, Study, own_arms
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.stats.basic import diff_ci

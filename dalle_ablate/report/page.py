@@ -34,7 +34,7 @@ from dalle_ablate.report.findings import (
     study_value,
     unit_of,
 )
-from dalle_ablate.report.design import TOPUPS, Study
+from dalle_ablate.report.study_file import TOPUPS, Study
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.stats.basic import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table

@@ -18,7 +18,7 @@ def calibration_structure(study_file: Path) -> cal.Structure:
     """A study file's structure: the arms its experiment preset runs with the seeds it sweeps for
     the metrics of its own runs; its stress plan's arms and seeds for the metrics judged on the
     stress runs (report/stress.py): what stats/calibration.py simulates studies of."""
-    from dalle_ablate.report.design import load_stress, load_study, swept_seeds
+    from dalle_ablate.report.study_file import load_stress, load_study, swept_seeds
 
     study = load_study(study_file)
     plan = load_stress(study_file)

@@ -19,7 +19,7 @@ from dalle_ablate.report import prose as P
 from dalle_ablate.stats import stages as S
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import Stages, Study
+from dalle_ablate.report.study_file import Stages, Study
 from dalle_ablate.report.findings import claims_tables, compare, comparisons, verdict_text
 from dalle_ablate.report.load import Run, machine_time
 from dalle_ablate.report.tables import fmt3

@@ -13,7 +13,7 @@ from dalle_ablate.metrics import metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged
-from dalle_ablate.report.design import Stages, stages_from
+from dalle_ablate.report.study_file import Stages, stages_from
 from dalle_ablate.report.load import Run, read_yaml
 from dalle_ablate.report.tables import against_baseline, baseline_tables, fmt3
 from dalle_ablate.report.writers import Section

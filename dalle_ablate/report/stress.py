@@ -15,7 +15,7 @@ from dalle_ablate.metrics import label, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 import dalle_ablate.report.measures  # noqa: F401 -- lr_sensitivity, computed here
-from dalle_ablate.report.design import StressClaim, StressPlan, load_stress, stress_folder
+from dalle_ablate.report.study_file import StressClaim, StressPlan, load_stress, stress_folder
 from dalle_ablate.report.load import Run, load_runs, machine_time, series
 from dalle_ablate.stats.basic import mean_ci, spikes
 from dalle_ablate.report.tables import fmt3

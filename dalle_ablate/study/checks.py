@@ -8,7 +8,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import Study, load_stress, stress_folder, swept_arms
+from dalle_ablate.report.study_file import Study, load_stress, stress_folder, swept_arms
 from dalle_ablate.report.load import find_stores, load_run, read_json
 from dalle_ablate.study.stress_runs import job_command
 from dalle_ablate.track.runstore import settled

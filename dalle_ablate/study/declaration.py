@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import Study, load_stress, own_arms, swept_seeds
+from dalle_ablate.report.study_file import Study, load_stress, own_arms, swept_seeds
 from dalle_ablate.report.load import NOT_A_VARIANT, flatten
 from dalle_ablate.track.naming import key_of
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from dalle_ablate.fileio import shown
-from dalle_ablate.report.design import Study, swept_arms, swept_seeds
+from dalle_ablate.report.study_file import Study, swept_arms, swept_seeds
 from dalle_ablate.track.naming import key_of
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import Study, stress_folder, swept_arms, swept_seeds
+from dalle_ablate.report.study_file import Study, stress_folder, swept_arms, swept_seeds
 from dalle_ablate.report.findings import arm_of
 from dalle_ablate.report.load import find_stores, load_run, machine_time
 from dalle_ablate.report.page import StudyRuns
@@ -80,7 +80,7 @@ class Kept:
     def waiting(self) -> list[str]:
         """What stage 2 waits for, in words: it is planned from every declared stage-1 run and
         stress run, never from a part of them (a `+arm=` or `--no-stress` invocation's)."""
-        from dalle_ablate.report.design import run_name
+        from dalle_ablate.report.study_file import run_name
 
         p, s = self.declared["protocol"], self.declared["stress"]
         runs = {f"{a}-seed{k}" for a in p["arms"] for k in p["seeds"]} - self.done(RUNS)

@@ -275,7 +275,7 @@ class Record:
 def expected_overrides(declared: dict, arm: str, lr: Optional[float] = None) -> set[str]:
     """The overrides a run of `arm` records (meta.json), less those that choose its seed and how its
     job ran: the study's preset and own overrides, and a stress run's rate, budget and plan's."""
-    from dalle_ablate.report.design import CONTROLLED
+    from dalle_ablate.report.study_file import CONTROLLED
     from dalle_ablate.track.naming import key_of
 
     p = declared["protocol"]

@@ -15,7 +15,7 @@ from dalle_ablate import interrupts
 from dalle_ablate.fileio import check_url, is_url, pull, shown
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.report import build_report
-from dalle_ablate.report.design import Study, load_study, own_arms, study_path, swept_seeds
+from dalle_ablate.report.study_file import Study, load_study, own_arms, study_path, swept_seeds
 from dalle_ablate.report.load import Run, find_stores, load_runs, machine_time
 from dalle_ablate.report.page import write_page
 from dalle_ablate.report.tables import fmt3

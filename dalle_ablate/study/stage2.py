@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from dalle_ablate.fileio import shown
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import staged
-from dalle_ablate.report.design import Study, swept_seeds
+from dalle_ablate.report.study_file import Study, swept_seeds
 from dalle_ablate.report.findings import _arms_by
 from dalle_ablate.report.page import StudyRuns, in_folder
 from dalle_ablate.report.stress import stress_measures

@@ -1,4 +1,4 @@
-"""A study's stress runs (its file's `stress:` plan, report/design.py; measured by
+"""A study's stress runs (its file's `stress:` plan, report/study_file.py; measured by
 report/stress.py): each arm of its stability claims at each rate and seed, one job per arm and
 rate with its seeds as members, in `<study folder>-stress/`."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from dalle_ablate.registry import RunFailed
-from dalle_ablate.report.design import CONTROLLED, StressPlan, load_stress, run_name, stress_folder
+from dalle_ablate.report.study_file import CONTROLLED, StressPlan, load_stress, run_name, stress_folder
 from dalle_ablate.report.load import read_json
 from dalle_ablate.study.children import call_child
 from dalle_ablate.study.clock import Clock

@@ -1,6 +1,6 @@
 """`dalle-ablate study NAME --seeds N|auto`: a finished study topped up with more seeds per arm --
 the rule's count (`auto`: the largest seeds-needed over its findings, docs/statistics.md) or the
-number given -- and the study's log of its top-ups (report/design.py TOPUPS), which its page prints."""
+number given -- and the study's log of its top-ups (report/study_file.py TOPUPS), which its page prints."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dalle_ablate.fileio import atomic_write
 from dalle_ablate.metrics import STUDY
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.report.design import TOPUPS, Study
+from dalle_ablate.report.study_file import TOPUPS, Study
 from dalle_ablate.report.findings import _arms_by, claims_tables, judge
 from dalle_ablate.report.load import Run, load_runs
 

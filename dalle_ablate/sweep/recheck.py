@@ -231,7 +231,7 @@ def collect(
 def design(conf: RecheckConf, used: list[int], seeds: list[int]):
     """hydra.sweeper.recheck.stages as its declared design (report/design.Stages), checked before
     stage 1 runs: one line naming the field; stage 2's seeds new to the sweep and to stage 1."""
-    from dalle_ablate.report.design import stages_from
+    from dalle_ablate.report.study_file import stages_from
 
     stages = stages_from(conf.stages, "hydra.sweeper.recheck")
     clash = sorted(set(stages.seeds(stages.cap)) & (set(used) | set(seeds)))

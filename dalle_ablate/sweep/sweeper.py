@@ -155,7 +155,7 @@ def recheck_conf(recheck, directions: list[str]) -> rechecks.RecheckConf:
     if conf.stages is not None:  # the declared design checked before the sweep's first trial
         if not conf.top:
             raise ConfigError("hydra.sweeper.recheck.stages needs hydra.sweeper.recheck.top: the trials it re-checks")
-        from dalle_ablate.report.design import stages_from
+        from dalle_ablate.report.study_file import stages_from
 
         stages_from(conf.stages, "hydra.sweeper.recheck")
     return conf

@@ -194,7 +194,7 @@ def test_every_describe_and_plan_line_shown_runs(page, line, capsys):
 
 def test_the_study_file_the_guide_shows_loads(tmp_path):
     """docs/guides/studies.md's example study file is one `dalle-ablate study` accepts."""
-    from dalle_ablate.report.design import load_study
+    from dalle_ablate.report.study_file import load_study
 
     text = (ROOT / "docs" / "guides" / "studies.md").read_text()
     example = text.split("## Writing your own study file", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]

@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as st
 
 from dalle_ablate.report import prose as P
-from dalle_ablate.report.design import study_path
+from dalle_ablate.report.study_file import study_path
 from dalle_ablate.report.scenarios import calibration_structure, page_scenario
 from dalle_ablate.stats import calibration as cal
 from dalle_ablate.stats import efficiency as E
@@ -45,7 +45,7 @@ def test_the_study_structure_is_the_study_file_s():
     study = yaml.safe_load(study_path("mega-variants").read_text())
     swept = preset["hydra"]["sweeper"]["params"]
     assert len(s.claims) == 16 and set(s.pools) == {"eval_loss", "step_time", "shapes_all", "lr_sensitivity"}
-    from dalle_ablate.report.design import load_study, own_arms
+    from dalle_ablate.report.study_file import load_study, own_arms
 
     own = own_arms(load_study(study_path("mega-variants")))
     assert set(s.pools["eval_loss"]) == set(own) and s.seeds["eval_loss"] == len(swept["seed"].split(","))

@@ -30,7 +30,7 @@ from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import prose as P
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.report.design import load_study, study_path
+from dalle_ablate.report.study_file import load_study, study_path
 from dalle_ablate.report.findings import compare
 from dalle_ablate.report.page import page_sections, write_page
 from dalle_ablate.study.runner import provenance
@@ -370,7 +370,7 @@ def test_a_bad_study_file_is_named_in_one_line(tmp_path, change, message):
 
 def test_the_mega_study_runs_the_arms_its_findings_compare_and_only_those():
     from dalle_ablate.metrics import STUDY
-    from dalle_ablate.report.design import load_stress, own_arms
+    from dalle_ablate.report.study_file import load_stress, own_arms
 
     MEASURED_ELSEWHERE = {name for name, m in STUDY.items() if m.reads == "given"}  # on the stress runs
 

@@ -22,7 +22,7 @@ from scipy.optimize import brentq
 from test_findings import write_store
 from dalle_ablate.cli import main
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import load_study
+from dalle_ablate.report.study_file import load_study
 from dalle_ablate.report.load import load_runs
 from dalle_ablate.report.page import page_sections, write_page
 from dalle_ablate.report.transitions import Rule, arm_transitions, late_lines, late_section, transition_step

@@ -20,7 +20,7 @@ from conftest import ROOT
 from test_findings import write_store
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.report.design import load_study, study_path
+from dalle_ablate.report.study_file import load_study, study_path
 from dalle_ablate.report.findings import unit_of
 from dalle_ablate.report.page import arm_definition, page_sections, write_page
 from dalle_ablate.study.runner import provenance

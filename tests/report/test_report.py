@@ -306,7 +306,7 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
     """One engine: a study whose findings are the report's comparisons (every variant against the
     baseline on the eval loss, the same margin) reads the same numbers and the same outcome."""
     from dalle_ablate.report.build import build_sections
-    from dalle_ablate.report.design import load_study
+    from dalle_ablate.report.study_file import load_study
     from dalle_ablate.report.findings import compare
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.stats import verdicts as V

@@ -24,7 +24,7 @@ from dalle_ablate.stats import stages as S
 from dalle_ablate.report import staged
 from dalle_ablate.report import prose as P
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.report.design import load_study
+from dalle_ablate.report.study_file import load_study
 from dalle_ablate.report.findings import _arms_by
 from dalle_ablate.report.load import load_runs
 from test_findings import write_store

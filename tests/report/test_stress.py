@@ -17,7 +17,7 @@ import yaml
 
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import load_stress, run_name, stress_folder, study_path
+from dalle_ablate.report.study_file import load_stress, run_name, stress_folder, study_path
 from dalle_ablate.report.load import load_runs
 from dalle_ablate.report.stress import claim_values, measures, stress_sections
 from dalle_ablate.study.stress_runs import job_command
@@ -283,7 +283,7 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
     """The study page's verdicts read a stress claim's per-seed LR sensitivity (stress.stress_measures
     into findings.compare): the paired difference is the mean over seeds of the two arms' sensitivities,
     computed here from the curves by hand, and Δ is 10 % of the baseline arm's mean sensitivity."""
-    from dalle_ablate.report.design import load_study
+    from dalle_ablate.report.study_file import load_study
     from dalle_ablate.report.findings import compare
     from dalle_ablate.report.stress import stress_measures
 
@@ -318,7 +318,7 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
     """Both arms at the code-frequency floor (or above) at every rate and seed, as post-LN and
     DeepNet were on the first stress grid: their sensitivities compare two untrained models, and the
     page says the claim is untestable on these runs instead of how many seeds it needs."""
-    from dalle_ablate.report.design import load_study
+    from dalle_ablate.report.study_file import load_study
     from dalle_ablate.report.findings import compare
     from dalle_ablate.report.stress import stress_measures
 

@@ -175,7 +175,7 @@ def test_a_near_significant_finding_prints_a_small_plan_not_more_than_200():
     """Issue 63's final-ln-decoder: +46 Δ [27.3, 64.7] at 4 seeds, p 0.0043 against Holm's 0.0042
     (0.05 / 12) at its step. At a true difference of Δ it needs more than 200 seeds; at the one
     observed a few more seeds settle it, which a simulation of the paired t test confirms."""
-    from dalle_ablate.report.design import Finding, Study
+    from dalle_ablate.report.study_file import Finding, Study
     from dalle_ablate.report.findings import judge, verdict_text
 
     z = np.array([-1.5, -0.5, 0.5, 1.5])

@@ -23,7 +23,7 @@ import yaml
 
 from conftest import SMALL_DATA, TINY_TRAIN
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.design import load_study
+from dalle_ablate.report.study_file import load_study
 from dalle_ablate.report.load import load_run, series
 from dalle_ablate.report.page import in_folder, write_page
 from dalle_ablate.report.transitions import Rule
