@@ -5,18 +5,8 @@ from dalle_ablate.metrics import Metric, declare
 from dalle_ablate.report.load import series
 from dalle_ablate.stats.basic import spikes
 
-declare(
-    Metric(
-        "loss_spikes",
-        "steps whose train/loss exceeds 1.5x the median of the 20 before",
-        "spikes per run",
-        "lower",
-        source="report",
-        study="loss_spikes",
-        margin="1",  # one loss spike per run
-        value=lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5)),
-    )
-)
+# lr_sensitivity first: the order they were declared in before they moved here, which the
+# configuration reference lists them in
 declare(
     Metric(
         "lr_sensitivity",
@@ -32,5 +22,17 @@ declare(
         # sensitivities differ by factors, not percents)
         margin="10%",
         covers="the stress runs' seeds (initialisation and data order at every rate)",
+    )
+)
+declare(
+    Metric(
+        "loss_spikes",
+        "steps whose train/loss exceeds 1.5x the median of the 20 before",
+        "spikes per run",
+        "lower",
+        source="report",
+        study="loss_spikes",
+        margin="1",  # one loss spike per run
+        value=lambda r: float(spikes(series(r, "train/loss")[1], factor=1.5)),
     )
 )
