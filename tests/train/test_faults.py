@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -487,21 +488,42 @@ def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_
     assert evals == [3, 6]
 
 
-def test_kill_9_during_the_first_save_then_resume_starts_again_in_the_same_wandb_run(tmp_path, reference):
+@pytest.fixture(scope="module")
+def killed_in_the_first_save(tmp_path_factory, reference) -> SimpleNamespace:
+    """A W&B-tracked run (group g42) killed while its first checkpoint (step 3) is being written,
+    then resumed with resume=auto to its end: what each of its processes left, for the two tests
+    that read it -- the kill and resume (test_kill_9_during_the_first_save_...) and `dalle-ablate
+    eval` of the finished run (test_eval_of_a_checkpoint_..., on a copy): one W&B-tracked training
+    for both (each child here is ~6 s of start-up, W&B's included, whatever it trains). After
+    `reference`, which fits the data's tokenizer (a stage of its own, with a W&B run of its own
+    where W&B is on): the W&B runs here are this run's alone."""
+    tmp = tmp_path_factory.mktemp("first-save")
+    before = set(new_wandb_runs(set()))
+    run = job_dir(tmp) / "run"
+    out = SimpleNamespace(job=job_dir(tmp), run=run)
+    out.killed = killed(tmp, "save:3", "tracker.wandb.group=g42")
+    out.saved_after_kill = [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    out.first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
+    out.resumed = run_py(*TINY, "tracker.wandb.group=g42", "resume=auto", cwd=tmp)
+    out.wandb_runs = new_wandb_runs(before)
+    return out
+
+
+def test_kill_9_during_the_first_save_then_resume_starts_again_in_the_same_wandb_run(
+    killed_in_the_first_save, reference
+):
     """Killed while the first checkpoint (step 3) is being written: no complete checkpoint, so
     resume=auto starts again from step 0 -- in the same run store and W&B run, each step once."""
-    before = set(new_wandb_runs(set()))
-    run = job_dir(tmp_path) / "run"
-    assert killed(tmp_path, "save:3").returncode == -signal.SIGKILL
-    assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]  # the first save was cut off
-    first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
-    proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
+    k = killed_in_the_first_save
+    run, first_id, proc = k.run, k.first_id, k.resumed
+    assert k.killed.returncode == -signal.SIGKILL
+    assert not k.saved_after_kill  # the first save was cut off
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((run / "meta.json").read_text())
     assert meta["wandb_id"] == first_id and meta["resumed_from_step"] == 0
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
-    runs = new_wandb_runs(before)
+    runs = k.wandb_runs
     assert len(runs) == 2 and {d.name.rsplit("-", 1)[1] for d in runs} == {first_id}
     assert [row["_step"] for d in runs for row in history(next(d.glob("run-*.wandb"))) if "train/loss" in row] == list(
         range(1, 7)
@@ -692,7 +714,9 @@ def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
     resume line (no traceback from the plot); the evaluation is not recorded as done, and the
     resume runs it before it says finished (its table, and its headline in the closing lines)."""
     run = job_dir(tmp_path) / "run"
-    proc = killed(tmp_path, "plot:6", "tracker=none", "eval.metrics=[shapes]", sig="SIGINT")
+    # One guidance scale: the Pareto plot is drawn for any number of them, and each scale is a
+    # sampling pass of its own in both processes (~1.5 s of CPU each).
+    proc = killed(tmp_path, "plot:6", "tracker=none", "eval.metrics=[shapes]", "eval.guidance_scales=[1]", sig="SIGINT")
     assert proc.returncode == 130, proc.stderr[-3000:]
     line = interrupt_line(proc.stderr)
     assert line.startswith(
@@ -750,7 +774,7 @@ SIGTERM_STAGES = [
     # the last step's sampling evaluation, half way through its Pareto plot
     (
         "plot:6",
-        ("eval.metrics=[shapes]",),
+        ("eval.metrics=[shapes]", "eval.guidance_scales=[1]"),  # one scale: its plot is drawn all the same
         f"{TERM} at step 6 of 6, during the sampling evaluation; checkpoint saved; ",
     ),
 ]
@@ -838,18 +862,23 @@ def test_sigterm_in_a_multirun_stops_it_with_the_command_that_continues_all_of_i
 
 
 @pytest.mark.slow
-def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_group(tmp_path):
+def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_group(
+    tmp_path, killed_in_the_first_save
+):
     """`dalle-ablate eval` on a W&B-tracked run: a new W&B run (job type eval) in the training
-    run's group; the training run's id, meta.json and W&B files are left alone."""
-    before = set(new_wandb_runs(set()))
-    proc = run_py(*TINY, "tracker.wandb.group=g42", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run's group; the training run's id, meta.json and W&B files are left alone. The training run:
+    the module's W&B-tracked run of group g42 (killed once, resumed to its end: its W&B run in two
+    processes' files), copied here."""
+    trained_run = killed_in_the_first_save
+    assert trained_run.resumed.returncode == 0, trained_run.resumed.stderr[-3000:]
+    shutil.copytree(trained_run.job, job_dir(tmp_path))
     run = job_dir(tmp_path) / "run"
     meta = (run / "meta.json").read_text()
     trained_id = json.loads(meta)["wandb_id"]
-    (trained,) = [d for d in new_wandb_runs(before) if d.name.endswith(trained_id)]
+    trained = [d for d in trained_run.wandb_runs if d.name.endswith(trained_id)]
+    assert trained
     before = set(new_wandb_runs(set()))
-    trained_bytes = next(trained.glob("run-*.wandb")).read_bytes()
+    trained_bytes = [next(d.glob("run-*.wandb")).read_bytes() for d in trained]
     out = subprocess.run(
         [
             sys.executable,
@@ -872,7 +901,7 @@ def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_g
     assert info["config"]["meta"]["trained_wandb_id"] == trained_id
     assert json.loads((run / "evals" / "default_step6" / "meta.json").read_text())["wandb_id"] == info["id"]
     assert (run / "meta.json").read_text() == meta
-    assert next(trained.glob("run-*.wandb")).read_bytes() == trained_bytes
+    assert [next(d.glob("run-*.wandb")).read_bytes() for d in trained] == trained_bytes
 
 
 def test_a_diverged_run_exits_3_naming_the_step_and_the_last_finite_loss(tmp_path):
