@@ -31,7 +31,15 @@ SWEEPER = dict(
     study_name="s", storage=None, direction="minimize", n_trials=3, n_jobs=1, sampler={}, pruner={}, params={}
 )
 RECHECKED = ["seeds=[0,1]", "hydra.sweeper.n_trials=3", "hydra.sweeper.recheck.top=2"]
+# Every sweep here trains two steps of a one-decoder-layer model, validated and saved at each: a
+# trial's value, its members' run stores, a pruner's report before the last step, a checkpoint
+# written mid-run (the kill's moment) all still happen, and each job's compiles are smaller.
+STEPS = 2
 SWEEP = [
+    f"trainer.steps={STEPS}",
+    "trainer.eval_every=1",
+    "trainer.save_every=1",
+    "model.decoder_layers=1",
     "hydra/sweeper=optuna",
     "hydra.sweeper.sampler.name=random",
     "hydra.sweeper.sampler.seed=0",
@@ -129,7 +137,7 @@ def test_a_sweep_run_again_after_its_recheck_trains_nothing_more(swept):
     folder, _ = swept
     before = yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"]
     out = sweep(folder.parent, *RECHECKED)  # the same sweep folder
-    assert out.count("finished before at step 6 of 6; left as it is (resume=auto)") == 6, out
+    assert out.count(f"finished before at step {STEPS} of {STEPS}; left as it is (resume=auto)") == 6, out
     assert yaml.safe_load((folder / "optimization_results.yaml").read_text())["recheck"] == before
 
 
@@ -143,13 +151,13 @@ def test_pruning_acts_on_the_members_mean_and_stops_every_member(tmp_path):
         "+hydra.sweeper.pruner.kwargs.upper=0.0",
     )
     (t,) = study_of(tmp_path / "multirun").get_trials()
-    assert t.state == S.PRUNED and list(t.intermediate_values) == [3]
+    assert t.state == S.PRUNED and list(t.intermediate_values) == [1]  # at the first validation, step 1 of 2
     losses = []
     for d in t.user_attrs["members"]["run_dirs"]:
         rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
         losses += [r["eval/valid/loss"] for r in rows if "eval/valid/loss" in r]
-        assert summary(d)["status"] == "pruned" and (Path(d) / "checkpoints" / "3").is_dir()  # kept, resumable
-    assert len(losses) == 2 and t.intermediate_values[3] == pytest.approx(np.mean(losses))
+        assert summary(d)["status"] == "pruned" and (Path(d) / "checkpoints" / "1").is_dir()  # kept, resumable
+    assert len(losses) == 2 and t.intermediate_values[1] == pytest.approx(np.mean(losses))
 
 
 @pytest.mark.slow
@@ -172,7 +180,7 @@ def test_an_upper_bound_statistic_on_seeds_of_each_trial_s_own(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path):
-    """Killed (SIGKILL) while trial 0's members save step 3: the next start finds its process gone,
+    """Killed (SIGKILL) while trial 0's members save step 1 of 2: the next start finds its process gone,
     marks the trial FAILED and each member's run store failed, and runs the trial it still owes."""
     args = [
         "-m",
@@ -184,7 +192,7 @@ def test_kill_9_of_a_multi_seed_sweep_resumes_as_a_one_seed_sweep_does(tmp_path)
         f"hydra.sweep.dir={tmp_path / 'multirun'}",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    env = {**os.environ, "KILL_AT": "save:3", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    env = {**os.environ, "KILL_AT": "save:1", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     killed = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "kill_worker.py"), *args],
         cwd=tmp_path,

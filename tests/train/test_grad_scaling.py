@@ -64,6 +64,12 @@ def toy_grads(mode, state, model, x, t):
     return (unscale(mode, g, state, model) if mode != "none" else g), counts
 
 
+def compiled_toy_grads(mode, model):
+    """toy_grads(mode, state, model, x, t) as one compiled program of (state, x, t): the dynamic
+    rules below call it up to ~170 times, each an op-by-op trace and dispatch when not compiled."""
+    return jax.jit(lambda state, x, t: toy_grads(mode, state, model, x, t))
+
+
 def per_block_error(g, g32) -> list[float]:
     out = []
     for i in range(len(GAINS)):
@@ -85,10 +91,10 @@ def test_per_block_scales_match_float32_where_one_global_scale_underflows(toy_ca
     model = Toy(jnp.float16)
     blocks = block_names(model)
     # The best one global scale can do: the largest power of two that overflows nowhere.
-    best = None
+    best, global_grads = None, compiled_toy_grads("global", model)
     for k in range(24, -25, -1):
         state = scaler_init("global", blocks, 2.0**k)
-        g, _ = toy_grads("global", state, model, x, t)
+        g, _ = global_grads(state, x, t)
         if all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g)):
             best = per_block_error(g, g32)
             break
@@ -96,9 +102,9 @@ def test_per_block_scales_match_float32_where_one_global_scale_underflows(toy_ca
     # Per block: the dynamic rule from 2^15, growing every 4 steps without overflow and halving
     # on overflow, until a step is not skipped after every scale has had time to settle.
     state = scaler_init("per_block", blocks, 2.0**15)
-    errors, skipped = None, 0
+    errors, skipped, per_block_grads = None, 0, compiled_toy_grads("per_block", model)
     for it in range(120):
-        g, counts = toy_grads("per_block", state, model, x, t)
+        g, counts = per_block_grads(state, x, t)
         state, skip, _ = advance("per_block", state, g, counts, model, growth_every=4)
         skipped += int(skip)
         if it > 60 and not bool(skip):
@@ -282,8 +288,10 @@ def test_float32_with_random_per_block_scales_gives_every_parameter_its_plain_gr
         scale={k: jnp.asarray(2.0 ** rng.integers(0, 21, s.shape), jnp.float32) for k, s in state.scale.items()}
     )
     params = nnx.split(model, nnx.Param)[1]
-    plain, _ = grad_fn("none", model, batch)(params, None, 1.0)
-    scaled, _ = grad_fn("per_block", model, batch)(params, state, 1.0)
+    # Both gradients compiled as one program (still two independent computations in it): one compile
+    # per layout, not two, about 20 % less of its CPU
+    plain_fn, scaled_fn = grad_fn("none", model, batch), grad_fn("per_block", model, batch)
+    (plain, _), (scaled, _) = jax.jit(lambda p, s: (plain_fn(p, None, 1.0), scaled_fn(p, s, 1.0)))(params, state)
     errors = leaf_errors(scaled, plain)
     assert max(errors.values()) <= 1e-5, {k: v for k, v in errors.items() if v > 1e-5}
 
