@@ -86,6 +86,19 @@ TINY_TRAIN = [
 EVAL_ON = ["eval.metrics=[shapes,shapes_fd,caption_sensitivity]", "eval.grids=[shapesbench]"]
 
 
+def replacing(overrides: list[str], *new: str) -> list[str]:
+    """`overrides` with each of `new` in place of the override of its key: one value per key, as a
+    reader of the command line expects."""
+    keys = {o.split("=", 1)[0] for o in new}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + list(new)
+
+
+# TINY_TRAIN with one validation and one checkpoint a run, both at its last step (every hook of a
+# run still runs there, and what a study reads is its final evaluation): for the study tests, whose
+# many child runs each pay for every evaluation and save.
+AT_THE_END = ("trainer.eval_every=6", "trainer.save_every=6")
+
+
 def compose(*overrides: str):
     from dalle_ablate.validate import compose as _compose
 

@@ -26,7 +26,7 @@ from statsmodels.stats.power import TTestPower
 from statsmodels.stats.weightstats import ttost_paired
 import pandas as pd
 
-from conftest import SMALL_DATA, TINY_TRAIN
+from conftest import AT_THE_END, SMALL_DATA, TINY_TRAIN, replacing
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import prose as P
 from dalle_ablate.stats import verdicts as V
@@ -390,6 +390,12 @@ def test_the_mega_study_runs_the_arms_its_findings_compare_and_only_those():
         assert cfg.trainer.steps == preset["trainer"]["steps"] and cfg.resume == "auto"
 
 
+# The suite's tiny runs with one validation and one checkpoint each, at their last step (a run's
+# hooks all run there; the page reads the final evaluation), and one decoder layer: a smaller step
+# for each of the study's runs to trace and compile. What the study command does is the same at any size.
+LEAN_TRAIN = replacing(TINY_TRAIN, *AT_THE_END, "model.decoder_layers=1")
+
+
 @pytest.mark.slow
 def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_path):
     """Each arm's seeds run as members of one job (the default, under members.impl=map): bit for bit
@@ -418,7 +424,7 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
             "+arm=baseline,bias",
             *how,
             *SMALL_DATA,
-            *TINY_TRAIN,
+            *LEAN_TRAIN,
             "tracker=none",  # no W&B service per child: nothing here reads W&B, and no page shows it
         ]
         # the suite's compilation cache (conftest.py), as every run's: the study's runs load what other tests compiled

@@ -247,8 +247,11 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
     path = swish_study(tmp_path, [0, 1])
     env = dict(os.environ)  # the suite's compilation cache (conftest.py), as every run's
     folder = tmp_path / "studies" / "synthetic"
-    # one evaluation and one checkpoint a run, at its end: the measures read the last evaluation alone
+    # one evaluation and one checkpoint a run, at its end: the measures read the last evaluation alone;
+    # one decoder layer: each of the 12 jobs traces a smaller step, and each of the 6 (arm, rate) pairs
+    # compiles one (the rate is a constant of the program) -- a rate of 1e30 diverges at any depth
     overrides = [*SMALL_DATA, *TINY_TRAIN, "tracker=none", "trainer.eval_every=6", "trainer.save_every=6"]
+    overrides.append("model.decoder_layers=1")
     first = run_stress(path, "study_mega", folder, overrides, env)  # each arm and rate's two seeds: one job's members
     assert first.failed == [] and "started 12 of them" in first.line and "as members of one job" in first.line
     where = stress_folder(folder)

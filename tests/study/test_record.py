@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import SMALL_DATA, TINY_TRAIN
+from conftest import AT_THE_END, SMALL_DATA, TINY_TRAIN, replacing
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.study_file import load_study
 from dalle_ablate.report.load import load_run, series
@@ -74,7 +74,12 @@ STUDY = {
         "overrides": ["eval.metrics=[]", "eval.grids=[]"],
     },
 }
-ARGS = ["+arm=baseline,bias", "seed=0,1", *SMALL_DATA, *TINY_TRAIN, "tracker=none"]
+# The suite's tiny runs with one validation and one checkpoint each, at their last step (a run's
+# hooks all run there; the record, the page and stage 2's plan read the final evaluation), and one
+# decoder layer: each of this file's ~20 child runs traces and loads (or compiles: every stress
+# rate is a program of its own) a smaller step. The record's path is the same at any size.
+TRAIN = replacing(TINY_TRAIN, *AT_THE_END, "model.decoder_layers=1")
+ARGS = ["+arm=baseline,bias", "seed=0,1", *SMALL_DATA, *TRAIN, "tracker=none"]
 TIMES = ("wall_time",)  # measured, not computed: what two trainings of one run differ in
 
 
@@ -475,7 +480,9 @@ def test_a_study_over_three_folders_with_its_record_carried_records_what_one_inv
     assert f"; left: {job}; continue with: " in line or f"; left: {job}, stopped at the limit (its runs" in line, line
     assert "continue with: dalle-ablate study ../tiny.yaml --record rec" in line
     assert not (a / "rec" / RUNS).exists()  # nothing finished
-    ray = study(a, "--no-stress", "+arm=baseline", "hydra/launcher=ray")
+    # a Ray instance of its own (address=local): a cluster another test or process on this host left
+    # running (ray.init's default joins it) may go away mid-job
+    ray = study(a, "--no-stress", "+arm=baseline", "hydra/launcher=ray", "hydra.launcher.address=local")
     assert ray.returncode == 0, ray.stderr[-3000:]
     assert sorted(p.name for p in (a / "rec" / RUNS).iterdir()) == ["baseline-seed0.json", "baseline-seed1.json"]
     assert "stage 2 of study tiny waits for its record's 2 stage-1 runs and 6 stress runs" in ray.stdout
