@@ -92,6 +92,7 @@ def test_an_evaluator_s_declared_metric_reaches_every_reader(tmp_path, restore_d
     from dalle_ablate.report.findings import compare
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.report.tables import headline_values
+    from dalle_ablate.stats.verdicts import Margin
 
     @evaluator(
         "toy",
@@ -158,10 +159,10 @@ def test_an_evaluator_s_declared_metric_reaches_every_reader(tmp_path, restore_d
     }
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
     study = load_study(tmp_path / "s.yaml")
-    assert study.findings[0].margin == "0.02"
+    assert study.findings[0].margin == Margin(0.02)
     runs = load_runs(str(tmp_path / "runs"))
     assert headline_values(runs[0])["toy/ink@s2"] in inks["base"] + inks["worse"]
     (row,) = compare(study, {a: [r for r in runs if r.name.startswith(a)] for a in inks})
-    assert row["diff"] == pytest.approx(np.mean(inks["worse"]) - np.mean(inks["base"]))
-    assert row["margin"] == 0.02 and row["verdict"] == "reproduced"
-    assert math.isclose(row["arm_mean"], np.mean(inks["worse"]))
+    assert row.diff == pytest.approx(np.mean(inks["worse"]) - np.mean(inks["base"]))
+    assert row.margin == 0.02 and row.verdict == "reproduced"
+    assert math.isclose(row.spread.arm_mean, np.mean(inks["worse"]))

@@ -252,7 +252,7 @@ def side_by_side(panels: list[tuple[str, Path]], border: int = 3, gap: int = 12)
     return buf.getvalue()
 
 
-def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
+def forest_figure(rows: list, clip: float = 8.0) -> bytes:
     """A study's findings, one line each: the paired difference in units of its margin Δ, turned
     so that the side the claim predicts is to the right (metrics of different units share one
     axis; ±Δ is ±1 for all). Thick: the 95 % interval; thin: the family-wise one; shaded: ±Δ.
@@ -263,12 +263,12 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
     ax.axvline(0, color="#444", lw=0.8)
     reach = 1.5
     for i, r in enumerate(rows):
-        side = 1 if r["finding"].expect == "higher" else -1
-        scale = side / r["margin"] if r["margin"] > 0 else np.nan
+        side = 1 if r.finding.expect == "higher" else -1
+        scale = side / r.margin if r.margin > 0 else np.nan
         y = len(rows) - 1 - i
-        d = r["diff"] * scale
-        lo, hi = sorted((r["low"] * scale, r["high"] * scale))
-        flo, fhi = sorted((r["fw_low"] * scale, r["fw_high"] * scale))
+        d = r.diff * scale
+        lo, hi = sorted((r.low * scale, r.high * scale))
+        flo, fhi = sorted((r.fw_low * scale, r.fw_high * scale))
         if not np.isfinite(d):
             continue
         reach = max(reach, *(abs(v) for v in (d, flo, fhi) if np.isfinite(v)))
@@ -283,7 +283,7 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
     ax.set_xlim(-reach, reach)
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([r["finding"].id for r in reversed(rows)], fontsize=MIN_PT)
+    ax.set_yticklabels([r.finding.id for r in reversed(rows)], fontsize=MIN_PT)
     right = ax.twinx()
     right.set_ylim(ax.get_ylim())
     right.set_yticks(range(len(rows)))
@@ -298,9 +298,9 @@ def forest_figure(rows: list[dict], clip: float = 8.0) -> bytes:
     return png(fig)
 
 
-def _short_verdict(r: dict) -> str:
+def _short_verdict(r) -> str:
     """A verdict in a few words, for a figure's margin (the page's table has it in full)."""
-    v = r["verdict"]
+    v = r.verdict
     for long, short in (
         ("reproduced, possibly smaller than Δ", "reproduced, maybe < Δ"),
         ("no meaningful effect (equivalent within ±Δ)", "equivalent within ±Δ"),
@@ -308,8 +308,9 @@ def _short_verdict(r: dict) -> str:
     ):
         if v == long:
             return short
-    if v.startswith("not resolved: ") and r.get("plan", 0) > 0:  # the plan at the observed difference
-        return f"needs > {MAX_SEEDS} seeds" if r["plan"] > MAX_SEEDS else f"plan: {r['plan']} seeds"
+    plan = r.spread.plan[0]
+    if v.startswith("not resolved: ") and plan > 0:  # the plan at the observed difference
+        return f"needs > {MAX_SEEDS} seeds" if plan > MAX_SEEDS else f"plan: {plan} seeds"
     if v.startswith("not resolved at "):
         return "not resolved, likely < Δ"
     if v.startswith("untestable here"):

@@ -4,6 +4,7 @@ interval and verdict under Holm, the seeds it still needs, Welch's interval besi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -142,11 +143,6 @@ def shared_jobs(study: Study, by_arm: dict[str, list[Run]]) -> dict[str, str]:
     return out
 
 
-def margin_of(f: Finding, baseline_values: np.ndarray) -> float:
-    """Δ of a finding in its metric's units: a percentage of the baseline's mean, or absolute."""
-    return V.margin_value(f.margin, baseline_values)
-
-
 def comparisons(study: Study, arms: list[str], tables: dict[str, np.ndarray]) -> list[V.Comparison]:
     """Each finding as the verdict engine's comparison: its arm against the other, its margin in
     the metric's units."""
@@ -154,7 +150,7 @@ def comparisons(study: Study, arms: list[str], tables: dict[str, np.ndarray]) ->
     out = []
     for f in study.findings:
         base = tables[f.metric][b] if b is not None else np.array([math.nan])
-        out.append(V.Comparison(f.metric, arms.index(f.arm), arms.index(f.against), margin_of(f, base)))
+        out.append(V.Comparison(f.metric, arms.index(f.arm), arms.index(f.against), f.margin.of(base)))
     return out
 
 
@@ -199,73 +195,118 @@ def verdict_text(code: int, needed: int, seeds: int = 0, why: str = "", *, plan:
     return "not resolved: " + P.seeds_words(*plan, needed)
 
 
+@dataclass(frozen=True)
+class Spread:
+    """What every finished seed of a finding's two arms says, whatever look judges it: their counts
+    and means, the seeds both ran, the sd of one seed's difference (paired, or Welch's where they
+    share fewer than two) on `df`, rho, Welch's interval beside it, the seeds a difference of Δ needs
+    and the plan to settle it at the observed one (verdicts.seeds_to_settle: plan, fewest, most)."""
+
+    n: tuple[int, int]
+    seeds: list
+    arm_mean: float
+    against_mean: float
+    rho: float
+    sd: float
+    df: float
+    paired: bool
+    welch_low: float
+    welch_high: float
+    tested: int  # the seeds the verdict's test is over
+    needed: int
+    plan: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One finding judged at one look: the difference (arm - against) in the metric's units with its
+    interval and the family-wise one, the engine's outcome, the verdict read against the side the
+    finding predicts (`code`) and in words. The three tests' p-values are the fixed design's (NaN at
+    a staged study's looks, which test against boundaries); `look1`, `stage_n` and `one_look` are a
+    staged study's: its verdict at look 1 in words, its seeds per stage, judged at look 1 only."""
+
+    finding: Finding
+    spread: Spread
+    margin: float  # Δ in the metric's units; NaN: none
+    diff: float
+    low: float
+    high: float
+    fw_low: float
+    fw_high: float
+    fw_level: float
+    outcome: int
+    code: int
+    verdict: str
+    p_zero: float = math.nan
+    p_beyond: float = math.nan
+    p_tost: float = math.nan
+    look1: Optional[str] = None
+    stage_n: Optional[tuple[int, int]] = None
+    one_look: bool = False
+
+
+def spreads(
+    study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict] = None, level: float = 0.95
+) -> tuple[list[Spread], dict]:
+    """Each finding's Spread over every seed, and verdicts.analyse's results over them (judge)."""
+    arms, seeds, tables = claims_tables(study, by_arm, extra)
+    comps, r = judge(study, arms, tables)
+    out = []
+    for i, c in enumerate(comps):
+        t = tables[c.metric]
+        a, b = t[c.arm][np.isfinite(t[c.arm])], t[c.against][np.isfinite(t[c.against])]
+        _, wlo, whi = diff_ci(a, b, level) if len(a) and len(b) else (math.nan,) * 3
+        both = np.isfinite(t[c.arm]) & np.isfinite(t[c.against])
+        out.append(
+            Spread(
+                n=(len(a), len(b)),
+                seeds=[s for s, ok in zip(seeds, both) if ok],
+                arm_mean=float(a.mean()) if len(a) else math.nan,
+                against_mean=float(b.mean()) if len(b) else math.nan,
+                **{k: float(r[k][i]) for k in ("rho", "sd", "df")},
+                paired=bool(r["paired"][i]),
+                welch_low=wlo,
+                welch_high=whi,
+                tested=int(r["n"][i]),
+                needed=int(r["needed"][i]),
+                plan=(int(r["plan"][i]), int(r["fewest"][i]), int(r["most"][i])),
+            )
+        )
+    return out, r
+
+
 def compare(
     study: Study,
     by_arm: dict[str, list[Run]],
     level: float = 0.95,
     extra: Optional[dict[str, dict[str, dict]]] = None,
     untestable: Optional[dict[str, str]] = None,
-) -> list[dict]:
-    """One row per finding: both arms' means, the difference over the seeds both ran (paired; Welch's
-    where they share fewer than two) with its `level` interval and its family-wise one
-    (Bonferroni over the findings), rho, the sd of one seed's difference it is judged on, Welch's
-    interval for comparison, the margin, seeds-needed and the verdict (Holm over the findings at
-    5 %). `untestable`: finding id -> why more seeds could not settle it (e.g. neither arm trains
-    at any stress rate), its verdict whatever the numbers say."""
-    arms, seeds, tables = claims_tables(study, by_arm, extra)
-    comps, r = judge(study, arms, tables)
+) -> list[Judged]:
+    """Each finding judged once, on every seed (paired; Welch's where its arms share fewer than two),
+    with its `level` interval and its family-wise one (Bonferroni over the findings), its verdict
+    under Holm over the findings at 5 %. `untestable`: finding id -> why more seeds could not settle
+    it (e.g. neither arm trains at any stress rate), its verdict whatever the numbers say."""
+    every, r = spreads(study, by_arm, extra, level)
     untestable = {**shared_jobs(study, by_arm), **(untestable or {})}
-    rows = []
-    for i, (f, c) in enumerate(zip(study.findings, comps)):
-        t = tables[f.metric]
-        a, b = t[c.arm], t[c.against]
-        a, b = a[np.isfinite(a)], b[np.isfinite(b)]
-        _, wlo, whi = diff_ci(a, b, level) if len(a) and len(b) else (math.nan,) * 3
-        both = np.isfinite(t[c.arm]) & np.isfinite(t[c.against])
+    out = []
+    for i, (f, sp) in enumerate(zip(study.findings, every)):
         code = V.UNTESTABLE if f.id in untestable else int(r["verdict"][i])
-        rows.append(
-            {
-                "finding": f,
-                "n": (len(a), len(b)),
-                "seeds": [s for s, ok in zip(seeds, both) if ok],
-                "arm_mean": float(a.mean()) if len(a) else math.nan,
-                "against_mean": float(b.mean()) if len(b) else math.nan,
+        out.append(
+            Judged(
+                f,
+                sp,
                 **{
                     k: float(r[k][i])
-                    for k in (
-                        "d",
-                        "low",
-                        "high",
-                        "fw_low",
-                        "fw_high",
-                        "rho",
-                        "sd",
-                        "df",
-                        "margin",
-                        "p_zero",
-                        "p_beyond",
-                        "p_tost",
-                    )
+                    for k in ("margin", "low", "high", "fw_low", "fw_high", "p_zero", "p_beyond", "p_tost")
                 },
-                "diff": float(r["d"][i]),
-                "fw_level": 1 - V.ALPHA / len(comps),
-                "welch_low": wlo,
-                "welch_high": whi,
-                "paired": bool(r["paired"][i]),
-                "needed": int(r["needed"][i]),
-                **{k: int(r[k][i]) for k in ("plan", "fewest", "most")},
-                "outcome": int(r["outcome"][i]),
-                "code": code,
-                "verdict": verdict_text(
-                    code,
-                    int(r["needed"][i]),
-                    int(r["n"][i]),
-                    untestable.get(f.id, ""),
-                    plan=(int(r["plan"][i]), int(r["fewest"][i]), int(r["most"][i])),
-                ),
-            }
+                diff=float(r["d"][i]),
+                fw_level=1 - V.ALPHA / len(every),
+                outcome=int(r["outcome"][i]),
+                code=code,
+                verdict=verdict_text(code, sp.needed, sp.tested, untestable.get(f.id, ""), plan=sp.plan),
+            )
         )
-    return rows
+    return out
 
 
 def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> dict[str, tuple]:

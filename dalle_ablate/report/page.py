@@ -23,6 +23,7 @@ from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged, stress
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.findings import (
+    Judged,
     _arms_by,
     claims_tables,
     compare,
@@ -130,48 +131,47 @@ def _interval(lo: float, hi: float, unit: str = "") -> str:
     return f"[{fmt3(lo)}, {fmt3(hi)}]" + (f" {unit}" if unit else "") if np.isfinite(lo) and np.isfinite(hi) else "–"
 
 
-def in_margins(r: dict) -> tuple[float, float, float]:
+def in_margins(r: Judged) -> tuple[float, float, float]:
     """A finding's difference and 95 % interval in units of its margin Δ, + on the side the claim
     predicts (as the forest plot draws them); NaN without a margin."""
-    side = 1 if r["finding"].expect == "higher" else -1
-    scale = side / r["margin"] if r["margin"] > 0 else math.nan
-    low, high = sorted((r["low"] * scale, r["high"] * scale))
-    return r["diff"] * scale, low, high
+    side = 1 if r.finding.expect == "higher" else -1
+    scale = side / r.margin if r.margin > 0 else math.nan
+    low, high = sorted((r.low * scale, r.high * scale))
+    return r.diff * scale, low, high
 
 
-def summary_row(r: dict) -> list:
+def summary_row(r: Judged) -> list:
     """A finding's row of the summary: the claim, its metric, the verdict, the difference in units
     of Δ and the seeds it used, the plan for one not resolved (at its observed difference, with
     the range across its 95 % interval) and the seeds a difference of Δ needs."""
-    f = r["finding"]
+    f = r.finding
     d, low, high = in_margins(r)
     diff = "–" if not np.isfinite(d) else ("+" if d > 0 else "") + fmt3(d) + " " + _interval(low, high)
-    verdict = r["verdict"].removesuffix(" (equivalent within ±Δ)")  # the table's lead says what ±Δ means
-    if r["code"] == V.UNTESTABLE:  # why: in the claims table below
+    verdict = r.verdict.removesuffix(" (equivalent within ±Δ)")  # the table's lead says what ±Δ means
+    if r.code == V.UNTESTABLE:  # why: in the claims table below
         verdict = verdict.split(":")[0]
     if verdict.startswith("not resolved"):
         verdict = "not resolved" + (
             ", the effect likely smaller than Δ" if verdict.startswith("not resolved at ") else ""
         )
-    untestable = r["code"] == V.UNTESTABLE
-    needed = "–" if r["needed"] == 0 or untestable else _count(r["needed"])
+    untestable = r.code == V.UNTESTABLE
+    needed = "–" if r.spread.needed == 0 or untestable else _count(r.spread.needed)
     plan = "–"
-    if r["code"] == V.NOT_RESOLVED and r["plan"]:  # a plan only where more seeds are what is missing
-        plan = _count(r["plan"]) + (
-            "" if r["fewest"] == r["most"] == r["plan"] else f" ({_count(r['fewest'])}–{_count(r['most'])})"
-        )
-    return [f.id, f"{f.claim} ({f.metric})", verdict, diff, f"{len(r['seeds'])} / {plan} / {needed}"]
+    planned, fewest, most = r.spread.plan
+    if r.code == V.NOT_RESOLVED and planned:  # a plan only where more seeds are what is missing
+        plan = _count(planned) + ("" if fewest == most == planned else f" ({_count(fewest)}–{_count(most)})")
+    return [f.id, f"{f.claim} ({f.metric})", verdict, diff, f"{len(r.spread.seeds)} / {plan} / {needed}"]
 
 
 def _count(n: int) -> str:
     return f"> {V.MAX_SEEDS}" if n > V.MAX_SEEDS else str(n)
 
 
-def summary_section(study: Study, rows: list[dict], statistics: str) -> Section:
+def summary_section(study: Study, rows: list[Judged], statistics: str) -> Section:
     """The page's first screen: how many findings settled, each claim's verdict and difference in
     units of Δ, and the forest plot of them all."""
-    counts = {v: sum(r["code"] == i for r in rows) for i, v in enumerate(P.VERDICTS)}  # in VERDICTS' order
-    settled = sum(r["code"] in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
+    counts = {v: sum(r.code == i for r in rows) for i, v in enumerate(P.VERDICTS)}  # in VERDICTS' order
+    settled = sum(r.code in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
     s = Section(f"{study.name}_summary", "Summary")  # key: the forest plot's file name, the study's as the others
     s.text.append(
         P.SETTLED.format(k=len(rows), settled=settled, counts=", ".join(f"{n} {v}" for v, n in counts.items() if n))
@@ -215,52 +215,52 @@ def method_section(study: Study, by_arm: dict[str, list[Run]], provenance: list[
     return s
 
 
-def over_training(r: dict, courses: dict) -> str:
+def over_training(r: Judged, courses: dict) -> str:
     """At how many evaluations the 95 % interval lay beyond 0 on the predicted side, and on the other."""
-    if r["finding"].id not in courses:
+    if r.finding.id not in courses:
         return "–"
-    _, _, lo, hi = courses[r["finding"].id]
-    side = 1 if r["finding"].expect == "higher" else -1
+    _, _, lo, hi = courses[r.finding.id]
+    side = 1 if r.finding.expect == "higher" else -1
     ok = np.isfinite(lo) & np.isfinite(hi)
     pro = int(np.sum(ok & ((lo > 0) if side > 0 else (hi < 0))))
     con = int(np.sum(ok & ((hi < 0) if side > 0 else (lo > 0))))
     return f"{pro} / {con} of {len(lo)}"
 
 
-def claim_row(r: dict, over_training: str) -> list:
+def claim_row(r: Judged, over_training: str) -> list:
     """A finding's row of the full table: every number in its metric's unit, to 3 digits."""
-    f, u = r["finding"], unit_of(r["finding"].metric)
-    value, relative = V.parse_margin(f.margin)
+    f, u = r.finding, unit_of(r.finding.metric)
     return [
         f.id,
         f.claim,
         f"{f.arm} vs {f.against}",
         f"{f.metric} ({f.expect} if the claim holds)",
-        f"±{fmt3(r['margin'], u)}" + (f" ({fmt3(100 * value)} % of the baseline's mean)" if relative else ""),
-        fmt3(r["arm_mean"], u),
-        fmt3(r["against_mean"], u),
-        fmt3(r["diff"], u),
-        _interval(r["low"], r["high"], u),
-        _interval(r["fw_low"], r["fw_high"], u),
+        f"±{fmt3(r.margin, u)}"
+        + (f" ({fmt3(100 * f.margin.value)} % of the baseline's mean)" if f.margin.relative else ""),
+        fmt3(r.spread.arm_mean, u),
+        fmt3(r.spread.against_mean, u),
+        fmt3(r.diff, u),
+        _interval(r.low, r.high, u),
+        _interval(r.fw_low, r.fw_high, u),
         STUDY[f.metric].covers,
-        fmt3(r["rho"]),
+        fmt3(r.spread.rho),
         _noise_note(r),
-        _interval(r["welch_low"], r["welch_high"], u),
-        ", ".join(str(s) for s in r["seeds"]) or "–",
+        _interval(r.spread.welch_low, r.spread.welch_high, u),
+        ", ".join(str(s) for s in r.spread.seeds) or "–",
         over_training,
-        r["verdict"],
+        r.verdict,
     ]
 
 
-def _noise_note(r: dict) -> str:
+def _noise_note(r: Judged) -> str:
     """What the finding's interval is judged on: its own per-seed differences (paired) or Welch's."""
-    if not np.isfinite(r["sd"]) or not r["df"] > 0:  # NaN df: no replicates (findings.shared_jobs)
+    if not np.isfinite(r.spread.sd) or not r.spread.df > 0:  # NaN df: no replicates (findings.shared_jobs)
         return "–"
-    how = "paired differences" if r["paired"] else "Welch, seeds not shared"
-    return f"sd {fmt3(r['sd'])} ({how}, df {fmt3(r['df'])})"
+    how = "paired differences" if r.spread.paired else "Welch, seeds not shared"
+    return f"sd {fmt3(r.spread.sd)} ({how}, df {fmt3(r.spread.df)})"
 
 
-def claims_section(rows: list[dict], courses: dict) -> Section:
+def claims_section(rows: list[Judged], courses: dict) -> Section:
     s = Section("claims", P.CLAIMS_TITLE)
     s.text.append(P.CLAIMS.format(fw=fmt3(100 * (1 - V.ALPHA / len(rows)))))
     s.tables.append((P.CLAIMS_COLUMNS, [claim_row(r, over_training(r, courses)) for r in rows]))
@@ -340,13 +340,13 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[di
     return noise
 
 
-def topup_section(by_arm: dict[str, list[Run]], rows: list[dict], topups: list[dict], statistics: str) -> Section:
+def topup_section(by_arm: dict[str, list[Run]], rows: list[Judged], topups: list[dict], statistics: str) -> Section:
     s = Section("topup", "Adding seeds")
     s.text.append(P.TOPUP_RULE.format(statistics=statistics))
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
     # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
     target = V.topup_seeds(
-        [r["needed"] for r in rows if r["needed"] > 0 and STUDY[r["finding"].metric].reads != "given"], now
+        [r.spread.needed for r in rows if r.spread.needed > 0 and STUDY[r.finding.metric].reads != "given"], now
     )
     s.text.append(
         P.TOPUP_NOW.format(now=now, target=target, cap=f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "")
@@ -364,7 +364,7 @@ def every_arm_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
     return s
 
 
-def figures_section(study: Study, by_arm: dict[str, list[Run]], rows: list[dict], courses: dict) -> Section:
+def figures_section(study: Study, by_arm: dict[str, list[Run]], rows: list[Judged], courses: dict) -> Section:
     """The findings' courses over training, then each finding's two arms' curves."""
     s = Section(study.name, "The figures behind the findings")  # key: the figures' file names
     if courses:
@@ -372,16 +372,12 @@ def figures_section(study: Study, by_arm: dict[str, list[Run]], rows: list[dict]
             (
                 P.COURSE,
                 figures.course_figure(
-                    [
-                        (r["finding"].id, r["margin"], courses[r["finding"].id])
-                        for r in rows
-                        if r["finding"].id in courses
-                    ]
+                    [(r.finding.id, r.margin, courses[r.finding.id]) for r in rows if r.finding.id in courses]
                 ),
             )
         )
     for r in rows:
-        f = r["finding"]
+        f = r.finding
         pair = {a: by_arm[a] for a in (f.arm, f.against) if a in by_arm}
         if len(pair) < 2:
             s.text.append(
@@ -392,7 +388,7 @@ def figures_section(study: Study, by_arm: dict[str, list[Run]], rows: list[dict]
         caption = P.FINDING_CURVES.format(
             id=f.id,
             claim=f.claim,
-            verdict=r["verdict"],
+            verdict=r.verdict,
             arm=f.arm,
             against=f.against,
             columns=" and ".join(f"{c} ({metric(c).unit})" for c in columns),
@@ -411,7 +407,7 @@ def page_sections(
     untestable: Optional[dict[str, str]] = None,
     record: Optional[dict] = None,
     statistics: str = "../statistics.md",
-) -> tuple[list[Section], list[dict]]:
+) -> tuple[list[Section], list[Judged]]:
     """The results page as report sections, and the comparison rows: the answer first (the summary
     and its forest plot), then the noise report, then the details. `topups`: the study's top-up log
     (dalle_ablate/study/runner.py run_study); `extra`: tables of values measured elsewhere (claims_tables);

@@ -20,7 +20,7 @@ from dalle_ablate.stats import stages as S
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.study_file import Stages, Study
-from dalle_ablate.report.findings import claims_tables, compare, comparisons, verdict_text
+from dalle_ablate.report.findings import Judged, claims_tables, comparisons, shared_jobs, spreads, verdict_text
 from dalle_ablate.report.load import Run, machine_time
 from dalle_ablate.report.tables import fmt3
 from dalle_ablate.report.writers import Section
@@ -170,12 +170,12 @@ def judge(
     record: Optional[dict],
     extra: Optional[dict] = None,
     untestable: Optional[dict[str, str]] = None,
-) -> list[dict]:
-    """findings.compare's rows -- their descriptive numbers over every seed -- with each finding's
-    verdict, difference and intervals from the two looks (`looks`), and the verdicts at look 1 and
-    by look 2. Δ is the record's (stage 1's baseline). Before stage 2 is planned, everything is
-    look 1's."""
-    rows = compare(study, by_arm, extra=extra, untestable=untestable)
+) -> list[Judged]:
+    """Each finding judged by look 2 (`looks`): its difference and intervals from the two looks, its
+    verdicts at look 1 and by look 2, beside its Spread over every seed. Δ is the record's (stage
+    1's baseline). Before stage 2 is planned, everything is look 1's."""
+    every, fixed = spreads(study, by_arm, extra)
+    untestable = {**shared_jobs(study, by_arm), **(untestable or {})}
     arms, seeds, tables = claims_tables(study, by_arm, extra)
     first, second = split(arms, seeds, tables, record, _given(study))
     comps = comparisons(study, arms, first)
@@ -185,23 +185,27 @@ def judge(
             for f, c in zip(study.findings, comps)
         ]
     once = one_look(study)
-    judged = S.looks(first, second, comps, study.stages.design, once)
-    for j, (row, f, c, look) in enumerate(zip(rows, study.findings, comps, judged)):
+    rows = []
+    looks = S.looks(first, second, comps, study.stages.design, once)
+    for f, sp, c, look, one, code in zip(study.findings, every, comps, looks, once, fixed["verdict"]):
         side = 1 if f.expect == "higher" else -1
-        tested = row["code"] != V.UNTESTABLE
+        # untestable at one look (no spread, or declared so) is untestable at every look
+        tested = f.id not in untestable and code != V.UNTESTABLE
         codes = [V.verdict(look[k], side) if tested else V.UNTESTABLE for k in ("look1", "look2")]
-        plan_ = (row["plan"], row["fewest"], row["most"])
-        row.update(
-            {k: look[k] for k in ("d", "low", "high", "fw_low", "fw_high", "fw_level", "stage_n")},
-            diff=look["d"],
-            margin=float(c.margin),
-            outcome=look["look2"],
-            code=codes[1],
-            look1=P.VERDICTS[codes[0]],
-            one_look=bool(once[j]),
-            verdict=verdict_text(codes[1], row["needed"], min(row["n"]), (untestable or {}).get(f.id, ""), plan=plan_)
-            if tested
-            else row["verdict"],
+        rows.append(
+            Judged(
+                f,
+                sp,
+                margin=float(c.margin),
+                diff=look["d"],
+                **{k: look[k] for k in ("low", "high", "fw_low", "fw_high", "fw_level")},
+                outcome=look["look2"],
+                code=codes[1],
+                verdict=verdict_text(codes[1], sp.needed, min(sp.n), untestable.get(f.id, ""), plan=sp.plan),
+                look1=P.VERDICTS[codes[0]],
+                stage_n=look["stage_n"],
+                one_look=bool(one),
+            )
         )
     return rows
 
@@ -226,14 +230,14 @@ def design_words(st_: Stages) -> dict[str, object]:
     }
 
 
-def section(study: Study, record: Optional[dict], rows: list[dict], statistics: str) -> Section:
+def section(study: Study, record: Optional[dict], rows: list[Judged], statistics: str) -> Section:
     """The stages: the design as declared, stage 1's seeds, look 1's verdicts, what the rule asked
     for and why, stage 2's seeds, the verdicts by look 2; the intervals' kind."""
     st_: Stages = study.stages
     s = Section("stages", P.STAGES_TITLE)
     s.text.append(P.STAGES_DESIGN.format(**design_words(st_), statistics=statistics))
-    stage1 = record["stage1"] if record is not None else sorted({x for r in rows for x in r["seeds"]}, key=str)
-    settled1 = sum(r["look1"] in P.VERDICTS[: V.NOT_RESOLVED] for r in rows)
+    stage1 = record["stage1"] if record is not None else sorted({x for r in rows for x in r.spread.seeds}, key=str)
+    settled1 = sum(r.look1 in P.VERDICTS[: V.NOT_RESOLVED] for r in rows)
     s.text.append(P.STAGE1.format(seeds=", ".join(map(str, stage1)), settled=settled1, n=len(rows)))
     if record is None:
         s.text.append(P.STAGE2_NOT_PLANNED)
@@ -253,11 +257,11 @@ def section(study: Study, record: Optional[dict], rows: list[dict], statistics: 
             list(P.STAGES_COLUMNS),
             [
                 [
-                    r["finding"].id,
-                    r["look1"],
-                    _why(r, record["open"].get(r["finding"].id)),
-                    f"{r['stage_n'][0]} + {r['stage_n'][1]}",
-                    P.VERDICTS[r["code"]],
+                    r.finding.id,
+                    r.look1,
+                    _why(r, record["open"].get(r.finding.id)),
+                    f"{r.stage_n[0]} + {r.stage_n[1]}",
+                    P.VERDICTS[r.code],
                 ]
                 for r in rows
             ],
@@ -266,12 +270,12 @@ def section(study: Study, record: Optional[dict], rows: list[dict], statistics: 
     return s
 
 
-def _why(row: dict, open_: Optional[dict]) -> str:
+def _why(row: Judged, open_: Optional[dict]) -> str:
     """What the rule asked for one finding and why, in the table's words."""
-    if row["one_look"]:
+    if row.one_look:
         return P.STAGE2_ELSEWHERE
     if open_ is None:
-        return P.STAGE2_SETTLED if row["look1"] in P.VERDICTS[: V.NOT_RESOLVED] else P.STAGE2_UNTESTED
+        return P.STAGE2_SETTLED if row.look1 in P.VERDICTS[: V.NOT_RESOLVED] else P.STAGE2_UNTESTED
     if open_["pairs"] == 0:
         return P.STAGE2_NOTHING
     return P.STAGE2_PAIRS.format(k=open_["pairs"], then=f"{open_['chance']:.0%}")

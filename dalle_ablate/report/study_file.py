@@ -18,7 +18,7 @@ import dalle_ablate.report.measures  # noqa: F401 -- the report's own measures a
 from dalle_ablate.stats import stages as S
 from dalle_ablate.report.load import read_yaml
 from dalle_ablate.report.transitions import Rule, rule_from
-from dalle_ablate.stats.verdicts import parse_margin
+from dalle_ablate.stats.verdicts import Margin, parse_margin
 
 STUDIES = Path(__file__).parent / "studies"
 TOPUPS = "topups.json"  # in a study's folder: each top-up's seeds before and after, and what the rule asked
@@ -33,8 +33,7 @@ class Finding:
     against: str  # the arm it is compared with
     metric: str  # a study metric's name (dalle_ablate/metrics.py: STUDY)
     expect: str  # "lower" | "higher": the arm's value against the other's, if the claim holds
-    # Δ: "N%" of the baseline's mean or an absolute value; None: the metric's declared margin
-    margin: Optional[str] = None
+    margin: Margin  # Δ, given or the metric's declared one, parsed where the file is read
     note: Optional[str] = None  # what a reader needs to know to read its verdict (how this study tests the claim)
 
 
@@ -94,7 +93,8 @@ def load_study(path: Path) -> Study:
                 "give margin: a positive number in the metric's units (0.01) or a percentage of the "
                 "baseline's mean (2%)"
             )
-        if parse_margin(margin) is None:
+        parsed = parse_margin(margin)
+        if parsed is None:
             raise ConfigError(
                 f"{where}: finding {f['id']!r} has margin {margin!r}; valid: a positive number in the "
                 f"metric's units (0.01) or a percentage of the baseline's mean (2%)"
@@ -102,7 +102,7 @@ def load_study(path: Path) -> Study:
         if not isinstance(f.get("note", ""), str):
             raise ConfigError(f"{where}: finding {f['id']!r} has note {f['note']!r}; give a sentence of text")
         findings.append(
-            Finding(**{k: f[k] for k in keys if k not in ("margin", "note")}, margin=str(margin), note=f.get("note"))
+            Finding(**{k: f[k] for k in keys if k not in ("margin", "note")}, margin=parsed, note=f.get("note"))
         )
     stressed = {
         a
@@ -111,7 +111,7 @@ def load_study(path: Path) -> Study:
         for a in (f["arm"], f["against"])
     }
     for f in findings:  # a percentage of the baseline's mean needs the baseline measured on that metric
-        if STUDY[f.metric].reads == "given" and parse_margin(f.margin)[1] and raw["baseline"] not in stressed:
+        if STUDY[f.metric].reads == "given" and f.margin.relative and raw["baseline"] not in stressed:
             raise ConfigError(
                 f"{where}: finding {f.id!r} has margin {f.margin} of the baseline's {f.metric}, but the "
                 f"baseline {raw['baseline']!r} is in no stress claim, so it has none; give an absolute "

@@ -74,7 +74,7 @@ def baseline_tables(
             for r in by_variant[v]:
                 t[i, seeds.index(r.seed)] = final_value(r, m)
         tables[m] = t
-        margin = V.margin_value(margins[m], t[b][of]) if m in margins else math.nan
+        margin = V.parse_margin(margins[m]).of(t[b][of]) if m in margins else math.nan
         for i, v in enumerate(variants):
             if i != b:
                 comps.append(V.Comparison(m, i, b, margin))

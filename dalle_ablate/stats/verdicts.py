@@ -262,27 +262,37 @@ def seeds_to_settle(
     return counts[..., 0], rest.min(-1), rest.max(-1)
 
 
-def parse_margin(margin) -> tuple[float, bool] | None:
-    """(value, relative) of a margin: "2%" (of the baseline's mean) or 0.01 (in the metric's
-    units); None if it is not a positive number."""
+@dataclass(frozen=True)
+class Margin:
+    """Δ as declared: `value` in the metric's units, or with `relative` a fraction of the baseline's
+    mean; parsed once, where a study file or flag is read (parse_margin)."""
+
+    value: float
+    relative: bool = False
+
+    def of(self, baseline_values) -> float:
+        """Δ in the metric's units: a percentage of the baseline's mean over its finished seeds
+        (blind to every other arm, so an effect under test cannot move it), or the value given;
+        NaN where the baseline has no value."""
+        if not self.relative:
+            return self.value
+        base = np.asarray(baseline_values, np.float64)
+        base = base[np.isfinite(base)]
+        return self.value * abs(float(base.mean())) if len(base) else math.nan
+
+    def __str__(self) -> str:
+        return f"{100 * self.value:g}%" if self.relative else f"{self.value:g}"
+
+
+def parse_margin(margin) -> Margin | None:
+    """A margin given as "2%" (of the baseline's mean) or 0.01 (in the metric's units); None if it
+    is not a positive number."""
     text = str(margin).strip()
     try:
         value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
         return None
-    return (value, text.endswith("%")) if math.isfinite(value) and value > 0 else None
-
-
-def margin_value(margin, baseline_values) -> float:
-    """Δ in the metric's units: a percentage of the baseline's mean over its finished seeds (blind
-    to every other arm, so an effect under test cannot move it), or the absolute value given;
-    NaN where the baseline has no value."""
-    value, relative = parse_margin(margin) or (math.nan, False)
-    if not relative:
-        return value
-    base = np.asarray(baseline_values, np.float64)
-    base = base[np.isfinite(base)]
-    return value * abs(float(base.mean())) if len(base) else math.nan
+    return Margin(value, text.endswith("%")) if math.isfinite(value) and value > 0 else None
 
 
 def topup_seeds(needed: list[int], current: int, cap: int = MAX_SEEDS) -> int:

@@ -39,7 +39,8 @@ def declare(study: Study, study_file: Path, overrides: list[str], code: dict) ->
         "study": study.name,
         "baseline": study.baseline,
         "findings": [
-            {k: getattr(f, k) for k in ("id", "arm", "against", "metric", "expect", "margin")} for f in study.findings
+            {**{k: getattr(f, k) for k in ("id", "arm", "against", "metric", "expect")}, "margin": str(f.margin)}
+            for f in study.findings
         ],
         "stages": None if study.stages is None else dataclasses.asdict(study.stages),
         "transition": dataclasses.asdict(study.transition),

@@ -108,7 +108,7 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
             write_store(tmp_path / "runs", arm, seed, final)
     study = load_study(study_file(tmp_path))
     sections, rows = page_sections(study, load_runs(str(tmp_path / "runs")), ["provenance line"])
-    assert [r["verdict"] if f[0] != "noisy" else r["verdict"][: len(f[5])] for r, f in zip(rows, FINDINGS)] == [
+    assert [r.verdict if f[0] != "noisy" else r.verdict[: len(f[5])] for r, f in zip(rows, FINDINGS)] == [
         f[5] for f in FINDINGS
     ]
     # The oracle: each finding on its own pair, scipy's paired t test and statsmodels' TOST, Holm
@@ -120,23 +120,23 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
         delta = 0.02 * y.mean() if margin in (None, "2%") else float(margin)
         test = st.ttest_rel(x, y)
         ci, fw = test.confidence_interval(0.95), test.confidence_interval(1 - 0.05 / k)
-        assert r["paired"] and r["df"] == 2 and r["seeds"] == [0, 1, 2]
-        assert r["diff"] == pytest.approx((x - y).mean()) and r["margin"] == pytest.approx(delta)
-        assert (r["low"], r["high"], r["fw_low"], r["fw_high"]) == pytest.approx((ci.low, ci.high, fw.low, fw.high))
-        assert r["sd"] == pytest.approx(np.std(x - y, ddof=1))
-        assert (r["welch_low"], r["welch_high"]) == pytest.approx(welch(x, y, 0.95), rel=1e-9)
-        assert r["rho"] == pytest.approx(np.corrcoef(x, y)[0, 1])
+        assert r.spread.paired and r.spread.df == 2 and r.spread.seeds == [0, 1, 2]
+        assert r.diff == pytest.approx((x - y).mean()) and r.margin == pytest.approx(delta)
+        assert (r.low, r.high, r.fw_low, r.fw_high) == pytest.approx((ci.low, ci.high, fw.low, fw.high))
+        assert r.spread.sd == pytest.approx(np.std(x - y, ddof=1))
+        assert (r.spread.welch_low, r.spread.welch_high) == pytest.approx(welch(x, y, 0.95), rel=1e-9)
+        assert r.spread.rho == pytest.approx(np.corrcoef(x, y)[0, 1])
         p_zero.append(test.pvalue)
         side = "greater" if (x - y).mean() > 0 else "less"  # beyond Δ on the side the difference lies, both sides open
         p_beyond.append(
             min(1.0, 2 * st.ttest_rel(x, y + (delta if side == "greater" else -delta), alternative=side).pvalue)
         )
         p_tost.append(ttost_paired(x, y, -delta, delta)[0])
-        assert r["p_zero"] == pytest.approx(p_zero[-1]) and r["p_tost"] == pytest.approx(p_tost[-1])
-        assert r["p_beyond"] == pytest.approx(p_beyond[-1])
+        assert r.p_zero == pytest.approx(p_zero[-1]) and r.p_tost == pytest.approx(p_tost[-1])
+        assert r.p_beyond == pytest.approx(p_beyond[-1])
     zero, beyond, tost = (multipletests(p, 0.05, method="holm")[0] for p in (p_zero, p_beyond, p_tost))
     for i, (r, f) in enumerate(zip(rows, FINDINGS)):
-        d, side = r["diff"], 1 if f[3] == "higher" else -1
+        d, side = r.diff, 1 if f[3] == "higher" else -1
         want = (
             "no meaningful effect (equivalent within ±Δ)"
             if tost[i]
@@ -148,19 +148,19 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
             if zero[i]
             else "not resolved"
         )
-        assert r["verdict"].startswith(want)
+        assert r.verdict.startswith(want)
     # seeds-needed of the unresolved finding: from its own noise and margin, statsmodels' power for
     # a paired t test at Holm's first step, 80 %
     noisy = rows[3]
-    effect = noisy["margin"] / np.std(np.array(ARMS["noisy"]) - ARMS["base"], ddof=1)
-    assert noisy["needed"] == math.ceil(TTestPower().solve_power(effect, None, 0.05 / k, 0.8)) == 62
+    effect = noisy.margin / np.std(np.array(ARMS["noisy"]) - ARMS["base"], ddof=1)
+    assert noisy.spread.needed == math.ceil(TTestPower().solve_power(effect, None, 0.05 / k, 0.8)) == 62
     # and the plan at its observed difference (seeds_to_settle, checked against statsmodels and scipy in
     # test_verdicts.py) from scipy's paired interval, at 4 seeds at least: it is not resolved at 3
     x, y = np.array(ARMS["noisy"]), np.array(ARMS["base"])
     ci = st.ttest_rel(x, y).confidence_interval(0.95)
     plan = V.seeds_to_settle((x - y).mean(), ci.low, ci.high, np.std(x - y, ddof=1), 0.02 * y.mean(), k, at_least=4)
-    assert (noisy["plan"], noisy["fewest"], noisy["most"]) == tuple(int(n) for n in plan)
-    assert noisy["verdict"] == "not resolved: " + P.seeds_words(*plan, 62)
+    assert noisy.spread.plan == tuple(int(n) for n in plan)
+    assert noisy.verdict == "not resolved: " + P.seeds_words(*plan, 62)
     summary = sections[0]
     assert (
         f"{k} findings, 5 settled: 2 reproduced, 1 reproduced, possibly smaller than Δ, 1 no meaningful effect "
@@ -172,7 +172,7 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
         f[5].split(":")[0].removesuffix(" (equivalent within ±Δ)") for f in FINDINGS
     ]
     full = next(s for s in sections if s.key == "claims").tables[0]
-    assert full[0][-1] == "verdict" and [row[-1] for row in full[1]] == [r["verdict"] for r in rows]
+    assert full[0][-1] == "verdict" and [row[-1] for row in full[1]] == [r.verdict for r in rows]
     # over training: the one evaluation of these stores is the end, judged as the end is
     assert [row[-2] for row in full[1]] == [
         "1 / 0 of 1",
@@ -204,7 +204,7 @@ def test_each_finding_gets_the_verdict_of_its_own_paired_differences(tmp_path):
         ]
     ]
     topup = next(s for s in sections if s.key == "topup")
-    assert f"Now 3 seeds per arm at most; the rule asks for {max(r['needed'] for r in rows)}." in topup.text
+    assert f"Now 3 seeds per arm at most; the rule asks for {max(r.spread.needed for r in rows)}." in topup.text
 
 
 def write_timed_store(root: Path, arm: str, seed: int, step_time: float, job: list[int], wall: float = 90.0) -> None:
@@ -260,18 +260,18 @@ def test_a_time_the_members_of_one_job_share_is_one_measurement_not_one_per_seed
         assert float(added[1]) == pytest.approx(2 * len(jobs) * 90 / 60)
         if name == "members":
             assert sections[0].tables[0][1][0][2] == "untestable here"  # the summary; why: the claims table
-            assert row["verdict"] == (
+            assert row.verdict == (
                 "untestable here: fast and base's seeds trained as members of shared jobs, so its step_time is "
                 "one measurement per job, not one per seed; time the arms as jobs of their own (dalle-ablate study "
                 "--no-members)"
             )
-            assert math.isnan(row["p_zero"]) and row["n"] == (0, 0) and row["needed"] == 0
+            assert math.isnan(row.p_zero) and row.spread.n == (0, 0) and row.spread.needed == 0
             assert [r[ci] for r in arms[1]] == ["–", "–"]  # four copies of one timing have no spread
             assert [r[mean] for r in arms[1]] == pytest.approx([times["base"][0], times["fast"][0]])
         else:  # judged on the seeds timed as jobs of their own, paired: scipy's t test on them
             fast, base = ([times[a][s] for s in own] for a in ("fast", "base"))
             test = st.ttest_rel(fast, base)
-            assert row["seeds"] == own and row["p_zero"] == pytest.approx(test.pvalue)
+            assert row.spread.seeds == own and row.p_zero == pytest.approx(test.pvalue)
             lo, hi = st.t.interval(0.95, len(own) - 1, np.mean(base), st.sem(base))
             assert arms[1][0][mean] == pytest.approx(np.mean(base))
             assert arms[1][0][ci] == f"[{lo:.3g}, {hi:.3g}]"
@@ -308,9 +308,7 @@ def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):
     )
     d = np.array([5.0, 6.5, 4.0]) - np.array([1.0, 2.0, 0.0])
     ci = st.ttest_rel([5.0, 6.5, 4.0], [1.0, 2.0, 0.0]).confidence_interval(0.95)
-    assert rows[0]["diff"] == pytest.approx(d.mean()) and (rows[0]["low"], rows[0]["high"]) == pytest.approx(
-        (ci.low, ci.high)
-    )
+    assert rows[0].diff == pytest.approx(d.mean()) and (rows[0].low, rows[0].high) == pytest.approx((ci.low, ci.high))
 
 
 def test_a_multirun_s_stage_1_tokenizer_is_not_one_of_its_runs(tmp_path):
@@ -536,8 +534,8 @@ def test_a_top_up_adds_seeds_by_the_rule_or_as_asked_and_says_so(tmp_path, capsy
     assert override == "seed=0,1,2,3,4" and (entry["from"], entry["to"], entry["how"]) == (3, 5, "--seeds 5")
     # the rule: the largest seeds-needed over every finding (each from its own noise), not only the unresolved
     _, rows = page_sections(study, load_runs(str(folder)), [])
-    rule = max(r["needed"] for r in rows)
-    assert rule == next(r["needed"] for r in rows if r["finding"].id == "noisy") == 62
+    rule = max(r.spread.needed for r in rows)
+    assert rule == next(r.spread.needed for r in rows if r.finding.id == "noisy") == 62
     override, entry = plan_topup(study, folder, "auto", [])
     assert entry["to"] == entry["rule"] == rule and override == "seed=" + ",".join(map(str, range(rule)))
     sections, _ = page_sections(study, load_runs(str(folder)), [], topups=[{**entry, "at": "t"}])
@@ -617,7 +615,7 @@ def test_the_forest_plot_draws_every_finding_with_its_verdict_in_short(tmp_path)
         "reproduced",
         "contradicted",
         "reproduced",
-        f"plan: {rows[3]['plan']} seeds",  # the plan at its observed difference, its verdict's first count
+        f"plan: {rows[3].spread.plan[0]} seeds",  # the plan at its observed difference, its verdict's first count
         "equivalent within ±Δ",
         "reproduced, maybe < Δ",
     ]
@@ -757,7 +755,7 @@ def test_a_metric_from_elsewhere_without_a_default_margin_needs_one_declared(tmp
         f"{path}: finding 'x' has no margin and metric 'max_trainable_lr' no default one; give margin: "
         "a positive number in the metric's units (0.01) or a percentage of the baseline's mean (2%)"
     )
-    assert load_study(study_file(tmp_path, findings=[{**spec, "margin": "0.05"}])).findings[0].margin == "0.05"
+    assert load_study(study_file(tmp_path, findings=[{**spec, "margin": "0.05"}])).findings[0].margin == V.Margin(0.05)
 
 
 def test_a_missing_or_non_yaml_study_file_is_named_in_one_line(tmp_path):
@@ -1045,14 +1043,12 @@ def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stre
         "'base' is in no stress claim, so it has none; give an absolute margin (0.05) or a stress "
         "claim with the baseline"
     )
-    assert (
-        load_study(study_file(tmp_path, findings=[{**spec, "margin": 0.05}], stress=stress)).findings[0].margin
-        == "0.05"
-    )
-    assert (
-        load_study(study_file(tmp_path, findings=[{**spec, "against": "base"}], stress=stress)).findings[0].margin
-        == "10%"
-    )
+    assert load_study(study_file(tmp_path, findings=[{**spec, "margin": 0.05}], stress=stress)).findings[
+        0
+    ].margin == V.Margin(0.05)
+    assert load_study(study_file(tmp_path, findings=[{**spec, "against": "base"}], stress=stress)).findings[
+        0
+    ].margin == V.Margin(0.1, relative=True)
 
 
 def test_a_study_trains_each_arms_seeds_as_members_of_one_job():

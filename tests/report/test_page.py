@@ -157,27 +157,26 @@ def test_the_summary_gives_each_claim_its_verdict_its_difference_in_margins_and_
         "seeds used / plan (range) / for Δ",
     ]
     for cells, r in zip(table, rows):
-        f = r["finding"]
+        f = r.finding
         assert cells["finding"] == f.id and cells["claim (metric)"] == f"{f.claim} ({f.metric})"
-        assert r["verdict"].startswith(cells["verdict"])
+        assert r.verdict.startswith(cells["verdict"])
         side = 1 if f.expect == "higher" else -1
         d, low, high = (float(x) for x in re.findall(NUMBER, cells["difference in Δ (95% CI)"]))
-        assert d == pytest.approx(side * r["diff"] / r["margin"], rel=0.5e-2, abs=1e-9)
+        assert d == pytest.approx(side * r.diff / r.margin, rel=0.5e-2, abs=1e-9)
         assert (low, high) == pytest.approx(
-            sorted((side * r["low"] / r["margin"], side * r["high"] / r["margin"])), rel=0.5e-2, abs=1e-9
+            sorted((side * r.low / r.margin, side * r.high / r.margin)), rel=0.5e-2, abs=1e-9
         )
         assert cells["difference in Δ (95% CI)"].startswith("+") == (d > 0)
         used, plan, needed = cells["seeds used / plan (range) / for Δ"].split(" / ")
-        assert int(used) == len(r["seeds"]) == 3 and needed == (str(r["needed"]) if r["needed"] else "–")
+        assert int(used) == len(r.spread.seeds) == 3 and needed == (str(r.spread.needed) if r.spread.needed else "–")
         # a plan (at the observed difference, its range across the 95 % interval) only where not resolved
         count = lambda n: f"> {V.MAX_SEEDS}" if n > V.MAX_SEEDS else str(n)  # noqa: E731
-        flat = r["fewest"] == r["most"] == r["plan"]
+        planned, fewest, most = r.spread.plan
+        flat = fewest == most == planned
         assert plan == (
-            "–"
-            if r["code"] != V.NOT_RESOLVED
-            else count(r["plan"]) + ("" if flat else f" ({count(r['fewest'])}–{count(r['most'])})")
+            "–" if r.code != V.NOT_RESOLVED else count(planned) + ("" if flat else f" ({count(fewest)}–{count(most)})")
         )
-    assert {r["code"] == V.NOT_RESOLVED for r in rows} == {True, False}  # both kinds of plan cell above
+    assert {r.code == V.NOT_RESOLVED for r in rows} == {True, False}  # both kinds of plan cell above
 
 
 def test_the_full_table_gives_every_number_its_unit_and_three_digits(page):
@@ -185,19 +184,25 @@ def test_the_full_table_gives_every_number_its_unit_and_three_digits(page):
     table = table_after(text, "Every finding in full")
     assert [r["finding"] for r in table] == [f["id"] for f in FINDINGS]
     for cells, r in zip(table, rows):
-        unit = unit_of(r["finding"].metric)
+        unit = unit_of(r.finding.metric)
         for col in ("Δ margin", "arm", "vs", "difference", "95% CI", "family-wise CI", "Welch 95% CI"):
             numbers = re.findall(NUMBER, cells[col].split(" (")[0])
             assert numbers and all(three_digits(n) for n in numbers), (col, cells[col])
             assert cells[col].split(" (")[0].endswith(f" {unit}"), (col, cells[col])
         assert three_digits(cells["rho"])
         # the numbers are the comparison's, rounded
-        for col, key in (("arm", "arm_mean"), ("vs", "against_mean"), ("difference", "diff"), ("Δ margin", "margin")):
-            assert float(re.search(NUMBER, cells[col]).group()) == pytest.approx(r[key], rel=0.5e-2)
+        numbers = (
+            ("arm", r.spread.arm_mean),
+            ("vs", r.spread.against_mean),
+            ("difference", r.diff),
+            ("Δ margin", r.margin),
+        )
+        for col, number in numbers:
+            assert float(re.search(NUMBER, cells[col]).group()) == pytest.approx(number, rel=0.5e-2)
         low, high = map(float, re.findall(NUMBER, cells["95% CI"]))
-        assert (low, high) == pytest.approx((r["low"], r["high"]), rel=0.5e-2)
+        assert (low, high) == pytest.approx((r.low, r.high), rel=0.5e-2)
     assert unit_of("eval_loss") == "nats per image token" and unit_of("step_time") == "s"
-    assert rows[0]["needed"] > 0 and rows[-1]["needed"] == 0  # each kind of seeds cell above
+    assert rows[0].spread.needed > 0 and rows[-1].spread.needed == 0  # each kind of seeds cell above
 
 
 def test_each_figure_has_its_caption_under_it(page):

@@ -343,16 +343,16 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
     by_arm = {a: [r for r in runs if r.variant == a] for a in finals}
     rows = compare(load_study(tmp_path / "same.yaml"), by_arm)
     for r in rows:
-        metric = {"eval_loss": "eval/valid/loss", "train_loss": "train/loss"}[r["finding"].metric]
-        j = info["judged"][(r["finding"].arm, metric)]
+        metric = {"eval_loss": "eval/valid/loss", "train_loss": "train/loss"}[r.finding.metric]
+        j = info["judged"][(r.finding.arm, metric)]
         if metric == "train/loss":  # the report gave train/loss no margin: the difference test alone
             continue
         assert (j["d"], j["low"], j["high"], j["fw_low"], j["fw_high"]) == pytest.approx(
-            (r["d"], r["low"], r["high"], r["fw_low"], r["fw_high"])
+            (r.diff, r.low, r.high, r.fw_low, r.fw_high)
         )
-        assert j["outcome"] == r["outcome"] and j["needed"] == r["needed"]
-        assert r["code"] == V.verdict(j["outcome"], 1)
-    outcomes = {r["finding"].arm: P.OUTCOMES[r["outcome"]] for r in rows if r["finding"].metric == "eval_loss"}
+        assert j["outcome"] == r.outcome and j["needed"] == r.spread.needed
+        assert r.code == V.verdict(j["outcome"], 1)
+    outcomes = {r.finding.arm: P.OUTCOMES[r.outcome] for r in rows if r.finding.metric == "eval_loss"}
     assert outcomes == {
         "deepnet": "higher by more than Δ",
         "sandwich": "not resolved",

@@ -167,7 +167,7 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     stores(tmp_path, {"worse": [9.0]}, first_seed=10)  # a seed the plan did not give "worse": in no stage
     by_arm = _arms_by(load_runs(str(runs)))
     rows = staged.judge(study, by_arm, record)
-    verdicts = {r["finding"].id: (r["look1"], P.VERDICTS[r["code"]]) for r in rows}
+    verdicts = {r.finding.id: (r.look1, P.VERDICTS[r.code]) for r in rows}
     design = study.stages.design
     z1 = oracle_z(np.array(STAGE1["close"]), np.array(STAGE1["base"]))
     z2 = oracle_z(np.array(second["close"]), np.array(second["base"]))
@@ -177,16 +177,16 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     assert verdicts["close"] == ("not resolved", "reproduced")
     assert verdicts["worse"][0] == "reproduced, possibly smaller than Δ"
     assert verdicts["other"] == ("contradicted (reversed)", "contradicted (reversed)")
-    stage_n = {r["finding"].id: r["stage_n"] for r in rows}
+    stage_n = {r.finding.id: r.stage_n for r in rows}
     assert stage_n == {"worse": (3, 0), "close": (3, 3), "other": (3, 0)}  # worse's seed 10 is in no stage
-    close = next(r for r in rows if r["finding"].id == "close")
+    close = next(r for r in rows if r.finding.id == "close")
     d = lambda x, y: np.array(x) - np.array(y)  # noqa: E731
     a, b = d(STAGE1["close"], STAGE1["base"]), d(second["close"], second["base"])
     (_, want) = S.repeated_interval(
         a.mean(), a.std(ddof=1) / math.sqrt(3), 2, b.mean(), b.std(ddof=1) / math.sqrt(3), 2, design, 0.025
     )
-    assert (close["low"], close["high"]) == pytest.approx(want) and close["low"] > 0.03
-    assert close["stage_n"] == (3, 3) and min(a.mean(), b.mean()) <= close["d"] <= max(a.mean(), b.mean())
+    assert (close.low, close.high) == pytest.approx(want) and close.low > 0.03
+    assert close.stage_n == (3, 3) and min(a.mean(), b.mean()) <= close.diff <= max(a.mean(), b.mean())
 
 
 def test_a_rejected_difference_is_on_the_side_whose_test_rejected_it():

@@ -309,9 +309,9 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
 
     by_hand = {arm: {s: sens(f) for s, f in seeds.items()} for arm, seeds in CURVES.items()}
     (row,) = compare(load_study(path), {}, extra=extra)
-    assert row["n"] == (2, 2) and row["seeds"] == [0, 1]
-    assert row["diff"] == pytest.approx(np.mean([by_hand["fragile"][s] - by_hand["steady"][s] for s in (0, 1)]))
-    assert row["margin"] == pytest.approx(0.1 * np.mean(list(by_hand["steady"].values())))
+    assert row.spread.n == (2, 2) and row.spread.seeds == [0, 1]
+    assert row.diff == pytest.approx(np.mean([by_hand["fragile"][s] - by_hand["steady"][s] for s in (0, 1)]))
+    assert row.margin == pytest.approx(0.1 * np.mean(list(by_hand["steady"].values())))
     assert stress_measures(path, str(tmp_path / "elsewhere")) == ([], {}, {})  # no stress runs there yet
     (stress_folder(tmp_path / "begun") / run_name("steady", RATES[0], 0)).mkdir(parents=True)  # a job that died early
     assert stress_measures(path, str(tmp_path / "begun")) == ([], {}, {})
@@ -343,7 +343,7 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
         "0.01, 0.03) on any seed: both end at or above the code-frequency floor"
     }
     (row,) = compare(load_study(path), {}, extra=extra, untestable=untestable)
-    assert row["verdict"] == "untestable here: " + untestable["steady-stabler"] and row["code"] == 5
+    assert row.verdict == "untestable here: " + untestable["steady-stabler"] and row.code == 5
     # one arm that trains at one rate on one seed makes the claim testable again
     (stress_folder(tmp_path / "synthetic") / run_name("steady", RATES[1], 1) / "run" / "metrics.jsonl").write_text(
         "\n".join(

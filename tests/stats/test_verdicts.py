@@ -190,7 +190,7 @@ def test_a_near_significant_finding_prints_a_small_plan_not_more_than_200():
         "s",
         "e",
         "a0",
-        [Finding(f"f{i}", "c", f"a{i}", "a0", "eval_loss", "higher", "1") for i in range(1, 13)],
+        [Finding(f"f{i}", "c", f"a{i}", "a0", "eval_loss", "higher", V.Margin(1.0)) for i in range(1, 13)],
     )
     _, r = judge(study, [f"a{i}" for i in range(13)], {"eval_loss": y})
     assert 0.05 / 12 < r["p_zero"][0] < 0.0045 and r["verdict"][0] == V.NOT_RESOLVED
