@@ -31,8 +31,9 @@ Repetitions interleave the arms (separate, members, separate, members ...).
 
 `--accelerator` (`--members-list 1 4 16 64`, `--accel-rounds 20`, `--dtype bfloat16`): the train
 step of M members (vmap of the core, as `--step`) of the study's model (size=tiny) in bfloat16
-against one run's step: tokens/s and MFU (model/flops.py train_flops_per_example over
-train/perf.py device_peak_flops, as the trainer computes them). It runs unchanged on a GPU; on a
+against one run's step: tokens/s and MFU (model/flops.py train_flops_per_example over the
+datasheet's peak on an accelerator; on a CPU over a matmul probe taken between the steps,
+train/perf.py PeakMeter). It runs unchanged on a GPU; on a
 CPU pass a shorter `--members-list`.
 
 `--shampoo` (`--shampoo-members 3`, `--rounds 30`): Shampoo's train step as members, on the study's
@@ -334,7 +335,7 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
     from dalle_ablate.model.flops import train_flops_per_example
     from dalle_ablate.train.assembly import assemble
     from dalle_ablate.train.gradients import GradientOptions
-    from dalle_ablate.train.perf import device_peak_flops
+    from dalle_ablate.train.perf import PeakMeter, device_peak_flops, mfu
     from dalle_ablate.train.step import train_step_core
     from dalle_ablate.validate import compose, to_run_config
 
@@ -344,16 +345,9 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
     batch_size = cfg.trainer.batch_size
     flops = train_flops_per_example(run.model_cfg) * batch_size  # one member's step
     tokens = run.tokens_per_step
-    peak, source = device_peak_flops(cache_dir=cfg.data.cache_dir)
-    device = jax.devices()[0]
-    print("## The train step on one device, M members against one run (--accelerator)\n")
-    print(
-        f"Device: {device.device_kind} ({jax.default_backend()}); peak {peak / 1e12:.3g} TFLOP/s ({source}); "
-        f"model {cfg.model.dtype}, batch {batch_size} per member, {tokens} tokens and {flops / 1e9:.2f} GFLOP "
-        "per member step.\n"
-    )
-    print("| members | program | step of all members (median ms) | tokens/s | vs one run | MFU | compile (s) |")
-    print("|---|---|---|---|---|---|---|")
+    # an accelerator's peak is its datasheet's; a CPU's is measured here, between the steps it divides
+    peak, source = device_peak_flops()
+    meter = PeakMeter(jax.devices()[0].device_kind) if source.startswith("probe:") else None
     state = run.init_state()
     key = jax.random.fold_in(jax.random.key(cfg.seed), 2)
     one_batch = {k: jnp.asarray(v) for k, v in random_batch(run.model_cfg, batch_size, seed=0).items()}
@@ -364,28 +358,44 @@ def accelerator_section(overrides: list[str], members_list: list[int], rounds: i
         loss_of(fn, *args)
         return time.perf_counter() - t
 
-    rows, ones = [], []
+    def round_(*args) -> tuple[float, float]:
+        times = timed(one, state, one_batch, key), timed(*args)
+        if meter is not None:
+            meter.sample()
+        return times
+
+    measured, ones = [], []
     for m in members_list:
         stack = lambda x: jax.tree.map(lambda a: jnp.stack([a] * m), x)  # noqa: E731  same start: the cost is alike
         batches = {k: jnp.asarray(v) for k, v in random_batch(run.model_cfg, batch_size * m, seed=m).items()}
         batches = jax.tree.map(lambda a: a.reshape(m, batch_size, *a.shape[1:]), batches)
         args = (stack(state), batches, jax.random.split(key, m))
         vmapped, c = compiled(jax.jit(jax.vmap(core)), *args)
-        pairs = [(timed(one, state, one_batch, key), timed(vmapped, *args)) for _ in range(rounds + 1)][
-            1:
-        ]  # interleaved
+        pairs = [round_(vmapped, *args) for _ in range(rounds + 1)][1:]  # interleaved
         t1, dt = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
         ones += [p[0] for p in pairs]
-        rows.append(
-            f"| {m} | vmap(core) | {1e3 * dt:.1f} | {m * tokens / dt:,.0f} | {m * tokens / dt / (tokens / t1):.2f} | "
-            f"{m * flops / (dt * peak):.2%} | {c:.1f} |"
-        )
+        measured.append((m, dt, t1, c))
         del args, batches, vmapped
+    if meter is not None:
+        peak, source = meter.peak, meter.source
     t_one = statistics.median(ones)
+    print("## The train step on one device, M members against one run (--accelerator)\n")
     print(
-        f"| 1 run | jit(core) | {1e3 * t_one:.1f} | {tokens / t_one:,.0f} | 1.00 | {flops / (t_one * peak):.2%} | {c_one:.1f} |"
+        f"Device: {jax.devices()[0].device_kind} ({jax.default_backend()}); peak {peak / 1e12:.3g} TFLOP/s ({source}); "
+        f"model {cfg.model.dtype}, batch {batch_size} per member, {tokens} tokens and {flops / 1e9:.2f} GFLOP "
+        "per member step.\n"
     )
-    print("\n".join(rows))
+    print("| members | program | step of all members (median ms) | tokens/s | vs one run | MFU | compile (s) |")
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| 1 run | jit(core) | {1e3 * t_one:.1f} | {tokens / t_one:,.0f} | 1.00 | "
+        f"{mfu(flops / t_one, peak, source):.2%} | {c_one:.1f} |"
+    )
+    for m, dt, t1, c in measured:
+        print(
+            f"| {m} | vmap(core) | {1e3 * dt:.1f} | {m * tokens / dt:,.0f} | {m * tokens / dt / (tokens / t1):.2f} | "
+            f"{mfu(m * flops / dt, peak, source):.2%} | {c:.1f} |"
+        )
     print(
         f"\nMedian of {rounds} steps after a warm-up, each waited for, the one run's step and the members' "
         "interleaved; `vs one run` is tokens/s against the one run's steps interleaved with that row's. Every member starts from the same state on its own random batch (the "

@@ -71,7 +71,9 @@ def main() -> None:
         loop = [r["perf/step_time"] for r in metrics[:-1]]
         tokens = metrics[0]["perf/tokens_per_s"] * metrics[0]["perf/step_time"]
         loop_med, bare_med = statistics.median(loop), statistics.median(bare)
-        mfu = statistics.median(r["perf/mfu"] for r in metrics[:-1])
+        # none where the run found its peak below its step (train/perf.py mfu): its log says why
+        mfus = [r["perf/mfu"] for r in metrics[:-1] if "perf/mfu" in r]
+        mfu = statistics.median(mfus) if mfus else float("nan")
         rows.append(
             (
                 size,

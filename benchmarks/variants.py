@@ -30,7 +30,7 @@ def measure(cfg, steps: int) -> dict:
 
     from dalle_ablate.model import param_count
     from dalle_ablate.model.flops import train_flops_per_example
-    from dalle_ablate.train.perf import device_peak_flops
+    from dalle_ablate.train.perf import device_peak_flops, mfu
 
     step, state, run = fresh_train_step(cfg)
     mcfg, n_params = run.model_cfg, param_count(run.abstract)
@@ -51,8 +51,8 @@ def measure(cfg, steps: int) -> dict:
         peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
     _, times, loss = timed_steps(compiled, state, batch, steps)
     step_s = statistics.median(times)
-    mfu = train_flops_per_example(mcfg) * b / step_s / device_peak_flops(cache_dir=cfg.data.cache_dir)[0]
-    return {"params": n_params, "compile": compile_s, "step": step_s, "peak": peak, "loss": loss, "mfu": mfu}
+    utilisation = mfu(train_flops_per_example(mcfg) * b / step_s, *device_peak_flops(cache_dir=cfg.data.cache_dir))
+    return {"params": n_params, "compile": compile_s, "step": step_s, "peak": peak, "loss": loss, "mfu": utilisation}
 
 
 @writes_page("Layouts and attention patterns: step time, compile time, memory, MFU")

@@ -4,12 +4,14 @@ member's row written to its own tracker (`RunLog`: its losses, timing and where 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Callable, Optional
 
 import jax
 
 from dalle_ablate import interrupts
+from dalle_ablate.train.perf import PeakBelowStep, mfu
 
 SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
 
@@ -65,11 +67,12 @@ class StepLogger:
         t,
         flops_per_step: float,
         tokens_per_step: int,
-        peak_all: float,
+        peak_all: tuple[float, str],
     ):
         self.members, self.member, self.on_diverged = members, member, on_diverged
         self.bar, self.t = bar, t
-        self.flops_per_step, self.tokens_per_step, self.peak_all = flops_per_step, tokens_per_step, peak_all
+        self.flops_per_step, self.tokens_per_step = flops_per_step, tokens_per_step
+        self.peak_all: Optional[tuple[float, str]] = peak_all  # (FLOP/s of every device, its source); None: no MFU
         self.share = len(members)  # the runs one step of the program trains
         self.queue: list[tuple[int, dict]] = []  # steps trained and not yet logged, oldest first
         self.newest = 0  # the last step queued
@@ -142,13 +145,13 @@ class StepLogger:
         if self.share > 1:
             perf["perf/job_step_time"] = dt  # the whole program's step, all its members
             dt /= self.share
-        perf.update(
-            {
-                "perf/step_time": dt,
-                "perf/tokens_per_s": self.tokens_per_step / dt,
-                "perf/mfu": self.flops_per_step / (dt * self.peak_all),
-            }
-        )
+        perf.update({"perf/step_time": dt, "perf/tokens_per_s": self.tokens_per_step / dt})
+        if self.peak_all is not None:
+            try:
+                perf["perf/mfu"] = mfu(self.flops_per_step / dt, *self.peak_all)
+            except PeakBelowStep as e:  # the run goes on; its MFU is not logged, and the line says why
+                print(f"{e}; perf/mfu is not logged for the rest of this run", file=sys.stderr, flush=True)
+                self.peak_all = None
         return perf
 
     def restart_clock(self) -> None:

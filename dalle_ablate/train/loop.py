@@ -130,7 +130,7 @@ def _train(
             m.point = with_logged(m.point, m.run_dir)
             m.t_start = t_start - m.point.wall_time  # a run's wall time counts its earlier processes'
         record()
-        _run(cfg, job, program, members, record, flops_per_step, peak * program.devices, compiled)
+        _run(cfg, job, program, members, record, flops_per_step, (peak * program.devices, peak_source), compiled)
 
 
 @contextlib.contextmanager
@@ -157,7 +157,7 @@ def _run(
     members: list[Member],
     record,
     flops_per_step: float,
-    peak_all: float,
+    peak_all: tuple[float, str],
     compiled: compile_cache.CompileTimes,
 ):
     """The members' steps, from their common start to the end, then how each ends."""
