@@ -424,6 +424,12 @@ def main() -> None:
         f"warm-up), mean {step_us / 1e3:.1f} ms profiled ({n} steps, dispatch to dispatch). Load average at the "
         f"profile: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.\n"
     )
+    if os.getloadavg()[0] > os.cpu_count():
+        print(
+            f"The machine was loaded (load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores): every op "
+            "and gap here is longer than on an idle machine, the long ones the most; the shares are of this run's "
+            "step, and on a quiet machine they are to be measured again.\n"
+        )
     print(
         f"FLOPs per step: {flops_total / 1e9:.2f} GFLOP counted from the HLO's shapes; the executable's "
         f"cost_analysis() {cost.get('flops', float('nan')) / 1e9:.2f} GFLOP "
@@ -523,10 +529,12 @@ def main() -> None:
             f"{o['flops'] / (us * 1e-6) / 1e9:.1f} |"
         )
     print()
-    conclude(rows, step_us, flops_total, peak, (lead, gaps, tail), n, sum(counts.values()) / n, moved_us, dm, run)
+    conclude(
+        rows, step_us, flops_total, peak, (lead, gaps, tail), n, sum(counts.values()) / n, moved_us, dm, run, dense
+    )
 
 
-def conclude(rows, step_us, flops_total, peak, host, n, ops_per_step, moved_us, data_s, run) -> None:
+def conclude(rows, step_us, flops_total, peak, host, n, ops_per_step, moved_us, data_s, run, dense) -> None:
     """What the numbers above say, in sentences computed from them (so a rerun rewrites them)."""
     mm = [rows[GROUPS[0]], rows[GROUPS[1]]]
     mm_us, mm_fast = sum(r["us"] for r in mm), sum(r["fast_us"] for r in mm)
@@ -537,13 +545,28 @@ def conclude(rows, step_us, flops_total, peak, host, n, ops_per_step, moved_us, 
     rate = mm_flops / (mm_fast * 1e-6) / 1e9
     pct = lambda us: 100 * us / step_us  # noqa: E731
     print("### What holds the step back (computed from the tables above)\n")
+    by_k = {"thin": [0, 0.0], "wide": [0, 0.0]}  # dense matmuls contracting over a width vs over the rows
+    for d in dense:
+        side = by_k["wide" if d["mkn"][1] >= 4 * run.model_cfg.d_model else "thin"]
+        side[0], side[1] = side[0] + d["flops"], side[1] + d["us"]
+    thin, wide = (f / (us * 1e-6) / 1e9 if us else float("nan") for f, us in by_k.values())
+    best = max(peak, wide if wide == wide else 0.0)
     print(
-        f"- The matmuls are {100 * mm_flops / flops_total:.0f} % of the FLOPs and {pct(mm_us):.0f} % of the step. "
-        f"While they run they reach {rate:.0f} GFLOP/s, {100 * rate / peak:.0f} % of the {peak:.0f} GFLOP/s this "
-        f"machine's 1024x1024x1024 float32 matmul reached in the same run (both at their fastest): every dense "
-        f"matmul of the step has d_model {run.model_cfg.d_model} or ffn_dim {run.model_cfg.ffn_dim} on a side, "
-        f"and its attention's are per head of {run.model_cfg.d_model // run.model_cfg.heads} over "
-        f"{run.model_cfg.text_len} or {run.model_cfg.image_len} positions."
+        f"- The matmuls are {100 * mm_flops / flops_total:.0f} % of the FLOPs and {pct(mm_us):.0f} % of the step; "
+        f"at their fastest they run at {rate:.0f} GFLOP/s. Those that contract over a width (d_model "
+        f"{run.model_cfg.d_model} or ffn_dim {run.model_cfg.ffn_dim}: the forward and the input gradients, "
+        f"{100 * by_k['thin'][0] / max(mm_flops, 1):.0f} % of the matmul FLOPs) reach {thin:.0f} GFLOP/s; the weight "
+        f"gradients, which contract over the batch's {run.cfg.trainer.batch_size} x {run.model_cfg.text_len} or "
+        f"{run.model_cfg.image_len} rows, {wide:.0f} GFLOP/s, in the same run; attention's are per head of "
+        f"{run.model_cfg.d_model // run.model_cfg.heads} over {run.model_cfg.text_len} or "
+        f"{run.model_cfg.image_len} positions. The 1024x1024x1024 matmul alone reached {peak:.0f} GFLOP/s"
+        + (
+            f": the step's matmuls run at {100 * rate / peak:.0f} % of it."
+            if rate < peak
+            else f", less than the step's: at load {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores a "
+            "long op is rarely left alone, so this run cannot give the machine's peak (the step's short matmuls "
+            "against its long weight-gradient ones is the comparison it can make)."
+        )
     )
     print(
         f"- Everything else on the device (norms, the GeLU/GLU, attention's softmax and masks, copies and "
@@ -566,9 +589,9 @@ def conclude(rows, step_us, flops_total, peak, host, n, ops_per_step, moved_us, 
     levers = sorted(
         [
             (
-                max(0.0, mm_us - mm_flops / (peak * 1e9) * 1e6),
+                max(0.0, mm_us * (1 - rate / best)),
                 "bigger matmuls: more rows per matmul at the same width (a larger batch, or several seeds as members of "
-                "one program, benchmarks/members.py), which moves the matmuls toward the large matmul's rate",
+                "one program, benchmarks/members.py), which moves the matmuls toward the rate of the best ones in this run",
             ),
             (
                 rest_us,
