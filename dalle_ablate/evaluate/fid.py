@@ -12,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from dalle_ablate.evaluate.evaluators import SamplesContext, evaluator
-from dalle_ablate.evaluate.frechet import frechet_distance, statistics
+from dalle_ablate.evaluate.frechet import frechet_of, statistics
 from dalle_ablate.evaluate.inception import FEATURES, HINT, RESIZE, InceptionFeatures
 from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.metrics import Metric
@@ -144,7 +144,7 @@ def fid_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict:
         )
     ref = state["reference"]
     return {
-        "fid": frechet_distance(*statistics(state["net"](images)), ref.mu, ref.sigma),
+        "fid": frechet_of(state["net"](images), ref.mu, ref.sigma),
         "n": float(len(images)),
         "reference_n": float(ref.n),
         "weights": ref.weights,

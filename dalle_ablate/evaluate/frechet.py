@@ -36,6 +36,21 @@ def frechet_distance(mu1: np.ndarray, s1: np.ndarray, mu2: np.ndarray, s2: np.nd
     return float(((mu1 - mu2) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * trace_sqrt)
 
 
+def frechet_of(features: np.ndarray, mu2: np.ndarray, s2: np.ndarray) -> float:
+    """frechet_distance of [N, D] features against (mu2, s2). With fewer features than dimensions
+    (an evaluation's few samples against 2048 Inception features) S1 = A'A has rank N - 1 at most,
+    A = (f - mean) / sqrt(N - 1), and the nonzero eigenvalues of S1 S2 are those of the N x N matrix
+    A S2 A': the trace term from it, in place of two D x D eigendecompositions (seconds each)."""
+    f = np.asarray(features, np.float64)
+    if f.ndim != 2 or f.shape[0] < 2 or f.shape[0] > f.shape[1]:
+        return frechet_distance(*statistics(f), mu2, s2)
+    mu1, s2 = f.mean(0), np.asarray(s2, np.float64)
+    a = (f - mu1) / np.sqrt(len(f) - 1)
+    middle = a @ s2 @ a.T
+    trace_sqrt = np.sqrt(np.clip(np.linalg.eigvalsh((middle + middle.T) / 2), 0, None)).sum()
+    return float(((mu1 - np.asarray(mu2, np.float64)) ** 2).sum() + (a * a).sum() + np.trace(s2) - 2 * trace_sqrt)
+
+
 def frechet_between(a: np.ndarray, b: np.ndarray) -> float:
     return frechet_distance(*statistics(a), *statistics(b))
 

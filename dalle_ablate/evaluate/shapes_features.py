@@ -20,7 +20,7 @@ from flax import nnx
 from dalle_ablate.data.scenes import PALETTE, SHAPES, SIZES, random_scene, render
 from dalle_ablate.evaluate.convs import conv_features, strided_convs
 from dalle_ablate.evaluate.evaluators import SamplesContext, evaluator
-from dalle_ablate.evaluate.frechet import frechet_distance, kid, statistics
+from dalle_ablate.evaluate.frechet import frechet_of, kid, statistics
 from dalle_ablate.fileio import atomic_savez
 from dalle_ablate.metrics import Metric
 
@@ -169,9 +169,9 @@ def shapes_fd_evaluator(images: np.ndarray, ctx: SamplesContext) -> dict[str, fl
     feats = net.extract(net.resized(images))
     if "shapes_fd/floor" not in ctx.cache:  # the prompts are fixed for the Evaluation's life
         real = net.resized(ctx.reference_images())
-        ctx.cache["shapes_fd/floor"] = frechet_distance(*statistics(net.extract(real)), *net.reference_stats)
+        ctx.cache["shapes_fd/floor"] = frechet_of(net.extract(real), *net.reference_stats)
     return {
-        "fd": frechet_distance(*statistics(feats), *net.reference_stats),
+        "fd": frechet_of(feats, *net.reference_stats),
         "kid": kid(feats, net.reference, subset_size=min(100, len(feats))),
         "floor": ctx.cache["shapes_fd/floor"],
         "n": float(len(feats)),

@@ -576,6 +576,25 @@ def test_frechet_distance_equals_three_independent_float64_routes():
     assert abs(kid(a, a[::-1].copy(), subsets=3, subset_size=100)) < kid(a, b, subsets=3, subset_size=100)
 
 
+def test_the_distance_of_fewer_features_than_dimensions_is_the_full_routes():
+    from dalle_ablate.evaluate.frechet import frechet_distance, frechet_of, statistics
+
+    rng = np.random.default_rng(1)
+    ref = rng.normal(0.2, 1.0, size=(300, 48)) @ rng.normal(size=(48, 48))
+    m2, s2 = statistics(ref)
+    for n in (6, 47, 48, 80):  # below, at and above the dimension: the N x N route, then the full one
+        x = rng.normal(size=(n, 48)) * rng.uniform(0.1, 3, 48)
+        m1, s1 = statistics(x)
+        base = ((m1 - m2) ** 2).sum() + np.trace(s1) + np.trace(s2)
+        by_eigvals = base - 2 * np.sqrt(np.linalg.eigvals(s1 @ s2).real.clip(0)).sum()  # S1 singular below D
+        assert frechet_of(x, m2, s2) == pytest.approx(
+            by_eigvals, rel=1e-7
+        )  # the full routes take roots of ~0 eigenvalues: ~1e-8 off
+        assert frechet_of(x, m2, s2) == pytest.approx(frechet_distance(m1, s1, m2, s2), rel=1e-7)
+    six = statistics(x[:6])
+    assert frechet_of(x[:6], *six) == pytest.approx(0.0, abs=1e-7 * np.trace(six[1]))  # a set against its own
+
+
 def test_shapes_distance_sits_at_its_floor_for_real_images_and_rises_with_each_corruption(tmp_path):
     from PIL import Image, ImageFilter
 
