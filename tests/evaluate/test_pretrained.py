@@ -162,7 +162,9 @@ def test_presets_have_open_clips_parameter_shapes(name, preset):
     assert clip.config_from_state_dict({k: np.empty(s, np.int8) for k, s in theirs.items()}) == clip.PRESETS[preset]
 
 
-def test_fid_reference_is_tagged_with_its_weights_and_checked(tmp_path):
+def test_fid_reference_is_tagged_with_its_weights_and_checked(tmp_path, optimized):
+    # `optimized`: seven Inception passes at 299 px run faster with XLA's optimizations than at the
+    # suite's -O0 (its one compile per batch shape costs more, but there are two): ~13 s less here.
     from dalle_ablate.evaluate.fid import Reference
     from dalle_ablate.evaluate.frechet import frechet_distance, statistics
     from dalle_ablate.weights import file_hash
