@@ -192,8 +192,8 @@ def test_the_study_page_names_the_late_seed_under_its_noise_report_and_judges_ev
     # the verdict is the same as without the view: the late seed is one of the seeds it judges
     _, rows = page_sections(study, load_runs(str(tmp_path / "runs")), [])
     (row,) = rows
-    assert row["seeds"] == [3001, 3002, 3003]  # the seeds bias ran; 3000 is the baseline's own
-    assert row["against_mean"] == pytest.approx(np.mean([curve(STEPS, d)[-1] for d in ON_TIME.values()]))
+    assert row.spread.seeds == [3001, 3002, 3003]  # the seeds bias ran; 3000 is the baseline's own
+    assert row.spread.against_mean == pytest.approx(np.mean([curve(STEPS, d)[-1] for d in ON_TIME.values()]))
 
 
 def test_a_study_declares_its_own_level_and_a_bad_one_is_one_line(tmp_path):
