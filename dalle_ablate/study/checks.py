@@ -8,8 +8,9 @@ from importlib.resources import files
 from pathlib import Path
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.study_file import Study, load_stress, stress_folder, swept_arms
+from dalle_ablate.report.study_file import Study, load_stress, stress_folder
 from dalle_ablate.report.load import find_stores, load_run, read_json
+from dalle_ablate.study.jobs import Job, Plan
 from dalle_ablate.study.stress_runs import job_command
 from dalle_ablate.track.runstore import settled
 
@@ -33,15 +34,13 @@ def check_arm(what: str, name, arms: list[str]) -> None:
     raise ConfigError(f"{what}: not an arm (dalle_ablate/conf/arm/){hint} valid: {', '.join(arms)}")
 
 
-def multirun_jobs(study: Study, jobs: list[str]) -> list[list[str]]:
-    """One override list per arm the study's multirun runs (each other swept key at its first
-    value): what composing its jobs needs to meet every arm and every override. The arms are
-    those of an `+arm=` override, else the study's own (design.own_arms)."""
+def multirun_jobs(experiment: str, sweep: Job) -> list[list[str]]:
+    """One override list per arm of the study's multirun `sweep` (each other swept key at its first
+    value): what composing its jobs needs to meet every arm and every override."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(jobs)
-    arms = swept_arms(study, jobs)
-    experiment = study.experiment
+    parsed = OverridesParser.create().parse_overrides(sweep.tail())
+    arms = sweep.arms
     # Hydra's own settings (hydra.*, hydra/launcher=) shape how jobs run, not what a job composes
     fixed = [
         (o.input_line.split(o.key_or_group)[0] + f"{o.key_or_group}={next(iter(o.sweep_iterator()))}")
@@ -53,14 +52,12 @@ def multirun_jobs(study: Study, jobs: list[str]) -> list[list[str]]:
     return [[f"experiment={experiment}", *fixed, f"+arm={a}"] for a in arms] or [[f"experiment={experiment}", *fixed]]
 
 
-def check_before_running(
-    study: Study, study_file: Path, folder: Path, jobs: list[str], overrides: list[str], stress: bool
-) -> None:
+def check_before_running(study: Study, study_file: Path, plan: Plan, stress: bool) -> None:
     """What a study's runs would meet, checked before any starts (ConfigError, one line): every
     arm its file names (baseline, each finding's arm and against) and its command line gives is an
     arm; each arm's job of the multirun composes and passes a run's checks, and so does its stress
     plan, each arm and each rate; and the run stores already there can be read (a file torn by a
-    kill is named, as `--no-run` names it)."""
+    kill is named, as `--no-run` names it). `plan`: the study's (study/jobs.py)."""
     from dalle_ablate.validate import compose, format_error, to_run_config  # here: it loads every option
 
     arms = known_arms()
@@ -68,29 +65,26 @@ def check_before_running(
     for f in study.findings:
         check_arm(f"{study_file}: finding {f.id!r} has arm {f.arm!r}", f.arm, arms)
         check_arm(f"{study_file}: finding {f.id!r} has against {f.against!r}", f.against, arms)
-    job_lists = multirun_jobs(study, jobs)
+    job_lists = multirun_jobs(study.experiment, plan.sweep)
     for job in job_lists:
         if job[-1].startswith("+arm="):
             check_arm(job[-1], job[-1].partition("=")[2], arms)
     for job in job_lists:
         to_run_config(compose(job))
-    plan = load_stress(study_file) if stress else None
-    if plan is not None:  # each arm at one rate, each rate on one arm: nothing else differs between its runs
-        probes = {(a, plan.rates[0]) for a in plan.arms} | {(plan.arms[0], lr) for lr in plan.rates}
+    stressed = load_stress(study_file) if stress else None
+    if stressed is not None:  # each arm at one rate, each rate on one arm: nothing else differs between its runs
+        probes = {(a, stressed.rates[0]) for a in stressed.arms} | {(stressed.arms[0], lr) for lr in stressed.rates}
         for arm, lr in sorted(probes):
+            command = job_command(
+                "python", study.experiment, Path("."), arm, lr, stressed.seeds[0], stressed, plan.overrides
+            )
             try:
-                to_run_config(
-                    compose(
-                        job_command("python", study.experiment, Path("."), arm, lr, plan.seeds[0], plan, overrides)[
-                            3:-1
-                        ]
-                    )
-                )
+                to_run_config(compose(command[3:-1]))
             except Exception as e:  # noqa: BLE001 - re-raised unless it is a user mistake
                 if format_error(e) is None:
                     raise
                 raise ConfigError(f"{study_file}: stress run of {arm} at lr {lr:g}: {format_error(e)}") from None
-    for where in (folder, stress_folder(folder)):
+    for where in (plan.folder, stress_folder(plan.folder)):
         _readable_stores(where)
 
 

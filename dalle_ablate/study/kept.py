@@ -9,16 +9,14 @@ from pathlib import Path
 from typing import Optional
 
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.study_file import Study, stress_folder, swept_arms, swept_seeds
+from dalle_ablate.report.study_file import Study, stress_folder
 from dalle_ablate.report.findings import arm_of
 from dalle_ablate.report.load import find_stores, load_run, machine_time
 from dalle_ablate.report.page import StudyRuns
 from dalle_ablate.report.staged import RECORD as STAGES
 from dalle_ablate.study import declaration, identity
-from dalle_ablate.study.jobs import stage1_commands
 from dalle_ablate.study.record import DECLARATION, RUNS, STRESS, Record, check_entry, entry_of
 from dalle_ablate.study.stage2 import PlanFrom
-from dalle_ablate.track.naming import key_of
 from dalle_ablate.track.runstore import settled
 from dalle_ablate.train.meta import library_versions
 
@@ -154,30 +152,7 @@ class Kept:
         self.record.add(kind, entry)
         return 1
 
-    # -- what is left to train --------------------------------------------------------------------
-    def stage1_commands(self, folder: Path, swept: list[str], members: bool) -> list[list[str]]:
-        """Stage 1's jobs for the runs the record lacks, in the study's order (study/runner.py
-        stage1_commands: the arms it times as jobs of their own, interleaved seed by seed)."""
-        arms = swept_arms(self.study, swept)
-        seeds = swept_seeds(self.study.experiment, swept) or []
-        done = self.done(RUNS)
-        todo = {a: [s for s in seeds if f"{a}-seed{s}" not in done] for a in arms}
-        others = [o for o in swept if key_of(o) not in ("arm", "seed", "seeds")]
-        out = []
-        groups: dict[tuple, list[str]] = {}
-        for a in arms:
-            if a not in self.study.timed and todo[a]:
-                groups.setdefault(tuple(todo[a]), []).append(a)
-        for group_seeds, group in groups.items():
-            out += stage1_commands(
-                self.study, folder, [*others, f"+arm={','.join(group)}", _seed(group_seeds)], members
-            )
-        for k in seeds:
-            timed = [a for a in arms if a in self.study.timed and k in todo[a]]
-            if timed:
-                out += stage1_commands(self.study, folder, [*others, f"+arm={','.join(timed)}", _seed([k])], members)
-        return out
-
+    # -- what the study's clock, stage 2 and page read from it ------------------------------------
     def costs(self) -> dict:
         """Seconds per run measured on the record's runs, by (kind, arm): a members job once."""
         out = {}
@@ -200,7 +175,3 @@ class Kept:
     def inputs(self) -> StudyRuns:
         """What the page reads, from the record alone."""
         return StudyRuns(self.record.runs(RUNS), self.record.runs(STRESS), self.stages())
-
-
-def _seed(seeds) -> str:
-    return "seed=" + ",".join(str(s) for s in seeds)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -15,7 +14,7 @@ from dalle_ablate import interrupts
 from dalle_ablate.fileio import check_url, is_url, pull, shown
 from dalle_ablate.registry import ConfigError, Interrupted, RunFailed
 from dalle_ablate.report import build_report
-from dalle_ablate.report.study_file import Study, load_study, own_arms, study_path, swept_seeds
+from dalle_ablate.report.study_file import Study, load_study, study_path
 from dalle_ablate.report.load import Run, find_stores, load_runs, machine_time
 from dalle_ablate.report.page import write_page
 from dalle_ablate.report.tables import fmt3
@@ -23,7 +22,8 @@ from dalle_ablate.study import topup
 from dalle_ablate.study.checks import check_before_running, check_meta
 from dalle_ablate.study.children import PastDeadline, call_child, dies_with_this_process
 from dalle_ablate.study.clock import Clock, words
-from dalle_ablate.study.jobs import as_members, stage1_commands
+from dalle_ablate.study.jobs import Job, Plan, plan_study, stage1_commands, stage1_jobs
+from dalle_ablate.study.jobs import as_members  # noqa: F401 -- tests/report/test_findings.py imports it from here
 from dalle_ablate.study.kept import Kept
 from dalle_ablate.study.identity import last_change
 from dalle_ablate.study.record import RUNS, STRESS
@@ -63,34 +63,25 @@ def run_study(
     folder = study_folder(out, study.name)
     _check_arguments(study, study_file, seeds, no_run, overrides, record)
     kept = Kept(record, study, study_file, overrides, no_run) if record is not None else None
-    seed_override, plan = topup.announced(study, folder, seeds, overrides) if seeds is not None else (None, None)
-    swept = [*overrides, *([seed_override] if seed_override else [])]
-    if not any(o.split("=", 1)[0].lstrip("+") == "arm" for o in swept):  # the arms its file compares on its own runs
-        swept.append(f"+arm={','.join(own_arms(study))}")
-    jobs = as_members(study.experiment, swept) if members else swept
+    seed_override, added = topup.announced(study, folder, seeds, overrides) if seeds is not None else (None, None)
+    plan = plan_study(study, folder, overrides, seed_override, members)
     stages = ["while checking it, before anything ran"]
     clock = Clock(time_limit)
     with _one_line_on_ctrl_c(study.name, again, stages):
         if not no_run:  # what its runs would meet, before any of them starts: one line and exit 2
-            check_before_running(study, study_file, folder, jobs, overrides, stress=not no_stress)
+            check_before_running(study, study_file, plan, stress=not no_stress)
         if kept is not None and kept.take(folder):  # the runs of a study already under way
             print(f"record {kept.record}: the finished runs under {shown(folder)} written to it", flush=True)
         clock.costs = kept.costs() if kept is not None else {}
-        commands = (
-            stage1_commands(study, folder, swept, members)
-            if kept is None
-            else kept.stage1_commands(folder, swept, members)
-        )
-        ran = _train(
-            study, study_file, folder, commands, overrides, plan, stages, no_run, no_stress, members, kept, clock
-        )
+        jobs = stage1_jobs(plan.sweep, study.timed, kept.done(RUNS) if kept is not None else None)
+        ran = _train(study, study_file, plan, jobs, added, stages, no_run, no_stress, kept, clock)
         stages.append("while writing its report and page")
         source = kept.inputs() if kept is not None else None
         runs = source.runs if source is not None else _study_runs(study.name, folder, ran.code)
         page = report = None
         if runs:  # a record holds none before its first job ends
             lines = (
-                _provenance(study_arg, seeds, overrides, study, folder, swept, members, runs, ran, no_run)
+                _provenance(study_arg, seeds, plan, jobs[0], runs, ran, no_run)
                 if kept is None
                 else _record_provenance(study, kept, runs, members)
             )
@@ -107,11 +98,11 @@ def run_study(
         raise RunFailed(f"study {study.name}: its record {kept.record} holds no runs yet; no page", ran.code or 4)
 
 
-def _provenance(study_arg, seeds, overrides, study, folder, swept, members, runs, ran, no_run) -> list[str]:
-    """A page's provenance from its study folder: this invocation's command and time."""
+def _provenance(study_arg, seeds, plan: Plan, first: Job, runs, ran, no_run) -> list[str]:
+    """A page's provenance from its study folder: this invocation's command and time, and its first job."""
     stress_line = ran.stress.line if ran.stress is not None else None
-    first = stage1_commands(study, folder, swept, members)[0]  # what runs the study with no run finished
-    return provenance(study_arg, seeds, overrides, first, runs, ran.elapsed, not no_run, stress_line)
+    command = first.command(plan.experiment, plan.folder)
+    return provenance(study_arg, seeds, list(plan.overrides), command, runs, ran.elapsed, not no_run, stress_line)
 
 
 def _record_provenance(study: Study, kept: Kept, runs: list[Run], members: bool) -> list[str]:
@@ -201,42 +192,49 @@ class _Trained:
 def _train(
     study: Study,
     study_file: Path,
-    folder: Path,
-    commands: list[list[str]],
-    overrides: list[str],
-    plan: Optional[dict],
+    plan: Plan,
+    jobs: list[Job],
+    added: Optional[dict],
     stages: list[str],
     no_run: bool,
     no_stress: bool,
-    members: bool,
     kept=None,
     clock: Optional[Clock] = None,
 ) -> _Trained:
-    """The study's jobs in their declared order, each a child process: stage 1 (`commands`, up to
-    the first that fails; a top-up's `plan` logged once they are all in), its stress runs (skipped
-    only after a stage-1 job refused its config, exit 2), then its stage 2 (a staged study's,
+    """The study's jobs in their declared order, each a child process: stage 1 (`jobs`, up to the
+    first that fails; a top-up's log entry, `added`, written once they are all in), its stress runs
+    (skipped only after a stage-1 job refused its config, exit 2), then its stage 2 (a staged study's,
     planned from both, only where everything before it succeeded); `stages` gets the name of each
     part as it starts (for the line a Ctrl-C ends with). A study `kept` in a record writes each
     job's finished runs to it as the job ends; `clock`: its time limit (none started past it)."""
     t = time.perf_counter()
     clock = clock or Clock(None)
-    # The seeds of an arm compile the same programs: every run keeps them in the compilation
-    # cache (compilation_cache.dir), and every run after the first of its arm loads them.
-    env = dict(os.environ)
+    folder = plan.folder
     preexec = dies_with_this_process()
     after = (lambda: kept.take(folder)) if kept is not None else (lambda: None)
     stages.append("during its runs (the multirun of its arms)")
     code = 0
     try:
-        code = _stage1(study, commands if not no_run else [], env, preexec, kept, clock, after)
-        if plan is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
-            topup.log_topup(folder, plan)
+        code = _stage1(plan, jobs if not no_run else [], preexec, kept, clock, after)
+        if added is not None and code == 0:  # logged once its runs are in: a failed top-up is no top-up
+            topup.log_topup(folder, added)
         stages.append("during its stress runs")  # not after a multirun that refused its config (exit 2)
         done = frozenset(kept.done(STRESS)) if kept is not None else frozenset()
         stress = (
             None
             if no_run or no_stress or code == 2
-            else run_stress(study_file, study.experiment, folder, overrides, env, preexec, members, done, clock, after)
+            else run_stress(
+                study_file,
+                plan.experiment,
+                folder,
+                list(plan.overrides),
+                plan.env,
+                preexec,
+                plan.members,
+                done,
+                clock,
+                after,
+            )
         )
         if study.stages is not None and not no_run and code == 0 and not (stress is not None and stress.failed):
             stages.append("during its stage 2")
@@ -247,7 +245,7 @@ def _train(
                 print(f"stage 2 of study {study.name} waits for its record's {' and '.join(waiting)}", flush=True)
             else:
                 state = None if kept is None else kept.stage2_state()
-                code = run_stage2(study, study_file, folder, overrides, env, preexec, members, state, clock, after)
+                code = run_stage2(study, study_file, plan, preexec, state, clock, after)
     except PastDeadline:
         stopped = (
             f"{clock.current}, stopped at the limit (its runs continue from their last checkpoints), and every "
@@ -257,12 +255,10 @@ def _train(
     return _Trained(code, stress, time.perf_counter() - t)
 
 
-def _stage1(study, commands, env, preexec, kept, clock: Clock, after) -> int:
+def _stage1(plan: Plan, jobs: list[Job], preexec, kept, clock: Clock, after) -> int:
     """Stage 1's jobs in turn, up to the first that fails (its exit code, else 0)."""
-    for c in commands:
-        arms = next(a for a in c if a.startswith("+arm=")).split("=", 1)[1].split(",")
-        listed = next((a.split("=", 1)[1].strip("[]").split(",") for a in c if a.startswith("seeds=")), None)
-        seeds = listed or swept_seeds(study.experiment, c[4:]) or ["its seed"]
+    for job in jobs:
+        arms, seeds = list(job.arms), job.seeds or ("its seed",)
         if not clock.fits(
             "runs", arms, len(seeds), f"stage 1's job of {', '.join(arms)} on seeds {', '.join(map(str, seeds))}"
         ):
@@ -270,7 +266,7 @@ def _stage1(study, commands, env, preexec, kept, clock: Clock, after) -> int:
         if kept is not None:
             kept.freeze()  # stage 1 starts: the declaration is frozen before its first job
         try:
-            code = call_child(c, env, preexec, deadline=clock.deadline)
+            code = call_child(job.command(plan.experiment, plan.folder), plan.env, preexec, deadline=clock.deadline)
         finally:
             after()
         if code:

@@ -14,6 +14,7 @@ from dalle_ablate.report.study_file import CONTROLLED, StressPlan, load_stress, 
 from dalle_ablate.report.load import read_json
 from dalle_ablate.study.children import call_child
 from dalle_ablate.study.clock import Clock
+from dalle_ablate.study.jobs import members_block
 from dalle_ablate.track.runstore import settled
 
 
@@ -108,17 +109,16 @@ def job_command(
 ) -> list[str]:
     """One stress run as a single `dalle_ablate.job` process: the study's preset and arm at this
     rate, seed and budget, the plan's overrides, then the study command's own (less CONTROLLED).
-    `members`: the seeds of this arm and rate trained as members of the one job (train/loop.py,
-    `members.impl=map`: each its separate run bit for bit on a CPU), each in the folder its own run
-    would have (`<arm>-lr<rate>-seed<k>`, the run folder's template resolved with seed=k)."""
+    `members`: the seeds of this arm and rate trained as members of the one job (jobs.members_block),
+    each in the folder its own run would have (`<arm>-lr<rate>-seed<k>`, the run folder's template
+    resolved with seed=k)."""
     from dalle_ablate.track.naming import key_of
 
     own = [o for o in overrides if key_of(o) not in CONTROLLED]
     folder_of = Path(folder) / run_name(arm, lr, seed)
     seeded = [f"seed={seed}"]
     if members and len(members) > 1:
-        impl = [] if any(o.startswith("members.impl=") for o in own) else ["members.impl=map"]
-        seeded = [f"seed={members[0]}", f"seeds=[{','.join(map(str, members))}]", *impl]
+        seeded = members_block(members, own)
         folder_of = Path(folder) / run_name(arm, lr, seed).replace(f"-seed{seed}", "-seed${seed}")
     return [
         python,
