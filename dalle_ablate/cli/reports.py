@@ -60,7 +60,7 @@ def cmd_report(args) -> None:
     import time
 
     from dalle_ablate.report import build_report
-    from dalle_ablate.report.staged_report import read_design
+    from dalle_ablate.report.staged import read_design
 
     stages = read_design(args.stages) if args.stages else None  # before any run is read: one line
     t = time.perf_counter()

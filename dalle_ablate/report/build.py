@@ -16,7 +16,7 @@ from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report.load import NOT_A_CHOICE, NOT_A_VARIANT, Run, differing_fields, load_runs, read_json
 from dalle_ablate.report import prose as P
-from dalle_ablate.report import staged_report
+from dalle_ablate.report import staged
 from dalle_ablate.report.study_file import Stages
 from dalle_ablate.report.transitions import Rule, late_section
 from dalle_ablate.report.tables import (
@@ -307,14 +307,14 @@ def build_sections(
 ) -> tuple[list[Section], dict]:
     """The report's sections in order (section_keys), and what the files beside it need;
     `transition`: the late-seed view's rule (report/transitions.py); `stages`: the comparisons'
-    declared stages (report/staged_report.py), their plan's record in what it returns."""
+    declared stages (report/staged.py), their plan's record in what it returns."""
     by_variant, left_out, why = group_variants(runs, study)
     if not by_variant:
         raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")
     baseline, why = choose_baseline(by_variant, baseline, why)
     compared = [r for rs in by_variant.values() for r in rs]
     palette = figures.colors(list(by_variant))
-    looked, record = staged_report.judged(by_variant, baseline, margins, stages) if stages else (None, None)
+    looked, record = staged.judge_report(by_variant, baseline, margins, stages) if stages else (None, None)
     final, judged = final_section(by_variant, baseline, margins, looked)
     noise = noise_report.section(by_variant, [(f"{v} vs {baseline}", v, baseline) for v in by_variant if v != baseline])
     noise.folded = True
@@ -335,7 +335,7 @@ def build_sections(
     if study is not None:
         sections["optuna"] = optuna_section(study)
     if record is not None:
-        sections["stages"] = staged_report.section(stages, record, judged, by_variant)
+        sections["stages"] = staged.report_section(stages, record, judged, by_variant)
         sections["overview"].text.insert(1, P.REPORT_STAGED_ANSWER)
     for key in FOLDED:
         sections[key].folded = True
@@ -386,9 +386,7 @@ def sweep_study(db: Path):
 
 def _same_plan(kept: dict, now: dict, stages: Stages, path: Path) -> None:
     """A staged report judges what its first report froze beside it: the same design and margins."""
-    from dalle_ablate.report.staged import check_design
-
-    check_design(kept, stages, f"--stages: {path}")
+    staged.check_design(kept, stages, f"--stages: {path}")
     if kept.get("margins") != now.get("margins"):
         raise ConfigError(
             f"--stages: {path} froze the margins {kept.get('margins')}, this report's are {now.get('margins')}; a "

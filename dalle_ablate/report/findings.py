@@ -245,11 +245,9 @@ class Judged:
     one_look: bool = False
 
 
-def spreads(
-    study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict] = None, level: float = 0.95
-) -> tuple[list[Spread], dict]:
-    """Each finding's Spread over every seed, and verdicts.analyse's results over them (judge)."""
-    arms, seeds, tables = claims_tables(study, by_arm, extra)
+def spreads(study: Study, claims: tuple, level: float = 0.95) -> tuple[list[Spread], dict]:
+    """Each finding's Spread over every seed of `claims` (claims_tables), and verdicts.analyse's results (judge)."""
+    arms, seeds, tables = claims
     comps, r = judge(study, arms, tables)
     out = []
     for i, c in enumerate(comps):
@@ -276,18 +274,14 @@ def spreads(
 
 
 def compare(
-    study: Study,
-    by_arm: dict[str, list[Run]],
-    level: float = 0.95,
-    extra: Optional[dict[str, dict[str, dict]]] = None,
-    untestable: Optional[dict[str, str]] = None,
+    study: Study, claims: tuple, level: float = 0.95, untestable: Optional[dict[str, str]] = None
 ) -> list[Judged]:
-    """Each finding judged once, on every seed (paired; Welch's where its arms share fewer than two),
-    with its `level` interval and its family-wise one (Bonferroni over the findings), its verdict
-    under Holm over the findings at 5 %. `untestable`: finding id -> why more seeds could not settle
-    it (e.g. neither arm trains at any stress rate), its verdict whatever the numbers say."""
-    every, r = spreads(study, by_arm, extra, level)
-    untestable = {**shared_jobs(study, by_arm), **(untestable or {})}
+    """Each finding judged once on `claims` (claims_tables), on every seed (paired; Welch's where its arms share
+    fewer than two), with its `level` interval and its family-wise one (Bonferroni over the findings), its verdict
+    under Holm over the findings at 5 %. `untestable`: finding id -> why more seeds could not settle it (e.g.
+    neither arm trains at any stress rate), its verdict whatever the numbers say."""
+    every, r = spreads(study, claims, level)
+    untestable = untestable or {}
     out = []
     for i, (f, sp) in enumerate(zip(study.findings, every)):
         code = V.UNTESTABLE if f.id in untestable else int(r["verdict"][i])
@@ -309,10 +303,9 @@ def compare(
     return out
 
 
-def course(study: Study, by_arm: dict[str, list[Run]], level: float = 0.95) -> dict[str, tuple]:
+def course(study: Study, by_arm: dict[str, list[Run]], arms: list[str], level: float = 0.95) -> dict[str, tuple]:
     """finding id -> (steps, difference, low, high) at every evaluation of its metric (a metric read
-    at the end: study_series), the same analysis as at the end at each step."""
-    arms, _, _ = claims_tables(study, by_arm)
+    at the end: study_series), the same analysis as at the end at each step; `arms`: claims_tables'."""
     out = {}
     for m in dict.fromkeys(f.metric for f in study.findings):
         by_step = study_series(STUDY[m])

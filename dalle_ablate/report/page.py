@@ -28,6 +28,7 @@ from dalle_ablate.report.findings import (
     claims_tables,
     compare,
     course,
+    shared_jobs,
     noise_sources,
     reading,
     study_arms,
@@ -35,7 +36,7 @@ from dalle_ablate.report.findings import (
     study_value,
     unit_of,
 )
-from dalle_ablate.report.study_file import TOPUPS, Study
+from dalle_ablate.report.study_file import TOPUPS, Finding, Study
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.stats.basic import blocked_residual, diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
@@ -99,7 +100,7 @@ def arms_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
     return s
 
 
-def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], list[list]]:
+def arm_rows(baseline: str, by_arm: dict[str, list[Run]]) -> tuple[list[str], list[list]]:
     """Per arm: seeds, status, each metric's mean [95% t interval], spikes and divergences."""
     cols = ["arm", "seeds", "finished"]
     for m in ("eval_loss", "shapes_all", "step_time"):
@@ -109,7 +110,7 @@ def arm_rows(study: Study, by_arm: dict[str, list[Run]]) -> tuple[list[str], lis
     for arm, runs in by_arm.items():
         done = [r for r in runs if r.status == "finished"]
         row = [
-            arm + (" (baseline)" if arm == study.baseline else ""),
+            arm + (" (baseline)" if arm == baseline else ""),
             ", ".join(str(r.seed) for r in runs),
             f"{len(done)}/{len(runs)}",
         ]
@@ -167,12 +168,12 @@ def _count(n: int) -> str:
     return f"> {V.MAX_SEEDS}" if n > V.MAX_SEEDS else str(n)
 
 
-def summary_section(study: Study, rows: list[Judged], statistics: str) -> Section:
+def summary_section(name: str, rows: list[Judged], statistics: str) -> Section:
     """The page's first screen: how many findings settled, each claim's verdict and difference in
     units of Δ, and the forest plot of them all."""
     counts = {v: sum(r.code == i for r in rows) for i, v in enumerate(P.VERDICTS)}  # in VERDICTS' order
     settled = sum(r.code in (V.REPRODUCED, V.SMALLER, V.NO_EFFECT, V.CONTRADICTED) for r in rows)
-    s = Section(f"{study.name}_summary", "Summary")  # key: the forest plot's file name, the study's as the others
+    s = Section(f"{name}_summary", "Summary")  # key: the forest plot's file name, the study's as the others
     s.text.append(
         P.SETTLED.format(k=len(rows), settled=settled, counts=", ".join(f"{n} {v}" for v, n in counts.items() if n))
     )
@@ -267,19 +268,19 @@ def claims_section(rows: list[Judged], courses: dict) -> Section:
     return s
 
 
-def notes_section(study: Study) -> Section:
+def notes_section(findings: list[Finding]) -> Section:
     s = Section("notes", "Notes on the findings")
-    s.text += [f"{f.id}: {f.note}" for f in study.findings if f.note] or [P.NO_NOTES]
+    s.text += [f"{f.id}: {f.note}" for f in findings if f.note] or [P.NO_NOTES]
     return s
 
 
-def noise_section(study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict] = None) -> Section:
+def noise_section(study: Study, by_arm: dict[str, list[Run]], claims: tuple) -> Section:
     """The noise report (report/noise.py) for the findings on the eval loss, then per metric the
     baseline's and the arms' spreads and the seed's share, the sources the baseline's runs vary one
     at a time, and the shapes evaluation's own noise."""
     noise = noise_report.section(by_arm, [(f.id, f.arm, f.against) for f in study.findings if f.metric == "eval_loss"])
     spreads = Section("noise-metrics", "Each metric's spread", [P.NOISE_METRICS])
-    arms, _, tables = claims_tables(study, by_arm, extra)
+    arms, _, tables = claims
     nrows = []
     for name, t in tables.items():
         b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
@@ -357,16 +358,16 @@ def topup_section(by_arm: dict[str, list[Run]], rows: list[Judged], topups: list
     return s
 
 
-def every_arm_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
+def every_arm_section(baseline: str, by_arm: dict[str, list[Run]]) -> Section:
     s = Section("arms", "Every arm")
     s.text.append(P.EVERY_ARM)
-    s.tables.append(arm_rows(study, by_arm))
+    s.tables.append(arm_rows(baseline, by_arm))
     return s
 
 
-def figures_section(study: Study, by_arm: dict[str, list[Run]], rows: list[Judged], courses: dict) -> Section:
+def figures_section(name: str, by_arm: dict[str, list[Run]], rows: list[Judged], courses: dict) -> Section:
     """The findings' courses over training, then each finding's two arms' curves."""
-    s = Section(study.name, "The figures behind the findings")  # key: the figures' file names
+    s = Section(name, "The figures behind the findings")  # key: the figures' file names
     if courses:
         s.images.append(
             (
@@ -420,30 +421,32 @@ def page_sections(
             f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
             f"experiment={study.experiment}"
         )
+    claims = claims_tables(study, by_arm, extra)  # what every section below judges and spreads
+    untestable = {**shared_jobs(study, by_arm), **(untestable or {})}
     if study.stages is not None:  # judged at both looks (report/staged.py)
-        rows = staged.judge(study, by_arm, record, extra, untestable)
+        rows = staged.judge_study(study, claims, record, untestable)
     else:
-        rows = compare(study, by_arm, extra=extra, untestable=untestable)
-    courses = course(study, by_arm)
-    noise = noise_section(study, by_arm, extra)
+        rows = compare(study, claims, untestable=untestable)
+    courses = course(study, by_arm, claims[0])
+    noise = noise_section(study, by_arm, claims)
     # every seed's curve right under the arms' spreads it makes: the finished runs, the seeds the verdicts use
     finished = {a: [r for r in rs if r.status == "finished"] for a, rs in by_arm.items()}
     noise.parts.insert(
         0,
         late_section(finished, study.transition, f"{study.name}_late", where=f"[statistics]({statistics}#late-seeds)"),
     )
-    stages = [] if study.stages is None else [staged.section(study, record, rows, statistics)]
+    stages = [] if study.stages is None else [staged.study_section(study.stages, record, rows, statistics)]
     return [
-        summary_section(study, rows, statistics),
+        summary_section(study.name, rows, statistics),
         *stages,
         noise,
         method_section(study, by_arm, provenance, statistics),
-        notes_section(study),
+        notes_section(study.findings),
         arms_section(study, by_arm),
         claims_section(rows, courses),
         topup_section(by_arm, rows, topups or [], statistics),
-        every_arm_section(study, by_arm),
-        figures_section(study, by_arm, rows, courses),
+        every_arm_section(study.baseline, by_arm),
+        figures_section(study.name, by_arm, rows, courses),
     ], rows
 
 

@@ -1,6 +1,6 @@
-"""A study in two declared stages (docs/statistics.md, "Studies in stages"): stage 2's plan from stage 1's runs by the
-declared rule, every finding judged at both looks, and the page's account of each stage. The plan is kept in the
-study's record before stage 2 starts and never made again."""
+"""Studies and reports in two declared stages (docs/statistics.md, "Studies in stages"): stage 2's plan from stage 1's
+runs by the declared rule, kept in the record before stage 2 starts and never made again; every finding (a report's
+every comparison) judged at both looks; and the page's account of each stage."""
 
 from __future__ import annotations
 
@@ -13,19 +13,22 @@ from typing import Optional
 import numpy as np
 
 from dalle_ablate.fileio import atomic_write
-from dalle_ablate.metrics import STUDY
+from dalle_ablate.metrics import STUDY, metric
 from dalle_ablate.stats import allocation as A
 from dalle_ablate.report import prose as P
 from dalle_ablate.stats import stages as S
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.report.study_file import Stages, Study
-from dalle_ablate.report.findings import Judged, claims_tables, comparisons, shared_jobs, spreads, verdict_text
-from dalle_ablate.report.load import Run, machine_time
-from dalle_ablate.report.tables import fmt3
+from dalle_ablate.report.study_file import Stages, Study, stages_from
+from dalle_ablate.report.findings import Judged, claims_tables, comparisons, spreads, verdict_text
+from dalle_ablate.report.load import Run, machine_time, read_yaml
+from dalle_ablate.report.tables import against_baseline, baseline_tables, fmt3
 from dalle_ablate.report.writers import Section
+from dalle_ablate.track import naming
 
 RECORD = "stages.json"  # in the study's folder: stage 1's seeds, the plan and why, stage 2's seeds
+# Overrides of a run that say where or how it ran, not what it is: not in a report's stage-2 command.
+NOT_THE_VARIANT = (*naming.SEEDS, "seeds", "members.impl", "mesh.member")
 
 
 def read_record(folder) -> Optional[dict]:
@@ -56,6 +59,17 @@ def check_design(plan: dict, stages: Stages, where: str) -> None:
             f"{where}: its stage 2 was planned under stages.{diff} = {kept.get(diff)!r}, now {now.get(diff)!r}; "
             "a changed design is a new declaration on fresh seeds, not an edit after the runs were seen"
         )
+
+
+def read_design(path: str) -> Stages:
+    """--stages FILE's design, checked: one line naming the file and what would be valid."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--stages {path}: no such file; give a YAML file with a stages: mapping (a study file's)")
+    raw = read_yaml(file)
+    if not isinstance(raw, dict) or "stages" not in raw:
+        raise ConfigError(f"--stages {path}: no stages: mapping in it (docs/statistics.md, 'Studies in stages')")
+    return stages_from(raw["stages"], str(file))
 
 
 def one_look(study: Study) -> np.ndarray:
@@ -108,7 +122,7 @@ def plan(study: Study, by_arm: dict[str, list[Run]], stage1: list[int], extra: O
 
 
 def plan_tables(
-    st_: Stages,
+    stages: Stages,
     arms: list[str],
     first: dict[str, np.ndarray],
     comps: list[V.Comparison],
@@ -125,37 +139,37 @@ def plan_tables(
     by look 2 with them (at its observed difference and spread: a plan, not a test). `who` names
     the study or report in the error a missing cost gives."""
     if not comps:  # one variant: nothing to compare, nothing for stage 2 to add to
-        empty = {"margins": {}, "rule": st_.rule, "budget": {st_.unit: st_.budget}, "spent": 0.0}
+        empty = {"margins": {}, "rule": stages.rule, "budget": {stages.unit: stages.budget}, "spent": 0.0}
         return {**empty, "seconds_per_run": {}, "stage2": {}, "open": {}}
-    chance, open_ = A.chances(first, comps, st_.design, own, st_.cap)
+    chance, open_ = A.chances(first, comps, stages.design, own, stages.cap)
     # the arms stage 2 could raise: those of a finding still open that its runs add to (one whose
     # arm has no stage-1 run, left out of this study's `+arm=`, is not open: it was never tested)
     raisable = sorted({i for c, o, op in zip(comps, own, open_) if o and op for i in (c.arm, c.against)})
-    if st_.unit == "cpu_hours" and (missing := [arms[i] for i in raisable if arms[i] not in cost_s]):
+    if stages.unit == "cpu_hours" and (missing := [arms[i] for i in raisable if arms[i] not in cost_s]):
         raise ConfigError(
             f"{who}: stages.budget is in CPU-hours but {', '.join(missing)} has no finished stage-1 run to "
             "measure a seed's cost on; give stages.budget in runs, or let stage 1 finish"
         )
     per_seed = np.array(
-        [(1.0 if st_.unit == "runs" else cost_s[a] / 3600) if i in raisable else 0.0 for i, a in enumerate(arms)]
+        [(1.0 if stages.unit == "runs" else cost_s[a] / 3600) if i in raisable else 0.0 for i, a in enumerate(arms)]
     )
     ends = np.array([(c.arm, c.against) for c in comps]).T
-    if st_.rule == "budget":
+    if stages.rule == "budget":
         allowed = np.isin(np.arange(len(arms)), raisable)  # never an arm of no open finding, free or not
-        k = A.allocate(chance, ends[0], ends[1], per_seed, st_.budget, allowed=allowed)
+        k = A.allocate(chance, ends[0], ends[1], per_seed, stages.budget, allowed=allowed)
     else:  # "even": every arm of a finding still open alike, as many seeds as the budget affords
         needed = sorted({i for j, c in enumerate(comps) if open_[j] and own[j] for i in (c.arm, c.against)})
         k = np.zeros(len(arms), int)
         if needed:
-            k[needed] = min(st_.cap, int(st_.budget // sum(per_seed[i] for i in needed)))
+            k[needed] = min(stages.cap, int(stages.budget // sum(per_seed[i] for i in needed)))
     pairs = np.minimum(k[ends[0]], k[ends[1]])
     return {
         "margins": {i: float(c.margin) if math.isfinite(c.margin) else None for i, c in zip(ids, comps)},  # None: no Δ
-        "rule": st_.rule,
-        "budget": {st_.unit: st_.budget},
+        "rule": stages.rule,
+        "budget": {stages.unit: stages.budget},
         "spent": float((k * per_seed).sum()),
         "seconds_per_run": {a: round(cost_s[a], 1) for a in arms if a in cost_s},
-        "stage2": {arms[i]: st_.seeds(int(k[i])) for i in range(len(arms)) if k[i] > 0},
+        "stage2": {arms[i]: stages.seeds(int(k[i])) for i in range(len(arms)) if k[i] > 0},
         "open": {
             i: {"pairs": int(pairs[j]), "chance": float(chance[j, pairs[j]])}
             for j, i in enumerate(ids)
@@ -164,19 +178,15 @@ def plan_tables(
     }
 
 
-def judge(
-    study: Study,
-    by_arm: dict[str, list[Run]],
-    record: Optional[dict],
-    extra: Optional[dict] = None,
-    untestable: Optional[dict[str, str]] = None,
+def judge_study(
+    study: Study, claims: tuple, record: Optional[dict], untestable: Optional[dict[str, str]] = None
 ) -> list[Judged]:
-    """Each finding judged by look 2 (`looks`): its difference and intervals from the two looks, its
-    verdicts at look 1 and by look 2, beside its Spread over every seed. Δ is the record's (stage
-    1's baseline). Before stage 2 is planned, everything is look 1's."""
-    every, fixed = spreads(study, by_arm, extra)
-    untestable = {**shared_jobs(study, by_arm), **(untestable or {})}
-    arms, seeds, tables = claims_tables(study, by_arm, extra)
+    """Each finding of `claims` (claims_tables) judged by look 2 (`looks`): its difference and intervals from
+    the two looks, its verdicts at look 1 and by look 2, beside its Spread over every seed. Δ is the record's
+    (stage 1's baseline). Before stage 2 is planned, everything is look 1's."""
+    every, fixed = spreads(study, claims)
+    untestable = untestable or {}
+    arms, seeds, tables = claims
     first, second = split(arms, seeds, tables, record, _given(study))
     comps = comparisons(study, arms, first)
     if record is not None and "margins" in record:
@@ -217,41 +227,31 @@ def _kept(margins: dict, key: str, default: float) -> float:
     return math.nan if margins[key] is None else margins[key]
 
 
-def design_words(st_: Stages) -> dict[str, object]:
+def design_words(stages: Stages) -> dict[str, object]:
     """A declared design's fields as its prose names them (prose.STAGES_DESIGN, REPORT_STAGES)."""
     return {
-        "declared": st_.declared,
-        "w1": f"{st_.w1:.3f}",
-        "kind": st_.boundaries,
-        "rule": st_.rule,
-        "budget": f"{st_.budget:g} {st_.unit.replace('_', '-')}",
-        "cap": st_.cap,
-        "seeds_from": st_.seeds_from,
+        "declared": stages.declared,
+        "w1": f"{stages.w1:.3f}",
+        "kind": stages.boundaries,
+        "rule": stages.rule,
+        "budget": f"{stages.budget:g} {stages.unit.replace('_', '-')}",
+        "cap": stages.cap,
+        "seeds_from": stages.seeds_from,
     }
 
 
-def section(study: Study, record: Optional[dict], rows: list[Judged], statistics: str) -> Section:
-    """The stages: the design as declared, stage 1's seeds, look 1's verdicts, what the rule asked
-    for and why, stage 2's seeds, the verdicts by look 2; the intervals' kind."""
-    st_: Stages = study.stages
+def study_section(stages: Stages, record: Optional[dict], rows: list[Judged], statistics: str) -> Section:
+    """A study's stages: the design as declared, stage 1's seeds, look 1's verdicts, what the rule asked
+    for and why, stage 2's seeds, the verdicts by look 2."""
     s = Section("stages", P.STAGES_TITLE)
-    s.text.append(P.STAGES_DESIGN.format(**design_words(st_), statistics=statistics))
+    s.text.append(P.STAGES_DESIGN.format(**design_words(stages), statistics=statistics))
     stage1 = record["stage1"] if record is not None else sorted({x for r in rows for x in r.spread.seeds}, key=str)
     settled1 = sum(r.look1 in P.VERDICTS[: V.NOT_RESOLVED] for r in rows)
     s.text.append(P.STAGE1.format(seeds=", ".join(map(str, stage1)), settled=settled1, n=len(rows)))
     if record is None:
         s.text.append(P.STAGE2_NOT_PLANNED)
         return s
-    if not record["stage2"]:
-        s.text.append(P.STAGE2_NONE)
-    else:
-        s.text.append(
-            P.STAGE2_PLAN.format(
-                spent=fmt3(record["spent"]),
-                budget=" ".join(f"{v:g} {k.replace('_', '-')}" for k, v in record["budget"].items()),
-                arms="; ".join(f"{a}: {', '.join(map(str, ks))}" for a, ks in record["stage2"].items()),
-            )
-        )
+    s.text.append(_stage2_words(record))
     s.tables.append(
         (
             list(P.STAGES_COLUMNS),
@@ -259,7 +259,9 @@ def section(study: Study, record: Optional[dict], rows: list[Judged], statistics
                 [
                     r.finding.id,
                     r.look1,
-                    _why(r, record["open"].get(r.finding.id)),
+                    P.STAGE2_ELSEWHERE
+                    if r.one_look
+                    else _why(record["open"].get(r.finding.id), r.look1 in P.VERDICTS[: V.NOT_RESOLVED]),
                     f"{r.stage_n[0]} + {r.stage_n[1]}",
                     P.VERDICTS[r.code],
                 ]
@@ -270,12 +272,93 @@ def section(study: Study, record: Optional[dict], rows: list[Judged], statistics
     return s
 
 
-def _why(row: Judged, open_: Optional[dict]) -> str:
-    """What the rule asked for one finding and why, in the table's words."""
-    if row.one_look:
-        return P.STAGE2_ELSEWHERE
+def _stage2_words(record: dict) -> str:
+    """What the rule spent and asked for, in words."""
+    if not record["stage2"]:
+        return P.STAGE2_NONE
+    return P.STAGE2_PLAN.format(
+        spent=fmt3(record["spent"]),
+        budget=" ".join(f"{v:g} {k.replace('_', '-')}" for k, v in record["budget"].items()),
+        arms="; ".join(f"{a}: {', '.join(map(str, ks))}" for a, ks in record["stage2"].items()),
+    )
+
+
+def _why(open_: Optional[dict], settled: bool) -> str:
+    """What the rule asked for one comparison and why, in the table's words."""
     if open_ is None:
-        return P.STAGE2_SETTLED if row.look1 in P.VERDICTS[: V.NOT_RESOLVED] else P.STAGE2_UNTESTED
+        return P.STAGE2_SETTLED if settled else P.STAGE2_UNTESTED
     if open_["pairs"] == 0:
         return P.STAGE2_NOTHING
     return P.STAGE2_PAIRS.format(k=open_["pairs"], then=f"{open_['chance']:.0%}")
+
+
+# -- a report's comparisons with its baseline in stages (`dalle-ablate report --stages FILE`): it trains nothing,
+# it says what stage 2 asks for and judges the stage-2 runs it is given
+def judge_report(
+    by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]], stages: Stages
+) -> tuple[dict, dict]:
+    """(tables.against_baseline's rows, each comparison's verdict, difference and intervals from
+    the two looks; the plan's record: stage 1's seeds, Δ of each comparison from stage 1's
+    baseline, stage 2's seeds per variant by the rule and why)."""
+    # stage 1: the finished runs on seeds below stage 2's, so that the plan is the same at every report
+    # of them (a run still training, or on a seed of neither stage, is in no stage)
+    done = {
+        v: [r for r in rs if r.status == "finished" and _below(r.seed, stages.seeds_from)]
+        for v, rs in by_variant.items()
+    }
+    stage1 = sorted({r.seed for rs in done.values() for r in rs})
+    _, seeds1, tables1, comps, keys = baseline_tables(done, baseline, margins)
+    first1, _ = split(list(done), seeds1, tables1, {"stage1": stage1, "stage2": {}})
+    ids = [f"{v} / {m}" for v, m in keys]
+    every = np.ones(len(comps), bool)
+    account = plan_tables(stages, list(done), first1, comps, every, seconds_per_run(done), ids, "report")
+    record = {"declared": stages.declared, "design": design_of(stages), "stage1": stage1, **account}
+    variants, seeds, tables, _, _ = baseline_tables(by_variant, baseline, margins)
+    first, second = split(variants, seeds, tables, record)
+    rows = against_baseline(by_variant, baseline, margins)
+    for (v, m), c, look in zip(keys, comps, S.looks(first, second, comps, stages.design, ~every)):
+        lower = metric(m).better == "lower"
+        rows[(v, m)].update(
+            {k: look[k] for k in ("d", "low", "high", "fw_low", "fw_high", "stage_n")},
+            margin=float(c.margin),
+            outcome=look["look2"],
+            verdict=P.against_baseline(look["look2"], lower),
+            look1=P.against_baseline(look["look1"], lower),
+            n=sum(look["stage_n"]),  # the seeds judged: both stages'
+            plan=(0, 0, 0),  # what more seeds would do is the stages' plan, not the one-look one
+        )
+    return rows, record
+
+
+def _below(seed, start: int) -> bool:
+    return isinstance(seed, int) and seed < start
+
+
+def stage2_command(runs: list[Run], seeds: list[int]) -> str:
+    """The command that trains a variant's stage-2 seeds: its runs' own overrides, the seeds of
+    stage 2 in place of theirs."""
+    given = naming.own(runs[0].meta.get("overrides") or [])
+    mine = [o for o in given if naming.key_of(o) not in NOT_THE_VARIANT]
+    return " ".join(["python run.py -m", *mine, f"seed={','.join(map(str, seeds))}"])
+
+
+def report_section(stages: Stages, record: dict, judged_rows: dict, by_variant: dict[str, list[Run]]) -> Section:
+    """A report's stages: the design as declared, stage 1's seeds, what the rule asked for and the
+    commands that train it, then per comparison its verdict at each look, the rule's reason and its
+    seeds per stage."""
+    s = Section("stages", P.STAGES_TITLE)
+    s.text.append(P.REPORT_STAGES.format(**design_words(stages)))
+    settled = sum(j["look1"] != "not resolved" for j in judged_rows.values())
+    s.text.append(
+        P.REPORT_STAGE1.format(seeds=", ".join(map(str, record["stage1"])), settled=settled, n=len(judged_rows))
+    )
+    s.text.append(_stage2_words(record))
+    if record["stage2"]:
+        commands = [stage2_command(by_variant[v], ks) for v, ks in record["stage2"].items()]
+        s.text.append(P.REPORT_STAGE2_RUN.format(commands="; ".join(f"`{c}`" for c in commands)))
+    rows = []
+    for (v, m), j in judged_rows.items():
+        why = _why(record["open"].get(f"{v} / {m}"), j["look1"] != "not resolved")
+        rows.append([v, m, j["look1"], why, f"{j['stage_n'][0]} + {j['stage_n'][1]}", j["verdict"]])
+    s.tables.append((list(P.REPORT_STAGES_COLUMNS), rows))
+    return s

@@ -140,7 +140,7 @@ def final_table(
     or Welch's where seeds are not shared), then the variant's mean over seeds with its 95% t
     interval, its seeds and rho; with a margin, the seeds a difference of it would need. With one
     seed the interval cells say so. `judged`: against_baseline's rows judged another way (a staged
-    report's, report/staged_report.py)."""
+    report's, report/staged.py)."""
     rows = []
     judged = against_baseline(by_variant, baseline, margins) if judged is None else judged
 

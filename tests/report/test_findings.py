@@ -31,7 +31,7 @@ from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import prose as P
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.study_file import load_study, study_path
-from dalle_ablate.report.findings import compare
+from dalle_ablate.report.findings import claims_tables, compare
 from dalle_ablate.report.page import page_sections, write_page
 from dalle_ablate.study.runner import provenance
 from dalle_ablate.report.load import find_stores, load_runs
@@ -303,9 +303,8 @@ def test_values_measured_elsewhere_are_judged_the_same_way(tmp_path):
         a: [r for r in load_runs(str(tmp_path / "runs")) if f"+arm={a}" in r.meta["overrides"]]
         for a in ("base", "worse")
     }
-    rows = compare(
-        study, by_arm, extra={"loss_spikes": {"base": {0: 1.0, 1: 2.0, 2: 0.0}, "worse": {0: 5.0, 1: 6.5, 2: 4.0}}}
-    )
+    extra = {"loss_spikes": {"base": {0: 1.0, 1: 2.0, 2: 0.0}, "worse": {0: 5.0, 1: 6.5, 2: 4.0}}}
+    rows = compare(study, claims_tables(study, by_arm, extra))
     d = np.array([5.0, 6.5, 4.0]) - np.array([1.0, 2.0, 0.0])
     ci = st.ttest_rel([5.0, 6.5, 4.0], [1.0, 2.0, 0.0]).confidence_interval(0.95)
     assert rows[0].diff == pytest.approx(d.mean()) and (rows[0].low, rows[0].high) == pytest.approx((ci.low, ci.high))
@@ -652,7 +651,8 @@ def test_a_caption_finding_s_course_reads_every_evaluation_s_pareto_table(tmp_pa
             ],
         )
     )
-    steps, d, lo, hi = course(study, _arms_by(load_runs(str(tmp_path / "runs"))))["cap"]
+    by_arm = _arms_by(load_runs(str(tmp_path / "runs")))
+    steps, d, lo, hi = course(study, by_arm, claims_tables(study, by_arm)[0])["cap"]
     assert list(steps) == [5.0, 10.0]
     for i, step in enumerate((5, 10)):
         a, b = np.array(rates["worse"][step]), np.array(rates["base"][step])

@@ -307,7 +307,7 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
     baseline on the eval loss, the same margin) reads the same numbers and the same outcome."""
     from dalle_ablate.report.build import build_sections
     from dalle_ablate.report.study_file import load_study
-    from dalle_ablate.report.findings import compare
+    from dalle_ablate.report.findings import claims_tables, compare
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.stats import verdicts as V
 
@@ -341,7 +341,8 @@ def test_the_report_and_a_study_page_give_the_same_verdict_for_the_same_runs(tmp
     }
     (tmp_path / "same.yaml").write_text(yaml.safe_dump(spec))
     by_arm = {a: [r for r in runs if r.variant == a] for a in finals}
-    rows = compare(load_study(tmp_path / "same.yaml"), by_arm)
+    study = load_study(tmp_path / "same.yaml")
+    rows = compare(study, claims_tables(study, by_arm))
     for r in rows:
         metric = {"eval_loss": "eval/valid/loss", "train_loss": "train/loss"}[r.finding.metric]
         j = info["judged"][(r.finding.arm, metric)]

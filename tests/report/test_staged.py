@@ -25,7 +25,7 @@ from dalle_ablate.report import staged
 from dalle_ablate.report import prose as P
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.study_file import load_study
-from dalle_ablate.report.findings import _arms_by
+from dalle_ablate.report.findings import _arms_by, claims_tables
 from dalle_ablate.report.load import load_runs
 from test_findings import write_store
 
@@ -166,7 +166,7 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     stores(tmp_path, second, first_seed=10)
     stores(tmp_path, {"worse": [9.0]}, first_seed=10)  # a seed the plan did not give "worse": in no stage
     by_arm = _arms_by(load_runs(str(runs)))
-    rows = staged.judge(study, by_arm, record)
+    rows = staged.judge_study(study, claims_tables(study, by_arm), record)
     verdicts = {r.finding.id: (r.look1, P.VERDICTS[r.code]) for r in rows}
     design = study.stages.design
     z1 = oracle_z(np.array(STAGE1["close"]), np.array(STAGE1["base"]))
@@ -288,12 +288,11 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
     an oracle from scipy's paired t tests, the inverse-normal combination and the published
     boundaries gives, stepping down Holm's levels over the report's four comparisons (the two
     variants on eval/valid/loss and train/loss, which write_store logs 0.1 above it)."""
-    from dalle_ablate.report import staged_report
     from dalle_ablate.report.build import build_sections
 
     design_file = tmp_path / "design.yaml"
     design_file.write_text(yaml.safe_dump({"stages": REPORT_STAGES}))
-    stages = staged_report.read_design(str(design_file))
+    stages = staged.read_design(str(design_file))
     first = {a: STAGE1[a] for a in ("base", "worse", "close")}
     runs = stores(tmp_path, first)
     margins = {"eval/valid/loss": "0.03"}
@@ -374,7 +373,7 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
 
 
 def test_a_bad_stages_file_of_a_report_is_named_in_one_line(tmp_path):
-    from dalle_ablate.report.staged_report import read_design
+    from dalle_ablate.report.staged import read_design
 
     with pytest.raises(ConfigError) as err:
         read_design(str(tmp_path / "none.yaml"))

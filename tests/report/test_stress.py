@@ -287,7 +287,7 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
     into findings.compare): the paired difference is the mean over seeds of the two arms' sensitivities,
     computed here from the curves by hand, and Δ is 10 % of the baseline arm's mean sensitivity."""
     from dalle_ablate.report.study_file import load_study
-    from dalle_ablate.report.findings import compare
+    from dalle_ablate.report.findings import claims_tables, compare
     from dalle_ablate.report.stress import stress_measures
 
     for arm, seeds in CURVES.items():
@@ -308,7 +308,8 @@ def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
         return sum(capped) / len(capped) - min(capped)
 
     by_hand = {arm: {s: sens(f) for s, f in seeds.items()} for arm, seeds in CURVES.items()}
-    (row,) = compare(load_study(path), {}, extra=extra)
+    study = load_study(path)
+    (row,) = compare(study, claims_tables(study, {}, extra))
     assert row.spread.n == (2, 2) and row.spread.seeds == [0, 1]
     assert row.diff == pytest.approx(np.mean([by_hand["fragile"][s] - by_hand["steady"][s] for s in (0, 1)]))
     assert row.margin == pytest.approx(0.1 * np.mean(list(by_hand["steady"].values())))
@@ -322,7 +323,7 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
     DeepNet were on the first stress grid: their sensitivities compare two untrained models, and the
     page says the claim is untestable on these runs instead of how many seeds it needs."""
     from dalle_ablate.report.study_file import load_study
-    from dalle_ablate.report.findings import compare
+    from dalle_ablate.report.findings import claims_tables, compare
     from dalle_ablate.report.stress import stress_measures
 
     stuck = {
@@ -342,7 +343,8 @@ def test_a_stability_claim_whose_arms_train_at_no_rate_is_untestable_not_a_seed_
         "steady-stabler": "neither fragile nor steady trains at any rate of the stress grid (0.001, 0.003, "
         "0.01, 0.03) on any seed: both end at or above the code-frequency floor"
     }
-    (row,) = compare(load_study(path), {}, extra=extra, untestable=untestable)
+    study = load_study(path)
+    (row,) = compare(study, claims_tables(study, {}, extra), untestable=untestable)
     assert row.verdict == "untestable here: " + untestable["steady-stabler"] and row.code == 5
     # one arm that trains at one rate on one seed makes the claim testable again
     (stress_folder(tmp_path / "synthetic") / run_name("steady", RATES[1], 1) / "run" / "metrics.jsonl").write_text(
