@@ -305,9 +305,8 @@ def build_sections(
     transition: Rule = Rule(),
     stages: Optional[Stages] = None,
 ) -> tuple[list[Section], dict]:
-    """The report's sections in order (section_keys), and what the files beside it need;
-    `transition`: the late-seed view's rule (report/transitions.py); `stages`: the comparisons'
-    declared stages (report/staged.py), their plan's record in what it returns."""
+    """The report's sections in order (section_keys) and what the files beside it need; `transition`: the
+    late-seed rule; `stages`: the declared stages (report/staged.py), whose record it returns."""
     by_variant, left_out, why = group_variants(runs, study)
     if not by_variant:
         raise ConfigError(f"report: none of the {len(runs)} runs finished; nothing to compare")

@@ -190,10 +190,8 @@ def pareto_figure(runs: list[Run], palette: dict) -> tuple[bytes, str, str] | No
 
 
 def optuna_figures(study, metric: str = "Objective Value") -> dict[str, bytes | str]:
-    """Optimisation history, the slice plot (the objective against each searched parameter: a
-    one-parameter sweep's answer), parameter importances (PED-ANOVA: no scikit-learn) and
-    parallel coordinates of a single-objective study with finished trials, the objective named
-    `metric` on their axes: PNG bytes, or the reason optuna gave for not drawing one."""
+    """Optimisation history, slice plot (a one-parameter sweep's answer), importances (PED-ANOVA: no
+    scikit-learn) and parallel coordinates of a single-objective study: PNG bytes, or why optuna drew none."""
     import optuna
     from optuna.visualization import matplotlib as ov
 
@@ -253,10 +251,8 @@ def side_by_side(panels: list[tuple[str, Path]], border: int = 3, gap: int = 12)
 
 
 def forest_figure(rows: list, clip: float = 8.0) -> bytes:
-    """A study's findings, one line each: the paired difference in units of its margin Δ, turned
-    so that the side the claim predicts is to the right (metrics of different units share one
-    axis; ±Δ is ±1 for all). Thick: the 95 % interval; thin: the family-wise one; shaded: ±Δ.
-    Intervals beyond ±`clip` Δ end in an arrow at the edge; the verdict in short at the right."""
+    """A study's findings, one line each, in units of its margin Δ turned so the predicted side is right
+    (units differ; ±Δ is ±1 for all): thick 95 %, thin family-wise, beyond ±`clip` Δ an arrow."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(FIT_IN - 1.4, 0.4 * len(rows) + 1.4))  # the labels either side take ~1.4 in more
     ax.axvspan(-1, 1, color="#dde8f3", zorder=0)
@@ -343,10 +339,8 @@ def course_figure(courses: list[tuple[str, float, tuple]], ncols: int = 3) -> by
 
 
 def seeds_figure(panels: list[tuple[str, list[tuple]]], level: float, ncols: int = 3) -> bytes:
-    """Small multiples, one per arm (report/transitions.py): each seed's eval loss against the step
-    as a line of its own colour (the same seed the same colour in every panel), a dot at its
-    transition, the level as a dotted line; a late seed drawn thick and named in the title. `panels`:
-    (arm, [(seed, steps, values, transition step or None, late)])."""
+    """Small multiples, one per arm (report/transitions.py): each seed's eval loss, its transition a dot,
+    a late seed thick. `panels`: (arm, [(seed, steps, values, transition step or None, late)])."""
     plt = _plt()
     from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
 

@@ -95,10 +95,8 @@ def arm_of(run: Run) -> Optional[str]:
 def claims_tables(
     study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict[str, dict[str, dict]]] = None
 ) -> tuple[list[str], list, dict[str, np.ndarray]]:
-    """(arms, seeds, metric -> values[arm, seed]) of the finished runs, NaN where an arm has no
-    finished run of a seed. `extra` (metric -> arm -> seed -> value) adds or replaces tables: the
-    seam for values measured elsewhere, e.g. a stability claim's per-seed learning-rate
-    sensitivity from stress runs."""
+    """(arms, seeds, metric -> values[arm, seed]) of the finished runs, NaN where none. `extra` (metric ->
+    arm -> seed -> value) adds or replaces tables: values measured elsewhere (the stress runs')."""
     arms = list(dict.fromkeys([*by_arm, *(a for f in study.findings for a in (f.arm, f.against))]))
     done = {a: {r.seed: r for r in by_arm.get(a, []) if r.status == "finished"} for a in arms}
     extra = extra or {}
@@ -197,10 +195,8 @@ def verdict_text(code: int, needed: int, seeds: int = 0, why: str = "", *, plan:
 
 @dataclass(frozen=True)
 class Spread:
-    """What every finished seed of a finding's two arms says, whatever look judges it: their counts
-    and means, the seeds both ran, the sd of one seed's difference (paired, or Welch's where they
-    share fewer than two) on `df`, rho, Welch's interval beside it, the seeds a difference of Δ needs
-    and the plan to settle it at the observed one (verdicts.seeds_to_settle: plan, fewest, most)."""
+    """What every finished seed of a finding's two arms says, whatever look judges it: counts, means,
+    paired (or Welch's) sd and rho, Welch's interval, the seeds Δ needs and the plan (seeds_to_settle)."""
 
     n: tuple[int, int]
     seeds: list
@@ -219,11 +215,9 @@ class Spread:
 
 @dataclass(frozen=True)
 class Judged:
-    """One finding judged at one look: the difference (arm - against) in the metric's units with its
-    interval and the family-wise one, the engine's outcome, the verdict read against the side the
-    finding predicts (`code`) and in words. The three tests' p-values are the fixed design's (NaN at
-    a staged study's looks, which test against boundaries); `look1`, `stage_n` and `one_look` are a
-    staged study's: its verdict at look 1 in words, its seeds per stage, judged at look 1 only."""
+    """One finding judged at one look: the difference (arm - against), its intervals, outcome and verdict
+    read against the predicted side. p-values are the fixed design's (NaN at a staged study's looks);
+    `look1`, `stage_n` and `one_look` are a staged study's."""
 
     finding: Finding
     spread: Spread
@@ -276,10 +270,8 @@ def spreads(study: Study, claims: tuple, level: float = 0.95) -> tuple[list[Spre
 def compare(
     study: Study, claims: tuple, level: float = 0.95, untestable: Optional[dict[str, str]] = None
 ) -> list[Judged]:
-    """Each finding judged once on `claims` (claims_tables), on every seed (paired; Welch's where its arms share
-    fewer than two), with its `level` interval and its family-wise one (Bonferroni over the findings), its verdict
-    under Holm over the findings at 5 %. `untestable`: finding id -> why more seeds could not settle it (e.g.
-    neither arm trains at any stress rate), its verdict whatever the numbers say."""
+    """Each finding judged once on `claims` (claims_tables) over every seed, its verdict under Holm at 5 %.
+    `untestable`: id -> why more seeds could not settle it, its verdict whatever the numbers say."""
     every, r = spreads(study, claims, level)
     untestable = untestable or {}
     out = []
@@ -337,11 +329,8 @@ def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:
 
 
 def noise_sources(runs: list[Run], value: Callable[[Run], float]) -> list[tuple[str, float, int]]:
-    """Where one arm's seed spread comes from, when its runs vary one source of randomness at a
-    time (Bouthillier et al. 2021): for each seed field of the config other than `seed` itself
-    that takes more than one value among `runs` (a data-order seed, an initialisation seed, ...),
-    the spread of `value` among runs that agree on every other such field -- (field, sd pooled
-    over those groups, its degrees of freedom). Empty when the runs vary only `seed`."""
+    """Where an arm's seed spread comes from when its runs vary one seed field at a time (Bouthillier et
+    al. 2021): per field besides `seed`, (field, sd pooled over runs agreeing on the rest, df)."""
     keys = sorted({k for r in runs for k in r.config if k != "seed" and k.rsplit(".", 1)[-1].endswith("seed")})
     keys = [k for k in keys if len({repr(r.config.get(k)) for r in runs}) > 1]
     out = []

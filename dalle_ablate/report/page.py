@@ -142,9 +142,8 @@ def in_margins(r: Judged) -> tuple[float, float, float]:
 
 
 def summary_row(r: Judged) -> list:
-    """A finding's row of the summary: the claim, its metric, the verdict, the difference in units
-    of Δ and the seeds it used, the plan for one not resolved (at its observed difference, with
-    the range across its 95 % interval) and the seeds a difference of Δ needs."""
+    """A finding's summary row: claim, verdict, difference in units of Δ, and seeds used / planned (at the
+    observed difference, its range across the 95 % interval) / needed for a difference of Δ."""
     f = r.finding
     d, low, high = in_margins(r)
     diff = "–" if not np.isfinite(d) else ("+" if d > 0 else "") + fmt3(d) + " " + _interval(low, high)
@@ -275,9 +274,8 @@ def notes_section(findings: list[Finding]) -> Section:
 
 
 def noise_section(study: Study, by_arm: dict[str, list[Run]], claims: tuple) -> Section:
-    """The noise report (report/noise.py) for the findings on the eval loss, then per metric the
-    baseline's and the arms' spreads and the seed's share, the sources the baseline's runs vary one
-    at a time, and the shapes evaluation's own noise."""
+    """The noise report (report/noise.py) of the eval-loss findings, then each metric's spreads and seed
+    share, the sources the baseline's runs vary one at a time, and the shapes evaluation's own noise."""
     noise = noise_report.section(by_arm, [(f.id, f.arm, f.against) for f in study.findings if f.metric == "eval_loss"])
     spreads = Section("noise-metrics", "Each metric's spread", [P.NOISE_METRICS])
     arms, _, tables = claims
@@ -409,12 +407,9 @@ def page_sections(
     record: Optional[dict] = None,
     statistics: str = "../statistics.md",
 ) -> tuple[list[Section], list[Judged]]:
-    """The results page as report sections, and the comparison rows: the answer first (the summary
-    and its forest plot), then the noise report, then the details. `topups`: the study's top-up log
-    (dalle_ablate/study/runner.py run_study); `extra`: tables of values measured elsewhere (claims_tables);
-    `statistics`: the link to docs/statistics.md from the page's folder; `untestable`: findings
-    more seeds could not settle, and why (findings.compare); `record`: a staged study's record of its
-    stages (report/staged.py)."""
+    """The results page as sections, answer first, and the comparison rows. `topups`: the top-up log;
+    `extra`: values measured elsewhere (claims_tables); `untestable`: findings seeds cannot settle, and
+    why; `record`: a staged study's record (report/staged.py); `statistics`: the link to its docs."""
     by_arm = _arms_by(runs)
     if not by_arm:
         raise ConfigError(
@@ -452,9 +447,8 @@ def page_sections(
 
 @dataclass
 class StudyRuns:
-    """What a study's page reads besides its file: its runs, its stress runs, its stages' record
-    (report/staged.py) and its top-ups' log -- from its folder (`in_folder`) or its record
-    (study/record.py)."""
+    """What a study's page reads besides its file: its runs, stress runs, stages' record (report/staged.py)
+    and top-ups' log, from its folder (`in_folder`) or its record (study/record.py)."""
 
     runs: list[Run]
     stress: list[Run]
@@ -479,10 +473,8 @@ def write_page(
     extra: Optional[dict[str, dict[str, dict]]] = None,
     study_file: Optional[Path] = None,
 ) -> Path:
-    """`<page_dir>/<study>.md` with its figures in `<page_dir>/figures/`, from `source`: the run
-    stores under a study's multirun folder (and, where `study_file` declares stress runs, those
-    beside it: their claims judged on them), or a StudyRuns (a study's record). Written whole or
-    not at all."""
+    """`<page_dir>/<study>.md` and its figures, from `source`: a study's folder of run stores (its stress
+    runs beside it, where `study_file` declares them) or a StudyRuns (its record). Whole or not at all."""
     from dalle_ablate.fileio import atomic_write
     from dalle_ablate.report.writers import to_markdown
 

@@ -92,10 +92,8 @@ def seeds_count(n: int, max_seeds: int = V.MAX_SEEDS) -> str:
 
 
 def seeds_words(plan: int, fewest: int, most: int, needed: int, max_seeds: int = V.MAX_SEEDS) -> str:
-    """What more seeds would do for a comparison not resolved, in words: the plan (seeds_to_settle:
-    at the observed difference, with its range across the 95 % interval) and the seeds that tell
-    a difference of Δ from 0 (seeds_needed; 0: no margin, left out). "More than max_seeds" alone
-    only where it answers both."""
+    """What more seeds would do for a comparison not resolved: the plan (seeds_to_settle) and the seeds
+    that tell Δ from 0 (seeds_needed; 0: no margin). "More than max_seeds" alone where it answers both."""
     if plan > max_seeds and needed > max_seeds:
         return BOTH_BEYOND.format(max=max_seeds)
     c = lambda x: seeds_count(x, max_seeds)  # noqa: E731

@@ -43,13 +43,9 @@ def calibration_structure(study_file: Path) -> cal.Structure:
 
 
 def page_scenario(s: cal.Structure, page: str, margin_share: float = 0.02) -> tuple[cal.Scenario, np.ndarray]:
-    """A study page's observed effects and noise as a scenario, in Δ units (the study's margins):
-    each finding's difference from the summary table; the eval-loss spreads of its arms from the
-    noise table (one run's sd over Δ, Δ = `margin_share` of the baseline's mean loss); on the other
-    metrics, each claim's sd of a seed's difference from its 95 % interval (half-width sqrt(n) /
-    t(0.975, n - 1)), split as an arm spread for the arm it is compared with (the smallest claim's
-    over sqrt 2) and one for its arm. rho 0: the page's ρ run from -0.6 to 0.9. Returns (the scenario,
-    which claims the page tested -- a number, not "untestable here")."""
+    """A study page's observed effects and noise as a scenario in Δ units: differences from the summary,
+    eval-loss arm spreads from the noise table (Δ = `margin_share` of the baseline's mean loss), other
+    metrics' sd from their 95 % intervals. Returns (the scenario, which claims the page tested)."""
     rows = re.findall(r"^\| [^|]+ \| [^|]+ \| [^|]+ \| ([^|]+) \| (\d+) / [^|]+ \|$", page, re.M)
     if len(rows) != len(s.claims):
         raise ValueError(f"the page's summary has {len(rows)} findings, its study {len(s.claims)}")

@@ -79,11 +79,9 @@ def one_look(study: Study) -> np.ndarray:
 
 
 def split(arms: list[str], seeds: list, tables: dict, record: Optional[dict], given=frozenset()) -> tuple[dict, dict]:
-    """(stage 1's tables, stage 2's), each NaN outside its stage: stage 1 the record's stage-1
-    seeds, stage 2 each arm's stage-2 seeds as the plan gave them -- a seed of neither (an older
-    run in the study's folder) is in no stage. A metric of `given` (measured elsewhere: the stress
-    runs, on seeds of their own plan) is all stage 1: no stage 2 adds to it. Without a record
-    (stage 2 not planned yet) every value is stage 1's."""
+    """(stage 1's tables, stage 2's), NaN outside each: stage 1 the record's stage-1 seeds, stage 2 each
+    arm's planned ones (a seed of neither is in no stage). A metric in `given` (measured elsewhere) is all
+    stage 1. Without a record every value is stage 1's."""
     if record is None:
         return dict(tables), {m: np.full_like(t, np.nan) for m, t in tables.items()}
     in1 = np.array([s in set(record["stage1"]) for s in seeds])[None, :]
@@ -131,13 +129,9 @@ def plan_tables(
     ids: list[str],
     who: str,
 ) -> dict:
-    """Stage 2 by the declared rule from stage 1's tables (metric -> values[arm, seed]), for the
-    comparisons `comps` (named `ids`; `own`: those stage 2 can add to): each comparison's Δ (fixed
-    from stage 1 before stage 2 is chosen), each arm's stage-2 seeds, what was spent of the budget
-    (`cost_s`: an arm's machine seconds per run, for a budget in CPU-hours), and per comparison
-    open after look 1 that stage 2 can add to, the seeds planned for it and its chance to settle
-    by look 2 with them (at its observed difference and spread: a plan, not a test). `who` names
-    the study or report in the error a missing cost gives."""
+    """Stage 2 by the declared rule from stage 1's tables for `comps` (named `ids`; `own`: those stage 2
+    can add to; `cost_s`: an arm's seconds per run): each Δ, each arm's stage-2 seeds, the budget spent,
+    and per open comparison its planned pairs and chance to settle by look 2 (a plan, not a test)."""
     if not comps:  # one variant: nothing to compare, nothing for stage 2 to add to
         empty = {"margins": {}, "rule": stages.rule, "budget": {stages.unit: stages.budget}, "spent": 0.0}
         return {**empty, "seconds_per_run": {}, "stage2": {}, "open": {}}
@@ -181,9 +175,8 @@ def plan_tables(
 def judge_study(
     study: Study, claims: tuple, record: Optional[dict], untestable: Optional[dict[str, str]] = None
 ) -> list[Judged]:
-    """Each finding of `claims` (claims_tables) judged by look 2 (`looks`): its difference and intervals from
-    the two looks, its verdicts at look 1 and by look 2, beside its Spread over every seed. Δ is the record's
-    (stage 1's baseline). Before stage 2 is planned, everything is look 1's."""
+    """Each finding of `claims` (claims_tables) judged at both looks (`looks`) beside its Spread over every
+    seed; Δ is the record's (stage 1's baseline). Before stage 2 is planned, everything is look 1's."""
     every, fixed = spreads(study, claims)
     untestable = untestable or {}
     arms, seeds, tables = claims
@@ -297,9 +290,8 @@ def _why(open_: Optional[dict], settled: bool) -> str:
 def judge_report(
     by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]], stages: Stages
 ) -> tuple[dict, dict]:
-    """(tables.against_baseline's rows, each comparison's verdict, difference and intervals from
-    the two looks; the plan's record: stage 1's seeds, Δ of each comparison from stage 1's
-    baseline, stage 2's seeds per variant by the rule and why)."""
+    """(against_baseline's rows judged at both looks; the plan's record: stage 1's seeds, each Δ from stage
+    1's baseline, stage 2's seeds per variant by the rule and why)."""
     # stage 1: the finished runs on seeds below stage 2's, so that the plan is the same at every report
     # of them (a run still training, or on a seed of neither stage, is in no stage)
     done = {
@@ -343,9 +335,8 @@ def stage2_command(runs: list[Run], seeds: list[int]) -> str:
 
 
 def report_section(stages: Stages, record: dict, judged_rows: dict, by_variant: dict[str, list[Run]]) -> Section:
-    """A report's stages: the design as declared, stage 1's seeds, what the rule asked for and the
-    commands that train it, then per comparison its verdict at each look, the rule's reason and its
-    seeds per stage."""
+    """A report's stages: the design, stage 1's seeds, what the rule asked for and the commands that train
+    it, then per comparison its verdict at each look, the rule's reason and its seeds per stage."""
     s = Section("stages", P.STAGES_TITLE)
     s.text.append(P.REPORT_STAGES.format(**design_words(stages)))
     settled = sum(j["look1"] != "not resolved" for j in judged_rows.values())

@@ -151,11 +151,8 @@ def measures(plan: StressPlan, runs: list[Run]) -> dict[tuple[str, int], dict[st
 
 
 def claim_values(plan: StressPlan, runs: list[Run], measure: str = "lr_sensitivity") -> list[dict]:
-    """Per stress claim, what a verdict needs: {"id", "claim", "arm", "against", "measure", "expect"
-    (the arm's value against the other's if the claim holds, read for this measure), "values":
-    {arm: {seed: value}, against: {seed: value}}} (NaN where a seed's runs are not all done;
-    seeds pair: the two arms share each seed's data order and, where they share a parameter, its
-    initial value)."""
+    """Per stress claim, what a verdict needs: id, claim, arm, against, measure, expect and "values" {arm:
+    {seed: value}} (NaN where a seed's runs are not all done; the arms pair by seed)."""
     if measure not in MEASURES:
         raise ConfigError(f"stress measure {measure!r} is not one of: {', '.join(MEASURES)}")
     m = measures(plan, runs)
@@ -193,9 +190,8 @@ def untrained(plan: StressPlan, m: dict[tuple[str, int], dict[str, float]], c: S
 
 # -- the page ----------------------------------------------------------------------------------
 def lr_figure(plan: StressPlan, cs: dict[tuple[str, int], Curve], arms: list[str]) -> bytes:
-    """Final eval loss against the learning rate per arm (the figure of Wortsman et al. 2023): the
-    mean over seeds of min(loss, L0), each seed a dot, a diverged run an x at L0; the dashed line is
-    L0 (the mean over the arms' seeds)."""
+    """Final eval loss against the learning rate per arm (Wortsman et al. 2023): the mean over seeds of
+    min(loss, L0), each seed a dot, a diverged run an x at L0, L0 dashed."""
     plt = figures._plt()
     colors = figures.colors(arms)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -277,9 +273,8 @@ def _per_arm_table(plan: StressPlan, m: dict, unit: str) -> tuple[list[str], lis
 
 
 def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], list[dict]]:
-    """The page's stress section (the plan, the figures, per arm the sensitivity, the largest rate
-    that trains, divergences and spikes, the loss at every rate), and `claim_values` for each claim
-    (LR sensitivity): what a verdict engine judges."""
+    """The page's stress section (the plan, the figures, per arm its sensitivity, largest rate that trains,
+    divergences, spikes and loss at every rate) and each claim's `claim_values`."""
     cs, m = curves(plan, runs), measures(plan, runs)
     unit = metric("eval/valid/loss").unit
     by = index(runs)
@@ -316,10 +311,8 @@ def stress_sections(plan: StressPlan, runs: list[Run]) -> tuple[list[Section], l
 
 
 def stress_measures(study_file: Path, source) -> tuple[list[Section], dict[str, dict[str, dict]], dict[str, str]]:
-    """The stress section of a study's page, its stability claims' per-seed values
-    ({"lr_sensitivity": {arm: {seed: value}}}, for `extra`) and the claims they cannot settle
-    (id -> why), from the stress runs: those beside the study's folder `source` (this module), or
-    the runs given (a study's record); nothing if its file declares none."""
+    """A study's stress section, its stability claims' per-seed values (`extra`) and the claims they
+    cannot settle (id -> why), from the stress runs beside `source` or given; nothing without a plan."""
     plan = load_stress(study_file)
     runs = stress_runs(source) if isinstance(source, (str, Path)) else list(source)
     if plan is None or not runs:

@@ -85,11 +85,8 @@ def baseline_tables(
 def against_baseline(
     by_variant: dict[str, list[Run]], baseline: str, margins: Optional[dict[str, str]] = None, metrics=FINAL_METRICS
 ) -> dict[tuple[str, str], dict]:
-    """(variant, metric) -> the verdict engine's judgement (stats/verdicts.py) of the variant's
-    final value against the baseline's: paired by seed where the two share seeds, else Welch's,
-    Holm over every comparison of the table (variants x metrics), a margin where `margins` gives
-    one (metric -> "2%" of the baseline's mean, or an absolute value) for the equivalence test and
-    seeds-needed. The same engine, words and numbers as a study's page."""
+    """(variant, metric) -> the verdict engine's judgement of its final value against the baseline's
+    (paired by seed, else Welch's; Holm over the table; `margins`' Δ): as a study's page judges."""
     from dalle_ablate.stats import verdicts as V
 
     _, _, tables, comps, keys = baseline_tables(by_variant, baseline, margins, metrics)
@@ -135,12 +132,8 @@ def final_table(
     margins: Optional[dict[str, str]] = None,
     judged: Optional[dict] = None,
 ) -> tuple[list[str], list[list], dict]:
-    """A row per variant and metric, the answer first: the verdict engine's judgement of the
-    difference from the baseline (against_baseline), the difference with its 95 % interval (paired,
-    or Welch's where seeds are not shared), then the variant's mean over seeds with its 95% t
-    interval, its seeds and rho; with a margin, the seeds a difference of it would need. With one
-    seed the interval cells say so. `judged`: against_baseline's rows judged another way (a staged
-    report's, report/staged.py)."""
+    """A row per variant and metric, the answer first: the verdict against the baseline, the difference
+    and its interval, then the mean, seeds and rho. `judged`: rows judged another way (report/staged.py)."""
     rows = []
     judged = against_baseline(by_variant, baseline, margins) if judged is None else judged
 
@@ -175,10 +168,8 @@ def warmup_steps(run: Run) -> int:
 
 
 def stability_rows(runs: list[Run]) -> list[list]:
-    """Per run: loss spikes, gradient-norm peaks, the largest gradient norm after warm-up (the
-    first steps' norms, from a fresh initialisation, are the largest of almost every run) and
-    its step, whether the loss stopped being finite, and the float16 steps skipped on overflow
-    (trainer.grad_scaling; "–" where not logged)."""
+    """Per run: loss spikes, gradient-norm peaks, the largest norm after warm-up (a fresh initialisation's
+    are the largest of almost every run), a non-finite loss, and float16 steps skipped on overflow."""
     rows = []
     for r in runs:
         _, loss = series(r, "train/loss")
@@ -371,10 +362,8 @@ def shapes_tier_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[s
 
 
 def shapes_noise_table(by_variant: dict[str, list[Run]]) -> Optional[tuple[list[str], list[list]]]:
-    """Per variant, scale and tier: all-correct, mean over seeds; its spread over seeds (standard
-    deviation, which holds the evaluation's noise too); and the evaluation's own noise, the
-    binomial standard deviation over the N prompts of one run, sqrt(p (1 - p) / N), averaged over
-    the seeds. A seed spread near the prompt noise is mostly the evaluation's."""
+    """Per variant, scale and tier: all-correct's mean and sd over seeds, beside the evaluation's own
+    binomial sd over its N prompts, sqrt(p (1 - p) / N): a seed spread near it is mostly the evaluation's."""
     cols = ["variant", "scale", "tier", "seeds", "all-correct", "seed SD", "prompt SD (one run)", "prompts per run"]
     rows = []
     for variant, scale, group, p, have in _by_scale_and_tier(by_variant):
@@ -426,10 +415,8 @@ SAME_PROMPTS = ("data.seed", "eval.num_samples", "eval.seed", "eval.batch_size")
 
 
 def paired_table(by_variant: dict[str, list[Run]], baseline: str) -> Optional[tuple[list[str], list[list]]]:
-    """Each variant against the baseline on the same prompts and sampling noise, prompt by prompt
-    (`shapes/<tier>/verdicts`): runs paired by seed, their prompt-level all-correct verdicts
-    compared per scale and tier. Δ with a paired bootstrap interval over prompts and McNemar's
-    exact p over the discordant prompts (pooled over the seed pairs)."""
+    """Each variant against the baseline prompt by prompt, runs paired by seed: Δ of all-correct per scale
+    and tier with a paired bootstrap interval and McNemar's exact p over the discordant prompts."""
     cols = [
         "variant",
         "scale",
