@@ -122,13 +122,13 @@ def main() -> None:
     if any(args.steps % k for _, _, k in LEVERS.values()):
         raise SystemExit(f"--steps {args.steps}: must be a multiple of every lever's steps per dispatch (5)")
     names = [n for n in LEVERS if not args.only or n in args.only or n.endswith("(today)")]
-    cache = Path(tempfile.mkdtemp(prefix="step-levers-cache-"))
     got: dict = {n: [] for n in names}
-    for r in range(args.rounds + 1):  # round 0 fills the compile cache and the data cache
-        for n in names:
-            out = run_child(n, args.steps, cache)
-            if r:
-                got[n].append(out)
+    with tempfile.TemporaryDirectory(prefix="step-levers-cache-") as cache:
+        for r in range(args.rounds + 1):  # round 0 fills the compile cache and the data cache
+            for n in names:
+                out = run_child(n, args.steps, Path(cache))
+                if r:
+                    got[n].append(out)
     report(got, args)
 
 
