@@ -23,7 +23,6 @@ from dalle_ablate.study.checks import check_before_running, check_meta
 from dalle_ablate.study.children import PastDeadline, call_child, dies_with_this_process
 from dalle_ablate.study.clock import Clock, words
 from dalle_ablate.study.jobs import Job, Plan, plan_study, stage1_commands, stage1_jobs
-from dalle_ablate.study.jobs import as_members  # noqa: F401 -- tests/report/test_findings.py imports it from here
 from dalle_ablate.study.kept import Kept
 from dalle_ablate.study.identity import last_change
 from dalle_ablate.study.record import RUNS, STRESS

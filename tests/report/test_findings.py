@@ -1052,7 +1052,7 @@ def test_a_relative_margin_on_a_stress_measure_needs_the_baseline_among_the_stre
 
 
 def test_a_study_trains_each_arms_seeds_as_members_of_one_job():
-    from dalle_ablate.study.runner import as_members
+    from dalle_ablate.study.jobs import as_members
 
     # the seeds the preset sweeps (study_mega: hydra.sweeper.params.seed 5000-5003), or those a seed= override sweeps
     assert as_members("study_mega", ["+arm=baseline"]) == [
