@@ -26,19 +26,6 @@ VERDICTS = P.VERDICTS
 STUDY_SCALE = 2.0
 
 
-def reading(m: Metric) -> str:
-    """How a study reads one run's value of `m`, in words."""
-    if m.reads == "given":
-        return "measured on runs of its own, per arm and seed"
-    if m.reads == "median":
-        return "the median over the run's steps"
-    if m.value is not None:
-        return "over the run's log"
-    return (
-        f"at guidance scale {STUDY_SCALE:g}, the last evaluation" if m.source == "samples" else "the last logged value"
-    )
-
-
 def _pareto_by_step(run: Run, key: str) -> dict[float, float]:
     """step -> a sampled metric at STUDY_SCALE, from every evaluation's eval_pareto table, not the last only."""
     out = {}
@@ -51,7 +38,7 @@ def _pareto_by_step(run: Run, key: str) -> dict[float, float]:
 
 
 def study_value(m: Metric, run: Run) -> float:
-    """One run's value of `m` as a study reads it (`reading`)."""
+    """One run's value of `m` as a study reads it (page.py `reading` says it in words)."""
     if m.value is not None:
         return float(m.value(run))
     if m.source == "samples":  # the last evaluation's table

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from dalle_ablate.metrics import STUDY, metric
+from dalle_ablate.metrics import STUDY, Metric, metric
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report import figures
 from dalle_ablate.report import noise as noise_report
@@ -23,6 +23,7 @@ from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged, stress
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.findings import (
+    STUDY_SCALE,
     Judged,
     _arms_by,
     claims_tables,
@@ -30,7 +31,6 @@ from dalle_ablate.report.findings import (
     course,
     shared_jobs,
     noise_sources,
-    reading,
     study_arms,
     replicate,
     study_value,
@@ -180,6 +180,19 @@ def summary_section(name: str, rows: list[Judged], statistics: str) -> Section:
     s.tables.append((P.SUMMARY_COLUMNS, [summary_row(r) for r in rows]))
     s.images.append((P.FOREST, figures.forest_figure(rows)))
     return s
+
+
+def reading(m: Metric) -> str:
+    """How a study reads one run's value of `m` (findings.py study_value), in words."""
+    if m.reads == "given":
+        return "measured on runs of its own, per arm and seed"
+    if m.reads == "median":
+        return "the median over the run's steps"
+    if m.value is not None:
+        return "over the run's log"
+    return (
+        f"at guidance scale {STUDY_SCALE:g}, the last evaluation" if m.source == "samples" else "the last logged value"
+    )
 
 
 def method_section(study: Study, by_arm: dict[str, list[Run]], provenance: list[str], statistics: str) -> Section:
