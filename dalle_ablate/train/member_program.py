@@ -43,7 +43,7 @@ def over_members(fn: Callable, impl: str, in_axes: tuple, mesh: Mesh | None = No
         return mapped
     # The groups exchange nothing, so each runs its members in a program of its own (the mesh's
     # other axes left to the partitioner). Handed the map whole, the partitioner gathered the
-    # members: 4 of them on 2 CPU devices took 1.4x one device's time (benchmarks/step_levers.py).
+    # members: 4 on 2 CPU devices took 1.8x one device's time (docs/results/benchmarks/step-levers.md).
     specs = tuple(P("member") if ax == 0 else P() for ax in in_axes)
     return jax.shard_map(
         mapped, mesh=mesh, in_specs=specs, out_specs=P("member"), axis_names=frozenset({"member"}), check_vma=False
