@@ -89,7 +89,7 @@ def write_run(root, arm: str, seed: int, ink: float):
 def test_an_evaluator_s_declared_metric_reaches_every_reader(tmp_path, restore_declarations):
     from dalle_ablate.docs import metrics_reference
     from dalle_ablate.report.study_file import load_study
-    from dalle_ablate.report.findings import compare
+    from dalle_ablate.report.findings import claims_tables, compare
     from dalle_ablate.report.load import load_runs
     from dalle_ablate.report.tables import headline_values
     from dalle_ablate.stats.verdicts import Margin
@@ -162,7 +162,7 @@ def test_an_evaluator_s_declared_metric_reaches_every_reader(tmp_path, restore_d
     assert study.findings[0].margin == Margin(0.02)
     runs = load_runs(str(tmp_path / "runs"))
     assert headline_values(runs[0])["toy/ink@s2"] in inks["base"] + inks["worse"]
-    (row,) = compare(study, {a: [r for r in runs if r.name.startswith(a)] for a in inks})
+    (row,) = compare(study, claims_tables(study, {a: [r for r in runs if r.name.startswith(a)] for a in inks}))
     assert row.diff == pytest.approx(np.mean(inks["worse"]) - np.mean(inks["base"]))
     assert row.margin == 0.02 and row.verdict == "reproduced"
     assert math.isclose(row.spread.arm_mean, np.mean(inks["worse"]))
