@@ -38,6 +38,10 @@ class TrainerConfig:
     save_every: int = 1000  # steps between checkpoints (run/checkpoints/<step>); also at the last step
     keep_checkpoints: int = 2  # checkpoints kept on disk, the newest; orbax deletes older ones after each save
     progress: bool = True  # the progress bar (steps, loss, tokens/s) on process 0; false for logs and CI
+    # Steps compiled into one program (lax.scan), the host returning between them only: the same
+    # numbers, and on this project's 2-core CPU 1.14x the study's step at 5
+    # (docs/results/benchmarks/step-levers.md). Hooks still fall on their steps; Ctrl-C waits for the dispatch.
+    steps_per_dispatch: int = 1
     # float16 gradient scaling (train/grad_scaling.py): none | global (one dynamic loss scale) |
     # per_block (DALL·E's per-resblock scales); a step with an Inf or NaN gradient is skipped.
     grad_scaling: str = "none"

@@ -52,7 +52,7 @@ OPTION_GROUPS = (
 def validate(cfg: RunConfig) -> None:
     t = cfg.trainer
     # The trainer's own counts first: the options' checks (a warm-up shorter than the run) read them.
-    for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "save_every"):
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "save_every", "steps_per_dispatch"):
         check(getattr(t, name) > 0, f"trainer.{name}={getattr(t, name)} must be positive")
     for registry, section in OPTION_GROUPS:
         registry.validate(getattr(cfg, section), cfg)

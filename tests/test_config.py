@@ -183,6 +183,9 @@ def test_zero_steps_blames_the_steps_not_the_warmup():
     with pytest.raises(ConfigError) as err:
         run_config("trainer.steps=0")
     assert str(err.value) == "trainer.steps=0 must be positive"
+    with pytest.raises(ConfigError) as err:
+        run_config("trainer.steps_per_dispatch=0")
+    assert str(err.value) == "trainer.steps_per_dispatch=0 must be positive"
 
 
 def _composing_error(*overrides: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import jax
@@ -14,6 +15,16 @@ from dalle_ablate import interrupts
 from dalle_ablate.train.perf import PeakBelowStep, mfu
 
 SCALARS = ("train/loss", "train/grad_norm", "train/param_norm", "train/lr")  # fetched every step
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Step `index` of a dispatch of `size` steps (trainer.steps_per_dispatch): `metrics` hold every
+    step of it on a leading axis, fetched once for all of them."""
+
+    metrics: dict
+    index: int
+    size: int
 
 
 class RunLog:
@@ -78,6 +89,8 @@ class StepLogger:
         self.newest = 0  # the last step queued
         self.clock, self.compiled = time.perf_counter(), False
         self.timed = True  # False: steps are logged without perf/ timing (those flushed after a Ctrl-C)
+        self.held: tuple = (None, None)  # (a dispatch's metrics, their host values): fetched once
+        self.chunk_perf: dict = {}  # the timing of a dispatch's first step, each of its steps' share
 
     def push(self, step: int, metrics: dict) -> bool:
         """Queue this step and log the one before it; False (holding nothing) once no member is
@@ -89,11 +102,11 @@ class StepLogger:
         """Fetch and log every queued step; False once no member is left running."""
         return self._drain(keep=0)
 
-    def interrupted(self, step: int, metrics) -> None:
-        """A Ctrl-C or SIGTERM stopped the job with `step` its last whole one: its metrics (None:
-        no step ran) are queued if the interrupt came between the step and its push, and what is
-        flushed from here on is logged untimed."""
-        if metrics is not None:
+    def interrupted(self, dispatched: list) -> None:
+        """A Ctrl-C or SIGTERM stopped the job: the (step, metrics) of its last dispatch are queued
+        if the interrupt came between the dispatch and their push, and what is flushed from here on
+        is logged untimed."""
+        for step, metrics in dispatched:
             self._enqueue(step, metrics)
         self.timed = False
 
@@ -102,10 +115,14 @@ class StepLogger:
             self.queue.append((step, metrics))
             self.newest = step
 
-    def fetch(self, step: int, metrics: dict) -> dict:
+    def fetch(self, step: int, metrics) -> dict:
         """The step's values on the host (blocks until the device has computed them)."""
         per_layer = step % self.t.log_every == 0 or step == self.t.steps
-        return jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
+        if not isinstance(metrics, Chunk):
+            return jax.device_get({k: v for k, v in metrics.items() if per_layer or k in SCALARS})
+        if self.held[0] is not metrics.metrics:
+            self.held = (metrics.metrics, jax.device_get(metrics.metrics))
+        return {k: v[metrics.index] for k, v in self.held[1].items() if per_layer or k in SCALARS}
 
     def _drain(self, keep: int) -> bool:
         while len(self.queue) > keep:
@@ -113,14 +130,14 @@ class StepLogger:
             values = self.fetch(step, metrics)  # Ctrl-C here: the step stays queued
             with interrupts.deferred():  # logged and dequeued together: never lost, never twice
                 self.queue.pop(0)
-                ok = self._log(step, values)
+                ok = self._log(step, values, metrics if isinstance(metrics, Chunk) else None)
             if not ok:
                 self.queue.clear()
                 return False
         return True
 
-    def _log(self, step: int, values: dict) -> bool:
-        perf = self._timing()
+    def _log(self, step: int, values: dict, chunk: Optional[Chunk] = None) -> bool:
+        perf = self._timing(chunk)
         for m in self.members:
             if m.status == "running" and not m.log.log(step, self.member(values, m.index), perf):
                 self.on_diverged(m, step)  # where its separate run ends: the step whose loss was not finite
@@ -132,15 +149,20 @@ class StepLogger:
         self.bar.update(1)
         return bool(running)
 
-    def _timing(self) -> dict:
-        """The perf/ values of the step just fetched: the first includes compilation."""
+    def _timing(self, chunk: Optional[Chunk] = None) -> dict:
+        """The perf/ values of the step just fetched: the first includes compilation. A dispatch
+        of several steps is timed at its first and each of its steps charged an equal share."""
+        if chunk is not None and chunk.index > 0:
+            return dict(self.chunk_perf)
         now = time.perf_counter()
         dt, self.clock = now - self.clock, now
+        self.chunk_perf = {}
         if not self.timed:
             return {}
         if not self.compiled:
             self.compiled = True
             return {"perf/compile_time": dt}
+        dt /= chunk.size if chunk is not None else 1
         perf = {}
         if self.share > 1:
             perf["perf/job_step_time"] = dt  # the whole program's step, all its members
@@ -152,6 +174,7 @@ class StepLogger:
             except PeakBelowStep as e:  # the run goes on; its MFU is not logged, and the line says why
                 print(f"{e}; perf/mfu is not logged for the rest of this run", file=sys.stderr, flush=True)
                 self.peak_all = None
+        self.chunk_perf = perf
         return perf
 
     def restart_clock(self) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dalle_ablate import interrupts
+from dalle_ablate.registry import ConfigError
 from dalle_ablate.config import RunConfig, member_config
 from dalle_ablate.fileio import shown
 from dalle_ablate.generate import image_grid
@@ -27,7 +28,7 @@ from dalle_ablate.track.base import ends_on_error
 from dalle_ablate.track.runstore import StoreLock, check_locks
 from dalle_ablate.train import checkpoint
 from dalle_ablate.train.hooks import Hooks, periodic_hooks
-from dalle_ablate.train.logger import RunLog, StepLogger
+from dalle_ablate.train.logger import Chunk, RunLog, StepLogger
 from dalle_ablate.train.perf import device_peak_flops
 from dalle_ablate.train.program import grid_captions, program_for
 from dalle_ablate.train.records import (
@@ -227,52 +228,85 @@ def run_steps(
     evaluations). Stops early when no member is left running (each diverged), when a hook says
     so (pruned), on Ctrl-C or SIGTERM in a run of one process (interrupted), and in a run of
     several processes on SIGTERM to any of them, every process after the same step (interrupted:
-    distributed.preempted; a Ctrl-C there is raised, the other processes would not stop with it)."""
-    metrics, batches, batch_size = None, program.batches(steps.start - 1), members[0].cfg.trainer.batch_size
+    distributed.preempted; a Ctrl-C there is raised, the other processes would not stop with it).
+    The steps go to the device trainer.steps_per_dispatch at a time (`dispatches`)."""
+    dispatched, batches, batch_size = [], program.batches(steps.start - 1), members[0].cfg.trainer.batch_size
+    dispatch = dispatcher(program, members[0].cfg.trainer.steps_per_dispatch)
     agreed = False  # every process stops after this step (a run of several)
     try:
         if left:
             hooks.run(steps.start - 1, state, left)
             log.restart_clock()
-        for step in steps:
+        for first, last in dispatches(steps, members[0].cfg.trainer.steps_per_dispatch, hooks):
             for m in members:  # a checkpoint that failed in the background stops the run here
                 if m.status == "running":
                     m.ckpt.check()
             check_locks()  # and a writer's lock in a bucket that could not be kept
-            interrupts.check()  # Ctrl-C, SIGTERM (interrupts.py): taken here, between whole steps
-            if distributed.preempted(step - 1):  # a SIGTERM to one of several processes: all stop here
+            interrupts.check()  # Ctrl-C, SIGTERM (interrupts.py): taken here, between whole dispatches
+            if distributed.preempted(first - 1):  # a SIGTERM to one of several processes: all stop here
                 agreed = True
                 interrupts.terminated()  # for the line, the summary and the exit code
                 interrupts.check()  # the press terminated() recorded, taken
                 raise KeyboardInterrupt
+            got = [program.placement.global_batch(next(batches), batch_size) for _ in range(first, last + 1)]
             # The step donates `state`: a Ctrl-C between its return and the assignment would
             # leave `state` naming deleted buffers, so the two happen together.
             with interrupts.deferred():
-                state, metrics = program.step(state, program.placement.global_batch(next(batches), batch_size))
-            if not log.push(step, metrics):
-                return "diverged", state, ""  # NaN guard: stop, and never checkpoint a broken state
-            due = hooks.due(step)
+                state, dispatched = dispatch(state, got, first)
+            for step, metrics in dispatched:
+                if not log.push(step, metrics):
+                    return "diverged", state, ""  # NaN guard: stop, and never checkpoint a broken state
+            due = hooks.due(last)
             if due:
                 if not log.flush():  # every step before a hook's work is logged first
                     return "diverged", state, ""
-                stop = hooks.run(step, state, due)
+                stop = hooks.run(last, state, due)
                 log.restart_clock()  # hook time is not step time
                 if stop:  # e.g. the sweep's pruner stopped this trial (job.py)
-                    return "pruned", state, f"pruned at step {step} of {steps.stop - 1} ({stop})"
+                    return "pruned", state, f"pruned at step {last} of {steps.stop - 1} ({stop})"
         return "finished", state, ""
     except KeyboardInterrupt as e:
         if jax.process_count() > 1 and not agreed:
             raise
-        # The last state assigned: a whole step, wherever the interrupt came. If it came between
-        # the step and its push, its metrics (assigned with it) are queued here.
+        # The last state assigned: a whole dispatch, wherever the interrupt came. If it came between
+        # the dispatch and its pushes, its metrics (assigned with it) are queued here.
         done = int(jax.device_get(state.step))
-        log.interrupted(done, metrics)
+        log.interrupted(dispatched)
         stopped = interrupts.stage_of(e, "")  # what it stopped, if not a step (e.g. an evaluation)
         return (
             "interrupted",
             state,
             f"{interrupts.word()} at step {done} of {steps.stop - 1}" + (f", {stopped}" if stopped else ""),
         )
+
+
+def dispatches(steps: range, per: int, hooks: Hooks):
+    """(first, last) step of each dispatch: `per` steps, ending where `per` divides the step (so
+    the dispatches keep one length from any start) and at every step a hook is due after."""
+    first = steps.start
+    while first < steps.stop:
+        last = min(first + per - 1 - (first - 1) % per, steps.stop - 1)
+        last = next((k for k in range(first, last) if hooks.due(k)), last)
+        yield first, last
+        first = last + 1
+
+
+def dispatcher(program, per: int):
+    """dispatch(state, batches, first step) -> (state, [(step, metrics)]): one batch, the program's
+    step; several, the same step over each in one program (lax.scan), its metrics on a leading axis."""
+    if per > 1 and jax.process_count() > 1:
+        raise ConfigError(f"trainer.steps_per_dispatch={per} is for runs of one process; this run has several: use 1")
+    scanned = jax.jit(lambda state, stacked: jax.lax.scan(program.step, state, stacked), donate_argnums=0)
+    stack = jax.jit(lambda batches: jax.tree.map(lambda *xs: jax.numpy.stack(xs), *batches))
+
+    def dispatch(state, batches: list, first: int):
+        if len(batches) == 1:
+            state, metrics = program.step(state, batches[0])
+            return state, [(first, metrics)]
+        state, metrics = scanned(state, stack(batches))
+        return state, [(first + i, Chunk(metrics, i, len(batches))) for i in range(len(batches))]
+
+    return dispatch
 
 
 def finish(cfg: RunConfig, program, members: list[Member], status: str, state, reason: str, end) -> None:

@@ -295,3 +295,43 @@ def test_a_diverging_run_stops_and_is_marked(tmp_path, small_dataset):
             outcome(cfg, JobInfo(tmp_path, name="lr1e9"), [r])
         lines.append((str(err.value), err.value.exit_code))
     assert lines[0] == lines[1] == (f"lr1e9: {res.reason} (run store {res.run_dir})", RunFailed.DIVERGED)
+
+
+class _DueAt:
+    """Hooks due after the steps given (the loop asks nothing else of them to plan its dispatches)."""
+
+    def __init__(self, *steps: int):
+        self.steps = set(steps)
+
+    def due(self, step: int) -> tuple:
+        return ("hook",) if step in self.steps else ()
+
+
+@pytest.mark.parametrize("per, start, due", [(1, 1, (3,)), (4, 1, (3, 6)), (5, 7, (9, 20)), (3, 2, ())])
+def test_dispatches_cover_every_step_once_and_end_where_a_hook_is_due(per, start, due):
+    from dalle_ablate.train.loop import dispatches
+
+    steps = range(start, 21)
+    got = list(dispatches(steps, per, _DueAt(*due)))
+    assert [s for a, b in got for s in range(a, b + 1)] == list(steps)  # each step once, in order
+    assert all(1 <= b - a + 1 <= per for a, b in got)
+    ends = {b for _, b in got}
+    assert set(due) & set(steps) <= ends  # a hook runs after the whole step it is due at
+    # Otherwise a dispatch ends only where `per` divides its last step (or the run ends there).
+    assert all(b % per == 0 or b in due or b == steps.stop - 1 for b in ends)
+
+
+def test_several_steps_per_dispatch_train_the_same_run_bit_for_bit(tmp_path, small_dataset):
+    # 7 steps with a validation and a checkpoint every 3: dispatches of 3 (compiled), 1, 2 and 1 steps.
+    cfg = run_config("tracker=none", "trainer.steps=7")
+    one = train(cfg, JobInfo(tmp_path / "one"))
+    four = train(
+        dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps_per_dispatch=4)),
+        JobInfo(tmp_path / "four"),
+    )
+    numbers = lambda run: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(run.run_dir)]  # noqa: E731
+    assert numbers(four) == numbers(one) and four.eval_loss == one.eval_loss
+    assert sorted(p.name for p in (tmp_path / "four/run/checkpoints").iterdir()) == ["6", "7"]
+    timed = {r["step"]: r["perf/step_time"] for r in read_metrics(four.run_dir) if "perf/step_time" in r}
+    assert sorted(timed) == [4, 5, 6, 7] and all(t > 0 for t in timed.values())  # steps 1-3: their dispatch compiled
+    assert timed[5] == timed[6]  # one dispatch, each step its share
