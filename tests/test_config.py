@@ -155,7 +155,7 @@ def test_a_key_added_with_plus_needs_a_schema_field():
     assert str(err.value) == (
         "unknown field 'trainer.nosuch'; valid fields of trainer: batch_size, eval_batches, eval_every, "
         "grad_accum, grad_scale_growth_every, grad_scale_init, grad_scaling, keep_checkpoints, "
-        "log_every, progress, save_every, steps"
+        "log_every, progress, save_every, steps, steps_per_dispatch"
     )
     with pytest.raises(ConfigError, match=r"^unknown field 'model.nosuch'; valid fields of model: .*\bd_model\b"):
         run_config("+model.nosuch=1")
