@@ -1,6 +1,6 @@
 """The study's train step and the quickstart's against the levers on them (issue 74), interleaved.
 
-    python benchmarks/step_levers.py [--rounds 3] [--steps 12] [--only NAME ...]
+    python benchmarks/step_levers.py [--rounds 3] [--steps 10] [--only NAME ...]
 
 Each lever runs in a child process of its own (the device count and XLA_FLAGS are fixed when JAX
 starts); every round starts each lever's child in turn, so the levers share the machine's moments
