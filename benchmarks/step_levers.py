@@ -55,6 +55,8 @@ def child(overrides: list[str], per_dispatch: int, steps: int) -> dict:
 
     from dalle_ablate.config import member_config
     from dalle_ablate.model.flops import train_flops_per_example
+    from dalle_ablate.train.logger import Chunk
+    from dalle_ablate.train.loop import dispatcher
     from dalle_ablate.train.perf import PeakMeter
     from dalle_ablate.train.program import program_for
     from dalle_ablate.validate import compose, to_run_config
@@ -65,12 +67,13 @@ def child(overrides: list[str], per_dispatch: int, steps: int) -> dict:
     state = program.init([types.SimpleNamespace(state=None) for _ in cfgs])
     it = program.batches(0)
     batch = lambda: program.placement.global_batch(next(it), cfg.trainer.batch_size)  # noqa: E731
-    if per_dispatch == 1:
-        step = program.step
-        batches = batch
-    else:  # the same step, K of them in one program: lax.scan over K batches stacked in front
-        step = jax.jit(lambda s, bs: jax.lax.scan(program.step, s, bs), donate_argnums=0)
-        batches = lambda: jax.tree.map(lambda *xs: jax.numpy.stack(xs), *[batch() for _ in range(per_dispatch)])  # noqa: E731
+    dispatch = dispatcher(program, per_dispatch)  # the trainer's own: K steps in one lax.scan program
+    batches = lambda: [batch() for _ in range(per_dispatch)]  # noqa: E731
+
+    def step(state, got):
+        state, dispatched = dispatch(state, got, 0)
+        metrics = dispatched[-1][1]
+        return state, metrics.metrics if isinstance(metrics, Chunk) else metrics
 
     def loss(metrics):
         return np.asarray(jax.device_get(metrics["train/loss"])).reshape(-1, len(cfgs))[-1]

@@ -230,14 +230,14 @@ def run_steps(
     several processes on SIGTERM to any of them, every process after the same step (interrupted:
     distributed.preempted; a Ctrl-C there is raised, the other processes would not stop with it).
     The steps go to the device trainer.steps_per_dispatch at a time (`dispatches`)."""
-    dispatched, batches, batch_size = [], program.batches(steps.start - 1), members[0].cfg.trainer.batch_size
-    dispatch = dispatcher(program, members[0].cfg.trainer.steps_per_dispatch)
+    dispatched, batches, t = [], program.batches(steps.start - 1), members[0].cfg.trainer
+    dispatch = dispatcher(program, t.steps_per_dispatch)
     agreed = False  # every process stops after this step (a run of several)
     try:
         if left:
             hooks.run(steps.start - 1, state, left)
             log.restart_clock()
-        for first, last in dispatches(steps, members[0].cfg.trainer.steps_per_dispatch, hooks):
+        for first, last in dispatches(steps, t.steps_per_dispatch, hooks):
             for m in members:  # a checkpoint that failed in the background stops the run here
                 if m.status == "running":
                     m.ckpt.check()
@@ -248,7 +248,7 @@ def run_steps(
                 interrupts.terminated()  # for the line, the summary and the exit code
                 interrupts.check()  # the press terminated() recorded, taken
                 raise KeyboardInterrupt
-            got = [program.placement.global_batch(next(batches), batch_size) for _ in range(first, last + 1)]
+            got = [program.placement.global_batch(next(batches), t.batch_size) for _ in range(first, last + 1)]
             # The step donates `state`: a Ctrl-C between its return and the assignment would
             # leave `state` naming deleted buffers, so the two happen together.
             with interrupts.deferred():
@@ -300,7 +300,7 @@ def dispatcher(program, per: int):
     stack = jax.jit(lambda batches: jax.tree.map(lambda *xs: jax.numpy.stack(xs), *batches))
 
     def dispatch(state, batches: list, first: int):
-        if len(batches) == 1:
+        if len(batches) == 1:  # K = 1, and a dispatch cut to one step by a hook: the program's own step
             state, metrics = program.step(state, batches[0])
             return state, [(first, metrics)]
         state, metrics = scanned(state, stack(batches))
