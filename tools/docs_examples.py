@@ -170,8 +170,8 @@ def first_ablation(workdir: Path) -> tuple[dict, Path]:
     """The first ablation's multirun and report: the report's judgement of each variant, each
     run's final losses, shapes all-correct and training time. (record, the report's folder)"""
     from dalle_ablate.report.build import build_sections
-    from dalle_ablate.report.load import load_runs
-    from dalle_ablate.report.tables import FINAL_METRICS, final_value
+    from dalle_ablate.report.load import final_value, load_runs
+    from dalle_ablate.report.tables import FINAL_METRICS
 
     out = run(ABLATION, workdir)
     folder = re.search(r"dalle-ablate report (multirun/\S+)", out).group(1)

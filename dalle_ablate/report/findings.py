@@ -12,11 +12,10 @@ import numpy as np
 from dalle_ablate.metrics import STUDY, Metric
 import dalle_ablate.report.measures  # noqa: F401 -- the report's own measures a study can judge
 from dalle_ablate.report import prose as P
-from dalle_ablate.report.study_file import Finding, Study, own_arms
-from dalle_ablate.report.load import Run, series
+from dalle_ablate.report.study_file import Finding, Study
+from dalle_ablate.report.load import Run, final_value, series
 from dalle_ablate.stats import verdicts as V
 from dalle_ablate.stats.basic import diff_ci
-from dalle_ablate.report.tables import final_value
 
 VERDICTS = P.VERDICTS
 
@@ -63,12 +62,6 @@ def study_series(m: Metric) -> Optional[Callable[[Run], dict]]:
 def unit_of(metric: str) -> str:
     """The unit of a study metric's numbers; "" for one not declared."""
     return STUDY[metric].unit if metric in STUDY else ""
-
-
-def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
-    """The study's arms: the baseline and those its own runs train (design.own_arms), then any
-    other that has runs or a finding names."""
-    return list(dict.fromkeys([*own_arms(study), *by_arm, *(a for f in study.findings for a in (f.arm, f.against))]))
 
 
 def arm_of(run: Run) -> Optional[str]:
@@ -304,6 +297,14 @@ def course(study: Study, by_arm: dict[str, list[Run]], arms: list[str], level: f
         for j, f in enumerate(found):
             out[f.id] = (np.array(steps, float), r["d"][:, j], r["low"][:, j], r["high"][:, j])
     return out
+
+
+def topup_rule(study: Study, by_arm: dict[str, list[Run]], needed) -> tuple[int, int]:
+    """(seeds per arm now, seeds per arm the top-up rule asks for) from each finding's seeds-needed: the
+    findings judged on the study's own runs, as --seeds adds seeds to those, not to the stress runs."""
+    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
+    own = [int(n) for n, f in zip(needed, study.findings) if n > 0 and STUDY[f.metric].reads != "given"]
+    return now, V.topup_seeds(own, now)
 
 
 def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -337,3 +338,8 @@ def series(run: Run, column: str, x: str = "step") -> tuple[np.ndarray, np.ndarr
         return np.zeros(0), np.zeros(0)
     f = run.metrics[[x, column]].dropna()
     return f[x].to_numpy(float), f[column].to_numpy(float)
+
+
+def final_value(run: Run, column: str) -> float:
+    _, v = series(run, column)
+    return float(v[-1]) if len(v) else math.nan

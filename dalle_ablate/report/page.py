@@ -26,16 +26,12 @@ from dalle_ablate.report.findings import (
     STUDY_SCALE,
     Judged,
     _arms_by,
-    claims_tables,
-    compare,
-    course,
-    shared_jobs,
     noise_sources,
-    study_arms,
     replicate,
     study_value,
     unit_of,
 )
+from dalle_ablate.report.judgement import judge_page
 from dalle_ablate.report.study_file import TOPUPS, Finding, Study
 from dalle_ablate.report.load import Run, series
 from dalle_ablate.stats.basic import blocked_residual, diverged, mean_ci
@@ -80,12 +76,12 @@ def arm_definition(arm: str) -> Optional[tuple[str, list[str]]]:
     return " ".join(comment), overrides
 
 
-def arms_section(study: Study, by_arm: dict[str, list[Run]]) -> Section:
+def arms_section(study: Study, arms: list[str]) -> Section:
     """What each arm is: its name, the comment of its conf/arm/ file and its overrides."""
     s = Section("definitions", "The arms")
     s.text.append(P.ARMS.format(experiment=study.experiment))
     rows = []
-    for arm in study_arms(study, by_arm):
+    for arm in arms:
         found = arm_definition(arm)
         what, overrides = found if found is not None else (f"(no conf/arm/{arm}.yaml in this package)", [])
         none = "none: the defaults as they are" if arm == study.baseline else "none"
@@ -352,14 +348,9 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], claims: tuple) -> 
     return noise
 
 
-def topup_section(by_arm: dict[str, list[Run]], rows: list[Judged], topups: list[dict], statistics: str) -> Section:
+def topup_section(now: int, target: int, topups: list[dict], statistics: str) -> Section:
     s = Section("topup", "Adding seeds")
     s.text.append(P.TOPUP_RULE.format(statistics=statistics))
-    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
-    # the claims judged on the study's own runs: --seeds adds seeds to those, not to the stress runs
-    target = V.topup_seeds(
-        [r.spread.needed for r in rows if r.spread.needed > 0 and STUDY[r.finding.metric].reads != "given"], now
-    )
     s.text.append(
         P.TOPUP_NOW.format(now=now, target=target, cap=f" (capped at {V.MAX_SEEDS})" if target >= V.MAX_SEEDS else "")
     )
@@ -429,20 +420,15 @@ def page_sections(
             f"study {study.name}: none of the {len(runs)} runs has a +arm= override; run its preset "
             f"experiment={study.experiment}"
         )
-    claims = claims_tables(study, by_arm, extra)  # what every section below judges and spreads
-    untestable = {**shared_jobs(study, by_arm), **(untestable or {})}
-    if study.stages is not None:  # judged at both looks (report/staged.py)
-        rows = staged.judge_study(study, claims, record, untestable)
-    else:
-        rows = compare(study, claims, untestable=untestable)
-    courses = course(study, by_arm, claims[0])
-    noise = noise_section(study, by_arm, claims)
+    judged = judge_page(study, by_arm, extra, untestable, record)  # what every section below reads
+    noise = noise_section(study, by_arm, judged.claims)
     # every seed's curve right under the arms' spreads it makes: the finished runs, the seeds the verdicts use
     finished = {a: [r for r in rs if r.status == "finished"] for a, rs in by_arm.items()}
     noise.parts.insert(
         0,
         late_section(finished, study.transition, f"{study.name}_late", where=f"[statistics]({statistics}#late-seeds)"),
     )
+    rows = judged.rows
     stages = [] if study.stages is None else [staged.study_section(study.stages, record, rows, statistics)]
     return [
         summary_section(study.name, rows, statistics),
@@ -450,11 +436,11 @@ def page_sections(
         noise,
         method_section(study, by_arm, provenance, statistics),
         notes_section(study.findings),
-        arms_section(study, by_arm),
-        claims_section(rows, courses),
-        topup_section(by_arm, rows, topups or [], statistics),
+        arms_section(study, judged.arms),
+        claims_section(rows, judged.courses),
+        topup_section(*judged.topup, topups or [], statistics),
         every_arm_section(study.baseline, by_arm),
-        figures_section(study.name, by_arm, rows, courses),
+        figures_section(study.name, by_arm, rows, judged.courses),
     ], rows
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from scipy import stats as st
 
 from dalle_ablate.metrics import STUDY
-from dalle_ablate.report.findings import study_arms
+from dalle_ablate.report.study_file import study_arms
 from dalle_ablate.stats import calibration as cal
 
 

@@ -177,11 +177,11 @@ def judge_study(
 ) -> list[Judged]:
     """Each finding of `claims` (claims_tables) judged at both looks (`looks`) beside its Spread over every
     seed; Δ is the record's (stage 1's baseline). Before stage 2 is planned, everything is look 1's."""
-    every, fixed = spreads(study, claims)
-    untestable = untestable or {}
     arms, seeds, tables = claims
     first, second = split(arms, seeds, tables, record, _given(study))
     comps = comparisons(study, arms, first)
+    every, fixed = spreads(study, claims)
+    untestable = untestable or {}
     if record is not None and "margins" in record:
         comps = [
             dataclasses.replace(c, margin=_kept(record["margins"], f.id, c.margin))

@@ -16,7 +16,7 @@ from dalle_ablate.metrics import STUDY
 from dalle_ablate.registry import ConfigError
 import dalle_ablate.report.measures  # noqa: F401 -- the report's own measures a study can judge
 from dalle_ablate.stats import stages as S
-from dalle_ablate.report.load import read_yaml
+from dalle_ablate.report.load import Run, read_yaml
 from dalle_ablate.report.transitions import Rule, rule_from
 from dalle_ablate.stats.verdicts import Margin, parse_margin
 
@@ -317,6 +317,12 @@ def own_arms(study: Study) -> list[str]:
     elsewhere = {name for name, m in STUDY.items() if m.reads == "given"}
     named = [a for f in study.findings if f.metric not in elsewhere for a in (f.arm, f.against)]
     return list(dict.fromkeys([study.baseline, *named]))
+
+
+def study_arms(study: Study, by_arm: dict[str, list[Run]]) -> list[str]:
+    """The study's arms: the baseline and those its own runs train (own_arms), then any
+    other that has runs or a finding names."""
+    return list(dict.fromkeys([*own_arms(study), *by_arm, *(a for f in study.findings for a in (f.arm, f.against))]))
 
 
 def swept_arms(study: Study, overrides: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ from dalle_ablate.data.scenes import TIERS
 from dalle_ablate.fileio import shown
 from dalle_ablate.metrics import headlines, metric
 from dalle_ablate.report import prose as P
-from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, series
+from dalle_ablate.report.load import NOT_A_CHOICE, Run, differing_fields, final_value, series
 from dalle_ablate.stats.basic import diverged, mean_ci, spikes
 
 # What the final table compares: the run's own headline metrics that have a better side (the losses).
@@ -43,11 +43,6 @@ def fmt3(v, unit: str = "") -> str:
         e = math.floor(math.log10(abs(r)))
         text = f"{r:.{max(0, 2 - e)}f}" if -3 <= e < 5 else f"{r:.2e}"
     return f"{text} {unit}" if unit else text
-
-
-def final_value(run: Run, column: str) -> float:
-    _, v = series(run, column)
-    return float(v[-1]) if len(v) else math.nan
 
 
 def baseline_tables(

@@ -9,11 +9,9 @@ import time
 from pathlib import Path
 
 from dalle_ablate.fileio import atomic_write
-from dalle_ablate.metrics import STUDY
 from dalle_ablate.registry import ConfigError
-from dalle_ablate.stats import verdicts as V
 from dalle_ablate.report.study_file import TOPUPS, Study
-from dalle_ablate.report.findings import _arms_by, claims_tables, judge
+from dalle_ablate.report.findings import _arms_by, claims_tables, judge, topup_rule
 from dalle_ablate.report.load import Run, load_runs
 
 
@@ -22,9 +20,7 @@ def topup_target(study: Study, runs: list[Run]) -> tuple[int, int]:
     by_arm = _arms_by(runs)
     arms, seeds, tables = claims_tables(study, by_arm)
     _, r = judge(study, arms, tables)
-    now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
-    own = [int(n) for n, f in zip(r["needed"], study.findings) if n > 0 and STUDY[f.metric].reads != "given"]
-    return now, V.topup_seeds(own, now)
+    return topup_rule(study, by_arm, r["needed"])
 
 
 def plan_topup(study: Study, folder: Path, seeds: str, overrides: list[str]) -> tuple[str, dict]:
