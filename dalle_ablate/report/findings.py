@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -299,7 +299,7 @@ def course(study: Study, by_arm: dict[str, list[Run]], arms: list[str], level: f
     return out
 
 
-def topup_rule(study: Study, by_arm: dict[str, list[Run]], needed) -> tuple[int, int]:
+def topup_rule(study: Study, by_arm: dict[str, list[Run]], needed: Iterable[int]) -> tuple[int, int]:
     """(seeds per arm now, seeds per arm the top-up rule asks for) from each finding's seeds-needed: the
     findings judged on the study's own runs, as --seeds adds seeds to those, not to the stress runs."""
     now = max((sum(r.status == "finished" for r in rs) for rs in by_arm.values()), default=0)
