@@ -13,25 +13,21 @@ from dalle_ablate.report.study_file import Study, study_arms
 
 @dataclass(frozen=True)
 class Judgement:
-    """What a study's runs say of its findings: the claims tables (findings.claims_tables), one judged row
-    per finding (at both looks of a staged study), each finding's course over training, the study's arms
-    (study_file.study_arms) and what a top-up would add."""
-
-    claims: tuple
-    rows: list[Judged]
-    courses: dict[str, tuple]
-    arms: list[str]
+    claims: tuple  # findings.claims_tables': (arms, seeds, metric -> values[arm, seed])
+    rows: list[Judged]  # one per finding, at both looks of a staged study
+    courses: dict[str, tuple]  # finding id -> its course over training (findings.course)
+    arms: list[str]  # study_file.study_arms
     topup: tuple[int, int]  # seeds per arm now, and the top-up rule's target (findings.topup_rule)
 
 
 def judge_page(
     study: Study,
     by_arm: dict[str, list[Run]],
-    extra: Optional[dict[str, dict[str, dict]]] = None,
-    untestable: Optional[dict[str, str]] = None,
-    record: Optional[dict] = None,
+    extra: Optional[dict[str, dict[str, dict]]],
+    untestable: Optional[dict[str, str]],
+    record: Optional[dict],
 ) -> Judgement:
-    """`study`'s findings judged on its runs by arm; `extra`, `untestable` and `record` as page_sections takes them."""
+    """`study`'s findings on its runs by arm; `extra`, `untestable` and `record` as page_sections takes them."""
     arms = study_arms(study, by_arm)
     untestable = {**shared_jobs(study, by_arm), **(untestable or {})}
     claims = claims_tables(study, by_arm, extra)

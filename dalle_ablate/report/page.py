@@ -22,15 +22,7 @@ from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged, stress
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.report.findings import (
-    STUDY_SCALE,
-    Judged,
-    _arms_by,
-    noise_sources,
-    replicate,
-    study_value,
-    unit_of,
-)
+from dalle_ablate.report.findings import STUDY_SCALE, Judged, _arms_by, noise_sources, replicate, study_value, unit_of
 from dalle_ablate.report.judgement import judge_page
 from dalle_ablate.report.study_file import TOPUPS, Finding, Study
 from dalle_ablate.report.load import Run, series
