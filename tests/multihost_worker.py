@@ -19,10 +19,10 @@ def main() -> None:
 
     from conftest import run_config
     from dalle_ablate.train.loop import JobInfo, train
-    from mesh_worker import MODEL, OPTIM
+    from mesh_worker import MESH_MODEL, OPTIM
 
     cfg = run_config(
-        *MODEL,
+        *MESH_MODEL,
         *OPTIM["adam"],
         "mesh.data=2",
         "mesh.fsdp=2",
