@@ -81,7 +81,7 @@ def run_members(out: Path, name: str, overrides: list[str]) -> dict:
 
 
 def slice_layout() -> dict:
-    """member_slice of a stack [2 members, 6, 8] on a (member 2, data 2, fsdp 1, model 2) mesh,
+    """member_slice of a stack [2 members, 6, 8] on a (member 2, data 1, fsdp 1, model 2) mesh,
     its last axis split over model: the slice's spec, the shapes of its shards and its values."""
     import jax
     import numpy as np
@@ -90,7 +90,7 @@ def slice_layout() -> dict:
 
     from dalle_ablate.train.member_program import member_slice
 
-    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 1, 2), ("member", "data", "fsdp", "model"))
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 1, 2), ("member", "data", "fsdp", "model"))
     value = np.arange(2 * 6 * 8, dtype=np.float32).reshape(2, 6, 8)
     one = member_slice({"w": jax.device_put(value, NamedSharding(mesh, P("member", None, "model")))}, 1)["w"]
     return {

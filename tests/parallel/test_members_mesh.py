@@ -16,13 +16,17 @@ import pytest
 from conftest import ROOT
 
 WORKER = str(Path(__file__).resolve().parents[1] / "members_worker.py")
-SEEDS = list(range(8))
-# (a) every member on its own device; (b) members x data: each member's batch split over 4 devices.
+# Four fake devices: four members show each on a device of its own as eight did, and each member
+# fewer is one separate run, one initialisation and one checkpoint less (and four device threads
+# fewer to share two cores).
+DEVICES = 4
+SEEDS = list(range(DEVICES))
+# (a) every member on its own device; (b) members x data: each member's batch split over 2 devices.
 # Two members in (b) are enough for it (each on its own group, their losses told apart); each member
 # more is one more initialisation and checkpoint.
 JOBS = {
-    "a": ["seeds=[0,1,2,3,4,5,6,7]", "mesh.member=8", "mesh.data=1"],
-    "b": ["seeds=[0,1]", "mesh.member=2", "mesh.data=4"],
+    "a": ["seeds=[0,1,2,3]", "mesh.member=4", "mesh.data=1"],
+    "b": ["seeds=[0,1]", "mesh.member=2", "mesh.data=2"],
 }
 
 
@@ -69,15 +73,15 @@ def test_members_on_a_member_mesh_axis_match_their_separate_runs(tmp_path, small
     # references: each seed's separate run on one device, in this process. Members x data (b) is held
     # to the same one-device runs: a batch split over data changes only the order of float32 sums
     # (test_parallel.py holds a data-split run to one device at the same tolerance). The references
-    # before the worker, not beside it: the 8-device worker, run beside another on two cores, was
+    # before the worker, not beside it: an 8-device worker, run beside another on two cores, was
     # seen to abort on a CPU collective's 40 s rendezvous timeout (one of 8 device threads never arriving).
     refs = separate_runs(tmp_path / "runs", {f"seed{k}": [f"seed={k}", "mesh.data=1"] for k in SEEDS})
-    got = result(start(8, tmp_path / "members", "members", JOBS))
-    assert refs["devices"] == 1 and got["devices"] == 8
+    got = result(start(DEVICES, tmp_path / "members", "members", JOBS))
+    assert refs["devices"] == 1 and got["devices"] == DEVICES
     assert {r["status"] for r in refs["jobs"].values()} == {"finished"}
 
     worst = {}
-    for name, groups, data in (("a", 8, 1), ("b", 2, 4)):
+    for name, groups, data in (("a", 4, 1), ("b", 2, 2)):
         job = got["jobs"][name]
         n = len(job["status"])
         assert job["status"] == ["finished"] * n
