@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -472,9 +473,14 @@ def test_the_study_command_runs_every_arm_and_a_rerun_skips_what_finished(tmp_pa
         (1, "baseline-seed1", "finished"),
     ]
 
+    # the same study as a job per seed: its seed-0 runs are the first study's (a job per seed, one seed
+    # each: one process, not members), so it starts with those and trains seed 1 -- the members' -- alone
+    alone = tmp_path / "separate" / "studies" / "mega-variants"
+    for d in ("baseline-seed0", "bias-seed0"):
+        shutil.copytree(folder / d / "run", alone / d / "run")
     separate = study("--no-members", "seed=0,1", where=tmp_path / "separate")
     assert separate.returncode == 0, separate.stderr[-2000:]
-    alone = tmp_path / "separate" / "studies" / "mega-variants"
+    assert separate.stdout.count("left as it is (resume=auto)") == 2
     assert sorted(p.name for p in alone.iterdir() if (p / "run").is_dir()) == sorted(
         p.name for p in folder.iterdir() if (p / "run").is_dir()
     )
@@ -1003,7 +1009,7 @@ def test_ctrl_c_stops_a_study_between_its_arms_and_in_its_stress_runs_with_the_c
         "+arm=baseline,bias",
         "seed=0",
         *SMALL_DATA,
-        *TINY_TRAIN,
+        *LEAN_TRAIN,
         "tracker=none",
     ]
     cmd = [sys.executable, "-m", "dalle_ablate.cli", *argv]

@@ -235,20 +235,16 @@ def test_every_stress_run_of_the_mega_study_composes():
 def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverged(tmp_path):
     from dalle_ablate.study.stress_runs import run_stress
 
-    def swish_study(where: Path, seeds: list[int]) -> Path:
-        path = study_file(where, lr=[1e-3, 3e-3, 1e30], seeds=seeds, steps=6)
-        spec = yaml.safe_load(path.read_text())
-        spec["findings"][0].update(arm="swish", against="baseline")
-        path.write_text(yaml.safe_dump(spec))
-        return path
-
     # Adam's first steps move every weight by about the rate: at 1e30 the attention logits pass
     # float32's 3.4e38 and the loss stops being finite.
-    path = swish_study(tmp_path, [0, 1])
+    path = study_file(tmp_path, lr=[1e-3, 3e-3, 1e30], seeds=[0, 1], steps=6)
+    spec = yaml.safe_load(path.read_text())
+    spec["findings"][0].update(arm="swish", against="baseline")
+    path.write_text(yaml.safe_dump(spec))
     env = dict(os.environ)  # the suite's compilation cache (conftest.py), as every run's
     folder = tmp_path / "studies" / "synthetic"
     # one evaluation and one checkpoint a run, at its end: the measures read the last evaluation alone;
-    # one decoder layer: each of the 12 jobs traces a smaller step, and each of the 6 (arm, rate) pairs
+    # one decoder layer: each of the 8 jobs traces a smaller step, and each of the 6 (arm, rate) pairs
     # compiles one (the rate is a constant of the program) -- a rate of 1e30 diverges at any depth
     overrides = [*SMALL_DATA, *TINY_TRAIN, "tracker=none", "trainer.eval_every=6", "trainer.save_every=6"]
     overrides.append("model.decoder_layers=1")
@@ -269,17 +265,19 @@ def test_stress_runs_end_to_end_and_a_rerun_starts_none_that_finished_or_diverge
     m = measures(plan, load_runs(str(where)))
     assert m[("baseline", 0)]["divergences"] == 1.0 and np.isfinite(m[("baseline", 0)]["lr_sensitivity"])
     # one process per run gives the same runs (members under map are their separate runs bit for bit):
-    # the plan's seed 0, as a process per run
-    (tmp_path / "alone").mkdir()
-    few = swish_study(tmp_path / "alone", [0])
-    alone = run_stress(few, "study_mega", tmp_path / "alone" / "synthetic", overrides, env, members=False)
-    assert alone.failed == [] and "as members" not in alone.line and "started 6 of them" in alone.line
-    for name in (run_name(arm, rate, 0) for arm in ("swish", "baseline") for rate in (1e-3, 3e-3, 1e30)):
-        a, b = (
-            json.loads((w / name / "run" / "summary.json").read_text())
-            for w in (where, stress_folder(tmp_path / "alone" / "synthetic"))
-        )
+    # two members set aside -- one that finished and one that diverged, of each arm, seed 1 (not the
+    # job's first member) -- and the plan run again as a process per run, which starts those two alone
+    aside = tmp_path / "members"
+    kept = [run_name("swish", 1e-3, 1), run_name("baseline", 1e30, 1)]
+    aside.mkdir()
+    for name in kept:
+        (where / name).rename(aside / name)
+    alone = run_stress(path, "study_mega", folder, overrides, env, members=False)
+    assert alone.failed == [] and "as members" not in alone.line and "started 2 of them" in alone.line
+    for name in kept:
+        a, b = (json.loads((w / name / "run" / "summary.json").read_text()) for w in (aside, where))
         assert (a["status"], a.get("eval/valid/loss")) == (b["status"], b.get("eval/valid/loss"))
+        assert not json.loads((where / name / "run" / "meta.json").read_text()).get("members")  # its own process
 
 
 def test_a_stability_finding_is_judged_on_the_stress_runs_values(tmp_path):
