@@ -30,7 +30,6 @@ S = optuna.trial.TrialState
 SWEEPER = dict(
     study_name="s", storage=None, direction="minimize", n_trials=3, n_jobs=1, sampler={}, pruner={}, params={}
 )
-RECHECKED = ["seeds=[0,1]", "hydra.sweeper.n_trials=3", "hydra.sweeper.recheck.top=2"]
 # Every sweep here trains two steps of a one-decoder-layer model, validated and saved at each: a
 # trial's value, its members' run stores, a pruner's report before the last step, a checkpoint
 # written mid-run (the kill's moment) all still happen, and each job's compiles are smaller.
@@ -46,6 +45,10 @@ SWEEP = [
     "optim.lr=tag(log, interval(1e-4, 1e-2))",
     "tracker=none",
 ]
+# The sweeps whose tests read only each run's final value validate and save at the last step
+# alone: a job's mid-run validation and checkpoint are what the pruning and the kill tests need.
+AT_THE_END = (f"trainer.eval_every={STEPS}", f"trainer.save_every={STEPS}")
+RECHECKED = ["seeds=[0,1]", "hydra.sweeper.n_trials=3", "hydra.sweeper.recheck.top=2", *AT_THE_END]
 
 
 def sweep(cwd: Path, *args: str) -> str:
@@ -168,6 +171,7 @@ def test_an_upper_bound_statistic_on_seeds_of_each_trial_s_own(tmp_path):
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.statistic=upper",
         "hydra.sweeper.common_seeds=false",
+        *AT_THE_END,
     )
     for t in study_of(tmp_path / "multirun").get_trials():
         dirs = t.user_attrs["members"]["run_dirs"]
