@@ -66,12 +66,22 @@ def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
+def train_here(*args: str, job: Path):
+    """`python run.py *args hydra.run.dir=<job>` for the tiny job, trained in this process: for
+    the runs whose own process adds nothing to what a test checks (a resume after the fault under
+    test: no signal, kill or exit code of its own). Its Result; a failure raises RunFailed."""
+    from dalle_ablate.train.loop import JobInfo, train
+
+    overrides = [a for a in args if a not in SMALL_DATA and not a.startswith("hydra.")]
+    return train(run_config(*overrides), JobInfo(job))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run every resumed one is compared with, step by step."""
+    """The uninterrupted run every resumed one is compared with, step by step (trained in this
+    process: the same numbers as a `run.py` child's, which compiles as this process does)."""
     tmp = tmp_path_factory.mktemp("reference")
-    proc = run_py(*TINY, "tracker=none", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_here(*TINY, "tracker=none", job=job_dir(tmp)).status == "finished"
     return job_dir(tmp) / "run"
 
 
@@ -132,8 +142,7 @@ def test_a_full_disk_stops_the_run_at_that_save_in_one_line_and_resume_continues
         shutil.copytree(tmp_path / "saved", ckpt)
     spent = summary(run)["wall_time"]
     t0 = time.perf_counter()
-    proc = run_py(*TINY, "tracker=none", "resume=auto", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_here(*TINY, "tracker=none", "resume=auto", job=job_dir(tmp_path)).status == "finished"
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 3
     assert losses(run) == losses(reference)
     assert spent < summary(run)["wall_time"] < spent + time.perf_counter() - t0  # both processes' time
@@ -187,7 +196,9 @@ def truncate_largest_file(folder: Path) -> Path:
     return biggest
 
 
-def test_a_checkpoint_that_cannot_be_restored_is_named_and_resume_falls_back_to_the_one_before(tmp_path, reference):
+def test_a_checkpoint_that_cannot_be_restored_is_named_and_resume_falls_back_to_the_one_before(
+    tmp_path, reference, capsys
+):
     """Both checkpoints truncated: one line naming the newest, exit 4, nothing changed. Only the
     newest truncated: resume=auto says so, sets it aside, continues from the one before (the
     uninterrupted run's losses) and writes that step again."""
@@ -214,9 +225,11 @@ def test_a_checkpoint_that_cannot_be_restored_is_named_and_resume_falls_back_to_
     shutil.rmtree(ckpt / "6")
     shutil.copytree(reference / "checkpoints" / "6", ckpt / "6")
     truncate_largest_file(ckpt / "6")  # the newest cut in an array file: resume falls back past it
-    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    warning = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
+    capsys.readouterr()
+    assert (
+        train_here(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", job=job_dir(tmp_path)).status == "finished"
+    )
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: checkpoint")]
     assert len(warning) == 1 and warning[0].startswith(f"warning: checkpoint {ckpt / '6'} cannot be restored (")
     assert warning[0].endswith("); resuming from step 3, the newest intact one")
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 3
@@ -258,8 +271,9 @@ def test_a_second_writer_on_a_run_store_is_refused_in_one_line_naming_the_holder
     finally:
         holder.kill()
         holder.wait()
-    proc = run_py(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        train_here(*TINY, "tracker=none", "resume=auto", "trainer.steps=9", job=job_dir(tmp_path)).status == "finished"
+    )
     assert summary(run)["steps"] == 9 and summary(run)["status"] == "finished"
 
 
@@ -447,7 +461,7 @@ def test_a_job_folder_read_only_from_the_start_fails_in_one_line_before_anything
     assert proc.stderr.count("\n") == 1 and list(job.iterdir()) == []
 
 
-def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference):
+def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_wandb_run(tmp_path, reference, capsys):
     """Killed before step 5 (checkpoint 3 written), resumed and killed again while checkpoint 6
     is being written (and in the middle of a metrics line), resumed to the end: the same losses
     as the uninterrupted run, each step once in the run store, one W&B run with every step
@@ -463,12 +477,12 @@ def test_kill_9_mid_run_and_mid_checkpoint_then_resume_matches_step_by_step_one_
     with open(run / "metrics.jsonl", "a") as f:  # what a kill in the middle of a write leaves
         f.write('{"step": 7, "train/lo')
     torn = (run / "metrics.jsonl").read_text().count("\n") + 1
-    proc = run_py(*TINY, "resume=auto", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    capsys.readouterr()
+    assert train_here(*TINY, "resume=auto", job=job_dir(tmp_path)).status == "finished"  # in this process
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
     assert (
-        f"{run / 'metrics.jsonl'}: its last line (line {torn}) was cut off mid-write; dropped it and resuming"
-        in proc.stderr
+        f"{run / 'metrics.jsonl'}: its last line (line {torn}) was cut off mid-write; dropped it and resuming" in stderr
     )
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
@@ -504,7 +518,7 @@ def killed_in_the_first_save(tmp_path_factory, reference) -> SimpleNamespace:
     out.killed = killed(tmp, "save:3", "tracker.wandb.group=g42")
     out.saved_after_kill = [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
     out.first_id = json.loads((run / "meta.json").read_text())["wandb_id"]
-    out.resumed = run_py(*TINY, "tracker.wandb.group=g42", "resume=auto", cwd=tmp)
+    out.resumed = train_here(*TINY, "tracker.wandb.group=g42", "resume=auto", job=job_dir(tmp))  # in this process
     out.wandb_runs = new_wandb_runs(before)
     return out
 
@@ -518,7 +532,7 @@ def test_kill_9_during_the_first_save_then_resume_starts_again_in_the_same_wandb
     run, first_id, proc = k.run, k.first_id, k.resumed
     assert k.killed.returncode == -signal.SIGKILL
     assert not k.saved_after_kill  # the first save was cut off
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.status == "finished"
     meta = json.loads((run / "meta.json").read_text())
     assert meta["wandb_id"] == first_id and meta["resumed_from_step"] == 0
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
@@ -546,10 +560,7 @@ def test_ctrl_c_saves_the_last_step_says_how_to_resume_in_one_line_and_exits_130
     assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, "interrupted at step 4 of 6")
     assert s["train/loss"] == pytest.approx(losses(reference)[4], rel=1e-6)
     assert s["train/first_loss"] == pytest.approx(losses(reference)[1], rel=1e-6)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_here(*again, job=job_dir(tmp_path)).status == "finished"  # the command given, in this process
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 4
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
@@ -709,7 +720,7 @@ def test_ctrl_c_between_the_jobs_of_a_multirun_gives_the_command_that_continues_
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
+def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path, capsys):
     """SIGINT while the last step's sampling evaluation draws its Pareto plot: exit 130 with the
     resume line (no traceback from the plot); the evaluation is not recorded as done, and the
     resume runs it before it says finished (its table, and its headline in the closing lines)."""
@@ -724,13 +735,12 @@ def test_ctrl_c_during_the_final_evaluation_then_resume_runs_it(tmp_path):
     )
     assert summary(run)["status"] == "interrupted" and "evaluated_step" not in summary(run)
     again = shlex.split(line.split("resume with: python run.py ", 1)[1])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    capsys.readouterr()
+    assert train_here(*again, job=job_dir(tmp_path)).status == "finished"  # the command given, in this process
+    stdout = capsys.readouterr().out
     assert (run / "tables" / "eval_pareto_6.json").exists() and (run / "media" / "eval_pareto_plot_6.png").exists()
     assert summary(run)["status"] == "finished" and summary(run)["evaluated_step"] == 6
-    closing = proc.stdout[proc.stdout.index("finished at step 6 of 6") :].splitlines()
+    closing = stdout[stdout.index("finished at step 6 of 6") :].splitlines()
     assert closing[1].startswith("  shapes/all (n=8 per scale): s1 ")
     assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == list(range(1, 7))
 
@@ -760,10 +770,7 @@ def test_sigterm_saves_the_last_step_says_terminated_and_how_to_resume_and_exits
     assert (s["status"], s["steps"], s["reason"]) == ("interrupted", 4, f"{TERM} at step 4 of 6")
     assert s["train/loss"] == pytest.approx(losses(reference)[4], rel=1e-6)
     assert lock_free(run)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *again], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_here(*again, job=job_dir(tmp_path)).status == "finished"  # the command given, in this process
     assert json.loads((run / "meta.json").read_text())["resumed_from_step"] == 4
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
 
@@ -870,7 +877,7 @@ def test_eval_of_a_checkpoint_logs_a_wandb_run_of_its_own_in_the_training_runs_g
     the module's W&B-tracked run of group g42 (killed once, resumed to its end: its W&B run in two
     processes' files), copied here."""
     trained_run = killed_in_the_first_save
-    assert trained_run.resumed.returncode == 0, trained_run.resumed.stderr[-3000:]
+    assert trained_run.resumed.status == "finished"
     shutil.copytree(trained_run.job, job_dir(tmp_path))
     run = job_dir(tmp_path) / "run"
     meta = (run / "meta.json").read_text()
