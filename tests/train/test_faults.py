@@ -653,7 +653,13 @@ def test_ctrl_c_while_python_imports_is_taken_once_they_have(tmp_path):
     """SIGINT while `python run.py` imports jax (Python's own import-time log says so): the
     imports finish, then the run stops before anything is composed or built: one line, exit 130
     -- not a traceback out of the middle of an import."""
+    # SIGINT back to its default (a background shell's children start with it ignored) by an exec
+    # wrapper, not preexec_fn: this module's in-process runs leave JAX threads that a fork could
+    # copy mid-lock.
     cmd = [
+        sys.executable,
+        "-c",
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])",
         sys.executable,
         "-X",
         "importtime",
@@ -668,7 +674,6 @@ def test_ctrl_c_while_python_imports_is_taken_once_they_have(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         for line in proc.stderr:
