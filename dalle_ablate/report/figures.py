@@ -259,8 +259,7 @@ def forest_figure(rows: list, clip: float = 8.0) -> bytes:
     ax.axvline(0, color="#444", lw=0.8)
     reach = 1.5
     for i, r in enumerate(rows):
-        side = 1 if r.finding.expect == "higher" else -1
-        scale = side / r.margin if r.margin > 0 else np.nan
+        scale = r.finding.side / r.margin if r.margin > 0 else np.nan
         y = len(rows) - 1 - i
         d = r.diff * scale
         lo, hi = sorted((r.low * scale, r.high * scale))

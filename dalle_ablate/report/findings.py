@@ -139,9 +139,7 @@ def judge(
     verdict (read against the side it predicts) and seeds-needed from its own noise."""
     comps = comparisons(study, arms, tables)
     r = V.analyse(tables, comps, alpha)
-    r["verdict"] = np.array(
-        [V.verdict(int(o), 1 if f.expect == "higher" else -1) for o, f in zip(r["outcome"], study.findings)]
-    )
+    r["verdict"] = np.array([V.verdict(int(o), f.side) for o, f in zip(r["outcome"], study.findings)])
     r["needed"] = V.seeds_needed(r["sd"], r["margin"], len(comps), alpha, **_noise(r))
     # an unresolved finding of n seeds needs n + 1 at least, whatever the plan's power says
     r["plan"], r["fewest"], r["most"] = V.seeds_to_settle(

@@ -123,8 +123,7 @@ def _interval(lo: float, hi: float, unit: str = "") -> str:
 def in_margins(r: Judged) -> tuple[float, float, float]:
     """A finding's difference and 95 % interval in units of its margin Δ, + on the side the claim
     predicts (as the forest plot draws them); NaN without a margin."""
-    side = 1 if r.finding.expect == "higher" else -1
-    scale = side / r.margin if r.margin > 0 else math.nan
+    scale = r.finding.side / r.margin if r.margin > 0 else math.nan
     low, high = sorted((r.low * scale, r.high * scale))
     return r.diff * scale, low, high
 
@@ -221,10 +220,9 @@ def over_training(r: Judged, courses: dict) -> str:
     if r.finding.id not in courses:
         return "–"
     _, _, lo, hi = courses[r.finding.id]
-    side = 1 if r.finding.expect == "higher" else -1
     ok = np.isfinite(lo) & np.isfinite(hi)
-    pro = int(np.sum(ok & ((lo > 0) if side > 0 else (hi < 0))))
-    con = int(np.sum(ok & ((hi < 0) if side > 0 else (lo > 0))))
+    pro = int(np.sum(ok & ((lo > 0) if r.finding.side > 0 else (hi < 0))))
+    con = int(np.sum(ok & ((hi < 0) if r.finding.side > 0 else (lo > 0))))
     return f"{pro} / {con} of {len(lo)}"
 
 

@@ -191,10 +191,9 @@ def judge_study(
     rows = []
     looks = S.looks(first, second, comps, study.stages.design, once)
     for f, sp, c, look, one, code in zip(study.findings, every, comps, looks, once, fixed["verdict"]):
-        side = 1 if f.expect == "higher" else -1
         # untestable at one look (no spread, or declared so) is untestable at every look
         tested = f.id not in untestable and code != V.UNTESTABLE
-        codes = [V.verdict(look[k], side) if tested else V.UNTESTABLE for k in ("look1", "look2")]
+        codes = [V.verdict(look[k], f.side) if tested else V.UNTESTABLE for k in ("look1", "look2")]
         rows.append(
             Judged(
                 f,

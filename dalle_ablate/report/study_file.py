@@ -36,6 +36,10 @@ class Finding:
     margin: Margin  # Δ, given or the metric's declared one, parsed where the file is read
     note: Optional[str] = None  # what a reader needs to know to read its verdict (how this study tests the claim)
 
+    @property
+    def side(self) -> int:  # +1 where the claim is that the arm's value is higher, -1 lower
+        return 1 if self.expect == "higher" else -1
+
 
 @dataclass
 class Study:
