@@ -60,9 +60,9 @@ def cmd_report(args) -> None:
     import time
 
     from dalle_ablate.report import build_report
-    from dalle_ablate.report.staged import read_design
+    from dalle_ablate.report.staged import read_stages
 
-    stages = read_design(args.stages) if args.stages else None  # before any run is read: one line
+    stages = read_stages(args.stages) if args.stages else None  # before any run is read: one line
     t = time.perf_counter()
     skipped: list[str] = []
     folder = build_report(

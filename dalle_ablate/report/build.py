@@ -385,7 +385,7 @@ def sweep_study(db: Path):
 
 def _same_plan(kept: dict, now: dict, stages: Stages, path: Path) -> None:
     """A staged report judges what its first report froze beside it: the same design and margins."""
-    staged.check_design(kept, stages, f"--stages: {path}")
+    staged.check_stages(kept, stages, f"--stages: {path}")
     if kept.get("margins") != now.get("margins"):
         raise ConfigError(
             f"--stages: {path} froze the margins {kept.get('margins')}, this report's are {now.get('margins')}; a "

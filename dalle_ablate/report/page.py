@@ -469,7 +469,7 @@ def write_page(
 
     inputs = source if isinstance(source, StudyRuns) else in_folder(str(source))
     if inputs.stages is not None and study.stages is not None:  # judged under the design it was planned under
-        staged.check_design(inputs.stages, study.stages, f"study {study.name}: its kept {staged.RECORD}")
+        staged.check_stages(inputs.stages, study.stages, f"study {study.name}: its kept {staged.RECORD}")
     page_dir = Path(page_dir)
     (page_dir / "figures").mkdir(parents=True, exist_ok=True)
     stress_part, measured, untestable = (

@@ -40,19 +40,19 @@ def write_record(folder, record: dict) -> None:
     atomic_write(Path(folder) / RECORD, json.dumps(record, indent=1) + "\n")
 
 
-def design_of(stages: Stages) -> dict:
-    """What a plan's judgement depends on besides its runs: the declared design, kept with the plan."""
+def kept_stages(stages: Stages) -> dict:
+    """What a plan's judgement depends on besides its runs: the declared stages, kept with the plan."""
     return dataclasses.asdict(stages)
 
 
-def check_design(plan: dict, stages: Stages, where: str) -> None:
+def check_stages(plan: dict, stages: Stages, where: str) -> None:
     """Refuse, in one line naming the first difference, to judge a kept plan under a design other
     than the one it was made under (w1 or the boundaries chosen after stage 2 was seen inflate the
     false-difference rate: docs/statistics.md). A plan kept before designs were kept has none."""
     kept = plan.get("design")
     if kept is None:
         return
-    now = design_of(stages)
+    now = kept_stages(stages)
     diff = next((k for k in sorted(set(kept) | set(now)) if kept.get(k) != now.get(k)), None)
     if diff is not None:
         raise ConfigError(
@@ -61,8 +61,8 @@ def check_design(plan: dict, stages: Stages, where: str) -> None:
         )
 
 
-def read_design(path: str) -> Stages:
-    """--stages FILE's design, checked: one line naming the file and what would be valid."""
+def read_stages(path: str) -> Stages:
+    """--stages FILE's declared stages, checked: one line naming the file and what would be valid."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"--stages {path}: no such file; give a YAML file with a stages: mapping (a study file's)")
@@ -116,7 +116,7 @@ def plan(study: Study, by_arm: dict[str, list[Run]], stage1: list[int], extra: O
     account = plan_tables(
         study.stages, arms, first, comps, ~one_look(study), seconds_per_run(by_arm), ids, f"study {study.name}"
     )
-    return {"declared": study.stages.declared, "design": design_of(study.stages), "stage1": list(stage1), **account}
+    return {"declared": study.stages.declared, "design": kept_stages(study.stages), "stage1": list(stage1), **account}
 
 
 def plan_tables(
@@ -135,7 +135,7 @@ def plan_tables(
     if not comps:  # one variant: nothing to compare, nothing for stage 2 to add to
         empty = {"margins": {}, "rule": stages.rule, "budget": {stages.unit: stages.budget}, "spent": 0.0}
         return {**empty, "seconds_per_run": {}, "stage2": {}, "open": {}}
-    chance, open_ = A.chances(first, comps, stages.design, own, stages.cap)
+    chance, open_ = A.chances(first, comps, stages.combination, own, stages.cap)
     # the arms stage 2 could raise: those of a finding still open that its runs add to (one whose
     # arm has no stage-1 run, left out of this study's `+arm=`, is not open: it was never tested)
     raisable = sorted({i for c, o, op in zip(comps, own, open_) if o and op for i in (c.arm, c.against)})
@@ -189,7 +189,7 @@ def judge_study(
         ]
     once = one_look(study)
     rows = []
-    looks = S.looks(first, second, comps, study.stages.design, once)
+    looks = S.looks(first, second, comps, study.stages.combination, once)
     for f, sp, c, look, one, code in zip(study.findings, every, comps, looks, once, fixed["verdict"]):
         # untestable at one look (no spread, or declared so) is untestable at every look
         tested = f.id not in untestable and code != V.UNTESTABLE
@@ -303,11 +303,11 @@ def judge_report(
     ids = [f"{v} / {m}" for v, m in keys]
     every = np.ones(len(comps), bool)
     account = plan_tables(stages, list(done), first1, comps, every, seconds_per_run(done), ids, "report")
-    record = {"declared": stages.declared, "design": design_of(stages), "stage1": stage1, **account}
+    record = {"declared": stages.declared, "design": kept_stages(stages), "stage1": stage1, **account}
     variants, seeds, tables, _, _ = baseline_tables(by_variant, baseline, margins)
     first, second = split(variants, seeds, tables, record)
     rows = against_baseline(by_variant, baseline, margins)
-    for (v, m), c, look in zip(keys, comps, S.looks(first, second, comps, stages.design, ~every)):
+    for (v, m), c, look in zip(keys, comps, S.looks(first, second, comps, stages.combination, ~every)):
         lower = metric(m).better == "lower"
         rows[(v, m)].update(
             {k: look[k] for k in ("d", "low", "high", "fw_low", "fw_high", "stage_n")},
@@ -334,7 +334,7 @@ def stage2_command(runs: list[Run], seeds: list[int]) -> str:
 
 
 def report_section(stages: Stages, record: dict, judged_rows: dict, by_variant: dict[str, list[Run]]) -> Section:
-    """A report's stages: the design, stage 1's seeds, what the rule asked for and the commands that train
+    """A report's stages: their declaration, stage 1's seeds, what the rule asked for and the commands that train
     it, then per comparison its verdict at each look, the rule's reason and its seeds per stage."""
     s = Section("stages", P.STAGES_TITLE)
     s.text.append(P.REPORT_STAGES.format(**design_words(stages)))

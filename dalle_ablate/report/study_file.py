@@ -171,8 +171,8 @@ class Stages:
     rule: str = "budget"
 
     @property
-    def design(self) -> S.Design:
-        return S.Design(self.w1, self.boundaries)
+    def combination(self) -> S.Combination:
+        return S.Combination(self.w1, self.boundaries)
 
     def seeds(self, n: int) -> list[int]:
         """Stage 2's first n seeds (every arm's are the same seeds: its k-th pairs with the others')."""

@@ -12,7 +12,7 @@ from dalle_ablate.stats import verdicts as V
 
 
 def settle_chance(
-    z1: dict, d, sd, margin, pairs, left, design: S.Design, alpha: float = V.ALPHA, left_eq=None
+    z1: dict, d, sd, margin, pairs, left, combination: S.Combination, alpha: float = V.ALPHA, left_eq=None
 ) -> np.ndarray:
     """P(a finding is settled by look 2 | stage 1) with `pairs` stage-2 seeds, if its true difference
     were `d` and one seed's difference had sd `sd`. `z1`: stage 1's one-sided scores (stages.stage_z)
@@ -21,10 +21,10 @@ def settle_chance(
     equivalence's (default: `left`). All broadcast; 0 where pairs < 2 (no stage-2 test); no
     equivalence without a margin (NaN or 0)."""
     pairs, margin = np.asarray(pairs, np.float64), np.asarray(margin, np.float64)
-    c_diff = _c2(alpha / (2 * np.asarray(left)), design)
-    c_eq = _c2(alpha / np.asarray(left if left_eq is None else left_eq), design)
+    c_diff = _c2(alpha / (2 * np.asarray(left)), combination)
+    c_eq = _c2(alpha / np.asarray(left if left_eq is None else left_eq), combination)
     d = np.asarray(d, np.float64)
-    side = lambda z, c, effect: _passes(z, c, effect, sd, pairs, design)  # noqa: E731
+    side = lambda z, c, effect: _passes(z, c, effect, sd, pairs, combination)  # noqa: E731
     differs = side(z1["up"], c_diff, d) + side(z1["down"], c_diff, -d)  # the two sides exclude each other
     # TOST needs both: at least P(above) + P(below) - 1 (Fréchet), of the one event or the other
     equivalent = np.maximum(side(z1["above"], c_eq, d + margin) + side(z1["below"], c_eq, margin - d) - 1.0, 0.0)
@@ -33,29 +33,29 @@ def settle_chance(
     return np.where(pairs >= 2, np.clip(np.nan_to_num(p), 0.0, 1.0), 0.0)
 
 
-def _passes(z1, c2, effect, sd, pairs, design: S.Design) -> np.ndarray:
+def _passes(z1, c2, effect, sd, pairs, combination: S.Combination) -> np.ndarray:
     """P(one one-sided test rejects by look 2): its combined statistic w1 z1 + w2 z2 past c2, z2 the
     stage-2 paired t test's normal score (stages.stage_z), i.e. its t statistic past a t quantile,
     which the t of k seeds passes with the noncentral t's probability, noncentrality the true
     distance beyond the test's bound over the mean's se (`effect` sqrt(k) / sd)."""
-    need = (c2 - design.w1 * np.asarray(z1, np.float64)) / design.w2  # the z2 the combination needs
+    need = (c2 - combination.w1 * np.asarray(z1, np.float64)) / combination.w2  # the z2 the combination needs
     df = np.maximum(pairs - 1, 1)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         t_need = st.t.isf(st.norm.sf(need), df)
         return st.nct.sf(t_need, df, effect * np.sqrt(pairs) / np.asarray(sd, np.float64))
 
 
-def _c2(level, design: S.Design) -> np.ndarray:
+def _c2(level, combination: S.Combination) -> np.ndarray:
     """The combined statistic's boundary at each one-sided level (stages.boundaries, cached)."""
     level = np.asarray(level, np.float64)
-    flat = [S.boundaries(float(a), design.w1**2, design.kind)[1] for a in level.ravel()]
+    flat = [S.boundaries(float(a), combination.w1**2, combination.kind)[1] for a in level.ravel()]
     return np.reshape(flat, level.shape)
 
 
 def plan(
     first: dict[str, np.ndarray],
     comparisons: list[V.Comparison],
-    design: S.Design,
+    combination: S.Combination,
     arms: list[tuple[int, int]],
     can_add: np.ndarray,
     cost: np.ndarray,
@@ -67,13 +67,18 @@ def plan(
     [..., arms], at most `cap`; which findings were open after look 1). `arms`: each comparison's
     (arm, against) as indices into `cost` (the arms of the runs stage 2 adds to); `can_add`: the
     comparisons judged on those runs (not on stress runs of a plan of their own)."""
-    chance, open_ = chances(first, comparisons, design, can_add, cap, alpha)
+    chance, open_ = chances(first, comparisons, combination, can_add, cap, alpha)
     ends = np.array(arms).T
     return allocate(chance, ends[0], ends[1], cost, budget), open_
 
 
 def chances(
-    first: dict[str, np.ndarray], comparisons: list[V.Comparison], design: S.Design, can_add, cap: int, alpha=V.ALPHA
+    first: dict[str, np.ndarray],
+    comparisons: list[V.Comparison],
+    combination: S.Combination,
+    can_add,
+    cap: int,
+    alpha=V.ALPHA,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(each finding's chance to settle by look 2 with k = 0 .. cap paired stage-2 seeds [...,
     findings, k], 0 for one settled at look 1 or without runs to add; which were open after look
@@ -89,9 +94,9 @@ def chances(
     none = np.full(d.shape, -np.inf)  # no stage 2 yet: what look 1 settles
     tested = np.isfinite(d) & (df >= 1)
     single = ~np.broadcast_to(np.asarray(can_add, bool), d.shape)
-    differs, _ = S.holm_by_look([(z1["up"], none), (z1["down"], none)], alpha, design, tested, 2, single)
+    differs, _ = S.holm_by_look([(z1["up"], none), (z1["down"], none)], alpha, combination, tested, 2, single)
     has = tested & np.isfinite(margin) & (margin > 0)  # equivalence needs a margin
-    equivalent, _ = S.holm_by_look([(z1["above"], none), (z1["below"], none)], alpha, design, has, 1, single)
+    equivalent, _ = S.holm_by_look([(z1["above"], none), (z1["below"], none)], alpha, combination, has, 1, single)
     open_ = tested & ~differs & ~equivalent
     # Holm's families at look 2: the hypotheses of each not yet rejected (a finding settled as
     # equivalent still holds a place in the difference's, and the other way round)
@@ -99,7 +104,7 @@ def chances(
     left_eq = np.maximum((has & ~equivalent).sum(-1), 1)[..., None, None]
     k = np.arange(cap + 1)
     z = {n: v[..., None] for n, v in z1.items()}
-    chance = settle_chance(z, d[..., None], sd[..., None], margin[..., None], k, left, design, alpha, left_eq)
+    chance = settle_chance(z, d[..., None], sd[..., None], margin[..., None], k, left, combination, alpha, left_eq)
     return np.where((open_ & np.asarray(can_add, bool))[..., None], chance, 0.0), open_
 
 

@@ -120,7 +120,7 @@ def topped_up(
 # A staged study's simulation: stage 2 adds at most this many seeds per arm; the design declares
 # equal weights (stage 2 planned as large as stage 1) and Lan-DeMets O'Brien-Fleming-type spending.
 STAGE2_CAP = 12
-STAGED_DESIGN = S.Design()
+COMBINATION = S.Combination()
 # The misuse's stage 2 goes to the arms of the findings closest to settling at stage 1, this many.
 PROMISING = 4
 RULES = ("declared", "adaptive", "budget")
@@ -136,7 +136,7 @@ def staged(
     cap: int = STAGE2_CAP,
     budget: float | None = None,
 ) -> tuple[dict, np.ndarray, np.ndarray, dict, dict]:
-    """Studies in two stages (stats/stages.py, the combination test of STAGED_DESIGN): stage 1 at
+    """Studies in two stages (stats/stages.py, its combination test, COMBINATION): stage 1 at
     the structure's seeds, stage 2 on new seeds of the study's own runs (the stress runs' metrics
     have none), as `rule` says:
     * "declared": the budget spread evenly over every arm;
@@ -163,7 +163,7 @@ def staged(
     elif rule == "budget":
         ends = [(arms.index(a), arms.index(b)) if m in s.topped else (0, 0) for m, a, b in s.claims]
         own = [m in s.topped for m, _, _ in s.claims]
-        seeds2, _ = A.plan(first, comps, STAGED_DESIGN, ends, own, np.ones(len(arms)), spend, cap)
+        seeds2, _ = A.plan(first, comps, COMBINATION, ends, own, np.ones(len(arms)), spend, cap)
     else:
         raise ValueError(f"rule {rule!r}: one of {', '.join(RULES)}")
     for m in s.topped:
@@ -172,7 +172,7 @@ def staged(
         second[m] = np.full_like(second[m], np.nan)
     # the stress runs' claims have no stage 2: one look each, their fixed-design test
     single = np.array([m not in s.topped for m, _, _ in s.claims])
-    res = S.analyse_staged(first, second, comps, STAGED_DESIGN, single=single)
+    res = S.analyse_staged(first, second, comps, COMBINATION, single=single)
     return res, res["differs2"], seeds2, first, second
 
 

@@ -20,8 +20,8 @@ KINDS = ("OF", "P", "asOF", "asP")
 
 
 @dataclass(frozen=True)
-class Design:
-    """A two-stage design, declared before stage 1: stage 1's weight w1 (stage 2's is
+class Combination:
+    """The combination test of a study in two stages, declared before stage 1: stage 1's weight w1 (stage 2's is
     sqrt(1 - w1²)), e.g. sqrt(n1 / (n1 + n2)) for the seeds planned, and the boundaries' kind."""
 
     w1: float = math.sqrt(0.5)
@@ -107,7 +107,7 @@ def reject_by_look(z1, z2, w1: float, c: tuple, single=None):
 
 
 def holm_by_look(
-    sides, alpha: float, design: Design, tested, split: int = 1, single=None
+    sides, alpha: float, combination: Combination, tested, split: int = 1, single=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Holm's step-down over the last axis at both looks (Posch et al. 2005; Maurer & Bretz 2013).
     `sides`: a list of (z1, z2) pairs, the one-sided tests of each hypothesis; `split` = 1: the
@@ -119,23 +119,23 @@ def holm_by_look(
     k = int(tested.sum(-1).max()) if tested.size else 0
     r1 = np.zeros(tested.shape, int)
     r2 = np.zeros(tested.shape, int)
-    for m, at1, at2 in _by_level(sides, alpha, design, k, split, single):
+    for m, at1, at2 in _by_level(sides, alpha, combination, k, split, single):
         combine = np.logical_or if split == 2 else np.logical_and
         r1 += functools.reduce(combine, at1)
         r2 += functools.reduce(combine, at2)
     return _step_down(r1, tested), _step_down(r2, tested)
 
 
-def _by_level(sides, alpha: float, design: Design, k: int, split: int, single):
+def _by_level(sides, alpha: float, combination: Combination, k: int, split: int, single):
     """For m = 1 .. k: (m, each side's rejections at look 1, by look 2) at Holm's level alpha / m."""
     for m in range(1, k + 1):
         level = alpha / (m * split)
-        c = (*boundaries(level, design.w1**2, design.kind), float(st.norm.isf(level)))
-        by = [reject_by_look(z1, z2, design.w1, c, single) for z1, z2 in sides]
+        c = (*boundaries(level, combination.w1**2, combination.kind), float(st.norm.isf(level)))
+        by = [reject_by_look(z1, z2, combination.w1, c, single) for z1, z2 in sides]
         yield m, [b[0] for b in by], [b[1] for b in by]
 
 
-def sides_by_look(sides, alpha: float, design: Design, tested, single=None) -> tuple[np.ndarray, np.ndarray]:
+def sides_by_look(sides, alpha: float, combination: Combination, tested, single=None) -> tuple[np.ndarray, np.ndarray]:
     """A two-sided hypothesis tested as its two one-sided tests (holm_by_look with split = 2): which
     side rejected it at look 1 and by look 2 -- +1 the first side, -1 the second, 0 not rejected --
     each at the level Holm's step-down rejected it at (alpha / (2 m) a side, m the hypotheses left
@@ -144,7 +144,7 @@ def sides_by_look(sides, alpha: float, design: Design, tested, single=None) -> t
     tested = np.asarray(tested, bool)
     k = int(tested.sum(-1).max()) if tested.size else 0
     counts = [[np.zeros(tested.shape, int) for _ in sides] for _ in range(2)]  # [look][side]
-    for _, at1, at2 in _by_level(sides, alpha, design, k, 2, single):
+    for _, at1, at2 in _by_level(sides, alpha, combination, k, 2, single):
         for look, at in enumerate((at1, at2)):
             for i, a in enumerate(at):
                 counts[look][i] += a
@@ -183,7 +183,7 @@ def analyse_staged(
     first: dict[str, np.ndarray],
     second: dict[str, np.ndarray],
     comparisons: list[V.Comparison],
-    design: Design,
+    combination: Combination,
     alpha: float = V.ALPHA,
     single=None,
 ) -> dict[str, np.ndarray]:
@@ -205,15 +205,15 @@ def analyse_staged(
         z["over" + name] = stage_z(s["d"], s["se"], s["df"], s["margin"])  # against δ <= Δ
         z["under" + name] = stage_z(-s["d"], s["se"], s["df"], s["margin"])  # against δ >= -Δ
     tested = np.isfinite(s1["d"]) & (s1["df"] >= 1)
-    look = functools.partial(holm_by_look, alpha=alpha, design=design, single=single)
+    look = functools.partial(holm_by_look, alpha=alpha, combination=combination, single=single)
     differ = [(z["up1"], z["up2"]), (z["down1"], z["down2"])]
     differs1, differs2 = look(differ, tested=tested, split=2)
     has = tested & np.isfinite(s1["margin"]) & (s1["margin"] > 0)
     eq1, eq2 = look([(z["above1"], z["above2"]), (z["below1"], z["below2"])], tested=has)
     beyond = [(z["over1"], z["over2"]), (z["under1"], z["under2"])]
     beyond1, beyond2 = look(beyond, tested=has, split=2)
-    side1, side2 = sides_by_look(differ, alpha, design, tested, single)
-    beyond_side1, beyond_side2 = sides_by_look(beyond, alpha, design, has, single)
+    side1, side2 = sides_by_look(differ, alpha, combination, tested, single)
+    beyond_side1, beyond_side2 = sides_by_look(beyond, alpha, combination, has, single)
     return {
         "d1": s1["d"],
         "se1": s1["se"],
@@ -236,21 +236,21 @@ def analyse_staged(
     }
 
 
-def repeated_interval(d1, se1, df1, d2, se2, df2, design: Design, alpha_side: float) -> tuple[tuple, tuple]:
+def repeated_interval(d1, se1, df1, d2, se2, df2, combination: Combination, alpha_side: float) -> tuple[tuple, tuple]:
     """The repeated confidence intervals of one comparison at its two looks (Jennison & Turnbull
     2000, ch. 9), each side at the boundaries of level alpha_side: at look 1, d1 ± t_df1(Φ(c1)) se1;
     at look 2, the differences δ0 whose combined statistic w1 z1(δ0) + w2 z2(δ0) lies within ±c2,
     z_j(δ0) the stage's t test of δ0 made normal (stage_z). Together they cover the true difference
     at both looks with probability at least 1 - 2 alpha_side; look j's excludes 0 exactly where that
     look's test rejects it. Without a stage-2 test, look 2's is look 1's."""
-    c1, c2 = boundaries(alpha_side, design.w1**2, design.kind)
+    c1, c2 = boundaries(alpha_side, combination.w1**2, combination.kind)
     half = st.t.ppf(st.norm.cdf(c1), df1) * se1
     look1 = (d1 - half, d1 + half)
     if not (np.isfinite(d2) and df2 >= 1 and se2 > 0):  # no stage-2 test: what look 1 showed
         return look1, look1
 
     def combined(delta: float) -> float:
-        return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), design.w1))
+        return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), combination.w1))
 
     span = 50 * (se1 + se2) + abs(d1) + abs(d2)
     low = optimize.brentq(lambda x: combined(x) - c2, min(d1, d2) - span, max(d1, d2) + span, xtol=1e-12)
@@ -272,7 +272,7 @@ def outcome_at(res: dict, look: int) -> np.ndarray:
     return out
 
 
-def combined_estimate(d1, se1, df1, d2, se2, df2, design: Design) -> float:
+def combined_estimate(d1, se1, df1, d2, se2, df2, combination: Combination) -> float:
     """The difference the two stages together point at: the δ against which the combined statistic
     is 0, the one a test of it is least able to reject (median-unbiased where the study cannot stop
     at look 1: it is then the median of the combined test's confidence distribution); stage 1's
@@ -281,7 +281,7 @@ def combined_estimate(d1, se1, df1, d2, se2, df2, design: Design) -> float:
         return float(d1)
 
     def combined(delta: float) -> float:
-        return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), design.w1))
+        return float(combined_z(stage_z(d1, se1, df1, delta), stage_z(d2, se2, df2, delta), combination.w1))
 
     return float(optimize.brentq(combined, min(d1, d2) - 1e-9, max(d1, d2) + 1e-9, xtol=1e-12))
 
@@ -290,7 +290,7 @@ def looks(
     first: dict[str, np.ndarray],
     second: dict[str, np.ndarray],
     comps: list[V.Comparison],
-    design: Design,
+    combination: Combination,
     once: np.ndarray,
 ) -> list[dict]:
     """Each comparison judged at both looks (analyse_staged): its outcome at look 1 and by
@@ -299,7 +299,7 @@ def looks(
     cover the true difference at every look at once, so their intersection does too, and it
     excludes 0 wherever either look's test at that level rejects); a comparison of one look
     (`once`: on stress runs) gets its fixed-design t intervals. `stage_n`: its pairs per stage."""
-    res = analyse_staged(first, second, comps, design, single=once)
+    res = analyse_staged(first, second, comps, combination, single=once)
     outcomes = [outcome_at(res, 1), outcome_at(res, 2)]
     m, out = len(comps), []
     for j in range(m):
@@ -308,9 +308,11 @@ def looks(
             (low, high), (fw_low, fw_high) = (_t_interval(d1, se1, df1, a) for a in (V.ALPHA, V.ALPHA / m))
             estimate = d1
         else:
-            low, high = _intersection(*repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / 2))
-            fw_low, fw_high = _intersection(*repeated_interval(d1, se1, df1, d2, se2, df2, design, V.ALPHA / (2 * m)))
-            estimate = combined_estimate(d1, se1, df1, d2, se2, df2, design)
+            low, high = _intersection(*repeated_interval(d1, se1, df1, d2, se2, df2, combination, V.ALPHA / 2))
+            fw_low, fw_high = _intersection(
+                *repeated_interval(d1, se1, df1, d2, se2, df2, combination, V.ALPHA / (2 * m))
+            )
+            estimate = combined_estimate(d1, se1, df1, d2, se2, df2, combination)
         out.append(
             {
                 "d": estimate,

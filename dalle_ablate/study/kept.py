@@ -117,13 +117,13 @@ class Kept:
     def _take_plan(self, folder: Path) -> None:
         """A study under way planned its stage 2 in its folder: that plan is the study's."""
         from dalle_ablate.fileio import atomic_write
-        from dalle_ablate.report.staged import check_design
+        from dalle_ablate.report.staged import check_stages
 
         kept = Path(folder) / STAGES
         if self.stages() is None and kept.is_file() and self.study.stages is not None:
             from dalle_ablate.report.load import read_json
 
-            check_design(read_json(kept), self.study.stages, str(kept))
+            check_stages(read_json(kept), self.study.stages, str(kept))
             self.freeze()
             atomic_write(self.record.root / STAGES, kept.read_text())
 

@@ -68,7 +68,7 @@ def run_stage2(
     keep, done = (kept.keep, kept.done) if kept else (folder, frozenset())
     record = staged.read_record(keep)
     if record is not None:
-        staged.check_design(record, study.stages, f"study {study.name}: {Path(keep) / staged.RECORD}")
+        staged.check_stages(record, study.stages, f"study {study.name}: {Path(keep) / staged.RECORD}")
     else:
         inputs = kept.inputs if kept else in_folder(str(folder))
         stage1 = kept.stage1 if kept else list(plan.sweep.seeds)

@@ -228,8 +228,8 @@ def collect(
     return record
 
 
-def design(conf: RecheckConf, used: list[int], seeds: list[int]):
-    """hydra.sweeper.recheck.stages as its declared design (report/design.Stages), checked before
+def stages_of(conf: RecheckConf, used: list[int], seeds: list[int]):
+    """hydra.sweeper.recheck.stages as its declared Stages (report/study_file.py), checked before
     stage 1 runs: one line naming the field; stage 2's seeds new to the sweep and to stage 1."""
     from dalle_ablate.report.study_file import stages_from
 
@@ -306,13 +306,13 @@ def _stage2_plan(folder: Path, stages, trials: list, arms: list[str], seeds1: li
                 f"{path}: stage 2 was planned for the re-check of {sorted(plan['stage2'])} on stage-1 seeds "
                 f"{plan['stage1']}, this one re-checks {arms} on {seeds1}; move the file away to plan anew"
             )
-        plans.check_design(plan, stages, str(path))
+        plans.check_stages(plan, stages, str(path))
         return plan
     cost = plans.seconds_per_run({a: member_runs(folder / job_folder(t.number)) for a, t in zip(arms, trials)})
     ids = [f"{arms[0]} vs {arms[c.against]}" for c in comps]
     every = np.ones(len(comps), bool)
     account = plans.plan_tables(stages, arms, {"v": values1}, comps, every, cost, ids, "hydra.sweeper.recheck")
-    plan = {"declared": stages.declared, "design": plans.design_of(stages), "stage1": seeds1, **account}
+    plan = {"declared": stages.declared, "design": plans.kept_stages(stages), "stage1": seeds1, **account}
     atomic_write(path, json.dumps(plan, indent=1) + "\n")  # before any stage-2 job: what stage 1 showed
     return plan
 
@@ -326,7 +326,7 @@ def _judge_both_looks(against: list[dict], values1, values2, comps, stages, mini
 
     nan1, nan2 = np.full_like(values2, math.nan), np.full_like(values1, math.nan)
     first, second = {"v": np.hstack([values1, nan1])}, {"v": np.hstack([nan2, values2])}
-    for entry, look in zip(against, S.looks(first, second, comps, stages.design, np.zeros(len(comps), bool))):
+    for entry, look in zip(against, S.looks(first, second, comps, stages.combination, np.zeros(len(comps), bool))):
         name = f"trial {entry['trial']}"
         words = [prose.against_baseline(look[k], minimize).replace("the baseline", name) for k in ("look1", "look2")]
         entry.pop("p")  # the combined test has no one p-value

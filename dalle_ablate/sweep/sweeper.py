@@ -389,7 +389,9 @@ class OptunaSweeper(Sweeper):
             log.warning(f"re-check skipped: {len(best)} complete trial(s), it needs 2")
             return None
         seeds = rechecks.fresh_seeds(self.recheck, self.used_seeds(study), len(self.seeds or [0]))
-        stages = None if self.recheck.stages is None else rechecks.design(self.recheck, self.used_seeds(study), seeds)
+        stages = (
+            None if self.recheck.stages is None else rechecks.stages_of(self.recheck, self.used_seeds(study), seeds)
+        )
         batch = [rechecks.job_overrides(space.overrides(t.params), seeds, t.number) + ["resume=auto"] for t in best]
         log.info(f"re-check: trials {[t.number for t in best]} on fresh seeds {seeds}")
 

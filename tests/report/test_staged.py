@@ -168,11 +168,11 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     by_arm = _arms_by(load_runs(str(runs)))
     rows = staged.judge_study(study, claims_tables(study, by_arm), record)
     verdicts = {r.finding.id: (r.look1, P.VERDICTS[r.code]) for r in rows}
-    design = study.stages.design
+    combination = study.stages.combination
     z1 = oracle_z(np.array(STAGE1["close"]), np.array(STAGE1["base"]))
     z2 = oracle_z(np.array(second["close"]), np.array(second["base"]))
-    c1, c2 = S.boundaries(0.05 / 2, design.w1**2, design.kind)  # Holm's last step: one finding, α/2 a side
-    assert z1 < c1 and design.w1 * z1 + design.w2 * z2 >= c2  # the oracle: settled by look 2, not at look 1
+    c1, c2 = S.boundaries(0.05 / 2, combination.w1**2, combination.kind)  # Holm's last step: one finding, α/2 a side
+    assert z1 < c1 and combination.w1 * z1 + combination.w2 * z2 >= c2  # the oracle: settled by look 2, not at look 1
     # and beyond its Δ of 0.03 too (its repeated interval above it): reproduced
     assert verdicts["close"] == ("not resolved", "reproduced")
     assert verdicts["worse"][0] == "reproduced, possibly smaller than Δ"
@@ -183,7 +183,7 @@ def test_each_finding_is_judged_at_both_looks_as_the_combination_test_and_holm_s
     d = lambda x, y: np.array(x) - np.array(y)  # noqa: E731
     a, b = d(STAGE1["close"], STAGE1["base"]), d(second["close"], second["base"])
     (_, want) = S.repeated_interval(
-        a.mean(), a.std(ddof=1) / math.sqrt(3), 2, b.mean(), b.std(ddof=1) / math.sqrt(3), 2, design, 0.025
+        a.mean(), a.std(ddof=1) / math.sqrt(3), 2, b.mean(), b.std(ddof=1) / math.sqrt(3), 2, combination, 0.025
     )
     assert (close.low, close.high) == pytest.approx(want) and close.low > 0.03
     assert close.stage_n == (3, 3) and min(a.mean(), b.mean()) <= close.diff <= max(a.mean(), b.mean())
@@ -193,25 +193,27 @@ def test_a_rejected_difference_is_on_the_side_whose_test_rejected_it():
     """Two findings: the first settles by look 2 through its combined statistic (up); that frees
     Holm's level for the second, which its stage-1 statistic alone then rejects -- on the down side,
     though its combined one points up. Its side is the side that rejected it."""
-    design = S.Design()
+    combination = S.Combination()
     up1, up2 = np.array([1.0, -3.0]), np.array([6.0, 3.5])
     sides = [(up1, up2), (-up1, -up2)]
-    _, by2 = S.holm_by_look(sides, 0.05, design, np.ones(2, bool), split=2)
+    _, by2 = S.holm_by_look(sides, 0.05, combination, np.ones(2, bool), split=2)
     assert by2.tolist() == [True, True]
-    side1, side2 = S.sides_by_look(sides, 0.05, design, np.ones(2, bool))
+    side1, side2 = S.sides_by_look(sides, 0.05, combination, np.ones(2, bool))
     assert side1.tolist() == [0, 0] and side2.tolist() == [1, -1]
-    assert design.w1 * up1[1] + design.w2 * up2[1] > 0  # the combined statistic's sign would have said higher
+    assert combination.w1 * up1[1] + combination.w2 * up2[1] > 0  # the combined statistic's sign would have said higher
 
 
 def test_a_claim_judged_once_has_the_fixed_design_test_at_its_level():
     """A hypothesis of one look (a stress claim) at Holm's level a: stage 1's z past Φ⁻¹(1 - a)
     rejects it at look 1 and by look 2, whatever the group-sequential boundaries would ask."""
-    design = S.Design()
+    combination = S.Combination()
     z1 = np.array([2.3, 2.3])  # between the fixed critical value 1.96 and look 1's 2.96 (α = 0.025)
     z2 = np.array([-np.inf, -np.inf])
-    at1, by2 = S.holm_by_look([(z1, z2)], 0.025, design, np.array([True, False]), single=np.array([True, False]))
+    at1, by2 = S.holm_by_look([(z1, z2)], 0.025, combination, np.array([True, False]), single=np.array([True, False]))
     assert at1.tolist() == [True, False] and by2.tolist() == [True, False]
-    none1, none2 = S.holm_by_look([(z1, z2)], 0.025, design, np.array([True, True]), single=np.array([False, False]))
+    none1, none2 = S.holm_by_look(
+        [(z1, z2)], 0.025, combination, np.array([True, True]), single=np.array([False, False])
+    )
     assert not none1.any() and not none2.any()
 
 
@@ -292,7 +294,7 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
 
     design_file = tmp_path / "design.yaml"
     design_file.write_text(yaml.safe_dump({"stages": REPORT_STAGES}))
-    stages = staged.read_design(str(design_file))
+    stages = staged.read_stages(str(design_file))
     first = {a: STAGE1[a] for a in ("base", "worse", "close")}
     runs = stores(tmp_path, first)
     margins = {"eval/valid/loss": "0.03"}
@@ -306,7 +308,7 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
         assert f"`python run.py -m {variant} seed={','.join(map(str, seeds))}`" in text[-1]
 
     z = lambda a, b: float(st.norm.isf(st.ttest_rel(a, b, alternative="greater").pvalue))  # noqa: E731
-    w1, w2, kind = stages.design.w1, stages.design.w2, stages.design.kind
+    w1, w2, kind = stages.combination.w1, stages.combination.w2, stages.combination.kind
     c = {m: S.boundaries(0.05 / (2 * m), w1**2, kind) for m in (4, 2)}  # Holm's steps, α/2 a side
     worse1 = z(np.array(first["worse"]), np.array(first["base"]))
     close1 = z(np.array(first["close"]), np.array(first["base"]))
@@ -334,7 +336,14 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
     d = np.array(second["close"]) - np.array(second["base"])
     d1 = np.array(first["close"]) - np.array(first["base"])
     (_, want) = S.repeated_interval(
-        d1.mean(), d1.std(ddof=1) / math.sqrt(3), 2, d.mean(), d.std(ddof=1) / math.sqrt(2), 1, stages.design, 0.025
+        d1.mean(),
+        d1.std(ddof=1) / math.sqrt(3),
+        2,
+        d.mean(),
+        d.std(ddof=1) / math.sqrt(2),
+        1,
+        stages.combination,
+        0.025,
     )
     close = judged[("+arm=close", "eval/valid/loss")]
     assert close["stage_n"] == (3, 2) and (close["low"], close["high"]) == pytest.approx(want)
@@ -373,20 +382,20 @@ def test_a_staged_report_plans_stage_2_then_judges_both_looks_as_the_combination
 
 
 def test_a_bad_stages_file_of_a_report_is_named_in_one_line(tmp_path):
-    from dalle_ablate.report.staged import read_design
+    from dalle_ablate.report.staged import read_stages
 
     with pytest.raises(ConfigError) as err:
-        read_design(str(tmp_path / "none.yaml"))
+        read_stages(str(tmp_path / "none.yaml"))
     assert str(err.value) == (
         f"--stages {tmp_path / 'none.yaml'}: no such file; give a YAML file with a stages: mapping (a study file's)"
     )
     (tmp_path / "plain.yaml").write_text("name: x\n")
     with pytest.raises(ConfigError) as err:
-        read_design(str(tmp_path / "plain.yaml"))
+        read_stages(str(tmp_path / "plain.yaml"))
     assert str(err.value) == (
         f"--stages {tmp_path / 'plain.yaml'}: no stages: mapping in it (docs/statistics.md, 'Studies in stages')"
     )
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"stages": {**STAGES, "cap": 1}}))
     with pytest.raises(ConfigError) as err:
-        read_design(str(tmp_path / "bad.yaml"))
+        read_stages(str(tmp_path / "bad.yaml"))
     assert str(err.value) == f"{tmp_path / 'bad.yaml'}: stages.cap is 1; give a whole number >= 2"

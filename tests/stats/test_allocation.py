@@ -15,7 +15,7 @@ from dalle_ablate.stats import allocation as A
 from dalle_ablate.stats import stages as S
 from dalle_ablate.stats import verdicts as V
 
-DESIGN = S.Design()
+COMBINATION = S.Combination()
 
 
 def scores(d: float, se: float, df: float, margin: float) -> dict:
@@ -34,9 +34,9 @@ def simulated(z1: dict, true: float, sd: float, margin: float, k: int, left: int
     rng = np.random.default_rng(k)
     x = rng.normal(true, sd, (n, k))
     m, se = x.mean(1), x.std(1, ddof=1) / math.sqrt(k)
-    c_diff = S.boundaries(V.ALPHA / (2 * left), DESIGN.w1**2, DESIGN.kind)[1]
-    c_eq = S.boundaries(V.ALPHA / left, DESIGN.w1**2, DESIGN.kind)[1]
-    past = lambda z, z2, c: S.combined_z(z, z2, DESIGN.w1) >= c  # noqa: E731
+    c_diff = S.boundaries(V.ALPHA / (2 * left), COMBINATION.w1**2, COMBINATION.kind)[1]
+    c_eq = S.boundaries(V.ALPHA / left, COMBINATION.w1**2, COMBINATION.kind)[1]
+    past = lambda z, z2, c: S.combined_z(z, z2, COMBINATION.w1) >= c  # noqa: E731
     differs = past(z1["up"], S.stage_z(m, se, k - 1), c_diff) | past(z1["down"], S.stage_z(-m, se, k - 1), c_diff)
     equivalent = past(z1["above"], S.stage_z(m, se, k - 1, -margin), c_eq) & past(
         z1["below"], S.stage_z(-m, se, k - 1, -margin), c_eq
@@ -50,7 +50,7 @@ def test_the_chance_of_a_difference_is_the_simulated_stage_2s(k):
     noncentral t of k seeds), where a simulation of the stage-2 t tests puts it."""
     z1 = scores(0.8, 0.5, 3, 1e-3)
     differs, _, _ = simulated(z1, 0.8, 1.0, 1e-3, k, left=3)
-    got = float(A.settle_chance(z1, 0.8, 1.0, 1e-3, k, 3, DESIGN))
+    got = float(A.settle_chance(z1, 0.8, 1.0, 1e-3, k, 3, COMBINATION))
     assert got == pytest.approx(differs, abs=4 * math.sqrt(differs * (1 - differs) / 100_000) + 1e-4)
 
 
@@ -60,7 +60,7 @@ def test_the_chance_of_equivalence_is_at_most_the_simulated_one(k):
     lower bound for TOST's two tests) is not above the simulation's, and not far below it."""
     z1 = scores(0.05, 0.6, 3, 1.0)
     _, _, settled = simulated(z1, 0.0, 1.2, 1.0, k, left=1)  # 0.39 at 4 seeds, 0.92 at 12
-    got = float(A.settle_chance(z1, 0.0, 1.2, 1.0, k, 1, DESIGN))
+    got = float(A.settle_chance(z1, 0.0, 1.2, 1.0, k, 1, COMBINATION))
     tol = 4 * math.sqrt(settled * (1 - settled) / 100_000) + 1e-4
     assert settled - 0.1 <= got <= settled + tol
 
@@ -68,14 +68,14 @@ def test_the_chance_of_equivalence_is_at_most_the_simulated_one(k):
 def test_a_finding_without_a_margin_can_still_settle_by_its_difference():
     """No margin (NaN, verdicts.Comparison's default): no equivalence, the difference test alone."""
     z1 = scores(0.8, 0.5, 3, np.nan)
-    got = A.settle_chance(z1, 0.8, 1.0, np.nan, 8, 3, DESIGN)
-    assert got == pytest.approx(A.settle_chance(scores(0.8, 0.5, 3, 1e-9), 0.8, 1.0, 1e-9, 8, 3, DESIGN), abs=1e-6)
+    got = A.settle_chance(z1, 0.8, 1.0, np.nan, 8, 3, COMBINATION)
+    assert got == pytest.approx(A.settle_chance(scores(0.8, 0.5, 3, 1e-9), 0.8, 1.0, 1e-9, 8, 3, COMBINATION), abs=1e-6)
     assert 0.2 < got < 1
 
 
 def test_fewer_than_two_seeds_cannot_settle_and_more_seeds_settle_more_often():
     z1 = scores(0.8, 0.5, 3, 0.2)
-    chance = A.settle_chance(z1, 0.8, 1.0, 0.2, np.arange(0, 30), 4, DESIGN)
+    chance = A.settle_chance(z1, 0.8, 1.0, 0.2, np.arange(0, 30), 4, COMBINATION)
     assert chance[0] == chance[1] == 0.0
     assert (np.diff(chance[2:]) > 0).all() and chance[-1] < 1.0
 
@@ -122,7 +122,7 @@ def test_the_rule_over_stage_1_tables_adds_seeds_only_to_open_findings_of_its_ow
     )
     comps = [V.Comparison("m", a, 0, 0.2) for a in (1, 2, 3)]
     seeds, open_ = A.plan(
-        {"m": values}, comps, DESIGN, [(1, 0), (2, 0), (3, 0)], [True, True, False], np.ones(4), 20, 10
+        {"m": values}, comps, COMBINATION, [(1, 0), (2, 0), (3, 0)], [True, True, False], np.ones(4), 20, 10
     )
     assert open_.tolist() == [False, True, True]
     assert seeds[1] == 0 and seeds[3] == 0 and seeds[2] > 0 and seeds[0] >= seeds[2]

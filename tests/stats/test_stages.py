@@ -97,7 +97,7 @@ def test_stage_wise_t_tests_combine_to_an_exact_level_whatever_stage_1_made_stag
     assert (naive <= alpha).mean() > alpha + 3 * math.sqrt(alpha / n)
 
 
-def closed_test(z1, z2, alpha, design, split, single=None):
+def closed_test(z1, z2, alpha, combination, split, single=None):
     """Closed testing by brute force: H_i is rejected where every intersection containing it is,
     each intersection by Bonferroni over its own members' tests at alpha / |I| -- two-look tests, or
     for a hypothesis of one look (`single`) its fixed-design test, z1 past Φ⁻¹(1 - alpha / |I|)."""
@@ -105,13 +105,13 @@ def closed_test(z1, z2, alpha, design, split, single=None):
     rejects = {}
     for size in range(1, k + 1):
         level = alpha / (size * split)
-        c = S.boundaries(level, design.w1**2, design.kind)
+        c = S.boundaries(level, combination.w1**2, combination.kind)
         for i in range(k):
             if single is not None and single[i]:
                 once = [a[i] >= st.norm.isf(level) for a in z1]
                 by = [(x, x) for x in once]
             else:
-                by = [S.reject_by_look(a[i], b[i], design.w1, c) for a, b in zip(z1, z2)]
+                by = [S.reject_by_look(a[i], b[i], combination.w1, c) for a, b in zip(z1, z2)]
             combine = any if split == 2 else all
             rejects[i, size] = (combine(b[0] for b in by), combine(b[1] for b in by))
     out = []
@@ -134,26 +134,26 @@ def closed_test(z1, z2, alpha, design, split, single=None):
 @pytest.mark.parametrize("split", [1, 2])
 def test_holm_at_each_look_is_the_closed_test_of_the_findings_sequential_tests(kind, split):
     rng = np.random.default_rng(11)
-    design = S.Design(math.sqrt(0.4), kind)
+    combination = S.Combination(math.sqrt(0.4), kind)
     for _ in range(60):
         sides = [(rng.normal(1.5, 1.2, 5), rng.normal(1.5, 1.2, 5)) for _ in range(2)]
-        got1, got2 = S.holm_by_look(sides, 0.05, design, np.ones(5, bool), split)
-        want1, want2 = closed_test([s[0] for s in sides], [s[1] for s in sides], 0.05, design, split)
+        got1, got2 = S.holm_by_look(sides, 0.05, combination, np.ones(5, bool), split)
+        want1, want2 = closed_test([s[0] for s in sides], [s[1] for s in sides], 0.05, combination, split)
         assert got1.tolist() == want1 and got2.tolist() == want2
         # a family that mixes hypotheses of one look (judged on stress runs) with two-look ones
         single = np.array([True, False, False, True, False])
-        got1, got2 = S.holm_by_look(sides, 0.05, design, np.ones(5, bool), split, single)
-        want1, want2 = closed_test([s[0] for s in sides], [s[1] for s in sides], 0.05, design, split, single)
+        got1, got2 = S.holm_by_look(sides, 0.05, combination, np.ones(5, bool), split, single)
+        want1, want2 = closed_test([s[0] for s in sides], [s[1] for s in sides], 0.05, combination, split, single)
         assert got1.tolist() == want1 and got2.tolist() == want2
 
 
 def test_repeated_intervals_agree_with_their_test_and_cover_at_both_looks():
-    design = S.Design()
-    c1, c2 = S.boundaries(0.025, 0.5, design.kind)
-    (lo1, hi1), (lo2, hi2) = S.repeated_interval(1.0, 0.3, 3, 0.8, 0.25, 5, design, 0.025)
+    combination = S.Combination()
+    c1, c2 = S.boundaries(0.025, 0.5, combination.kind)
+    (lo1, hi1), (lo2, hi2) = S.repeated_interval(1.0, 0.3, 3, 0.8, 0.25, 5, combination, 0.025)
     # at its ends the combined statistic is at the boundary, each side
     for end, sign in ((lo2, 1), (hi2, -1)):
-        z = S.combined_z(S.stage_z(1.0, 0.3, 3, end), S.stage_z(0.8, 0.25, 5, end), design.w1)
+        z = S.combined_z(S.stage_z(1.0, 0.3, 3, end), S.stage_z(0.8, 0.25, 5, end), combination.w1)
         assert z == pytest.approx(sign * c2, abs=1e-6)
     assert S.stage_z(1.0 - lo1 + 1.0, 0.3, 3, 1.0) == pytest.approx(c1)  # look 1's half-width on its t
     rng = np.random.default_rng(2)
@@ -161,7 +161,7 @@ def test_repeated_intervals_agree_with_their_test_and_cover_at_both_looks():
     for _ in range(n):
         a, b = rng.normal(0.4, 1.0, 4), rng.normal(0.4, 1.0, 6)
         i1, i2 = S.repeated_interval(
-            a.mean(), a.std(ddof=1) / 2, 3, b.mean(), b.std(ddof=1) / math.sqrt(6), 5, design, 0.025
+            a.mean(), a.std(ddof=1) / 2, 3, b.mean(), b.std(ddof=1) / math.sqrt(6), 5, combination, 0.025
         )
         covered += i1[0] <= 0.4 <= i1[1] and i2[0] <= 0.4 <= i2[1]
     assert covered / n >= 0.95 - 2 * math.sqrt(0.05 * 0.95 / n)
@@ -177,13 +177,13 @@ def test_a_small_staged_study_settles_a_finding_at_stage_2():
     second = np.full((3, 6), np.nan)
     second[0], second[1] = seed2, seed2 + 0.6 + 0.3 * rng.normal(size=6)
     comps = [V.Comparison("m", 1, 0, 0.2), V.Comparison("m", 2, 0, 0.2)]
-    design = S.Design(math.sqrt(1 / 3), "asOF")
-    r = S.analyse_staged({"m": first}, {"m": second}, comps, design)
+    combination = S.Combination(math.sqrt(1 / 3), "asOF")
+    r = S.analyse_staged({"m": first}, {"m": second}, comps, combination)
     assert not r["differs1"].any() and r["differs2"].tolist() == [True, False]
     # the oracle: scipy's paired t tests per stage, combined, against the asOF boundaries of Holm's
     # first step (alpha / 2 per side over 2 findings) and its second
     p1 = st.ttest_rel(first[1], first[0], alternative="greater").pvalue
     p2 = st.ttest_rel(second[1], second[0], alternative="greater").pvalue
-    z = st.norm.isf(S.inverse_normal(p1, p2, design.w1))
+    z = st.norm.isf(S.inverse_normal(p1, p2, combination.w1))
     assert z >= S.boundaries(0.05 / 4, 1 / 3, "asOF")[1]
     assert st.norm.isf(p1) < S.boundaries(0.05 / 2, 1 / 3, "asOF")[0]

@@ -398,13 +398,13 @@ def test_a_staged_recheck_plans_stage_2_once_and_judges_both_looks_as_the_combin
 
     z1, d1 = z("trial0", "trial1", [2, 3, 4])
     z2, d2 = z("trial0-stage2", "trial1-stage2", [10, 11])
-    design = S.Design(w1=math.sqrt(0.5))
-    c1, c2 = S.boundaries(0.025, design.w1**2, design.kind)
-    assert z1 < c1 and design.w1 * z1 + design.w2 * z2 >= c2  # the oracle: settled by look 2, not at look 1
+    combination = S.Combination(w1=math.sqrt(0.5))
+    c1, c2 = S.boundaries(0.025, combination.w1**2, combination.kind)
+    assert z1 < c1 and combination.w1 * z1 + combination.w2 * z2 >= c2  # the oracle: settled by look 2, not at look 1
     against = record["against"][0]
     assert (against["look1"], against["outcome"]) == ("not resolved", "better than trial 1")
     (_, want) = S.repeated_interval(
-        -d1.mean(), d1.std(ddof=1) / math.sqrt(3), 2, -d2.mean(), d2.std(ddof=1) / math.sqrt(2), 1, design, 0.025
+        -d1.mean(), d1.std(ddof=1) / math.sqrt(3), 2, -d2.mean(), d2.std(ddof=1) / math.sqrt(2), 1, combination, 0.025
     )
     assert (against["low"], against["high"]) == pytest.approx(want) and against["stage_n"] == [3, 2]
     assert [t["stage2_values"] for t in record["trials"]] == [[1.01, 0.97], [1.05, 1.00]]
