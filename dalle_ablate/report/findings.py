@@ -64,14 +64,6 @@ def unit_of(metric: str) -> str:
     return STUDY[metric].unit if metric in STUDY else ""
 
 
-def arm_of(run: Run) -> Optional[str]:
-    """The study arm a run belongs to: its `+arm=<name>` override."""
-    for o in run.meta.get("overrides", []):
-        if o.startswith("+arm="):
-            return o.split("=", 1)[1]
-    return None
-
-
 def claims_tables(
     study: Study, by_arm: dict[str, list[Run]], extra: Optional[dict[str, dict[str, dict]]] = None
 ) -> tuple[list[str], list, dict[str, np.ndarray]]:
@@ -308,7 +300,7 @@ def topup_rule(study: Study, by_arm: dict[str, list[Run]], needed: Iterable[int]
 def _arms_by(runs: list[Run]) -> dict[str, list[Run]]:
     by_arm: dict[str, list[Run]] = {}
     for r in runs:
-        arm = arm_of(r)
+        arm = r.arm
         if arm is not None:
             by_arm.setdefault(arm, []).append(r)
     return by_arm

@@ -60,6 +60,11 @@ class Run:
         return self.config.get("seed")
 
     @property
+    def arm(self) -> Optional[str]:
+        """The study arm the run belongs to: its `+arm=<name>` override."""
+        return next((o.split("=", 1)[1] for o in self.meta.get("overrides", []) if o.startswith("+arm=")), None)
+
+    @property
     def status(self) -> str:
         return str(self.summary.get("status", "unknown"))
 

@@ -38,18 +38,11 @@ MEASURES = {
 }
 
 
-def _arm(run: Run) -> Optional[str]:
-    for o in run.meta.get("overrides", []):
-        if o.startswith("+arm="):
-            return o.split("=", 1)[1]
-    return None
-
-
 def index(runs: list[Run]) -> dict[tuple[str, float, int], Run]:
     """(arm, rate, seed) -> run, for the runs that have an arm, a rate and a seed."""
     out = {}
     for r in runs:
-        arm, lr, seed = _arm(r), r.config.get("optim.lr"), r.config.get("seed")
+        arm, lr, seed = r.arm, r.config.get("optim.lr"), r.config.get("seed")
         if arm is not None and lr is not None and seed is not None:
             out[(arm, float(lr), int(seed))] = r
     return out

@@ -111,7 +111,7 @@ def _readable_stores(folder: Path) -> None:
 
 
 def check_meta(store: Path) -> None:
-    """A run store's meta.json is there: its overrides say which arm the run is (report/findings.py arm_of)."""
+    """A run store's meta.json is there: its overrides say which arm the run is (report/load.py Run.arm)."""
     if not (store / "meta.json").is_file():
         raise ConfigError(
             f"{store / 'meta.json'}: no such file, so the study cannot tell which arm the run is; delete "

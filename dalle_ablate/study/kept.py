@@ -10,7 +10,6 @@ from typing import Optional
 
 from dalle_ablate.registry import ConfigError
 from dalle_ablate.report.study_file import Study, stress_folder
-from dalle_ablate.report.findings import arm_of
 from dalle_ablate.report.load import find_stores, load_run, machine_time
 from dalle_ablate.report.page import StudyRuns
 from dalle_ablate.report.staged import RECORD as STAGES
@@ -135,7 +134,7 @@ class Kept:
         if not settled(summary, self.declared["stress"]["steps"] if kind == STRESS else None):
             return 0
         run = load_run(store)
-        arm = arm_of(run)
+        arm = run.arm
         if arm is None or (kind == STRESS and "optim.lr" not in run.config):
             raise ConfigError(
                 f"{store}: no +arm= in its meta.json (or no optim.lr): not a run of study {self.study.name}"
@@ -160,7 +159,7 @@ class Kept:
             by_arm: dict[str, list] = {}
             for r in self.record.runs(kind):
                 if r.summary.get("wall_time") is not None:
-                    by_arm.setdefault(arm_of(r), []).append(r)
+                    by_arm.setdefault(r.arm, []).append(r)
             for arm, rs in by_arm.items():
                 out[(kind, arm)] = machine_time(rs) / len(rs)
         return out
