@@ -407,25 +407,14 @@ class Seq2Seq(nnx.Module):
     STACKS = {"encoder": EncoderLayer, "decoder": DecoderLayer}
     COSTS = Seq2SeqCosts
 
-    def __call__(
-        self,
-        text,
-        text_mask,
-        codes,
-        dropout_key: Optional[jax.Array] = None,
-        grad_scales: Optional[dict[str, BlockScale]] = None,
-    ) -> jax.Array:
-        """Teacher-forced logits. With a dropout_key the dropout layers are active (training);
-        `grad_scales` ({stack: BlockScale [layers, branches]}) scales each block's gradients."""
+    def __call__(self, text, text_mask, codes, dropout_key: Optional[jax.Array] = None) -> jax.Array:
+        """Teacher-forced logits. With a dropout_key the dropout layers are active (training)."""
+        return self._logits(text, text_mask, codes, dropout_key, {})
+
+    def _logits(self, text, text_mask, codes, dropout_key, scales: dict[str, BlockScale]) -> jax.Array:
         rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
-        s = grad_scales or {}
-        return self.decode(
-            self.decoder_inputs(codes),
-            self.encode(text, text_mask, rngs, s.get("encoder")),
-            text_mask,
-            rngs,
-            s.get("decoder"),
-        )
+        enc = self.encode(text, text_mask, rngs, scales.get("encoder"))
+        return self.decode(self.decoder_inputs(codes), enc, text_mask, rngs, scales.get("decoder"))
 
     def nll(
         self,
@@ -435,6 +424,7 @@ class Seq2Seq(nnx.Module):
         dropout_key: Optional[jax.Array] = None,
         grad_scales: Optional[dict[str, BlockScale]] = None,
     ) -> dict[str, jax.Array]:
-        """Per-token NLL of each stream the family predicts: here only the image codes [B, I]."""
-        logits = self(text, text_mask, codes, dropout_key, grad_scales)
+        """Per-token NLL of each stream the family predicts: here only the image codes [B, I];
+        `grad_scales` ({stack: BlockScale [layers, branches]}) scales each block's gradients."""
+        logits = self._logits(text, text_mask, codes, dropout_key, grad_scales or {})
         return {"image": optax.softmax_cross_entropy_with_integer_labels(logits, codes)}
