@@ -15,7 +15,7 @@ from dalle_ablate.report import prose as P
 from dalle_ablate.report.study_file import Finding, Study
 from dalle_ablate.report.load import Run, final_value, series
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.stats.basic import diff_ci
+from dalle_ablate.stats.basic import blocked_residual, diff_ci
 
 VERDICTS = P.VERDICTS
 
@@ -324,3 +324,26 @@ def noise_sources(runs: list[Run], value: Callable[[Run], float]) -> list[tuple[
         if df > 0:
             out.append((k, math.sqrt(ss / df), df))
     return out
+
+
+def metric_spreads(study: Study, claims: tuple) -> list[tuple]:
+    """Per metric of the claims tables: (metric, the baseline's sd across seeds and its seeds, the least
+    and the most spread arm and their sds, the seed share of one run's variance)."""
+    arms, _, tables = claims
+    out = []
+    for name, t in tables.items():
+        b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
+        b = b[np.isfinite(b)]
+        with np.errstate(invalid="ignore"):
+            sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
+        least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
+        spread = (least, sds.get(least, math.nan), most, sds.get(most, math.nan), float(blocked_residual(t)[2]))
+        out.append((name, float(b.std(ddof=1)) if len(b) > 1 else math.nan, len(b), *spread))
+    return out
+
+
+def baseline_sources(study: Study, by_arm: dict[str, list[Run]], metrics: Iterable[str]) -> list[tuple]:
+    """(metric, source, sd, df) for each seed field the baseline's finished runs vary (noise_sources)."""
+    base = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
+    fields = [(m, noise_sources(base, lambda r, m=m: replicate(STUDY[m], r))) for m in metrics]
+    return [(m, k, sd, df) for m, found in fields if STUDY[m].reads != "given" for k, sd, df in found]

@@ -7,6 +7,7 @@ from typing import Optional
 
 from dalle_ablate.report import staged
 from dalle_ablate.report.findings import Judged, claims_tables, compare, course, shared_jobs, topup_rule
+from dalle_ablate.report.findings import baseline_sources, metric_spreads
 from dalle_ablate.report.load import Run
 from dalle_ablate.report.study_file import Study, study_arms
 
@@ -18,6 +19,8 @@ class Judgement:
     courses: dict[str, tuple]  # finding id -> its course over training (findings.course)
     arms: list[str]  # study_file.study_arms
     topup: tuple[int, int]  # seeds per arm now, and the top-up rule's target (findings.topup_rule)
+    spreads: list[tuple]  # each metric's spread over seeds (findings.metric_spreads)
+    sources: list[tuple]  # the baseline's seed fields, each metric's sd by it (findings.baseline_sources)
 
 
 def judge_page(
@@ -36,4 +39,5 @@ def judge_page(
     else:
         rows = compare(study, claims, untestable=untestable)
     topup = topup_rule(study, by_arm, [r.spread.needed for r in rows])
-    return Judgement(claims, rows, course(study, by_arm, claims[0]), arms, topup)
+    spreads, sources = metric_spreads(study, claims), baseline_sources(study, by_arm, claims[2])
+    return Judgement(claims, rows, course(study, by_arm, claims[0]), arms, topup, spreads, sources)

@@ -22,11 +22,11 @@ from dalle_ablate.report import noise as noise_report
 from dalle_ablate.report import prose as P
 from dalle_ablate.report import staged, stress
 from dalle_ablate.stats import verdicts as V
-from dalle_ablate.report.findings import STUDY_SCALE, Judged, _arms_by, noise_sources, replicate, study_value, unit_of
-from dalle_ablate.report.judgement import judge_page
+from dalle_ablate.report.findings import STUDY_SCALE, Judged, _arms_by, replicate, study_value, unit_of
+from dalle_ablate.report.judgement import Judgement, judge_page
 from dalle_ablate.report.study_file import TOPUPS, Finding, Study
 from dalle_ablate.report.load import Run, series
-from dalle_ablate.stats.basic import blocked_residual, diverged, mean_ci
+from dalle_ablate.stats.basic import diverged, mean_ci
 from dalle_ablate.report.tables import fmt3, shapes_noise_table
 from dalle_ablate.report.transitions import late_section
 from dalle_ablate.report.writers import Section
@@ -272,32 +272,15 @@ def notes_section(findings: list[Finding]) -> Section:
     return s
 
 
-def noise_section(study: Study, by_arm: dict[str, list[Run]], claims: tuple) -> Section:
+def noise_section(study: Study, by_arm: dict[str, list[Run]], judged: Judgement) -> Section:
     """The noise report (report/noise.py) of the eval-loss findings, then each metric's spreads and seed
     share, the sources the baseline's runs vary one at a time, and the shapes evaluation's own noise."""
     noise = noise_report.section(by_arm, [(f.id, f.arm, f.against) for f in study.findings if f.metric == "eval_loss"])
     spreads = Section("noise-metrics", "Each metric's spread", [P.NOISE_METRICS])
-    arms, _, tables = claims
-    nrows = []
-    for name, t in tables.items():
-        b = t[arms.index(study.baseline)] if study.baseline in arms else np.array([math.nan])
-        b = b[np.isfinite(b)]
-        with np.errstate(invalid="ignore"):
-            sds = {a: float(np.nanstd(v, ddof=1)) for a, v in zip(arms, t) if np.isfinite(v).sum() > 1}
-        least, most = (min(sds, key=sds.get), max(sds, key=sds.get)) if sds else (None, None)
-        nrows.append(
-            [
-                name,
-                unit_of(name),
-                float(b.std(ddof=1)) if len(b) > 1 else math.nan,
-                len(b),
-                least or "–",
-                sds.get(least, math.nan),
-                most or "–",
-                sds.get(most, math.nan),
-                float(blocked_residual(t)[2]),
-            ]
-        )
+    nrows = [
+        [m, unit_of(m), sd, n, lo or "–", lo_sd, hi or "–", hi_sd, share]
+        for m, sd, n, lo, lo_sd, hi, hi_sd, share in judged.spreads
+    ]
     spreads.tables.append(
         (
             [
@@ -315,12 +298,7 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], claims: tuple) -> 
         )
     )
     base_runs = [r for r in by_arm.get(study.baseline, []) if r.status == "finished"]
-    sources = [
-        [m, unit_of(m), k, sd, df]
-        for m in tables
-        if STUDY[m].reads != "given"
-        for k, sd, df in noise_sources(base_runs, lambda r, m=m: replicate(STUDY[m], r))
-    ]
+    sources = [[m, unit_of(m), k, sd, df] for m, k, sd, df in judged.sources]
     noise.parts += [
         spreads,
         Section(
@@ -330,7 +308,7 @@ def noise_section(study: Study, by_arm: dict[str, list[Run]], claims: tuple) -> 
             [(["metric", "unit", "source (config field)", "sd", "df"], sources)] if sources else [],
         ),
     ]
-    evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in tables else None
+    evaluation = shapes_noise_table({study.baseline: base_runs}) if "shapes_all" in judged.claims[2] else None
     if evaluation:  # a caption finding's seed spread holds the evaluator's own noise over its prompts (issue 37)
         noise.parts.append(
             Section("noise-evaluation", "The shapes evaluation's own noise", [P.NOISE_EVALUATION], [evaluation])
@@ -411,7 +389,7 @@ def page_sections(
             f"experiment={study.experiment}"
         )
     judged = judge_page(study, by_arm, extra, untestable, record)  # what every section below reads
-    noise = noise_section(study, by_arm, judged.claims)
+    noise = noise_section(study, by_arm, judged)
     # every seed's curve right under the arms' spreads it makes: the finished runs, the seeds the verdicts use
     finished = {a: [r for r in rs if r.status == "finished"] for a, rs in by_arm.items()}
     noise.parts.insert(

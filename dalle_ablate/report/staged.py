@@ -294,7 +294,7 @@ def judge_report(
     # stage 1: the finished runs on seeds below stage 2's, so that the plan is the same at every report
     # of them (a run still training, or on a seed of neither stage, is in no stage)
     done = {
-        v: [r for r in rs if r.status == "finished" and _below(r.seed, stages.seeds_from)]
+        v: [r for r in rs if r.status == "finished" and isinstance(r.seed, int) and r.seed < stages.seeds_from]
         for v, rs in by_variant.items()
     }
     stage1 = sorted({r.seed for rs in done.values() for r in rs})
@@ -319,10 +319,6 @@ def judge_report(
             plan=(0, 0, 0),  # what more seeds would do is the stages' plan, not the one-look one
         )
     return rows, record
-
-
-def _below(seed, start: int) -> bool:
-    return isinstance(seed, int) and seed < start
 
 
 def stage2_command(runs: list[Run], seeds: list[int]) -> str:
