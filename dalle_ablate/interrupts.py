@@ -39,7 +39,8 @@ _state = {
     "holding": 0,
     "held": False,
     "terminated": False,
-    "terminated_at": None,  # time.monotonic() of the first SIGTERM
+    "terminated_at": None,  # time.monotonic() of the first SIGTERM, when the main thread's handler took it
+    "arrived_at": None,  # ... when the watchdog saw it arrive (its wakeup fd): maybe long before
     "watchdog": None,  # what a process that must exit inside the grace period says at its end (arm_watchdog)
     "said": False,  # its own last line is out
 }
@@ -81,7 +82,7 @@ def terminated() -> None:
 def word() -> str:
     """How the line and the summary name a stop: "terminated (SIGTERM)" once a SIGTERM came, else
     "interrupted" (a Ctrl-C)."""
-    return TERMINATED if _state["terminated"] else "interrupted"
+    return TERMINATED if _state["terminated"] or _state["arrived_at"] is not None else "interrupted"
 
 
 # The grace period a scheduler gives between SIGTERM and SIGKILL: Kubernetes' default, and SLURM's
@@ -94,10 +95,11 @@ WATCHDOG_S = 3.0  # of the grace period, left when the watchdog ends the process
 def stop_deadline() -> Optional[float]:
     """After a SIGTERM, when (time.monotonic()) the writes the stop waits on must have ended -- a
     bucket that cannot take them in time is given up, and the process still exits inside its
-    grace period; None before any SIGTERM."""
-    if not _state["terminated"] or _state["terminated_at"] is None:
-        return None
-    return _state["terminated_at"] + grace_s() - EXIT_S
+    grace period; None before any SIGTERM. Counted from the SIGTERM's arrival, which the watchdog
+    sees even while the main thread cannot run its handler."""
+    taken = _state["terminated_at"] if _state["terminated"] else None
+    seen = [t for t in (taken, _state["arrived_at"]) if t is not None]
+    return min(seen) + grace_s() - EXIT_S if seen else None
 
 
 @contextlib.contextmanager
@@ -107,13 +109,32 @@ def watchdog(line):
     (orbax making a step's folder, through its client's retries) would otherwise run into SIGKILL
     with nothing said. `line()` is the line it ends with, unless the process has said its own
     (`said`) or the process that started it says it (PARENT_SAYS); exit 143 either way. What was
-    written stays (a local copy whole, the checkpoints finished before), as after a SIGKILL."""
+    written stays (a local copy whole, the checkpoints finished before), as after a SIGKILL.
+    The grace period is counted from the signal's arrival: Python runs a handler only when the
+    main thread next runs Python code, which a call that does not return to it (or a thread that
+    blocks the signal, so that another thread receives it) puts off -- the signal's byte on the
+    wakeup fd (signal.set_wakeup_fd, written by the C handler at once) is not."""
     _state["watchdog"], _state["said"] = line, False
-    threading.Thread(target=_watch, args=(line,), daemon=True, name="sigterm-watchdog").start()
+    wakeup, previous = _wakeup_fd()
+    threading.Thread(target=_watch, args=(line, wakeup), daemon=True, name="sigterm-watchdog").start()
     try:
         yield
     finally:
         _state["watchdog"] = None
+        if wakeup is not None:  # the watchdog thread reads its end until it stops, then closes it
+            signal.set_wakeup_fd(previous)
+            os.close(wakeup[1])
+
+
+def _wakeup_fd() -> tuple[Optional[tuple[int, int]], int]:
+    """A pipe the C signal handler writes each signal's number to, and the wakeup fd it replaces;
+    (None, -1) off the main thread, where none can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None, -1
+    wakeup = os.pipe()
+    for fd in wakeup:
+        os.set_blocking(fd, False)
+    return wakeup, signal.set_wakeup_fd(wakeup[1], warn_on_full_buffer=False)
 
 
 def said() -> None:
@@ -121,13 +142,27 @@ def said() -> None:
     _state["said"] = True
 
 
-def _watch(line) -> None:
+def _watch(line, wakeup: Optional[tuple[int, int]]) -> None:
     """The watchdog's thread, for as long as its block runs, and after a SIGTERM until the exit."""
+    import select
+
+    read = None if wakeup is None else wakeup[0]
     while _state["watchdog"] is line or stop_deadline() is not None:
         end = stop_deadline()
         if end is not None and time.monotonic() > end + EXIT_S - WATCHDOG_S:
             _expire(line)
-        time.sleep(0.2)
+        if read is None:
+            time.sleep(0.2)
+            continue
+        if select.select([read], [], [], 0.2)[0]:
+            got = os.read(read, 512)
+            if signal.SIGTERM in got and signal.getsignal(signal.SIGTERM) is on_sigint:  # ours to take
+                _state["arrived_at"] = _state["arrived_at"] or time.monotonic()
+            if not got:  # the block ended and closed the other end
+                os.close(read)
+                read = None
+    if read is not None:
+        os.close(read)
 
 
 def _expire(line) -> None:
@@ -165,7 +200,7 @@ def grace_s() -> float:
 
 def exit_code() -> int:
     """The exit code of a stopped process: 143 (128 + SIGTERM) once a SIGTERM came, else 130 (128 + SIGINT)."""
-    return 128 + (signal.SIGTERM if _state["terminated"] else signal.SIGINT)
+    return 128 + (signal.SIGTERM if word() == TERMINATED else signal.SIGINT)
 
 
 def installed() -> bool:

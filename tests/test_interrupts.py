@@ -48,9 +48,10 @@ def test_a_ctrl_c_is_never_lost_taken_at_the_next_check_and_a_second_one_at_once
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def _stuck_after_sigterm(tmp_path, body: str, grace: str = "6") -> tuple:
-    """A process that takes SIGTERM as the entry points do, inside `watchdog`, sends itself one and
-    then does `body` (a library call that never returns): its exit code, stderr and seconds."""
+def _stuck_after_sigterm(tmp_path, body: str, grace: str = "6", before: str = "", line: str = "'the watchdog line'"):
+    """A process that takes SIGTERM as the entry points do, inside `watchdog` (ending with the
+    expression `line`), does `before`, sends itself one and then does `body` (a library call that
+    never returns): its exit code, stderr and seconds."""
     import os
     import subprocess
     import sys
@@ -60,8 +61,10 @@ def _stuck_after_sigterm(tmp_path, body: str, grace: str = "6") -> tuple:
         "import os, signal, sys, threading, time\n"
         "from dalle_ablate import interrupts\n"
         "interrupts.install()\n"
-        "with interrupts.watchdog(lambda: 'the watchdog line'):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n" + "".join(f"    {line}\n" for line in body.splitlines())
+        f"with interrupts.watchdog(lambda: {line}):\n"
+        + "".join(f"    {line}\n" for line in before.splitlines())
+        + "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        + "".join(f"    {line}\n" for line in body.splitlines())
     )
     start = time.monotonic()
     proc = subprocess.run(
@@ -83,6 +86,20 @@ def test_after_a_sigterm_the_watchdog_ends_a_process_stuck_past_its_grace_period
     held = "threading.Thread(target=time.sleep, args=(100,)).start()\nprint('its own line', file=sys.stderr)\n"
     rc, err, took = _stuck_after_sigterm(tmp_path, held + "interrupts.said()\nsys.exit(143)")
     assert (rc, err.strip()) == (143, "its own line") and took < 100
+
+
+def test_the_grace_period_counts_from_the_sigterms_arrival_though_the_main_thread_cannot_take_it(tmp_path):
+    """The main thread blocks SIGTERM, so another thread receives it, and sleeps: Python runs the
+    handler only when the main thread next runs Python code (here after 100 s; in a run, after
+    whatever call holds it). The watchdog still ends the process inside the grace period, timed
+    from the signal's arrival (its wakeup fd), saying "terminated (SIGTERM)"."""
+    rc, err, took = _stuck_after_sigterm(
+        tmp_path,
+        "time.sleep(100)",
+        before="signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])",
+        line="interrupts.word()",
+    )
+    assert (rc, err.strip()) == (143, interrupts.TERMINATED) and took < 100
 
 
 def test_a_grace_period_that_leaves_no_time_is_refused_naming_the_variable(monkeypatch):
