@@ -26,6 +26,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import writes_page  # noqa: E402
@@ -62,9 +63,12 @@ def read_junit(label: str, path: Path, commit: str) -> Suite:
     return Suite(label, commit, float(suite.get("time", 0)), tests, failed, skipped)
 
 
-def ci_steps(clone: Path, junit: Path, fresh_apt: bool) -> list[tuple[str, str]]:
+def ci_steps(
+    clone: Path, junit: Path, fresh_apt: bool, hook: Optional[tuple[str, str]] = None
+) -> list[tuple[str, str]]:
     """`.ci/run`'s steps, as (what, shell command): the PostgreSQL server and Chromium, then the
-    README's command that is its last line, one step per `&&`; the tests' step writes `junit`."""
+    README's command that is its last line, one step per `&&`; the tests' step writes `junit`.
+    `hook`: a step of a measurement's own, just before the tests' (benchmarks/suite_children.py)."""
     readme_command = (clone / ".ci" / "run").read_text().strip().splitlines()[-1]
     steps = [("apt: Chromium and PostgreSQL, reinstalled", FRESH_APT)] if fresh_apt else []
     steps += [
@@ -77,14 +81,18 @@ def ci_steps(clone: Path, junit: Path, fresh_apt: bool) -> list[tuple[str, str]]
     ]
     for command in readme_command.split(" && "):
         if command == TESTS:  # its failures are the JUnit file's to count, not a reason to stop
+            steps += [hook] if hook else []
             steps.append((command, f"{command} --junitxml={junit} || true"))
         else:
             steps.append((command, command))
     return steps
 
 
-def run_at(commit: str, out: Path, fresh_apt: bool) -> tuple[Path, dict[str, float]]:
-    """CI's steps at `commit` in a fresh clone, each timed; the JUnit file's path and the steps' seconds."""
+def run_at(
+    commit: str, out: Path, fresh_apt: bool, hook: Optional[tuple[str, str]] = None, env: Optional[dict] = None
+) -> tuple[Path, dict[str, float]]:
+    """CI's steps at `commit` in a fresh clone, each timed; the JUnit file's path and the steps' seconds.
+    `hook` and `env`: a measurement's own step before the tests' (ci_steps) and variables."""
     sha = subprocess.run(
         ["git", "rev-parse", commit], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -93,11 +101,11 @@ def run_at(commit: str, out: Path, fresh_apt: bool) -> tuple[Path, dict[str, flo
     subprocess.run(["git", "checkout", "-q", sha], cwd=clone, check=True)
     junit, times = out / f"junit-{sha[:12]}.xml", out / f"steps-{sha[:12]}.txt"
     times.unlink(missing_ok=True)
-    steps = ci_steps(clone, junit, fresh_apt)
+    steps = ci_steps(clone, junit, fresh_apt, hook)
     script = ["set -euo pipefail", "export PIP_DISABLE_PIP_VERSION_CHECK=1 NO_MKDOCS_2_WARNING=1"]
     for i, (_, command) in enumerate(steps):
         script += ["t0=$EPOCHREALTIME", command, f'echo "{i} $t0 $EPOCHREALTIME" >> {times}']
-    env = {**os.environ, "CI": "true", "LC_ALL": "C"}  # C: EPOCHREALTIME's decimal point is a dot
+    env = {**os.environ, **(env or {}), "CI": "true", "LC_ALL": "C"}  # C: EPOCHREALTIME's decimal point is a dot
     done = subprocess.run(["bash", "-c", "\n".join(script)], cwd=clone, env=env)
     seconds = {}
     for line in times.read_text().splitlines() if times.exists() else []:

@@ -57,8 +57,31 @@ def test_a_failed_benchmark_leaves_the_earlier_page_and_a_dash_writes_none(tmp_p
 
 def test_every_benchmark_writes_its_page():
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
-        if path.name == "common.py":
+        if path.name in ("common.py", "child_clock.py"):  # their helpers, and suite_children.py's clock
             continue
         mains = [f for f in ast.parse(path.read_text()).body if isinstance(f, ast.FunctionDef) and f.name == "main"]
         decorators = [ast.unparse(d) for f in mains for d in f.decorator_list]
         assert len(mains) == 1 and any(d.startswith("writes_page(") for d in decorators), path.name
+
+
+def test_the_suites_children_are_counted_once_where_a_test_started_them():
+    """benchmarks/suite_children.py: a child is the test's that started it, timed by its own clock; a
+    grandchild (a study's run) is inside its parent's time, not counted again; a child killed with
+    SIGKILL (no end line) is counted, not timed; a process no test started (a pytest worker) is none."""
+    import suite_children
+
+    records = [
+        {"event": "start", "pid": 1, "test": None, "argv": ["-c"], "t": 0.0},  # a worker
+        {"event": "start", "pid": 10, "test": "tests/a.py::t (call)", "argv": ["run.py"], "t": 1.0},
+        {"event": "start", "pid": 11, "test": "tests/a.py::t (call)", "argv": ["-m"], "t": 2.0},  # 10's own run
+        {"event": "start", "pid": 12, "test": "tests/a.py::t (call)", "argv": ["kill_worker.py"], "t": 3.0},
+        {"event": "start", "pid": 20, "test": "tests/b.py::u[x] (setup)", "argv": ["run.py"], "t": 4.0},
+        {"event": "end", "pid": 11, "ppid": 10, "wall": 3.0, "cpu": 2.0},
+        {"event": "end", "pid": 10, "ppid": 1, "wall": 5.0, "cpu": 1.0},
+        {"event": "end", "pid": 20, "ppid": 1, "wall": 2.5, "cpu": 2.0},
+        {"event": "end", "pid": 1, "ppid": 0, "wall": 60.0, "cpu": 50.0},
+    ]
+    kids = suite_children.children(records)
+    assert kids.wall == {"tests/a.py::t": 5.0, "tests/b.py::u[x]": 2.5}
+    assert kids.started == {"tests/a.py::t": 1, "tests/b.py::u[x]": 1}
+    assert kids.untimed == {"tests/a.py::t": 1}
