@@ -40,7 +40,7 @@ _state = {
     "held": False,
     "terminated": False,
     "terminated_at": None,  # time.monotonic() of the first SIGTERM, when the main thread's handler took it
-    "arrived_at": None,  # ... when the watchdog saw it arrive (its wakeup fd): maybe long before
+    "arrived_at": None,  # ... when the watchdog saw it arrive (its wakeup fd), until the handler takes it
     "watchdog": None,  # what a process that must exit inside the grace period says at its end (arm_watchdog)
     "said": False,  # its own last line is out
 }
@@ -74,7 +74,8 @@ def terminated() -> None:
     first = not _state["terminated"]
     _state["terminated"] = True
     if first:  # the time alone: a signal handler starts no thread and takes no lock (the watchdog polls it)
-        _state["terminated_at"] = time.monotonic()
+        arrived, _state["arrived_at"] = _state["arrived_at"], None  # the watchdog saw it first: from then
+        _state["terminated_at"] = arrived if arrived is not None else time.monotonic()
     if first and not pending():
         _state["pressed"] += 1
 
@@ -97,9 +98,8 @@ def stop_deadline() -> Optional[float]:
     bucket that cannot take them in time is given up, and the process still exits inside its
     grace period; None before any SIGTERM. Counted from the SIGTERM's arrival, which the watchdog
     sees even while the main thread cannot run its handler."""
-    taken = _state["terminated_at"] if _state["terminated"] else None
-    seen = [t for t in (taken, _state["arrived_at"]) if t is not None]
-    return min(seen) + grace_s() - EXIT_S if seen else None
+    at = _state["terminated_at"] if _state["terminated"] else _state["arrived_at"]
+    return None if at is None else at + grace_s() - EXIT_S
 
 
 @contextlib.contextmanager
@@ -156,8 +156,9 @@ def _watch(line, wakeup: Optional[tuple[int, int]]) -> None:
             continue
         if select.select([read], [], [], 0.2)[0]:
             got = os.read(read, 512)
-            if signal.SIGTERM in got and signal.getsignal(signal.SIGTERM) is on_sigint:  # ours to take
-                _state["arrived_at"] = _state["arrived_at"] or time.monotonic()
+            ours = signal.getsignal(signal.SIGTERM) is on_sigint  # a handler of ours will take it
+            if signal.SIGTERM in got and ours and not _state["terminated"] and _state["arrived_at"] is None:
+                _state["arrived_at"] = time.monotonic()
             if not got:  # the block ended and closed the other end
                 os.close(read)
                 read = None
