@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import writes_page  # noqa: E402
-from suite_time import SLOWEST, run_at  # noqa: E402
+from suite_time import SLOWEST, read_junit, run_at  # noqa: E402
 
 CLOCK = Path(__file__).resolve().parent / "child_clock.py"
 
@@ -56,12 +56,12 @@ def children(records: list[dict]) -> Children:
     return Children(dict(wall), started, untimed)
 
 
-def table(label: str, tests: dict[str, float], kids: Children) -> None:
+def table(label: str, tests: dict[str, float], failed: int, kids: Children) -> None:
     total, spent = sum(tests.values()), sum(kids.wall.values())
     n, untimed = sum(kids.started.values()), sum(kids.untimed.values())
-    print("| run | tests | tests' own seconds | in children | children | not timed (killed) | rest |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {label} | {len(tests)} | {total:.0f} | {spent:.0f} | {n} | {untimed} | {total - spent:.0f} |")
+    print("| run | tests | failed | tests' own seconds | in children | children | not timed (killed) | rest |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {label} | {len(tests)} | {failed} | {total:.0f} | {spent:.0f} | {n} | {untimed} | {total - spent:.0f} |")
     files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for test, seconds in tests.items():
         f = files[test.split("::")[0]]
@@ -80,7 +80,8 @@ def table(label: str, tests: dict[str, float], kids: Children) -> None:
 
 
 def tests_of(junit: Path) -> dict[str, float]:
-    """JUnit's seconds per test, named as $PYTEST_CURRENT_TEST names it (path::name)."""
+    """JUnit's seconds per test, named as $PYTEST_CURRENT_TEST names it (path::name; suite_time's
+    read_junit keeps the module's name alone)."""
     out: dict[str, float] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         path = case.get("classname", "").replace(".", "/") + ".py"
@@ -119,7 +120,8 @@ def main() -> None:
     else:
         p.error("give --commit, or --junit with --clock")
     records = [json.loads(line) for line in Path(records_path).read_text().splitlines() if line.strip()]
-    table(label, tests_of(junit), children(records))
+    # a failed test's seconds are not its usual ones: the count is in the table
+    table(label, tests_of(junit), read_junit(label, junit, label).failed, children(records))
 
 
 if __name__ == "__main__":
